@@ -1,0 +1,252 @@
+"""Isolated decode benchmark (the seed's Table 1 protocol, on the GPU at hand).
+
+Shape H_q=32, H_kv=8 (G=4), D=128, fp16, page 16, 50 % holes (G=1 and G=8 cases change H_kv).
+Every engine runs on the same pages and is timed the same way: a CUDA graph that calls it once
+per cache copy (copies rotate so that no case is an L2 number), replayed many times, CUDA-event
+median per call. Correctness is checked before timing against FlashInfer (seed tolerance) and
+the FP32 reference. Also measured in the same run: streaming-read bandwidth (the floor's beta).
+
+usage: python benches/isolated.py [--out benches/results/h200/isolated.json] [--cases B1-32K,...]
+       [--splits 1,2,4,...] (bucket splits to sweep; default: the router's choice and a sweep)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import attrs
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from paged import make_batch  # noqa: E402
+
+from pkvrt import ops, reference, results  # noqa: E402
+
+SEED = 20260623
+CASES = {  # name -> (seq_lens, H_q, H_kv)
+    "B1-8K": ([8192], 32, 8),
+    "B1-32K": ([32768], 32, 8),
+    "B1-64K": ([65536], 32, 8),
+    "B1-128K": ([131072], 32, 8),
+    "B4-32K": ([32768] * 4, 32, 8),
+    "B8-32K": ([32768] * 8, 32, 8),
+    "B8-bimodal": ([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], 32, 8),
+    "G1-B1-32K": ([32768], 32, 32),
+    "G8-B1-32K": ([32768], 32, 4),
+}
+L2_ROTATE_BYTES = 3 * 60 * 2**20
+
+
+def median_us(fn, calls_per_fn: int, repeats: int = 30) -> float:
+    """CUDA-event median per call of a graph that runs ``fn`` (which makes calls_per_fn calls)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls_per_fn)
+    return statistics.median(times)
+
+
+def read_bandwidth_gbps() -> float:
+    """Streaming read: a sum over 2 GiB of fp16 (reads each byte once, writes ~nothing)."""
+    x = torch.randn(2**17, 2**13, device="cuda", dtype=torch.float16)
+    out = torch.empty(2**17, device="cuda", dtype=torch.float32)
+    us = median_us(lambda: torch.sum(x, dim=1, dtype=torch.float32, out=out), 1, repeats=20)
+    return x.numel() * 2 / (us * 1e-6) / 1e9
+
+
+def simple_tasks(lens, hkv, splits, tile=32):
+    tasks, offsets = [], [0]
+    for row, n in enumerate(lens):
+        tiles = math.ceil(n / tile)
+        s = min(splits, tiles)
+        per = math.ceil(tiles / s)
+        rs = [(j * per * tile, min(n, (j + 1) * per * tile)) for j in range(s)]
+        rs = [r for r in rs if r[0] < r[1]]
+        tasks += [(row, h, j, a, e) for j, (a, e) in enumerate(rs) for h in range(hkv)]
+        offsets.append(offsets[-1] + len(rs))
+    return tasks, offsets
+
+
+class Case:
+    def __init__(self, name, lens, hq, hkv, dtype=torch.float16, page=16, d=128):
+        self.name, self.lens = name, lens
+        kv_bytes = 2 * sum(lens) * hkv * d * 2
+        self.kv_bytes = kv_bytes
+        self.copies = max(1, math.ceil(L2_ROTATE_BYTES / kv_bytes))
+        b0 = make_batch(lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+                        dtype=dtype, seed=SEED, hole_fraction=0.5)
+        # Copies share q, seq_lens and block tables (same pages, same values, other addresses).
+        self.batches = [b0] + [attrs.evolve(b0, k_cache=b0.k_cache.clone(), v_cache=b0.v_cache.clone())
+                               for _ in range(self.copies - 1)]
+        self.b0 = b0
+        self.ref = reference.decode_attention(b0.q, b0.k_cache, b0.v_cache, b0.seq_lens, b0.block_tables)
+
+
+def engine_flashinfer(case: Case, tensor_cores: bool):
+    import flashinfer
+
+    b0 = case.b0
+    page = b0.k_cache.shape[2]
+    pages = [math.ceil(n / page) for n in case.lens]
+    indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32)
+    indices = torch.cat([b0.block_tables[i, :p] for i, p in enumerate(pages)]).int()
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(case.lens, pages)], dtype=torch.int32)
+    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores)
+    w.plan(indptr, indices, last, b0.q.shape[1], b0.k_cache.shape[1], b0.q.shape[2], page,
+           q_data_type=b0.q.dtype, kv_data_type=b0.k_cache.dtype)
+    outs = [torch.empty_like(b0.q) for _ in case.batches]
+
+    def fn():
+        for b, o in zip(case.batches, outs):
+            w.run(b0.q, (b.k_cache, b.v_cache), out=o)
+    return fn, outs[0]
+
+
+def engine_split(case: Case, splits: int):
+    b0 = case.b0
+    rows = len(case.lens)
+    row_ids = torch.arange(rows, dtype=torch.int32, device="cuda")
+    part_a = torch.empty((rows * splits, *b0.q.shape[1:]), device="cuda")
+    part_ml = torch.empty((rows * splits, b0.q.shape[1], 2), device="cuda")
+    offsets = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * splits
+    outs = [torch.full_like(b0.q, float("nan")) for _ in case.batches]
+
+    def fn():
+        for b, o in zip(case.batches, outs):
+            ops.split_decode(b0.q, b.k_cache, b.v_cache, b0.seq_lens, b0.block_tables, row_ids,
+                             splits, o, part_a, part_ml)
+            if splits > 1:
+                ops.merge(part_a, part_ml, offsets, o, row_ids=row_ids)
+    return fn, outs[0]
+
+
+def engine_workqueue(case: Case, splits: int, fused: bool):
+    b0 = case.b0
+    hkv = b0.k_cache.shape[1]
+    tasks, offsets = simple_tasks(case.lens, hkv, splits)
+    t = torch.tensor(tasks, dtype=torch.int32, device="cuda")
+    num = torch.tensor([len(tasks)], dtype=torch.int32, device="cuda")
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    part_a = torch.empty((offsets[-1], *b0.q.shape[1:]), device="cuda")
+    part_ml = torch.empty((offsets[-1], b0.q.shape[1], 2), device="cuda")
+    counters = torch.zeros(len(case.lens), hkv, dtype=torch.int32, device="cuda") if fused else None
+    outs = [torch.full_like(b0.q, float("nan")) for _ in case.batches]
+
+    def fn():
+        for b, o in zip(case.batches, outs):
+            ops.workqueue_decode(b0.q, b.k_cache, b.v_cache, b0.seq_lens, b0.block_tables, t, num,
+                                 off, o, part_a, part_ml, counters=counters)
+            if not fused:
+                ops.merge(part_a, part_ml, off, o, skip_single=True)
+    return fn, outs[0]
+
+
+def engine_sdpa(case: Case):
+    """Repack the pages into contiguous K/V, then PyTorch SDPA (GQA), per row."""
+    b0 = case.b0
+    outs = [torch.empty_like(b0.q) for _ in case.batches]
+
+    def fn():
+        for b, o in zip(case.batches, outs):
+            for i, n in enumerate(case.lens):
+                k = reference.gather_kv(b.k_cache, b0.block_tables[i], n)[None]
+                v = reference.gather_kv(b.v_cache, b0.block_tables[i], n)[None]
+                o[i] = torch.nn.functional.scaled_dot_product_attention(
+                    b0.q[i][None, :, None], k, v, enable_gqa=True)[0, :, 0]
+    return fn, outs[0]
+
+
+def errors(out, ref):
+    e = (out.float() - ref.float()).abs()
+    return e.max().item(), e.mean().item()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benches/results/h200/isolated.json")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--splits", default="1,2,4,8,16,24,32,48,64,96,128")
+    ap.add_argument("--wq-splits", default="8,16,32,64")
+    ap.add_argument("--no-sdpa", action="store_true")
+    args = ap.parse_args(argv)
+    torch.manual_seed(SEED)
+    beta = read_bandwidth_gbps()
+    print(f"streaming read: {beta:.0f} GB/s", flush=True)
+    rows = []
+    for name in args.cases.split(","):
+        lens, hq, hkv = CASES[name]
+        case = Case(name, lens, hq, hkv)
+        engines = []
+        try:
+            engines += [("flashinfer-cuda", None, *engine_flashinfer(case, False)),
+                        ("flashinfer-tc", None, *engine_flashinfer(case, True))]
+        except Exception as exc:  # noqa: BLE001 - recorded in the results, not hidden
+            print(f"{name}: flashinfer unavailable: {exc!r}", flush=True)
+        for s in map(int, args.splits.split(",")):
+            engines.append(("pkvrt-bucket", s, *engine_split(case, s)))
+        for s in map(int, args.wq_splits.split(",")):
+            engines.append(("pkvrt-workqueue", s, *engine_workqueue(case, s, False)))
+            engines.append(("pkvrt-fused", s, *engine_workqueue(case, s, True)))
+        if not args.no_sdpa:
+            engines.append(("repack-sdpa", None, *engine_sdpa(case)))
+        fi_out = None
+        for eng, s, fn, out in engines:
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a failing engine is reported, not hidden
+                print(f"{name} {eng}@{s}: FAILED {exc!r}", flush=True)
+                rows.append(dict(case=name, engine=eng, splits=s, error=repr(exc)))
+                continue
+            if eng.startswith("flashinfer") and fi_out is None:
+                fi_out = out.clone()
+            us = median_us(fn, case.copies)
+            max_e, mean_e = errors(out, case.ref)
+            row = dict(case=name, engine=eng, splits=s, median_us=round(us, 2),
+                       gbps=round(case.kv_bytes / (us * 1e-6) / 1e9, 1),
+                       frac_read_bw=round(case.kv_bytes / (us * 1e-6) / 1e9 / beta, 3),
+                       kv_mb=round(case.kv_bytes / 1e6, 1), copies=case.copies,
+                       max_err_ref=max_e, mean_err_ref=mean_e)
+            if fi_out is not None:
+                row["max_err_fi"], row["mean_err_fi"] = errors(out, fi_out)
+            rows.append(row)
+        fi_best = min((r["median_us"] for r in rows if r["case"] == name and r["engine"].startswith("flashinfer")),
+                      default=None)
+        for r in rows:
+            if r["case"] == name and fi_best and "median_us" in r:
+                r["ratio_vs_fi"] = round(fi_best / r["median_us"], 3)
+        best = {}
+        for r in rows:
+            if r["case"] == name and "median_us" in r and (r["engine"] not in best or r["median_us"] < best[r["engine"]]["median_us"]):
+                best[r["engine"]] = r
+        print(f"{name:12s} " + "  ".join(f"{e}{'' if r['splits'] is None else '@' + str(r['splits'])}="
+                                        f"{r['median_us']:.1f}us" for e, r in best.items()), flush=True)
+        del case, engines
+        torch.cuda.empty_cache()
+    meta = results.make_meta(seeds=[SEED], routes_path=results.ROOT / "routes.toml",
+                             read_bandwidth_gbps=round(beta, 1), protocol="isolated graph-replay, CUDA-event median per call, 50% holes, L2 rotation")
+    results.write_results(args.out, meta, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+// decode_common.cuh — shared pieces of the PersistentKV decode kernels.
+//
+// What it computes: for one (row, KV head, token range [tok_begin, tok_end)), the exact
+// online-softmax state of the G query heads that share that KV head:
+//     x_j = (q_h . k_j) * sm_scale * log2(e)           (scores in the log2 domain)
+//     m   = max_j x_j,  l = sum_j 2^(x_j - m),  a = sum_j 2^(x_j - m) v_j   (FP32)
+// and either writes O = a / l (one split covers the whole row) or the partial state (m, l, a)
+// to a slot that the merge kernel (merge.cu) or the fused kernel combines exactly.
+//
+// Layouts (elements, not bytes):
+//   q            [B, H_q, D]                      contiguous
+//   k/v cache    [num_pages, H_kv, page_size, D]  token rows contiguous (stride D); page and
+//                                                 head strides are arguments (views allowed)
+//   block_tables [B, bt_stride]                   int32 logical page -> physical page
+//   seq_lens     [B]                              int32, >= 1
+//   out          [B, H_q, D]                      contiguous, dtype of q
+//   part_a       [slots, H_q, D]  float32         un-normalised accumulator a
+//   part_ml      [slots, H_q, 2]  float32         (m, l)
+//
+// CTA shape: PKV_THREADS = 128 threads. A token row of D elements is read by LANES = D/8 lanes
+// with one 16-byte access each (8 halves); the CTA is GROUPS = 128/LANES token groups
+// (D=128: 16 lanes, 8 groups). Group gi owns tokens gi, gi+GROUPS, ... of every tile and keeps
+// its own (m, l, a) for the G heads in registers; the groups are combined once at the end
+// through shared memory.
+//
+// Pipeline: tiles of PKV_TILE_TOKENS (32) tokens, PKV_STAGES(D) stages deep, filled with
+// cp.async (16 B, L1-bypassing). Each thread copies exactly the K and V chunks it later
+// consumes, so a thread waits only on its own copy groups (cp.async.wait_group) and the main
+// loop has no __syncthreads at all.
+//
+// Bytes moved per (row, KV head): 2 * seq_len * D * sizeof(T) of K and V, each byte once, plus
+// 4 bytes of block table per page and G*D*sizeof(T) of Q.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef PKV_TILE_TOKENS
+#define PKV_TILE_TOKENS 32
+#endif
+#ifndef PKV_THREADS
+#define PKV_THREADS 128
+#endif
+#ifndef PKV_STAGE_BYTES
+#define PKV_STAGE_BYTES 16384
+#endif
+#ifndef PKV_SMEM_BYTES
+#define PKV_SMEM_BYTES 65536
+#endif
+
+namespace pkv {
+
+constexpr int kTileTokens = PKV_TILE_TOKENS;
+constexpr int kThreads = PKV_THREADS;
+constexpr int kVec = 8;  // elements per 16-byte access
+
+// Stages of the K/V pipeline for head dim D: as many 32-token K+V tiles as fit the shared
+// memory budget, at least 2. D=128: a stage is 32*128*2*2 = 16 KB, 64 KB / 16 KB = 4 stages.
+template <int D>
+__host__ __device__ constexpr int stages() {
+  return (PKV_SMEM_BYTES / (2 * kTileTokens * D * 2)) < 2 ? 2 : (PKV_SMEM_BYTES / (2 * kTileTokens * D * 2));
+}
+template <int D>
+__host__ __device__ constexpr int smem_bytes() {
+  return stages<D>() * 2 * kTileTokens * D * 2;
+}
+
+// Everything a decode kernel reads, passed by value as one __grid_constant__ parameter.
+// The Python side (pkvrt/ops.py) mirrors this struct field by field; keep them in sync.
+struct DecodeParams {
+  const void* q;              // [B, H_q, D]
+  const void* k_cache;        // [num_pages, H_kv, page_size, D]
+  const void* v_cache;        // same layout as k_cache
+  void* out;                  // [B, H_q, D]
+  float* part_a;              // [slots, H_q, D]
+  float* part_ml;             // [slots, H_q, 2]
+  const int* seq_lens;        // [B]
+  const int* block_tables;    // [B, bt_stride]
+  const int* row_ids;         // split decode: [rows] batch row of each grid row, -1 = idle slot
+  const int* tasks;           // workqueue: [task_capacity, 5] (row, kvh, split, tok_begin, tok_end)
+  const int* num_tasks;       // workqueue: device scalar, tasks beyond it exit at once
+  const int* split_offsets;   // workqueue/fused: [B + 1] first slot of each row
+  int* counters;              // fused: [B, H_kv] completion counters, zero between launches
+  long long k_page_stride;    // elements between pages of k_cache
+  long long k_head_stride;    // elements between KV heads inside a page of k_cache
+  long long v_page_stride;
+  long long v_head_stride;
+  int num_qo_heads;
+  int num_kv_heads;
+  int page_size_log2;
+  int bt_stride;              // elements between rows of block_tables
+  int num_splits;             // split decode: splits per row (gridDim.x)
+  float sm_scale_log2;        // softmax scale * log2(e)
+};
+
+// ---- element types -------------------------------------------------------------------------
+
+__device__ __forceinline__ void to_float8(const uint4& raw, float (&f)[8], __half) {
+  const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 v = __half22float2(h[i]);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+__device__ __forceinline__ void to_float8(const uint4& raw, float (&f)[8], __nv_bfloat16) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 v = __bfloat1622float2(h[i]);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+__device__ __forceinline__ uint4 from_float8(const float (&f)[8], __half) {
+  uint4 raw;
+  __half2* h = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+  return raw;
+}
+__device__ __forceinline__ uint4 from_float8(const float (&f)[8], __nv_bfloat16) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return raw;
+}
+
+// 2^x with the hardware approximation (rel. error ~2^-22); 2^-inf = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Weight of a state with max m_s inside a combined max m: 2^(m_s - m), and 0 for an empty
+// state (m_s = -inf), also when m itself is -inf (all empty) — never NaN.
+__device__ __forceinline__ float rescale(float m_s, float m) {
+  return m_s == -INFINITY ? 0.f : fast_exp2(m_s - m);
+}
+
+// ---- async copies --------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- the decode body -----------------------------------------------------------------------
+
+// Where a finished range goes: O directly (out_row >= 0) or a partial-state slot.
+struct Sink {
+  int out_row;  // batch row to write O into, or -1
+  int slot;     // partial-state slot (used when out_row < 0)
+};
+
+// Writes the neutral state (m = -inf, l = 0, a = 0) of the G heads of `kvh` into `slot`.
+// Used by splits that own no tokens; touches neither Q nor shared memory.
+template <int D, int G>
+__device__ __forceinline__ void write_neutral(const DecodeParams& p, int kvh, int slot) {
+  const int h0 = kvh * G;
+  float* a = p.part_a + ((long long)slot * p.num_qo_heads + h0) * D;
+  for (int i = threadIdx.x; i < G * D; i += kThreads) a[i] = 0.f;
+  if (threadIdx.x < G) {
+    float* ml = p.part_ml + ((long long)slot * p.num_qo_heads + h0 + threadIdx.x) * 2;
+    ml[0] = -INFINITY;
+    ml[1] = 0.f;
+  }
+}
+
+// Attention of the G query heads of (row, kvh) over tokens [tok_begin, tok_end) of the row,
+// tok_begin < tok_end <= seq_len. `smem` holds smem_bytes<D>() bytes.
+template <typename T, int D, int G>
+__device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int kvh,
+                                             int tok_begin, int tok_end, Sink sink,
+                                             unsigned char* smem) {
+  constexpr int LANES = D / kVec;          // lanes per token row
+  constexpr int GROUPS = kThreads / LANES; // token groups per CTA
+  constexpr int TPG = kTileTokens / GROUPS;  // tokens per group per tile
+  constexpr int STAGES = stages<D>();
+  static_assert(D % kVec == 0 && kThreads % LANES == 0 && kTileTokens % GROUPS == 0, "shape");
+  static_assert(GROUPS * G * (D + 2) * 4 <= smem_bytes<D>(), "group merge must fit in smem");
+
+  const int lane = threadIdx.x % LANES;
+  const int grp = threadIdx.x / LANES;
+  const int h0 = kvh * G;
+
+  // Q: this lane's 8 elements of each of the G heads, pre-scaled into the log2 domain.
+  float q[G][kVec];
+  {
+    const T* qrow = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0) * D;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      uint4 raw = *reinterpret_cast<const uint4*>(qrow + g * D + lane * kVec);
+      to_float8(raw, q[g], T());
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) q[g][i] *= p.sm_scale_log2;
+    }
+  }
+
+  // Stage s holds K then V of one tile: [kTileTokens][D] each.
+  T* stage_base = reinterpret_cast<T*>(smem);
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  const int* bt = p.block_tables + (long long)row * p.bt_stride;
+  const int pmask = (1 << p.page_size_log2) - 1;
+  const int num_tiles = (tok_end - tok_begin + kTileTokens - 1) / kTileTokens;
+
+  // Copy this thread's chunks of tile `t` into stage `t % STAGES` (tokens past tok_end skipped).
+  auto issue = [&](int t) {
+    T* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
+    T* vs = ks + kTileTokens * D;
+#pragma unroll
+    for (int i = 0; i < TPG; ++i) {
+      const int j = grp + i * GROUPS;  // token within the tile
+      const int tok = tok_begin + t * kTileTokens + j;
+      if (tok < tok_end) {
+        const long long page = bt[tok >> p.page_size_log2];
+        const int in_page = tok & pmask;
+        const T* ksrc = kc + page * p.k_page_stride + kvh * p.k_head_stride + (long long)in_page * D;
+        const T* vsrc = vc + page * p.v_page_stride + kvh * p.v_head_stride + (long long)in_page * D;
+        cp_async16(ks + j * D + lane * kVec, ksrc + lane * kVec);
+        cp_async16(vs + j * D + lane * kVec, vsrc + lane * kVec);
+      }
+    }
+  };
+
+  float m[G], l[G], acc[G][kVec];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
+  }
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) issue(s);
+    cp_async_commit();
+  }
+
+  for (int t = 0; t < num_tiles; ++t) {
+    if (t + STAGES - 1 < num_tiles) issue(t + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();  // this thread's copies of tile t have landed
+
+    const T* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
+    const T* vs = ks + kTileTokens * D;
+    float x[TPG][G];
+    float tile_max[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) tile_max[g] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < TPG; ++i) {
+      const int j = grp + i * GROUPS;
+      const bool valid = tok_begin + t * kTileTokens + j < tok_end;
+      float kf[kVec];
+      to_float8(*reinterpret_cast<const uint4*>(ks + j * D + lane * kVec), kf, T());
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) s = fmaf(q[g][e], kf[e], s);
+#pragma unroll
+        for (int off = LANES / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+        x[i][g] = valid ? s : -INFINITY;
+        tile_max[g] = fmaxf(tile_max[g], x[i][g]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float m_new = fmaxf(m[g], tile_max[g]);
+      const float r = rescale(m[g], m_new);
+      m[g] = m_new;
+      l[g] *= r;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[g][e] *= r;
+    }
+#pragma unroll
+    for (int i = 0; i < TPG; ++i) {
+      const int j = grp + i * GROUPS;
+      if (tok_begin + t * kTileTokens + j < tok_end) {
+        float vf[kVec];
+        to_float8(*reinterpret_cast<const uint4*>(vs + j * D + lane * kVec), vf, T());
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float w = fast_exp2(x[i][g] - m[g]);
+          l[g] += w;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // all stages drained: the pipeline smem is reused for the group merge
+
+  // Group merge through shared memory: sm_acc [GROUPS][G][D], sm_ml [GROUPS][G][2].
+  float* sm_acc = reinterpret_cast<float*>(smem);
+  float* sm_ml = sm_acc + GROUPS * G * D;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float* dst = sm_acc + (grp * G + g) * D + lane * kVec;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) dst[e] = acc[g][e];
+    if (lane == 0) {
+      sm_ml[(grp * G + g) * 2] = m[g];
+      sm_ml[(grp * G + g) * 2 + 1] = l[g];
+    }
+  }
+  __syncthreads();
+
+  // Each thread finishes 8 consecutive outputs of one head: (g, d0 .. d0+7).
+  for (int idx = threadIdx.x; idx < G * LANES; idx += kThreads) {
+    const int g = idx / LANES;
+    const int d0 = (idx % LANES) * kVec;
+    float m_all = -INFINITY;
+#pragma unroll 4
+    for (int gi = 0; gi < GROUPS; ++gi) m_all = fmaxf(m_all, sm_ml[(gi * G + g) * 2]);
+    float l_all = 0.f, a[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) a[e] = 0.f;
+#pragma unroll 4
+    for (int gi = 0; gi < GROUPS; ++gi) {
+      const float w = rescale(sm_ml[(gi * G + g) * 2], m_all);
+      l_all += w * sm_ml[(gi * G + g) * 2 + 1];
+      const float* src = sm_acc + (gi * G + g) * D + d0;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) a[e] = fmaf(w, src[e], a[e]);
+    }
+    const int h = h0 + g;
+    if (sink.out_row >= 0) {
+      const float inv = 1.f / l_all;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) a[e] *= inv;
+      T* o = static_cast<T*>(p.out) + ((long long)sink.out_row * p.num_qo_heads + h) * D + d0;
+      *reinterpret_cast<uint4*>(o) = from_float8(a, T());
+    } else {
+      float* dst = p.part_a + ((long long)sink.slot * p.num_qo_heads + h) * D + d0;
+      *reinterpret_cast<float4*>(dst) = make_float4(a[0], a[1], a[2], a[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(a[4], a[5], a[6], a[7]);
+      if (d0 == 0) {
+        float* ml = p.part_ml + ((long long)sink.slot * p.num_qo_heads + h) * 2;
+        ml[0] = m_all;
+        ml[1] = l_all;
+      }
+    }
+  }
+}
+
+// Exact merge of the partial states in slots [slot_begin, slot_end) for query head h into
+// O[out_row, h, :]. Executed by `nthreads` threads with index `tid`, each owning 4 elements
+// per step of 4*nthreads. Loads bypass L1 (__ldcg): slots may have been written by other CTAs
+// of the same launch (fused kernel).
+template <typename T, int D>
+__device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
+                                           int num_qo_heads, int slot_begin, int slot_end, int h,
+                                           T* out_row_ptr, int tid, int nthreads) {
+  float m_all = -INFINITY;
+  for (int s = slot_begin; s < slot_end; ++s)
+    m_all = fmaxf(m_all, __ldcg(part_ml + ((long long)s * num_qo_heads + h) * 2));
+  float l_all = 0.f;
+  for (int s = slot_begin; s < slot_end; ++s) {
+    const float* ml = part_ml + ((long long)s * num_qo_heads + h) * 2;
+    l_all += rescale(__ldcg(ml), m_all) * __ldcg(ml + 1);
+  }
+  const float inv = 1.f / l_all;
+  for (int d0 = tid * 4; d0 < D; d0 += nthreads * 4) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = slot_begin; s < slot_end; ++s) {
+      const long long base = (long long)s * num_qo_heads + h;
+      const float w = rescale(__ldcg(part_ml + base * 2), m_all);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_a + base * D + d0));
+      a.x = fmaf(w, v.x, a.x);
+      a.y = fmaf(w, v.y, a.y);
+      a.z = fmaf(w, v.z, a.z);
+      a.w = fmaf(w, v.w, a.w);
+    }
+    T* o = out_row_ptr + d0;
+    if constexpr (sizeof(T) == 2) {
+      float f[8] = {a.x * inv, a.y * inv, a.z * inv, a.w * inv, 0.f, 0.f, 0.f, 0.f};
+      uint4 raw = from_float8(f, T());
+      *reinterpret_cast<uint2*>(o) = make_uint2(raw.x, raw.y);
+    }
+  }
+}
+
+}  // namespace pkv
+
+// Instantiates an extern "C" entry point per (dtype, head dim, group size) so cubin symbols
+// are stable: NAME_<dtype>_d<D>_g<G>, e.g. pkv_split_decode_f16_d128_g4.
+#define PKV_FOR_GROUPS(M, NAME, TN, T, D) \
+  M(NAME, TN, T, D, 1) M(NAME, TN, T, D, 2) M(NAME, TN, T, D, 4) M(NAME, TN, T, D, 8)
+#define PKV_FOR_DIMS_GROUPS(M, NAME, TN, T) \
+  PKV_FOR_GROUPS(M, NAME, TN, T, 64) PKV_FOR_GROUPS(M, NAME, TN, T, 128) PKV_FOR_GROUPS(M, NAME, TN, T, 256)
+#define PKV_INSTANTIATE_DECODE(M, NAME) \
+  PKV_FOR_DIMS_GROUPS(M, NAME, f16, __half) PKV_FOR_DIMS_GROUPS(M, NAME, bf16, __nv_bfloat16)

@@ -1,0 +1,51 @@
+// merge.cu — segmented exact merge of split states.
+//
+// For every row r and query head h: the slots [split_offsets[r], split_offsets[r+1]) hold
+// partial states (m_s, l_s, a_s) in the log2 domain; O = sum_s 2^(m_s-m) a_s / sum_s 2^(m_s-m) l_s
+// with m = max_s m_s. Empty splits carry (m=-inf, l=0, a=0) and weigh exactly 0.
+//
+// Grid:  blockIdx.x = block of heads (HPC = 128 / (D/4) heads per CTA: 4 for D = 128),
+//        blockIdx.y = merge row r. Output row = row_ids[r] (or r when row_ids is null);
+//        -1 exits (idle graph slot); rows with no slots exit; with skip_single, rows with one
+//        slot exit too (the decode kernel already wrote O for them).
+// Block: 128 threads, D/4 threads per head, float4 loads; no shared memory.
+// Layout: part_a [slots, H_q, D] f32, part_ml [slots, H_q, 2] f32, out [B, H_q, D] (T).
+// Bytes: reads (D + 2) * 4 bytes per slot and head, writes D * 2 bytes per row and head.
+#include "decode_common.cuh"
+
+struct MergeParams {
+  const float* part_a;
+  const float* part_ml;
+  const int* split_offsets;  // [rows + 1]
+  const int* row_ids;        // [rows] or null
+  void* out;                 // [B, H_q, D]
+  int num_qo_heads;
+  int skip_single;
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void merge_states(const MergeParams& p) {
+  constexpr int TPH = D / 4;
+  constexpr int HPC = pkv::kThreads / TPH;
+  const int r = blockIdx.y;
+  const int out_row = p.row_ids ? p.row_ids[r] : r;
+  if (out_row < 0) return;
+  const int b = p.split_offsets[r], e = p.split_offsets[r + 1];
+  if (e - b <= 0 || (p.skip_single && e - b == 1)) return;
+  const int h = blockIdx.x * HPC + threadIdx.x / TPH;
+  if (h >= p.num_qo_heads) return;
+  T* o = static_cast<T*>(p.out) + ((long long)out_row * p.num_qo_heads + h) * D;
+  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e, h, o, threadIdx.x % TPH, TPH);
+}
+
+#define PKV_MERGE_ENTRY(TN, T, D)                                                        \
+  extern "C" __global__ void __launch_bounds__(pkv::kThreads)                            \
+      pkv_merge_##TN##_d##D(const __grid_constant__ MergeParams p) {                     \
+    merge_states<T, D>(p);                                                               \
+  }
+PKV_MERGE_ENTRY(f16, __half, 64)
+PKV_MERGE_ENTRY(f16, __half, 128)
+PKV_MERGE_ENTRY(f16, __half, 256)
+PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 64)
+PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 128)
+PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 256)

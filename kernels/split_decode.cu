@@ -1,0 +1,46 @@
+// split_decode.cu — PersistentKV sequence-split decode (the bucket route).
+//
+// Computes, for every row of one length bucket, exact GQA decode attention over the native
+// block table (decode_common.cuh has the math, layouts and the per-CTA pipeline).
+//
+// Grid:  blockIdx.x = split (0..num_splits-1), blockIdx.y = KV head, blockIdx.z = bucket row.
+//        row_ids[blockIdx.z] is the batch row (Q and O are read/written by that index; -1 marks
+//        an idle slot of a padded graph and exits at once).
+// Block: 128 threads; dynamic shared memory pkv::smem_bytes<D>() (64 KB for D = 128).
+// Split ranges are row-local: the row's own seq_len gives n_tiles = ceil(seq_len / 32) and
+// split s owns tiles [s*ceil(n_tiles/S), (s+1)*ceil(n_tiles/S)) clipped to the row; a split with
+// no tiles writes the neutral state (m=-inf, l=0, a=0) to its slot and returns before touching
+// Q or shared memory.
+// num_splits == 1: O is written directly. Otherwise the state of (bucket row z, split s) goes to
+// slot z*num_splits + s and merge.cu combines the slots.
+// Bytes: reads each K and V byte of the row once: 2 * seq_len * D * 2 bytes per KV head.
+#include "decode_common.cuh"
+
+template <typename T, int D, int G>
+__device__ __forceinline__ void split_decode(const pkv::DecodeParams& p) {
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int row = p.row_ids[blockIdx.z];
+  if (row < 0) return;
+  const int seq_len = p.seq_lens[row];
+  const int S = p.num_splits;
+  const int n_tiles = (seq_len + pkv::kTileTokens - 1) / pkv::kTileTokens;
+  const int tiles_per_split = (n_tiles + S - 1) / S;
+  const int begin = split * tiles_per_split * pkv::kTileTokens;
+  const int end = min(seq_len, begin + tiles_per_split * pkv::kTileTokens);
+  const int slot = blockIdx.z * S + split;
+  if (begin >= end) {
+    if (S > 1) pkv::write_neutral<D, G>(p, kvh, slot);
+    return;
+  }
+  extern __shared__ uint4 smem[];
+  pkv::decode_range<T, D, G>(p, row, kvh, begin, end, pkv::Sink{S == 1 ? row : -1, slot},
+                             reinterpret_cast<unsigned char*>(smem));
+}
+
+#define PKV_SPLIT_ENTRY(NAME, TN, T, D, G)                                             \
+  extern "C" __global__ void __launch_bounds__(pkv::kThreads)                          \
+      NAME##_##TN##_d##D##_g##G(const __grid_constant__ pkv::DecodeParams p) {         \
+    split_decode<T, D, G>(p);                                                          \
+  }
+PKV_INSTANTIATE_DECODE(PKV_SPLIT_ENTRY, pkv_split_decode)

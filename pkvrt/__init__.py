@@ -1,0 +1,29 @@
+"""pkvrt: paged-KV decode-attention runtime.
+
+Each decode step picks the fastest exact route for GQA decode attention over a paged KV cache
+(FlashInfer's decode kernel or the PersistentKV kernels), by a policy declared in routes.toml and
+constants from a per-GPU calibration file, and replays the chosen kernels as CUDA graphs.
+
+Importing pkvrt is cheap: torch-backed pieces load on first use.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Runtime": "pkvrt.runtime",
+    "load_routes": "pkvrt.registry",
+    "load_calibration": "pkvrt.calibration",
+    "find_calibration": "pkvrt.calibration",
+    "Router": "pkvrt.router",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pkvrt' has no attribute {name!r}")
+
+
+__all__ = ["__version__", *_LAZY]

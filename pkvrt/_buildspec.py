@@ -1,0 +1,64 @@
+"""What the build compiles: one spec per kernel family, the targets, and the symbol names.
+
+This file is data. ``setup.py`` executes it (without importing pkvrt or torch) to drive nvcc,
+the manifest records what was built from it, and the runtime and the tests read it to know which
+kernels must exist. Change a tuning constant here and every consumer sees the same value.
+"""
+
+from __future__ import annotations
+
+# Targets: one cubin per SASS arch, plus PTX of the newest arch for the driver's JIT on later chips.
+SASS_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+PTX_ARCH = "compute_90"
+
+# Template instantiations compiled into every cubin. Page size is a run-time argument
+# (any power of two up to MAX_PAGE_SIZE), so it is not listed here.
+DTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
+HEAD_DIMS = (64, 128, 256)
+GROUP_SIZES = (1, 2, 4, 8)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_PAGE_SIZE = 64
+
+# Tuning constants the kernels are compiled with (passed as -D defines, echoed in the manifest).
+# TILE_TOKENS: tokens per pipeline stage; the planners cut split boundaries at multiples of it.
+TUNING = {
+    "PKV_TILE_TOKENS": 32,
+    "PKV_THREADS": 128,
+    "PKV_STAGE_BYTES": 16384,   # K+V bytes per pipeline stage and KV head (sets the stage count)
+    "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one decode CTA
+}
+TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
+
+# One family per kernels/<family>.cu. "variants" says how its symbols are instantiated.
+FAMILIES = {
+    "split_decode": {"source": "kernels/split_decode.cu", "variants": "dtype,head_dim,group"},
+    "workqueue_decode": {"source": "kernels/workqueue_decode.cu", "variants": "dtype,head_dim,group"},
+    "fused_decode": {"source": "kernels/fused_decode.cu", "variants": "dtype,head_dim,group"},
+    "merge": {"source": "kernels/merge.cu", "variants": "dtype,head_dim"},
+}
+HEADERS = ("kernels/decode_common.cuh",)
+
+NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo")
+
+
+def symbol(family: str, dtype: str, head_dim: int, group: int | None = None) -> str:
+    """Exported (extern "C") kernel name, e.g. ``pkv_split_decode_f16_d128_g4``."""
+    if family not in FAMILIES:
+        raise KeyError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
+    name = f"pkv_{family}_{dtype}_d{head_dim}"
+    if "group" in FAMILIES[family]["variants"]:
+        if group is None:
+            raise ValueError(f"{family} kernels are instantiated per group size; pass group=")
+        name += f"_g{group}"
+    return name
+
+
+def symbols(family: str) -> list[str]:
+    """Every symbol one cubin of ``family`` must export."""
+    grouped = "group" in FAMILIES[family]["variants"]
+    out = []
+    for dt in DTYPES:
+        for d in HEAD_DIMS:
+            for g in GROUP_SIZES if grouped else (None,):
+                out.append(symbol(family, dt, d, g))
+    return out

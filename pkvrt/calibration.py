@@ -1,0 +1,423 @@
+"""Calibration files: the measured constants of one GPU, as a versioned JSON document.
+
+One file per GPU lives in ``calibration/<slug>.json`` (a checkout) or ``pkvrt/_data/calibration``
+(an install). The runtime picks the file whose ``slug`` matches ``slugify(device name)``; with no
+match it warns and falls back to the seed's RTX 3060 profile (``rtx3060-seed.json``), marked as a
+fallback. ``calibration/README.md`` explains every field and how ``pkvrt calibrate`` produces one.
+
+Schema 1 (every key required, no others allowed)::
+
+    schema            1
+    gpu               device name as CUDA reports it, "NVIDIA H200"
+    slug              file key, slugify(gpu) for measured files, "rtx3060-seed" for the seed
+    sm_count          int > 0
+    l2_bytes          int > 0
+    beta_gbps         streaming-read bandwidth, GB/s (1e9 bytes/s)
+    lambda_us         launch overhead of one eager launch, µs
+    lambda_graph_us   launch overhead of one launch inside a CUDA-graph replay, µs
+    c_min             occupancy target of the cost model, decode CTAs per SM
+    splits            {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens"}
+    flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
+    versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
+    date              ISO date the file was produced, "2026-11-29"
+    seed              calibration trace seed, int
+    command           the command line that produced the file
+    source            provenance in words (measured / transcribed from where)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+SCHEMA = 1
+DEFAULT_SLUG = "rtx3060-seed"
+ENV_DIR = "PKVRT_CALIBRATION_DIR"  # an extra directory searched first (tests, experiments)
+
+_TOP_KEYS = (
+    "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
+    "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
+)
+_SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens")
+_VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
+
+
+class CalibrationError(ValueError):
+    """A calibration file is unreadable or breaks the schema; the message names file and key."""
+
+
+@attrs.frozen
+class SplitPoints:
+    """Operating points of the split choice (see ``pkvrt.planner``).
+
+    bucket_ctas_per_sm: CTA work per SM the bucket route's split count aims for.
+    workqueue_ctas_per_sm: CTA work per SM the workqueue's split count aims for.
+    min_split_tokens: no split is planned shorter than this many tokens (row-local cap).
+    """
+
+    bucket_ctas_per_sm: float
+    workqueue_ctas_per_sm: float
+    min_split_tokens: int
+
+
+@attrs.frozen
+class Calibration:
+    """Constants of one GPU (schema 1). ``source`` is the path it was loaded from (not in the file;
+    ``"<memory>"`` when built in code).
+
+    ``provenance`` holds the file's own ``"source"`` text (how the numbers were obtained);
+    ``fallback`` is True when ``find_calibration`` found no file for the device at hand.
+    ``flashinfer_ctas_per_sm`` is a tuple of ``(active_count, fitted_ctas_per_sm)`` pairs,
+    sorted by active count.
+    """
+
+    gpu: str
+    slug: str
+    sm_count: int
+    l2_bytes: int
+    beta_gbps: float
+    lambda_us: float
+    lambda_graph_us: float
+    c_min: float
+    splits: SplitPoints
+    flashinfer_ctas_per_sm: tuple[tuple[int, float], ...]
+    versions: tuple[tuple[str, str | None], ...]
+    date: str
+    seed: int
+    command: str
+    provenance: str
+    source: str = "<memory>"
+    fallback: bool = False
+
+    def version(self, name: str) -> str | None:
+        """The recorded version of ``name`` ("torch", "cuda", "flashinfer", "driver")."""
+        return dict(self.versions)[name]
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _fail(path, key: str, expected: str, got=None) -> CalibrationError:
+    got_s = "" if got is None else f", got {got!r}"
+    return CalibrationError(f"{path}: key {key!r}: expected {expected}{got_s}")
+
+
+def _take(obj: Mapping, keys: tuple[str, ...], path, where: str) -> None:
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise _fail(path, f"{where}{missing[0]}", "it to be present (missing)")
+    extra = sorted(set(obj) - set(keys))
+    if extra:
+        raise _fail(path, f"{where}{extra[0]}", f"one of the schema-{SCHEMA} keys {list(keys)} (unknown key)")
+
+
+def _int(obj, key, path, where="", positive=True) -> int:
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(path, where + key, "an integer", v)
+    if positive and v <= 0:
+        raise _fail(path, where + key, "a positive integer", v)
+    return v
+
+
+def _float(obj, key, path, where="") -> float:
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _fail(path, where + key, "a number", v)
+    if not math.isfinite(v) or v <= 0:
+        raise _fail(path, where + key, "a finite positive number", v)
+    return float(v)
+
+
+def _str(obj, key, path, where="", nullable=False) -> str | None:
+    v = obj[key]
+    if v is None and nullable:
+        return None
+    if not isinstance(v, str) or not v:
+        raise _fail(path, where + key, "a non-empty string" + (" or null" if nullable else ""), v)
+    return v
+
+
+def _dict(obj, key, path) -> dict:
+    v = obj[key]
+    if not isinstance(v, dict):
+        raise _fail(path, key, "a JSON object", v)
+    return v
+
+
+def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration:
+    """Validate a parsed schema-1 document and build a :class:`Calibration`.
+
+    Raises
+    ------
+    CalibrationError
+        naming ``source`` and the offending key.
+    """
+    path = source
+    if not isinstance(doc, dict):
+        raise CalibrationError(f"{path}: expected a JSON object at top level, got {type(doc).__name__}")
+    if "schema" not in doc:
+        raise _fail(path, "schema", f"it to be present (missing); this reader knows schema {SCHEMA}")
+    if doc["schema"] != SCHEMA or isinstance(doc["schema"], bool):
+        raise _fail(path, "schema", f"{SCHEMA} (unknown schema version)", doc["schema"])
+    _take(doc, _TOP_KEYS, path, "")
+
+    sp = _dict(doc, "splits", path)
+    _take(sp, _SPLIT_KEYS, path, "splits.")
+    splits = SplitPoints(
+        bucket_ctas_per_sm=_float(sp, "bucket_ctas_per_sm", path, "splits."),
+        workqueue_ctas_per_sm=_float(sp, "workqueue_ctas_per_sm", path, "splits."),
+        min_split_tokens=_int(sp, "min_split_tokens", path, "splits."),
+    )
+
+    fi = _dict(doc, "flashinfer", path)
+    _take(fi, ("ctas_per_sm",), path, "flashinfer.")
+    table = fi["ctas_per_sm"]
+    if not isinstance(table, dict) or not table:
+        raise _fail(path, "flashinfer.ctas_per_sm", 'a non-empty object {"<active>": ctas_per_sm}', table)
+    pairs = []
+    for k in table:
+        if not re.fullmatch(r"[1-9][0-9]*", k):
+            raise _fail(path, f"flashinfer.ctas_per_sm.{k}", "keys that are positive integers (active counts)")
+        pairs.append((int(k), _float(table, k, path, "flashinfer.ctas_per_sm.")))
+
+    ver = _dict(doc, "versions", path)
+    _take(ver, _VERSION_KEYS, path, "versions.")
+    versions = tuple((k, _str(ver, k, path, "versions.", nullable=True)) for k in _VERSION_KEYS)
+
+    date = _str(doc, "date", path)
+    try:
+        datetime.date.fromisoformat(date)
+    except ValueError:
+        raise _fail(path, "date", "an ISO date YYYY-MM-DD", date) from None
+    slug = _str(doc, "slug", path)
+    if slugify(slug) != slug:
+        raise _fail(path, "slug", f"a slug (lower-case words joined by '-'), e.g. {slugify(slug)!r}", slug)
+
+    return Calibration(
+        gpu=_str(doc, "gpu", path),
+        slug=slug,
+        sm_count=_int(doc, "sm_count", path),
+        l2_bytes=_int(doc, "l2_bytes", path),
+        beta_gbps=_float(doc, "beta_gbps", path),
+        lambda_us=_float(doc, "lambda_us", path),
+        lambda_graph_us=_float(doc, "lambda_graph_us", path),
+        c_min=_float(doc, "c_min", path),
+        splits=splits,
+        flashinfer_ctas_per_sm=tuple(sorted(pairs)),
+        versions=versions,
+        date=date,
+        seed=_int(doc, "seed", path, positive=False),
+        command=_str(doc, "command", path),
+        provenance=_str(doc, "source", path),
+        source=str(source),
+    )
+
+
+def calibration_to_dict(cal: Calibration) -> dict:
+    """The schema-1 document of ``cal`` (``source`` and ``fallback`` are not part of a file)."""
+    return {
+        "schema": SCHEMA,
+        "gpu": cal.gpu,
+        "slug": cal.slug,
+        "sm_count": cal.sm_count,
+        "l2_bytes": cal.l2_bytes,
+        "beta_gbps": cal.beta_gbps,
+        "lambda_us": cal.lambda_us,
+        "lambda_graph_us": cal.lambda_graph_us,
+        "c_min": cal.c_min,
+        "splits": attrs.asdict(cal.splits),
+        "flashinfer": {"ctas_per_sm": {str(a): c for a, c in cal.flashinfer_ctas_per_sm}},
+        "versions": dict(cal.versions),
+        "date": cal.date,
+        "seed": cal.seed,
+        "command": cal.command,
+        "source": cal.provenance,
+    }
+
+
+def load_calibration(path) -> Calibration:
+    """Read and validate one calibration file.
+
+    Raises
+    ------
+    CalibrationError
+        for unreadable files, invalid JSON (with line and column), and any schema violation.
+    """
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CalibrationError(f"{path}: cannot read calibration file: {e.strerror or e}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    return calibration_from_dict(doc, source=str(path))
+
+
+def save_calibration(cal: Calibration, path) -> None:
+    """Write ``cal`` as schema-1 JSON; ``load_calibration(path)`` gives it back field for field."""
+    text = json.dumps(calibration_to_dict(cal), indent=2) + "\n"
+    pathlib.Path(path).write_text(text, encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- finding a file
+
+
+def slugify(device_name: str) -> str:
+    """File key of a device name: ``"NVIDIA H200"`` -> ``"nvidia-h200"``.
+
+    Lower-case; every run of characters other than ``[a-z0-9]`` becomes one ``-``; no leading or
+    trailing ``-``. ``"NVIDIA GeForce RTX 3060"`` -> ``"nvidia-geforce-rtx-3060"``.
+    """
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    if not slug:
+        raise ValueError(f"slugify: device name {device_name!r} has no letters or digits")
+    return slug
+
+
+def calibration_dirs() -> list[pathlib.Path]:
+    """Directories searched for ``*.json``, first match wins.
+
+    ``$PKVRT_CALIBRATION_DIR`` if set; then ``<repo>/calibration`` when running from a checkout
+    (the directory next to ``pkvrt/`` holding ``pyproject.toml``), else the installed copy
+    ``pkvrt/_data/calibration``.
+    """
+    dirs = []
+    if os.environ.get(ENV_DIR):
+        dirs.append(pathlib.Path(os.environ[ENV_DIR]))
+    pkg = pathlib.Path(__file__).resolve().parent
+    repo = pkg.parent
+    if (repo / "calibration").is_dir() and (repo / "pyproject.toml").is_file():
+        dirs.append(repo / "calibration")
+    else:
+        dirs.append(pkg / "_data" / "calibration")
+    return dirs
+
+
+def _files(dirs: Iterable[pathlib.Path]) -> list[pathlib.Path]:
+    return [f for d in dirs if d.is_dir() for f in sorted(d.glob("*.json"))]
+
+
+def find_calibration(device_name: str | None) -> Calibration:
+    """The calibration whose slug is ``slugify(device_name)``, else the seed profile.
+
+    A file that matches by name (``<slug>.json``) or by its ``slug`` field is used. Without one
+    (or with ``device_name=None``: no GPU), warns naming the device and returns the seed RTX 3060
+    profile with ``fallback=True`` (``source`` is the seed file's path, so results files can
+    still record its hash).
+
+    Raises
+    ------
+    CalibrationError
+        if the matching file is malformed, or no seed profile is found for the fallback.
+    """
+    dirs = calibration_dirs()
+    if device_name is not None:
+        want = slugify(device_name)
+        for f in _files(dirs):
+            if f.stem == want:
+                cal = load_calibration(f)
+                if cal.slug != want:
+                    raise _fail(f, "slug", f"{want!r} to match the file name", cal.slug)
+                return cal
+        for f in _files(dirs):
+            try:
+                doc = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue  # a broken file of another GPU must not block this one
+            if isinstance(doc, dict) and doc.get("slug") == want:
+                return load_calibration(f)
+    for d in dirs:
+        seed = d / f"{DEFAULT_SLUG}.json"
+        if seed.is_file():
+            who = "no CUDA device" if device_name is None else f"device {device_name!r} (slug {slugify(device_name)!r})"
+            warnings.warn(
+                f"pkvrt: no calibration file for {who} in {[str(x) for x in dirs]}; using the seed "
+                f"RTX 3060 profile {seed} as a fallback. Run `pkvrt calibrate` on this GPU.",
+                stacklevel=2,
+            )
+            return attrs.evolve(load_calibration(seed), fallback=True)
+    raise CalibrationError(f"no {DEFAULT_SLUG}.json (the default calibration) in {[str(x) for x in dirs]}")
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def fit_split_points(measurements, *, sm_count: int, num_kv_heads: int, tile_tokens: int = 32,
+                     tolerance: float = 0.02) -> dict:
+    """Pick the split operating points from timed candidate splits.
+
+    Parameters
+    ----------
+    measurements : iterable of mappings
+        one record per timed (case, split): ``case`` (str), ``rows`` (active rows), ``context``
+        (tokens per row), ``splits`` (S), ``us`` (median time); optional ``route``
+        ("bucket" | "workqueue"; absent: rows == 1 -> bucket, rows > 1 -> workqueue, the paper's
+        operating points B1 bucket, B8 workqueue).
+    sm_count, num_kv_heads : int
+        the GPU's SMs and the KV heads of the timed shape (CTAs = rows * num_kv_heads * S).
+    tile_tokens : int
+        ``min_split_tokens`` is a multiple of it.
+    tolerance : float
+        a split within this fraction of a case's best time counts as optimal.
+
+    Returns
+    -------
+    dict
+        ``{"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens"}`` (a ``splits``
+        object for the calibration file); a route with no records is left out.
+
+    Rule. Per case, the chosen split is the *smallest* S whose time is within ``tolerance`` of
+    the case's best (fewer splits = less merge traffic; timings closer than 2% are noise). It
+    becomes CTA work per SM ``rows*num_kv_heads*S/sm_count``; a route's operating point is the
+    median over its cases. ``min_split_tokens`` is the shortest split (context/S) any chosen
+    point uses, rounded down to a tile multiple: the planner never cuts shorter splits than
+    were measured to pay off. Example (RTX 3060, 28 SMs, 8 KV heads): B1 32K times
+    {28: 452, 32: 441, 36: 447} µs -> best 441, within 2% (449.8) are 32 and 36 -> S=32 ->
+    1*8*32/28 = 9.14 CTAs/SM; 32768/32 = 1024 tokens per split.
+    """
+    cases: dict[str, list[Mapping]] = {}
+    for i, rec in enumerate(measurements):
+        for key, kind in (("case", str), ("rows", int), ("context", int), ("splits", int), ("us", (int, float))):
+            if key not in rec or not isinstance(rec[key], kind) or isinstance(rec[key], bool):
+                raise ValueError(f"fit_split_points: measurements[{i}][{key!r}]: expected {kind}, got {rec.get(key)!r}")
+        if rec["rows"] < 1 or rec["context"] < 1 or rec["splits"] < 1 or not rec["us"] > 0:
+            raise ValueError(f"fit_split_points: measurements[{i}]: rows, context, splits, us must be positive: {dict(rec)}")
+        cases.setdefault(rec["case"], []).append(rec)
+    if not cases:
+        raise ValueError("fit_split_points: measurements is empty")
+
+    per_route: dict[str, list[float]] = {}
+    tokens_per_split = []
+    for name, recs in cases.items():
+        shape = {(r["rows"], r["context"], r.get("route")) for r in recs}
+        if len(shape) != 1:
+            raise ValueError(f"fit_split_points: case {name!r} mixes rows/context/route: {sorted(shape, key=str)}")
+        rows, context, route = shape.pop()
+        route = route or ("bucket" if rows == 1 else "workqueue")
+        if route not in ("bucket", "workqueue"):
+            raise ValueError(f"fit_split_points: case {name!r}: route must be 'bucket' or 'workqueue', got {route!r}")
+        best = min(r["us"] for r in recs)
+        s = min(r["splits"] for r in recs if r["us"] <= best * (1 + tolerance))
+        per_route.setdefault(route, []).append(rows * num_kv_heads * s / sm_count)
+        tokens_per_split.append(context // s)
+
+    out: dict = {f"{r}_ctas_per_sm": float(_median(v)) for r, v in sorted(per_route.items())}
+    out["min_split_tokens"] = max(tile_tokens, min(tokens_per_split) // tile_tokens * tile_tokens)
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])

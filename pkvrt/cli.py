@@ -1,0 +1,191 @@
+"""``pkvrt``: the command line. ``pkvrt <command> --help`` describes each command.
+
+Every command lives in a module with ``add_arguments(parser)`` and ``run(args) -> int``; this
+file only wires them up. ``routes`` is defined here, ``doctor`` in pkvrt/doctor.py, and
+``plan``, ``bench``, ``calibrate``, ``report`` in their own modules, imported when the parser is
+built; a command whose module is absent from this build is left out. A ValueError or OSError
+from a command (every pkvrt error class, e.g. RoutesError, subclasses ValueError) prints
+``pkvrt: error: <message>`` on stderr and exits 2; ``--traceback`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+
+import pkvrt
+from pkvrt import registry
+
+# Subcommand -> module, in the order `pkvrt --help` lists them.
+COMMANDS = {
+    "routes": __name__,
+    "plan": "pkvrt.plan_cmd",
+    "bench": "pkvrt.bench",
+    "calibrate": "pkvrt.calibrate",
+    "report": "pkvrt.report",
+    "doctor": "pkvrt.doctor",
+}
+
+
+def _optional_module(name: str):
+    """The module, or None if exactly that module does not exist (any other error propagates,
+    including a missing module that it imports)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pkvrt", description="Paged-KV decode-attention runtime: routes, plans, benches.")
+    parser.add_argument("--version", action="version",
+                        version=f"pkvrt {getattr(pkvrt, '__version__', 'unknown')}")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an error show the Python traceback instead of one line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, modname in COMMANDS.items():
+        module = sys.modules[__name__] if modname == __name__ else _optional_module(modname)
+        if module is None:
+            continue
+        doc = (module.__doc__ or "").strip()
+        if name == "routes":
+            doc = _routes_doc
+        p = sub.add_parser(name, help=doc.splitlines()[0] if doc else None, description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``pkvrt`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, argparse printed it)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, OSError) as e:
+        if args.traceback:
+            raise
+        print(f"pkvrt: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ---- pkvrt routes --------------------------------------------------------------------------
+
+_routes_doc = """Show the route registry (routes.toml) as a table.
+
+With --active, --context and --group it also says, per route, whether a step of that shape
+passes the route's gates (or why not) and the promotion margin the route would have to clear."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pkvrt routes``."""
+    parser.add_argument("--routes", metavar="PATH",
+                        help=f"routes.toml to show (default: {registry.default_routes_path()})")
+    shape = parser.add_argument_group("explain one step (give all three)")
+    shape.add_argument("--active", type=_positive_int, metavar="N", help="active rows")
+    shape.add_argument("--context", type=_positive_int, metavar="TOKENS",
+                       help="longest context in the step (tokens)")
+    shape.add_argument("--group", type=_positive_int, metavar="G", help="group size H_q / H_kv")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pkvrt routes``: print the registry, and the verdict per route for one step if asked."""
+    shape = {"--active": args.active, "--context": args.context, "--group": args.group}
+    given = [flag for flag, v in shape.items() if v is not None]
+    if given and len(given) != len(shape):
+        raise ValueError(f"routes: --active, --context and --group go together; "
+                         f"got only {', '.join(given)}")
+    reg = registry.load_routes(args.routes)
+    print(format_registry(reg))
+    if given:
+        print()
+        print(format_step(reg, active=args.active, max_context=args.context, group=args.group))
+    return 0
+
+
+def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Left-aligned columns separated by two spaces."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header, *rows])
+
+
+def _splits_text(s: registry.SplitBounds | None) -> str:
+    """min 1, max 64, multiple_of 4 -> "1, 4..64 step 4"."""
+    if s is None:
+        return "-"
+    c = s.candidates()
+    ones, rest = ("1",) if c[0] == 1 else (), [x for x in c if x > 1]
+    span = (f"{rest[0]}..{rest[-1]} step {s.multiple_of}" if len(rest) > 1
+            else str(rest[0]) if rest else None)
+    return ", ".join([*ones, *([span] if span else [])])
+
+
+def _state(r: registry.Route) -> str:
+    if r.kind == "flashinfer":
+        return "baseline"
+    return ", ".join(["enabled" if r.enabled else "disabled", *(["ablation"] if r.ablation else [])])
+
+
+def format_registry(reg: registry.Registry) -> str:
+    """The registry as an aligned text table plus the boundary rule, path and sha256."""
+    rows = []
+    for r in reg.routes:
+        base = r.kind == "flashinfer"
+        g = r.gates
+        bucketing = r.bucketing if r.kind == "bucket" else "-"
+        if r.coarse_lengths:
+            bucketing += f" (coarse: {', '.join(map(str, r.coarse_lengths))})"
+        rows.append((r.name, r.kind, r.kernel or "-", _state(r),
+                     "-" if base else ",".join(map(str, g.group_sizes)),
+                     "-" if base else str(g.min_context),
+                     "-" if base else f"{g.min_active}..{g.max_active}",
+                     _splits_text(r.splits), "-" if base else f"{r.margin:.2f}", bucketing))
+    table = format_table(("route", "kind", "kernel", "state", "groups", "min context",
+                          "active", "splits", "margin", "bucketing"), rows)
+    b = reg.boundary
+    rule = ("forbidden" if math.isinf(b.margin) else f"needs margin >= {b.margin:.2f}")
+    rule = (f"boundary: at exactly {b.active} active rows PersistentKV {rule}"
+            + (" (allow = true: rule off, routes keep their own margin)" if b.allow else ""))
+    return f"{table}\n\n{rule}\nfile: {reg.path}\nsha256: {reg.sha256}"
+
+
+def format_step(reg: registry.Registry, *, active: int, max_context: int, group: int) -> str:
+    """Per route: the margin it would need and "eligible" or its refusal reasons."""
+    rows = []
+    for r in reg.routes:
+        why = r.refusals(group_size=group, max_context=max_context, active=active)
+        margin = reg.margin_for(r, active)
+        if r.kind == "flashinfer":
+            margin_text, verdict = "-", "baseline (always eligible)"
+        else:
+            margin_text = ("forbidden (boundary)" if margin is None else f"{margin:.2f}"
+                           + (" (boundary)" if margin != r.margin else ""))
+            verdict = ("refused: " + "; ".join(why) if why else
+                       "eligible (ablation: runs only when forced)" if r.ablation else "eligible")
+        rows.append((r.name, margin_text, verdict))
+    head = f"step: {active} active rows, longest context {max_context} tokens, group size {group}"
+    return head + "\n" + format_table(("route", "margin", "verdict"), rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Check what this machine can run: Python, torch, GPU, kernel cubins, FlashInfer, policy files.
+
+Prints one line per check. Without a CUDA GPU pkvrt runs the planner only, which is not a
+problem: the exit status is 0. Exit status 1 means a problem was found (a kernel family with
+no cubin or PTX for this GPU, FlashInfer missing on a GPU machine, an invalid routes.toml or
+calibration file); each such line starts with "PROBLEM".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import platform
+import sys
+import warnings
+
+from pkvrt import registry
+from pkvrt._buildspec import FAMILIES
+
+NO_GPU = "no CUDA GPU: kernels and FlashInfer routes unavailable; planner-only mode"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--routes", metavar="PATH",
+                        help=f"routes.toml to check (default: {registry.default_routes_path()})")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows: list[tuple[str, str]] = []
+    problems: list[str] = []
+
+    def report(label: str, text: str, bad: bool = False) -> None:
+        rows.append((label, f"PROBLEM: {text}" if bad else text))
+        if bad:
+            problems.append(label.strip())
+
+    import torch
+
+    report("python", f"{platform.python_version()} ({sys.executable})")
+    report("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none, CPU-only'})")
+    report("cuda-python", "; ".join(f"{d} {_dist_version(d)}" for d in ("cuda-python", "cuda-bindings")))
+    gpu = gpu_info(torch)
+    report("gpu", gpu["text"] if gpu else NO_GPU)
+    for label, text, bad in kernel_rows(gpu["cc"] if gpu else None):
+        report(label, text, bad)
+    fi_ok, fi_text = flashinfer_status()
+    report("flashinfer", fi_text, bad=gpu is not None and not fi_ok)
+    try:
+        reg = registry.load_routes(args.routes)
+        report("routes.toml", f"{reg.path} (sha256 {reg.sha256})")
+    except registry.RoutesError as e:
+        report("routes.toml", str(e), bad=True)
+    try:
+        report("calibration", calibration_status(gpu["name"] if gpu else None))
+    except ValueError as e:  # CalibrationError: a calibration file is malformed
+        report("calibration", str(e), bad=True)
+
+    width = max(len(label) for label, _ in rows)
+    for label, text in rows:
+        print(f"{label.ljust(width)}  {text}")
+    if problems:
+        print(f"\n{len(problems)} problem(s): {', '.join(problems)}")
+    return 1 if problems else 0
+
+
+def _dist_version(dist: str) -> str:
+    """Installed version of a distribution, read from its metadata (nothing is imported)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def gpu_info(torch) -> dict | None:
+    """The current CUDA device: name, compute capability, SMs, L2; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.cuda.current_device()
+    p = torch.cuda.get_device_properties(dev)
+    l2 = getattr(p, "L2_cache_size", 0)
+    text = (f"{p.name} (device {dev} of {torch.cuda.device_count()}), compute capability "
+            f"{p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+            + (f"L2 {l2 / 2**20:.1f} MiB" if l2 else "L2 size unknown"))
+    return {"name": p.name, "cc": (p.major, p.minor), "text": text}
+
+
+def kernel_rows(cc: tuple[int, int] | None) -> list[tuple[str, str, bool]]:
+    """(label, text, is_problem) for the kernel build manifest; per family for this GPU's ``cc``."""
+    try:
+        from pkvrt.manifest import ManifestError, load_manifest
+    except ModuleNotFoundError as e:
+        if e.name != "pkvrt.manifest":
+            raise
+        return [("kernels", "pkvrt.manifest is not part of this checkout", cc is not None)]
+    try:
+        man = load_manifest()
+    except ManifestError as e:
+        return [("kernels", f"{e}", cc is not None)]
+    skipped = getattr(man, "skipped", None)  # why a CPU-only build compiled nothing
+    out = [("kernels", f"manifest {man.path} (nvcc {man.nvcc_version})"
+            + (f"; no kernels built: {skipped}" if skipped else ""), False)]
+    for fam in FAMILIES:  # every family the runtime needs, whether the manifest lists it or not
+        label = f"  {fam}"
+        if cc is None:  # no GPU: what was built, per family
+            built = [e.arch + ("" if e.present else " (file missing)")
+                     for e in man.entries if e.family == fam]
+            out.append((label, "built for " + (", ".join(built) or "nothing"), False))
+            continue
+        e = man.select(fam, cc)
+        arch = f"sm_{cc[0]}{cc[1]}"
+        if e is None:
+            missing = [m.file for m in man.entries if m.family == fam and not m.present]
+            note = f" (listed but missing: {', '.join(missing)})" if missing else ""
+            out.append((label, f"no cubin or PTX for {arch}{note}: routes using it are "
+                               f"unavailable", True))
+        elif e.kind == "cubin":
+            out.append((label, f"cubin {e.arch} ({e.file})", False))
+        else:
+            out.append((label, f"PTX fallback {e.arch}, JIT-compiled by the driver for {arch} "
+                               f"({e.file})", False))
+    return out
+
+
+def flashinfer_status() -> tuple[bool, str]:
+    """(importable, text). Any exception counts: FlashInfer may fail to build or load."""
+    try:
+        fi = importlib.import_module("flashinfer")
+    except Exception as e:  # noqa: BLE001 - the reason is the report
+        return False, f"not importable: {type(e).__name__}: {e}"
+    return True, f"{getattr(fi, '__version__', 'version unknown')} ({fi.__file__})"
+
+
+def calibration_status(device_name: str | None) -> str:
+    """Which calibration file the runtime would use for this device."""
+    try:
+        calibration = importlib.import_module("pkvrt.calibration")
+    except ModuleNotFoundError as e:
+        if e.name != "pkvrt.calibration":
+            raise
+        return "pkvrt.calibration is not part of this checkout"
+    find = getattr(calibration, "find_calibration", None)
+    if find is None:
+        return "pkvrt.calibration has no find_calibration"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal = find(device_name)
+    note = "; ".join(str(w.message) for w in caught)
+    return f"{cal.source} (slug {getattr(cal, 'slug', '?')})" + (
+        f"; fallback: {note}" if note else "")

@@ -1,0 +1,213 @@
+"""Thin launch wrappers, one per kernel family (kernels/*.cu).
+
+Each checks what is cheap to check (device, dtype, shape, contiguity, supported head dim /
+group size / page size), packs pointers and int32s into the kernel's parameter struct and
+launches on the current stream. They never allocate, synchronize or read device values: they
+are what a captured CUDA graph records. O(batch * pages) checks (page ids in range) belong to
+the Runtime's validate mode, not here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from pkvrt import _buildspec, _driver
+
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+THREADS = _buildspec.TUNING["PKV_THREADS"]
+LOG2E = 1.4426950408889634
+
+
+class KernelArgumentError(ValueError):
+    """A kernel argument has the wrong dtype, shape, device or layout."""
+
+
+class DecodeParams(ctypes.Structure):
+    """Mirror of pkv::DecodeParams in kernels/decode_common.cuh (same order and types)."""
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("part_a", ctypes.c_void_p), ("part_ml", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
+        ("row_ids", ctypes.c_void_p), ("tasks", ctypes.c_void_p), ("num_tasks", ctypes.c_void_p),
+        ("split_offsets", ctypes.c_void_p), ("counters", ctypes.c_void_p),
+        ("k_page_stride", ctypes.c_longlong), ("k_head_stride", ctypes.c_longlong),
+        ("v_page_stride", ctypes.c_longlong), ("v_head_stride", ctypes.c_longlong),
+        ("num_qo_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("page_size_log2", ctypes.c_int), ("bt_stride", ctypes.c_int),
+        ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float),
+    ]
+
+
+class MergeParams(ctypes.Structure):
+    """Mirror of MergeParams in kernels/merge.cu."""
+    _fields_ = [
+        ("part_a", ctypes.c_void_p), ("part_ml", ctypes.c_void_p),
+        ("split_offsets", ctypes.c_void_p), ("row_ids", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("num_qo_heads", ctypes.c_int), ("skip_single", ctypes.c_int),
+    ]
+
+
+def decode_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D>() (decode_common.cuh)."""
+    t = _buildspec.TUNING
+    stage = 2 * t["PKV_TILE_TOKENS"] * head_dim * 2
+    return max(2, t["PKV_SMEM_BYTES"] // stage) * stage
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise KernelArgumentError(f"{name}: expected {expected}, got {got}")
+
+
+def _int32(name: str, t: torch.Tensor, device, ndim: int) -> int:
+    if t.dtype != torch.int32 or t.device != device or t.dim() != ndim or not t.is_contiguous():
+        _fail(name, f"a contiguous int32 tensor with {ndim} dims on {device}",
+              f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
+    return t.data_ptr()
+
+
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         out: torch.Tensor) -> tuple[str, int, int, int]:
+    """Validate the tensors shared by every decode launch. Returns (dtype tag, D, G, log2 page)."""
+    if q.dtype not in _DTYPES:
+        _fail("q", "dtype float16 or bfloat16", q.dtype)
+    if not q.is_cuda:
+        _fail("q", "a CUDA tensor", q.device)
+    if q.dim() != 3 or not q.is_contiguous():
+        _fail("q", "a contiguous [B, H_q, D] tensor", f"shape {tuple(q.shape)}")
+    _, hq, d = q.shape
+    if d not in _buildspec.HEAD_DIMS:
+        _fail("q", f"head_dim in {_buildspec.HEAD_DIMS}", d)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != q.dtype or c.device != q.device:
+            _fail(name, f"{q.dtype} on {q.device} (like q)", f"{c.dtype} on {c.device}")
+        if c.dim() != 4 or c.shape[3] != d or c.stride(3) != 1 or c.stride(2) != d:
+            _fail(name, f"[num_pages, H_kv, page_size, {d}] with contiguous token rows",
+                  f"shape {tuple(c.shape)} strides {c.stride()}")
+        if c.data_ptr() % 16 or c.stride(0) % 8 or c.stride(1) % 8:
+            _fail(name, "16-byte aligned pages and heads", f"strides {c.stride()}")
+    if k_cache.shape != v_cache.shape:
+        _fail("v_cache", f"the shape of k_cache {tuple(k_cache.shape)}", tuple(v_cache.shape))
+    hkv, page = k_cache.shape[1], k_cache.shape[2]
+    if hq % hkv:
+        _fail("q", f"H_q a multiple of H_kv={hkv}", hq)
+    g = hq // hkv
+    if g not in _buildspec.GROUP_SIZES:
+        _fail("q", f"H_q / H_kv in {_buildspec.GROUP_SIZES}", g)
+    if page not in _buildspec.PAGE_SIZES:
+        _fail("k_cache", f"page_size in {_buildspec.PAGE_SIZES}", page)
+    if out.dtype != q.dtype or out.device != q.device or not out.is_contiguous() or out.dim() != 3 \
+            or out.shape[1:] != q.shape[1:]:
+        _fail("out", f"a contiguous {q.dtype} [*, {hq}, {d}] tensor on {q.device}",
+              f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return _DTYPES[q.dtype], d, g, int(math.log2(page))
+
+
+def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
+                   sm_scale, log2_page) -> DecodeParams:
+    dev = q.device
+    p = DecodeParams()
+    p.q, p.k_cache, p.v_cache, p.out = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+    if part_a is not None:
+        if part_a.dtype != torch.float32 or part_a.device != dev or not part_a.is_contiguous() \
+                or part_a.dim() != 3 or part_a.shape[1:] != q.shape[1:]:
+            _fail("part_a", f"contiguous float32 [slots, {q.shape[1]}, {q.shape[2]}] on {dev}",
+                  f"{part_a.dtype} {tuple(part_a.shape)}")
+        if part_ml.dtype != torch.float32 or part_ml.device != dev or not part_ml.is_contiguous() \
+                or tuple(part_ml.shape) != (part_a.shape[0], q.shape[1], 2):
+            _fail("part_ml", f"contiguous float32 [{part_a.shape[0]}, {q.shape[1]}, 2] on {dev}",
+                  f"{part_ml.dtype} {tuple(part_ml.shape)}")
+        p.part_a, p.part_ml = part_a.data_ptr(), part_ml.data_ptr()
+    p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
+    p.block_tables = _int32("block_tables", block_tables, dev, 2)
+    p.k_page_stride, p.k_head_stride = k_cache.stride(0), k_cache.stride(1)
+    p.v_page_stride, p.v_head_stride = v_cache.stride(0), v_cache.stride(1)
+    p.num_qo_heads, p.num_kv_heads = q.shape[1], k_cache.shape[1]
+    p.page_size_log2 = log2_page
+    p.bt_stride = block_tables.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    p.sm_scale_log2 = scale * LOG2E
+    return p
+
+
+def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_splits: int, out,
+                 part_a=None, part_ml=None, sm_scale: float | None = None) -> None:
+    """Sequence-split decode over the rows ``row_ids`` (one bucket), grid (S, H_kv, rows).
+
+    q [B, H_q, D]; k_cache, v_cache [P, H_kv, page, D]; seq_lens [B] int32;
+    block_tables [B, max_pages] int32; row_ids [R] int32 (batch row per grid row, -1 idle);
+    out [B, H_q, D]. With num_splits > 1, partial states go to slots r*S + s of
+    part_a [>= R*S, H_q, D] / part_ml [>= R*S, H_q, 2] and :func:`merge` must follow.
+    """
+    tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out)
+    if num_splits < 1:
+        _fail("num_splits", ">= 1", num_splits)
+    if num_splits > 1 and (part_a is None or part_a.shape[0] < row_ids.shape[0] * num_splits):
+        _fail("part_a", f"at least rows*splits = {row_ids.shape[0] * num_splits} slots",
+              None if part_a is None else part_a.shape[0])
+    p = _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
+                       sm_scale, log2_page)
+    p.row_ids = _int32("row_ids", row_ids, q.device, 1)
+    p.num_splits = num_splits
+    k = _driver.get_kernel("split_decode", _buildspec.symbol("split_decode", tag, d, g),
+                           decode_smem_bytes(d))
+    _driver.launch(k, (num_splits, k_cache.shape[1], row_ids.shape[0]), THREADS, p)
+
+
+def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
+                     split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
+                     counters=None) -> None:
+    """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
+
+    tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
+    device (tasks at or beyond it exit); split_offsets [B+1] int32; partial slots
+    split_offsets[row] + split. Rows with one split write O directly. Without ``counters``,
+    :func:`merge` with skip_single=True must follow; with counters [B, H_kv] int32 (zeroed
+    once, left zero by the kernel) the last CTA of each (row, kvh) merges in-kernel.
+    """
+    tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out)
+    if tasks.dim() != 2 or tasks.shape[1] != 5:
+        _fail("tasks", "[capacity, 5] int32", tuple(tasks.shape))
+    p = _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
+                       sm_scale, log2_page)
+    p.tasks = _int32("tasks", tasks, q.device, 2)
+    p.num_tasks = _int32("num_tasks", num_tasks, q.device, 1)
+    p.split_offsets = _int32("split_offsets", split_offsets, q.device, 1)
+    family = "workqueue_decode"
+    if counters is not None:
+        family = "fused_decode"
+        p.counters = _int32("counters", counters, q.device, 2)
+    k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g), decode_smem_bytes(d))
+    _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
+
+
+def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: bool = False) -> None:
+    """Segmented exact merge, grid (head blocks, rows); rows = split_offsets.numel() - 1.
+
+    part_a [slots, H_q, D] f32; part_ml [slots, H_q, 2] f32; split_offsets [rows+1] int32;
+    row_ids [rows] int32 output row per merge row (None: identity; -1: idle); out [B, H_q, D].
+    """
+    if out.dtype not in _DTYPES or not out.is_cuda or not out.is_contiguous() or out.dim() != 3:
+        _fail("out", "a contiguous CUDA float16/bfloat16 [B, H_q, D] tensor",
+              f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    _, hq, d = out.shape
+    if part_a.dtype != torch.float32 or part_a.shape[1:] != out.shape[1:] or not part_a.is_contiguous():
+        _fail("part_a", f"contiguous float32 [slots, {hq}, {d}]", f"{part_a.dtype} {tuple(part_a.shape)}")
+    if part_ml.dtype != torch.float32 or tuple(part_ml.shape) != (part_a.shape[0], hq, 2):
+        _fail("part_ml", f"float32 [{part_a.shape[0]}, {hq}, 2]", f"{part_ml.dtype} {tuple(part_ml.shape)}")
+    p = MergeParams()
+    p.part_a, p.part_ml, p.out = part_a.data_ptr(), part_ml.data_ptr(), out.data_ptr()
+    p.split_offsets = _int32("split_offsets", split_offsets, out.device, 1)
+    rows = split_offsets.shape[0] - 1
+    if row_ids is not None:
+        p.row_ids = _int32("row_ids", row_ids, out.device, 1)
+        if row_ids.shape[0] != rows:
+            _fail("row_ids", f"{rows} entries (split_offsets has {rows + 1})", row_ids.shape[0])
+    if rows <= 0:
+        return
+    p.num_qo_heads, p.skip_single = hq, int(skip_single)
+    heads_per_cta = THREADS // (d // 4)
+    k = _driver.get_kernel("merge", _buildspec.symbol("merge", _DTYPES[out.dtype], d))
+    _driver.launch(k, ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1), THREADS, p)

@@ -1,0 +1,165 @@
+"""Kernels vs the FP32 reference on fresh random paged data (GPU; run on the H200).
+
+Outputs are poisoned before each launch, pages no row owns and slots past seq_len hold NaN,
+block-table padding holds an out-of-range page id: a kernel that reads what it must not, or
+leaves an output element unwritten, fails here.
+"""
+
+import math
+
+import pytest
+import torch
+
+from pkvrt import _driver, ops, reference
+from paged import make_batch, rel_err
+
+pytestmark = pytest.mark.gpu
+TILE = 32
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def poisoned_like(q):
+    return torch.full_like(q, float("nan"))
+
+
+def ref_out(b):
+    return reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
+
+
+def run_split(b, splits):
+    rows = b.q.shape[0]
+    out = poisoned_like(b.q)
+    row_ids = torch.arange(rows, dtype=torch.int32, device="cuda")
+    part_a = torch.full((rows * splits, *b.q.shape[1:]), float("nan"), device="cuda")
+    part_ml = torch.full((rows * splits, b.q.shape[1], 2), float("nan"), device="cuda")
+    ops.split_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, row_ids, splits, out,
+                     part_a, part_ml)
+    if splits > 1:
+        offsets = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * splits
+        ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
+    return out
+
+
+def simple_tasks(seq_lens, hkv, splits):
+    """Reference workqueue plan: row i gets min(splits, tiles) tile-aligned splits."""
+    tasks, offsets = [], [0]
+    for row, n in enumerate(seq_lens):
+        tiles = math.ceil(n / TILE)
+        s = min(splits, tiles)
+        per = math.ceil(tiles / s)
+        ranges = [(j * per * TILE, min(n, (j + 1) * per * TILE)) for j in range(s)]
+        ranges = [r for r in ranges if r[0] < r[1]]
+        for j, (a, e) in enumerate(ranges):
+            for h in range(hkv):
+                tasks.append((row, h, j, a, e))
+        offsets.append(offsets[-1] + len(ranges))
+    return tasks, offsets
+
+
+def run_workqueue(b, splits, fused=False, capacity_pad=7):
+    hkv = b.k_cache.shape[1]
+    tasks, offsets = simple_tasks(b.seq_lens.tolist(), hkv, splits)
+    cap = len(tasks) + capacity_pad  # idle slots past num_tasks must exit
+    t = torch.full((cap, 5), -1, dtype=torch.int32)
+    t[: len(tasks)] = torch.tensor(tasks, dtype=torch.int32)
+    t = t.cuda()
+    num = torch.tensor([len(tasks)], dtype=torch.int32, device="cuda")
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    slots = offsets[-1]
+    out = poisoned_like(b.q)
+    part_a = torch.full((slots, *b.q.shape[1:]), float("nan"), device="cuda")
+    part_ml = torch.full((slots, b.q.shape[1], 2), float("nan"), device="cuda")
+    counters = torch.zeros(b.q.shape[0], hkv, dtype=torch.int32, device="cuda") if fused else None
+    ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, t, num, off, out,
+                         part_a, part_ml, counters=counters)
+    if not fused:
+        ops.merge(part_a, part_ml, off, out, skip_single=True)
+    return out, counters
+
+
+SHAPES = [  # (seq_lens, H_q, H_kv, D, page, dtype)
+    ([1, 17, 32, 33, 500, 4096], 32, 8, 128, 16, torch.float16),
+    ([2048, 1, 999], 8, 8, 64, 1, torch.bfloat16),
+    ([300, 5000], 16, 2, 256, 64, torch.float16),
+    ([4097, 64, 31], 16, 8, 128, 8, torch.bfloat16),
+    ([777, 12345], 8, 1, 128, 32, torch.float16),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"hq{s[1]}-hkv{s[2]}-d{s[3]}-p{s[4]}")
+@pytest.mark.parametrize("route", ["split1", "split7", "split32", "workqueue", "fused"])
+def test_kernels_match_fp32_reference(shape, route):
+    lens, hq, hkv, d, page, dtype = shape
+    b = make_batch(lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+                   dtype=dtype, seed=hash((tuple(lens), route)) % 2**31)
+    if route.startswith("split"):
+        out = run_split(b, int(route[5:]))
+    else:
+        out, counters = run_workqueue(b, 8, fused=route == "fused")
+        if counters is not None:
+            assert counters.sum().item() == 0  # reset for graph replay
+    assert not torch.isnan(out).any(), "an output element was not written or NaN leaked in"
+    assert rel_err(out, ref_out(b)) < TOL[dtype]
+
+
+def test_all_groups_and_dims_compile_and_agree():
+    for d in (64, 128, 256):
+        for g in (1, 2, 4, 8):
+            for dtype in (torch.float16, torch.bfloat16):
+                b = make_batch([100, 3000], num_qo_heads=2 * g, num_kv_heads=2, head_dim=d,
+                               page_size=16, dtype=dtype, seed=d * g)
+                ref = ref_out(b)
+                for out in (run_split(b, 4), run_workqueue(b, 4)[0], run_workqueue(b, 4, True)[0]):
+                    assert rel_err(out, ref) < TOL[dtype], (d, g, dtype)
+
+
+def test_large_logits_finite_and_exact():
+    b = make_batch([2000, 1], scale=70.0, seed=3)  # |q.k| ~ 1e4 before scaling
+    ref = ref_out(b)
+    for out in (run_split(b, 16), run_workqueue(b, 16)[0]):
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 2e-3
+
+
+def test_mostly_empty_splits():
+    b = make_batch([33, 1, 64], seed=5)  # 64 splits over <= 2 tiles: all but 1-2 splits empty
+    assert rel_err(run_split(b, 64), ref_out(b)) < 2e-3
+
+
+def test_capture_replay_after_inplace_change():
+    b = make_batch([1000, 5000], seed=9)
+    rows, splits = 2, 8
+    out = torch.empty_like(b.q)
+    row_ids = torch.arange(rows, dtype=torch.int32, device="cuda")
+    part_a = torch.empty((rows * splits, *b.q.shape[1:]), device="cuda")
+    part_ml = torch.empty((rows * splits, b.q.shape[1], 2), device="cuda")
+    offsets = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * splits
+
+    def step():
+        ops.split_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, row_ids, splits,
+                         out, part_a, part_ml)
+        ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: module load and attributes outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        step()
+    assert _driver.graph_node_count(graph) >= 2
+    for trial in range(3):
+        b.q.copy_(torch.randn_like(b.q))
+        b.seq_lens.copy_(torch.tensor([1000 - 100 * trial, 5000 - 7 * trial], dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_out(b)) < 2e-3
+
+
+def test_no_local_memory_in_loaded_kernels():
+    b = make_batch([64], seed=1)
+    run_split(b, 2)
+    k = _driver.get_kernel("split_decode", "pkv_split_decode_f16_d128_g4", ops.decode_smem_bytes(128))
+    assert _driver.function_attributes(k)["local_bytes"] == 0

@@ -1,0 +1,88 @@
+"""The kernel build (CPU): every declared kernel has an image for every declared target, the
+images carry their symbols, and ptxas reported no local-memory spills."""
+
+import os
+import shutil
+
+import pytest
+
+from pkvrt import _build, _buildspec
+from pkvrt.manifest import ManifestError, check_complete, load_manifest
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    try:
+        m = load_manifest()
+    except ManifestError as exc:
+        pytest.fail(f"no kernel build: {exc} (install with `pip install -e .` and nvcc available)")
+    if m.skipped:
+        pytest.skip(f"CPU-only package ({m.skipped})")
+    return m
+
+
+def test_every_kernel_built_for_every_target(manifest):
+    if os.environ.get("PKVRT_CUDA_ARCHS"):
+        pytest.skip("PKVRT_CUDA_ARCHS narrows the targets on purpose")
+    assert check_complete(manifest) == []
+
+
+def test_no_spills_or_stack_in_shipped_cubins(manifest):
+    cubins = [e for e in manifest.entries if e.kind == "cubin"]
+    assert cubins
+    for e in cubins:
+        assert set(e.resources) == set(_buildspec.symbols(e.family)), e.file
+        for sym, r in e.resources.items():
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (e.file, sym, r)
+            assert r["stack"] == 0, (e.file, sym, r)
+
+
+def test_cubins_export_declared_symbols(manifest):
+    # A cubin is an ELF file: each exported kernel name sits NUL-terminated in its string table.
+    for e in manifest.entries:
+        data = e.path.read_bytes()
+        for sym in e.symbols:
+            assert sym.encode() + (b"\0" if e.kind == "cubin" else b"(") in data, (e.file, sym)
+
+
+def test_source_hash_tracks_kernel_sources(manifest):
+    for e in manifest.entries:
+        assert e.source_sha256 == _build.source_hash(e.family), f"{e.file} is stale: rebuild"
+
+
+def test_manifest_selects_cubin_then_ptx(manifest):
+    e = manifest.select("split_decode", (9, 0))
+    assert e is not None and e.kind == "cubin" and e.arch == "sm_90"
+    if not os.environ.get("PKVRT_CUDA_ARCHS"):
+        assert manifest.select("split_decode", (8, 9)).arch == "sm_89"
+        assert manifest.select("split_decode", (8, 7)).arch == "sm_86"  # same major, older minor
+        later = manifest.select("split_decode", (12, 0))
+        assert later.kind == "ptx" and later.arch == "compute_90"
+    assert manifest.select("split_decode", (7, 5)) is None
+
+
+def test_parse_ptxas_reads_spills():
+    log = """ptxas info    : Compiling entry function 'k1' for 'sm_90'
+ptxas info    : Function properties for k1
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers
+"""
+    assert _build.parse_ptxas(log) == {"k1": {"stack": 8, "spill_stores": 4, "spill_loads": 12,
+                                              "registers": 255}}
+
+
+def test_targets_env(monkeypatch):
+    monkeypatch.setenv("PKVRT_CUDA_ARCHS", "90, sm_80;compute_90")
+    assert _build.targets() == ["sm_90", "sm_80", "compute_90"]
+    monkeypatch.setenv("PKVRT_CUDA_ARCHS", "hopper")
+    with pytest.raises(_build.BuildError, match="hopper"):
+        _build.targets()
+
+
+def test_missing_nvcc_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("PKVRT_NVCC", str(tmp_path / "nope"))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda _: None)
+    monkeypatch.setattr(_build.Path, "is_file", lambda self: False)
+    with pytest.raises(_build.BuildError, match="CUDA_HOME or PKVRT_NVCC"):
+        _build.find_nvcc()

@@ -1,0 +1,315 @@
+"""Calibration files: schema-1 round trip, one test per malformed-file kind, device lookup, fit."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pkvrt import calibration as C
+from pkvrt.calibration import (Calibration, CalibrationError, SplitPoints, calibration_dirs, find_calibration,
+                               fit_split_points, load_calibration, save_calibration, slugify)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SEED = REPO / "calibration" / "rtx3060-seed.json"
+
+
+def seed_doc() -> dict:
+    return json.loads(SEED.read_text())
+
+
+def write(tmp_path, doc, name="gpu.json") -> pathlib.Path:
+    p = tmp_path / name
+    p.write_text(json.dumps(doc, indent=2) if not isinstance(doc, str) else doc)
+    return p
+
+
+# ----------------------------------------------------------------------------- the seed file
+
+
+def test_seed_profile_holds_the_papers_constants():
+    cal = load_calibration(SEED)
+    # paper section 3.5 / 4.1: beta 331.2 GB/s, lambda 8.19 us, C_min 4, 28 SMs, seed 20260622
+    assert (cal.beta_gbps, cal.lambda_us, cal.c_min, cal.sm_count) == (331.2, 8.19, 4.0, 28)
+    assert cal.seed == 20260622 and cal.slug == "rtx3060-seed" and not cal.fallback
+    assert "paper" in cal.provenance and cal.source == str(SEED)
+    assert cal.version("flashinfer") == "0.2.5" and cal.version("driver") is None
+
+
+def test_seed_file_is_written_by_save_calibration(tmp_path):
+    """save(load(seed)) reproduces the committed file byte for byte (a canonical format)."""
+    out = tmp_path / "again.json"
+    save_calibration(load_calibration(SEED), out)
+    assert out.read_text() == SEED.read_text()
+
+
+# ----------------------------------------------------------------------------- round trip
+
+names = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), min_size=1, max_size=30)
+pos = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def calibrations(draw) -> Calibration:
+    table = draw(st.dictionaries(st.integers(1, 4096), pos, min_size=1, max_size=6))
+    return Calibration(
+        gpu=draw(names), slug=draw(st.from_regex(r"[a-z0-9]+(-[a-z0-9]+){0,3}", fullmatch=True)),
+        sm_count=draw(st.integers(1, 1024)), l2_bytes=draw(st.integers(1, 2**40)),
+        beta_gbps=draw(pos), lambda_us=draw(pos), lambda_graph_us=draw(pos), c_min=draw(pos),
+        splits=SplitPoints(draw(pos), draw(pos), draw(st.integers(1, 1 << 20))),
+        flashinfer_ctas_per_sm=tuple(sorted(table.items())),
+        versions=tuple((k, draw(st.none() | names)) for k in ("torch", "cuda", "flashinfer", "driver")),
+        date=draw(st.dates()).isoformat(), seed=draw(st.integers(0, 2**40)), command=draw(names),
+        provenance=draw(names))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cal=calibrations())
+def test_save_then_load_round_trips_exactly(tmp_path_factory, cal):
+    p = tmp_path_factory.mktemp("cal") / "x.json"
+    save_calibration(cal, p)
+    back = load_calibration(p)
+    assert back == attrs.evolve(cal, source=str(p))
+
+
+# ----------------------------------------------------------------------------- malformed files
+
+
+def test_bad_json_names_file_and_line(tmp_path):
+    text = SEED.read_text().replace('"sm_count": 28,', '"sm_count": 28,,')
+    line = text[: text.index(",,")].count("\n") + 1
+    p = write(tmp_path, text)
+    with pytest.raises(CalibrationError, match=rf"{re.escape(str(p))}: invalid JSON at line {line} column"):
+        load_calibration(p)
+
+
+def test_unreadable_file_names_it(tmp_path):
+    with pytest.raises(CalibrationError, match="nope.json: cannot read"):
+        load_calibration(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("path", [("gpu",), ("sm_count",), ("beta_gbps",), ("lambda_graph_us",), ("splits",),
+                                  ("splits", "min_split_tokens"), ("flashinfer", "ctas_per_sm"),
+                                  ("versions", "driver"), ("date",), ("source",)])
+def test_missing_key_is_named(tmp_path, path):
+    doc = seed_doc()
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    del parent[path[-1]]
+    p = write(tmp_path, doc)
+    with pytest.raises(CalibrationError, match=rf"{re.escape(str(p))}: key '{re.escape('.'.join(path))}'.*missing"):
+        load_calibration(p)
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    (("sm_count",), 28.5, "an integer"),
+    (("sm_count",), True, "an integer"),
+    (("l2_bytes",), "3MB", "an integer"),
+    (("beta_gbps",), "331", "a number"),
+    (("lambda_us",), None, "a number"),
+    (("splits",), [9, 45, 128], "a JSON object"),
+    (("splits", "bucket_ctas_per_sm"), "9", "a number"),
+    (("flashinfer", "ctas_per_sm"), [2.6], "a non-empty object"),
+    (("versions", "torch"), 2.5, "a non-empty string or null"),
+    (("gpu",), "", "a non-empty string"),
+    (("date",), "29/11/2026", "an ISO date"),
+    (("slug",), "RTX 3060", "a slug"),
+])
+def test_wrong_type_is_named(tmp_path, path, value, expected):
+    doc = seed_doc()
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    parent[path[-1]] = value
+    p = write(tmp_path, doc)
+    with pytest.raises(CalibrationError, match=rf"{re.escape(str(p))}: key '{re.escape('.'.join(path))}': expected {expected}"):
+        load_calibration(p)
+
+
+@pytest.mark.parametrize("path, value", [
+    (("sm_count",), 0), (("l2_bytes",), -1), (("beta_gbps",), 0.0), (("lambda_us",), -8.19),
+    (("lambda_graph_us",), 0), (("c_min",), -4), (("splits", "workqueue_ctas_per_sm"), 0),
+    (("splits", "min_split_tokens"), 0), (("flashinfer", "ctas_per_sm", "8"), 0.0),
+])
+def test_non_positive_is_named(tmp_path, path, value):
+    doc = seed_doc()
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    parent[path[-1]] = value
+    p = write(tmp_path, doc)
+    with pytest.raises(CalibrationError, match=rf"key '{re.escape('.'.join(path))}': expected a (finite )?positive"):
+        load_calibration(p)
+
+
+def test_flashinfer_table_key_must_be_an_active_count(tmp_path):
+    doc = seed_doc()
+    doc["flashinfer"]["ctas_per_sm"]["B8"] = 3.0
+    with pytest.raises(CalibrationError, match=r"key 'flashinfer.ctas_per_sm.B8': expected keys that are positive"):
+        load_calibration(write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("schema", [2, 0, "1", None])
+def test_unknown_schema_is_refused(tmp_path, schema):
+    doc = seed_doc()
+    doc["schema"] = schema
+    with pytest.raises(CalibrationError, match=r"key 'schema': expected 1 \(unknown schema version\)"):
+        load_calibration(write(tmp_path, doc))
+
+
+def test_missing_schema_is_refused(tmp_path):
+    doc = seed_doc()
+    del doc["schema"]
+    with pytest.raises(CalibrationError, match=r"key 'schema': expected it to be present"):
+        load_calibration(write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("where", [(), ("splits",), ("versions",)])
+def test_unknown_key_is_refused(tmp_path, where):
+    doc = seed_doc()
+    parent = doc
+    for k in where:
+        parent = parent[k]
+    parent["betta_gbps"] = 1.0
+    key = ".".join(where + ("betta_gbps",))
+    with pytest.raises(CalibrationError, match=rf"key '{re.escape(key)}': expected one of the schema-1 keys"):
+        load_calibration(write(tmp_path, doc))
+
+
+def test_top_level_must_be_an_object(tmp_path):
+    with pytest.raises(CalibrationError, match="expected a JSON object at top level"):
+        load_calibration(write(tmp_path, "[1, 2]"))
+
+
+# ----------------------------------------------------------------------------- finding a file
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "nvidia-h200"),
+    ("NVIDIA GeForce RTX 3060", "nvidia-geforce-rtx-3060"),
+    ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"),
+    ("  NVIDIA A100-SXM4-40GB ", "nvidia-a100-sxm4-40gb"),
+    ("rtx3060-seed", "rtx3060-seed"),
+])
+def test_slugify_examples(name, slug):
+    assert slugify(name) == slug
+
+
+@given(st.text(min_size=1, max_size=40).filter(lambda s: re.search(r"[A-Za-z0-9]", s.lower())))
+def test_slugify_is_a_fixed_point_of_its_own_output(name):
+    s = slugify(name)
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", s) and slugify(s) == s
+
+
+def test_slugify_refuses_names_without_letters():
+    with pytest.raises(ValueError, match="no letters or digits"):
+        slugify(" -- ")
+
+
+def test_calibration_dirs_is_the_checkout_directory_here(monkeypatch):
+    monkeypatch.delenv(C.ENV_DIR, raising=False)
+    assert calibration_dirs() == [REPO / "calibration"]
+
+
+def _profile(tmp_path, slug, gpu, name=None, **changes) -> pathlib.Path:
+    doc = seed_doc() | {"slug": slug, "gpu": gpu} | changes
+    return write(tmp_path, doc, name or f"{slug}.json")
+
+
+def test_find_by_device_name(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    p = _profile(tmp_path, "nvidia-h200", "NVIDIA H200", sm_count=132)
+    cal = find_calibration("NVIDIA H200")
+    assert (cal.sm_count, cal.source, cal.fallback) == (132, str(p), False)
+
+
+def test_find_by_slug_field_when_file_is_named_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    _profile(tmp_path, "nvidia-l40s", "NVIDIA L40S", name="l40s-2026.json", sm_count=142)
+    assert find_calibration("NVIDIA L40S").sm_count == 142
+
+
+def test_file_named_for_device_but_wrong_slug_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    _profile(tmp_path, "nvidia-a100", "NVIDIA A100", name="nvidia-h200.json")
+    with pytest.raises(CalibrationError, match=r"nvidia-h200.json: key 'slug': expected 'nvidia-h200'"):
+        find_calibration("NVIDIA H200")
+
+
+@pytest.mark.parametrize("device", ["Imaginary GPU 9000", None])
+def test_unknown_device_warns_and_falls_back_to_the_seed(tmp_path, monkeypatch, device):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    _profile(tmp_path, "nvidia-h200", "NVIDIA H200")
+    with pytest.warns(UserWarning, match="imaginary-gpu-9000" if device else "no CUDA device"):
+        cal = find_calibration(device)
+    assert cal.fallback and cal.source == str(SEED) and cal.slug == "rtx3060-seed"
+    assert attrs.evolve(cal, fallback=False) == load_calibration(SEED)
+
+
+def test_no_seed_profile_for_the_fallback_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(C, "calibration_dirs", lambda: [tmp_path])
+    with pytest.raises(CalibrationError, match="no rtx3060-seed.json"):
+        find_calibration("Imaginary GPU 9000")
+
+
+# ----------------------------------------------------------------------------- fit_split_points
+
+
+def _sweep(case, rows, context, best_s, splits, *, route=None, floor_us=400.0):
+    """Synthetic timings, convex in S with the minimum at ``best_s`` (5% per octave away)."""
+    out = []
+    for s in splits:
+        rec = {"case": case, "rows": rows, "context": context, "splits": s,
+               "us": floor_us * (1 + 0.05 * abs(math.log2(s / best_s)) * 4)}
+        if route:
+            rec["route"] = route
+        out.append(rec)
+    return out
+
+
+def test_fit_recovers_the_timed_optimum():
+    recs = _sweep("B1-32K", 1, 32768, 32, (8, 16, 24, 32, 40, 48)) + \
+        _sweep("B8-32K", 8, 32768, 20, (12, 16, 20, 24, 28))
+    pts = fit_split_points(recs, sm_count=28, num_kv_heads=8)
+    # bucket: 1 row * 8 kvh * 32 / 28 SMs; workqueue: 8 * 8 * 20 / 28
+    assert pts["bucket_ctas_per_sm"] == pytest.approx(1 * 8 * 32 / 28)
+    assert pts["workqueue_ctas_per_sm"] == pytest.approx(8 * 8 * 20 / 28)
+    # shortest chosen split: min(32768/32, 32768/20) = 1024 tokens, a multiple of 32
+    assert pts["min_split_tokens"] == 1024
+
+
+def test_fit_prefers_fewer_splits_within_tolerance():
+    recs = [{"case": "B1", "rows": 1, "context": 32768, "splits": s, "us": us}
+            for s, us in ((28, 452.0), (32, 441.0), (36, 447.0))]
+    # 447 <= 441 * 1.02 = 449.8, but 32 < 36 -> 32; with tolerance 0.03, 452 <= 454.2 -> 28
+    assert fit_split_points(recs, sm_count=28, num_kv_heads=8)["bucket_ctas_per_sm"] == pytest.approx(8 * 32 / 28)
+    assert fit_split_points(recs, sm_count=28, num_kv_heads=8, tolerance=0.03)["bucket_ctas_per_sm"] == \
+        pytest.approx(8 * 28 / 28)
+
+
+def test_fit_takes_the_median_over_cases_and_explicit_routes():
+    recs = (_sweep("a", 2, 65536, 16, (8, 16, 32), route="bucket")
+            + _sweep("b", 2, 65536, 32, (8, 16, 32), route="bucket")
+            + _sweep("c", 2, 65536, 8, (4, 8, 16), route="bucket"))
+    pts = fit_split_points(recs, sm_count=100, num_kv_heads=4)
+    assert pts["bucket_ctas_per_sm"] == pytest.approx(2 * 4 * 16 / 100)   # median of S 8, 16, 32
+    assert "workqueue_ctas_per_sm" not in pts
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], "empty"),
+    ([{"case": "x", "rows": 1, "context": 10, "splits": 2}], r"\['us'\]"),
+    ([{"case": "x", "rows": 0, "context": 10, "splits": 2, "us": 1.0}], "positive"),
+    (_sweep("x", 1, 10, 2, (1,)) + _sweep("x", 2, 10, 2, (2,)), "mixes"),
+    (_sweep("x", 1, 10, 2, (1, 2), route="fused"), "route must be"),
+])
+def test_fit_rejects_bad_records(bad, match):
+    with pytest.raises(ValueError, match=match):
+        fit_split_points(bad, sm_count=28, num_kv_heads=8)

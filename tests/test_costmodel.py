@@ -1,0 +1,157 @@
+"""Cost model: T_r = KVBytes/beta * max(1, C_min/C_r) + L_r*lambda + MergeBytes_r/beta, table-driven."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pkvrt.calibration import Calibration, SplitPoints, load_calibration
+from pkvrt.costmodel import (flashinfer_ctas_per_sm, launch_us, predict_flashinfer_us, predict_us, read_us,
+                             route_time_us)
+from pkvrt.planner import Counters, flashinfer_counters, plan_bucket, plan_workqueue
+from pkvrt.registry import SplitBounds
+
+SEED = pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json"
+
+
+def make_cal(**kw) -> Calibration:
+    """Round numbers: beta 1000 GB/s = 1e6 bytes/us, eager launch 10 us, graph launch 1 us."""
+    base = dict(gpu="Test GPU", slug="test-gpu", sm_count=100, l2_bytes=1 << 20, beta_gbps=1000.0,
+                lambda_us=10.0, lambda_graph_us=1.0, c_min=4.0,
+                splits=SplitPoints(bucket_ctas_per_sm=8.0, workqueue_ctas_per_sm=16.0, min_split_tokens=128),
+                flashinfer_ctas_per_sm=((1, 2.0), (4, 3.0), (16, 4.0)),
+                versions=(("torch", None), ("cuda", None), ("flashinfer", None), ("driver", None)),
+                date="2026-11-29", seed=1, command="test", provenance="test")
+    return Calibration(**(base | kw))
+
+
+# kv_bytes, C_r, launches, merge_bytes, graphs, expected µs (hand arithmetic on make_cal())
+TABLE = [
+    (1e9, 8.0, 2, 0, False, 1000 + 2 * 10),             # occupied: 1e9/1e6 = 1000 µs, 2 eager launches
+    (1e9, 8.0, 2, 0, True, 1000 + 2 * 1),               # same inside a graph
+    (1e9, 2.0, 1, 0, False, 1000 * (4 / 2) + 10),       # C 2 < C_min 4: read stretched 2x
+    (1e9, 4.0, 1, 0, False, 1000 + 10),                 # exactly C_min: factor 1
+    (1e9, 8.0, 2, 5e6, False, 1000 + 20 + 5),           # merge 5e6 B / 1e6 = 5 µs
+    (0, 8.0, 3, 0, True, 3 * 1),                        # no KV: launches only
+    (2.5e8, 0.5, 4, 1e6, False, 250 * 8 + 40 + 1),      # C 0.5: factor 8
+]
+
+
+@pytest.mark.parametrize("kv, c, launches, merge, graphs, expected", TABLE)
+def test_route_time_table(kv, c, launches, merge, graphs, expected):
+    got = route_time_us(kv_bytes=kv, cta_work_per_sm=c, launches=launches, merge_bytes=merge,
+                        cal=make_cal(), graphs=graphs)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_no_ctas_is_infinitely_slow():
+    assert route_time_us(kv_bytes=1, cta_work_per_sm=0.0, launches=1, merge_bytes=0, cal=make_cal(),
+                         graphs=True) == math.inf
+
+
+@pytest.mark.parametrize("graphs, lam", [(True, 1.0), (False, 10.0)])
+def test_launch_overhead_is_a_parameter(graphs, lam):
+    assert launch_us(make_cal(), graphs=graphs) == lam
+
+
+# active, num_kv_heads, expected: table {1: 2, 4: 3, 16: 4} on 100 SMs, linear in log2(active)
+FI_TABLE = [
+    (1, 8, 2.0),
+    (2, 8, 2.5),            # log2 2 = 1, halfway from log2 1 = 0 to log2 4 = 2
+    (4, 8, 3.0),
+    (8, 8, 3.5),            # halfway from log2 4 = 2 to log2 16 = 4
+    (16, 8, 4.0),
+    (32, 8, 4.0),           # beyond the table: its end; floor 32*8/100 = 2.56 does not bind
+    (64, 8, 64 * 8 / 100),  # floor: one CTA per (row, kv head) = 5.12 > 4
+    (3, 200, 3 * 200 / 100),
+]
+
+
+@pytest.mark.parametrize("active, kvh, expected", FI_TABLE)
+def test_flashinfer_fitted_ctas_table(active, kvh, expected):
+    assert flashinfer_ctas_per_sm(make_cal(), active=active, num_kv_heads=kvh) == pytest.approx(expected)
+
+
+def test_flashinfer_table_with_one_point_is_constant():
+    cal = make_cal(flashinfer_ctas_per_sm=((8, 3.0),))
+    assert [flashinfer_ctas_per_sm(cal, active=a, num_kv_heads=1) for a in (1, 8, 64)] == [3.0, 3.0, 3.0]
+
+
+def test_flashinfer_rejects_empty_step():
+    with pytest.raises(ValueError, match="active must be >= 1"):
+        flashinfer_ctas_per_sm(make_cal(), active=0, num_kv_heads=8)
+
+
+@given(a=st.integers(1, 4096), b=st.integers(1, 4096))
+def test_flashinfer_ctas_are_monotone_in_active(a, b):
+    cal = make_cal()
+    lo, hi = sorted((a, b))
+    assert flashinfer_ctas_per_sm(cal, active=lo, num_kv_heads=8) <= flashinfer_ctas_per_sm(cal, active=hi, num_kv_heads=8)
+
+
+def h200_cal() -> Calibration:
+    """DESIGN.md's H200 anchors; the FlashInfer point is the one fitted in costmodel.py's example."""
+    return make_cal(sm_count=132, beta_gbps=4120.0, lambda_us=10.0, lambda_graph_us=1.1, c_min=4.0,
+                    flashinfer_ctas_per_sm=((8, 3.61),))
+
+
+def test_worked_example_of_the_module_docstring():
+    """B8 x 32K on the H200, workqueue with 16 splits per row (costmodel.py docstring)."""
+    cal = h200_cal()
+    kv = 8 * 32768 * 8 * 128 * 2 * 2                       # 1_073_741_824 B
+    merge = 8 * 16 * 32 * (128 * 4 + 8) * 2                 # 4_259_840 B
+    wq = Counters(launches=2, decode_ctas=8 * 8 * 16, cta_work_per_sm=8 * 8 * 16 / 132, useful_kv_bytes=kv,
+                  merge_bytes=merge, merge_launches=1)
+    t_wq = predict_us(wq, cal, graphs=True)
+    assert t_wq == pytest.approx(kv / 4120e3 + 2 * 1.1 + merge / 4120e3)
+    assert round(t_wq, 1) == 263.9
+    fi = flashinfer_counters(np.full(8, 32768), num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    t_fi = predict_flashinfer_us(fi, cal, active=8, num_kv_heads=8, graphs=True)
+    assert round(t_fi, 1) == 289.9                          # DESIGN.md measured 0.290 ms
+    assert round(t_fi / t_wq, 2) == 1.10
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_predict_us_matches_route_time_on_plans(graphs):
+    cal = make_cal()
+    seq = np.array([40000, 1000, 17, 32768])
+    kw = dict(num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2, cal=cal)
+    for plan in (plan_workqueue(seq, splits=SplitBounds(1, 64, 4), **kw),
+                 plan_bucket(seq, splits=SplitBounds(4, 64, 4), **kw)):
+        c = plan.counters
+        assert predict_us(c, cal, graphs=graphs) == pytest.approx(
+            read_us(c.useful_kv_bytes, cal) * max(1, 4 / c.cta_work_per_sm)
+            + c.launches * launch_us(cal, graphs=graphs) + read_us(c.merge_bytes, cal))
+
+
+def test_seed_profile_reproduces_the_papers_ratios():
+    """The seed's fitted FlashInfer points give back the paper's CUDA-event ratios (eager launches):
+    B1 32K bucket split 32: 1.471x; bimodal B8 (550.5 MiB of KV) workqueue split 20: 1.106x."""
+    cal = load_calibration(SEED)
+    kw = dict(num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2, cal=cal)
+    b1 = plan_bucket(np.array([32768]), splits=SplitBounds(4, 64, 4), **kw)
+    assert b1.buckets[0].num_splits == 32
+    fi1 = flashinfer_counters(np.array([32768]), num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    r1 = predict_flashinfer_us(fi1, cal, active=1, num_kv_heads=8, graphs=False) / predict_us(b1.counters, cal, graphs=False)
+    assert r1 == pytest.approx(1.471, abs=0.005)
+
+    total = round(550.5 * 2**20 / (8 * 128 * 2 * 2))       # tokens of the paper's Table 4 step
+    seq = np.array([32768, 32768] + [(total - 65536) // 6] * 6)
+    wq = plan_workqueue(seq, splits=SplitBounds(1, 64, 4), **kw)
+    assert set(wq.num_splits.tolist()) == {20}
+    fi8 = flashinfer_counters(seq, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    r8 = predict_flashinfer_us(fi8, cal, active=8, num_kv_heads=8, graphs=False) / predict_us(wq.counters, cal, graphs=False)
+    assert r8 == pytest.approx(1.106, abs=0.005)
+
+
+def test_faster_bandwidth_never_slows_a_route():
+    c = Counters(launches=2, decode_ctas=100, cta_work_per_sm=1.0, useful_kv_bytes=10**9, merge_bytes=10**6,
+                 merge_launches=1)
+    cal = make_cal()
+    assert predict_us(c, attrs.evolve(cal, beta_gbps=2000.0), graphs=True) < predict_us(c, cal, graphs=True)

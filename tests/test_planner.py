@@ -1,0 +1,332 @@
+"""Planners: workqueue coverage and bounds, bucket grouping, counters by hand, the bimodal B8 case."""
+
+from __future__ import annotations
+
+import pathlib
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from pkvrt._buildspec import TILE_TOKENS
+from pkvrt.calibration import SplitPoints, load_calibration
+from pkvrt.pagetable import to_csr
+from pkvrt.planner import (BucketPlan, WorkqueuePlan, bucket_counters, check_seq_lens, clamp_splits,
+                           plan_bucket, plan_flashinfer, plan_fused, plan_workqueue, split_capacity,
+                           split_tile_range, workqueue_counters)
+from pkvrt.registry import SplitBounds
+
+SEED = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json")
+SHAPE = dict(num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2)
+WQ_BOUNDS = SplitBounds(min=1, max=64, multiple_of=4)      # routes.toml's workqueue bounds
+BUCKET_BOUNDS = SplitBounds(min=4, max=64, multiple_of=4)  # routes.toml's bucket bounds
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def bounds(draw) -> SplitBounds:
+    m = draw(st.sampled_from((1, 2, 4, 8)))
+    lo = draw(st.sampled_from((1, m, 2 * m, 4 * m)))
+    hi = draw(st.integers(max(lo, 2) // m, 16)) * m
+    return SplitBounds(min=lo, max=max(lo, hi), multiple_of=m)
+
+
+@st.composite
+def cals(draw):
+    return attrs.evolve(
+        SEED, sm_count=draw(st.integers(1, 200)),
+        splits=SplitPoints(bucket_ctas_per_sm=draw(st.floats(0.1, 100)),
+                           workqueue_ctas_per_sm=draw(st.floats(0.1, 100)),
+                           min_split_tokens=draw(st.integers(1, 2048))))
+
+
+lengths = st.one_of(st.integers(1, 100), st.integers(1, 5000), st.integers(16000, 140000))
+seqs = hnp.arrays(np.int32, st.integers(1, 64), elements=lengths)
+heads = st.sampled_from(((8, 32), (2, 16), (1, 1), (4, 4)))
+
+
+def tiles_of(seq):
+    return -(-np.asarray(seq, dtype=np.int64) // TILE_TOKENS)
+
+
+# ----------------------------------------------------------------------------- workqueue
+
+
+def check_workqueue(plan: WorkqueuePlan, seq, sb: SplitBounds, num_kv_heads: int, cal):
+    seq = np.asarray(seq, dtype=np.int64)
+    t = plan.tasks.astype(np.int64)
+    assert plan.tasks.dtype == np.int32 and t.shape == (int(plan.num_splits.sum()) * num_kv_heads, 5)
+    row, kvh, split, b, e = t.T
+    # no empty task; boundaries on tiles; inside the row
+    assert (e > b).all() and (b % TILE_TOKENS == 0).all() and (e <= seq[row]).all()
+    assert ((kvh >= 0) & (kvh < num_kv_heads)).all()
+    assert ((split >= 0) & (split < plan.num_splits[row])).all()
+    # (row, kvh) token ranges cover [0, seq_len) exactly once, splits in token order
+    order = np.lexsort((b, kvh, row))
+    row, kvh, split, b, e = (x[order] for x in (row, kvh, split, b, e))
+    first = np.r_[True, (row[1:] != row[:-1]) | (kvh[1:] != kvh[:-1])]
+    last = np.r_[first[1:], True]
+    assert (b[first] == 0).all() and (e[last] == seq[row[last]]).all()
+    assert (b[~first] == e[np.flatnonzero(~first) - 1]).all()
+    assert (split[~first] == split[np.flatnonzero(~first) - 1] + 1).all()
+    assert first.sum() == seq.size * num_kv_heads
+    # split_offsets: exclusive prefix sum of num_splits
+    ns = plan.num_splits.astype(np.int64)
+    assert plan.split_offsets.dtype == np.int32 and plan.num_splits.dtype == np.int32
+    assert plan.split_offsets[0] == 0 and (np.diff(plan.split_offsets) == ns).all()
+    # split counts: at least 1, never more than the row's capacity (so never more than its
+    # tiles), at most the route's max, and an allowed count unless the row is too short for one
+    cap = split_capacity(seq, min_split_tokens=cal.splits.min_split_tokens)
+    assert (ns >= 1).all() and (ns <= cap).all() and (ns <= tiles_of(seq)).all() and (ns <= sb.max).all()
+    allowed = np.isin(ns, sb.candidates())
+    assert (allowed | (ns == cap) & (cap < sb.candidates()[0])).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(seq=seqs, sb=bounds(), cal=cals(), hd=heads)
+def test_workqueue_tasks_cover_every_row_and_head_once(seq, sb, cal, hd):
+    kvh, qoh = hd
+    plan = plan_workqueue(seq, num_kv_heads=kvh, num_qo_heads=qoh, head_dim=128, dtype_bytes=2, splits=sb, cal=cal)
+    check_workqueue(plan, seq, sb, kvh, cal)
+    c = plan.counters
+    slots = int(plan.num_splits.sum())
+    assert (c.launches, c.merge_launches, c.decode_ctas) == (2, 1, len(plan.tasks))
+    assert c.cta_work_per_sm == pytest.approx(len(plan.tasks) / cal.sm_count)
+    assert c.merge_bytes == slots * qoh * (4 * 128 + 8) * 2
+    assert c.useful_kv_bytes == int(seq.astype(np.int64).sum()) * kvh * 128 * 2 * 2
+    assert workqueue_counters(seq, num_kv_heads=kvh, num_qo_heads=qoh, head_dim=128, dtype_bytes=2,
+                              splits=sb, cal=cal) == c
+
+
+@settings(max_examples=40, deadline=None)
+@given(seq=seqs, cal=cals())
+def test_workqueue_split_comes_from_active_count_and_row_tiles(seq, cal):
+    """Rows with enough tiles all get the same S, set by the active count alone."""
+    plan = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=cal)
+    want = int(np.ceil(cal.splits.workqueue_ctas_per_sm * cal.sm_count / (len(seq) * 8)))
+    cap = split_capacity(seq, min_split_tokens=cal.splits.min_split_tokens)
+    roomy = cap >= WQ_BOUNDS.clamp(want)
+    assert (plan.num_splits[roomy] == WQ_BOUNDS.clamp(want)).all()
+
+
+def test_workqueue_tasks_run_longest_first():
+    seq = np.array([100, 40000, 3000, 33000])
+    plan = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
+    # B4 seed: S = 40 for the long rows (1000 and 825 tokens per split), 20 for 3000 tokens
+    # (94 tiles, capacity 23 -> 20; 150 per split), 1 for 100 tokens -> order rows 1, 3, 2, 0
+    assert [int(r) for r in dict.fromkeys(plan.tasks[:, 0].tolist())] == [1, 3, 2, 0]
+    size = plan.tasks[:, 4] - plan.tasks[:, 3]
+    first_of_row = {int(r): int(size[np.argmax(plan.tasks[:, 0] == r)]) for r in range(4)}
+    assert first_of_row[1] >= first_of_row[3] >= first_of_row[2] >= first_of_row[0]
+
+
+def test_fused_plan_shares_tasks_and_drops_the_merge_launch():
+    seq = np.array([40000, 1000, 17])
+    wq = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
+    fu = plan_fused(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
+    assert np.array_equal(wq.tasks, fu.tasks) and np.array_equal(wq.split_offsets, fu.split_offsets)
+    assert (fu.counters.launches, fu.counters.merge_launches) == (1, 0)
+    assert fu.counters.merge_bytes == wq.counters.merge_bytes
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+@settings(max_examples=150, deadline=None)
+@given(seq=seqs, sb=bounds(), cal=cals(), coarse=st.none() | st.lists(st.integers(1, 4096), min_size=1, max_size=5, unique=True))
+def test_buckets_cover_every_row_once(seq, sb, cal, coarse):
+    seq64 = seq.astype(np.int64)
+    coarse = tuple(sorted(c * TILE_TOKENS for c in coarse)) if coarse else ()
+    mode = "coarse" if coarse else "exact"
+    plan = plan_bucket(seq, **SHAPE, splits=sb, cal=cal, bucketing=mode, coarse_lengths=coarse)
+    rows = np.concatenate([bk.rows for bk in plan.buckets])
+    assert rows.dtype == np.int32 and np.array_equal(np.sort(rows), np.arange(seq.size))
+    keys = [bk.route_len for bk in plan.buckets]
+    assert keys == sorted(keys, reverse=True) and len(set(keys)) == len(keys)
+    cap_all = split_capacity(seq64, min_split_tokens=cal.splits.min_split_tokens)
+    for bk in plan.buckets:
+        lens = seq64[bk.rows]
+        assert (lens <= bk.route_len).all()
+        if mode == "exact":
+            assert (lens == bk.route_len).all()
+        elif bk.route_len in coarse:   # the next coarse length: no smaller one holds the longest row
+            assert all(c < lens.max() for c in coarse if c < bk.route_len)
+        else:                          # overflow bucket: rows beyond the last coarse length
+            assert (lens > coarse[-1]).all() and bk.route_len == lens.max()
+        s = bk.num_splits
+        assert 1 <= s <= max(cap_all[bk.rows]) and s <= sb.max
+        assert s in sb.candidates() or s == max(cap_all[bk.rows]) < sb.candidates()[0]
+    c = plan.counters
+    ss = np.array([bk.num_splits for bk in plan.buckets])
+    rr = np.array([len(bk.rows) for bk in plan.buckets])
+    assert c.launches == len(plan.buckets) + int((ss > 1).sum()) and c.merge_launches == int((ss > 1).sum())
+    assert c.decode_ctas == int((rr * ss).sum()) * 8
+    assert c.merge_bytes == int((rr * ss)[ss > 1].sum()) * 32 * (4 * 128 + 8) * 2
+    assert bucket_counters(seq, **SHAPE, splits=sb, cal=cal, bucketing=mode, coarse_lengths=coarse) == c
+
+
+def test_bucket_split_choice_from_cta_work_and_tiles():
+    # seed: ceil(9.0 * 28 SMs / (rows * 8 kvh)): 1 row -> ceil(31.5) = 32, 2 rows -> ceil(15.75) = 16
+    one = plan_bucket(np.array([32768]), **SHAPE, splits=BUCKET_BOUNDS, cal=SEED)
+    two = plan_bucket(np.array([32768, 32768]), **SHAPE, splits=BUCKET_BOUNDS, cal=SEED)
+    assert one.buckets[0].num_splits == 32 and two.buckets[0].num_splits == 16
+    # 300 tokens: 10 tiles, 4 per split at least -> capacity 2 < min 4 -> 2 splits, never more than tiles
+    short = plan_bucket(np.array([300]), **SHAPE, splits=BUCKET_BOUNDS, cal=SEED)
+    assert short.buckets[0].num_splits == 2
+
+
+def test_coarse_buckets_round_rows_up_and_keep_true_lengths():
+    seq = np.array([5000, 9000, 8192, 20000, 30000, 100])
+    plan = plan_bucket(seq, **SHAPE, splits=BUCKET_BOUNDS, cal=SEED, bucketing="coarse", coarse_lengths=(8192, 16384))
+    got = {bk.route_len: sorted(seq[bk.rows].tolist()) for bk in plan.buckets}
+    # 100, 5000, 8192 -> 8192; 9000 -> 16384; 20000, 30000 overflow -> one bucket keyed 30000
+    assert got == {8192: [100, 5000, 8192], 16384: [9000], 30000: [20000, 30000]}
+
+
+@pytest.mark.parametrize("mode, coarse, match", [("banana", (), "bucketing"), ("coarse", (), "coarse_lengths")])
+def test_bucket_mode_errors(mode, coarse, match):
+    with pytest.raises(ValueError, match=match):
+        plan_bucket(np.array([10]), **SHAPE, splits=BUCKET_BOUNDS, cal=SEED, bucketing=mode, coarse_lengths=coarse)
+
+
+# ----------------------------------------------------------------------------- hand-worked counters
+
+
+def test_counters_by_hand():
+    """seq [32768, 1000, 100]; H_q 32, H_kv 8, D 128, fp16; seed: 28 SMs, min_split_tokens 128 (4 tiles)."""
+    seq = np.array([32768, 1000, 100], dtype=np.int32)
+    kv = (32768 + 1000 + 100) * 8 * 128 * 2 * 2                  # 33868 tok * 4096 B = 138_723_328 B
+    assert kv == 138_723_328
+    # workqueue: want ceil(45.0*28 / (3*8)) = ceil(52.5) = 53 -> nearest allowed (1,4,..,64): 52
+    # capacities: 1024 tiles // 4 = 256; 32 tiles // 4 = 8; 4 tiles // 4 = 1 -> S = 52, 8, 1
+    wq = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
+    assert wq.num_splits.tolist() == [52, 8, 1] and wq.split_offsets.tolist() == [0, 52, 60, 61]
+    c = wq.counters
+    assert c.decode_ctas == 61 * 8 == 488
+    assert c.cta_work_per_sm == pytest.approx(488 / 28)          # 17.43
+    assert c.useful_kv_bytes == kv
+    assert c.merge_bytes == 61 * 32 * (128 * 4 + 8) * 2 == 2_030_080
+    assert (c.launches, c.merge_launches) == (2, 1)
+    # the 1000-token row: 32 tiles in 8 splits of 4 tiles; the last ends at 1000, not 1024
+    r1 = wq.tasks[(wq.tasks[:, 0] == 1) & (wq.tasks[:, 1] == 0)]
+    assert r1[:, 3].tolist() == [0, 128, 256, 384, 512, 640, 768, 896] and r1[-1, 4] == 1000
+
+    # exact buckets: 3 one-row buckets, want ceil(9.0*28 / 8) = 32; capacities 256, 8, 1
+    # -> S = 32, 8, 1 (1 < min 4: the 4-tile row cannot take 4 splits of 4 tiles)
+    bk = plan_bucket(seq, **SHAPE, splits=BUCKET_BOUNDS, cal=SEED)
+    assert [(b.route_len, b.num_splits, b.rows.tolist()) for b in bk.buckets] == \
+        [(32768, 32, [0]), (1000, 8, [1]), (100, 1, [2])]
+    c = bk.counters
+    assert (c.launches, c.merge_launches) == (3 + 2, 2)          # decode per bucket + merge for S > 1
+    assert c.decode_ctas == (32 + 8 + 1) * 8 == 328
+    assert c.merge_bytes == (32 + 8) * 32 * 520 * 2 == 1_331_200  # the S = 1 bucket writes O directly
+    assert c.useful_kv_bytes == kv
+
+
+# ----------------------------------------------------------------------------- bimodal B8
+
+
+def bimodal_b8(seed: int) -> np.ndarray:
+    """1 long (~32K) : 3 short (1K-4K) rows, 8 distinct lengths (pkvrt.traces' bimodal ranges)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        seq = np.concatenate([rng.integers(30720, 34817, 2), rng.integers(1024, 4097, 6)]).astype(np.int32)
+        if len(set(seq.tolist())) == 8:
+            return seq
+
+
+@pytest.mark.parametrize("seed", range(20260623, 20260628))
+def test_bimodal_b8_exact_buckets_fan_out_workqueue_does_not(seed):
+    seq = bimodal_b8(seed)
+    bk = plan_bucket(seq, **SHAPE, splits=BUCKET_BOUNDS, cal=SEED)
+    wq = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
+    # 8 distinct lengths -> 8 buckets; every one splits (>= 1024 tokens = 32 tiles -> capacity 8)
+    assert len(bk.buckets) == 8 and bk.counters.launches == 16 and bk.counters.merge_launches == 8
+    assert wq.counters.launches == 2 and wq.counters.merge_launches == 1
+    assert wq.counters.merge_bytes < bk.counters.merge_bytes
+    assert bk.counters.useful_kv_bytes == wq.counters.useful_kv_bytes
+
+
+def test_papers_table4_counters():
+    """Paper Table 4 (held-out bimodal B8, 550.5 MiB KV, 28 SMs): buckets 16 launches, 73.1 CTA work
+    per SM, 4.06 MiB merge, 8 merge launches; workqueue 2, 45.7, 2.54 MiB, 1 (MiB counted once)."""
+    total = round(550.5 * 2**20 / (8 * 128 * 2 * 2))
+    short = (total - 2 * 32768) // 6
+    seq = np.array([32768, 32769] + [short - 2 + i for i in range(6)])  # 8 distinct lengths
+    bk = plan_bucket(seq, **SHAPE, splits=BUCKET_BOUNDS, cal=SEED).counters
+    wq = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED).counters
+    assert (bk.launches, round(bk.cta_work_per_sm, 1), round(bk.merge_bytes / 2 / 2**20, 2), bk.merge_launches) == \
+        (16, 73.1, 4.06, 8)
+    assert (wq.launches, round(wq.cta_work_per_sm, 1), round(wq.merge_bytes / 2 / 2**20, 2), wq.merge_launches) == \
+        (2, 45.7, 2.54, 1)
+    assert wq.useful_kv_bytes / 2**20 == pytest.approx(550.5, abs=0.1)     # + 18 tokens for distinctness
+
+
+# ----------------------------------------------------------------------------- helpers, inputs
+
+
+@given(n=st.integers(1, 5000), s=st.integers(1, 5000))
+def test_split_tile_range_partitions_tiles(n, s):
+    s = min(s, n)
+    b, e = split_tile_range(np.arange(s), s, n)
+    assert b[0] == 0 and e[-1] == n and (b[1:] == e[:-1]).all() and (e > b).all()
+
+
+@given(sb=bounds(), want=st.lists(st.integers(1, 200), min_size=1, max_size=20))
+def test_vectorized_clamp_matches_split_bounds(sb, want):
+    assert clamp_splits(sb, np.array(want)).tolist() == [sb.clamp(w) for w in want]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([[1, 2]]), "1-D"), (np.array([], dtype=np.int32), "non-empty"),
+    (np.array([1.5, 2.0]), "integer dtype"), (np.array([5, 0, 3]), r"seq_lens\[1\] = 0"),
+    (np.array([-4]), r"seq_lens\[0\] = -4"),
+])
+@pytest.mark.parametrize("fn", [plan_workqueue, plan_bucket])
+def test_bad_seq_lens_are_named(fn, bad, match):
+    with pytest.raises(ValueError, match=match):
+        fn(bad, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
+
+
+def test_heads_must_divide():
+    with pytest.raises(ValueError, match="num_qo_heads=30"):
+        plan_workqueue(np.array([10]), num_kv_heads=8, num_qo_heads=30, head_dim=128, dtype_bytes=2,
+                       splits=WQ_BOUNDS, cal=SEED)
+
+
+def test_check_seq_lens_accepts_lists_and_int64():
+    assert check_seq_lens([3, 4]).tolist() == [3, 4]
+    assert check_seq_lens(np.array([7], dtype=np.uint16)).dtype == np.int64
+
+
+def test_flashinfer_plan_uses_the_shared_csr():
+    seq = np.array([33, 16, 1], dtype=np.int32)
+    bt = np.array([[5, 9, 2], [7, -1, -1], [0, -1, -1]], dtype=np.int32)
+    plan = plan_flashinfer(seq, num_kv_heads=8, head_dim=128, dtype_bytes=2, page_size=16, block_tables=bt)
+    ref = to_csr(seq, bt, 16)
+    assert all(np.array_equal(a, b) for a, b in zip((plan.indptr, plan.indices, plan.last_page_len), ref))
+    assert plan.indptr.tolist() == [0, 3, 4, 5]                    # ceil(33/16) = 3, 1, 1 pages
+    assert (plan.counters.launches, plan.counters.merge_bytes) == (1, 0)
+    assert plan.counters.useful_kv_bytes == 50 * 8 * 128 * 2 * 2
+    bare = plan_flashinfer(seq, num_kv_heads=8, head_dim=128, dtype_bytes=2, page_size=16)
+    assert bare.indptr is None and bare.counters == plan.counters
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def test_bench_plan_workqueue_b64(benchmark):
+    seq = np.random.default_rng(20260622).integers(1024, 65536, 64).astype(np.int32)
+    plan = benchmark(plan_workqueue, seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
+    check_workqueue(plan, seq, WQ_BOUNDS, 8, SEED)
+
+
+def test_bench_plan_bucket_b8(benchmark):
+    seq = bimodal_b8(20260623)
+    plan = benchmark(plan_bucket, seq, **SHAPE, splits=BUCKET_BOUNDS, cal=SEED)
+    assert isinstance(plan, BucketPlan) and len(plan.buckets) == 8

@@ -1,0 +1,294 @@
+"""Router: every gate, every margin, the B4 rule and its allow flag, force, routes.toml edits."""
+
+from __future__ import annotations
+
+import pathlib
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from pkvrt.calibration import load_calibration
+from pkvrt.costmodel import predict_us
+from pkvrt.planner import BucketPlan, FlashInferPlan, WorkqueuePlan
+from pkvrt.registry import load_routes
+from pkvrt.router import Router
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SEED = load_calibration(REPO / "calibration" / "rtx3060-seed.json")
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+
+TEMPLATE = """\
+[gates]
+group_sizes = {group_sizes}
+min_context = {min_context}
+min_active = {min_active}
+max_active = {max_active}
+
+[promotion]
+margin = {margin}
+
+[promotion.boundary]
+active = 4
+margin = {boundary_margin}
+allow = {allow}
+
+[routes.flashinfer]
+kind = "flashinfer"
+
+[routes.pkv_bucket]
+kind = "bucket"
+kernel = "split_decode"
+enabled = {bucket_enabled}
+
+[routes.pkv_bucket.splits]
+min = 4
+max = 64
+multiple_of = 4
+
+[routes.pkv_workqueue]
+kind = "workqueue"
+kernel = "workqueue_decode"
+enabled = {workqueue_enabled}
+
+[routes.pkv_workqueue.splits]
+min = 1
+max = 64
+multiple_of = 4
+
+[routes.pkv_fused]
+kind = "fused"
+kernel = "fused_decode"
+ablation = true
+
+[routes.pkv_fused.splits]
+min = 1
+max = 64
+multiple_of = 4
+"""
+DEFAULTS = dict(group_sizes="[4]", min_context=16384, min_active=1, max_active=8, margin=1.05,
+                boundary_margin=1.5, allow="false", bucket_enabled="true", workqueue_enabled="true")
+
+
+def registry(tmp_path, name="routes.toml", **edits):
+    p = tmp_path / name
+    p.write_text(TEMPLATE.format(**(DEFAULTS | edits)))
+    return load_routes(p)
+
+
+def router(reg, *, cal=SEED, graphs=False, **shape):
+    return Router(reg, cal, **(SHAPE | shape), graphs=graphs)
+
+
+def bimodal_b8(seed=20260623):
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.integers(30720, 34817, 2), rng.integers(1024, 4097, 6)]).astype(np.int32)
+
+
+B1 = np.array([32768], dtype=np.int32)
+B4 = np.full(4, 32768, dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------- the paper's policy
+
+
+@pytest.mark.parametrize("seq, group, route", [
+    (B1, 4, "pkv_bucket"),                                    # B1: splitting is the only source of CTAs
+    (B4, 4, "flashinfer"),                                    # B4: the boundary rule
+    (bimodal_b8(), 4, "pkv_workqueue"),                       # B8 ragged: one launch instead of 8 buckets
+    (bimodal_b8(), 8, "flashinfer"),                          # uncalibrated G = 8
+    (bimodal_b8(), 1, "flashinfer"),                          # uncalibrated G = 1
+    (np.full(8, 8192, dtype=np.int32), 4, "flashinfer"),      # short context
+])
+def test_repo_routes_with_the_seed_profile_make_the_papers_decisions(seq, group, route):
+    rt = router(load_routes(REPO / "routes.toml"), num_qo_heads=8 * group)
+    assert rt.decide(seq).route == route
+
+
+# ----------------------------------------------------------------------------- gates
+
+
+@pytest.mark.parametrize("edits, seq, qo_heads, reason", [
+    ({"group_sizes": "[2, 8]"}, B1, 32, "group size 4 is not calibrated"),
+    ({}, np.array([16383], dtype=np.int32), 32, "longest context 16383 tokens is below gates.min_context = 16384"),
+    ({"min_active": 2}, B1, 32, "active count 1 is below gates.min_active = 2"),
+    ({"max_active": 3}, B4, 32, "active count 4 is above gates.max_active = 3"),
+    ({"bucket_enabled": "false", "workqueue_enabled": "false"}, B1, 32, "disabled in routes.toml"),
+])
+def test_each_gate_refuses_with_its_reason(tmp_path, edits, seq, qo_heads, reason):
+    d = router(registry(tmp_path, **edits), num_qo_heads=qo_heads).decide(seq)
+    assert d.route == "flashinfer" and d.speedup == 1.0
+    for name in ("pkv_bucket", "pkv_workqueue"):
+        assert reason in d.refused[name] and name not in d.predicted_us
+
+
+def test_gate_passes_at_its_bounds(tmp_path):
+    reg = registry(tmp_path, min_context=32768, min_active=1, max_active=1)
+    d = router(reg).decide(B1)      # longest = min_context, active = max_active: both inclusive
+    assert d.route == "pkv_bucket" and "pkv_workqueue" in d.predicted_us
+
+
+def test_ablation_route_runs_only_when_forced(tmp_path):
+    rt = router(registry(tmp_path))
+    d = rt.decide(bimodal_b8())
+    assert "ablation" in d.refused["pkv_fused"] and "pkv_fused" not in d.predicted_us
+    f = rt.decide(bimodal_b8(), force="pkv_fused")
+    assert (f.route, f.kind, f.forced) == ("pkv_fused", "fused", True)
+    assert isinstance(f.plan, WorkqueuePlan) and (f.plan.counters.launches, f.plan.counters.merge_launches) == (1, 0)
+
+
+# ----------------------------------------------------------------------------- margins
+
+
+def test_editing_the_margin_in_routes_toml_moves_the_decision(tmp_path):
+    seq = bimodal_b8()
+    base = router(registry(tmp_path, margin=1.0)).decide(seq)
+    assert base.route == "pkv_workqueue"
+    s = base.speedup                                       # predicted T_fi / T_wq (about 1.10)
+    above = router(registry(tmp_path, "a.toml", margin=round(s + 0.01, 3))).decide(seq)
+    below = router(registry(tmp_path, "b.toml", margin=round(s - 0.01, 3))).decide(seq)
+    assert above.route == "flashinfer" and f"< margin {round(s + 0.01, 3):.2f}" in above.refused["pkv_workqueue"]
+    assert below.route == "pkv_workqueue" and below.speedup == pytest.approx(s)
+
+
+def test_best_route_that_clears_its_margin_wins(tmp_path):
+    d = router(registry(tmp_path, margin=1.0)).decide(B1)
+    t = d.predicted_us
+    best = min(("pkv_bucket", "pkv_workqueue"), key=t.get)
+    other = ({"pkv_bucket", "pkv_workqueue"} - {best}).pop()
+    assert d.route == best and d.refused[other].startswith(f"slower than {best}")
+    assert d.refused["flashinfer"].startswith(best)
+
+
+@pytest.mark.parametrize("allow, boundary_margin, route, reason", [
+    ("false", 1.5, "flashinfer", "< margin 1.50 (boundary rule)"),     # the paper's default
+    ("true", 1.5, "pkv", None),                                         # --allow-b4-persistentkv
+    ("false", "inf", "flashinfer", "boundary rule: no PersistentKV at 4 active rows"),
+    ("false", 1.1, "pkv", None),                                        # a lower boundary margin
+])
+def test_b4_boundary_rule_and_its_allow_flag(tmp_path, allow, boundary_margin, route, reason):
+    d = router(registry(tmp_path, allow=allow, boundary_margin=boundary_margin)).decide(B4)
+    # seed prediction at B4 32K: about 1.21x for the split routes
+    assert d.route.startswith(route)
+    if reason:
+        assert all(reason in d.refused[n] for n in ("pkv_bucket", "pkv_workqueue"))
+    else:
+        assert d.speedup >= 1.05
+
+
+def test_boundary_rule_applies_only_at_its_active_count(tmp_path):
+    reg = registry(tmp_path, boundary_margin="inf")
+    assert router(reg).decide(np.full(3, 32768, dtype=np.int32)).route != "flashinfer"
+    assert router(reg).decide(np.full(5, 32768, dtype=np.int32)).route != "flashinfer"
+
+
+# ----------------------------------------------------------------------------- force
+
+
+def test_force_bypasses_gates_and_margins(tmp_path):
+    rt = router(registry(tmp_path))
+    short = np.full(8, 2048, dtype=np.int32)
+    assert rt.decide(short).route == "flashinfer"
+    d = rt.decide(short, force="pkv_bucket")
+    assert d.route == "pkv_bucket" and isinstance(d.plan, BucketPlan) and d.forced
+    assert d.speedup == pytest.approx(d.predicted_us["flashinfer"] / d.predicted_us["pkv_bucket"])
+    assert d.refused["flashinfer"] == "not chosen: route 'pkv_bucket' forced"
+    assert "min_context" in d.refused["pkv_workqueue"]
+
+
+def test_force_baseline(tmp_path):
+    d = router(registry(tmp_path)).decide(B1, force="flashinfer")
+    assert (d.route, d.speedup) == ("flashinfer", 1.0) and isinstance(d.plan, FlashInferPlan)
+    assert d.refused["pkv_bucket"] == "not chosen: route 'flashinfer' forced"
+
+
+def test_force_does_not_bypass_validity(tmp_path):
+    reg = registry(tmp_path)
+    with pytest.raises(ValueError, match=r"force='pkv_turbo': no such route .* known: flashinfer, pkv_bucket"):
+        router(reg).decide(B1, force="pkv_turbo")
+    with pytest.raises(ValueError, match="head_dim 96"):
+        router(reg, head_dim=96).decide(B1, force="pkv_workqueue")
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 0"):
+        router(reg).decide(np.array([0]), force="pkv_workqueue")
+
+
+def test_shape_without_kernel_refuses_pkv_routes(tmp_path):
+    d = router(registry(tmp_path), head_dim=96).decide(B1)
+    assert d.route == "flashinfer" and d.refused["pkv_bucket"].startswith("no PersistentKV kernel: head_dim 96")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_qo_heads=30), "not a multiple"), (dict(num_kv_heads=0), "num_kv_heads=0"),
+    (dict(page_size=True), "page_size=True"),
+])
+def test_router_rejects_bad_shapes(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        router(registry(tmp_path), **kw)
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+@settings(max_examples=60, deadline=None)
+@given(seq=hnp.arrays(np.int32, st.integers(1, 12), elements=st.integers(1, 70000)),
+       margin=st.sampled_from([1.0, 1.05, 1.3]), allow=st.sampled_from(["true", "false"]),
+       graphs=st.booleans())
+def test_every_decision_accounts_for_every_route(tmp_path_factory, seq, margin, allow, graphs):
+    reg = registry(tmp_path_factory.mktemp("r"), margin=margin, allow=allow)
+    d = router(reg, graphs=graphs).decide(seq)
+    names = {r.name for r in reg.routes}
+    assert set(d.predicted_us) | set(d.refused) == names and d.route not in d.refused
+    assert "flashinfer" in d.predicted_us
+    t_fi = d.predicted_us["flashinfer"]
+    assert d.speedup == pytest.approx(t_fi / d.predicted_us[d.route])
+    if d.route != "flashinfer":
+        route = reg.route(d.route)
+        assert route.refusals(group_size=4, max_context=int(seq.max()), active=len(seq)) == ()
+        assert d.speedup >= reg.margin_for(route, len(seq))
+        # the closed-form counters the router predicted with equal the full plan's
+        assert predict_us(d.plan.counters, SEED, graphs=graphs) == pytest.approx(d.predicted_us[d.route])
+    else:
+        for n, t in d.predicted_us.items():   # nothing evaluated cleared its margin
+            if n != "flashinfer":
+                assert t_fi / t < reg.margin_for(reg.route(n), len(seq))
+
+
+def test_graphs_flag_picks_the_launch_overhead(tmp_path):
+    reg = registry(tmp_path)
+    cal = attrs.evolve(SEED, lambda_graph_us=1.0)
+    eager = router(reg, cal=cal, graphs=False).decide(B1).predicted_us
+    graph = router(reg, cal=cal, graphs=True).decide(B1).predicted_us
+    assert eager["flashinfer"] - graph["flashinfer"] == pytest.approx(1 * (8.19 - 1.0))
+    assert eager["pkv_workqueue"] - graph["pkv_workqueue"] == pytest.approx(2 * (8.19 - 1.0))
+
+
+def test_flashinfer_plan_gets_block_tables(tmp_path):
+    seq = np.array([20, 40], dtype=np.int32)
+    bt = np.array([[3, 4, -1], [0, 1, 2]], dtype=np.int32)   # 20 tokens = 2 pages, 40 = 3
+    d = router(registry(tmp_path)).decide(seq, block_tables=bt)
+    assert d.route == "flashinfer" and d.plan.indptr.tolist() == [0, 2, 5]
+
+
+def test_explain_is_an_aligned_table(tmp_path):
+    d = router(registry(tmp_path)).decide(bimodal_b8())
+    lines = d.explain().splitlines()
+    assert lines[0].startswith("step: 8 active rows, longest context")
+    header, rows = lines[1], lines[2:]
+    assert [r.split()[0] for r in rows] == ["flashinfer", "pkv_bucket", "pkv_workqueue", "pkv_fused"]
+    col = header.index("verdict")
+    assert all(r[col - 2: col] == "  " and r[col] != " " for r in rows)
+    assert f"{d.predicted_us['pkv_workqueue']:.1f}" in rows[2] and "chosen" in rows[2]
+    assert "ablation" in rows[3] and rows[3][col - 3] == "-"
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def test_bench_decide_b8(benchmark, tmp_path):
+    rt = router(registry(tmp_path), graphs=True)
+    seq = bimodal_b8()
+    d = benchmark(rt.decide, seq)
+    assert d.route == "pkv_workqueue"
