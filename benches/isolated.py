@@ -7,7 +7,7 @@ median per call. Correctness is checked before timing against FlashInfer (seed t
 the FP32 reference. Also measured in the same run: streaming-read bandwidth (the floor's beta).
 
 usage: python benches/isolated.py [--out benches/results/h200/isolated.json] [--cases B1-32K,...]
-       [--splits 1,2,4,...] (bucket splits to sweep; default: the router's choice and a sweep)
+       [--splits 8,16,32] [--wq-splits 16] (extra split counts to sweep, exploration only)
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch  # noqa: E402
 
-from pkvrt import ops, reference, results  # noqa: E402
+from pkvrt import ops, planner, reference, results  # noqa: E402
+from pkvrt.calibration import find_calibration  # noqa: E402
+from pkvrt.registry import load_routes  # noqa: E402
 
 SEED = 20260623
 CASES = {  # name -> (seq_lens, H_q, H_kv)
@@ -139,10 +141,14 @@ def engine_split(case: Case, splits: int):
     return fn, outs[0]
 
 
-def engine_workqueue(case: Case, splits: int, fused: bool):
+def engine_workqueue(case: Case, splits: int | None, fused: bool, plan=None):
+    """splits: every row gets min(splits, tiles) splits; or ``plan``: a planner WorkqueuePlan."""
     b0 = case.b0
     hkv = b0.k_cache.shape[1]
-    tasks, offsets = simple_tasks(case.lens, hkv, splits)
+    if plan is not None:
+        tasks, offsets = plan.tasks.tolist(), plan.split_offsets.tolist()
+    else:
+        tasks, offsets = simple_tasks(case.lens, hkv, splits)
     t = torch.tensor(tasks, dtype=torch.int32, device="cuda")
     num = torch.tensor([len(tasks)], dtype=torch.int32, device="cuda")
     off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
@@ -184,11 +190,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benches/results/h200/isolated.json")
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--splits", default="1,2,4,8,16,24,32,48,64,96,128")
-    ap.add_argument("--wq-splits", default="8,16,32,64")
+    ap.add_argument("--splits", default="", help="bucket split counts to sweep as well (exploration)")
+    ap.add_argument("--wq-splits", default="", help="workqueue split counts to sweep as well")
+    ap.add_argument("--routes", default=None, help="routes.toml (split bounds); default: the repo's")
     ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args(argv)
     torch.manual_seed(SEED)
+    registry = load_routes(args.routes)
+    cal = find_calibration(torch.cuda.get_device_name())
+
+    def shape(hq, hkv):
+        return dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=128, dtype_bytes=2)
     beta = read_bandwidth_gbps()
     print(f"streaming read: {beta:.0f} GB/s", flush=True)
     rows = []
@@ -201,11 +213,20 @@ def main(argv=None) -> int:
                         ("flashinfer-tc", None, *engine_flashinfer(case, True))]
         except Exception as exc:  # noqa: BLE001 - recorded in the results, not hidden
             print(f"{name}: flashinfer unavailable: {exc!r}", flush=True)
-        for s in map(int, args.splits.split(",")):
+        # The planner's automatic split choice (calibration of this GPU), as the runtime runs it.
+        bplan = planner.plan_bucket(lens, splits=registry.route("pkv_bucket").splits, cal=cal, **shape(hq, hkv))
+        wplan = planner.plan_workqueue(lens, splits=registry.route("pkv_workqueue").splits, cal=cal, **shape(hq, hkv))
+        if len(bplan.buckets) == 1:
+            s = bplan.buckets[0].num_splits
             engines.append(("pkvrt-bucket", s, *engine_split(case, s)))
-        for s in map(int, args.wq_splits.split(",")):
-            engines.append(("pkvrt-workqueue", s, *engine_workqueue(case, s, False)))
-            engines.append(("pkvrt-fused", s, *engine_workqueue(case, s, True)))
+        s = int(wplan.num_splits.max())
+        engines.append(("pkvrt-workqueue", s, *engine_workqueue(case, None, False, wplan)))
+        engines.append(("pkvrt-fused", s, *engine_workqueue(case, None, True, wplan)))
+        # Sweeps (exploration; not the runtime's choice).
+        for s in map(int, filter(None, args.splits.split(","))):
+            engines.append(("sweep-bucket", s, *engine_split(case, s)))
+        for s in map(int, filter(None, args.wq_splits.split(","))):
+            engines.append(("sweep-workqueue", s, *engine_workqueue(case, s, False)))
         if not args.no_sdpa:
             engines.append(("repack-sdpa", None, *engine_sdpa(case)))
         fi_out = None
@@ -242,7 +263,7 @@ def main(argv=None) -> int:
                                         f"{r['median_us']:.1f}us" for e, r in best.items()), flush=True)
         del case, engines
         torch.cuda.empty_cache()
-    meta = results.make_meta(seeds=[SEED], routes_path=results.ROOT / "routes.toml",
+    meta = results.make_meta(seeds=[SEED], routes_path=registry.path, calibration_path=cal.source,
                              read_bandwidth_gbps=round(beta, 1), protocol="isolated graph-replay, CUDA-event median per call, 50% holes, L2 rotation")
     results.write_results(args.out, meta, rows)
     return 0

@@ -42,8 +42,8 @@
 #ifndef PKV_THREADS
 #define PKV_THREADS 128
 #endif
-#ifndef PKV_STAGE_BYTES
-#define PKV_STAGE_BYTES 16384
+#ifndef PKV_TC_STAGES
+#define PKV_TC_STAGES 3
 #endif
 #ifndef PKV_SMEM_BYTES
 #define PKV_SMEM_BYTES 65536
@@ -55,15 +55,32 @@ constexpr int kTileTokens = PKV_TILE_TOKENS;
 constexpr int kThreads = PKV_THREADS;
 constexpr int kVec = 8;  // elements per 16-byte access
 
-// Stages of the K/V pipeline for head dim D: as many 32-token K+V tiles as fit the shared
-// memory budget, at least 2. D=128: a stage is 32*128*2*2 = 16 KB, 64 KB / 16 KB = 4 stages.
+// Two implementations of the per-CTA decode body share one entry point (decode_range):
+//  * SIMT (G = 1, 2): CUDA-core FP32 math; each 16-byte chunk is copied and consumed by one
+//    thread. Measured at the read roofline for G = 1 on the H200 (benches/NOTES.md, v1).
+//  * Tensor cores (G = 4, 8): mma.sync m16n8k16 (fp16/bf16 in, FP32 accumulate), the G heads
+//    padded to 16 rows. v1's SIMT body was issue-bound at G = 4 (3.2 TB/s at B8 32K).
+template <int G>
+__host__ __device__ constexpr bool use_tensor_cores() { return G >= 4; }
+
+// SIMT pipeline: as many 32-token K+V tiles as fit PKV_SMEM_BYTES, at least 2.
+// D=128: a stage is 32*128*2*2 = 16 KB, 64 KB / 16 KB = 4 stages.
 template <int D>
 __host__ __device__ constexpr int stages() {
   return (PKV_SMEM_BYTES / (2 * kTileTokens * D * 2)) < 2 ? 2 : (PKV_SMEM_BYTES / (2 * kTileTokens * D * 2));
 }
+
+// Tensor-core pipeline: each of the 4 warps streams its own 16-token tiles through
+// tc_stages<D>() private stages (K and V, 16 x D each): D=128: 3 * 4 * 8 KB = 96 KB per CTA.
+constexpr int kWarps = kThreads / 32;
+constexpr int kTcTile = 16;
 template <int D>
+__host__ __device__ constexpr int tc_stages() { return D >= 256 ? 2 : PKV_TC_STAGES; }
+
+template <int D, int G>
 __host__ __device__ constexpr int smem_bytes() {
-  return stages<D>() * 2 * kTileTokens * D * 2;
+  return use_tensor_cores<G>() ? tc_stages<D>() * kWarps * 2 * kTcTile * D * 2
+                               : stages<D>() * 2 * kTileTokens * D * 2;
 }
 
 // Everything a decode kernel reads, passed by value as one __grid_constant__ parameter.
@@ -176,18 +193,62 @@ __device__ __forceinline__ void write_neutral(const DecodeParams& p, int kvh, in
   }
 }
 
-// Attention of the G query heads of (row, kvh) over tokens [tok_begin, tok_end) of the row,
-// tok_begin < tok_end <= seq_len. `smem` holds smem_bytes<D>() bytes.
+// Combines NG per-group states staged in shared memory (sm_acc [NG][G][D], sm_ml [NG][G][2],
+// written before a __syncthreads) into O (sink.out_row >= 0) or one partial-state slot.
+// Each thread finishes 8 consecutive outputs of one head.
+template <typename T, int D, int G, int NG>
+__device__ __forceinline__ void finish_groups(const DecodeParams& p, const float* sm_acc,
+                                              const float* sm_ml, int h0, Sink sink) {
+  constexpr int LANES = D / kVec;
+  for (int idx = threadIdx.x; idx < G * LANES; idx += kThreads) {
+    const int g = idx / LANES;
+    const int d0 = (idx % LANES) * kVec;
+    float m_all = -INFINITY;
+#pragma unroll 4
+    for (int gi = 0; gi < NG; ++gi) m_all = fmaxf(m_all, sm_ml[(gi * G + g) * 2]);
+    float l_all = 0.f, a[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) a[e] = 0.f;
+#pragma unroll 4
+    for (int gi = 0; gi < NG; ++gi) {
+      const float w = rescale(sm_ml[(gi * G + g) * 2], m_all);
+      l_all += w * sm_ml[(gi * G + g) * 2 + 1];
+      const float* src = sm_acc + (gi * G + g) * D + d0;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) a[e] = fmaf(w, src[e], a[e]);
+    }
+    const int h = h0 + g;
+    if (sink.out_row >= 0) {
+      const float inv = 1.f / l_all;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) a[e] *= inv;
+      T* o = static_cast<T*>(p.out) + ((long long)sink.out_row * p.num_qo_heads + h) * D + d0;
+      *reinterpret_cast<uint4*>(o) = from_float8(a, T());
+    } else {
+      float* dst = p.part_a + ((long long)sink.slot * p.num_qo_heads + h) * D + d0;
+      *reinterpret_cast<float4*>(dst) = make_float4(a[0], a[1], a[2], a[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(a[4], a[5], a[6], a[7]);
+      if (d0 == 0) {
+        float* ml = p.part_ml + ((long long)sink.slot * p.num_qo_heads + h) * 2;
+        ml[0] = m_all;
+        ml[1] = l_all;
+      }
+    }
+  }
+}
+
+// ---- SIMT body (G = 1, 2) ------------------------------------------------------------------
+
 template <typename T, int D, int G>
-__device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int kvh,
-                                             int tok_begin, int tok_end, Sink sink,
-                                             unsigned char* smem) {
-  constexpr int LANES = D / kVec;          // lanes per token row
-  constexpr int GROUPS = kThreads / LANES; // token groups per CTA
+__device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row, int kvh,
+                                                  int tok_begin, int tok_end, Sink sink,
+                                                  unsigned char* smem) {
+  constexpr int LANES = D / kVec;            // lanes per token row
+  constexpr int GROUPS = kThreads / LANES;   // token groups per CTA
   constexpr int TPG = kTileTokens / GROUPS;  // tokens per group per tile
   constexpr int STAGES = stages<D>();
   static_assert(D % kVec == 0 && kThreads % LANES == 0 && kTileTokens % GROUPS == 0, "shape");
-  static_assert(GROUPS * G * (D + 2) * 4 <= smem_bytes<D>(), "group merge must fit in smem");
+  static_assert(GROUPS * G * (D + 2) * 4 <= smem_bytes<D, G>(), "group merge must fit in smem");
 
   const int lane = threadIdx.x % LANES;
   const int grp = threadIdx.x / LANES;
@@ -304,7 +365,6 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
   cp_async_wait<0>();
   __syncthreads();  // all stages drained: the pipeline smem is reused for the group merge
 
-  // Group merge through shared memory: sm_acc [GROUPS][G][D], sm_ml [GROUPS][G][2].
   float* sm_acc = reinterpret_cast<float*>(smem);
   float* sm_ml = sm_acc + GROUPS * G * D;
 #pragma unroll
@@ -318,43 +378,241 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
     }
   }
   __syncthreads();
+  finish_groups<T, D, G, GROUPS>(p, sm_acc, sm_ml, h0, sink);
+}
 
-  // Each thread finishes 8 consecutive outputs of one head: (g, d0 .. d0+7).
-  for (int idx = threadIdx.x; idx < G * LANES; idx += kThreads) {
-    const int g = idx / LANES;
-    const int d0 = (idx % LANES) * kVec;
-    float m_all = -INFINITY;
-#pragma unroll 4
-    for (int gi = 0; gi < GROUPS; ++gi) m_all = fmaxf(m_all, sm_ml[(gi * G + g) * 2]);
-    float l_all = 0.f, a[kVec];
+// ---- tensor-core body (G = 4, 8) -----------------------------------------------------------
+//
+// Warp w owns 16-token tiles w, w+4, w+8, ... of the range and keeps its own (m, l, O) for
+// the G heads; S = Q K^T and O += P V are mma.sync.m16n8k16 with the G heads as rows 0..G-1
+// of the 16-row A operand (rows 8..15 are zero). Per tile and warp: D/16 ldmatrix.x4 of K,
+// D/8 mma for S, one online-softmax update (quad shuffles), D/16 ldmatrix.x4.trans of V and
+// D/8 mma for O. Shared-memory rows are XOR-swizzled in 16-byte chunks (chunk ^ (token & 7))
+// so ldmatrix's 8 row reads hit 8 different bank groups. Tokens past tok_end are zero-filled
+// by cp.async (never read from the cache) and masked to -inf before the softmax.
+
+#ifndef PKV_L2_PREFETCH
+#define PKV_L2_PREFETCH 0
+#endif
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+#if PKV_L2_PREFETCH == 128
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0));
+#elif PKV_L2_PREFETCH == 256
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0));
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+
+// d[0..3] += A(16x16, rows 8..15 zero: a1 = a3 = 0) * B(16x8).
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigned b0,
+                                         unsigned b1, __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigned b0,
+                                         unsigned b1, __nv_bfloat16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack2(float lo, float hi, __half) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+__device__ __forceinline__ unsigned pack2(float lo, float hi, __nv_bfloat16) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+template <typename T, int D, int G>
+__device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, int kvh,
+                                                int tok_begin, int tok_end, Sink sink,
+                                                unsigned char* smem) {
+  constexpr int STAGES = tc_stages<D>();
+  constexpr int CHUNKS = D / kVec;              // 16-byte chunks per token row
+  constexpr int KSTEPS = D / 16;                // mma k-steps over the head dim (S = Q K^T)
+  constexpr int NT = D / 8;                     // n8 tiles of O
+  constexpr int TILE_ELEMS = kTcTile * D;       // one K (or V) tile
+  static_assert(G <= 8, "heads beyond 8 would need A rows 8..15");
+  static_assert(kWarps * G * (D + 2) * 4 <= smem_bytes<D, G>(), "warp merge must fit in smem");
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grp = lane / 4, tig = lane % 4;     // mma fragment coordinates
+  const int h0 = kvh * G;
+
+  // Q as A fragments (row = head grp, k = 2*tig..+1 and +8), zero for rows >= G.
+  unsigned qa[KSTEPS][2];
+  {
+    const T* qh = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) a[e] = 0.f;
-#pragma unroll 4
-    for (int gi = 0; gi < GROUPS; ++gi) {
-      const float w = rescale(sm_ml[(gi * G + g) * 2], m_all);
-      l_all += w * sm_ml[(gi * G + g) * 2 + 1];
-      const float* src = sm_acc + (gi * G + g) * D + d0;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) a[e] = fmaf(w, src[e], a[e]);
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      qa[kk][0] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
+      qa[kk][1] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
     }
-    const int h = h0 + g;
-    if (sink.out_row >= 0) {
-      const float inv = 1.f / l_all;
+  }
+
+  const T* kc = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride;
+  const T* vc = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride;
+  const int* bt = p.block_tables + (long long)row * p.bt_stride;
+  const int pmask = (1 << p.page_size_log2) - 1;
+  const int num_tiles = (tok_end - tok_begin + kTcTile - 1) / kTcTile;
+  const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+  T* wbase = reinterpret_cast<T*>(smem) + warp * STAGES * 2 * TILE_ELEMS;
+
+  // Lane t < 16 looks up the page of token t of a tile, one tile ahead; the copies then take
+  // the page by shuffle.
+  const int ctok = lane % kTcTile;
+  auto page_of = [&](int i) -> int {  // physical page of this lane's token in my tile i
+    const int tok = tok_begin + (warp + i * kWarps) * kTcTile + ctok;
+    return tok < tok_end ? bt[tok >> p.page_size_log2] : 0;
+  };
+  int next_page = my_tiles > 0 ? page_of(0) : 0;
+  auto issue = [&](int i) {
+    const int tok0 = tok_begin + (warp + i * kWarps) * kTcTile;
+    const int page_here = next_page;  // lane t < 16 holds the page of token t of this tile
+    if (i + 1 < my_tiles) next_page = page_of(i + 1);
+    T* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
+    T* vs = ks + TILE_ELEMS;
+    // Chunk-major: consecutive lanes copy consecutive 16-byte chunks of one token row, so a
+    // warp instruction covers whole rows (D=128: 2 rows = 4 lines of 128 B). A lane-per-row
+    // mapping (32 B of 16 rows per instruction) ran at 3.0 TB/s instead of 4.1 (NOTES.md, v3).
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) a[e] *= inv;
-      T* o = static_cast<T*>(p.out) + ((long long)sink.out_row * p.num_qo_heads + h) * D + d0;
-      *reinterpret_cast<uint4*>(o) = from_float8(a, T());
-    } else {
-      float* dst = p.part_a + ((long long)sink.slot * p.num_qo_heads + h) * D + d0;
-      *reinterpret_cast<float4*>(dst) = make_float4(a[0], a[1], a[2], a[3]);
-      *reinterpret_cast<float4*>(dst + 4) = make_float4(a[4], a[5], a[6], a[7]);
-      if (d0 == 0) {
-        float* ml = p.part_ml + ((long long)sink.slot * p.num_qo_heads + h) * 2;
-        ml[0] = m_all;
-        ml[1] = l_all;
+    for (int j = 0; j < CHUNKS * kTcTile / 32; ++j) {
+      const int idx = lane + 32 * j;
+      const int t = idx / CHUNKS, c = idx % CHUNKS;  // token of the tile, chunk of its row
+      const int tok = tok0 + t;
+      const bool valid = tok < tok_end;
+      const long long page = __shfl_sync(0xffffffffu, page_here, t);
+      const long long in_page = (long long)(tok & pmask) * D + c * kVec;
+      const int sc = t * D + (c ^ (t & 7)) * kVec;  // swizzled destination
+      cp_async16_zfill(ks + sc, valid ? kc + page * p.k_page_stride + in_page : kc, valid);
+      cp_async16_zfill(vs + sc, valid ? vc + page * p.v_page_stride + in_page : vc, valid);
+    }
+  };
+
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m = -INFINITY, l = 0.f;  // row grp of this warp's state (l: this thread's columns)
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < my_tiles) issue(s);
+    cp_async_commit();
+  }
+  for (int i = 0; i < my_tiles; ++i) {
+    if (i + STAGES - 1 < my_tiles) issue(i + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();  // every lane's copies of tile i are visible to the whole warp
+
+    const T* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
+    const T* vs = ks + TILE_ELEMS;
+    // S = Q K^T for 16 tokens: s[nt] covers tokens nt*8 .. nt*8+7.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+      const int mat = lane / 8, r = lane % 8;
+      const int tok = (mat >> 1) * 8 + r;
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        unsigned b[4];
+        const int c = kk * 2 + (mat & 1);
+        ldmatrix_x4(b, ks + tok * D + (c ^ (tok & 7)) * kVec);
+        mma16816(s[0], qa[kk][0], qa[kk][1], b[0], b[1], T());
+        mma16816(s[1], qa[kk][0], qa[kk][1], b[2], b[3], T());
+      }
+    }
+    // Online softmax on row grp (c0, c1 of each n8 tile); rows 8..15 are padding.
+    const int tile_tok = tok_begin + (warp + i * kWarps) * kTcTile;
+    float x[4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = tile_tok + nt * 8 + 2 * tig + e < tok_end;
+        x[nt * 2 + e] = valid ? s[nt][e] * p.sm_scale_log2 : -INFINITY;
+      }
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float alpha = rescale(m, m_new);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    float pr[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pr[e] = fast_exp2(x[e] - m_use);
+    l = l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
+    m = m_new;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      o[n][0] *= alpha;
+      o[n][1] *= alpha;
+    }
+    // O += P V: P (row grp, tokens 2*tig.. and +8) is the A operand straight from registers.
+    const unsigned pa0 = pack2(pr[0], pr[1], T());
+    const unsigned pa2 = pack2(pr[2], pr[3], T());
+    {
+      const int mat = lane / 8, r = lane % 8;
+      const int tok = (mat & 1) * 8 + r;
+#pragma unroll
+      for (int n2 = 0; n2 < NT / 2; ++n2) {
+        unsigned b[4];
+        const int c = n2 * 2 + (mat >> 1);
+        ldmatrix_x4_trans(b, vs + tok * D + (c ^ (tok & 7)) * kVec);
+        mma16816(o[2 * n2], pa0, pa2, b[0], b[1], T());
+        mma16816(o[2 * n2 + 1], pa0, pa2, b[2], b[3], T());
       }
     }
   }
+  cp_async_wait<0>();
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // every warp's pipeline is drained: reuse its smem for the warp merge
+
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
+  float* sm_ml = sm_acc + kWarps * G * D;          // [kWarps][G][2]
+  if (grp < G) {
+    float* dst = sm_acc + (warp * G + grp) * D + 2 * tig;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][0], o[n][1]);
+    if (tig == 0) {
+      sm_ml[(warp * G + grp) * 2] = m;
+      sm_ml[(warp * G + grp) * 2 + 1] = l;
+    }
+  }
+  __syncthreads();
+  finish_groups<T, D, G, kWarps>(p, sm_acc, sm_ml, h0, sink);
+}
+
+// Attention of the G query heads of (row, kvh) over tokens [tok_begin, tok_end) of the row,
+// tok_begin < tok_end <= seq_len. `smem` holds smem_bytes<D, G>() bytes.
+template <typename T, int D, int G>
+__device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int kvh,
+                                             int tok_begin, int tok_end, Sink sink,
+                                             unsigned char* smem) {
+  if constexpr (use_tensor_cores<G>())
+    decode_range_tc<T, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
+  else
+    decode_range_simt<T, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
 // Exact merge of the partial states in slots [slot_begin, slot_end) for query head h into

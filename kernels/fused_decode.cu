@@ -6,7 +6,7 @@
 // resets the counter to 0 so the kernel can be replayed from a CUDA graph without a memset.
 //
 // Grid:  blockIdx.x = task; tasks at or beyond *num_tasks exit at once.
-// Block: 128 threads; dynamic shared memory pkv::smem_bytes<D>().
+// Block: 128 threads; dynamic shared memory pkv::smem_bytes<D, G>().
 // Layout: counters [B, H_kv] int32, all zero before the launch (and left zero after it).
 // Ordering: every thread fences its partial-state stores (__threadfence) before the barrier
 //        that precedes the counter atomic; the last CTA fences again and reads slots with

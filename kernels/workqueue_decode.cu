@@ -6,7 +6,7 @@
 //
 // Grid:  blockIdx.x = task (0..task_capacity-1); tasks at or beyond *num_tasks exit at once
 //        (a captured graph is sized for a capacity and replayed with fewer tasks).
-// Block: 128 threads; dynamic shared memory pkv::smem_bytes<D>().
+// Block: 128 threads; dynamic shared memory pkv::smem_bytes<D, G>().
 // Layout: tasks [capacity, 5] int32; split_offsets [B+1] int32; the state of (row, split) goes
 //        to slot split_offsets[row] + split. A row with a single split writes O directly and
 //        the merge kernel skips it (merge.cu, skip_single = 1).

@@ -12,6 +12,8 @@ Environment:
   PKVRT_SKIP_CUDA_BUILD=1  build a CPU-only package: no cubins, a manifest that says why; the
                        GPU routes then report themselves unavailable
   PKVRT_BUILD_JOBS     parallel nvcc processes (default: CPU count)
+  PKVRT_TUNE           override tuning constants for an experiment, e.g.
+                       "PKV_COPY_MAP=1,PKV_L2_PREFETCH=128" (recorded in the manifest)
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def source_hash(family: str) -> str:
     h = hashlib.sha256()
     for rel in (SPEC.FAMILIES[family]["source"], *SPEC.HEADERS):
         h.update((ROOT / rel).read_bytes())
-    h.update(json.dumps([SPEC.NVCC_FLAGS, SPEC.TUNING], sort_keys=True).encode())
+    h.update(json.dumps([SPEC.NVCC_FLAGS, tuning()], sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -119,8 +121,19 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return res
 
 
+def tuning() -> dict:
+    """_buildspec.TUNING with PKVRT_TUNE overrides applied."""
+    out = dict(SPEC.TUNING)
+    for item in filter(None, re.split(r"[,\s]+", os.environ.get("PKVRT_TUNE", ""))):
+        key, _, value = item.partition("=")
+        if key not in out or not value.lstrip("-").isdigit():
+            raise BuildError(f"PKVRT_TUNE: {item!r}: expected KEY=INT with KEY in {sorted(out)}")
+        out[key] = int(value)
+    return out
+
+
 def _defines() -> list[str]:
-    return [f"-D{k}={v}" for k, v in SPEC.TUNING.items()]
+    return [f"-D{k}={v}" for k, v in tuning().items()]
 
 
 def _compile(nvcc: str, family: str, target: str, out_dir: Path) -> dict:
@@ -151,7 +164,7 @@ def build(out_dir: Path, *, log=print) -> dict:
     """Compile every family for every target into ``out_dir`` and write the manifest."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = {"schema": 1, "tuning": SPEC.TUNING, "flags": list(SPEC.NVCC_FLAGS),
+    base = {"schema": 1, "tuning": tuning(), "flags": list(SPEC.NVCC_FLAGS),
             "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if os.environ.get("PKVRT_SKIP_CUDA_BUILD") == "1":
         manifest = {**base, "nvcc": None, "skipped": "PKVRT_SKIP_CUDA_BUILD=1", "entries": []}
@@ -188,7 +201,7 @@ def _previous_entries(out_dir: Path, version: str) -> dict:
         old = json.loads((out_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return {}
-    if old.get("nvcc") != version or old.get("tuning") != SPEC.TUNING or old.get("flags") != list(SPEC.NVCC_FLAGS):
+    if old.get("nvcc") != version or old.get("tuning") != tuning() or old.get("flags") != list(SPEC.NVCC_FLAGS):
         return {}
     return {(e["family"], e["arch"]): e for e in old.get("entries", [])}
 

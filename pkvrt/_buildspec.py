@@ -24,8 +24,9 @@ MAX_PAGE_SIZE = 64
 TUNING = {
     "PKV_TILE_TOKENS": 32,
     "PKV_THREADS": 128,
-    "PKV_STAGE_BYTES": 16384,   # K+V bytes per pipeline stage and KV head (sets the stage count)
-    "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one decode CTA
+    "PKV_TC_STAGES": 3,         # per-warp K+V stages of the tensor-core body (2 at D=256)
+    "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one SIMT decode CTA (G < 4)
+    "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 

@@ -121,7 +121,7 @@ def get_kernel(family: str, symbol: str, smem_bytes: int = 0) -> Kernel:
             return _kernels[key]
         func = check(f"cuModuleGetFunction({symbol})",
                      cu.cuModuleGetFunction(_module(ctx, family), symbol.encode()))
-        if smem_bytes > 48 * 1024:
+        if smem_bytes > 0:  # beyond 48 KB (static included) needs the opt-in
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(f"cuFuncSetAttribute({symbol}, MAX_DYNAMIC_SHARED_SIZE_BYTES={smem_bytes})",
                   cu.cuFuncSetAttribute(func, attr, smem_bytes))

@@ -7,6 +7,7 @@ JIT) serves which family on a GPU of a given compute capability. It never compil
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import attrs
@@ -66,7 +67,8 @@ class Manifest:
 
 
 def load_manifest(directory: Path | None = None) -> Manifest:
-    directory = Path(directory) if directory else CUBIN_DIR
+    """Read the manifest of ``directory`` (default: $PKVRT_CUBIN_DIR, else pkvrt/_cubins)."""
+    directory = Path(directory or os.environ.get("PKVRT_CUBIN_DIR") or CUBIN_DIR)
     path = directory / "manifest.json"
     try:
         raw = json.loads(path.read_text())

@@ -50,9 +50,17 @@ class MergeParams(ctypes.Structure):
     ]
 
 
-def decode_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D>() (decode_common.cuh)."""
+def decode_smem_bytes(head_dim: int, group: int) -> int:
+    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, G>() (decode_common.cuh).
+
+    G >= 4 (tensor-core body): 4 warps x tc_stages x (K + V) x 16 tokens x D x 2 bytes
+    (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB). G < 4 (SIMT body): as many 32-token K+V stages
+    as fit PKV_SMEM_BYTES, at least 2 (D=128: 4 * 16 KB = 64 KB).
+    """
     t = _buildspec.TUNING
+    if group >= 4:
+        stages = 2 if head_dim >= 256 else t["PKV_TC_STAGES"]
+        return stages * (t["PKV_THREADS"] // 32) * 2 * 16 * head_dim * 2
     stage = 2 * t["PKV_TILE_TOKENS"] * head_dim * 2
     return max(2, t["PKV_SMEM_BYTES"] // stage) * stage
 
@@ -152,7 +160,7 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
     p.row_ids = _int32("row_ids", row_ids, q.device, 1)
     p.num_splits = num_splits
     k = _driver.get_kernel("split_decode", _buildspec.symbol("split_decode", tag, d, g),
-                           decode_smem_bytes(d))
+                           decode_smem_bytes(d, g))
     _driver.launch(k, (num_splits, k_cache.shape[1], row_ids.shape[0]), THREADS, p)
 
 
@@ -179,7 +187,7 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     if counters is not None:
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
-    k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g), decode_smem_bytes(d))
+    k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g), decode_smem_bytes(d, g))
     _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
 
 

@@ -62,8 +62,20 @@ def environment() -> dict:
     return env
 
 
+def kernel_build() -> dict:
+    """Which kernel build produced the numbers: manifest path, nvcc, tuning constants."""
+    from pkvrt.manifest import ManifestError, load_manifest
+
+    try:
+        m = load_manifest()
+    except ManifestError as exc:
+        return {"error": str(exc)}
+    return {"manifest": str(m.path), "nvcc": m.nvcc_version, "tuning": m.tuning}
+
+
 def make_meta(*, seeds=(), routes_path=None, calibration_path=None, **extra) -> dict:
     return {
+        "kernels": kernel_build(),
         **environment(),
         "pkvrt_commit": git_commit(),
         "seeds": list(seeds),

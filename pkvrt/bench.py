@@ -1,0 +1,267 @@
+"""Time pkvrt against FlashInfer on a serving trace (``serving``) or isolated kernels (``isolated``).
+
+``pkvrt bench serving`` replays continuous decode over a trace (a synthetic family, the shipped
+``mixed`` fixture or a CSV/JSON file) on the GPU, once per seed: FlashInfer (the faster of its
+CUDA-core and tensor-core wrappers on the first steps, planned every step) against the pkvrt
+Runtime (adaptive routing, CUDA graphs) and any forced route. Correctness is checked before
+timing; every engine gets CUDA-event and synchronized wall times per step. It writes a results
+JSON (one row per case and engine, plus ratio rows) and a ``.steps.json`` of per-step records
+next to it; ``pkvrt report`` turns a directory of them into tables and plots. The protocol is
+described in pkvrt/harness.py.
+
+Without a CUDA GPU it says so and runs the planner instead (``pkvrt plan`` on the same trace:
+route per step, counters, cost-model predictions), exit status 0.
+
+``pkvrt bench isolated -- [ARGS]`` runs benches/isolated.py (the Table 1 kernel benchmark) with
+ARGS, e.g. ``pkvrt bench isolated -- --cases B1-32K,B8-32K``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import attrs
+
+from pkvrt import calibration as calib
+from pkvrt import harness, results
+from pkvrt import registry as reg_mod
+from pkvrt.traces import FAMILIES, resolve_trace
+
+HELD_OUT_SEEDS = "20260623,20260624,20260625,20260626,20260627"
+ISOLATED = results.ROOT / "benches" / "isolated.py"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        return harness.parse_seeds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pkvrt bench``: the ``serving`` and ``isolated`` modes."""
+    sub = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    s = sub.add_parser("serving", help="continuous decode over a trace, FlashInfer vs pkvrt",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--trace", default="bimodal", metavar="SPEC",
+                   help=f"a family ({', '.join(FAMILIES)}), 'mixed' or a .csv/.json trace file "
+                        "(default: bimodal)")
+    s.add_argument("--max-active", type=_positive_int, default=8, metavar="N",
+                   help="decode slots, the batch size B (default: 8)")
+    s.add_argument("--seeds", type=_seeds, default=harness.parse_seeds(HELD_OUT_SEEDS),
+                   metavar="S[,S|A-B]", help="seeds (trace draw, page layout, data); default: the "
+                                             "held-out seeds 20260623-20260627")
+    s.add_argument("--num-requests", type=_positive_int, metavar="N",
+                   help="requests of a family (default 32); for a file, keep the first N")
+    s.add_argument("--engines", default="flashinfer,adaptive", metavar="LIST",
+                   help="comma-separated: flashinfer (baseline, always run), flashinfer-cuda, "
+                        "flashinfer-tc, adaptive, or a routes.toml route name forced on every "
+                        "step, e.g. pkv_workqueue (default: flashinfer,adaptive)")
+    s.add_argument("--routes", metavar="PATH",
+                   help=f"routes.toml (default: {reg_mod.default_routes_path()})")
+    s.add_argument("--calibration", metavar="PATH",
+                   help="calibration JSON (default: the file of this GPU, see calibration/README.md)")
+    s.add_argument("--out", metavar="FILE",
+                   help="results JSON (default: benches/results/<gpu>/serving-<case>.json; the "
+                        "per-step records go to FILE with suffix .steps.json)")
+    s.add_argument("--steps-limit", type=_positive_int, default=200, metavar="N",
+                   help="measure at most N steps per seed, spread evenly over the trace "
+                        "(default: 200)")
+    s.add_argument("--engine-layers", type=_positive_int, default=1, metavar="L",
+                   help="attention calls per step, planned once (engine protocol; default: 1)")
+    s.add_argument("--mlp", action="store_true",
+                   help="follow every layer's attention with the seed's gated MLP tail "
+                        f"(intermediate {harness.MLP_INTERMEDIATE}, hidden H_q*D)")
+    s.add_argument("--check-steps", type=_positive_int, default=4, metavar="N",
+                   help="steps checked for correctness before timing (default: 4)")
+    shape = s.add_argument_group("shape")
+    shape.add_argument("--num-qo-heads", type=_positive_int, default=32, metavar="H")
+    shape.add_argument("--num-kv-heads", type=_positive_int, default=8, metavar="H")
+    shape.add_argument("--head-dim", type=_positive_int, default=128, metavar="D")
+    shape.add_argument("--page-size", type=_positive_int, default=16, metavar="P")
+    shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16")
+    i = sub.add_parser("isolated", help="the isolated kernel benchmark (benches/isolated.py)",
+                       description="Run benches/isolated.py; pass its arguments after '--', e.g. "
+                                   "pkvrt bench isolated -- --cases B1-32K --out x.json")
+    i.add_argument("isolated_args", nargs=argparse.REMAINDER, metavar="-- ARGS")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.mode == "isolated":
+        return run_isolated(args.isolated_args)
+    return run_serving(args)
+
+
+# --------------------------------------------------------------------------- isolated
+
+def run_isolated(argv: list[str]) -> int:
+    """Import benches/isolated.py from the checkout and call its ``main(argv)``."""
+    import torch
+
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    if not ISOLATED.is_file():
+        print(f"pkvrt bench isolated: {ISOLATED} is not here (an installed pkvrt has no benches/); "
+              "run it from a checkout: python benches/isolated.py --help", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"pkvrt bench isolated: no CUDA GPU here; {ISOLATED} times kernels on a GPU. "
+              "Nothing was run.", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("pkvrt_benches_isolated", ISOLATED)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(argv) or 0)
+
+
+# --------------------------------------------------------------------------- serving
+
+def _config(args, registry) -> harness.ServingConfig:
+    shape = harness.Shape(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
+                          head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype)
+    if shape.num_qo_heads % shape.num_kv_heads:
+        raise ValueError(f"--num-qo-heads {shape.num_qo_heads} is not a multiple of "
+                         f"--num-kv-heads {shape.num_kv_heads}")
+    engines = harness.parse_engines(args.engines, [r.name for r in registry.routes])
+    return harness.ServingConfig(
+        trace=args.trace, max_active=args.max_active, seeds=tuple(args.seeds), engines=engines,
+        routes=registry.path, calibration=args.calibration, steps_limit=args.steps_limit,
+        layers=args.engine_layers, mlp=args.mlp, num_requests=args.num_requests,
+        check_steps=args.check_steps, shape=shape)
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    """``pkvrt bench serving``: the GPU run, or the planner fallback without CUDA."""
+    import torch
+
+    registry = reg_mod.load_routes(args.routes)
+    config = _config(args, registry)
+    traces = [resolve_trace(config.trace, num_requests=config.num_requests, seed=s)
+              for s in config.seeds]                 # fail on a bad --trace before any GPU work
+    if not torch.cuda.is_available():
+        return planner_fallback(args, config, registry, traces)
+    return serving_on_gpu(args, config, registry, traces)
+
+
+def planner_fallback(args, config: harness.ServingConfig, registry, traces) -> int:
+    """No CUDA: run ``plan_cmd.run_planner`` over every seed's trace and print its summary."""
+    from pkvrt import plan_cmd
+    from pkvrt.router import Router
+
+    print("pkvrt bench: no CUDA GPU here, so nothing can be timed; falling back to the planner "
+          "(routes, counters and COST-MODEL PREDICTIONS, not measurements).")
+    cal = (calib.load_calibration(args.calibration) if args.calibration
+           else plan_cmd.seed_calibration())
+    sh = config.shape
+    router = Router(registry, cal, num_qo_heads=sh.num_qo_heads, num_kv_heads=sh.num_kv_heads,
+                    head_dim=sh.head_dim, page_size=sh.page_size, graphs=True)
+    rows = []
+    for seed, trace in zip(config.seeds, traces):
+        summary = plan_cmd.run_planner(trace, max_active=config.max_active, router=router,
+                                       progress=sys.stderr.isatty())
+        print()
+        print(f"== seed {seed}")
+        print(plan_cmd.format_summary(summary))
+        case = harness.case_name(trace.name, config.max_active, seed)
+        rows += [{**r, "case": case, "seed": seed} for r in plan_cmd.summary_json(summary)["rows"]]
+    if args.out:
+        meta = results.make_meta(seeds=config.seeds, routes_path=registry.path,
+                                 calibration_path=cal.source,
+                                 kind="plan (cost-model prediction, no GPU timing)",
+                                 trace=config.trace, max_active=config.max_active,
+                                 fallback="no CUDA GPU: planner only")
+        print(f"wrote {results.write_results(args.out, meta, rows)}")
+    return 0
+
+
+def _calibration_for_gpu(path: str | None):
+    import torch
+
+    if path:
+        return calib.load_calibration(path)
+    return calib.find_calibration(torch.cuda.get_device_name())
+
+
+def default_out(config: harness.ServingConfig, gpu: str) -> Path:
+    """benches/results/<gpu slug>/serving-<trace>-B<N>[-L<l>[-mlp]].json"""
+    name = harness.case_name(Path(config.trace).stem, config.max_active, None,
+                             layers=config.layers, mlp=config.mlp)
+    return results.ROOT / "benches" / "results" / calib.slugify(gpu) / f"serving-{name}.json"
+
+
+def steps_path(out: Path) -> Path:
+    """``x/serving.json`` -> ``x/serving.steps.json``."""
+    return out.with_name(out.stem + ".steps.json")
+
+
+def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int:
+    """Run every seed on the GPU; write the results and per-step files; 1 if an engine failed."""
+    import torch
+
+    from pkvrt import _driver
+
+    why = _driver.available()
+    if why and any(e not in (harness.BASELINE, *harness.FI_VARIANTS) for e in config.engines):
+        raise ValueError(f"pkvrt kernels cannot run here: {why}")
+    env = results.environment()
+    if str(env.get("flashinfer", "")).startswith("unavailable"):
+        raise ValueError(f"FlashInfer is the serving baseline and it is {env['flashinfer']}; "
+                         "install flashinfer-python (pip install 'pkvrt[flashinfer]')")
+    cal = _calibration_for_gpu(config.calibration)
+    clock = harness.CudaClock()
+    l2 = env.get("l2_bytes") or 60 * 2**20
+
+    def make_engine(name, wl, base_label):
+        if name in harness.FI_VARIANTS:
+            return harness.FlashInferEngine(wl, tensor_cores=harness.FI_VARIANTS[name],
+                                            max_active=config.max_active)
+        return harness.RuntimeEngine(wl, name=name, routes=registry.path, calibration=cal,
+                                     max_active=config.max_active,
+                                     tensor_cores=base_label == "flashinfer-tc")
+
+    rows, steps, per_seed = [], [], {}
+    for seed, trace in zip(config.seeds, traces):
+        r, s, info = harness.run_seed(config, seed, trace, make_engine, clock=clock,
+                                      l2_bytes=l2, log=lambda m: print(m, flush=True))
+        rows += r
+        steps += s
+        per_seed[str(seed)] = info
+        torch.cuda.empty_cache()
+    out = Path(args.out) if args.out else default_out(config, env["gpu"])
+    meta = results.make_meta(
+        seeds=config.seeds, routes_path=registry.path, calibration_path=cal.source,
+        kind="serving", trace=config.trace, trace_source=traces[0].source,
+        max_active=config.max_active, engines=list(config.engines), layers=config.layers,
+        mlp=config.mlp, mlp_intermediate=config.mlp_intermediate if config.mlp else None,
+        steps_limit=config.steps_limit, shape=attrs.asdict(config.shape),
+        calibration_slug=cal.slug, calibration_fallback=cal.fallback, per_seed=per_seed,
+        spin_cycles_per_us=round(clock.cycles_per_us, 1),
+        protocol=("continuous decode, hole fraction 0; per engine: untimed pass with correctness "
+                  "check, wall pass (synchronized host clock per step incl. planning and metadata),"
+                  " device pass (CUDA events behind a host-covering spin kernel); FlashInfer "
+                  "planned every step from pinned host CSR, baseline = faster of CUDA-core / "
+                  "tensor-core wrappers on the first steps; layers share one KV cache rotated over"
+                  " L2-defeating copies"))
+    results.write_results(out, meta, rows)
+    results.write_results(steps_path(out), {**meta, "kind": "serving-steps", "results_file": out.name},
+                          steps)
+    print(f"wrote {out} and {steps_path(out).name}")
+    from pkvrt.report import serving_table
+    print(serving_table([(str(out), {"meta": meta, "rows": rows})]))
+    failed = [r for r in rows if r.get("row") == "measured" and not r.get("correct", True)]
+    for r in failed:
+        print(f"FAILED correctness: {r['case']} {r['engine']} (max|e| {r['max_err']:.3g}, "
+              f"vs FP32 {r['max_err_ref']:.3g})", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,496 @@
+"""Measure this GPU's cost-model constants and write calibration/<gpu>.json (needs a CUDA GPU).
+
+What is measured, at the seed shape (H_q 32, H_kv 8, D 128, page 16, fp16), every time a CUDA-
+event median of CUDA-graph replays (the benches/isolated.py protocol), every kernel output
+checked against the FP32 reference first:
+
+- beta_gbps: the faster of two streaming reads, a torch float32-accumulating sum over 2 GiB of
+  fp16 and the PersistentKV split-decode kernel over a B16 x 32K step (2 GiB of K+V, 8 splits);
+- lambda_us: one eager launch of a tiny pkvrt kernel (split decode of a 1-token row) from
+  Python, median over 20 loops of 100 launches; lambda_graph_us: the same kernel as one node of
+  a graph of 200 (torch's 1-element add is measured too and printed, for comparison);
+- splits.*: candidate split counts of the bucket route (B1 at 8K, 32K, 64K) and the workqueue
+  route (the first decode step of B4 and B8 bimodal traces drawn with the calibration seed
+  20260622), fitted by ``calibration.fit_split_points``;
+- c_min: the occupancy target that makes the cost model best fit every timed split
+  configuration (least squares in log time, :func:`fit_c_min`);
+- flashinfer.ctas_per_sm: FlashInfer's best (CUDA-core or tensor-core) time at 32K for 1, 2, 4,
+  8, 16 active rows, turned into the C that reproduces it (:func:`fit_flashinfer_ctas`).
+
+It prints a table of the constants and the sweeps and takes about a minute on an H200 (budget:
+3 minutes); ``--quick`` measures fewer points (seconds). Without a CUDA GPU it says so and exits
+with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from pkvrt import calibration as calib
+from pkvrt import results
+from pkvrt._buildspec import TILE_TOKENS
+from pkvrt.costmodel import route_time_us
+from pkvrt.registry import SplitBounds, load_routes
+from pkvrt.traces import Request, Trace, decode_steps, synthetic
+
+SEED = 20260622
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+B1_CONTEXTS = (8192, 32768, 65536)
+FI_CONTEXT = 32768
+FI_ACTIVE = (1, 2, 4, 8, 16)
+C_GRID = tuple(0.5 * 1.01 ** i for i in range(int(math.log(128) / math.log(1.01)) + 1))  # 0.5..64
+
+
+# --------------------------------------------------------------------------- pure parts
+
+def calibration_steps(seed: int = SEED) -> list[tuple[str, str, np.ndarray]]:
+    """The timed steps: (case, route kind, seq_lens int32 [B]).
+
+    B1 rows of 8K, 32K and 64K tokens for the bucket route; for the workqueue route the first
+    decode step of a B4 and a B8 continuous-decode run over ``synthetic("bimodal", seed=seed)``
+    (one ~32K row and three 1K-4K rows per four; seq_len = prompt + 1).
+    """
+    out = [(f"B1-{n // 1024}K", "bucket", np.array([n], dtype=np.int32)) for n in B1_CONTEXTS]
+    for b in (4, 8):
+        trace = synthetic("bimodal", num_requests=b, seed=seed)
+        step = next(decode_steps(trace, max_active=b))
+        out.append((f"bimodal-B{b}-seed{seed}", "workqueue", step.seq_lens.astype(np.int32)))
+    return out
+
+
+def split_candidates(bounds: SplitBounds, quick: bool) -> tuple[int, ...]:
+    """The counts to time: every allowed count, or every fourth (plus the last) with --quick.
+    Bounds 4..64 by 4 -> quick: 4, 20, 36, 52, 64."""
+    c = bounds.candidates()
+    return tuple(dict.fromkeys(c[::4] + c[-1:])) if quick else c
+
+
+def fit_c_min(records, cal: calib.Calibration, grid=C_GRID) -> float:
+    """The C_min of the cost model that best reproduces the timed configurations.
+
+    records : mappings with ``kv_bytes``, ``ctas``, ``launches``, ``merge_bytes``, ``us``.
+    cal : supplies beta, lambda_graph_us and sm_count (``c_min`` is what is fitted).
+
+    Minimises ``sum (log T_model(C_min) - log T_measured)^2`` over ``grid``; where several values
+    fit equally well (every point already above the knee) the largest is taken: the data only
+    says C_min is at most that. Example (beta 4120 GB/s, lambda 1.1 µs, 132 SMs): B1 32K, one
+    row of 134 MB = 32.6 µs of read, timed at S = 4, 8, 16, 32 (0.24, 0.48, 0.97, 1.94 CTAs/SM)
+    as 272, 137, 70, 37 µs -> the model with C_min 2 gives 271.0, 136.6, 69.5, 36.1 µs: C_min ~2.
+    """
+    recs = list(records)
+    if not recs:
+        raise ValueError("fit_c_min: no timed configurations")
+    logs = np.log([r["us"] for r in recs])
+    best, best_loss = None, math.inf
+    for c in grid:
+        trial = attrs.evolve(cal, c_min=c)
+        pred = [route_time_us(kv_bytes=r["kv_bytes"], cta_work_per_sm=r["ctas"] / cal.sm_count,
+                              launches=r["launches"], merge_bytes=r["merge_bytes"], cal=trial,
+                              graphs=True) for r in recs]
+        loss = float(np.sum((np.log(pred) - logs) ** 2))
+        if loss <= best_loss * (1 + 1e-9) + 1e-12:
+            best, best_loss = c, min(loss, best_loss)
+    return best
+
+
+def fit_flashinfer_ctas(times_us: dict[int, float], *, context: int, cal: calib.Calibration,
+                        kv_bytes_per_token: int) -> dict[int, float]:
+    """FlashInfer's fitted CTA work per SM per active count (calibration/README.md):
+    ``C = C_min * (KVBytes / beta) / (T - lambda_graph)``.
+
+    Example (README's H200 anchor): B8 32K, 1_073_741_824 B at 4120 GB/s = 260.6 µs, T = 290 µs,
+    lambda 1.1, C_min 4 -> 4 * 260.6 / 288.9 = 3.61.
+    """
+    out = {}
+    for active, t in sorted(times_us.items()):
+        read = active * context * kv_bytes_per_token / (cal.beta_gbps * 1e3)
+        if not t > cal.lambda_graph_us:
+            raise ValueError(f"fit_flashinfer_ctas: active {active}: time {t} us is not above the "
+                             f"launch overhead {cal.lambda_graph_us} us")
+        out[active] = cal.c_min * read / (t - cal.lambda_graph_us)
+    return out
+
+
+def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float, lambda_us: float,
+                     lambda_graph_us: float, c_min: float, splits: dict, flashinfer: dict,
+                     versions: dict, command: str, provenance: str,
+                     date: str | None = None) -> calib.Calibration:
+    """A schema-1 :class:`~pkvrt.calibration.Calibration` (rounded; validated by a round trip)."""
+    cal = calib.Calibration(
+        gpu=gpu, slug=calib.slugify(gpu), sm_count=int(sm_count), l2_bytes=int(l2_bytes),
+        beta_gbps=round(beta_gbps, 1), lambda_us=round(lambda_us, 3),
+        lambda_graph_us=round(lambda_graph_us, 3), c_min=round(c_min, 3),
+        splits=calib.SplitPoints(bucket_ctas_per_sm=round(splits["bucket_ctas_per_sm"], 3),
+                                 workqueue_ctas_per_sm=round(splits["workqueue_ctas_per_sm"], 3),
+                                 min_split_tokens=int(splits["min_split_tokens"])),
+        flashinfer_ctas_per_sm=tuple((int(a), round(c, 3)) for a, c in sorted(flashinfer.items())),
+        versions=tuple((k, versions.get(k)) for k in ("torch", "cuda", "flashinfer", "driver")),
+        date=date or datetime.date.today().isoformat(), seed=SEED, command=command,
+        provenance=provenance)
+    return calib.calibration_from_dict(calib.calibration_to_dict(cal))
+
+
+def format_rows(header, rows) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header, *rows])
+
+
+# --------------------------------------------------------------------------- GPU measurements
+
+def _workload(seq_lens, l2_bytes: int):
+    """K/V copies, q, seq_lens and block tables of one calibration step (hole fraction 0)."""
+    from pkvrt import harness
+
+    reqs = tuple(Request(i, 0, int(n) - 1, 1) for i, n in enumerate(seq_lens))
+    trace = Trace(name="calibration", requests=reqs, seed=SEED, source="pkvrt calibrate")
+    config = harness.ServingConfig(trace="calibration", max_active=len(reqs), seeds=(SEED,),
+                                   engines=(harness.BASELINE,), steps_limit=1,
+                                   shape=harness.Shape(**SHAPE))
+    return harness.Workload(trace, config, SEED, l2_bytes=l2_bytes)
+
+
+def _device_tables(wl):
+    import torch
+
+    step = wl.steps[0]
+    bt = torch.from_numpy(wl.layout.block_table(step.rids)).cuda()
+    seq = torch.from_numpy(step.seq_lens.astype(np.int32)).cuda()
+    return step, bt, seq
+
+
+def _checked(name: str, out, ref) -> None:
+    from pkvrt import harness
+
+    max_e, mean_e = harness.errors(out, ref)
+    if not harness.within_tolerance(max_e, mean_e):
+        raise RuntimeError(f"{name}: wrong output (max|e| {max_e:.3g}, mean|e| {mean_e:.3g} vs the "
+                           "FP32 reference); the kernels are broken on this GPU, nothing written")
+
+
+def time_bucket(wl, splits: int, ref, repeats: int) -> float:
+    """split_decode (+ merge when S > 1) over every row of ``wl``'s step, µs per call."""
+    import torch
+
+    from pkvrt import harness, ops
+
+    step, bt, seq = _device_tables(wl)
+    b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
+    q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
+    row_ids = torch.arange(b, dtype=torch.int32, device="cuda")
+    part_a = torch.empty((b * splits, hq, d), device="cuda")
+    part_ml = torch.empty((b * splits, hq, 2), device="cuda")
+    offsets = torch.arange(b + 1, dtype=torch.int32, device="cuda") * splits
+
+    def fn():
+        for k, v in zip(wl.k, wl.v):
+            ops.split_decode(q, k, v, seq, bt, row_ids, splits, out, part_a, part_ml)
+            if splits > 1:
+                ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
+    us = harness.median_us(fn, wl.copies, repeats)
+    _checked(f"bucket S={splits}", out, ref)
+    return us
+
+
+def time_workqueue(wl, plan, ref, repeats: int) -> float:
+    """workqueue_decode + merge of ``plan`` (a WorkqueuePlan of ``wl``'s step), µs per call."""
+    import torch
+
+    from pkvrt import harness, ops
+
+    step, bt, seq = _device_tables(wl)
+    b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
+    q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
+    tasks = torch.from_numpy(plan.tasks).cuda()
+    num = torch.tensor([plan.tasks.shape[0]], dtype=torch.int32, device="cuda")
+    offsets = torch.from_numpy(plan.split_offsets).cuda()
+    slots = int(plan.split_offsets[-1])
+    part_a = torch.empty((slots, hq, d), device="cuda")
+    part_ml = torch.empty((slots, hq, 2), device="cuda")
+
+    def fn():
+        for k, v in zip(wl.k, wl.v):
+            ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml)
+            ops.merge(part_a, part_ml, offsets, out, skip_single=True)
+    us = harness.median_us(fn, wl.copies, repeats)
+    _checked(f"workqueue S={int(plan.num_splits.max())}", out, ref)
+    return us
+
+
+def time_flashinfer(wl, tensor_cores: bool, ref, repeats: int) -> float:
+    """FlashInfer decode over ``wl``'s step, planned once, graph-replayed, µs per call."""
+    import flashinfer
+    import torch
+
+    from pkvrt import harness
+    from pkvrt.pagetable import to_csr
+
+    sh = wl.shape
+    step = wl.steps[0]
+    indptr, indices, last = (torch.from_numpy(a) for a in
+                             to_csr(step.seq_lens, wl.layout.block_table(step.rids), sh.page_size))
+    ws = torch.zeros(harness.FI_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores)
+    w.plan(indptr, indices, last, sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
+           q_data_type=sh.torch_dtype, kv_data_type=sh.torch_dtype)
+    b = len(step.rids)
+    q, out = wl.q[:b], torch.full((b, sh.num_qo_heads, sh.head_dim), float("nan"),
+                                  dtype=wl.q.dtype, device="cuda")
+
+    def fn():
+        for k, v in zip(wl.k, wl.v):
+            w.run(q, (k, v), out=out)
+    us = harness.median_us(fn, wl.copies, repeats)
+    _checked(f"flashinfer{'-tc' if tensor_cores else '-cuda'} B{b}", out, ref)
+    return us
+
+
+def _reference(wl):
+    from pkvrt import reference
+
+    step, bt, seq = _device_tables(wl)
+    return reference.decode_attention(wl.q[:len(step.rids)], wl.k[0], wl.v[0], seq, bt)
+
+
+def measure_launch(repeats: int) -> dict[str, float]:
+    """Eager and in-graph per-launch µs of a 1-token pkvrt split decode and of torch's 1-element add."""
+    import torch
+
+    from pkvrt import harness, ops
+
+    sh = SHAPE
+    k = torch.randn((1, sh["num_kv_heads"], sh["page_size"], sh["head_dim"]), device="cuda",
+                    dtype=torch.float16)
+    q = torch.randn((1, sh["num_qo_heads"], sh["head_dim"]), device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    bt = torch.zeros((1, 1), dtype=torch.int32, device="cuda")
+    seq = torch.ones(1, dtype=torch.int32, device="cuda")
+    rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.zeros(1, device="cuda")
+    kernels = {"pkvrt": lambda: ops.split_decode(q, k, k, seq, bt, rows, 1, out),
+               "torch": lambda: x.add_(1.0)}
+    res = {}
+    for name, launch in kernels.items():
+        n, per = 100, []
+        for _ in range(repeats + 2):            # two warm-up loops
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                launch()
+            torch.cuda.synchronize()
+            per.append((time.perf_counter() - t0) * 1e6 / n)
+        res[f"{name}_eager"] = float(np.median(per[2:]))
+
+        def graph_body(launch=launch):
+            for _ in range(200):
+                launch()
+        res[f"{name}_graph"] = harness.median_us(graph_body, 200, repeats)
+    return res
+
+
+def measure_torch_read(gib: int, repeats: int) -> float:
+    """GB/s of ``sum(x, dim=1, dtype=float32)`` over ``gib`` GiB of fp16 (reads each byte once)."""
+    import torch
+
+    from pkvrt import harness
+
+    x = torch.randn((gib * 2**17, 2**13), device="cuda", dtype=torch.float16)
+    out = torch.empty(x.shape[0], device="cuda", dtype=torch.float32)
+    us = harness.median_us(lambda: torch.sum(x, dim=1, dtype=torch.float32, out=out), 1, repeats)
+    del x
+    return gib * 2**30 / (us * 1e3)
+
+
+# --------------------------------------------------------------------------- the command
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pkvrt calibrate``."""
+    parser.add_argument("--out", metavar="PATH",
+                        help="calibration file to write (default: calibration/<gpu slug>.json)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer split candidates, active counts and repeats (seconds; for tests)")
+    parser.add_argument("--routes", metavar="PATH",
+                        help="routes.toml whose split bounds give the candidates (default: the shipped one)")
+    parser.add_argument("--raw", metavar="PATH",
+                        help="also write every timed configuration as a results JSON (pkvrt report)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pkvrt calibrate``: measure, fit, print, write; 2 without a GPU, 1 on a wrong result."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("pkvrt calibrate: no CUDA GPU here. Calibration measures the GPU it runs on "
+              "(bandwidth, launch overhead, split sweeps, FlashInfer times); run it on the GPU "
+              "to calibrate. Nothing was written.", file=sys.stderr)
+        return 2
+    from pkvrt import _driver
+
+    why = _driver.available()
+    env = results.environment()
+    if why or str(env.get("flashinfer", "")).startswith("unavailable"):
+        print(f"pkvrt calibrate: cannot measure here: "
+              f"{why or 'FlashInfer is ' + env['flashinfer'] + ' (it is needed for flashinfer.ctas_per_sm)'}",
+              file=sys.stderr)
+        return 2
+    try:
+        cal, raw = measure(args, env)
+    except RuntimeError as e:
+        print(f"pkvrt calibrate: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else calib.calibration_dirs()[-1] / f"{cal.slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    calib.save_calibration(cal, out)
+    if args.raw:
+        meta = results.make_meta(seeds=[SEED], routes_path=args.routes or None,
+                                 calibration_path=out, kind="calibration-sweeps")
+        results.write_results(args.raw, meta, raw)
+        print(f"wrote {args.raw}")
+    print(f"wrote {out}")
+    return 0
+
+
+def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
+    """Every measurement and fit; returns the calibration and the raw timed rows."""
+    import torch
+
+    from pkvrt import planner
+    from pkvrt.plan_cmd import seed_calibration
+
+    t_start = time.perf_counter()
+    quick = args.quick
+    repeats = 10 if quick else 30
+    reg = load_routes(args.routes)
+    bucket_bounds = next(r.splits for r in reg.routes if r.kind == "bucket")
+    wq_bounds = next(r.splits for r in reg.routes if r.kind == "workqueue")
+    props = torch.cuda.get_device_properties(0)
+    sm, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 0) or 60 * 2**20
+    hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], SHAPE["head_dim"]
+    kv_tok = 2 * hkv * d * 2
+
+    launch = measure_launch(repeats)
+    torch_read = measure_torch_read(1 if quick else 2, repeats)
+    # the split kernel as a streaming read: B16 x 32K = 2 GiB of K+V (B8 = 1 GiB with --quick)
+    rows16 = 8 if quick else 16
+    wl_big = _workload([FI_CONTEXT] * rows16, l2)
+    ref_big = _reference(wl_big)
+    kernel_read = wl_big.steps[0].seq_lens.sum() * kv_tok / (time_bucket(wl_big, 8, ref_big, repeats) * 1e3)
+    beta = max(torch_read, float(kernel_read))
+    base = attrs.evolve(seed_calibration(), gpu=props.name, sm_count=sm, l2_bytes=l2,
+                        beta_gbps=beta, lambda_us=launch["pkvrt_eager"],
+                        lambda_graph_us=launch["pkvrt_graph"],
+                        splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS))
+
+    raw, fit_recs = [], []
+    for case, kind, seq in calibration_steps():
+        wl = _workload(seq, l2)
+        ref = _reference(wl)
+        kv = int(seq.sum()) * kv_tok
+        bounds = bucket_bounds if kind == "bucket" else wq_bounds
+        for s in split_candidates(bounds, quick):
+            if kind == "bucket":
+                us = time_bucket(wl, s, ref, repeats)
+                ctas, launches = len(seq) * hkv * s, 2 if s > 1 else 1
+                merge = planner.state_bytes(len(seq) * s if s > 1 else 0, num_qo_heads=hq, head_dim=d)
+            else:
+                plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
+                                              dtype_bytes=2, splits=SplitBounds(s, s, s), cal=base)
+                us = time_workqueue(wl, plan, ref, repeats)
+                ctas, launches, merge = plan.counters.decode_ctas, 2, plan.counters.merge_bytes
+            rec = dict(case=case, route=kind, rows=len(seq), context=int(seq.max()), splits=int(s),
+                       us=float(us), kv_bytes=kv, ctas=int(ctas), launches=launches,
+                       merge_bytes=int(merge))
+            fit_recs.append(rec)
+            raw.append(dict(case=case, engine=f"pkvrt-{kind}", splits=int(s), median_us=float(us),
+                            gbps=kv / (us * 1e3), cta_work_per_sm=ctas / sm))
+        del wl
+        torch.cuda.empty_cache()
+    splits = calib.fit_split_points(fit_recs, sm_count=sm, num_kv_heads=hkv)
+    c_min = fit_c_min(fit_recs, base)
+    base = attrs.evolve(base, c_min=c_min)
+
+    fi_times, fi_variant = {}, {}
+    for a in ((1, 8) if quick else FI_ACTIVE):
+        wl = wl_big if a == rows16 else _workload([FI_CONTEXT] * a, l2)
+        ref = ref_big if a == rows16 else _reference(wl)
+        t = {tc: time_flashinfer(wl, tc, ref, repeats) for tc in (False, True)}
+        tc = min(t, key=t.get)
+        fi_times[a], fi_variant[a] = t[tc], "tc" if tc else "cuda"
+        raw += [dict(case=f"B{a}-32K", engine="flashinfer-tc" if k else "flashinfer-cuda",
+                     median_us=float(v), gbps=a * FI_CONTEXT * kv_tok / (v * 1e3)) for k, v in t.items()]
+        if wl is not wl_big:
+            del wl
+            torch.cuda.empty_cache()
+    fi = fit_flashinfer_ctas(fi_times, context=FI_CONTEXT, cal=base, kv_bytes_per_token=kv_tok)
+
+    which = "split_decode kernel" if kernel_read >= torch_read else "torch sum"
+    provenance = (
+        f"Measured by pkvrt calibrate{' --quick' if quick else ''} on {props.name}. beta: the faster "
+        f"streaming read, here the {which}: torch float32-accumulating sum over "
+        f"{1 if quick else 2} GiB fp16 {torch_read:.0f} GB/s, PersistentKV split_decode over a "
+        f"B{rows16} x 32K step (8 splits) {float(kernel_read):.0f} GB/s. lambda_us / lambda_graph_us:"
+        f" a 1-token pkvrt split decode launched eagerly from Python (median of {repeats} loops of "
+        f"100) / as one node of a 200-node CUDA graph (torch 1-element add: "
+        f"{launch['torch_eager']:.2f} / {launch['torch_graph']:.2f} us). splits: fit_split_points "
+        f"over bucket B1 {'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)} and workqueue first "
+        f"steps of bimodal B4/B8 (seed {SEED}), {len(fit_recs)} timed configurations; c_min: "
+        f"least-squares fit of the cost model (log time) to the same configurations. "
+        f"flashinfer.ctas_per_sm: FlashInfer "
+        f"{env.get('flashinfer')} best of CUDA-core/tensor-core at 32K "
+        f"({', '.join(f'B{a} {fi_times[a]:.1f} us ({fi_variant[a]})' for a in fi_times)}), "
+        f"C = c_min * (KVBytes/beta) / (T - lambda_graph_us). All times: CUDA-event medians of "
+        f"graph replays, outputs checked against the FP32 reference.")
+    cal = make_calibration(
+        gpu=props.name, sm_count=sm, l2_bytes=l2, beta_gbps=beta, lambda_us=launch["pkvrt_eager"],
+        lambda_graph_us=launch["pkvrt_graph"], c_min=c_min, splits=splits, flashinfer=fi,
+        versions={"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "flashinfer": env.get("flashinfer"), "driver": env.get("driver")},
+        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), provenance=provenance)
+    _print(cal, launch, torch_read, float(kernel_read), fit_recs, fi_times, fi_variant,
+           time.perf_counter() - t_start)
+    return cal, raw
+
+
+def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, seconds) -> None:
+    s = cal.splits
+    rows = [
+        ("gpu", cal.gpu, f"{cal.sm_count} SMs, L2 {cal.l2_bytes / 2**20:.0f} MiB"),
+        ("beta_gbps", f"{cal.beta_gbps:.1f}", f"max(torch sum {torch_read:.0f}, split_decode {kernel_read:.0f})"),
+        ("lambda_us", f"{cal.lambda_us:.2f}", f"eager pkvrt launch (torch add {launch['torch_eager']:.2f})"),
+        ("lambda_graph_us", f"{cal.lambda_graph_us:.2f}",
+         f"per graph node (torch add {launch['torch_graph']:.2f})"),
+        ("c_min", f"{cal.c_min:.2f}", f"cost-model fit over {len(recs)} configurations"),
+        ("splits.bucket_ctas_per_sm", f"{s.bucket_ctas_per_sm:.2f}", "fit_split_points, B1 cases"),
+        ("splits.workqueue_ctas_per_sm", f"{s.workqueue_ctas_per_sm:.2f}", "fit_split_points, B4/B8"),
+        ("splits.min_split_tokens", str(s.min_split_tokens), "shortest chosen split"),
+        *((f"flashinfer.ctas_per_sm.{a}", f"{c:.2f}", f"{fi_times[a]:.1f} us ({fi_variant[a]})")
+          for a, c in cal.flashinfer_ctas_per_sm),
+    ]
+    print(format_rows(("constant", "value", "from"), rows))
+    print()
+    print(format_rows(("case", "route", "S", "us", "CTAs/SM", "GB/s"),
+                      [(r["case"], r["route"], r["splits"], f"{r['us']:.1f}",
+                        f"{r['ctas'] / cal.sm_count:.2f}", f"{r['kv_bytes'] / (r['us'] * 1e3):.0f}")
+                       for r in recs]))
+    print(f"\ncalibrated in {seconds:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python calibration/calibrate.py [--out PATH] [--quick]``: the same as ``pkvrt calibrate``."""
+    parser = argparse.ArgumentParser(prog="calibrate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"calibrate.py: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,745 @@
+"""The serving harness: continuous decode over a trace, FlashInfer against pkvrt, correctness
+first, then CUDA-event and wall timing (paper sections 3.6 and 3.9; DESIGN.md "Measurement").
+
+Protocol of one seed (:func:`run_seed`):
+
+1. Trace -> decode steps (``traces.decode_steps``) -> page layout with hole fraction 0
+   (``pagetable.build_layout``, seeded by the seed). A trace longer than ``steps_limit`` steps is
+   measured on ``steps_limit`` steps spread evenly over the whole trace (:func:`sample_steps`):
+   every step is an independent attention call over pages allocated up front, so an even
+   sample estimates the whole trace's throughput instead of only its first requests.
+2. K/V pages, q and (``--mlp``) the MLP weights are allocated once, random, seeded. When the
+   smallest step's KV fits in L2 a few identical cache copies are rotated over the attention
+   calls (:func:`cache_copies`), so no engine is timed on an L2-resident cache.
+3. Baseline: FlashInfer's CUDA-core and tensor-core wrappers are both run on the first
+   ``probe_steps`` steps; the faster (wall time) is the baseline (:func:`choose_baseline`).
+4. Per engine: one untimed pass over all measured steps (warms graphs and JIT caches and checks
+   correctness on ``check_steps`` sampled steps: vs FlashInfer ``max|e| < 2e-3, mean|e| < 3e-4``
+   and vs the FP32 reference on a few rows); an engine that fails is not timed. Then a wall pass
+   (synchronize; host clock; plan + every layer; synchronize; host clock) and a device pass
+   (CUDA events around the same work, queued behind a spin kernel that covers the host's
+   enqueue time, so the events measure device work and not host gaps).
+
+Engine protocol (``layers``, ``mlp``): per step plan once, then per layer one attention call,
+optionally followed by the seed's gated-MLP tail (``x @ W_gate``, ``x @ W_up``, ``silu * up``,
+``@ W_down``; intermediate 11008, hidden ``H_q * D`` = 4096 for the seed shape, fp16). All
+layers read one KV cache (rotated over the L2 copies above), not 32 separate caches: 32 caches of
+a 32-request 32K trace would need ~140 GB. Every layer still streams its whole KV from HBM
+(the step's KV exceeds L2, or copies rotate), so the device work equals that of 32 caches. The
+MLP weights are one set shared by all layers (270 MB, far above L2, so equally honest).
+
+Only the engines' ``plan``/``attend`` and :class:`CudaClock` touch CUDA; the loop, the
+correctness bookkeeping and the summaries run on any device (the CPU tests drive them).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import math
+import statistics
+import time
+
+import attrs
+import numpy as np
+import torch
+
+from pkvrt import planner, reference
+from pkvrt.pagetable import build_layout, to_csr
+from pkvrt.traces import Step, decode_steps
+
+MAX_ERR = 2e-3            # vs FlashInfer and vs the FP32 reference (DESIGN.md)
+MEAN_ERR = 3e-4
+MLP_INTERMEDIATE = 11008
+L2_ROTATE_FACTOR = 3      # rotate copies until the KV touched between reuses is >= 3 x L2
+MAX_COPIES = 8
+REF_ROWS = 2              # FP32 reference rows per checked step (longest and shortest)
+FI_WORKSPACE_BYTES = 256 * 2**20
+BASELINE = "flashinfer"
+ADAPTIVE = "adaptive"
+FI_VARIANTS = {"flashinfer-cuda": False, "flashinfer-tc": True}   # label -> use_tensor_cores
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------- configuration
+
+@attrs.frozen
+class Shape:
+    """The attention shape of a run (seed: 32 / 8 / 128 / page 16 / fp16)."""
+
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: str = "float16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2
+
+    @property
+    def hidden(self) -> int:
+        """Width of the MLP tail's input: one attention output row, ``H_q * D``."""
+        return self.num_qo_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token over all KV heads: ``2 * H_kv * D * 2``."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@attrs.frozen
+class ServingConfig:
+    """What ``pkvrt bench serving`` runs (see :mod:`pkvrt.bench` for the options)."""
+
+    trace: str
+    max_active: int
+    seeds: tuple[int, ...]
+    engines: tuple[str, ...]
+    routes: str | None = None
+    calibration: str | None = None
+    steps_limit: int = 200
+    layers: int = 1
+    mlp: bool = False
+    mlp_intermediate: int = MLP_INTERMEDIATE
+    num_requests: int | None = None
+    check_steps: int = 4
+    probe_steps: int = 8
+    shape: Shape = Shape()
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+def engine_label(name: str) -> str:
+    """Results-file engine name of an ``--engines`` entry: ``adaptive`` -> ``pkvrt-adaptive``,
+    a route ``pkv_workqueue`` -> ``pkvrt-workqueue``, route ``flashinfer`` -> ``pkvrt-flashinfer``
+    (FlashInfer inside the Runtime, in its CUDA-graph mode); FlashInfer variants keep their name."""
+    if name in FI_VARIANTS or name == BASELINE:
+        return name
+    if name == ADAPTIVE:
+        return "pkvrt-adaptive"
+    return "pkvrt-" + (name[4:] if name.startswith("pkv_") else name).replace("_", "-")
+
+
+def parse_engines(text: str, route_names) -> tuple[str, ...]:
+    """``--engines`` as a tuple: ``flashinfer`` (the baseline, always first, added if absent),
+    ``flashinfer-cuda`` / ``flashinfer-tc`` (one variant for the whole run), ``adaptive``, or a
+    route name of routes.toml (that route forced on every step). Duplicates are dropped."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
+    known = (BASELINE, *FI_VARIANTS, ADAPTIVE, *route_names)
+    for n in names:
+        if n not in known:
+            raise ValueError(f"--engines: unknown engine {n!r}; expected one of {', '.join(known)}")
+    out = [BASELINE] + [n for n in names if n != BASELINE]
+    return tuple(dict.fromkeys(out))
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 20260623,20260624`` or a range ``20260623-20260627`` (inclusive)."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        lo, dash, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not an integer or a range A-B") from None
+        if b < a:
+            raise ValueError(f"--seeds: range {part!r} is empty (expected A <= B)")
+        seeds.extend(range(a, b + 1))
+    return tuple(dict.fromkeys(seeds))
+
+
+def case_name(trace: str, max_active: int, seed: int | None, *, layers: int = 1,
+              mlp: bool = False) -> str:
+    """``bimodal-B8-seed20260623``; the engine protocol is part of the name:
+    ``bimodal-B8-L32-mlp-seed20260623``."""
+    proto = "" if layers == 1 and not mlp else f"-L{layers}" + ("-mlp" if mlp else "")
+    return f"{trace}-B{max_active}{proto}" + ("" if seed is None else f"-seed{seed}")
+
+
+def sample_steps(total: int, limit: int) -> np.ndarray:
+    """Indices of the steps to measure: all of them, or ``limit`` spread evenly (the first, and the
+    last when limit >= 2). 320 steps, limit 200 -> 0, 2, 3, 5, ..., 319 (rounded linspace)."""
+    if total < 1 or limit < 1:
+        raise ValueError(f"sample_steps: expected total >= 1 and limit >= 1, got {total}, {limit}")
+    if total <= limit:
+        return np.arange(total)
+    return np.unique(np.round(np.linspace(0, total - 1, limit)).astype(np.int64))
+
+
+def check_positions(n: int, k: int) -> tuple[int, ...]:
+    """``k`` positions among ``n`` measured steps for the correctness check, evenly spread,
+    first and last included (n 200, k 4 -> 0, 66, 133, 199)."""
+    if k <= 0:
+        return ()
+    return tuple(dict.fromkeys(int(round(x)) for x in np.linspace(0, n - 1, min(k, n))))
+
+
+def cache_copies(min_step_kv_bytes: int, l2_bytes: int, copy_bytes: int, budget_bytes: int) -> int:
+    """How many identical KV caches to rotate over the attention calls.
+
+    Enough that the bytes touched between two uses of one copy are at least
+    ``L2_ROTATE_FACTOR * l2_bytes``, at most :data:`MAX_COPIES` and what ``budget_bytes`` holds.
+    Example (H200, 60 MB L2): a B1 8K step reads 33.6 MB -> ceil(180 / 33.6) = 6 copies; a B8
+    bimodal step (~550 MB) -> 1.
+
+    Raises ValueError when not even one copy fits the budget.
+    """
+    if copy_bytes > budget_bytes:
+        raise ValueError(f"the KV cache of this trace needs {copy_bytes / 2**30:.1f} GiB but only "
+                         f"{budget_bytes / 2**30:.1f} GiB of device memory is available; use "
+                         "fewer requests (--num-requests) or a shorter trace")
+    want = math.ceil(L2_ROTATE_FACTOR * l2_bytes / max(1, min_step_kv_bytes))
+    return max(1, min(want, MAX_COPIES, budget_bytes // copy_bytes))
+
+
+def choose_baseline(probe_us: dict[str, float]) -> str:
+    """The FlashInfer variant with the smallest probe time (ties: the first given)."""
+    if not probe_us:
+        raise ValueError("choose_baseline: no FlashInfer variant could be run")
+    return min(probe_us, key=lambda k: probe_us[k])
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max|e|, mean|e|) of ``out - ref`` in float32; NaN anywhere gives NaN (a failure)."""
+    e = (out.float() - ref.float()).abs()
+    return float(e.max()), float(e.mean())
+
+
+def within_tolerance(max_e: float, mean_e: float) -> bool:
+    """``max|e| < 2e-3 and mean|e| < 3e-4`` (false for NaN)."""
+    return bool(max_e < MAX_ERR and mean_e < MEAN_ERR)
+
+
+def plan_splits(plan) -> list[tuple[int, int]]:
+    """(S, rows) of a route plan: per-row S of a workqueue, per-bucket S of a bucket plan;
+    [] for FlashInfer (it splits on its own)."""
+    if isinstance(plan, planner.WorkqueuePlan):
+        s, n = np.unique(plan.num_splits, return_counts=True)
+        return list(zip(s.tolist(), n.tolist()))
+    if isinstance(plan, planner.BucketPlan):
+        return [(b.num_splits, len(b.rows)) for b in plan.buckets]
+    return []
+
+
+@attrs.frozen
+class StepRecord:
+    """One measured step of one engine. ``splits``: (S, rows) pairs of the step's plan."""
+
+    step: int
+    active: int
+    max_context: int
+    mean_context: float
+    route: str
+    splits: tuple[tuple[int, int], ...]
+    counters: planner.Counters
+    wall_us: float
+    cuda_us: float
+
+
+def _mix_text(counter: collections.Counter, total: int) -> str:
+    """Counter({'pkv_workqueue': 180, 'flashinfer': 20}), 200 -> "pkv_workqueue 90.0%, flashinfer 10.0%"."""
+    return ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in counter.most_common())
+
+
+def summarize(case: str, engine: str, records: list[StepRecord], **extra) -> dict:
+    """The results row of one (case, engine) from its measured steps.
+
+    Throughputs are decode tokens (active rows, summed over steps) per second of summed step time;
+    ``median_us`` / ``wall_us`` are medians of the per-step device / wall times, ``mean_*`` the
+    means. ``route`` is the route taken most often, ``route_mix`` every route's share of steps,
+    ``splits`` the split counts as ``S:row-steps`` (most used first), ``split_main`` the most used
+    S (None when no step split). Counters are per-step means (Table 4 columns; MB = 2**20 B,
+    ``merge_mb`` counts each partial state once, ``cta_work_per_sm`` over steps that count CTAs).
+    """
+    if not records:
+        raise ValueError(f"summarize: no measured steps for {case} / {engine}")
+    n = len(records)
+    tokens = sum(r.active for r in records)
+    wall = [r.wall_us for r in records]
+    cuda = [r.cuda_us for r in records]
+    routes = collections.Counter(r.route for r in records)
+    splits: collections.Counter = collections.Counter()
+    for r in records:
+        for s, rows in r.splits:
+            splits[s] += rows
+    counted = [r.counters.cta_work_per_sm for r in records if r.counters.decode_ctas > 0]
+    top = sorted(splits.items(), key=lambda x: (-x[1], x[0]))
+    return {
+        "case": case, "engine": engine, "row": "measured", **extra,
+        "steps": n, "decode_tokens": tokens,
+        "median_us": statistics.median(cuda), "mean_cuda_us": sum(cuda) / n,
+        "wall_us": statistics.median(wall), "mean_wall_us": sum(wall) / n,
+        "tok_per_s": tokens / (sum(wall) * 1e-6), "cuda_tok_per_s": tokens / (sum(cuda) * 1e-6),
+        "route": routes.most_common(1)[0][0], "route_mix": _mix_text(routes, n),
+        "splits": ", ".join(f"{s}:{c}" for s, c in top) or "-",
+        "split_main": top[0][0] if top else None,
+        "launches_per_step": sum(r.counters.launches for r in records) / n,
+        "cta_work_per_sm": sum(counted) / len(counted) if counted else None,
+        "useful_kv_mb": sum(r.counters.useful_kv_bytes for r in records) / n / 2**20,
+        "merge_mb": sum(r.counters.merge_bytes for r in records) / 2 / n / 2**20,
+        "merge_launches": sum(r.counters.merge_launches for r in records) / n,
+        "mean_active": tokens / n,
+    }
+
+
+def ratio_rows(rows: list[dict]) -> list[dict]:
+    """Per case, one ratio row per measured non-baseline engine against the case's baseline row
+    (``baseline: true``): ``cuda_ratio`` and ``wall_ratio`` are throughput ratios (engine over
+    baseline; > 1 means the engine is faster). Engines that failed correctness get none."""
+    out = []
+    base = {r["case"]: r for r in rows
+            if r.get("baseline") and r.get("row") == "measured" and "tok_per_s" in r}
+    for r in rows:
+        b = base.get(r["case"])
+        if b is None or r is b or r.get("row") != "measured" or "tok_per_s" not in r:
+            continue
+        out.append({"case": r["case"], "engine": f"{r['engine']} / {b['engine']}", "row": "ratio",
+                    "numerator": r["engine"], "baseline_engine": b["engine"],
+                    "cuda_ratio": r["cuda_tok_per_s"] / b["cuda_tok_per_s"],
+                    "wall_ratio": r["tok_per_s"] / b["tok_per_s"],
+                    "route": r.get("route"), "split_main": r.get("split_main")})
+    return out
+
+
+def step_rows(case: str, engine: str, seed: int, records: list[StepRecord], *,
+              baseline: bool = False) -> list[dict]:
+    """Flat per-step records for the ``.steps.json`` file (the report's plots)."""
+    return [{"case": case, "engine": engine, "seed": seed, "baseline": baseline, "step": r.step,
+             "active": r.active,
+             "max_context": r.max_context, "mean_context": round(r.mean_context, 1),
+             "route": r.route, "split_max": max((s for s, _ in r.splits), default=None),
+             "wall_us": round(r.wall_us, 2), "cuda_us": round(r.cuda_us, 2)} for r in records]
+
+
+# --------------------------------------------------------------------------- clocks
+
+class HostClock:
+    """Host-only timing (CPU tests): device time is the wall time of the step."""
+
+    def sync(self) -> None:
+        pass
+
+    def start(self, cover_us: float):
+        return time.perf_counter()
+
+    def stop(self, token) -> float:
+        return (time.perf_counter() - token) * 1e6
+
+
+class CudaClock:
+    """CUDA-event timing of queued device work.
+
+    ``start(cover_us)`` first enqueues a spin kernel (``torch.cuda._sleep``) of about ``cover_us``
+    so that the GPU is still busy while the host enqueues the step; the start event then fires
+    only when the spin ends, and the events bracket the step's device work without host gaps.
+    """
+
+    def __init__(self):
+        self.cycles_per_us = self._cycles_per_us()
+
+    @staticmethod
+    def _cycles_per_us() -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)   # warm up
+        a.record()
+        torch.cuda._sleep(10_000_000)
+        b.record()
+        b.synchronize()
+        return 10_000_000 / (a.elapsed_time(b) * 1e3)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+    def start(self, cover_us: float):
+        torch.cuda._sleep(int(cover_us * self.cycles_per_us))
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        return a, b
+
+    def stop(self, token) -> float:
+        a, b = token
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3
+
+
+def median_us(fn, calls_per_fn: int = 1, repeats: int = 30) -> float:
+    """CUDA-event median per call of a CUDA graph that runs ``fn`` once (``fn`` makes
+    ``calls_per_fn`` calls): warm-up on a side stream, capture, 3 untimed replays, ``repeats``
+    timed ones (the protocol of benches/isolated.py)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls_per_fn)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- workload
+
+class Workload:
+    """Everything allocated once per seed: steps, page layout, K/V copies, q, MLP weights.
+
+    k[c], v[c]: [num_pages, H_kv, page_size, D] (identical copies); q: [max_active, H_q, D]
+    (step with B rows uses ``q[:B]``); w_gate_up: [hidden, 2*inter]; w_down: [inter, hidden].
+    """
+
+    def __init__(self, trace, config: ServingConfig, seed: int, *, device="cuda",
+                 l2_bytes: int = 60 * 2**20, budget_bytes: int | None = None):
+        sh = config.shape
+        self.shape, self.layers, self.mlp, self.device = sh, config.layers, config.mlp, device
+        self.trace = trace
+        all_steps = list(decode_steps(trace, max_active=config.max_active))
+        self.steps_total = len(all_steps)
+        self.steps: list[Step] = [all_steps[i] for i in sample_steps(len(all_steps), config.steps_limit)]
+        self.layout = build_layout(trace, page_size=sh.page_size, hole_fraction=0.0, seed=seed)
+        pages = self.layout.num_physical_pages
+        page_bytes = sh.num_kv_heads * sh.page_size * sh.head_dim * sh.dtype_bytes
+        copy_bytes = 2 * pages * page_bytes
+        mlp_bytes = 3 * sh.hidden * config.mlp_intermediate * sh.dtype_bytes if config.mlp else 0
+        if budget_bytes is None:
+            budget_bytes = int(0.8 * torch.cuda.mem_get_info()[0]) - mlp_bytes
+        min_kv = min(int(s.seq_lens.astype(np.int64).sum()) for s in self.steps) * sh.kv_bytes_per_token
+        self.copies = cache_copies(min_kv, l2_bytes, copy_bytes, budget_bytes)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        dt = dict(device=device, dtype=sh.torch_dtype)
+        shape4 = (pages, sh.num_kv_heads, sh.page_size, sh.head_dim)
+        k0 = torch.randn(shape4, generator=gen, **dt)
+        v0 = torch.randn(shape4, generator=gen, **dt)
+        self.k = [k0] + [k0.clone() for _ in range(self.copies - 1)]
+        self.v = [v0] + [v0.clone() for _ in range(self.copies - 1)]
+        self.q = torch.randn((config.max_active, sh.num_qo_heads, sh.head_dim), generator=gen, **dt)
+        self.w_gate_up = self.w_down = None
+        if config.mlp:
+            inter = config.mlp_intermediate
+            self.w_gate_up = torch.randn((sh.hidden, 2 * inter), generator=gen, **dt) * 0.02
+            self.w_down = torch.randn((inter, sh.hidden), generator=gen, **dt) * 0.02
+        self.inter = config.mlp_intermediate
+
+    def cache(self, pos: int, layer: int):
+        """(k, v) of the attention call of layer ``layer`` in measured step ``pos``."""
+        c = (pos * self.layers + layer) % self.copies
+        return self.k[c], self.v[c]
+
+    def mlp_tail(self, out: torch.Tensor) -> torch.Tensor:
+        """The seed's gated MLP on the attention output. out: [B, H_q, D] -> [B, hidden]."""
+        x = out.view(out.shape[0], -1)                           # [B, hidden]
+        gate, up = torch.mm(x, self.w_gate_up).split(self.inter, dim=1)
+        return torch.mm(torch.nn.functional.silu(gate) * up, self.w_down)
+
+
+def run_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> None:
+    """One decode step of ``engine``: plan once, then attention (+ MLP) for every layer.
+    out: [max_active, H_q, D], rows ``:B`` receive the last layer's attention output."""
+    engine.plan(step)
+    b = len(step.rids)
+    q, o = wl.q[:b], out[:b]
+    for layer in range(wl.layers):
+        k, v = wl.cache(pos, layer)
+        engine.attend(q, k, v, o)
+        if wl.mlp:
+            wl.mlp_tail(o)
+
+
+# --------------------------------------------------------------------------- engines
+
+class FlashInferEngine:
+    """FlashInfer's paged decode wrapper, planned every step on the host path an engine uses:
+    the block table rows -> CSR (``to_csr``) written into pinned host buffers, passed to
+    ``plan()`` (host-side indptr / last_page_len; indices copied asynchronously from pinned
+    memory), then ``run()`` per layer. No CUDA graph: FlashInfer's graph mode is the Runtime's
+    ``flashinfer`` route (engine ``pkvrt-flashinfer``)."""
+
+    def __init__(self, wl: Workload, *, tensor_cores: bool, max_active: int):
+        import flashinfer
+
+        sh = wl.shape
+        self.label = "flashinfer-tc" if tensor_cores else "flashinfer-cuda"
+        self.layout, self.shape = wl.layout, sh
+        ws = torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=wl.device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "HND", use_tensor_cores=tensor_cores)
+        cap = max_active * wl.layout.max_pages
+        pin = dict(dtype=torch.int32, pin_memory=True)
+        self.indptr = torch.zeros(max_active + 1, **pin)
+        self.indices = torch.zeros(cap, **pin)
+        self.last = torch.zeros(max_active, **pin)
+        self._np = (self.indptr.numpy(), self.indices.numpy(), self.last.numpy())  # views
+        self._last_info = None
+
+    def plan(self, step: Step) -> None:
+        sh = self.shape
+        indptr, indices, last = to_csr(step.seq_lens, self.layout.block_table(step.rids), sh.page_size)
+        b, nnz = len(last), len(indices)
+        np_indptr, np_indices, np_last = self._np
+        np_indptr[:b + 1] = indptr          # safe to overwrite: every step ends synchronized
+        np_indices[:nnz] = indices
+        np_last[:b] = last
+        self.wrapper.plan(self.indptr[:b + 1], self.indices[:nnz], self.last[:b],
+                          sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
+                          q_data_type=sh.torch_dtype, kv_data_type=sh.torch_dtype)
+        self._last_info = step.seq_lens
+
+    def attend(self, q, k_cache, v_cache, out) -> None:
+        self.wrapper.run(q, (k_cache, v_cache), out=out)
+
+    def step_info(self):
+        """(route, splits, counters) of the last planned step."""
+        sh = self.shape
+        c = planner.flashinfer_counters(self._last_info, num_kv_heads=sh.num_kv_heads,
+                                        head_dim=sh.head_dim, dtype_bytes=sh.dtype_bytes)
+        return BASELINE, (), c
+
+    def stats(self) -> dict:
+        return {}
+
+
+RUNTIME_REQUIRED = ("device", "routes", "calibration", "max_batch", "max_pages_per_row",
+                    "use_cuda_graph")
+RUNTIME_OPTIONAL = ("max_graphs", "validate", "flashinfer_tensor_cores")
+
+
+def runtime_kwargs(params, wanted: dict) -> tuple[dict, tuple[str, ...]]:
+    """Split ``wanted`` Runtime keyword arguments into those ``params`` (the names of
+    ``Runtime.__init__``) accepts and the optional ones it does not (dropped, recorded).
+    A missing required one is an error naming it."""
+    names = set(params)
+    missing = [k for k in RUNTIME_REQUIRED if k in wanted and k not in names]
+    if missing:
+        raise ValueError(f"pkvrt.runtime.Runtime: expected keyword argument(s) {missing} "
+                         "(the interface the harness is written against)")
+    kept = {k: v for k, v in wanted.items() if k in names}
+    return kept, tuple(k for k in wanted if k not in names)
+
+
+class RuntimeEngine:
+    """``pkvrt.Runtime`` with CUDA graphs: ``plan(seq_lens, block_tables)`` once per step
+    (host int32 numpy arrays, its fast path), ``run(q, k, v, out=...)`` per layer. ``force``: a
+    route name forced on every step (``Runtime.plan(..., force=name)``), None = adaptive."""
+
+    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
+                 tensor_cores: bool):
+        from pkvrt.runtime import Runtime
+
+        sh = wl.shape
+        self.label = engine_label(name)
+        self.force = None if name == ADAPTIVE else name
+        self.layout = wl.layout
+        wanted = dict(device=wl.device, routes=routes, calibration=calibration,
+                      max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
+                      use_cuda_graph=True, max_graphs=64 * wl.copies, validate=False,
+                      flashinfer_tensor_cores=tensor_cores)
+        self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime).parameters, wanted)
+        if self.force is not None and "force" not in inspect.signature(Runtime.plan).parameters:
+            raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
+                             "argument, so a route cannot be forced")
+        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
+                          sh.torch_dtype, **self.kwargs)
+        self.decision = None
+
+    def plan(self, step: Step) -> None:
+        bt = self.layout.block_table(step.rids)
+        if self.force is None:
+            self.decision = self.rt.plan(step.seq_lens, bt)
+        else:
+            self.decision = self.rt.plan(step.seq_lens, bt, force=self.force)
+
+    def attend(self, q, k_cache, v_cache, out) -> None:
+        self.rt.run(q, k_cache, v_cache, out=out)
+
+    def step_info(self):
+        d = self.decision
+        return d.route, tuple(plan_splits(d.plan)), d.plan.counters
+
+    def stats(self) -> dict:
+        """Scalar entries of ``Runtime.stats()``."""
+        s = self.rt.stats() if hasattr(self.rt, "stats") else {}
+        return {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool))}
+
+
+# --------------------------------------------------------------------------- passes
+
+def untimed_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock,
+                 keep: tuple[int, ...] = ()) -> dict[int, torch.Tensor]:
+    """Run every step once (warm-up); returns clones of ``out[:B]`` at positions ``keep``."""
+    kept = {}
+    for pos, step in enumerate(steps):
+        run_step(engine, wl, step, pos, out)
+        if pos in keep:
+            clock.sync()
+            kept[pos] = out[:len(step.rids)].clone()
+    clock.sync()
+    return kept
+
+
+def wall_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock):
+    """Synchronized wall µs per step, and each step's (route, splits, counters)."""
+    walls, infos = [], []
+    for pos, step in enumerate(steps):
+        clock.sync()
+        t0 = time.perf_counter()
+        run_step(engine, wl, step, pos, out)
+        clock.sync()
+        walls.append((time.perf_counter() - t0) * 1e6)
+        infos.append(engine.step_info())
+    return walls, infos
+
+
+def device_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock,
+                cover_us: list[float]) -> tuple[list[float], int]:
+    """Device µs per step (see :class:`CudaClock`; ``cover_us[i]``: the spin before step i) and
+    how many steps took the host longer to enqueue than their spin (those may include host gaps)."""
+    times, uncovered = [], 0
+    for pos, step in enumerate(steps):
+        clock.sync()
+        token = clock.start(cover_us[pos])
+        t0 = time.perf_counter()
+        run_step(engine, wl, step, pos, out)
+        enqueue_us = (time.perf_counter() - t0) * 1e6
+        times.append(clock.stop(token))
+        uncovered += enqueue_us > cover_us[pos]
+    return times, uncovered
+
+
+def reference_rows(wl: Workload, step: Step) -> tuple[np.ndarray, torch.Tensor]:
+    """FP32 reference output of up to :data:`REF_ROWS` rows of ``step`` (longest, shortest).
+    Returns (rows int [R], out [R, H_q, D] float32)."""
+    seq = step.seq_lens
+    rows = np.array(list(dict.fromkeys([int(np.argmax(seq)), int(np.argmin(seq))]))[:REF_ROWS])
+    bt = torch.from_numpy(wl.layout.block_table(step.rids[rows])).to(wl.device)
+    lens = torch.from_numpy(seq[rows].astype(np.int32)).to(wl.device)
+    ref = reference.decode_attention(wl.q[torch.from_numpy(rows).to(wl.device)], wl.k[0], wl.v[0],
+                                     lens, bt)
+    return rows, ref
+
+
+def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs, refs, out,
+                   baseline: bool = False, log=print) -> tuple[dict, list[dict]]:
+    """Correctness on the checked steps, then the wall and device passes of one engine.
+
+    fi_outs : {pos: baseline output [B, H_q, D]} (for the baseline itself: filled here).
+    refs : {pos: (rows, FP32 reference [R, H_q, D])}.
+    Returns (results row, per-step rows); an incorrect engine gets a row with ``correct: false``
+    and no timing.
+    """
+    kept = untimed_pass(engine, wl, wl.steps, out, clock, keep=tuple(refs))
+    errs = []                                     # per checked step: fi max, fi mean, ref max, ref mean
+    for pos, o in kept.items():
+        rows, ref = refs[pos]
+        if baseline:
+            fi_outs[pos] = o
+        errs.append((*errors(o, fi_outs[pos]), *errors(o[torch.from_numpy(rows).to(o.device)], ref)))
+    # worst over the checked steps; np.max keeps a NaN (a failure)
+    max_fi, mean_fi, max_ref, mean_ref = (float(x) for x in np.max(errs, axis=0)) if errs else (0.0,) * 4
+    correct = within_tolerance(max_fi, mean_fi) and within_tolerance(max_ref, mean_ref)
+    common = dict(seed=seed, baseline=baseline, correct=correct, max_err=max_fi, mean_err=mean_fi,
+                  max_err_ref=max_ref, mean_err_ref=mean_ref, checked_steps=len(kept))
+    if not correct:
+        log(f"  {engine.label}: FAILED correctness (vs FlashInfer max {max_fi:.3g} mean "
+            f"{mean_fi:.3g}; vs FP32 max {max_ref:.3g} mean {mean_ref:.3g}); not timed")
+        return {"case": case, "engine": engine.label, "row": "measured", **common}, []
+    before = engine.stats()
+    walls, infos = wall_pass(engine, wl, wl.steps, out, clock)
+    # the spin before step i covers 1.25x its wall time (an upper bound of its enqueue time) + 50 us
+    cudas, uncovered = device_pass(engine, wl, wl.steps, out, clock, [1.25 * w + 50.0 for w in walls])
+    after = engine.stats()
+    records = []
+    for step, wall, cuda, (route, splits, counters) in zip(wl.steps, walls, cudas, infos):
+        seq = step.seq_lens
+        records.append(StepRecord(step=step.index, active=len(seq), max_context=int(seq.max()),
+                                  mean_context=float(seq.mean()), route=route,
+                                  splits=tuple(splits), counters=counters, wall_us=wall,
+                                  cuda_us=cuda))
+    extra = {f"rt_{k}": v for k, v in after.items()}
+    extra.update({f"rt_{k}_timed": after[k] - v for k, v in before.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and isinstance(after.get(k), (int, float))})
+    row = summarize(case, engine.label, records, **common, steps_total=wl.steps_total,
+                    cache_copies=wl.copies, device_uncovered_steps=uncovered, **extra)
+    return row, step_rows(case, engine.label, seed, records, baseline=baseline)
+
+
+def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int) -> dict[str, float]:
+    """Summed wall µs of each candidate engine over the first ``probe_steps`` steps (after one
+    warm-up pass over them). ``candidates``: label -> engine."""
+    steps = wl.steps[:probe_steps]
+    probe = {}
+    for label, eng in candidates.items():
+        untimed_pass(eng, wl, steps, out, clock)
+        walls, _ = wall_pass(eng, wl, steps, out, clock)
+        probe[label] = sum(walls)
+    return probe
+
+
+def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, device="cuda",
+             l2_bytes: int = 60 * 2**20, budget_bytes: int | None = None, log=print):
+    """Measure every engine of ``config`` on one seed.
+
+    make_engine(name, wl, baseline_label) -> engine, for ``name`` in ``config.engines`` and the
+    two FlashInfer variants (``flashinfer-cuda``, ``flashinfer-tc``) of the probe.
+
+    Returns (rows incl. ratio rows, per-step rows, info dict for the results meta).
+    """
+    wl = Workload(trace, config, seed, device=device, l2_bytes=l2_bytes, budget_bytes=budget_bytes)
+    case = case_name(trace.name, config.max_active, seed, layers=config.layers, mlp=config.mlp)
+    sh = config.shape
+    out = torch.full((config.max_active, sh.num_qo_heads, sh.head_dim), float("nan"),
+                     dtype=sh.torch_dtype, device=device)
+    log(f"{case}: {len(wl.steps)} of {wl.steps_total} steps, {wl.layout.num_physical_pages} "
+        f"pages, {wl.copies} cache cop{'y' if wl.copies == 1 else 'ies'}")
+    candidates, failures = {}, {}
+    for label in FI_VARIANTS:
+        try:
+            candidates[label] = make_engine(label, wl, None)
+        except Exception as exc:  # noqa: BLE001 - recorded in meta, the other variant may work
+            failures[label] = f"{type(exc).__name__}: {exc}"
+    probe = probe_baseline(candidates, wl, clock, out, config.probe_steps)
+    base_label = choose_baseline(probe)
+    log(f"  baseline {base_label} (probe wall over {min(config.probe_steps, len(wl.steps))} "
+        f"steps: " + ", ".join(f"{k} {v:.0f} us" for k, v in probe.items()) + ")")
+    check = check_positions(len(wl.steps), config.check_steps)
+    refs = {pos: reference_rows(wl, wl.steps[pos]) for pos in check}
+    fi_outs: dict[int, torch.Tensor] = {}
+    rows, steps_out = [], []
+    engines = [(BASELINE, candidates[base_label])]
+    for name in config.engines:
+        if name == BASELINE or name == base_label:
+            continue
+        engines.append((name, candidates[name] if name in candidates else
+                        make_engine(name, wl, base_label)))
+    for name, eng in engines:
+        out.fill_(float("nan"))
+        row, srows = measure_engine(eng, wl, clock, case=case, seed=seed, fi_outs=fi_outs,
+                                    refs=refs, out=out, baseline=name == BASELINE, log=log)
+        rows.append(row)
+        steps_out.extend(srows)
+        if "tok_per_s" in row:
+            log(f"  {row['engine']:<20} {row['route_mix']:<40} device {row['median_us']:9.1f} us"
+                f"  wall {row['wall_us']:9.1f} us  {row['tok_per_s']:10.0f} tok/s  "
+                f"max|e| {row['max_err']:.2e}")
+    rows.extend(ratio_rows(rows))
+    info = {"baseline": base_label, "baseline_probe_wall_us": probe,
+            "baseline_failures": failures, "cache_copies": wl.copies,
+            "steps_total": wl.steps_total, "steps_measured": len(wl.steps)}
+    return rows, steps_out, info

@@ -1,0 +1,515 @@
+"""Turn a directory of results JSON files into Markdown tables and PNG plots.
+
+``pkvrt report RESULTS_DIR --out DIR`` reads every ``*.json`` in RESULTS_DIR (each must be a
+pkvrt results file, ``{"meta": {...}, "rows": [...]}``; a malformed one is an error naming it)
+and writes ``DIR/report.md`` with the seed paper's tables:
+
+- Table 1, isolated kernels (benches/isolated.py): case, engine, µs, GB/s, fraction of the
+  measured read bandwidth, ratio against the best FlashInfer variant of the same file;
+- Table 2, serving (``pkvrt bench serving``): per trace and engine the selected route, CUDA and
+  wall decode-token throughput ratios against the file's baseline row (mean ± sample std over
+  seeds), and max / mean errors;
+- Table 3, absolute serving throughput and ms per step (the paper's model-level table for the
+  ``-L<n>-mlp`` cases);
+- Table 4, structural counters (launches, CTA work per SM, KV and merge MB) where rows carry them;
+- per-step tables from ``.steps.json`` files: throughput ratio by context length per engine, and
+  the route map of the adaptive engine over (active rows, context);
+- every other file as a plain table of its rows.
+
+With matplotlib installed it also writes ``ratio_vs_context.png`` and ``route_map.png``; without
+it the report says that plots were skipped. Ratios are only ever formed between rows of one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+from pkvrt import results
+
+NUMERIC = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s", "gbps", "frac_read_bw",
+           "max_err", "mean_err", "max_err_ref", "mean_err_ref", "cuda_ratio", "wall_ratio",
+           "mean_cuda_us", "mean_wall_us", "launches_per_step", "cta_work_per_sm",
+           "useful_kv_mb", "merge_mb", "merge_launches")
+SERVING_TIMES = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s")
+STEP_KEYS = {"step": int, "active": int, "max_context": int, "wall_us": float, "cuda_us": float,
+             "route": str}
+COUNTERS = (("launches_per_step", "Launches/step", 2), ("cta_work_per_sm", "Decode CTA work/SM", 1),
+            ("useful_kv_mb", "Useful KV MB", 1), ("merge_mb", "Merge MB", 2),
+            ("merge_launches", "Merge launches", 2))
+NO_PLOTS = "Plots skipped: matplotlib is not installed (pip install 'pkvrt[plots]')."
+
+
+# --------------------------------------------------------------------------- reading
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def file_kind(doc: dict) -> str:
+    """``serving``, ``serving-steps``, ``isolated``, ``plan`` or the file's own ``meta.kind``
+    (``generic`` when it has none)."""
+    kind = doc["meta"].get("kind")
+    if isinstance(kind, str) and kind.startswith("plan"):
+        return "plan"
+    if kind:
+        return str(kind)
+    return "isolated" if "isolated" in str(doc["meta"].get("protocol", "")) else "generic"
+
+
+def validate(path, doc: dict) -> None:
+    """Check the rows of one results document; a ValueError names the file, row and key."""
+    if not isinstance(doc["meta"], dict):
+        raise ValueError(f"{path}: key 'meta': expected an object, got {type(doc['meta']).__name__}")
+    kind = file_kind(doc)
+    for i, row in enumerate(doc["rows"]):
+        where = f"{path}: rows[{i}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object, got {row!r}")
+        for key in ("case", "engine"):
+            if not isinstance(row.get(key), str) or not row[key]:
+                raise ValueError(f"{where}: key {key!r}: expected a non-empty string, "
+                                 f"got {row.get(key)!r}")
+        for key in NUMERIC:
+            if key in row and row[key] is not None and not _is_number(row[key]):
+                raise ValueError(f"{where}: key {key!r}: expected a number or null, got {row[key]!r}")
+        if kind == "serving" and row.get("row") == "measured" and row.get("correct", True):
+            for key in SERVING_TIMES:
+                if not _is_number(row.get(key)) or not row[key] > 0:
+                    raise ValueError(f"{where}: key {key!r}: expected a positive number in a "
+                                     f"timed serving row, got {row.get(key)!r}")
+        if kind == "serving-steps":
+            for key, typ in STEP_KEYS.items():
+                ok = isinstance(row.get(key), str) if typ is str else _is_number(row.get(key))
+                if not ok:
+                    raise ValueError(f"{where}: key {key!r}: expected "
+                                     f"{'a string' if typ is str else 'a number'}, got {row.get(key)!r}")
+
+
+def load_dir(directory) -> list[tuple[str, dict]]:
+    """Every ``*.json`` in ``directory`` (sorted by name), read and validated."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise ValueError(f"{d}: expected a directory of results files")
+    files = sorted(d.glob("*.json"))
+    if not files:
+        raise ValueError(f"{d}: no results files (*.json) found")
+    out = []
+    for f in files:
+        try:
+            doc = results.read_results(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not a pkvrt results file: invalid JSON at line {e.lineno} "
+                             f"column {e.colno}: {e.msg}") from None
+        validate(f, doc)
+        out.append((str(f), doc))
+    return out
+
+
+# --------------------------------------------------------------------------- formatting
+
+def md_table(header, rows, align: str | None = None) -> str:
+    """A GitHub Markdown table; ``align`` has one "l" or "r" per column (default l then r)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = [header, rule, *rows]
+    return "\n".join("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in lines)
+
+
+def fmt_pm(values, digits: int = 3) -> str:
+    """Mean ± sample std: [1.2, 1.3] -> "1.250 ± 0.071"; one value -> "1.200"."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "-"
+    mean = sum(vals) / len(vals)
+    if len(vals) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
+
+
+def fmt_err(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN"
+    return "0" if v == 0 else f"{v:.3e}"
+
+
+def trace_key(case: str) -> str:
+    """``bimodal-B8-seed20260623`` -> ``bimodal-B8`` (the case over seeds)."""
+    return re.sub(r"-seed\d+$", "", case)
+
+
+def _of_kind(files, kind):
+    return [(p, d) for p, d in files if file_kind(d) == kind]
+
+
+# --------------------------------------------------------------------------- Table 1
+
+def isolated_table(files) -> str:
+    """Best split per (case, engine) of every isolated file, ratio vs the case's best FlashInfer."""
+    out = []
+    for path, doc in _of_kind(files, "isolated"):
+        beta = doc["meta"].get("read_bandwidth_gbps")
+        cases: dict[str, dict[str, dict]] = {}
+        failed = []
+        for r in doc["rows"]:
+            if not _is_number(r.get("median_us")):
+                failed.append(r)
+                continue
+            best = cases.setdefault(r["case"], {})
+            if r["engine"] not in best or r["median_us"] < best[r["engine"]]["median_us"]:
+                best[r["engine"]] = r
+        rows = []
+        for case, engines in cases.items():
+            fi = [r["median_us"] for e, r in engines.items() if e.startswith("flashinfer")]
+            for e, r in sorted(engines.items(), key=lambda x: x[1]["median_us"]):
+                gbps = r.get("gbps")
+                frac = r.get("frac_read_bw")
+                if frac is None and gbps is not None and beta:
+                    frac = gbps / beta
+                rows.append((case, e, "-" if r.get("splits") is None else r["splits"],
+                             f"{r['median_us']:.2f}", "-" if gbps is None else f"{gbps:.1f}",
+                             "-" if frac is None else f"{frac:.3f}",
+                             f"{min(fi) / r['median_us']:.3f}x" if fi else "-"))
+        for r in failed:
+            rows.append((r["case"], r["engine"], r.get("splits", "-"), "FAILED", "-", "-",
+                         str(r.get("error", "no time"))[:60]))
+        title = (f"**{Path(path).name}**" + (f" (measured read bandwidth {beta} GB/s)" if beta else ""))
+        out.append(title + "\n\n" + md_table(
+            ("Case", "Engine", "Split", "µs", "GB/s", "Fraction of read BW",
+             "Ratio vs FlashInfer best"), rows, align="llrrrrr"))
+    return "\n\n".join(out)
+
+
+# --------------------------------------------------------------------------- Tables 2, 3
+
+def serving_groups(files) -> dict[tuple[str, str], list[dict]]:
+    """(trace key, engine) -> one entry per (file, case): the measured row plus its ``cuda_ratio``
+    and ``wall_ratio`` against the baseline row of the same case in the same file (None when
+    either failed correctness). Raises ValueError for a case with no baseline row."""
+    groups: dict[tuple[str, str], list[dict]] = collections.OrderedDict()
+    for path, doc in _of_kind(files, "serving"):
+        measured = [r for r in doc["rows"] if r.get("row", "measured") == "measured"]
+        bases = {}
+        for r in measured:
+            if r.get("baseline"):
+                if r["case"] in bases:
+                    raise ValueError(f"{path}: case {r['case']!r}: two baseline rows "
+                                     f"({bases[r['case']]['engine']}, {r['engine']})")
+                bases[r["case"]] = r
+        for r in measured:
+            b = bases.get(r["case"])
+            if b is None:
+                raise ValueError(f"{path}: case {r['case']!r}: no baseline row "
+                                 "(expected one row with \"baseline\": true)")
+            timed = r.get("correct", True) and b.get("correct", True)
+            entry = dict(r, file=path,
+                         cuda_ratio=r["cuda_tok_per_s"] / b["cuda_tok_per_s"] if timed else None,
+                         wall_ratio=r["tok_per_s"] / b["tok_per_s"] if timed else None)
+            groups.setdefault((trace_key(r["case"]), r["engine"]), []).append(entry)
+    return groups
+
+
+def _route_text(entries) -> str:
+    routes = collections.Counter(e.get("route") for e in entries if e.get("route"))
+    if not routes:
+        return "-"
+    route = routes.most_common(1)[0][0]
+    splits = collections.Counter(e.get("split_main") for e in entries
+                                 if e.get("route") == route and e.get("split_main"))
+    text = route + (f", split {splits.most_common(1)[0][0]}" if splits else "")
+    if len(routes) > 1:
+        text += f" ({len(routes)} routes over seeds)"
+    return text
+
+
+def serving_table(files) -> str:
+    """Table 2: throughput ratios against the baseline, mean ± std over seeds."""
+    rows = []
+    for (key, engine), entries in serving_groups(files).items():
+        ok = [e for e in entries if e["wall_ratio"] is not None]
+        bad = len(entries) - len(ok)
+        errs = [e.get("max_err") for e in entries if _is_number(e.get("max_err"))]
+        means = [e.get("mean_err") for e in entries if _is_number(e.get("mean_err"))]
+        label = engine + (" (baseline)" if entries[0].get("baseline") else "")
+        rows.append((key, label, _route_text(entries), len(entries),
+                     fmt_pm([e["cuda_ratio"] for e in ok]) + (f" ({bad} FAILED)" if bad else ""),
+                     fmt_pm([e["wall_ratio"] for e in ok]) + (f" ({bad} FAILED)" if bad else ""),
+                     fmt_err(max(errs) if errs else None),
+                     fmt_err(sum(means) / len(means) if means else None)))
+    if not rows:
+        return ""
+    return md_table(("Trace / mode", "Engine", "Selected route", "Seeds", "CUDA tok/s ratio",
+                     "Wall tok/s ratio", "Max |e|", "Mean |e|"), rows, align="lllrrrrr")
+
+
+def throughput_table(files) -> str:
+    """Table 3: absolute CUDA / wall decode-token throughput and ms per step over seeds."""
+    rows = []
+    for (key, engine), entries in serving_groups(files).items():
+        ok = [e for e in entries if e.get("correct", True)]
+        if not ok:
+            continue
+        rows.append((key, engine, len(ok),
+                     fmt_pm([e["cuda_tok_per_s"] for e in ok], 1),
+                     fmt_pm([e.get("mean_cuda_us", e["median_us"]) / 1e3 for e in ok]),
+                     fmt_pm([e["tok_per_s"] for e in ok], 1),
+                     fmt_pm([e.get("mean_wall_us", e["wall_us"]) / 1e3 for e in ok])))
+    if not rows:
+        return ""
+    return md_table(("Trace / mode", "Engine", "Seeds", "CUDA tok/s", "CUDA ms/step", "Wall tok/s",
+                     "Wall ms/step"), rows, align="llrrrrr")
+
+
+# --------------------------------------------------------------------------- Table 4
+
+def counters_table(files) -> str:
+    """Table 4: per (source, trace, engine) the mean structural counters over seeds."""
+    groups: dict[tuple[str, str, str], list[dict]] = collections.OrderedDict()
+    for path, doc in files:
+        kind = file_kind(doc)
+        if kind not in ("serving", "plan"):
+            continue
+        source = "measured run" if kind == "serving" else "planner"
+        for r in doc["rows"]:
+            if r.get("row", "measured") == "measured" and _is_number(r.get("launches_per_step")):
+                groups.setdefault((source, trace_key(r["case"]), r["engine"]), []).append(r)
+    rows = []
+    for (source, key, engine), entries in groups.items():
+        cells = []
+        for field, _, digits in COUNTERS:
+            vals = [e[field] for e in entries if _is_number(e.get(field))]
+            cells.append(f"{sum(vals) / len(vals):.{digits}f}" if vals else "–")
+        rows.append((key, engine, source, *cells))
+    if not rows:
+        return ""
+    return md_table(("Trace", "Engine", "Source", *(c[1] for c in COUNTERS)), rows, align="lll" + "r" * 5)
+
+
+# --------------------------------------------------------------------------- per-step data
+
+def context_bin(tokens: int) -> tuple[int, int]:
+    """Power-of-two bin of a context length: 20000 -> (16384, 32768)."""
+    lo = 1 << (max(1, int(tokens)).bit_length() - 1)
+    return lo, 2 * lo
+
+
+def bin_label(lo: int, hi: int) -> str:
+    """(16384, 32768) -> "16K-32K"; (512, 1024) -> "512-1K"."""
+    def k(x):
+        return f"{x // 1024}K" if x >= 1024 else str(x)
+    return f"{k(lo)}-{k(hi)}"
+
+
+def paired_steps(files):
+    """Yield (engine record, baseline record) for every non-baseline per-step record that has a
+    baseline record of the same case and step in the same file."""
+    for path, doc in _of_kind(files, "serving-steps"):
+        base = {(r["case"], r["step"]): r for r in doc["rows"] if r.get("baseline")}
+        for r in doc["rows"]:
+            b = base.get((r["case"], r["step"]))
+            if b is not None and not r.get("baseline"):
+                yield r, b
+
+
+def ratio_by_context(files) -> list[dict]:
+    """Per engine and context bin (the step's longest context): throughput ratio over the bin's
+    steps, ``sum(baseline time) / sum(engine time)`` (every step has the same tokens on both)."""
+    acc = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+    for r, b in paired_steps(files):
+        a = acc[(r["engine"], context_bin(r["max_context"]))]
+        a[0] += 1
+        a[1] += b["wall_us"]
+        a[2] += r["wall_us"]
+        a[3] += b["cuda_us"]
+        a[4] += r["cuda_us"]
+    return [{"engine": e, "bin": bin_, "steps": n, "wall_ratio": bw / ew, "cuda_ratio": bc / ec}
+            for (e, bin_), (n, bw, ew, bc, ec) in sorted(acc.items())]
+
+
+def route_map_cells(files, engine: str = "pkvrt-adaptive") -> list[dict]:
+    """Per (active rows, context bin) of ``engine``'s steps: the route it took most often, that
+    route's share, and the wall / CUDA throughput ratio against the baseline over those steps."""
+    acc: dict = collections.defaultdict(lambda: [collections.Counter(), 0.0, 0.0, 0.0, 0.0])
+    for r, b in paired_steps(files):
+        if r["engine"] != engine:
+            continue
+        a = acc[(r["active"], context_bin(r["max_context"]))]
+        a[0][r["route"]] += 1
+        a[1] += b["wall_us"]
+        a[2] += r["wall_us"]
+        a[3] += b["cuda_us"]
+        a[4] += r["cuda_us"]
+    out = []
+    for (active, bin_), (routes, bw, ew, bc, ec) in sorted(acc.items()):
+        route, n = routes.most_common(1)[0]
+        total = sum(routes.values())
+        out.append({"active": active, "bin": bin_, "route": route, "share": n / total,
+                    "steps": total, "wall_ratio": bw / ew, "cuda_ratio": bc / ec})
+    return out
+
+
+def context_table(data: list[dict]) -> str:
+    rows = [(d["engine"], bin_label(*d["bin"]), d["steps"], f"{d['cuda_ratio']:.3f}",
+             f"{d['wall_ratio']:.3f}") for d in data]
+    return md_table(("Engine", "Longest context", "Steps", "CUDA ratio", "Wall ratio"), rows,
+                    align="llrrr") if rows else ""
+
+
+def route_map_table(cells: list[dict]) -> str:
+    rows = [(c["active"], bin_label(*c["bin"]), c["route"], f"{100 * c['share']:.0f}%", c["steps"],
+             f"{c['cuda_ratio']:.3f}", f"{c['wall_ratio']:.3f}") for c in cells]
+    return md_table(("Active rows", "Longest context", "Route", "Share", "Steps", "CUDA ratio",
+                     "Wall ratio"), rows, align="rllrrrr") if rows else ""
+
+
+# --------------------------------------------------------------------------- other files
+
+def generic_table(path, doc) -> str:
+    """All rows of a file as a table; columns are the union of keys in first-seen order."""
+    cols: list[str] = []
+    for r in doc["rows"]:
+        cols += [k for k in r if k not in cols]
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+    rows = [tuple(cell(r.get(c)) for c in cols) for r in doc["rows"]]
+    title = f"**{Path(path).name}** (kind: {file_kind(doc)}, {len(rows)} rows)"
+    return title + "\n\n" + (md_table(cols, rows, align="l" * len(cols)) if rows else "(no rows)")
+
+
+# --------------------------------------------------------------------------- plots
+
+def plot_ratio_vs_context(data: list[dict], path: Path) -> None:
+    """Wall and CUDA throughput ratio against the longest context, one line per engine."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    engines = list(dict.fromkeys(d["engine"] for d in data))
+    for ax, key, title in zip(axes, ("wall_ratio", "cuda_ratio"), ("wall", "CUDA events")):
+        for e in engines:
+            pts = [d for d in data if d["engine"] == e]
+            x = [math.sqrt(d["bin"][0] * d["bin"][1]) for d in pts]
+            ax.plot(x, [d[key] for d in pts], marker="o", label=e)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("longest context in the step (tokens, power-of-two bins)")
+        ax.set_title(f"decode-token throughput ratio vs baseline ({title})")
+    axes[0].set_ylabel("engine / baseline")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_route_map(cells: list[dict], path: Path) -> None:
+    """The adaptive engine's route over (active rows, context bin), labelled by the wall ratio."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    routes = list(dict.fromkeys(c["route"] for c in cells))
+    colors = plt.get_cmap("tab10")
+    for i, route in enumerate(routes):
+        pts = [c for c in cells if c["route"] == route]
+        ax.scatter([c["active"] for c in pts], [math.sqrt(c["bin"][0] * c["bin"][1]) for c in pts],
+                   s=400, marker="s", color=colors(i % 10), label=route)
+    for c in cells:
+        ax.annotate(f"{c['wall_ratio']:.2f}", (c["active"], math.sqrt(c["bin"][0] * c["bin"][1])),
+                    ha="center", va="center", fontsize=7, color="white")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("active rows")
+    ax.set_ylabel("longest context (tokens)")
+    ax.set_title("adaptive route per (active, context); label: wall ratio vs baseline")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- the report
+
+def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
+    """The Markdown text and the notes printed by the command (plots written or skipped)."""
+    parts = ["# pkvrt results report", "", "| File | Kind | GPU | Date | Commit |", "|---|---|---|---|---|"]
+    for path, doc in files:
+        m = doc["meta"]
+        parts.append(f"| {Path(path).name} | {file_kind(doc)} | {m.get('gpu') or '-'} | "
+                     f"{m.get('date') or '-'} | {m.get('pkvrt_commit') or '-'} |")
+    sections = [
+        ("Table 1: isolated decode attention (best split per engine)", isolated_table(files)),
+        ("Table 2: serving throughput against the baseline (mean ± std over seeds)",
+         serving_table(files)),
+        ("Table 3: absolute serving throughput (mean ± std over seeds; -L<n>-mlp cases are the "
+         "model-level proxy)", throughput_table(files)),
+        ("Table 4: structural counters, mean per step", counters_table(files)),
+    ]
+    by_ctx = ratio_by_context(files)
+    cells = route_map_cells(files)
+    sections += [("Throughput ratio by longest context (per-step records)", context_table(by_ctx)),
+                 ("Route map of the adaptive engine (per-step records)", route_map_table(cells))]
+    handled = {"isolated", "serving", "serving-steps", "plan"}
+    for path, doc in files:
+        if file_kind(doc) not in handled:
+            sections.append((f"Other results: {Path(path).name}", generic_table(path, doc)))
+    for title, body in sections:
+        if body:
+            parts += ["", f"## {title}", "", body]
+    if not by_ctx and not cells:
+        note = "No per-step records (.steps.json files) to plot."
+        parts += ["", note]
+    elif not _have_matplotlib():
+        note = NO_PLOTS
+        parts += ["", note]
+    else:
+        plots = []
+        if by_ctx:
+            plot_ratio_vs_context(by_ctx, out_dir / "ratio_vs_context.png")
+            plots.append("ratio_vs_context.png")
+        if cells:
+            plot_route_map(cells, out_dir / "route_map.png")
+            plots.append("route_map.png")
+        parts += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+        note = "wrote plots: " + ", ".join(plots)
+    return "\n".join(parts) + "\n", [note]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pkvrt report``."""
+    parser.add_argument("results_dir", metavar="RESULTS_DIR",
+                        help="directory of results JSON files (pkvrt bench, benches/isolated.py)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where report.md and the plots go (default: RESULTS_DIR/report)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pkvrt report``: write DIR/report.md (and plots); returns 0."""
+    files = load_dir(args.results_dir)
+    out = Path(args.out) if args.out else Path(args.results_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    text, notes = build_report(files, out)
+    (out / "report.md").write_text(text, encoding="utf-8")
+    print(f"read {len(files)} results file(s) from {args.results_dir}")
+    for n in notes:
+        print(n)
+    print(f"wrote {out / 'report.md'}")
+    return 0

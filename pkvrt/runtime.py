@@ -1,0 +1,848 @@
+"""``pkvrt.Runtime``: the embedding API. Plan once per decode step, run once per layer.
+
+::
+
+    rt = pkvrt.Runtime(32, 8, 128, 16)              # H_q, H_kv, head_dim, page_size (fp16)
+    for step in decode_loop:
+        rt.plan(seq_lens, block_tables)             # route choice + static metadata upload
+        for layer in layers:
+            q = rt.static_q(B); q.copy_(...)        # or any [B, H_q, D] tensor
+            out = rt.run(q, k_cache[layer], v_cache[layer], out=rt.static_out(B))
+
+``plan`` validates the step, asks the :class:`pkvrt.router.Router` for the route, writes the
+plan into pinned host staging and issues one non-blocking H2D copy per device buffer (two for a
+PersistentKV step: the int32 metadata arena and the block-table rows; FlashInfer's own plan for a
+FlashInfer step). ``run`` checks the tensors and replays the CUDA graph of this (route, batch,
+structure, tensors) key, capturing it on a miss (:mod:`pkvrt.graphs` says what a key holds).
+
+Static buffers (allocated once; sizes at the seed shape H_q 32, H_kv 8, D 128, fp16, with the
+defaults max_batch 256, max_pages_per_row 8192 and the seed routes.toml):
+
+=====================  ==============================================  =====================
+buffer                 shape                                           seed size
+=====================  ==============================================  =====================
+metadata arena         int32: seq_lens [max_batch], split_offsets       ~90 KB
+                       [pow2(max_batch)+1], num_tasks [1], row_ids
+                       [2*max_batch], merge offsets [2*max_batch],
+                       tasks [task_capacity, 5]
+block_tables           int32 [max_batch, max_pages_per_row]             8 MiB
+part_a / part_ml       f32 [slot_capacity, H_q, D] / [.., H_q, 2]       8 MiB / 128 KiB
+fused counters         int32 [pow2(max_batch), H_kv], zero              8 KiB
+static q / out         dtype [pow2(max_batch), H_q, D] each              2 MiB each
+FlashInfer indices     int32 [max_batch * max_pages_per_row]            8 MiB (+128 MiB workspace)
+pinned staging         2 ring slots x (arena + block tables + CSR)      ~32 MiB host
+=====================  ==============================================  =====================
+
+Capacities (:func:`initial_capacities`): PersistentKV routes run only up to the gates'
+``max_active`` rows (unless forced), so partial-state slots are sized for
+``pow2(min(max_batch, max max_active)) * max splits`` (seed: 8 rows * 64 = 512 slots) and tasks
+for ``task_bucket(slots * H_kv)`` (4096). A plan that needs more (a forced route at B = 32, say)
+grows the buffer between steps to ``max(need, 2 * old)``; growing reallocates, so every graph
+is dropped (``stats()['invalidations']``). Row ids never grow: the padded rows of all buckets
+sum to < 2 * B (each bucket pads r rows to pow2(r) <= 2r - 1).
+
+Host cost: ``plan`` adds, to the router's own 20-85 us, the O(B * pages) validation
+(``validate=True``; ``validate=False`` skips it), numpy staging writes, 2 tensor copies and one
+event record; it allocates no tensors. ``run`` on a graph hit is the tensor checks, one dict
+lookup and ``graph.replay()``. The staging ring has 2 slots: a slot's pinned memory is rewritten
+only after the event recorded behind its last copies has completed (``Event.synchronize``, a
+no-op unless the host runs more than a whole step ahead of the GPU).
+
+The runtime must be used from the thread and CUDA device it was built on (the device current at
+``plan``/``run`` time must be ``device``), like FlashInfer's wrappers.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import warnings
+
+import attrs
+import numpy as np
+import torch
+
+from pkvrt import _buildspec, _driver, fi_route, graphs, ops
+from pkvrt.calibration import Calibration, find_calibration, load_calibration
+from pkvrt.costmodel import predict_us
+from pkvrt.planner import BucketPlan, bucket_counters, fused_counters, workqueue_counters
+from pkvrt.registry import KIND_KERNELS, Registry, load_routes
+from pkvrt.router import RouteDecision, Router
+
+DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+ALIGN = 16  # arena sections start at multiples of 16 int32 (64 bytes)
+RING = 2    # pinned staging slots
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype) -> int:
+    """Check an attention shape against the kernels built (``pkvrt/_buildspec.py``); return G.
+
+    Raises ValueError naming the argument: head_dim in (64, 128, 256); page_size a power of
+    two <= 64; num_qo_heads a multiple of num_kv_heads with G in (1, 2, 4, 8); dtype fp16/bf16.
+    """
+    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim), ("page_size", page_size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"Runtime: {name}={v!r}: expected a positive integer")
+    if head_dim not in _buildspec.HEAD_DIMS:
+        raise ValueError(f"Runtime: head_dim={head_dim}: expected one of {_buildspec.HEAD_DIMS} "
+                         "(the head dims the kernels are built for)")
+    if page_size not in _buildspec.PAGE_SIZES:
+        raise ValueError(f"Runtime: page_size={page_size}: expected a power of two <= "
+                         f"{_buildspec.MAX_PAGE_SIZE}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"Runtime: num_qo_heads={num_qo_heads}: expected a multiple of "
+                         f"num_kv_heads={num_kv_heads} (H_q = G * H_kv)")
+    g = num_qo_heads // num_kv_heads
+    if g not in _buildspec.GROUP_SIZES:
+        raise ValueError(f"Runtime: num_qo_heads / num_kv_heads = {g}: expected a group size in "
+                         f"{_buildspec.GROUP_SIZES}")
+    if dtype not in DTYPES:
+        raise ValueError(f"Runtime: dtype={dtype}: expected torch.float16 or torch.bfloat16")
+    return g
+
+
+def host_int_array(x, name: str) -> np.ndarray:
+    """``x`` (list, numpy array, CPU or CUDA tensor) as a host numpy array, without a copy when
+    it is already one (or a CPU tensor). A CUDA tensor costs one synchronizing D2H copy."""
+    if isinstance(x, torch.Tensor):
+        if x.is_cuda:
+            x = x.cpu()  # the host router needs the values: one D2H copy, synchronizing
+        return x.numpy()
+    a = np.asarray(x)
+    if a.dtype == object:
+        raise ValueError(f"Runtime.plan: {name}: expected integers, got a ragged or mixed sequence")
+    return a
+
+
+@attrs.frozen(eq=False)
+class StepInput:
+    """A validated step: seq [B] int64, block_tables [B, W] (caller's ints), pages [B] int64
+    (pages each row needs), max_pages (their max), max_page_id (largest page id in use, or -1
+    when not validated)."""
+
+    seq: np.ndarray
+    block_tables: np.ndarray
+    pages: np.ndarray
+    max_pages: int
+    max_page_id: int
+
+
+def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pages_per_row: int,
+               validate: bool = True) -> StepInput:
+    """Validate one step's metadata; raise ValueError naming the argument, else a StepInput.
+
+    Always (O(B), they guard the static buffers): 1-D integer seq_lens >= 1, B <= max_batch,
+    block_tables [B, W] integer with W >= the pages of the longest row, every row's pages within
+    max_pages_per_row. With ``validate``: every page id a row uses (its first
+    ceil(seq_len / page_size) entries) is >= 0; padding past them is never read and may be -1.
+    """
+    seq = host_int_array(seq_lens, "seq_lens")
+    if seq.ndim != 1 or seq.size == 0:
+        raise ValueError(f"Runtime.plan: seq_lens: expected a non-empty 1-D integer array [B], "
+                         f"got shape {seq.shape}")
+    if seq.dtype.kind not in "iu":
+        raise ValueError(f"Runtime.plan: seq_lens: expected an integer dtype (int32), got {seq.dtype}")
+    b = seq.size
+    if b > max_batch:
+        raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows: expected at most "
+                         f"max_batch={max_batch} (raise Runtime(max_batch=...))")
+    seq = seq.astype(np.int64, copy=False)
+    if seq.min() < 1:
+        row = int(np.argmin(seq))
+        raise ValueError(f"Runtime.plan: seq_lens[{row}] = {seq[row]}: expected >= 1 "
+                         "(tokens in the cache, the new one included)")
+    bt = host_int_array(block_tables, "block_tables")
+    if bt.ndim != 2 or bt.shape[0] != b:
+        raise ValueError(f"Runtime.plan: block_tables: expected shape [B={b}, max_pages], got "
+                         f"{bt.shape}")
+    if bt.dtype.kind not in "iu":
+        raise ValueError(f"Runtime.plan: block_tables: expected an integer dtype (int32), got {bt.dtype}")
+    pages = -(-seq // page_size)
+    row = int(np.argmax(pages))
+    max_pages = int(pages[row])
+    if max_pages > max_pages_per_row:
+        raise ValueError(f"Runtime.plan: seq_lens[{row}] = {seq[row]} needs {max_pages} pages of "
+                         f"{page_size} tokens: expected at most max_pages_per_row={max_pages_per_row}")
+    if max_pages > bt.shape[1]:
+        raise ValueError(f"Runtime.plan: block_tables: row {row} has seq_len {seq[row]} = "
+                         f"{max_pages} pages of {page_size}, but block_tables has only "
+                         f"{bt.shape[1]} columns; expected at least {max_pages}")
+    max_id = -1
+    if validate:
+        used = bt[:, :max_pages]
+        mask = np.arange(max_pages) < pages[:, None]            # bool [B, max_pages]
+        ids = used[mask]
+        if ids.min() < 0:
+            r, c = (int(v[0]) for v in np.nonzero((used < 0) & mask))
+            raise ValueError(f"Runtime.plan: block_tables[{r}, {c}] = {used[r, c]}: expected a page "
+                             f"id >= 0 (row {r} uses its first {pages[r]} entries; only entries "
+                             "past them may be padding)")
+        max_id = int(ids.max())
+    return StepInput(seq=seq, block_tables=bt, pages=pages, max_pages=max_pages, max_page_id=max_id)
+
+
+def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, num_kv_heads: int,
+                   head_dim: int, page_size: int, dtype, device, max_page_id: int = -1) -> None:
+    """Check run()'s tensors against the runtime's shape and the planned batch; raise ValueError
+    naming the tensor. Pure metadata checks (no device access): out is never touched here.
+
+    q, out [batch, H_q, D] contiguous; k_cache, v_cache [num_pages, H_kv, page_size, D] with
+    contiguous 16-byte-aligned token rows, same shape; all ``dtype`` on ``device``;
+    ``max_page_id`` (the step's largest page id, -1 = not validated) < num_pages.
+    """
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if out is not None:
+        named.append(("out", out))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"Runtime.run: {name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise ValueError(f"Runtime.run: {name}: expected dtype {dtype} (the Runtime's), got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"Runtime.run: {name}: expected a tensor on {device}, got {t.device}")
+    want = (batch, num_qo_heads, head_dim)
+    for name, t in named[:1] + named[3:]:
+        if tuple(t.shape) != want or not t.is_contiguous():
+            raise ValueError(f"Runtime.run: {name}: expected a contiguous [B, H_q, D] = {want} tensor "
+                             f"(B = the batch of the last plan()), got shape {tuple(t.shape)}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+    for name, c in named[1:3]:
+        if c.dim() != 4 or tuple(c.shape[1:]) != (num_kv_heads, page_size, head_dim):
+            raise ValueError(f"Runtime.run: {name}: expected [num_pages, H_kv={num_kv_heads}, "
+                             f"page_size={page_size}, D={head_dim}] (HND), got shape {tuple(c.shape)}")
+        if c.stride(3) != 1 or c.stride(2) != head_dim or c.stride(0) % 8 or c.stride(1) % 8 \
+                or c.data_ptr() % 16:
+            raise ValueError(f"Runtime.run: {name}: expected contiguous, 16-byte aligned token rows "
+                             f"and page/head strides that are multiples of 8, got strides {c.stride()}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"Runtime.run: v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
+    if max_page_id >= k_cache.shape[0]:
+        raise ValueError(f"Runtime.run: block_tables (last plan) uses page id {max_page_id}: expected "
+                         f"page ids < num_pages = k_cache.shape[0] = {k_cache.shape[0]}")
+
+
+# ----------------------------------------------------------------------------- capacities
+
+
+@attrs.frozen
+class Capacities:
+    """Partial-state slots (part_a/part_ml rows) and workqueue task slots the buffers hold."""
+
+    slots: int
+    tasks: int
+
+
+def initial_capacities(registry: Registry, *, max_batch: int, num_kv_heads: int) -> Capacities:
+    """Capacities allocated at construction (module docstring). Seed routes.toml, H_kv 8:
+    max_active 8 -> 8 rows * max splits 64 = 512 slots; task_bucket(512 * 8) = 4096 tasks."""
+    pkv = [r for r in registry.routes if r.kind != "flashinfer"]
+    if not pkv:
+        return Capacities(slots=1, tasks=1)
+    rows = graphs.padded_batch(min(max_batch, max(r.gates.max_active for r in pkv)))
+    slots = rows * max(r.splits.max for r in pkv)
+    return Capacities(slots=slots, tasks=graphs.task_bucket(slots * num_kv_heads))
+
+
+def needed_capacities(kind: str, plan) -> Capacities:
+    """What a plan needs. Bucket: the largest padded-rows x splits of a bucket with splits > 1
+    (buckets run one after another and reuse slots from 0); workqueue/fused: every row's splits
+    (``split_offsets[-1]``) and the graph's task capacity; FlashInfer: nothing."""
+    if kind == "bucket":
+        slots = max((graphs.padded_batch(b.rows.size) * b.num_splits
+                     for b in plan.buckets if b.num_splits > 1), default=0)
+        return Capacities(slots=slots, tasks=0)
+    if kind in ("workqueue", "fused"):
+        return Capacities(slots=int(plan.split_offsets[-1]), tasks=graphs.task_bucket(plan.tasks.shape[0]))
+    return Capacities(slots=0, tasks=0)
+
+
+def grow(current: int, need: int) -> int:
+    """``current`` if it suffices, else ``max(need, 2 * current)`` (geometric: few regrowths)."""
+    return current if need <= current else max(need, 2 * current)
+
+
+# ----------------------------------------------------------------------------- metadata arena
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@attrs.frozen
+class ArenaLayout:
+    """Element offsets of the sections of the int32 metadata arena (one H2D copy per step)."""
+
+    max_batch: int
+    task_capacity: int
+    seq_lens: int
+    split_offsets: int
+    num_tasks: int
+    row_ids: int
+    merge_offsets: int
+    tasks: int
+    size: int
+
+
+def arena_layout(max_batch: int, task_capacity: int) -> ArenaLayout:
+    """Sections, in order: seq_lens [max_batch]; split_offsets [pow2(max_batch)+1] (the padded
+    batch's); num_tasks [1]; row_ids [2*max_batch]; merge offsets [2*max_batch] (each bucket
+    pads r rows to pow2(r) <= 2r-1, so all buckets' padded rows, and their pad+1 offsets, fit);
+    tasks [task_capacity * 5] last, so a workqueue step copies only the prefix it uses."""
+    sizes = (max_batch, graphs.padded_batch(max_batch) + 1, 1, 2 * max_batch, 2 * max_batch,
+             5 * task_capacity)
+    offs, at = [], 0
+    for s in sizes:
+        offs.append(at)
+        at = _align(at + s)
+    return ArenaLayout(max_batch, task_capacity, *offs, size=at)
+
+
+def bucket_sections(layout: ArenaLayout, structure) -> list[tuple[int, int, int, int | None]]:
+    """``(row_ids offset, padded rows, splits, merge-offsets offset or None)`` per bucket of a
+    bucket-route structure ``((padded rows, splits), ...)``, in launch order."""
+    out, r, m = [], layout.row_ids, layout.merge_offsets
+    for pad, s in structure:
+        out.append((r, pad, s, m if s > 1 else None))
+        r += pad
+        if s > 1:
+            m += pad + 1
+    return out
+
+
+def stage_bucket(arena: np.ndarray, layout: ArenaLayout, plan: BucketPlan) -> tuple[tuple, int]:
+    """Write a bucket plan's row ids (each bucket padded to pow2 rows with -1) and, for buckets
+    with splits > 1, merge offsets ``arange(pad + 1) * splits``. Returns (structure, elements
+    of the arena used). Example: buckets of 3 rows (S 16) and 1 row (S 32) -> row ids
+    [r0 r1 r2 -1 | r3], merge offsets [0 16 32 48 64 | 0 32], structure ((4, 16), (1, 32))."""
+    structure = tuple((graphs.padded_batch(b.rows.size), int(b.num_splits)) for b in plan.buckets)
+    end = layout.row_ids
+    for (roff, pad, s, moff), b in zip(bucket_sections(layout, structure), plan.buckets):
+        n = b.rows.size
+        arena[roff:roff + n] = b.rows
+        arena[roff + n:roff + pad] = -1
+        end = max(end, roff + pad)
+        if moff is not None:
+            arena[moff:moff + pad + 1] = np.arange(pad + 1) * s
+            end = max(end, moff + pad + 1)
+    return structure, end
+
+
+def stage_workqueue(arena: np.ndarray, layout: ArenaLayout, plan, batch: int) -> tuple[int, int]:
+    """Write a workqueue plan: split_offsets over the padded batch (padded rows repeat the last
+    offset: zero slots, the merge skips them), num_tasks, tasks. Returns (task capacity of the
+    graph, elements of the arena used)."""
+    gb = graphs.padded_batch(batch)
+    t = plan.tasks.shape[0]
+    cap = graphs.task_bucket(t)
+    if cap > layout.task_capacity:
+        raise ValueError(f"stage_workqueue: {t} tasks need capacity {cap}, the arena holds "
+                         f"{layout.task_capacity}; grow it first")
+    so = layout.split_offsets
+    arena[so:so + batch + 1] = plan.split_offsets
+    arena[so + batch + 1:so + gb + 1] = plan.split_offsets[-1]
+    arena[layout.num_tasks] = t
+    arena[layout.tasks:layout.tasks + 5 * t] = plan.tasks.reshape(-1)
+    return cap, layout.tasks + 5 * t
+
+
+# ----------------------------------------------------------------------------- route choice
+
+
+def predict_route_us(router: Router, route, seq: np.ndarray) -> float:
+    """The cost model's T of a PersistentKV ``route`` for ``seq`` (closed-form counters)."""
+    kw = dict(num_kv_heads=router.num_kv_heads, num_qo_heads=router.num_qo_heads,
+              head_dim=router.head_dim, dtype_bytes=router.dtype_bytes, splits=route.splits,
+              cal=router.cal)
+    if route.kind == "bucket":
+        c = bucket_counters(seq, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths, **kw)
+    else:
+        c = workqueue_counters(seq, **kw)
+        if route.kind == "fused":
+            c = fused_counters(c)
+    return predict_us(c, router.cal, graphs=router.graphs)
+
+
+def decide(router: Router, seq, block_tables, *, force: str | None = None,
+           flashinfer_unavailable: str | None = None) -> RouteDecision:
+    """``router.decide``, except that when FlashInfer is unavailable (the reason given) a step
+    the policy sends to FlashInfer runs on the fastest predicted PersistentKV route instead
+    (non-ablation routes first), and ``explain()`` says so in the FlashInfer line.
+
+    Raises ValueError when ``force`` names the FlashInfer route and it is unavailable.
+    """
+    reg = router.registry
+    base = reg.baseline.name
+    if flashinfer_unavailable is not None and force == base:
+        raise ValueError(f"force={force!r}: the FlashInfer route is unavailable here "
+                         f"({flashinfer_unavailable}); force a PersistentKV route instead")
+    d = router.decide(seq, force=force, block_tables=block_tables)
+    if d.kind != "flashinfer" or flashinfer_unavailable is None:
+        return d
+    pkv = [r for r in reg.routes if r.kind != "flashinfer"]
+    pool = [r for r in pkv if not r.ablation] or pkv
+    if not pool:
+        raise ValueError(f"{reg.path}: no PersistentKV route, and the FlashInfer route is "
+                         f"unavailable ({flashinfer_unavailable}): no route can run")
+    seq64 = np.asarray(seq, dtype=np.int64)
+
+    def t_us(r) -> float:
+        t = d.predicted_us.get(r.name)
+        return predict_route_us(router, r, seq64) if t is None else t
+
+    best = min(pool, key=t_us)
+    forced = router.decide(seq, force=best.name, block_tables=block_tables)
+    refused = dict(forced.refused)
+    refused[base] = (f"FlashInfer unavailable ({flashinfer_unavailable}); the policy chose it, so the "
+                     f"runtime ran {best.name}, the fastest predicted PersistentKV route")
+    return attrs.evolve(forced, refused=refused, forced=d.forced)
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+
+@attrs.define(eq=False)
+class _Staging:
+    """One pinned ring slot: host twins of the device buffers, numpy views of them, an event."""
+
+    arena: torch.Tensor
+    arena_np: np.ndarray
+    bt: torch.Tensor            # [max_batch * max_pages_per_row] flat
+    bt_np: np.ndarray           # [max_batch, max_pages_per_row] view
+    fi_indptr: torch.Tensor | None
+    fi_lpl: torch.Tensor | None
+    fi_indices: torch.Tensor | None
+    event: torch.cuda.Event | None = None
+
+
+@attrs.define(eq=False)
+class _Step:
+    """What run() needs of the last plan(): route, batch, graph batch, structure, page-id bound,
+    and the launch views (built on the first launch of the step, reused by every layer)."""
+
+    route: str
+    kind: str
+    batch: int
+    gbatch: int
+    structure: object
+    max_page_id: int
+    views: object = None
+
+
+def _resolve_device(device) -> torch.device:
+    """The CUDA device to run on ("cuda" = the current one). RuntimeError without a usable GPU,
+    ValueError for a non-CUDA device."""
+    if (reason := _driver.available()) is not None:
+        raise RuntimeError(f"pkvrt.Runtime needs a CUDA GPU to run kernels: {reason}. (The router "
+                           "and planners work without one: pkvrt.Router, `pkvrt plan`.)")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"Runtime: device={device!r}: expected a CUDA device")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def _pinned(n: int, dtype=torch.int32) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, pin_memory=True)
+
+
+class Runtime:
+    """Paged-KV decode attention with a per-step route choice, replayed as CUDA graphs.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape (module-level checks in
+        :func:`check_shape`). dtype : torch.float16 or torch.bfloat16.
+    device : the CUDA device of the caches ("cuda" = the current one).
+    routes : routes.toml path (None: ``pkvrt.registry.load_routes()``'s default) or a Registry.
+    calibration : "auto" (``find_calibration(torch.cuda.get_device_name(device))``), a path or a
+        Calibration.
+    max_batch : most rows of a step. max_pages_per_row : most pages of one row (block-table width).
+    use_cuda_graph : replay CUDA graphs (default) or launch eagerly (the ablation).
+    max_graphs : graphs kept (LRU; evicted graphs are freed).
+    validate : O(B * pages) checks of the block tables at plan() and of page ids vs num_pages at
+        run(); the O(B) checks that guard the static buffers always run.
+    sm_scale : softmax scale (None: 1/sqrt(head_dim)).
+    flashinfer : use FlashInfer as the baseline route; False, or FlashInfer failing to import,
+        makes it unavailable: steps the policy sends to it run on the fastest PersistentKV route.
+    flashinfer_tensor_cores : FlashInfer's tensor-core decode (H200, G=4: 44 vs 52 us at B1 32K).
+
+    Raises
+    ------
+    ValueError for an unsupported shape or bad argument (naming it); RuntimeError without a CUDA
+    GPU or when a kernel image for this GPU is missing (naming the kernel).
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype=torch.float16, *, device="cuda", routes=None, calibration="auto",
+                 max_batch: int = 256, max_pages_per_row: int = 8192, use_cuda_graph: bool = True,
+                 max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
+                 flashinfer: bool = True, flashinfer_tensor_cores: bool = True):
+        check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Runtime: {name}={v!r}: expected a positive integer")
+        self._graphs = graphs.GraphCache(max_graphs)   # checks max_graphs
+        self._counts = dict(plans=0, captures=0, replays=0, eager_runs=0, staging_copies=0,
+                            h2d_copies=0, regrowths=0, capture_seconds=0.0)
+        self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        self.head_dim, self.page_size, self.dtype = int(head_dim), int(page_size), dtype
+        self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
+        self.use_cuda_graph, self.validate, self.sm_scale = bool(use_cuda_graph), bool(validate), sm_scale
+        self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
+
+        self.device = _resolve_device(device)
+
+        with torch.cuda.device(self.device):
+            if isinstance(calibration, Calibration):
+                self.calibration = calibration
+            elif calibration == "auto":
+                self.calibration = find_calibration(torch.cuda.get_device_name(self.device))
+            else:
+                self.calibration = load_calibration(pathlib.Path(calibration))
+            self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
+                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                 page_size=self.page_size, dtype_bytes=2, graphs=self.use_cuda_graph)
+            self._load_kernels()
+            self._fi_reason = "disabled: Runtime(flashinfer=False)" if not flashinfer else None
+            fi_mod = None
+            if flashinfer:
+                fi_mod, self._fi_reason = fi_route.load_flashinfer()
+            if self._fi_reason is not None and flashinfer:
+                warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}; "
+                              "steps the policy sends to it run on the fastest PersistentKV route",
+                              RuntimeWarning, stacklevel=2)
+            if self._fi_reason is not None and not any(r.kind != "flashinfer" for r in self.registry.routes):
+                raise ValueError(f"{self.registry.path}: no PersistentKV route, and the FlashInfer route "
+                                 f"is unavailable ({self._fi_reason}): no route can run")
+            self._alloc(initial_capacities(self.registry, max_batch=max_batch, num_kv_heads=self.num_kv_heads))
+            self._fi = None
+            if fi_mod is not None:
+                try:
+                    self._fi = fi_route.FlashInferRoute(
+                        fi_mod, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, page_size=self.page_size, dtype=dtype, device=self.device,
+                        sm_scale=sm_scale, tensor_cores=flashinfer_tensor_cores,
+                        cuda_graph=self.use_cuda_graph, indices_buffer=self._fi_indices)
+                except Exception as exc:  # noqa: BLE001 - reported, the route becomes unavailable
+                    self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
+                    warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}",
+                                  RuntimeWarning, stacklevel=2)
+            self._side = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        self._seen = graphs.SeenKeys(4 * max_graphs)
+        self._ring_next = 0
+        self._step: _Step | None = None
+        self.last_decision: RouteDecision | None = None
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _load_kernels(self) -> None:
+        """Load every kernel the routes need now: a missing cubin is a construction error."""
+        tag, g = DTYPES[self.dtype], self.num_qo_heads // self.num_kv_heads
+        families = {KIND_KERNELS[r.kind] for r in self.registry.routes if r.kind != "flashinfer"}
+        if families & {"split_decode", "workqueue_decode"}:
+            families.add("merge")
+        for fam in sorted(families):
+            grouped = "group" in _buildspec.FAMILIES[fam]["variants"]
+            sym = _buildspec.symbol(fam, tag, self.head_dim, g if grouped else None)
+            # The same dynamic smem ops.py launches with: _driver caches a kernel with the first
+            # size it is looked up with.
+            smem = ops.decode_smem_bytes(self.head_dim, g) if grouped else 0
+            try:
+                _driver.get_kernel(fam, sym, smem)
+            except Exception as exc:
+                raise RuntimeError(f"pkvrt.Runtime: kernel {sym} (family {fam}) cannot be loaded on "
+                                   f"{torch.cuda.get_device_name(self.device)}: {exc}") from exc
+
+    def _alloc(self, cap: Capacities) -> None:
+        """(Re)allocate every capacity-sized buffer; the first call also allocates the fixed ones.
+        Everything is allocated before anything is replaced, so a failed allocation (OOM) leaves
+        the runtime as it was."""
+        dev, hq, d = self.device, self.num_qo_heads, self.head_dim
+        layout = arena_layout(self.max_batch, cap.tasks)
+        arena = torch.zeros(layout.size, dtype=torch.int32, device=dev)
+        part_a = torch.empty(cap.slots, hq, d, dtype=torch.float32, device=dev)
+        part_ml = torch.empty(cap.slots, hq, 2, dtype=torch.float32, device=dev)
+        pinned = [_pinned(layout.size) for _ in range(RING)]
+        first = not hasattr(self, "_cap")
+        if first:
+            nb, npg, gmax = self.max_batch, self.max_pages_per_row, graphs.padded_batch(self.max_batch)
+            fi = self._fi_reason is None
+            self._bt = torch.zeros(nb, npg, dtype=torch.int32, device=dev)
+            self._bt_flat = self._bt.view(-1)
+            self._counters = torch.zeros(gmax, self.num_kv_heads, dtype=torch.int32, device=dev)
+            self._sq = torch.zeros(gmax, hq, d, dtype=self.dtype, device=dev)
+            self._so = torch.zeros(gmax, hq, d, dtype=self.dtype, device=dev)
+            self._sq_ptr, self._so_ptr = self._sq.data_ptr(), self._so.data_ptr()
+            self._fi_indices = torch.zeros(nb * npg, dtype=torch.int32, device=dev) if fi else None
+            self._ring = []
+            for _ in range(RING):
+                bt = _pinned(nb * npg)
+                self._ring.append(_Staging(
+                    arena=None, arena_np=None, bt=bt, bt_np=bt.numpy().reshape(nb, npg),
+                    fi_indptr=_pinned(nb + 1) if fi else None, fi_lpl=_pinned(nb) if fi else None,
+                    fi_indices=_pinned(nb * npg) if fi else None))
+            self._generation = 0
+        else:
+            for s in self._ring:  # the old pinned arenas may still be the source of queued copies
+                if s.event is not None:
+                    s.event.synchronize()
+        for s, p in zip(self._ring, pinned):
+            s.arena, s.arena_np = p, p.numpy()
+        self._cap, self._layout = cap, layout
+        self._arena, self._part_a, self._part_ml = arena, part_a, part_ml
+        self._v_seq = arena[layout.seq_lens:layout.seq_lens + self.max_batch]
+        self._v_num_tasks = arena[layout.num_tasks:layout.num_tasks + 1]
+        if not first:
+            self._generation += 1
+            self._graphs.clear()
+            self._counts["regrowths"] += 1
+
+    # -- planning --------------------------------------------------------------------------
+
+    def plan(self, seq_lens, block_tables, *, force: str | None = None) -> RouteDecision:
+        """Choose this step's route and upload its metadata. Call once per decode step.
+
+        Parameters
+        ----------
+        seq_lens : int [B], tokens per row including the new one (>= 1). Fastest: a CPU int32
+            numpy array or (pinned) CPU tensor. A CUDA tensor works but costs one synchronizing
+            D2H copy (the router runs on the host).
+        block_tables : int [B, max_pages], logical -> physical page; entries past a row's
+            ceil(seq_len / page_size) pages are never read (padding, e.g. -1). Same host/device
+            advice as seq_lens.
+        force : a route name of routes.toml to run regardless of gates and margins (ablations,
+            tests); None: the policy decides.
+
+        Returns
+        -------
+        RouteDecision (also ``self.last_decision``); ``explain()`` says why.
+
+        Raises
+        ------
+        ValueError naming the argument (seq_lens, block_tables, force); the runtime's state is
+        unchanged then (the previous plan stays in effect).
+        """
+        step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
+                          max_pages_per_row=self.max_pages_per_row, validate=self.validate)
+        d = decide(self.router, step.seq, step.block_tables, force=force,
+                   flashinfer_unavailable=self._fi_reason)
+        b = step.seq.size
+        if d.kind != "flashinfer":
+            need = needed_capacities(d.kind, d.plan)
+            if need.slots > self._cap.slots or need.tasks > self._cap.tasks:
+                self._alloc(Capacities(slots=grow(self._cap.slots, need.slots),
+                                       tasks=grow(self._cap.tasks, need.tasks)))
+        s = self._ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) % RING
+        if s.event is not None:
+            s.event.synchronize()  # its last copies are done (a no-op unless the host is a step ahead)
+        else:
+            s.event = torch.cuda.Event()
+        if d.kind == "flashinfer":
+            structure, gb = self._stage_flashinfer(s, d.plan, b), b
+        else:
+            structure, gb = self._stage_persistentkv(s, d, step), graphs.padded_batch(b)
+        s.event.record()
+        self._step = _Step(route=d.route, kind=d.kind, batch=b, gbatch=gb, structure=structure,
+                           max_page_id=step.max_page_id)
+        self.last_decision = d
+        self._counts["plans"] += 1
+        return d
+
+    def _stage_persistentkv(self, s: _Staging, d: RouteDecision, step: StepInput):
+        L, a, b = self._layout, s.arena_np, step.seq.size
+        a[L.seq_lens:L.seq_lens + b] = step.seq
+        if d.kind == "bucket":
+            structure, used = stage_bucket(a, L, d.plan)
+        else:
+            structure, used = stage_workqueue(a, L, d.plan, b)
+        self._arena[:used].copy_(s.arena[:used], non_blocking=True)
+        # Block tables: write the B x max_pages the kernels may read, copy one contiguous range of
+        # rows 0..B-1 (row stride max_pages_per_row, the graph's bt_stride; tails are never read).
+        w = step.max_pages
+        s.bt_np[:b, :w] = step.block_tables[:, :w]
+        n = (b - 1) * self.max_pages_per_row + w
+        self._bt_flat[:n].copy_(s.bt[:n], non_blocking=True)
+        self._counts["h2d_copies"] += 2
+        return structure
+
+    def _stage_flashinfer(self, s: _Staging, plan, b: int) -> int:
+        nnz = plan.indices.size
+        s.fi_indptr.numpy()[:b + 1] = plan.indptr
+        s.fi_lpl.numpy()[:b] = plan.last_page_len
+        s.fi_indices.numpy()[:nnz] = plan.indices
+        idx = self._fi_indices[:nnz]
+        idx.copy_(s.fi_indices[:nnz], non_blocking=True)
+        self._counts["h2d_copies"] += 1
+        return self._fi.plan(s.fi_indptr[:b + 1], idx, s.fi_lpl[:b])
+
+    # -- running ---------------------------------------------------------------------------
+
+    def static_q(self, batch: int) -> torch.Tensor:
+        """The static q buffer as [batch, H_q, D]. Write q here and pass it to run() (with
+        ``out=static_out(batch)``): graphs then read it in place, no staging copies."""
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"Runtime.static_q: batch={batch}: expected 1..max_batch={self.max_batch}")
+        return self._sq[:batch]
+
+    def static_out(self, batch: int) -> torch.Tensor:
+        """The static out buffer as [batch, H_q, D] (see :meth:`static_q`)."""
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"Runtime.static_out: batch={batch}: expected 1..max_batch={self.max_batch}")
+        return self._so[:batch]
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of the planned step for one layer. Call once per layer.
+
+        Parameters
+        ----------
+        q : [B, H_q, D], B = the batch of the last plan(). k_cache, v_cache :
+            [num_pages, H_kv, page_size, D] (HND). out : [B, H_q, D] or None (allocated then:
+            pass ``out`` for an allocation-free call).
+
+        Returns
+        -------
+        out : [B, H_q, D].
+
+        With graphs, a call replays the graph keyed by the step and these tensors
+        (:mod:`pkvrt.graphs`). q/out that are :meth:`static_q`/:meth:`static_out` are read and
+        written in place. Other q/out tensors: the first time a key is seen, q is copied into the
+        static buffer, the static graph replayed and the static out copied to ``out`` (2 device
+        copies, ``stats()['staging_copies']``); a key seen again gets its own graph, reading q
+        and writing out in place. A miss captures (a device sync and ~ms, ``stats()``).
+
+        Raises
+        ------
+        ValueError naming the tensor (dtype, device, shape, layout, page ids beyond num_pages);
+        nothing is launched and ``out`` is untouched then. RuntimeError before any plan().
+        """
+        st = self._step
+        if st is None:
+            raise RuntimeError("Runtime.run: no step planned; call plan(seq_lens, block_tables) once "
+                               "per decode step first")
+        check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
+                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
+                       dtype=self.dtype, device=self.device, max_page_id=st.max_page_id)
+        if out is None:
+            out = torch.empty_like(q)
+        if not self.use_cuda_graph:
+            self._launch(st, q, k_cache, v_cache, out)
+            self._counts["eager_runs"] += 1
+            return out
+        kv = (graphs.tensor_key(k_cache), graphs.tensor_key(v_cache))
+        head = (st.route, st.kind, st.gbatch, st.structure, self._generation, kv)
+        if q.data_ptr() == self._sq_ptr and out.data_ptr() == self._so_ptr:
+            self._run_static(st, head, k_cache, v_cache)
+            return out
+        key = head + ((graphs.tensor_key(q), graphs.tensor_key(out)),)
+        e = self._graphs.get(key)
+        if e is not None:
+            e.graph.replay()
+            self._counts["replays"] += 1
+        elif self._seen.check_and_add(key):
+            self._capture(key, lambda: self._launch(st, q, k_cache, v_cache, out))
+        else:
+            self._sq[:st.batch].copy_(q)
+            self._run_static(st, head, k_cache, v_cache)
+            out.copy_(self._so[:st.batch])
+            self._counts["staging_copies"] += 2
+        return out
+
+    def _run_static(self, st: _Step, head: tuple, k_cache, v_cache) -> None:
+        key = head + (graphs.STATIC,)
+        e = self._graphs.get(key)
+        if e is not None:
+            e.graph.replay()
+            self._counts["replays"] += 1
+            return
+        gb = st.gbatch
+        self._capture(key, lambda: self._launch(st, self._sq[:gb], k_cache, v_cache, self._so[:gb]))
+
+    def _capture(self, key, launch) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        entry = graphs.capture(launch, side_stream=self._side, pool=self._pool, device=self.device)
+        self._graphs.put(key, entry)
+        self._counts["captures"] += 1
+        self._counts["capture_seconds"] += time.perf_counter() - t0
+
+    def _views(self, st: _Step):
+        """Launch views of the static buffers for this step (built once per step)."""
+        if st.views is None:
+            if st.kind == "bucket":
+                a = self._arena
+                st.views = [(a[r:r + pad], s, None if m is None else a[m:m + pad + 1])
+                            for r, pad, s, m in bucket_sections(self._layout, st.structure)]
+            elif st.kind in ("workqueue", "fused"):
+                L, cap, gb = self._layout, st.structure, st.gbatch
+                tasks = self._arena[L.tasks:L.tasks + 5 * cap].view(cap, 5)
+                offsets = self._arena[L.split_offsets:L.split_offsets + gb + 1]
+                counters = self._counters[:gb] if st.kind == "fused" else None
+                st.views = (tasks, offsets, counters)
+        return st.views
+
+    def _launch(self, st: _Step, q, k_cache, v_cache, out) -> None:
+        """The step's kernel launches on the current stream (what a graph captures)."""
+        if st.kind == "flashinfer":
+            self._fi.run(q, k_cache, v_cache, out)
+            return
+        views = self._views(st)
+        pa, pm, seq, bt = self._part_a, self._part_ml, self._v_seq, self._bt
+        if st.kind == "bucket":
+            for rows, s, moffs in views:
+                ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale)
+                if moffs is not None:
+                    ops.merge(pa, pm, moffs, out, row_ids=rows)
+            return
+        tasks, offsets, counters = views
+        ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
+                             pa, pm, self.sm_scale, counters=counters)
+        if st.kind == "workqueue":
+            ops.merge(pa, pm, offsets, out, skip_single=True)
+
+    # -- reporting -------------------------------------------------------------------------
+
+    @property
+    def flashinfer_available(self) -> bool:
+        return self._fi is not None
+
+    def explain(self) -> str:
+        """The runtime's configuration and the last step's decision, route by route."""
+        cal = self.calibration
+        lines = [f"pkvrt.Runtime: H_q={self.num_qo_heads} H_kv={self.num_kv_heads} D={self.head_dim} "
+                 f"page={self.page_size} {str(self.dtype).replace('torch.', '')}; "
+                 f"{'CUDA graphs' if self.use_cuda_graph else 'eager launches'}; calibration "
+                 f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}",
+                 "flashinfer: " + ("available" + (" (tensor cores)" if self._fi.tensor_cores else " (CUDA cores)")
+                                   if self._fi is not None else
+                                   f"unavailable ({self._fi_reason}); steps the policy sends to it run "
+                                   "on the fastest predicted PersistentKV route")]
+        lines.append(self.last_decision.explain() if self.last_decision is not None else "no step planned yet")
+        return "\n".join(lines)
+
+    def stats(self) -> dict:
+        """Counters since construction.
+
+        graphs (alive), max_graphs, captures, replays, evictions, invalidations (graphs dropped
+        when a buffer grew), graph_memory_bytes (estimate: ``torch.cuda.memory_allocated`` delta
+        around each capture of the graphs alive; the driver's own graph memory is not visible),
+        min_graph_nodes, staging_copies (q/out copies through the static buffers), h2d_copies,
+        eager_runs, plans, regrowths, capture_seconds, capacities, flashinfer.
+        """
+        g = self._graphs
+        nodes = g.node_counts()
+        out = dict(self._counts)
+        out.update(graphs=len(g), max_graphs=g.max_graphs, evictions=g.evictions,
+                   invalidations=g.invalidations, graph_memory_bytes=g.memory_bytes(),
+                   min_graph_nodes=min(nodes) if nodes else None,
+                   capacities=dict(slots=self._cap.slots, tasks=self._cap.tasks,
+                                   max_batch=self.max_batch, max_pages_per_row=self.max_pages_per_row),
+                   flashinfer=self._fi.stats() if self._fi is not None else {"unavailable": self._fi_reason})
+        return out

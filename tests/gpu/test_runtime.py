@@ -1,0 +1,202 @@
+"""pkvrt.Runtime on the GPU: every route, graphs on and off, against the FP32 reference and
+FlashInfer, over decode steps whose lengths grow and whose rows join and leave.
+
+Data comes from ``tests/paged.py::make_batch``: pages no row owns hold NaN and block-table
+padding holds an out-of-range page id, so reading what must not be read fails the test.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from paged import make_batch, rel_err
+from pkvrt import _driver, fi_route, graphs, reference
+from pkvrt.runtime import Runtime
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+# Requests' longest lengths: two past the 16K gate (so the policy itself may pick PersistentKV),
+# a mid, a short, a one-page and a 12K one.
+POOL_LENS = [20000, 17000, 5000, 900, 33, 12000]
+# (pool rows, tokens short of their longest length): lengths grow by one a step, request 4 joins
+# at step 2, request 1 leaves at step 4, request 5 joins at step 5.
+STEPS = [([0, 1, 2, 3], 5), ([0, 1, 2, 3], 4), ([0, 1, 2, 3, 4], 3), ([0, 1, 2, 3, 4], 2),
+         ([0, 2, 3, 4], 1), ([0, 2, 3, 4, 5], 0)]
+FI_MODULE, FI_REASON = fi_route.load_flashinfer()
+ROUTES = ["flashinfer", "pkv_bucket", "pkv_workqueue", "pkv_fused", None]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Two layers of paged KV for the pool of requests (layer 1: other values, same pages)."""
+    b = make_batch(POOL_LENS, **SHAPE, dtype=torch.float16, seed=20260623)
+    k1, v1 = torch.randn_like(b.k_cache), torch.randn_like(b.v_cache)
+    k1[~b.owned], v1[~b.owned] = float("nan"), float("nan")
+    return b, [(b.k_cache, b.v_cache), (k1, v1)]
+
+
+def step_inputs(b, rows, short, seed):
+    seq = np.array([max(1, POOL_LENS[r] - short) for r in rows], dtype=np.int32)
+    bt = b.block_tables[rows].cpu().numpy()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(len(rows), SHAPE["num_qo_heads"], SHAPE["head_dim"], device="cuda", generator=gen)
+    return seq, bt, q.half()
+
+
+def ref_out(q, cache, seq, bt):
+    return reference.decode_attention(q, cache[0], cache[1], torch.as_tensor(seq, device="cuda"),
+                                      torch.as_tensor(bt, device="cuda"))
+
+
+def fi_out(q, cache, seq, bt):
+    """FlashInfer's own answer (a plain wrapper, planned from scratch), or None without it."""
+    if FI_MODULE is None:
+        return None
+    page = SHAPE["page_size"]
+    pages = [math.ceil(n / page) for n in seq]
+    indptr = torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32)
+    indices = torch.cat([torch.as_tensor(bt[i, :p]) for i, p in enumerate(pages)]).int().cuda()
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(seq, pages)], dtype=torch.int32)
+    ws = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
+    w = FI_MODULE.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True)
+    w.plan(indptr, indices, last, SHAPE["num_qo_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"],
+           page, q_data_type=torch.float16, kv_data_type=torch.float16)
+    return w.run(q, cache)
+
+
+def check(out, q, cache, seq, bt, what):
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), f"{what}: NaN (an element not written, or a poisoned read)"
+    assert rel_err(out, ref_out(q, cache, seq, bt)) < 2e-3, what
+    fi = fi_out(q, cache, seq, bt)
+    if fi is not None:
+        e = (out.float() - fi.float()).abs()
+        assert e.max().item() < 2e-3 and e.mean().item() < 3e-4, what
+
+
+def runtime(**kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the calibration fallback warning on a GPU with no file
+        return Runtime(*SHAPE.values(), torch.float16, **kw)
+
+
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "auto")
+def test_decode_steps_match_reference_and_flashinfer(pool, route, use_graphs):
+    if route == "flashinfer" and FI_MODULE is None:
+        pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    b, caches = pool
+    rt = runtime(use_cuda_graph=use_graphs)
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=i)
+        d = rt.plan(seq, bt, force=route)
+        assert route is None or d.route == route
+        for layer, cache in enumerate(caches):
+            if layer == 0:  # a fresh q/out every call (staging path, then its own graph)
+                out = rt.run(q.clone(), *cache, out=torch.full_like(q, float("nan")))
+            else:           # the zero-copy path
+                rt.static_q(len(rows)).copy_(q)
+                rt.static_out(len(rows)).fill_(float("nan"))
+                out = rt.run(rt.static_q(len(rows)), *cache, out=rt.static_out(len(rows)))
+            check(out, q, cache, seq, bt, f"step {i} layer {layer} route {d.route}")
+    s = rt.stats()
+    if use_graphs:
+        assert s["captures"] > 0 and s["replays"] > 0 and s["min_graph_nodes"] >= 1
+        assert s["graphs"] <= s["max_graphs"]
+    else:
+        assert s["captures"] == 0 and s["eager_runs"] == 2 * len(STEPS)
+
+
+@pytest.mark.parametrize("route", ["pkv_bucket", "pkv_workqueue", "pkv_fused", "flashinfer"])
+def test_replay_after_inplace_metadata_change(pool, route):
+    if route == "flashinfer" and FI_MODULE is None:
+        pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    b, caches = pool
+    rt = runtime()
+    for i, short in enumerate([40, 17, 3, 0]):   # same rows and structure, new lengths and q
+        seq, bt, q = step_inputs(b, [0, 2, 3], short, seed=50 + i)
+        rt.plan(seq, bt, force=route)
+        rt.static_q(3).copy_(q)
+        rt.static_out(3).fill_(float("nan"))
+        out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
+        check(out, q, caches[0], seq, bt, f"replay {i}")
+    s = rt.stats()
+    assert s["captures"] == 1 and s["replays"] == 3 and s["staging_copies"] == 0
+
+
+def test_graph_count_stays_bounded_over_many_steps():
+    lens = [2000, 1500, 700, 300, 64, 1]
+    b = make_batch(lens, **SHAPE, dtype=torch.float16, seed=7)
+    cache = (b.k_cache, b.v_cache)
+    rt = runtime(max_graphs=4)
+    rng = np.random.default_rng(20260624)
+    routes = ["pkv_bucket", "pkv_workqueue", "pkv_fused"]
+    for i in range(2000):
+        rows = sorted(rng.choice(len(lens), size=int(rng.integers(1, len(lens) + 1)), replace=False).tolist())
+        seq = np.array([int(rng.integers(1, lens[r] + 1)) for r in rows], dtype=np.int32)
+        bt = b.block_tables[rows].cpu().numpy()
+        rt.plan(seq, bt, force=routes[i % 3])
+        q = rt.static_q(len(rows))
+        q.normal_()
+        out = rt.run(q, *cache, out=rt.static_out(len(rows)))
+        assert rt.stats()["graphs"] <= 4
+        if i % 250 == 0:
+            torch.cuda.synchronize()
+            assert rel_err(out, ref_out(q, cache, seq, bt)) < 2e-3, i
+    s = rt.stats()
+    assert s["evictions"] > 0 and s["graphs"] <= 4
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda t: t.update(q=t["q"][:1]), "q: expected a contiguous"),
+    (lambda t: t.update(q=t["q"].float()), "q: expected dtype"),
+    (lambda t: t.update(k_cache=t["k_cache"][:10], v_cache=t["v_cache"][:10]), "page id .* num_pages"),
+    (lambda t: t.update(v_cache=t["v_cache"][:, :4]), "v_cache: expected"),
+    (lambda t: t.update(q=t["q"].cpu()), "q: expected a tensor on cuda"),
+])
+def test_validation_errors_at_run_leave_out_untouched(pool, bad, match):
+    b, caches = pool
+    rt = runtime()
+    seq, bt, q = step_inputs(b, [0, 1], 0, seed=3)
+    rt.plan(seq, bt, force="pkv_workqueue")
+    t = dict(q=q, k_cache=caches[0][0], v_cache=caches[0][1], out=torch.full_like(q, 5.0))
+    bad(t)
+    with pytest.raises(ValueError, match=match):
+        rt.run(**t)
+    torch.cuda.synchronize()
+    assert (t["out"] == 5.0).all()
+
+
+def test_without_flashinfer_the_policy_falls_back_to_persistentkv(pool):
+    b, caches = pool
+    rt = runtime(flashinfer=False)
+    seq, bt, q = step_inputs(b, [2, 3, 4], 0, seed=9)   # short contexts: the policy says FlashInfer
+    d = rt.plan(seq, bt)
+    assert d.kind != "flashinfer" and "FlashInfer unavailable" in rt.explain()
+    check(rt.run(q, *caches[0]), q, caches[0], seq, bt, "fallback")
+
+
+def test_an_empty_capture_is_an_error():
+    with pytest.raises(RuntimeError, match="empty"):
+        graphs.capture(lambda: None, side_stream=torch.cuda.Stream(), pool=None,
+                       device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def test_captured_graphs_have_the_routes_launches(pool):
+    b, caches = pool
+    rt = runtime()
+    seq, bt, q = step_inputs(b, [0, 1], 0, seed=1)   # two long rows, 2 exact buckets
+    expect = {"pkv_bucket": None, "pkv_workqueue": 2, "pkv_fused": 1}
+    for route, nodes in expect.items():
+        d = rt.plan(seq, bt, force=route)
+        if nodes is None:   # a decode per bucket, a merge per bucket with splits > 1
+            nodes = sum(1 + (bk.num_splits > 1) for bk in d.plan.buckets)
+        rt.run(rt.static_q(2), *caches[0], out=rt.static_out(2))
+        key = next(k for k in rt._graphs._entries if k[0] == route)
+        assert _driver.graph_node_count(rt._graphs.get(key).graph) == nodes, route

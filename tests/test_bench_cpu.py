@@ -1,0 +1,469 @@
+"""`pkvrt bench` and `pkvrt calibrate` without a GPU: the planner fallback, argument errors, the
+harness's pure helpers and its whole measuring loop driven on the CPU (FP32-reference engines,
+host clock), and the calibration fits."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pkvrt import bench, calibrate, calibration, cli, harness, planner, reference, report, results
+from pkvrt.plan_cmd import seed_calibration
+from pkvrt.registry import load_routes
+from pkvrt.router import Router
+from pkvrt.traces import Request, Trace
+
+ROUTES = [r.name for r in load_routes(None).routes]
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Behave as a machine without CUDA even where one exists."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+# --------------------------------------------------------------------------- planner fallback
+
+@pytest.mark.parametrize("trace, seeds", [("bimodal", "20260623,20260624"), ("mixed", "7")])
+def test_serving_falls_back_to_the_planner(capsys, tmp_path, no_cuda, trace, seeds):
+    out_file = tmp_path / "r" / "plan.json"
+    rc, out, err = run(capsys, "bench", "serving", "--trace", trace, "--seeds", seeds,
+                       "--out", str(out_file))
+    assert rc == 0, err
+    assert out.startswith("pkvrt bench: no CUDA GPU here")
+    assert "falling back to the planner" in out and "COST-MODEL PREDICTIONS" in out
+    seed_list = [int(s) for s in seeds.split(",")]
+    assert out.count("Route mix of the adaptive policy") == len(seed_list)
+    doc = results.read_results(out_file)
+    assert doc["meta"]["kind"].startswith("plan") and doc["meta"]["seeds"] == seed_list
+    cases = {r["case"] for r in doc["rows"]}
+    assert cases == {f"{trace}-B8-seed{s}" for s in seed_list}
+    engines = {r["engine"] for r in doc["rows"]}
+    assert {"flashinfer", "pkv_workqueue", "adaptive"} <= engines
+    # the report reads the fallback's file (Table 4 from planner rows)
+    rc, out, _ = run(capsys, "report", str(out_file.parent), "--out", str(tmp_path / "rep"))
+    assert rc == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Table 4" in md and f"| {trace}-B8 | adaptive | planner |" in md
+
+
+def test_fallback_without_out_writes_nothing(capsys, tmp_path, no_cuda, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = run(capsys, "bench", "serving", "--seeds", "20260623", "--max-active", "4")
+    assert rc == 0 and "max_active 4" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-active", "0"], "argument --max-active: 0 is not positive"),
+    (["--steps-limit", "-3"], "argument --steps-limit: -3 is not positive"),
+    (["--seeds", "abc"], "--seeds: 'abc' is not an integer or a range A-B"),
+    (["--seeds", "9-3"], "--seeds: range '9-3' is empty"),
+    (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+])
+def test_serving_argument_errors(capsys, no_cuda, argv, message):
+    rc, out, err = run(capsys, "bench", "serving", *argv)
+    assert rc == 2 and message in err and out == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
+                                     "flashinfer, flashinfer-cuda, flashinfer-tc, adaptive, "
+                                     + ", ".join(ROUTES)),
+    (["--engines", ","], "--engines: expected a comma-separated list"),
+    (["--trace", "no/such.csv"], "--trace 'no/such.csv': expected a family"),
+    (["--num-qo-heads", "30"], "--num-qo-heads 30 is not a multiple of --num-kv-heads 8"),
+    (["--calibration", "no/such.json"], "no/such.json: cannot read calibration file"),
+    (["--routes", "no/such.toml"], "no/such.toml: file not found"),
+])
+def test_serving_value_errors_name_the_argument(capsys, no_cuda, argv, message):
+    rc, out, err = run(capsys, "bench", "serving", *argv)
+    assert rc == 2
+    assert err.startswith("pkvrt: error: ") and message in err
+
+
+def test_bench_needs_a_mode(capsys):
+    rc, _, err = run(capsys, "bench")
+    assert rc == 2 and "MODE" in err
+
+
+def test_isolated_without_gpu(capsys, no_cuda):
+    rc, out, err = run(capsys, "bench", "isolated", "--", "--cases", "B1-32K")
+    assert rc == 2 and out == ""
+    assert "no CUDA GPU here" in err and "benches/isolated.py" in err and "Nothing was run" in err
+
+
+def test_isolated_missing_file_says_where(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "ISOLATED", tmp_path / "benches" / "isolated.py")
+    rc, _, err = run(capsys, "bench", "isolated")
+    assert rc == 2 and f"{tmp_path / 'benches' / 'isolated.py'} is not here" in err
+
+
+def test_isolated_calls_the_benchmark_main(capsys, tmp_path, monkeypatch):
+    script = tmp_path / "isolated.py"
+    script.write_text("def main(argv):\n    print('isolated got', argv)\n    return 3\n")
+    monkeypatch.setattr(bench, "ISOLATED", script)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    rc, out, _ = run(capsys, "bench", "isolated", "--", "--cases", "B1-8K")
+    assert rc == 3 and out == "isolated got ['--cases', 'B1-8K']\n"
+
+
+# --------------------------------------------------------------------------- calibrate, no GPU
+
+def test_calibrate_without_gpu(capsys, tmp_path, no_cuda):
+    target = tmp_path / "cal.json"
+    rc, out, err = run(capsys, "calibrate", "--quick", "--out", str(target))
+    assert rc == 2 and out == ""
+    assert "no CUDA GPU here" in err and "Nothing was written" in err
+    assert not target.exists()
+    assert calibrate.main(["--out", str(target)]) == 2
+
+
+def test_calibration_script_is_the_same_command():
+    import runpy
+    from pathlib import Path
+
+    script = Path(calibrate.__file__).resolve().parents[1] / "calibration" / "calibrate.py"
+    ns = runpy.run_path(str(script), run_name="not_main")
+    assert ns["main"] is calibrate.main
+
+
+# --------------------------------------------------------------------------- calibration fits
+
+def _cal(**kw):
+    return attrs.evolve(seed_calibration(), sm_count=132, beta_gbps=4120.0, lambda_graph_us=1.1,
+                        **kw)
+
+
+def _records(c_min: float, noise=()):
+    """Timed configurations as the cost model with ``c_min`` predicts them (B1 32K bucket
+    sweep and a B8 32K workqueue sweep), optionally scaled by per-record noise factors."""
+    cal = _cal(c_min=c_min)
+    recs = []
+    for rows, splits in [(1, s) for s in (4, 8, 16, 32, 64)] + [(8, s) for s in (1, 4, 8, 16)]:
+        kv = rows * 32768 * 4096
+        ctas = rows * 8 * splits
+        slots = rows * splits if (rows > 1 or splits > 1) else 0
+        merge = planner.state_bytes(slots, num_qo_heads=32, head_dim=128)
+        launches = 2 if slots else 1
+        from pkvrt.costmodel import route_time_us
+        us = route_time_us(kv_bytes=kv, cta_work_per_sm=ctas / 132, launches=launches,
+                           merge_bytes=merge, cal=cal, graphs=True)
+        recs.append(dict(kv_bytes=kv, ctas=ctas, launches=launches, merge_bytes=merge, us=us))
+    for r, f in zip(recs, noise):
+        r["us"] *= f
+    return recs
+
+
+@pytest.mark.parametrize("c_min", [1.0, 2.0, 4.0, 6.5])
+def test_fit_c_min_recovers_the_model_constant(c_min):
+    got = calibrate.fit_c_min(_records(c_min), _cal())
+    assert got == pytest.approx(c_min, rel=0.011)       # the grid steps by 1 %
+
+
+def test_fit_c_min_tolerates_noise():
+    rng = np.random.default_rng(5)
+    noisy = _records(3.0, noise=rng.uniform(0.97, 1.03, size=9))
+    assert calibrate.fit_c_min(noisy, _cal()) == pytest.approx(3.0, rel=0.1)
+
+
+def test_fit_c_min_takes_the_largest_consistent_value_when_no_point_is_below_the_knee():
+    # only B8 x 64 splits: 4096 CTAs / 132 = 31 per SM, above any C_min <= 31 in the grid
+    recs = [r for r in _records(2.0) if r["ctas"] == 8 * 8 * 16]
+    got = calibrate.fit_c_min(recs, _cal())
+    assert got == pytest.approx(8 * 8 * 16 / 132, rel=0.011)
+    with pytest.raises(ValueError, match="no timed configurations"):
+        calibrate.fit_c_min([], _cal())
+
+
+def test_fit_flashinfer_ctas_reproduces_the_readme_anchor():
+    fi = calibrate.fit_flashinfer_ctas({8: 290.0, 1: 68.0}, context=32768, cal=_cal(c_min=4.0),
+                                       kv_bytes_per_token=4096)
+    assert fi[8] == pytest.approx(3.61, abs=0.005)
+    assert fi[1] == pytest.approx(4 * 32.58 / (68.0 - 1.1), abs=0.005)
+    with pytest.raises(ValueError, match="active 2: time 1.0 us is not above"):
+        calibrate.fit_flashinfer_ctas({2: 1.0}, context=32768, cal=_cal(c_min=4.0),
+                                      kv_bytes_per_token=4096)
+
+
+def test_calibration_steps_use_the_calibration_seed_only():
+    steps = calibrate.calibration_steps()
+    assert [(c, k, len(s)) for c, k, s in steps] == [
+        ("B1-8K", "bucket", 1), ("B1-32K", "bucket", 1), ("B1-64K", "bucket", 1),
+        ("bimodal-B4-seed20260622", "workqueue", 4), ("bimodal-B8-seed20260622", "workqueue", 8)]
+    b8 = steps[-1][2]
+    assert (b8 > 30720).sum() == 2 and ((b8 >= 1025) & (b8 <= 4097)).sum() == 6
+    assert np.array_equal(calibrate.calibration_steps()[-1][2], b8)        # seeded
+    assert not np.array_equal(calibrate.calibration_steps(seed=20260623)[-1][2], b8)
+
+
+@pytest.mark.parametrize("quick, expected", [(True, (4, 20, 36, 52, 64)),
+                                             (False, tuple(range(4, 65, 4)))])
+def test_split_candidates(quick, expected):
+    bounds = next(r.splits for r in load_routes(None).routes if r.name == "pkv_bucket")
+    assert calibrate.split_candidates(bounds, quick) == expected
+
+
+def test_make_calibration_round_trips(tmp_path):
+    cal = calibrate.make_calibration(
+        gpu="NVIDIA H200", sm_count=132, l2_bytes=60 * 2**20, beta_gbps=4123.456, lambda_us=9.87654,
+        lambda_graph_us=1.1234, c_min=2.345678,
+        splits={"bucket_ctas_per_sm": 1.9393, "workqueue_ctas_per_sm": 7.7575, "min_split_tokens": 512},
+        flashinfer={8: 3.6084, 1: 1.2}, versions={"torch": "2.9", "cuda": "12.8", "flashinfer": "0.5.3",
+                                                  "driver": None},
+        command="pkvrt calibrate", provenance="test values", date="2026-11-30")
+    assert cal.slug == "nvidia-h200" and cal.beta_gbps == 4123.5 and cal.c_min == 2.346
+    assert cal.flashinfer_ctas_per_sm == ((1, 1.2), (8, 3.608))
+    path = tmp_path / "nvidia-h200.json"
+    calibration.save_calibration(cal, path)
+    assert calibration.load_calibration(path) == attrs.evolve(cal, source=str(path))
+
+
+# --------------------------------------------------------------------------- harness helpers
+
+def test_engine_labels_and_parsing():
+    assert harness.engine_label("adaptive") == "pkvrt-adaptive"
+    assert harness.engine_label("pkv_workqueue") == "pkvrt-workqueue"
+    assert harness.engine_label("flashinfer") == "flashinfer"
+    assert harness.parse_engines("adaptive,pkv_bucket,adaptive", ROUTES) == (
+        "flashinfer", "adaptive", "pkv_bucket")
+    assert harness.parse_engines("flashinfer-cuda, flashinfer", ROUTES) == (
+        "flashinfer", "flashinfer-cuda")
+
+
+@pytest.mark.parametrize("text, seeds", [("20260623", (20260623,)),
+                                         ("20260623-20260625,1", (20260623, 20260624, 20260625, 1)),
+                                         ("3,3,2", (3, 2))])
+def test_parse_seeds(text, seeds):
+    assert harness.parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("layers, mlp, seed, name", [
+    (1, False, 20260623, "bimodal-B8-seed20260623"),
+    (32, True, 20260623, "bimodal-B8-L32-mlp-seed20260623"),
+    (32, False, None, "bimodal-B8-L32"),
+    (1, True, 5, "bimodal-B8-L1-mlp-seed5")])
+def test_case_name(layers, mlp, seed, name):
+    assert harness.case_name("bimodal", 8, seed, layers=layers, mlp=mlp) == name
+
+
+@given(total=st.integers(1, 5000), limit=st.integers(1, 400))
+def test_sample_steps_spreads_over_the_whole_trace(total, limit):
+    idx = harness.sample_steps(total, limit)
+    assert len(idx) == min(total, limit)
+    assert np.all(np.diff(idx) > 0) and idx[0] == 0
+    if min(total, limit) > 1:
+        assert idx[-1] == total - 1
+        # even: no gap wider than the ideal spacing rounded up
+        assert np.diff(idx).max() <= math.ceil((total - 1) / (min(total, limit) - 1))
+
+
+def test_check_positions():
+    assert harness.check_positions(200, 4) == (0, 66, 133, 199)
+    assert harness.check_positions(2, 4) == (0, 1)
+    assert harness.check_positions(10, 0) == ()
+
+
+@pytest.mark.parametrize("min_kv_mb, budget_copies, expected", [
+    (33.6, 100, 6),      # B1 8K on a 60 MB L2: ceil(180 / 33.6)
+    (550.0, 100, 1),     # B8 bimodal
+    (1.0, 100, harness.MAX_COPIES),
+    (33.6, 3, 3),        # memory allows only 3
+])
+def test_cache_copies(min_kv_mb, budget_copies, expected):
+    copy = 4 * 2**30
+    assert harness.cache_copies(int(min_kv_mb * 2**20), 60 * 2**20, copy, budget_copies * copy) == expected
+
+
+def test_cache_copies_too_big_is_an_error():
+    with pytest.raises(ValueError, match="needs 8.0 GiB but only 4.0 GiB"):
+        harness.cache_copies(2**20, 60 * 2**20, 8 * 2**30, 4 * 2**30)
+
+
+def test_errors_and_tolerance():
+    ref = torch.zeros(2, 4, 8)
+    out = ref.clone()
+    out[0, 0, 0] = 1e-3
+    max_e, mean_e = harness.errors(out.half(), ref)
+    assert max_e == pytest.approx(1e-3, rel=1e-3) and mean_e == pytest.approx(1e-3 / 64, rel=1e-3)
+    assert harness.within_tolerance(max_e, mean_e)
+    assert not harness.within_tolerance(2e-3, 0.0) and not harness.within_tolerance(0.0, 3e-4)
+    out[1, 1, 1] = float("nan")
+    assert not harness.within_tolerance(*harness.errors(out, ref))
+
+
+def test_choose_baseline():
+    assert harness.choose_baseline({"flashinfer-cuda": 520.0, "flashinfer-tc": 440.0}) == "flashinfer-tc"
+    with pytest.raises(ValueError, match="no FlashInfer variant"):
+        harness.choose_baseline({})
+
+
+def _rec(step, seq, route, splits, wall, cuda, ctas=0):
+    c = planner.Counters(launches=2 if ctas else 1, decode_ctas=ctas, cta_work_per_sm=ctas / 132,
+                         useful_kv_bytes=sum(seq) * 4096, merge_bytes=ctas * 100, merge_launches=1 if ctas else 0)
+    return harness.StepRecord(step=step, active=len(seq), max_context=max(seq),
+                              mean_context=sum(seq) / len(seq), route=route, splits=splits,
+                              counters=c, wall_us=wall, cuda_us=cuda)
+
+
+def test_summarize_and_ratio_rows():
+    # made-up step times, chosen so the expected numbers are easy to check by hand
+    adaptive = [_rec(0, [20000, 100], "pkv_workqueue", ((20, 1), (1, 1)), 200.0, 100.0, ctas=168),
+                _rec(1, [20001, 101], "pkv_workqueue", ((20, 1), (1, 1)), 300.0, 100.0, ctas=168),
+                _rec(2, [20002], "flashinfer", (), 500.0, 200.0)]
+    row = harness.summarize("c", "pkvrt-adaptive", adaptive, seed=1, correct=True)
+    assert row["decode_tokens"] == 5 and row["steps"] == 3
+    assert row["tok_per_s"] == pytest.approx(5 / 1000e-6)
+    assert row["cuda_tok_per_s"] == pytest.approx(5 / 400e-6)
+    assert row["median_us"] == 100.0 and row["wall_us"] == 300.0
+    assert row["route"] == "pkv_workqueue" and row["route_mix"] == "pkv_workqueue 66.7%, flashinfer 33.3%"
+    assert row["splits"] == "1:2, 20:2" and row["split_main"] == 1
+    assert row["launches_per_step"] == pytest.approx(5 / 3)
+    assert row["cta_work_per_sm"] == pytest.approx(168 / 132)
+    base = harness.summarize("c", "flashinfer-tc", [_rec(i, [20000 + i], "flashinfer", (), 400.0, 250.0)
+                                                    for i in range(3)], baseline=True, correct=True)
+    assert base["split_main"] is None and base["splits"] == "-" and base["cta_work_per_sm"] is None
+    failed = {"case": "c", "engine": "pkvrt-bucket", "row": "measured", "correct": False}
+    ratios = harness.ratio_rows([base, row, failed])
+    assert len(ratios) == 1
+    r = ratios[0]
+    assert r["engine"] == "pkvrt-adaptive / flashinfer-tc" and r["row"] == "ratio"
+    assert r["wall_ratio"] == pytest.approx(row["tok_per_s"] / base["tok_per_s"])
+    assert r["cuda_ratio"] == pytest.approx(row["cuda_tok_per_s"] / base["cuda_tok_per_s"])
+    with pytest.raises(ValueError, match="no measured steps for c / x"):
+        harness.summarize("c", "x", [])
+
+
+def test_runtime_kwargs_filter():
+    kept, dropped = harness.runtime_kwargs(
+        ["self", "device", "routes", "calibration", "max_batch", "max_pages_per_row",
+         "use_cuda_graph", "validate"],
+        dict(device="cuda", routes=None, calibration="auto", max_batch=8, max_pages_per_row=4,
+             use_cuda_graph=True, max_graphs=64, validate=False))
+    assert "max_graphs" not in kept and dropped == ("max_graphs",) and kept["validate"] is False
+    with pytest.raises(ValueError, match=r"expected keyword argument\(s\) \['max_batch'\]"):
+        harness.runtime_kwargs(["device", "routes", "calibration", "max_pages_per_row",
+                                "use_cuda_graph"], dict(device="cuda", max_batch=8))
+
+
+# --------------------------------------------------------------------------- the loop on the CPU
+
+SHAPE = harness.Shape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+
+
+class ReferenceEngine:
+    """An engine for driving the harness on the CPU: the router picks (and reports) a route as in
+    the Runtime, attention is the FP32 reference. ``skew`` perturbs the output (a wrong engine),
+    ``host_delay_s`` slows planning (a slower engine)."""
+
+    def __init__(self, label, wl, router, *, force=None, skew=0.0, host_delay_s=0.0):
+        self.label, self.wl, self.router, self.force = label, wl, router, force
+        self.skew, self.delay = skew, host_delay_s
+
+    def plan(self, step):
+        if self.delay:
+            time.sleep(self.delay)
+        self.seq = torch.from_numpy(step.seq_lens.astype(np.int32))
+        self.bt = torch.from_numpy(self.wl.layout.block_table(step.rids))
+        self.decision = self.router.decide(step.seq_lens, force=self.force)
+
+    def attend(self, q, k, v, out):
+        out.copy_(reference.decode_attention(q, k, v, self.seq, self.bt) + self.skew)
+
+    def step_info(self):
+        d = self.decision
+        return d.route, tuple(harness.plan_splits(d.plan)), d.plan.counters
+
+    def stats(self):
+        return {"replays": 0}
+
+
+def _trace():
+    reqs = [Request(0, 0, 17000, 5), Request(1, 0, 300, 4), Request(2, 1, 16500, 3)]
+    return Trace(name="tiny", requests=tuple(reqs), seed=None, source="test")
+
+
+def _run_cpu(config, *, wrong=(), slow_cuda_variant=True):
+    router = Router(load_routes(None), seed_calibration(), num_qo_heads=SHAPE.num_qo_heads,
+                    num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim,
+                    page_size=SHAPE.page_size)
+
+    def make_engine(name, wl, base_label):
+        delay = 0.05 if (name == "flashinfer-cuda" and slow_cuda_variant) else 0.0
+        force = "flashinfer" if name in harness.FI_VARIANTS else name if name in ROUTES else None
+        return ReferenceEngine(harness.engine_label(name), wl, router, force=force,
+                               skew=0.05 if name in wrong else 0.0, host_delay_s=delay)
+    logs = []
+    out = harness.run_seed(config, 11, _trace(), make_engine, clock=harness.HostClock(), device="cpu",
+                           budget_bytes=2**30, log=logs.append)
+    return (*out, logs)
+
+
+def _config(**kw):
+    base = dict(trace="tiny", max_active=2, seeds=(11,), steps_limit=4, check_steps=2, probe_steps=2,
+                engines=("flashinfer", "adaptive", "pkv_bucket"), shape=SHAPE)
+    return harness.ServingConfig(**{**base, **kw})
+
+
+def test_cpu_loop_rows_ratios_and_steps():
+    rows, steps, info, logs = _run_cpu(_config())
+    assert info["baseline"] == "flashinfer-tc"                    # the cuda variant was slowed
+    assert info["steps_measured"] == 4 and info["steps_total"] == 7
+    measured = {r["engine"]: r for r in rows if r["row"] == "measured"}
+    assert list(measured) == ["flashinfer-tc", "pkvrt-adaptive", "pkvrt-bucket"]
+    assert measured["flashinfer-tc"]["baseline"] and not measured["pkvrt-adaptive"]["baseline"]
+    for r in measured.values():
+        assert r["correct"] and r["max_err"] == 0.0 and r["max_err_ref"] < 1e-3
+        assert r["case"] == "tiny-B2-seed11" and r["steps"] == 4 and r["checked_steps"] == 2
+        assert r["tok_per_s"] > 0 and r["cache_copies"] >= 1
+    # the sampled steps span the whole trace: first and last step of the 7
+    assert sorted({s["step"] for s in steps}) == [0, 2, 4, 6]
+    assert measured["pkvrt-adaptive"]["decode_tokens"] == sum(
+        s["active"] for s in steps if s["engine"] == "pkvrt-adaptive")
+    assert measured["pkvrt-bucket"]["route"] == "pkv_bucket"
+    assert "pkv_bucket" in measured["pkvrt-bucket"]["route_mix"]
+    ratios = [r for r in rows if r["row"] == "ratio"]
+    assert [r["numerator"] for r in ratios] == ["pkvrt-adaptive", "pkvrt-bucket"]
+    assert len(steps) == 3 * 4 and {s["baseline"] for s in steps if s["engine"] == "flashinfer-tc"} == {True}
+    assert any("baseline flashinfer-tc" in line for line in logs)
+
+
+def test_cpu_loop_wrong_engine_is_not_timed():
+    rows, steps, _, logs = _run_cpu(_config(), wrong=("pkv_bucket",))
+    bad = next(r for r in rows if r["engine"] == "pkvrt-bucket")
+    assert bad["correct"] is False and "tok_per_s" not in bad
+    assert bad["max_err"] == pytest.approx(0.05, abs=1e-3)
+    assert not [s for s in steps if s["engine"] == "pkvrt-bucket"]
+    assert [r["numerator"] for r in rows if r["row"] == "ratio"] == ["pkvrt-adaptive"]
+    assert any("pkvrt-bucket: FAILED correctness" in line for line in logs)
+
+
+def test_cpu_loop_engine_protocol_with_mlp(tmp_path, capsys):
+    config = _config(layers=3, mlp=True, mlp_intermediate=32, engines=("flashinfer", "adaptive"))
+    rows, steps, info, _ = _run_cpu(config)
+    measured = [r for r in rows if r["row"] == "measured"]
+    assert {r["case"] for r in measured} == {"tiny-B2-L3-mlp-seed11"}
+    assert all(r["correct"] for r in measured)
+    # write the files as `bench serving` does and report them: the tables follow the rows
+    meta = {"kind": "serving"}
+    results.write_results(tmp_path / "s.json", meta, rows)
+    results.write_results(tmp_path / "s.steps.json", {"kind": "serving-steps"}, steps)
+    rc, out, err = run(capsys, "report", str(tmp_path), "--out", str(tmp_path / "rep"))
+    assert rc == 0, err
+    md = (tmp_path / "rep" / "report.md").read_text()
+    ratio = next(r for r in rows if r["row"] == "ratio")
+    assert f"{ratio['wall_ratio']:.3f}" in md and "tiny-B2-L3-mlp" in md

@@ -1,0 +1,268 @@
+"""`pkvrt report` on small synthetic results files.
+
+Every number below is FAKE, made up in this file so that the expected table cells can be worked
+out by hand (e.g. baseline 1000 tok/s, engine 1200 tok/s -> ratio 1.200); none is a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pkvrt import cli, report, results
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def table(md: str, title_start: str) -> list[list[str]]:
+    """Cells of the Markdown table under the ``## <title_start>...`` heading (no header/rule)."""
+    section = next(s for s in md.split("\n## ") if s.startswith(title_start))
+    lines = [ln for ln in section.splitlines() if ln.startswith("| ")]
+    return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in lines[2:]]
+
+
+def serving_rows(seed, *, base_tok, base_cuda, eng_tok, eng_cuda, route="pkv_workqueue", split=20,
+                 engine="pkvrt-adaptive", max_err=5e-5, mean_err=4e-6, trace="bimodal-B8"):
+    case = f"{trace}-seed{seed}"
+    common = dict(case=case, row="measured", seed=seed, correct=True, steps=10, decode_tokens=80,
+                  launches_per_step=1.0, useful_kv_mb=500.0, merge_mb=0.0, merge_launches=0.0,
+                  cta_work_per_sm=None)
+    base = dict(common, engine="flashinfer-tc", baseline=True, route="flashinfer", split_main=None,
+                tok_per_s=base_tok, cuda_tok_per_s=base_cuda, median_us=100.0, wall_us=110.0,
+                mean_cuda_us=1000.0, mean_wall_us=1100.0, max_err=0.0, mean_err=0.0)
+    eng = dict(common, engine=engine, baseline=False, route=route, split_main=split,
+               tok_per_s=eng_tok, cuda_tok_per_s=eng_cuda, median_us=80.0, wall_us=90.0,
+               mean_cuda_us=800.0, mean_wall_us=900.0, max_err=max_err, mean_err=mean_err,
+               launches_per_step=2.0, cta_work_per_sm=45.0, merge_mb=2.5, merge_launches=1.0)
+    return [base, eng]
+
+
+def write(path, kind, rows, **meta):
+    results.write_results(path, {"kind": kind, "gpu": "FAKE GPU", **meta} if kind else
+                          {"gpu": "FAKE GPU", **meta}, rows)
+    return path
+
+
+@pytest.fixture
+def serving_dir(tmp_path):
+    d = tmp_path / "res"
+    write(d / "serving.json", "serving",
+          serving_rows(1, base_tok=1000.0, base_cuda=2000.0, eng_tok=1200.0, eng_cuda=2500.0)
+          + serving_rows(2, base_tok=1000.0, base_cuda=2000.0, eng_tok=1300.0, eng_cuda=2700.0,
+                         max_err=6e-5, mean_err=2e-6))
+    write(d / "serving-b1.json", "serving",
+          serving_rows(1, base_tok=500.0, base_cuda=600.0, eng_tok=700.0, eng_cuda=900.0,
+                       route="pkv_bucket", split=32, trace="bucketed-B1"))
+    return d
+
+
+def test_serving_table_mean_std_over_seeds(capsys, serving_dir, tmp_path):
+    rc, out, err = run(capsys, "report", str(serving_dir), "--out", str(tmp_path / "rep"))
+    assert rc == 0, err
+    assert "read 2 results file(s)" in out and f"wrote {tmp_path / 'rep' / 'report.md'}" in out
+    md = (tmp_path / "rep" / "report.md").read_text()
+    rows = {(r[0], r[1]): r for r in table(md, "Table 2")}
+    # wall 1200/1000, 1300/1000 -> 1.25 ± 0.0707; cuda 2500/2000, 2700/2000 -> 1.30 ± 0.0707
+    assert rows[("bimodal-B8", "pkvrt-adaptive")] == [
+        "bimodal-B8", "pkvrt-adaptive", "pkv_workqueue, split 20", "2", "1.300 ± 0.071",
+        "1.250 ± 0.071", "6.000e-05", "3.000e-06"]
+    assert rows[("bimodal-B8", "flashinfer-tc (baseline)")][2:6] == ["flashinfer", "2", "1.000 ± 0.000",
+                                                                    "1.000 ± 0.000"]
+    # one seed: no ± part; 900/600 = 1.5, 700/500 = 1.4
+    assert rows[("bucketed-B1", "pkvrt-adaptive")][2:6] == ["pkv_bucket, split 32", "1", "1.500", "1.400"]
+    t3 = {(r[0], r[1]): r for r in table(md, "Table 3")}
+    assert t3[("bimodal-B8", "pkvrt-adaptive")][2:] == ["2", "2600.0 ± 141.4", "0.800 ± 0.000",
+                                                        "1250.0 ± 70.7", "0.900 ± 0.000"]
+    t4 = {(r[0], r[1]): r for r in table(md, "Table 4")}
+    assert t4[("bimodal-B8", "pkvrt-adaptive")][2:] == ["measured run", "2.00", "45.0", "500.0", "2.50", "1.00"]
+    assert t4[("bimodal-B8", "flashinfer-tc")][4] == "–"
+    assert "| serving.json | serving | FAKE GPU |" in md
+
+
+def test_failed_engine_is_reported_not_ratioed(capsys, tmp_path):
+    rows = serving_rows(1, base_tok=1000.0, base_cuda=2000.0, eng_tok=1100.0, eng_cuda=2100.0)
+    rows.append({"case": "bimodal-B8-seed1", "engine": "pkvrt-bucket", "row": "measured",
+                 "correct": False, "max_err": 0.25, "mean_err": 0.01})
+    rows.append({"case": "bimodal-B8-seed1", "engine": "pkvrt-adaptive / flashinfer-tc", "row": "ratio",
+                 "wall_ratio": 1.1, "cuda_ratio": 1.05})
+    write(tmp_path / "r" / "s.json", "serving", rows)
+    rc, _, err = run(capsys, "report", str(tmp_path / "r"), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    t2 = {r[1]: r for r in table((tmp_path / "o" / "report.md").read_text(), "Table 2")}
+    assert t2["pkvrt-bucket"][4:7] == ["- (1 FAILED)", "- (1 FAILED)", "2.500e-01"]
+    assert "pkvrt-adaptive / flashinfer-tc" not in t2          # ratio rows are recomputed, not shown
+
+
+def test_isolated_table(capsys, tmp_path):
+    d = tmp_path / "iso"
+    rows = [
+        dict(case="B1-32K", engine="flashinfer-cuda", splits=None, median_us=50.0, gbps=2000.0),
+        dict(case="B1-32K", engine="flashinfer-tc", splits=None, median_us=40.0, gbps=2500.0),
+        dict(case="B1-32K", engine="pkvrt-bucket", splits=16, median_us=45.0, gbps=2222.0),
+        dict(case="B1-32K", engine="pkvrt-bucket", splits=32, median_us=36.0, gbps=2777.0,
+             frac_read_bw=0.7),
+        dict(case="B1-32K", engine="pkvrt-fused", splits=8, error="RuntimeError('boom')"),
+    ]
+    write(d / "isolated.json", None, rows, protocol="isolated graph-replay (fake)",
+          read_bandwidth_gbps=4000.0)
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    t1 = table((tmp_path / "o" / "report.md").read_text(), "Table 1")
+    assert t1[0] == ["B1-32K", "pkvrt-bucket", "32", "36.00", "2777.0", "0.700", "1.111x"]
+    assert t1[1] == ["B1-32K", "flashinfer-tc", "-", "40.00", "2500.0", "0.625", "1.000x"]
+    assert t1[2] == ["B1-32K", "flashinfer-cuda", "-", "50.00", "2000.0", "0.500", "0.800x"]
+    assert t1[3][:4] == ["B1-32K", "pkvrt-fused", "8", "FAILED"] and "boom" in t1[3][6]
+
+
+def _steps(engine, baseline, values, route=None):
+    """values: (step, active, max_context, wall_us, cuda_us)."""
+    return [dict(case="bimodal-B8-seed1", engine=engine, seed=1, baseline=baseline, step=s, active=a,
+                 max_context=c, mean_context=c / 2, route=route or ("flashinfer" if baseline else "x"),
+                 split_max=None, wall_us=w, cuda_us=u) for s, a, c, w, u in values]
+
+
+def test_per_step_tables_and_route_map(capsys, tmp_path):
+    d = tmp_path / "st"
+    base = _steps("flashinfer-tc", True, [(0, 8, 20000, 100.0, 80.0), (1, 8, 30000, 100.0, 80.0),
+                                          (2, 2, 40000, 60.0, 50.0), (3, 1, 5000, 10.0, 8.0)])
+    adaptive = (_steps("pkvrt-adaptive", False, [(0, 8, 20000, 80.0, 40.0), (1, 8, 30000, 120.0, 60.0)],
+                       route="pkv_workqueue")
+                + _steps("pkvrt-adaptive", False, [(2, 2, 40000, 40.0, 25.0)], route="pkv_bucket")
+                + _steps("pkvrt-adaptive", False, [(3, 1, 5000, 10.0, 8.0)], route="flashinfer"))
+    write(d / "s.steps.json", "serving-steps", base + adaptive)
+    files = report.load_dir(d)
+    by_ctx = {(r["engine"], r["bin"]): r for r in report.ratio_by_context(files)}
+    # 16K-32K bin: baseline 200 us wall, engine 200 us -> 1.0; cuda 160 / 100 = 1.6
+    r = by_ctx[("pkvrt-adaptive", (16384, 32768))]
+    assert r["steps"] == 2 and r["wall_ratio"] == pytest.approx(1.0) and r["cuda_ratio"] == pytest.approx(1.6)
+    assert by_ctx[("pkvrt-adaptive", (32768, 65536))]["wall_ratio"] == pytest.approx(1.5)
+    cells = {(c["active"], c["bin"]): c for c in report.route_map_cells(files)}
+    assert cells[(8, (16384, 32768))]["route"] == "pkv_workqueue"
+    assert cells[(2, (32768, 65536))]["route"] == "pkv_bucket"
+    assert cells[(1, (4096, 8192))]["wall_ratio"] == pytest.approx(1.0)
+    rc, out, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert ["pkvrt-adaptive", "16K-32K", "2", "1.600", "1.000"] in table(md, "Throughput ratio")
+    assert ["2", "32K-64K", "pkv_bucket", "100%", "1", "2.000", "1.500"] in table(md, "Route map")
+
+
+def test_plots_skipped_without_matplotlib(capsys, tmp_path, monkeypatch):
+    d = tmp_path / "st"
+    write(d / "s.steps.json", "serving-steps",
+          _steps("flashinfer-tc", True, [(0, 8, 20000, 100.0, 80.0)])
+          + _steps("pkvrt-adaptive", False, [(0, 8, 20000, 80.0, 40.0)]))
+    monkeypatch.setattr(report, "_have_matplotlib", lambda: False)
+    rc, out, _ = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0 and report.NO_PLOTS in out
+    assert report.NO_PLOTS in (tmp_path / "o" / "report.md").read_text()
+    assert not list((tmp_path / "o").glob("*.png"))
+
+
+def test_plots_written_with_matplotlib(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    d = tmp_path / "st"
+    write(d / "s.steps.json", "serving-steps",
+          _steps("flashinfer-tc", True, [(0, 8, 20000, 100.0, 80.0), (1, 1, 40000, 50.0, 40.0)])
+          + _steps("pkvrt-adaptive", False, [(0, 8, 20000, 80.0, 40.0), (1, 1, 40000, 30.0, 20.0)]))
+    rc, out, _ = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0 and "wrote plots: ratio_vs_context.png, route_map.png" in out
+    for name in ("ratio_vs_context.png", "route_map.png"):
+        assert (tmp_path / "o" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_other_files_get_a_generic_table(capsys, tmp_path):
+    d = tmp_path / "g"
+    write(d / "sweeps.json", "calibration-sweeps",
+          [dict(case="B1-32K", engine="pkvrt-bucket", splits=16, median_us=70.0, extra={"a": 1})])
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "## Other results: sweeps.json" in md
+    assert "| case | engine | splits | median_us | extra |" in md
+    assert '| B1-32K | pkvrt-bucket | 16 | 70 | {"a": 1} |' in md
+
+
+def test_default_out_is_inside_the_results_dir(capsys, serving_dir):
+    rc, _, _ = run(capsys, "report", str(serving_dir))
+    assert rc == 0 and (serving_dir / "report" / "report.md").is_file()
+
+
+# --------------------------------------------------------------------------- malformed inputs
+
+def _bad_row(**over):
+    row = serving_rows(1, base_tok=1.0, base_cuda=1.0, eng_tok=1.0, eng_cuda=1.0)
+    row[1].update(over)
+    return row
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "invalid JSON at line 1 column 2"),
+    (json.dumps({"rows": []}), "not a pkvrt results file (expected an object with 'meta' and 'rows')"),
+    (json.dumps({"meta": {}, "rows": {}}), "not a pkvrt results file"),
+    (json.dumps({"meta": [], "rows": []}), "key 'meta': expected an object, got list"),
+    (json.dumps({"meta": {}, "rows": [3]}), "rows[0]: expected an object, got 3"),
+    (json.dumps({"meta": {}, "rows": [{"engine": "e"}]}), "rows[0]: key 'case': expected a non-empty string, got None"),
+    (json.dumps({"meta": {}, "rows": [{"case": "c", "engine": "e", "median_us": "fast"}]}),
+     "rows[0]: key 'median_us': expected a number or null, got 'fast'"),
+    (json.dumps({"meta": {"kind": "serving"}, "rows": _bad_row(tok_per_s=None)}),
+     "rows[1]: key 'tok_per_s': expected a positive number in a timed serving row, got None"),
+    (json.dumps({"meta": {"kind": "serving"}, "rows": _bad_row(baseline=True)}),
+     "case 'bimodal-B8-seed1': two baseline rows (flashinfer-tc, pkvrt-adaptive)"),
+    (json.dumps({"meta": {"kind": "serving"}, "rows": _bad_row()[1:]}),
+     "case 'bimodal-B8-seed1': no baseline row"),
+    (json.dumps({"meta": {"kind": "serving-steps"}, "rows": [
+        {"case": "c", "engine": "e", "step": 0, "active": 1, "max_context": 5, "wall_us": 1.0,
+         "cuda_us": 1.0}]}), "rows[0]: key 'route': expected a string, got None"),
+])
+def test_malformed_file_is_an_error_naming_it(capsys, tmp_path, content, message):
+    d = tmp_path / "bad"
+    d.mkdir()
+    write(d / "good.json", "serving", serving_rows(1, base_tok=1.0, base_cuda=1.0, eng_tok=2.0, eng_cuda=2.0))
+    (d / "broken.json").write_text(content)
+    rc, out, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 2 and out == ""
+    assert err.startswith(f"pkvrt: error: {d / 'broken.json'}") and message in err
+    assert not (tmp_path / "o" / "report.md").exists()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.mkdir(), "no results files (*.json) found"),
+    (lambda p: p.write_text("x"), "expected a directory of results files"),
+    (lambda p: None, "expected a directory of results files"),
+])
+def test_bad_results_dir(capsys, tmp_path, make, message):
+    p = tmp_path / "in"
+    make(p)
+    rc, _, err = run(capsys, "report", str(p))
+    assert rc == 2 and err == f"pkvrt: error: {p}: {message}\n"
+
+
+def test_report_needs_a_directory_argument(capsys):
+    rc, _, err = run(capsys, "report")
+    assert rc == 2 and "RESULTS_DIR" in err
+
+
+# --------------------------------------------------------------------------- formatting helpers
+
+@pytest.mark.parametrize("values, text", [([1.2, 1.3], "1.250 ± 0.071"), ([1.2], "1.200"), ([], "-"),
+                                          ([None, 2.0], "2.000")])
+def test_fmt_pm(values, text):
+    assert report.fmt_pm(values) == text
+
+
+@pytest.mark.parametrize("tokens, bin_, label", [(20000, (16384, 32768), "16K-32K"),
+                                                 (16384, (16384, 32768), "16K-32K"),
+                                                 (700, (512, 1024), "512-1K"), (1, (1, 2), "1-2")])
+def test_context_bins(tokens, bin_, label):
+    assert report.context_bin(tokens) == bin_ and report.bin_label(*bin_) == label
+
+
+def test_trace_key():
+    assert report.trace_key("bimodal-B8-L32-mlp-seed20260623") == "bimodal-B8-L32-mlp"
+    assert report.trace_key("B1-32K") == "B1-32K"

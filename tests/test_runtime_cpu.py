@@ -1,0 +1,804 @@
+"""Runtime pieces that run without CUDA: argument checks, graph keys, capacities, staging, the
+route choice without FlashInfer, and the clear error of a Runtime built on a machine with no GPU."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pkvrt import _driver, fi_route, graphs, runtime
+from pkvrt.calibration import load_calibration
+from pkvrt.registry import load_routes
+from pkvrt.router import Router
+from pkvrt.runtime import (Capacities, Runtime, arena_layout, bucket_sections, check_run_args,
+                           check_shape, check_step, decide, grow, initial_capacities,
+                           needed_capacities, predict_route_us, stage_bucket, stage_workqueue)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SEED = load_calibration(REPO / "calibration" / "rtx3060-seed.json")
+ROUTES = load_routes(REPO / "routes.toml")
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+STEP = dict(page_size=16, max_batch=8, max_pages_per_row=64)
+
+
+def router(graphs_on=True) -> Router:
+    return Router(ROUTES, SEED, **SHAPE, graphs=graphs_on)
+
+
+def table(seq, page=16, pad=-1, width=None, seed=0):
+    """Block tables of distinct page ids for ``seq``, padding ``pad`` past each row's pages."""
+    pages = [-(-n // page) for n in seq]
+    w = width or max(pages)
+    perm = np.random.default_rng(seed).permutation(sum(pages) * 2).astype(np.int32)
+    bt = np.full((len(seq), w), pad, dtype=np.int32)
+    at = 0
+    for i, p in enumerate(pages):
+        bt[i, :p] = perm[at:at + p]
+        at += p
+    return bt
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize("args, name", [
+    (dict(head_dim=100), "head_dim"),
+    (dict(head_dim=512), "head_dim"),
+    (dict(page_size=3), "page_size"),
+    (dict(page_size=128), "page_size"),
+    (dict(page_size=0), "page_size"),
+    (dict(num_qo_heads=30), "num_qo_heads"),            # 30 % 8 != 0
+    (dict(num_qo_heads=48, num_kv_heads=4), "group"),    # G = 12
+    (dict(num_qo_heads=24, num_kv_heads=8), "group"),    # G = 3
+    (dict(num_kv_heads=True), "num_kv_heads"),
+    (dict(dtype=torch.float32), "dtype"),
+])
+def test_check_shape_names_the_argument(args, name):
+    kw = dict(SHAPE, dtype=torch.float16)
+    kw.update(args)
+    with pytest.raises(ValueError, match=name):
+        check_shape(kw["num_qo_heads"], kw["num_kv_heads"], kw["head_dim"], kw["page_size"], kw["dtype"])
+
+
+@pytest.mark.parametrize("g", [1, 2, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_check_shape_accepts_every_built_variant(g, d):
+    assert check_shape(8 * g, 8, d, 16, torch.bfloat16) == g
+
+
+def test_runtime_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_driver, "available", lambda: "no CUDA GPU visible to torch")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*no CUDA GPU visible"):
+        Runtime(32, 8, 128, 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks this machine really has no GPU")
+def test_runtime_on_this_cpu_machine_raises():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        Runtime(32, 8, 128, 16)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(head_dim=96), "head_dim"), (dict(max_batch=0), "max_batch"),
+    (dict(max_pages_per_row=-1), "max_pages_per_row"), (dict(max_graphs=0), "max_graphs"),
+    (dict(dtype=torch.float32), "dtype"),
+])
+def test_runtime_argument_errors_come_before_the_cuda_check(monkeypatch, kw, name):
+    monkeypatch.setattr(_driver, "available", lambda: "no GPU")
+    args = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    args.update({k: v for k, v in kw.items() if k in args})
+    rest = {k: v for k, v in kw.items() if k not in args}
+    with pytest.raises(ValueError, match=name):
+        Runtime(**args, **rest)
+
+
+# ----------------------------------------------------------------------------- plan() checks
+
+
+@pytest.mark.parametrize("seq, bt, match", [
+    ([[5, 6]], None, r"seq_lens: expected a non-empty 1-D"),
+    ([], None, r"seq_lens: expected a non-empty 1-D"),
+    (np.array([5.0, 6.0]), None, r"seq_lens: expected an integer dtype"),
+    ([5, 0, 7], None, r"seq_lens\[1\] = 0: expected >= 1"),
+    (list(range(1, 10)), None, r"seq_lens: batch of 9 rows: expected at most max_batch=8"),
+    ([5, 6], np.zeros((3, 4), np.int32), r"block_tables: expected shape \[B=2"),
+    ([5, 6], np.zeros(4, np.int32), r"block_tables: expected shape \[B=2"),
+    ([5, 40], np.zeros((2, 2), np.int32), r"block_tables: row 1 has seq_len 40 = 3 pages .* only 2 columns"),
+    ([5, 64 * 16 + 1], np.zeros((2, 80), np.int32), r"seq_lens\[1\] = 1025 needs 65 pages .* max_pages_per_row=64"),
+    ([5, 6], np.zeros((2, 1), np.float32), r"block_tables: expected an integer dtype"),
+    ([20, 40], np.array([[3, 8, -1], [4, 5, -7]], np.int32), r"block_tables\[1, 2\] = -7: expected a page id >= 0"),
+    ([20, 40], np.array([[3, 9, -1], [-4, 5, 6]], np.int32), r"block_tables\[1, 0\] = -4"),
+])
+def test_check_step_errors_name_the_argument(seq, bt, match):
+    if bt is None:
+        bt = np.zeros((max(1, len(seq)), 8), np.int32)
+    before = np.array(bt, copy=True)
+    with pytest.raises(ValueError, match=match):
+        check_step(seq, bt, **STEP)
+    assert np.array_equal(np.asarray(bt), before)  # inputs never modified
+
+
+def test_padding_past_a_rows_pages_may_be_negative():
+    bt = np.array([[3, 9, -1, -1], [4, -1, -1, -1]], np.int32)   # rows need 2 and 1 pages
+    s = check_step([17, 16], bt, **STEP)
+    assert s.pages.tolist() == [2, 1] and s.max_pages == 2 and s.max_page_id == 9
+
+
+def test_validate_false_skips_only_the_page_id_scan():
+    bt = np.array([[3, -5]], np.int32)
+    s = check_step([20], bt, **STEP, validate=False)
+    assert s.max_page_id == -1
+    with pytest.raises(ValueError, match="max_batch"):  # buffer guards stay on
+        check_step(list(range(1, 10)), np.zeros((9, 1), np.int32), **STEP, validate=False)
+
+
+@pytest.mark.parametrize("kind", ["list", "int64", "tensor", "pinned-like"])
+def test_check_step_accepts_host_inputs(kind):
+    seq = [17, 1, 300]
+    bt = table(seq)
+    conv = {"list": lambda a: np.asarray(a).tolist(), "int64": lambda a: np.asarray(a, np.int64),
+            "tensor": lambda a: torch.as_tensor(np.asarray(a)), "pinned-like": lambda a: torch.as_tensor(np.asarray(a)).int()}[kind]
+    s = check_step(conv(seq), conv(bt), **STEP)
+    assert s.seq.tolist() == seq and s.pages.tolist() == [2, 1, 19]
+    assert s.max_page_id == int(max(bt[i, :p].max() for i, p in enumerate([2, 1, 19])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=8), st.integers(0, 5), st.data())
+def test_check_step_property(seq, extra, data):
+    bt = table(seq, width=max(-(-n // 16) for n in seq) + extra, seed=len(seq))
+    s = check_step(seq, bt, **STEP)
+    pages = [-(-n // 16) for n in seq]
+    assert s.pages.tolist() == pages and s.max_pages == max(pages)
+    assert s.max_page_id == max(int(bt[i, :p].max()) for i, p in enumerate(pages))
+    r = data.draw(st.integers(0, len(seq) - 1))
+    c = data.draw(st.integers(0, pages[r] - 1))
+    bad = bt.copy()
+    bad[r, c] = -3
+    with pytest.raises(ValueError, match=r"block_tables\[\d+, \d+\] = -3"):
+        check_step(seq, bad, **STEP)
+
+
+# ----------------------------------------------------------------------------- run() checks
+
+
+def run_tensors(b=3, pages=10):
+    q = torch.randn(b, 32, 128).half()
+    k = torch.randn(pages, 8, 16, 128).half()
+    return dict(q=q, k_cache=k, v_cache=k.clone(), out=torch.full_like(q, 7.0))
+
+
+RUN_KW = dict(batch=3, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+              dtype=torch.float16, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("change, name", [
+    (lambda t: t.update(q=t["q"].float()), "q: expected dtype"),
+    (lambda t: t.update(q=t["q"][:2]), r"q: expected a contiguous \[B, H_q, D\] = \(3, 32, 128\)"),
+    (lambda t: t.update(q=t["q"].transpose(0, 1).contiguous().transpose(0, 1)), "q: .*not contiguous"),
+    (lambda t: t.update(q=torch.randn(3, 16, 128).half()), "q: expected a contiguous"),
+    (lambda t: t.update(k_cache=torch.randn(10, 8, 32, 128).half()), "k_cache: expected .*page_size=16"),
+    (lambda t: t.update(k_cache=torch.randn(10, 4, 16, 128).half()), "k_cache: expected .*H_kv=8"),
+    (lambda t: t.update(k_cache=torch.randn(10, 16, 8, 128).half().transpose(1, 2)), "k_cache: expected contiguous"),
+    (lambda t: t.update(v_cache=torch.randn(12, 8, 16, 128).half()), "v_cache: expected the shape of k_cache"),
+    (lambda t: t.update(v_cache=t["v_cache"].bfloat16()), "v_cache: expected dtype"),
+    (lambda t: t.update(out=torch.zeros(4, 32, 128).half()), "out: expected a contiguous"),
+    (lambda t: t.update(out=torch.zeros(3, 32, 128)), "out: expected dtype"),
+    (lambda t: t.update(q=np.zeros((3, 32, 128))), "q: expected a torch.Tensor"),
+])
+def test_check_run_args_errors_name_the_tensor_and_leave_out_untouched(change, name):
+    t = run_tensors()
+    check_run_args(**t, **RUN_KW)  # the base case passes
+    change(t)
+    out_before = t["out"].clone()
+    with pytest.raises(ValueError, match=name):
+        check_run_args(**t, **RUN_KW)
+    assert torch.equal(t["out"], out_before)
+
+
+def test_check_run_args_page_ids_against_the_cache():
+    t = run_tensors(pages=10)
+    check_run_args(**t, **RUN_KW, max_page_id=9)
+    with pytest.raises(ValueError, match=r"page id 10: expected page ids < num_pages = k_cache.shape\[0\] = 10"):
+        check_run_args(**t, **RUN_KW, max_page_id=10)
+
+
+def test_check_run_args_wrong_device():
+    t = run_tensors()
+    with pytest.raises(ValueError, match="q: expected a tensor on cuda:0"):
+        check_run_args(**t, **dict(RUN_KW, device=torch.device("cuda", 0)))
+
+
+# ----------------------------------------------------------------------------- graph keys
+
+
+@pytest.mark.parametrize("b, p", [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (256, 256), (257, 512)])
+def test_padded_batch(b, p):
+    assert graphs.padded_batch(b) == p
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10**6))
+def test_task_bucket_bounds(t):
+    cap = graphs.task_bucket(t)
+    assert t <= cap <= max(t, 1.25 * t + 1) and cap <= graphs.task_bucket(t + 1)
+    if t >= 4:  # at most 4 distinct capacities per power of two
+        lo = 1 << (t.bit_length() - 1)
+        assert len({graphs.task_bucket(x) for x in range(lo, 2 * lo, max(1, lo // 64))}) <= 5
+
+
+def test_task_bucket_examples():
+    assert [graphs.task_bucket(t) for t in (1, 3, 1024, 1280, 1300, 4096, 4097)] == [1, 3, 1024, 1280, 1536, 4096, 5120]
+
+
+def test_graph_key_changes_with_what_a_graph_bakes_in():
+    k = torch.zeros(10, 8, 16, 128, dtype=torch.float16)
+    q = torch.zeros(4, 32, 128, dtype=torch.float16)
+    kv = (graphs.tensor_key(k), graphs.tensor_key(k))
+    qo = (graphs.tensor_key(q), graphs.tensor_key(q))
+    base = graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 0, kv, qo)
+    assert base == graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 0,
+                                    (graphs.tensor_key(k), graphs.tensor_key(k)), qo)
+    variants = [
+        graphs.graph_key("pkv_bucket", "bucket", 8, ((4, 16),), 0, kv, qo),            # batch
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 8),), 0, kv, qo),             # splits
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((2, 16), (2, 16)), 0, kv, qo),    # buckets
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 1, kv, qo),            # generation
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 0, kv, graphs.STATIC),
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 0,
+                         (graphs.tensor_key(k[1:]), graphs.tensor_key(k)), qo),        # pointer
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 0,
+                         (graphs.tensor_key(k[:9]), graphs.tensor_key(k)), qo),        # shape
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 0,
+                         (graphs.tensor_key(k.view(torch.bfloat16)), graphs.tensor_key(k)), qo),  # dtype
+        graphs.graph_key("pkv_bucket", "bucket", 4, ((4, 16),), 0,
+                         (graphs.tensor_key(k.transpose(0, 1)), graphs.tensor_key(k)), qo),  # strides
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+class FakeGraph:
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_graph_cache_is_a_bounded_lru():
+    c = graphs.GraphCache(3)
+    made = {k: graphs.GraphEntry(FakeGraph(), nodes=k + 1, mem_bytes=10 * k) for k in range(5)}
+    for k in range(3):
+        c.put(k, made[k])
+    assert c.get(0) is made[0]               # 0 becomes most recent: 1 is now the oldest
+    c.put(3, made[3])
+    assert 1 not in c and made[1].graph.resets == 1 and c.evictions == 1
+    c.put(4, made[4])
+    assert 2 not in c and len(c) == 3 and c.evictions == 2
+    assert sorted(c.node_counts()) == [1, 4, 5] and c.memory_bytes() == 0 + 30 + 40
+    c.clear()
+    assert len(c) == 0 and c.invalidations == 3 and all(made[k].graph.resets == 1 for k in (0, 3, 4))
+    with pytest.raises(ValueError, match="max_graphs"):
+        graphs.GraphCache(0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(0, 12), max_size=200))
+def test_graph_cache_never_exceeds_its_bound(bound, keys):
+    c, made = graphs.GraphCache(bound), []
+    for k in keys:
+        if c.get(k) is None:
+            e = graphs.GraphEntry(FakeGraph(), 1, 0)
+            c.put(k, e)
+            made.append((k, e))
+        assert len(c) <= bound
+    live = {id(c.get(k)) for k, _ in made if k in c}
+    assert all(e.graph.resets == (0 if id(e) in live else 1) for _, e in made)
+    assert c.evictions == len(made) - len(live)
+
+
+def test_seen_keys():
+    s = graphs.SeenKeys(2)
+    assert [s.check_and_add(k) for k in ("a", "a", "b", "c", "a", "c")] == [False, True, False, False, False, True]
+
+
+# ----------------------------------------------------------------------------- capacities
+
+
+def test_initial_capacities_of_the_seed_routes():
+    assert initial_capacities(ROUTES, max_batch=256, num_kv_heads=8) == Capacities(slots=512, tasks=4096)
+    assert initial_capacities(ROUTES, max_batch=3, num_kv_heads=8) == Capacities(slots=256, tasks=2048)
+
+
+@pytest.mark.parametrize("cur, need, new", [(512, 100, 512), (512, 512, 512), (512, 513, 1024), (512, 5000, 5000)])
+def test_grow(cur, need, new):
+    assert grow(cur, need) == new
+
+
+@pytest.mark.parametrize("route", ["pkv_bucket", "pkv_workqueue", "pkv_fused"])
+@pytest.mark.parametrize("seq", [[40000], [20000, 3000, 20000], [17000] * 8, [30000] * 32, list(range(100, 3300, 100))])
+def test_needed_capacities_cover_the_plan(route, seq):
+    d = router().decide(seq, force=route)
+    need = needed_capacities(d.kind, d.plan)
+    if d.kind == "bucket":
+        for b in d.plan.buckets:
+            if b.num_splits > 1:  # ops.split_decode needs rows * splits slots
+                assert need.slots >= graphs.padded_batch(b.rows.size) * b.num_splits
+    else:
+        assert need.slots == d.plan.split_offsets[-1] and need.tasks >= d.plan.tasks.shape[0]
+    init = initial_capacities(ROUTES, max_batch=256, num_kv_heads=8)
+    fits = need.slots <= init.slots and need.tasks <= init.tasks
+    assert fits or len(seq) > 8  # within the gates' 8 rows the initial buffers suffice
+
+
+# ----------------------------------------------------------------------------- staging
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 10**5))
+def test_arena_layout_sections_are_disjoint_and_aligned(max_batch, tasks):
+    L = arena_layout(max_batch, tasks)
+    starts = [L.seq_lens, L.split_offsets, L.num_tasks, L.row_ids, L.merge_offsets, L.tasks]
+    sizes = [max_batch, graphs.padded_batch(max_batch) + 1, 1, 2 * max_batch, 2 * max_batch, 5 * tasks]
+    assert all(s % runtime.ALIGN == 0 for s in starts)
+    assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:] + [L.size]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([17000, 17001, 20000, 3000, 45, 1]), min_size=1, max_size=64))
+def test_stage_bucket_pads_rows_and_writes_merge_offsets(seq):
+    d = router().decide(seq, force="pkv_bucket")
+    L = arena_layout(64, 16)
+    arena = np.full(L.size, 12345, dtype=np.int32)
+    structure, used = stage_bucket(arena, L, d.plan)
+    assert structure == tuple((graphs.padded_batch(b.rows.size), b.num_splits) for b in d.plan.buckets)
+    seen = []
+    for (roff, pad, s, moff), b in zip(bucket_sections(L, structure), d.plan.buckets):
+        n = b.rows.size
+        assert arena[roff:roff + n].tolist() == b.rows.tolist()
+        assert (arena[roff + n:roff + pad] == -1).all()
+        seen += b.rows.tolist()
+        if s > 1:
+            assert arena[moff:moff + pad + 1].tolist() == [i * s for i in range(pad + 1)]
+            assert moff + pad + 1 <= L.tasks and moff + pad + 1 <= used
+        else:
+            assert moff is None
+        assert roff + pad <= L.merge_offsets and roff + pad <= used
+    assert sorted(seen) == list(range(len(seq)))
+    assert (arena[used:] == 12345).all()  # nothing written past what is copied
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 70000), min_size=1, max_size=16))
+def test_stage_workqueue_pads_offsets_and_counts_tasks(seq):
+    d = router().decide(seq, force="pkv_workqueue")
+    t = d.plan.tasks.shape[0]
+    L = arena_layout(16, graphs.task_bucket(t))
+    arena = np.full(L.size, 12345, dtype=np.int32)
+    cap, used = stage_workqueue(arena, L, d.plan, len(seq))
+    b, gb = len(seq), graphs.padded_batch(len(seq))
+    off = arena[L.split_offsets:L.split_offsets + gb + 1]
+    assert off[:b + 1].tolist() == d.plan.split_offsets.tolist()
+    assert (off[b + 1:] == d.plan.split_offsets[-1]).all()     # padded rows: zero slots
+    assert arena[L.num_tasks] == t and cap == graphs.task_bucket(t) >= t
+    assert np.array_equal(arena[L.tasks:used].reshape(t, 5), d.plan.tasks)
+    with pytest.raises(ValueError, match="grow it first"):
+        stage_workqueue(arena, arena_layout(16, cap - 1), d.plan, len(seq))
+
+
+# ----------------------------------------------------------------------------- without FlashInfer
+
+
+def test_route_choice_without_flashinfer_takes_the_best_persistentkv_route():
+    r = router()
+    seq = np.array([1000, 2000, 500])  # short contexts: the policy sends this to FlashInfer
+    assert r.decide(seq).kind == "flashinfer"
+    d = decide(r, seq, table(seq), flashinfer_unavailable="flashinfer failed to import (ImportError)")
+    assert d.kind != "flashinfer"
+    non_ablation = [x for x in ROUTES.routes if x.kind != "flashinfer" and not x.ablation]
+    best = min(non_ablation, key=lambda x: predict_route_us(r, x, seq))
+    assert d.route == best.name and not d.forced
+    assert "FlashInfer unavailable (flashinfer failed to import" in d.refused["flashinfer"]
+    assert "FlashInfer unavailable" in d.explain()
+
+
+def test_route_choice_with_flashinfer_is_the_routers():
+    r = router()
+    seq = np.array([1000, 2000])
+    assert decide(r, seq, table(seq)).route == r.decide(seq).route == "flashinfer"
+    assert decide(r, seq, table(seq), force="pkv_fused").route == "pkv_fused"
+
+
+def test_forcing_an_unavailable_flashinfer_names_force():
+    with pytest.raises(ValueError, match="force='flashinfer': the FlashInfer route is unavailable"):
+        decide(router(), [100], table([100]), force="flashinfer", flashinfer_unavailable="not installed")
+
+
+def test_load_flashinfer_reports_a_missing_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)   # import flashinfer -> ModuleNotFoundError
+    mod, reason = fi_route.load_flashinfer()
+    assert mod is None and reason.startswith("flashinfer failed to import (ModuleNotFoundError")
+
+
+class _BrokenImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes ``import flashinfer`` raise what a broken install raises (not an ImportError)."""
+
+    def find_spec(self, name, path, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == "flashinfer" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise OSError("libcudart.so.13: cannot open shared object file")
+
+
+def test_load_flashinfer_reports_a_broken_install(monkeypatch):
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenImport(), *sys.meta_path])
+    mod, reason = fi_route.load_flashinfer()
+    assert mod is None and reason == ("flashinfer failed to import (OSError: libcudart.so.13: cannot "
+                                      "open shared object file)")
+
+
+def test_load_flashinfer_reports_a_wrong_version(monkeypatch):
+    fake = types.ModuleType("flashinfer")
+    fake.__version__ = "0.1.0"
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    mod, reason = fi_route.load_flashinfer()
+    assert mod is None and "flashinfer 0.1.0 has no BatchDecodeWithPagedKVCacheWrapper" in reason
+
+
+# ----------------------------------------------------------------------------- host cost
+
+
+def test_bench_check_step_b8_32k(benchmark):
+    seq = np.array([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], dtype=np.int32)
+    bt = table(seq.tolist())
+    s = benchmark(check_step, seq, bt, page_size=16, max_batch=256, max_pages_per_row=8192)
+    assert s.max_pages == 2048
+
+
+def test_bench_stage_workqueue_b8(benchmark):
+    seq = [32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584]
+    d = router().decide(seq, force="pkv_workqueue")
+    L = arena_layout(256, 4096)
+    arena = np.zeros(L.size, dtype=np.int32)
+    cap, used = benchmark(stage_workqueue, arena, L, d.plan, 8)
+    assert used == L.tasks + 5 * d.plan.tasks.shape[0]
+
+
+# ----------------------------------------------------------------------------- fake device
+#
+# A real Runtime driven on the CPU: the device is "cpu", pinned buffers are plain, the kernels
+# are emulated in FP32 from pkvrt.reference (same grids, slots, idle-slot exits and checks as
+# kernels/*.cu), and a "graph" remembers the launch closure it captured and reruns it on replay,
+# which is what a CUDA graph does: the buffers it was given are baked in, their contents are
+# read at replay time. This checks plan()/run() end to end: validation, staging into the arena
+# and block tables, launch views, padded batches, graph keys, replay after new metadata, the
+# static/staging/caller paths, regrowth, the graph bound, the FlashInfer fallback.
+
+import contextlib  # noqa: E402
+import math  # noqa: E402
+
+from paged import make_batch, rel_err  # noqa: E402
+
+from pkvrt import ops, reference  # noqa: E402
+
+TILE = 32
+
+
+class Emu:
+    """Emulated kernels with launch counters."""
+
+    def __init__(self):
+        self.launches = 0
+
+    @staticmethod
+    def _kv(cache, bt_row, n):
+        npages = -(-n // cache.shape[2])
+        ids = bt_row[:npages]
+        assert int(ids.min()) >= 0 and int(ids.max()) < cache.shape[0], "read a page it must not"
+        return reference.gather_kv(cache, bt_row, n)
+
+    def split_decode(self, q, k, v, seq, bt, row_ids, s, out, pa=None, pm=None, sm_scale=None):
+        self.launches += 1
+        if s > 1 and pa.shape[0] < row_ids.shape[0] * s:
+            raise ops.KernelArgumentError("part_a too small")
+        scale = sm_scale or 1 / math.sqrt(q.shape[2])
+        for z, row in enumerate(row_ids.tolist()):
+            if row < 0:
+                continue
+            n = int(seq[row])
+            kk, vv = self._kv(k, bt[row], n), self._kv(v, bt[row], n)
+            per = -(-(-(-n // TILE)) // s)
+            for j in range(s):
+                b, e = min(n, j * per * TILE), min(n, (j + 1) * per * TILE)
+                m, l, a = reference.split_state(q[row], kk[:, b:e], vv[:, b:e], scale)
+                if s == 1:
+                    out[row] = (a / l[:, None]).to(out.dtype)
+                else:
+                    pa[z * s + j], pm[z * s + j, :, 0], pm[z * s + j, :, 1] = a, m, l
+
+    def merge(self, pa, pm, offsets, out, *, row_ids=None, skip_single=False):
+        self.launches += 1
+        off = offsets.tolist()
+        for r in range(len(off) - 1):
+            orow = r if row_ids is None else int(row_ids[r])
+            b, e = off[r], off[r + 1]
+            if orow < 0 or e - b <= 0 or (skip_single and e - b == 1):
+                continue
+            out[orow] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
+
+    def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
+                         sm_scale=None, counters=None):
+        self.launches += 1
+        scale = sm_scale or 1 / math.sqrt(q.shape[2])
+        g = q.shape[1] // k.shape[1]
+        t = int(num_tasks[0])
+        assert t <= tasks.shape[0], "num_tasks beyond the captured grid"
+        merged = set()
+        for row, kvh, split, b, e in tasks[:t].tolist():
+            n = int(seq[row])
+            assert 0 <= b < e <= n
+            first, ns = int(offsets[row]), int(offsets[row + 1] - offsets[row])
+            kk, vv = self._kv(k, bt[row], n), self._kv(v, bt[row], n)
+            h = slice(kvh * g, kvh * g + g)
+            m, l, a = reference.split_state(q[row, h], kk[kvh:kvh + 1, b:e], vv[kvh:kvh + 1, b:e], scale)
+            if ns == 1:
+                out[row, h] = (a / l[:, None]).to(out.dtype)
+            else:
+                pa[first + split, h], pm[first + split, h, 0], pm[first + split, h, 1] = a, m, l
+                merged.add(row)
+        if counters is not None:  # fused: the last CTA of each (row, kvh) merges in-kernel
+            for row in merged:
+                b, e = int(offsets[row]), int(offsets[row + 1])
+                out[row] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
+
+
+class ReplayGraph:
+    def __init__(self, launch):
+        self.launch, self.resets = launch, 0
+
+    def replay(self):
+        self.launch()
+
+    def reset(self):
+        self.launch, self.resets = None, self.resets + 1
+
+
+class FakeEvent:
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    emu = Emu()
+    monkeypatch.setattr(runtime, "_resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(runtime, "_pinned", lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype))
+    monkeypatch.setattr(_driver, "get_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: object())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+    def capture(launch, *, side_stream, pool, device):
+        launch()  # the warm-up run computes this call's result
+        return graphs.GraphEntry(ReplayGraph(launch), nodes=1, mem_bytes=0)
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    for name in ("split_decode", "merge", "workqueue_decode"):
+        monkeypatch.setattr(ops, name, getattr(emu, name))
+    return emu
+
+
+FAKE_SHAPE = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+POOL_LENS = [3000, 2500, 900, 40, 1700, 33]   # requests' longest lengths
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Paged data of 6 requests (holes, NaN-poisoned unowned pages) and a second layer's cache."""
+    b = make_batch(POOL_LENS, **FAKE_SHAPE, dtype=torch.float16, device="cpu", seed=11)
+    return b, (b.k_cache.clone(), b.v_cache.clone())
+
+
+def fake_runtime(**kw):
+    args = dict(routes=ROUTES, calibration=SEED, max_batch=8, max_pages_per_row=256, flashinfer=False)
+    args.update(kw)
+    return Runtime(*FAKE_SHAPE.values(), torch.float16, **args)
+
+
+# (rows of the pool, how many tokens each is short of its longest length): lengths grow by one a
+# step, request 4 joins at step 2, request 1 leaves at step 4, request 5 joins at step 5.
+STEPS = [([0, 1, 2, 3], 5), ([0, 1, 2, 3], 4), ([0, 1, 2, 3, 4], 3), ([0, 1, 2, 3, 4], 2),
+         ([0, 2, 3, 4], 1), ([0, 2, 3, 4, 5], 0)]
+
+
+def step_inputs(b, rows, short, seed):
+    seq = np.array([max(1, POOL_LENS[r] - short) for r in rows], dtype=np.int32)
+    bt = b.block_tables[rows]
+    q = torch.randn(len(rows), 8, 64, generator=torch.Generator().manual_seed(seed)).half()
+    return seq, bt, q
+
+
+def ref(q, cache, seq, bt):
+    return reference.decode_attention(q, cache[0], cache[1], torch.as_tensor(seq), bt)
+
+
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("route", ["pkv_bucket", "pkv_workqueue", "pkv_fused", None])
+def test_fake_device_decode_loop_matches_reference(fake_device, pool, route, use_graphs):
+    b, layer1 = pool
+    rt = fake_runtime(use_cuda_graph=use_graphs)
+    caches = [(b.k_cache, b.v_cache), layer1]
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=i)
+        d = rt.plan(seq, bt, force=route)
+        assert d.kind != "flashinfer"  # unavailable: the auto policy falls back to PersistentKV
+        for layer, cache in enumerate(caches):
+            if layer == 0:   # a fresh q/out every call
+                out = rt.run(q.clone(), *cache, out=torch.full_like(q, float("nan")))
+            else:            # the zero-copy fast path
+                rt.static_q(len(rows)).copy_(q)
+                out = rt.run(rt.static_q(len(rows)), *cache, out=rt.static_out(len(rows)))
+            assert not torch.isnan(out).any()
+            assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, (i, layer, d.route)
+    s = rt.stats()
+    if use_graphs:
+        assert s["captures"] > 0 and s["replays"] > 0 and s["eager_runs"] == 0
+        assert s["graphs"] <= s["max_graphs"] and s["min_graph_nodes"] >= 1
+    else:
+        assert s["captures"] == 0 and s["eager_runs"] == 2 * len(STEPS)
+    assert s["plans"] == len(STEPS) and s["h2d_copies"] == 2 * len(STEPS)
+
+
+def test_fake_device_replay_reads_the_new_metadata(fake_device, pool):
+    b, _ = pool
+    rt = fake_runtime()
+    cache = (b.k_cache, b.v_cache)
+    for i, short in enumerate([9, 5, 0]):  # same rows and splits, new lengths and q
+        seq, bt, q = step_inputs(b, [0, 1, 2], short, seed=100 + i)
+        rt.plan(seq, bt, force="pkv_workqueue")
+        rt.static_q(3).copy_(q)
+        out = rt.run(rt.static_q(3), *cache, out=rt.static_out(3))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    s = rt.stats()
+    assert s["captures"] == 1 and s["replays"] == 2 and s["staging_copies"] == 0
+
+
+def test_fake_device_caller_tensors_go_through_staging_then_get_their_own_graph(fake_device, pool):
+    b, _ = pool
+    rt = fake_runtime()
+    cache = (b.k_cache, b.v_cache)
+    seq, bt, q = step_inputs(b, [0, 3], 0, seed=5)
+    rt.plan(seq, bt, force="pkv_bucket")
+    out = torch.empty_like(q)
+    for call in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(call)).half())
+        rt.run(q, *cache, out=out)
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    s = rt.stats()
+    # call 0: staging copies + static graph; call 1: key seen again -> its own graph; call 2: replay
+    assert s["staging_copies"] == 2 and s["captures"] == 2 and s["replays"] == 1
+
+
+def test_fake_device_padded_batch_shares_a_graph(fake_device, pool):
+    b, _ = pool
+    rt = fake_runtime()
+    cache = (b.k_cache, b.v_cache)
+    buckets = []
+    for rows in ([0, 1, 3], [0, 1, 3, 5]):   # 3 and 4 rows pad to 4; row 5 adds one 1-split row
+        seq, bt, q = step_inputs(b, rows, 0, seed=len(rows))
+        d = rt.plan(seq, bt, force="pkv_fused")
+        buckets.append(graphs.task_bucket(d.plan.tasks.shape[0]))
+        rt.static_q(len(rows)).copy_(q)
+        out = rt.run(rt.static_q(len(rows)), *cache, out=rt.static_out(len(rows)))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    assert buckets[0] == buckets[1] and rt._step.gbatch == 4
+    assert rt.stats()["captures"] == 1 and rt.stats()["replays"] == 1
+
+
+def test_fake_device_capacity_growth_drops_graphs(fake_device, pool, tmp_path):
+    text = (REPO / "routes.toml").read_text().replace("max_active = 8", "max_active = 1")
+    (tmp_path / "routes.toml").write_text(text.replace("max = 64", "max = 16"))
+    b, _ = pool
+    rt = fake_runtime(routes=tmp_path / "routes.toml")
+    assert rt.stats()["capacities"]["slots"] == 16          # 1 row * 16 splits
+    cache = (b.k_cache, b.v_cache)
+    for rows in ([0], [0, 1, 2, 4]):
+        seq, bt, q = step_inputs(b, rows, 0, seed=7)
+        d = rt.plan(seq, bt, force="pkv_workqueue")
+        out = rt.run(q, *cache, out=torch.empty_like(q))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    s = rt.stats()
+    assert d.plan.split_offsets[-1] > 16 and s["capacities"]["slots"] >= d.plan.split_offsets[-1]
+    assert s["regrowths"] == 1 and s["invalidations"] == 1 and s["graphs"] == 1
+
+
+def test_fake_device_graph_count_stays_bounded(fake_device, pool):
+    b, _ = pool
+    rt = fake_runtime(max_graphs=3)
+    cache = (b.k_cache, b.v_cache)
+    rng = np.random.default_rng(3)
+    routes = ["pkv_bucket", "pkv_workqueue", "pkv_fused"]
+    for i in range(40):
+        rows = sorted(rng.choice(6, size=rng.integers(1, 7), replace=False).tolist())
+        seq, bt, q = step_inputs(b, rows, int(rng.integers(0, 30)), seed=i)
+        rt.plan(seq, bt, force=routes[i % 3])
+        rt.static_q(len(rows)).copy_(q)
+        out = rt.run(rt.static_q(len(rows)), *cache, out=rt.static_out(len(rows)))
+        assert rt.stats()["graphs"] <= 3
+        if i % 8 == 0:
+            assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    assert rt.stats()["evictions"] > 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda t: t.update(q=t["q"][:1]), "q: expected a contiguous"),
+    (lambda t: t.update(k_cache=t["k_cache"][:5], v_cache=t["v_cache"][:5]), "page id .* num_pages"),
+    (lambda t: t.update(v_cache=t["v_cache"].float()), "v_cache: expected dtype"),
+])
+def test_fake_device_run_errors_launch_nothing_and_leave_out_untouched(fake_device, pool, bad, match):
+    b, _ = pool
+    rt = fake_runtime()
+    seq, bt, q = step_inputs(b, [0, 1], 0, seed=1)
+    rt.plan(seq, bt, force="pkv_workqueue")
+    t = dict(q=q, k_cache=b.k_cache, v_cache=b.v_cache, out=torch.full_like(q, 3.0))
+    bad(t)
+    before, launches = t["out"].clone(), fake_device.launches
+    with pytest.raises(ValueError, match=match):
+        rt.run(**t)
+    assert torch.equal(t["out"], before) and fake_device.launches == launches
+
+
+def test_fake_device_plan_errors_keep_the_previous_plan(fake_device, pool):
+    b, _ = pool
+    rt = fake_runtime()
+    seq, bt, q = step_inputs(b, [0, 2], 0, seed=2)
+    d = rt.plan(seq, bt, force="pkv_bucket")
+    bad_bt = bt.clone()
+    bad_bt[1, 0] = -2
+    for args, kw, match in [((seq, bad_bt), {}, r"block_tables\[1, 0\] = -2"),
+                            ((seq, bt), dict(force="nope"), "force='nope'"),
+                            ((np.arange(1, 10), np.zeros((9, 4), np.int32)), {}, "max_batch")]:
+        with pytest.raises(ValueError, match=match):
+            rt.plan(*args, **kw)
+        assert rt.last_decision is d
+    out = rt.run(q, b.k_cache, b.v_cache)
+    assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
+
+
+def test_fake_device_run_before_plan(fake_device, pool):
+    b, _ = pool
+    with pytest.raises(RuntimeError, match=r"call plan\(seq_lens, block_tables\)"):
+        fake_runtime().run(b.q, b.k_cache, b.v_cache)
+
+
+def test_fake_device_without_flashinfer_warns_and_explains(fake_device, pool, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    b, _ = pool
+    with pytest.warns(RuntimeWarning, match="FlashInfer route is unavailable"):
+        rt = fake_runtime(flashinfer=True)
+    assert not rt.flashinfer_available
+    seq, bt, q = step_inputs(b, [2, 3], 0, seed=4)   # short contexts: the policy says FlashInfer
+    d = rt.plan(seq, bt)
+    assert d.kind in ("bucket", "workqueue")
+    text = rt.explain()
+    assert "flashinfer: unavailable (flashinfer failed to import" in text and "FlashInfer unavailable" in text
+    assert rel_err(rt.run(q, b.k_cache, b.v_cache), ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
+    with pytest.raises(ValueError, match="force='flashinfer'"):
+        rt.plan(seq, bt, force="flashinfer")
