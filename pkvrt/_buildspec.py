@@ -36,16 +36,20 @@ FAMILIES = {
     "workqueue_decode": {"source": "kernels/workqueue_decode.cu", "variants": "dtype,head_dim,group"},
     "fused_decode": {"source": "kernels/fused_decode.cu", "variants": "dtype,head_dim,group"},
     "merge": {"source": "kernels/merge.cu", "variants": "dtype,head_dim"},
+    "plan_workqueue": {"source": "kernels/plan_workqueue.cu", "variants": ""},
 }
 HEADERS = ("kernels/decode_common.cuh",)
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo")
 
 
-def symbol(family: str, dtype: str, head_dim: int, group: int | None = None) -> str:
+def symbol(family: str, dtype: str | None = None, head_dim: int | None = None,
+           group: int | None = None) -> str:
     """Exported (extern "C") kernel name, e.g. ``pkv_split_decode_f16_d128_g4``."""
     if family not in FAMILIES:
         raise KeyError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
+    if not FAMILIES[family]["variants"]:
+        return f"pkv_{family}"
     name = f"pkv_{family}_{dtype}_d{head_dim}"
     if "group" in FAMILIES[family]["variants"]:
         if group is None:
@@ -56,6 +60,8 @@ def symbol(family: str, dtype: str, head_dim: int, group: int | None = None) -> 
 
 def symbols(family: str) -> list[str]:
     """Every symbol one cubin of ``family`` must export."""
+    if not FAMILIES[family]["variants"]:
+        return [symbol(family)]
     grouped = "group" in FAMILIES[family]["variants"]
     out = []
     for dt in DTYPES:

@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="requests of a family (default 32); for a file, keep the first N")
     s.add_argument("--engines", default="flashinfer,adaptive", metavar="LIST",
                    help="comma-separated: flashinfer (baseline, always run), flashinfer-cuda, "
-                        "flashinfer-tc, adaptive, or a routes.toml route name forced on every "
-                        "step, e.g. pkv_workqueue (default: flashinfer,adaptive)")
+                        "flashinfer-tc, flashinfer-graph (FlashInfer's CUDA-graph mode via the "
+                        "Runtime), adaptive, or a routes.toml route name forced on every step, "
+                        "e.g. pkv_workqueue (default: flashinfer,adaptive)")
     s.add_argument("--routes", metavar="PATH",
                    help=f"routes.toml (default: {reg_mod.default_routes_path()})")
     s.add_argument("--calibration", metavar="PATH",
@@ -227,10 +228,12 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
         if name in harness.FI_VARIANTS:
             return harness.FlashInferEngine(wl, tensor_cores=harness.FI_VARIANTS[name],
                                             max_active=config.max_active)
-        return harness.RuntimeEngine(wl, name=name, routes=registry.path, calibration=cal,
-                                     max_active=config.max_active,
+        force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name}.get(name, name)
+        return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
+                                     calibration=cal, max_active=config.max_active,
                                      tensor_cores=base_label == "flashinfer-tc")
 
+    out = Path(args.out) if args.out else default_out(config, env["gpu"])
     rows, steps, per_seed = [], [], {}
     for seed, trace in zip(config.seeds, traces):
         r, s, info = harness.run_seed(config, seed, trace, make_engine, clock=clock,
@@ -239,9 +242,21 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
         steps += s
         per_seed[str(seed)] = info
         torch.cuda.empty_cache()
-    out = Path(args.out) if args.out else default_out(config, env["gpu"])
+        _write(out, config, registry, cal, clock, traces, per_seed, rows, steps)  # after every seed
+    print(f"wrote {out} and {steps_path(out).name}")
+    from pkvrt.report import serving_table
+    print(serving_table([(str(out), results.read_results(out))]))
+    failed = [r for r in rows if r.get("row") == "measured" and not r.get("correct", True)]
+    for r in failed:
+        print(f"FAILED correctness: {r['case']} {r['engine']} (max|e| {r['max_err']:.3g}, "
+              f"vs FP32 {r['max_err_ref']:.3g})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, steps) -> None:
+    """The results file and its .steps.json (atomic writes; a later seed rewrites both)."""
     meta = results.make_meta(
-        seeds=config.seeds, routes_path=registry.path, calibration_path=cal.source,
+        seeds=[int(s) for s in per_seed], routes_path=registry.path, calibration_path=cal.source,
         kind="serving", trace=config.trace, trace_source=traces[0].source,
         max_active=config.max_active, engines=list(config.engines), layers=config.layers,
         mlp=config.mlp, mlp_intermediate=config.mlp_intermediate if config.mlp else None,
@@ -257,11 +272,3 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
     results.write_results(out, meta, rows)
     results.write_results(steps_path(out), {**meta, "kind": "serving-steps", "results_file": out.name},
                           steps)
-    print(f"wrote {out} and {steps_path(out).name}")
-    from pkvrt.report import serving_table
-    print(serving_table([(str(out), {"meta": meta, "rows": rows})]))
-    failed = [r for r in rows if r.get("row") == "measured" and not r.get("correct", True)]
-    for r in failed:
-        print(f"FAILED correctness: {r['case']} {r['engine']} (max|e| {r['max_err']:.3g}, "
-              f"vs FP32 {r['max_err_ref']:.3g})", file=sys.stderr)
-    return 1 if failed else 0

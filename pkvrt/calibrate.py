@@ -5,7 +5,8 @@ event median of CUDA-graph replays (the benches/isolated.py protocol), every ker
 checked against the FP32 reference first:
 
 - beta_gbps: the faster of two streaming reads, a torch float32-accumulating sum over 2 GiB of
-  fp16 and the PersistentKV split-decode kernel over a B16 x 32K step (2 GiB of K+V, 8 splits);
+  fp16 and the PersistentKV split-decode kernel over a B16 x 32K step (2 GiB of K+V, 8 splits;
+  its merge launch is included, ~2 MB of partial states against 2 GiB, so beta errs low);
 - lambda_us: one eager launch of a tiny pkvrt kernel (split decode of a 1-token row) from
   Python, median over 20 loops of 100 launches; lambda_graph_us: the same kernel as one node of
   a graph of 200 (torch's 1-element add is measured too and printed, for comparison);
@@ -302,11 +303,12 @@ def measure_torch_read(gib: int, repeats: int) -> float:
 
     from pkvrt import harness
 
-    x = torch.randn((gib * 2**17, 2**13), device="cuda", dtype=torch.float16)
+    x = torch.randn((gib * 2**16, 2**13), device="cuda", dtype=torch.float16)   # gib GiB
     out = torch.empty(x.shape[0], device="cuda", dtype=torch.float32)
     us = harness.median_us(lambda: torch.sum(x, dim=1, dtype=torch.float32, out=out), 1, repeats)
+    nbytes = x.numel() * x.element_size()
     del x
-    return gib * 2**30 / (us * 1e3)
+    return nbytes / (us * 1e3)
 
 
 # --------------------------------------------------------------------------- the command
@@ -382,7 +384,8 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
     rows16 = 8 if quick else 16
     wl_big = _workload([FI_CONTEXT] * rows16, l2)
     ref_big = _reference(wl_big)
-    kernel_read = wl_big.steps[0].seq_lens.sum() * kv_tok / (time_bucket(wl_big, 8, ref_big, repeats) * 1e3)
+    big_bytes = int(wl_big.steps[0].seq_lens.sum()) * kv_tok
+    kernel_read = big_bytes / (time_bucket(wl_big, 8, ref_big, repeats) * 1e3)
     beta = max(torch_read, float(kernel_read))
     base = attrs.evolve(seed_calibration(), gpu=props.name, sm_count=sm, l2_bytes=l2,
                         beta_gbps=beta, lambda_us=launch["pkvrt_eager"],
@@ -436,7 +439,8 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
         f"Measured by pkvrt calibrate{' --quick' if quick else ''} on {props.name}. beta: the faster "
         f"streaming read, here the {which}: torch float32-accumulating sum over "
         f"{1 if quick else 2} GiB fp16 {torch_read:.0f} GB/s, PersistentKV split_decode over a "
-        f"B{rows16} x 32K step (8 splits) {float(kernel_read):.0f} GB/s. lambda_us / lambda_graph_us:"
+        f"B{rows16} x 32K step (8 splits, incl. merge) {float(kernel_read):.0f} GB/s. "
+        f"lambda_us / lambda_graph_us:"
         f" a 1-token pkvrt split decode launched eagerly from Python (median of {repeats} loops of "
         f"100) / as one node of a 200-node CUDA graph (torch 1-element add: "
         f"{launch['torch_eager']:.2f} / {launch['torch_graph']:.2f} us). splits: fit_split_points "
@@ -463,7 +467,8 @@ def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, sec
     s = cal.splits
     rows = [
         ("gpu", cal.gpu, f"{cal.sm_count} SMs, L2 {cal.l2_bytes / 2**20:.0f} MiB"),
-        ("beta_gbps", f"{cal.beta_gbps:.1f}", f"max(torch sum {torch_read:.0f}, split_decode {kernel_read:.0f})"),
+        ("beta_gbps", f"{cal.beta_gbps:.1f}",
+         f"max(torch sum {torch_read:.0f}, split_decode {kernel_read:.0f})"),
         ("lambda_us", f"{cal.lambda_us:.2f}", f"eager pkvrt launch (torch add {launch['torch_eager']:.2f})"),
         ("lambda_graph_us", f"{cal.lambda_graph_us:.2f}",
          f"per graph node (torch add {launch['torch_graph']:.2f})"),

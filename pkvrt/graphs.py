@@ -18,7 +18,12 @@ therefore holds exactly what changes those (DESIGN.md "CUDA graphs")::
 * tensors: :func:`tensor_key` ``(data_ptr, shape, strides, dtype)``; the runtime's own static
   q/out staging buffers are keyed as the single word ``"static"``.
 
-Everything here but :func:`capture` is plain Python and runs without CUDA.
+It also sizes and lays out the static buffers graphs read: :func:`initial_capacities`,
+:func:`needed_capacities` and :func:`grow` (partial-state slots, workqueue tasks), and the int32
+metadata arena (:func:`arena_layout`) with its writers :func:`stage_bucket` and
+:func:`stage_workqueue`, which copy a step's plan into pinned staging.
+
+Everything here but :func:`capture` is plain Python and NumPy and runs without CUDA.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import attrs
+import numpy as np
 
+ALIGN = 16  # arena sections start at multiples of 16 int32 (64 bytes)
 STATIC = "static"  # the tensor part of a key whose graph reads the runtime's static q/out buffers
 
 
@@ -151,6 +158,130 @@ class SeenKeys:
         if len(self._keys) > self.size:
             self._keys.popitem(last=False)
         return False
+
+
+# ----------------------------------------------------------------------------- capacities
+
+
+@attrs.frozen
+class Capacities:
+    """Partial-state slots (part_a/part_ml rows) and workqueue task slots the buffers hold."""
+
+    slots: int
+    tasks: int
+
+
+def initial_capacities(registry, *, max_batch: int, num_kv_heads: int) -> Capacities:
+    """Capacities allocated at construction (module docstring). Seed routes.toml, H_kv 8:
+    max_active 8 -> 8 rows * max splits 64 = 512 slots; task_bucket(512 * 8) = 4096 tasks."""
+    pkv = [r for r in registry.routes if r.kind != "flashinfer"]
+    if not pkv:
+        return Capacities(slots=1, tasks=1)
+    rows = padded_batch(min(max_batch, max(r.gates.max_active for r in pkv)))
+    slots = rows * max(r.splits.max for r in pkv)
+    return Capacities(slots=slots, tasks=task_bucket(slots * num_kv_heads))
+
+
+def needed_capacities(kind: str, plan) -> Capacities:
+    """What a plan needs. Bucket: the largest padded-rows x splits of a bucket with splits > 1
+    (buckets run one after another and reuse slots from 0); workqueue/fused: every row's splits
+    (``split_offsets[-1]``) and the graph's task capacity; FlashInfer: nothing."""
+    if kind == "bucket":
+        slots = max((padded_batch(b.rows.size) * b.num_splits
+                     for b in plan.buckets if b.num_splits > 1), default=0)
+        return Capacities(slots=slots, tasks=0)
+    if kind in ("workqueue", "fused"):
+        return Capacities(slots=int(plan.split_offsets[-1]), tasks=task_bucket(plan.tasks.shape[0]))
+    return Capacities(slots=0, tasks=0)
+
+
+def grow(current: int, need: int) -> int:
+    """``current`` if it suffices, else ``max(need, 2 * current)`` (geometric: few regrowths)."""
+    return current if need <= current else max(need, 2 * current)
+
+
+# ----------------------------------------------------------------------------- metadata arena
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@attrs.frozen
+class ArenaLayout:
+    """Element offsets of the sections of the int32 metadata arena (one H2D copy per step)."""
+
+    max_batch: int
+    task_capacity: int
+    seq_lens: int
+    split_offsets: int
+    num_tasks: int
+    row_ids: int
+    merge_offsets: int
+    tasks: int
+    size: int
+
+
+def arena_layout(max_batch: int, task_capacity: int) -> ArenaLayout:
+    """Sections, in order: seq_lens [max_batch]; split_offsets [pow2(max_batch)+1] (the padded
+    batch's); num_tasks [1]; row_ids [2*max_batch]; merge offsets [2*max_batch] (each bucket
+    pads r rows to pow2(r) <= 2r-1, so all buckets' padded rows, and their pad+1 offsets, fit);
+    tasks [task_capacity * 5] last, so a workqueue step copies only the prefix it uses."""
+    sizes = (max_batch, padded_batch(max_batch) + 1, 1, 2 * max_batch, 2 * max_batch,
+             5 * task_capacity)
+    offs, at = [], 0
+    for s in sizes:
+        offs.append(at)
+        at = _align(at + s)
+    return ArenaLayout(max_batch, task_capacity, *offs, size=at)
+
+
+def bucket_sections(layout: ArenaLayout, structure) -> list[tuple[int, int, int, int | None]]:
+    """``(row_ids offset, padded rows, splits, merge-offsets offset or None)`` per bucket of a
+    bucket-route structure ``((padded rows, splits), ...)``, in launch order."""
+    out, r, m = [], layout.row_ids, layout.merge_offsets
+    for pad, s in structure:
+        out.append((r, pad, s, m if s > 1 else None))
+        r += pad
+        if s > 1:
+            m += pad + 1
+    return out
+
+
+def stage_bucket(arena: np.ndarray, layout: ArenaLayout, plan) -> tuple[tuple, int]:
+    """Write a bucket plan's row ids (each bucket padded to pow2 rows with -1) and, for buckets
+    with splits > 1, merge offsets ``arange(pad + 1) * splits``. Returns (structure, elements
+    of the arena used). Example: buckets of 3 rows (S 16) and 1 row (S 32) -> row ids
+    [r0 r1 r2 -1 | r3], merge offsets [0 16 32 48 64 | 0 32], structure ((4, 16), (1, 32))."""
+    structure = tuple((padded_batch(b.rows.size), int(b.num_splits)) for b in plan.buckets)
+    end = layout.row_ids
+    for (roff, pad, s, moff), b in zip(bucket_sections(layout, structure), plan.buckets):
+        n = b.rows.size
+        arena[roff:roff + n] = b.rows
+        arena[roff + n:roff + pad] = -1
+        end = max(end, roff + pad)
+        if moff is not None:
+            arena[moff:moff + pad + 1] = np.arange(pad + 1) * s
+            end = max(end, moff + pad + 1)
+    return structure, end
+
+
+def stage_workqueue(arena: np.ndarray, layout: ArenaLayout, plan, batch: int) -> tuple[int, int]:
+    """Write a workqueue plan: split_offsets over the padded batch (padded rows repeat the last
+    offset: zero slots, the merge skips them), num_tasks, tasks. Returns (task capacity of the
+    graph, elements of the arena used)."""
+    gb = padded_batch(batch)
+    t = plan.tasks.shape[0]
+    cap = task_bucket(t)
+    if cap > layout.task_capacity:
+        raise ValueError(f"stage_workqueue: {t} tasks need capacity {cap}, the arena holds "
+                         f"{layout.task_capacity}; grow it first")
+    so = layout.split_offsets
+    arena[so:so + batch + 1] = plan.split_offsets
+    arena[so + batch + 1:so + gb + 1] = plan.split_offsets[-1]
+    arena[layout.num_tasks] = t
+    arena[layout.tasks:layout.tasks + 5 * t] = plan.tasks.reshape(-1)
+    return cap, layout.tasks + 5 * t
 
 
 def capture(launch, *, side_stream, pool, device) -> GraphEntry:

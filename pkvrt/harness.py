@@ -57,6 +57,7 @@ REF_ROWS = 2              # FP32 reference rows per checked step (longest and sh
 FI_WORKSPACE_BYTES = 256 * 2**20
 BASELINE = "flashinfer"
 ADAPTIVE = "adaptive"
+FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 FI_VARIANTS = {"flashinfer-cuda": False, "flashinfer-tc": True}   # label -> use_tensor_cores
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -116,9 +117,9 @@ class ServingConfig:
 
 def engine_label(name: str) -> str:
     """Results-file engine name of an ``--engines`` entry: ``adaptive`` -> ``pkvrt-adaptive``,
-    a route ``pkv_workqueue`` -> ``pkvrt-workqueue``, route ``flashinfer`` -> ``pkvrt-flashinfer``
-    (FlashInfer inside the Runtime, in its CUDA-graph mode); FlashInfer variants keep their name."""
-    if name in FI_VARIANTS or name == BASELINE:
+    a route ``pkv_workqueue`` -> ``pkvrt-workqueue``; FlashInfer variants and ``flashinfer-graph``
+    keep their name."""
+    if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
     if name == ADAPTIVE:
         return "pkvrt-adaptive"
@@ -127,12 +128,14 @@ def engine_label(name: str) -> str:
 
 def parse_engines(text: str, route_names) -> tuple[str, ...]:
     """``--engines`` as a tuple: ``flashinfer`` (the baseline, always first, added if absent),
-    ``flashinfer-cuda`` / ``flashinfer-tc`` (one variant for the whole run), ``adaptive``, or a
-    route name of routes.toml (that route forced on every step). Duplicates are dropped."""
+    ``flashinfer-cuda`` / ``flashinfer-tc`` (one variant for the whole run), ``flashinfer-graph``
+    (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
+    or a PersistentKV route name of routes.toml (that route forced on every step). Duplicates
+    are dropped."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
-    known = (BASELINE, *FI_VARIANTS, ADAPTIVE, *route_names)
+    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, *route_names)))
     for n in names:
         if n not in known:
             raise ValueError(f"--engines: unknown engine {n!r}; expected one of {', '.join(known)}")
@@ -520,10 +523,13 @@ RUNTIME_REQUIRED = ("device", "routes", "calibration", "max_batch", "max_pages_p
 RUNTIME_OPTIONAL = ("max_graphs", "validate", "flashinfer_tensor_cores")
 
 
-def runtime_kwargs(params, wanted: dict) -> tuple[dict, tuple[str, ...]]:
-    """Split ``wanted`` Runtime keyword arguments into those ``params`` (the names of
-    ``Runtime.__init__``) accepts and the optional ones it does not (dropped, recorded).
-    A missing required one is an error naming it."""
+def runtime_kwargs(signature: inspect.Signature, wanted: dict) -> tuple[dict, tuple[str, ...]]:
+    """Split ``wanted`` Runtime keyword arguments into those ``signature`` (of ``Runtime``)
+    accepts and the optional ones it does not (dropped, recorded in the results). A missing
+    required one is an error naming it; a ``**kwargs`` signature accepts everything."""
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(wanted), ()
     names = set(params)
     missing = [k for k in RUNTIME_REQUIRED if k in wanted and k not in names]
     if missing:
@@ -538,19 +544,25 @@ class RuntimeEngine:
     (host int32 numpy arrays, its fast path), ``run(q, k, v, out=...)`` per layer. ``force``: a
     route name forced on every step (``Runtime.plan(..., force=name)``), None = adaptive."""
 
-    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
-                 tensor_cores: bool):
-        from pkvrt.runtime import Runtime
+    def __init__(self, wl: Workload, *, name: str, force: str | None, routes, calibration,
+                 max_active: int, tensor_cores: bool):
+        try:
+            from pkvrt.runtime import Runtime
+        except ModuleNotFoundError as e:
+            if e.name != "pkvrt.runtime":
+                raise
+            raise ValueError(f"engine {name!r} needs pkvrt.runtime, which this build does not "
+                             "have; run with --engines flashinfer") from None
 
         sh = wl.shape
         self.label = engine_label(name)
-        self.force = None if name == ADAPTIVE else name
+        self.force = force
         self.layout = wl.layout
         wanted = dict(device=wl.device, routes=routes, calibration=calibration,
                       max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
                       use_cuda_graph=True, max_graphs=64 * wl.copies, validate=False,
                       flashinfer_tensor_cores=tensor_cores)
-        self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime).parameters, wanted)
+        self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime), wanted)
         if self.force is not None and "force" not in inspect.signature(Runtime.plan).parameters:
             raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
                              "argument, so a route cannot be forced")
@@ -573,9 +585,12 @@ class RuntimeEngine:
         return d.route, tuple(plan_splits(d.plan)), d.plan.counters
 
     def stats(self) -> dict:
-        """Scalar entries of ``Runtime.stats()``."""
+        """Scalar entries of ``Runtime.stats()`` (and which harness kwargs it did not accept)."""
         s = self.rt.stats() if hasattr(self.rt, "stats") else {}
-        return {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool))}
+        out = {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool))}
+        if self.dropped:
+            out["kwargs_not_accepted"] = ",".join(self.dropped)
+        return out
 
 
 # --------------------------------------------------------------------------- passes
@@ -680,14 +695,21 @@ def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs
     return row, step_rows(case, engine.label, seed, records, baseline=baseline)
 
 
-def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int) -> dict[str, float]:
+def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int,
+                   failures: dict) -> dict[str, float]:
     """Summed wall µs of each candidate engine over the first ``probe_steps`` steps (after one
-    warm-up pass over them). ``candidates``: label -> engine."""
+    warm-up pass over them). ``candidates``: label -> engine; one that raises is removed from
+    it and its error recorded in ``failures`` (the other variant can still be the baseline)."""
     steps = wl.steps[:probe_steps]
     probe = {}
-    for label, eng in candidates.items():
-        untimed_pass(eng, wl, steps, out, clock)
-        walls, _ = wall_pass(eng, wl, steps, out, clock)
+    for label, eng in list(candidates.items()):
+        try:
+            untimed_pass(eng, wl, steps, out, clock)
+            walls, _ = wall_pass(eng, wl, steps, out, clock)
+        except Exception as exc:  # noqa: BLE001 - recorded in meta and printed
+            failures[label] = f"{type(exc).__name__}: {exc}"
+            del candidates[label]
+            continue
         probe[label] = sum(walls)
     return probe
 
@@ -714,7 +736,11 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
             candidates[label] = make_engine(label, wl, None)
         except Exception as exc:  # noqa: BLE001 - recorded in meta, the other variant may work
             failures[label] = f"{type(exc).__name__}: {exc}"
-    probe = probe_baseline(candidates, wl, clock, out, config.probe_steps)
+    probe = probe_baseline(candidates, wl, clock, out, config.probe_steps, failures)
+    for label, why in failures.items():
+        log(f"  {label} unavailable: {why}")
+    if not probe:
+        raise ValueError(f"{case}: no FlashInfer variant could run the baseline: {failures}")
     base_label = choose_baseline(probe)
     log(f"  baseline {base_label} (probe wall over {min(config.probe_steps, len(wl.steps))} "
         f"steps: " + ", ".join(f"{k} {v:.0f} us" for k, v in probe.items()) + ")")

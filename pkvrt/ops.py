@@ -219,3 +219,55 @@ def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: boo
     heads_per_cta = THREADS // (d // 4)
     k = _driver.get_kernel("merge", _buildspec.symbol("merge", _DTYPES[out.dtype], d))
     _driver.launch(k, ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1), THREADS, p)
+
+
+class PlanParams(ctypes.Structure):
+    """Mirror of PlanParams in kernels/plan_workqueue.cu."""
+    _fields_ = [
+        ("seq_lens", ctypes.c_void_p), ("num_rows", ctypes.c_void_p), ("tasks", ctypes.c_void_p),
+        ("num_tasks", ctypes.c_void_p), ("split_offsets", ctypes.c_void_p),
+        ("num_splits", ctypes.c_void_p), ("overflow", ctypes.c_void_p),
+        ("candidates", ctypes.c_void_p), ("num_candidates", ctypes.c_int),
+        ("max_rows", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("min_split_tiles", ctypes.c_int), ("tile_tokens", ctypes.c_int),
+        ("task_capacity", ctypes.c_int), ("ctas_target", ctypes.c_float),
+    ]
+
+
+PLAN_MAX_ROWS = 1024
+
+
+def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
+                          overflow, candidates, *, num_kv_heads: int, min_split_tiles: int,
+                          ctas_target: float) -> None:
+    """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
+
+    seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows);
+    tasks [capacity, 5]; num_tasks [1]; split_offsets [max_rows+1]; num_splits [max_rows];
+    overflow [1] (set to 1 if the plan needs more than capacity tasks); candidates [n] int32,
+    the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
+    pkvrt.planner.workqueue_split_counts with ctas_target = workqueue_ctas_per_sm * sm_count.
+    """
+    dev = seq_lens.device
+    max_rows = seq_lens.shape[0]
+    if max_rows > PLAN_MAX_ROWS:
+        _fail("seq_lens", f"at most {PLAN_MAX_ROWS} rows (one planning CTA)", max_rows)
+    if split_offsets.shape != (max_rows + 1,) or num_splits.shape != (max_rows,):
+        _fail("split_offsets/num_splits", f"[{max_rows + 1}] / [{max_rows}]",
+              f"{tuple(split_offsets.shape)} / {tuple(num_splits.shape)}")
+    if not 1 <= candidates.shape[0] <= 64:
+        _fail("candidates", "1 to 64 allowed split counts", candidates.shape[0])
+    p = PlanParams()
+    p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
+    p.num_rows = _int32("num_rows", num_rows, dev, 1)
+    p.tasks = _int32("tasks", tasks, dev, 2)
+    p.num_tasks = _int32("num_tasks", num_tasks, dev, 1)
+    p.split_offsets = _int32("split_offsets", split_offsets, dev, 1)
+    p.num_splits = _int32("num_splits", num_splits, dev, 1)
+    p.overflow = _int32("overflow", overflow, dev, 1)
+    p.candidates = _int32("candidates", candidates, dev, 1)
+    p.num_candidates, p.max_rows, p.num_kv_heads = candidates.shape[0], max_rows, num_kv_heads
+    p.min_split_tiles, p.tile_tokens = min_split_tiles, _buildspec.TILE_TOKENS
+    p.task_capacity, p.ctas_target = tasks.shape[0], ctas_target
+    k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
+    _driver.launch(k, (1, 1, 1), 1024, p)

@@ -33,7 +33,7 @@ FlashInfer indices     int32 [max_batch * max_pages_per_row]            8 MiB (+
 pinned staging         2 ring slots x (arena + block tables + CSR)      ~32 MiB host
 =====================  ==============================================  =====================
 
-Capacities (:func:`initial_capacities`): PersistentKV routes run only up to the gates'
+Capacities (:func:`pkvrt.graphs.initial_capacities`): PersistentKV routes run only up to the gates'
 ``max_active`` rows (unless forced), so partial-state slots are sized for
 ``pow2(min(max_batch, max max_active)) * max splits`` (seed: 8 rows * 64 = 512 slots) and tasks
 for ``task_bucket(slots * H_kv)`` (4096). A plan that needs more (a forced route at B = 32, say)
@@ -42,19 +42,24 @@ is dropped (``stats()['invalidations']``). Row ids never grow: the padded rows o
 sum to < 2 * B (each bucket pads r rows to pow2(r) <= 2r - 1).
 
 Host cost: ``plan`` adds, to the router's own 20-85 us, the O(B * pages) validation
-(``validate=True``; ``validate=False`` skips it), numpy staging writes, 2 tensor copies and one
-event record; it allocates no tensors. ``run`` on a graph hit is the tensor checks, one dict
-lookup and ``graph.replay()``. The staging ring has 2 slots: a slot's pinned memory is rewritten
-only after the event recorded behind its last copies has completed (``Event.synchronize``, a
-no-op unless the host runs more than a whole step ahead of the GPU).
+(``validate=True``: 16 us at B8 with 2048-page rows on the 2-core dev box,
+``test_bench_check_step_b8_32k``; ``validate=False`` skips it), the numpy staging writes (2 us
+for a B8 workqueue plan, ``test_bench_stage_workqueue_b8``), 2 tensor copies and one event
+record; it allocates no device or pinned memory. The block-table copy moves rows 0..B-1 at the
+buffer's row stride, ``((B-1) * max_pages_per_row + pages) * 4`` bytes (B8 at the default 8192:
+256 KB, asynchronous): size ``max_pages_per_row`` to the longest context served. ``run`` on a
+graph hit is the tensor checks, one dict lookup and ``graph.replay()``. The staging ring has 2
+slots: a slot's pinned memory is rewritten only after the event recorded behind its last copies
+has completed (``Event.synchronize``, a no-op unless the host runs more than a whole step ahead
+of the GPU).
 
-The runtime must be used from the thread and CUDA device it was built on (the device current at
-``plan``/``run`` time must be ``device``), like FlashInfer's wrappers.
+The runtime must be used from the thread, CUDA device and stream it plans on: ``plan``'s copies,
+the launches and the replays all go to the current stream, which must be the same one for
+``plan`` and ``run`` (like FlashInfer's wrappers).
 """
 
 from __future__ import annotations
 
-import math
 import pathlib
 import warnings
 
@@ -65,12 +70,13 @@ import torch
 from pkvrt import _buildspec, _driver, fi_route, graphs, ops
 from pkvrt.calibration import Calibration, find_calibration, load_calibration
 from pkvrt.costmodel import predict_us
-from pkvrt.planner import BucketPlan, bucket_counters, fused_counters, workqueue_counters
+from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
+                          needed_capacities, stage_bucket, stage_workqueue)
+from pkvrt.planner import bucket_counters, fused_counters, workqueue_counters
 from pkvrt.registry import KIND_KERNELS, Registry, load_routes
 from pkvrt.router import RouteDecision, Router
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
-ALIGN = 16  # arena sections start at multiples of 16 int32 (64 bytes)
 RING = 2    # pinned staging slots
 
 
@@ -224,130 +230,6 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
     if max_page_id >= k_cache.shape[0]:
         raise ValueError(f"Runtime.run: block_tables (last plan) uses page id {max_page_id}: expected "
                          f"page ids < num_pages = k_cache.shape[0] = {k_cache.shape[0]}")
-
-
-# ----------------------------------------------------------------------------- capacities
-
-
-@attrs.frozen
-class Capacities:
-    """Partial-state slots (part_a/part_ml rows) and workqueue task slots the buffers hold."""
-
-    slots: int
-    tasks: int
-
-
-def initial_capacities(registry: Registry, *, max_batch: int, num_kv_heads: int) -> Capacities:
-    """Capacities allocated at construction (module docstring). Seed routes.toml, H_kv 8:
-    max_active 8 -> 8 rows * max splits 64 = 512 slots; task_bucket(512 * 8) = 4096 tasks."""
-    pkv = [r for r in registry.routes if r.kind != "flashinfer"]
-    if not pkv:
-        return Capacities(slots=1, tasks=1)
-    rows = graphs.padded_batch(min(max_batch, max(r.gates.max_active for r in pkv)))
-    slots = rows * max(r.splits.max for r in pkv)
-    return Capacities(slots=slots, tasks=graphs.task_bucket(slots * num_kv_heads))
-
-
-def needed_capacities(kind: str, plan) -> Capacities:
-    """What a plan needs. Bucket: the largest padded-rows x splits of a bucket with splits > 1
-    (buckets run one after another and reuse slots from 0); workqueue/fused: every row's splits
-    (``split_offsets[-1]``) and the graph's task capacity; FlashInfer: nothing."""
-    if kind == "bucket":
-        slots = max((graphs.padded_batch(b.rows.size) * b.num_splits
-                     for b in plan.buckets if b.num_splits > 1), default=0)
-        return Capacities(slots=slots, tasks=0)
-    if kind in ("workqueue", "fused"):
-        return Capacities(slots=int(plan.split_offsets[-1]), tasks=graphs.task_bucket(plan.tasks.shape[0]))
-    return Capacities(slots=0, tasks=0)
-
-
-def grow(current: int, need: int) -> int:
-    """``current`` if it suffices, else ``max(need, 2 * current)`` (geometric: few regrowths)."""
-    return current if need <= current else max(need, 2 * current)
-
-
-# ----------------------------------------------------------------------------- metadata arena
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-@attrs.frozen
-class ArenaLayout:
-    """Element offsets of the sections of the int32 metadata arena (one H2D copy per step)."""
-
-    max_batch: int
-    task_capacity: int
-    seq_lens: int
-    split_offsets: int
-    num_tasks: int
-    row_ids: int
-    merge_offsets: int
-    tasks: int
-    size: int
-
-
-def arena_layout(max_batch: int, task_capacity: int) -> ArenaLayout:
-    """Sections, in order: seq_lens [max_batch]; split_offsets [pow2(max_batch)+1] (the padded
-    batch's); num_tasks [1]; row_ids [2*max_batch]; merge offsets [2*max_batch] (each bucket
-    pads r rows to pow2(r) <= 2r-1, so all buckets' padded rows, and their pad+1 offsets, fit);
-    tasks [task_capacity * 5] last, so a workqueue step copies only the prefix it uses."""
-    sizes = (max_batch, graphs.padded_batch(max_batch) + 1, 1, 2 * max_batch, 2 * max_batch,
-             5 * task_capacity)
-    offs, at = [], 0
-    for s in sizes:
-        offs.append(at)
-        at = _align(at + s)
-    return ArenaLayout(max_batch, task_capacity, *offs, size=at)
-
-
-def bucket_sections(layout: ArenaLayout, structure) -> list[tuple[int, int, int, int | None]]:
-    """``(row_ids offset, padded rows, splits, merge-offsets offset or None)`` per bucket of a
-    bucket-route structure ``((padded rows, splits), ...)``, in launch order."""
-    out, r, m = [], layout.row_ids, layout.merge_offsets
-    for pad, s in structure:
-        out.append((r, pad, s, m if s > 1 else None))
-        r += pad
-        if s > 1:
-            m += pad + 1
-    return out
-
-
-def stage_bucket(arena: np.ndarray, layout: ArenaLayout, plan: BucketPlan) -> tuple[tuple, int]:
-    """Write a bucket plan's row ids (each bucket padded to pow2 rows with -1) and, for buckets
-    with splits > 1, merge offsets ``arange(pad + 1) * splits``. Returns (structure, elements
-    of the arena used). Example: buckets of 3 rows (S 16) and 1 row (S 32) -> row ids
-    [r0 r1 r2 -1 | r3], merge offsets [0 16 32 48 64 | 0 32], structure ((4, 16), (1, 32))."""
-    structure = tuple((graphs.padded_batch(b.rows.size), int(b.num_splits)) for b in plan.buckets)
-    end = layout.row_ids
-    for (roff, pad, s, moff), b in zip(bucket_sections(layout, structure), plan.buckets):
-        n = b.rows.size
-        arena[roff:roff + n] = b.rows
-        arena[roff + n:roff + pad] = -1
-        end = max(end, roff + pad)
-        if moff is not None:
-            arena[moff:moff + pad + 1] = np.arange(pad + 1) * s
-            end = max(end, moff + pad + 1)
-    return structure, end
-
-
-def stage_workqueue(arena: np.ndarray, layout: ArenaLayout, plan, batch: int) -> tuple[int, int]:
-    """Write a workqueue plan: split_offsets over the padded batch (padded rows repeat the last
-    offset: zero slots, the merge skips them), num_tasks, tasks. Returns (task capacity of the
-    graph, elements of the arena used)."""
-    gb = graphs.padded_batch(batch)
-    t = plan.tasks.shape[0]
-    cap = graphs.task_bucket(t)
-    if cap > layout.task_capacity:
-        raise ValueError(f"stage_workqueue: {t} tasks need capacity {cap}, the arena holds "
-                         f"{layout.task_capacity}; grow it first")
-    so = layout.split_offsets
-    arena[so:so + batch + 1] = plan.split_offsets
-    arena[so + batch + 1:so + gb + 1] = plan.split_offsets[-1]
-    arena[layout.num_tasks] = t
-    arena[layout.tasks:layout.tasks + 5 * t] = plan.tasks.reshape(-1)
-    return cap, layout.tasks + 5 * t
 
 
 # ----------------------------------------------------------------------------- route choice

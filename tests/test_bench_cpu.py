@@ -4,7 +4,6 @@ host clock), and the calibration fits."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
@@ -15,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pkvrt import bench, calibrate, calibration, cli, harness, planner, reference, report, results
+from pkvrt import bench, calibrate, calibration, cli, harness, planner, reference, results
 from pkvrt.plan_cmd import seed_calibration
 from pkvrt.registry import load_routes
 from pkvrt.router import Router
@@ -82,8 +81,9 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
-                                     "flashinfer, flashinfer-cuda, flashinfer-tc, adaptive, "
-                                     + ", ".join(ROUTES)),
+                                     "flashinfer, flashinfer-cuda, flashinfer-tc, "
+                                     "flashinfer-graph, adaptive, "
+                                     + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),
     (["--trace", "no/such.csv"], "--trace 'no/such.csv': expected a family"),
     (["--num-qo-heads", "30"], "--num-qo-heads 30 is not a multiple of --num-kv-heads 8"),
@@ -239,6 +239,7 @@ def test_engine_labels_and_parsing():
     assert harness.engine_label("adaptive") == "pkvrt-adaptive"
     assert harness.engine_label("pkv_workqueue") == "pkvrt-workqueue"
     assert harness.engine_label("flashinfer") == "flashinfer"
+    assert harness.engine_label("flashinfer-graph") == "flashinfer-graph"
     assert harness.parse_engines("adaptive,pkv_bucket,adaptive", ROUTES) == (
         "flashinfer", "adaptive", "pkv_bucket")
     assert harness.parse_engines("flashinfer-cuda, flashinfer", ROUTES) == (
@@ -314,7 +315,8 @@ def test_choose_baseline():
 
 def _rec(step, seq, route, splits, wall, cuda, ctas=0):
     c = planner.Counters(launches=2 if ctas else 1, decode_ctas=ctas, cta_work_per_sm=ctas / 132,
-                         useful_kv_bytes=sum(seq) * 4096, merge_bytes=ctas * 100, merge_launches=1 if ctas else 0)
+                         useful_kv_bytes=sum(seq) * 4096, merge_bytes=ctas * 100,
+                         merge_launches=1 if ctas else 0)
     return harness.StepRecord(step=step, active=len(seq), max_context=max(seq),
                               mean_context=sum(seq) / len(seq), route=route, splits=splits,
                               counters=c, wall_us=wall, cuda_us=cuda)
@@ -349,15 +351,24 @@ def test_summarize_and_ratio_rows():
 
 
 def test_runtime_kwargs_filter():
-    kept, dropped = harness.runtime_kwargs(
-        ["self", "device", "routes", "calibration", "max_batch", "max_pages_per_row",
-         "use_cuda_graph", "validate"],
-        dict(device="cuda", routes=None, calibration="auto", max_batch=8, max_pages_per_row=4,
-             use_cuda_graph=True, max_graphs=64, validate=False))
+    import inspect
+
+    def runtime(num_qo_heads, num_kv_heads, head_dim, page_size, dtype=None, *, device="cuda",
+                routes=None, calibration="auto", max_batch=256, max_pages_per_row=8192,
+                use_cuda_graph=True, validate=True):
+        pass
+    wanted = dict(device="cuda", routes=None, calibration="auto", max_batch=8, max_pages_per_row=4,
+                  use_cuda_graph=True, max_graphs=64, validate=False)
+    kept, dropped = harness.runtime_kwargs(inspect.signature(runtime), wanted)
     assert "max_graphs" not in kept and dropped == ("max_graphs",) and kept["validate"] is False
+    kept, dropped = harness.runtime_kwargs(inspect.signature(lambda a, **kw: None), wanted)
+    assert kept == wanted and dropped == ()
+
+    def old_runtime(num_qo_heads, *, device="cuda", routes=None, calibration="auto",
+                    max_pages_per_row=1, use_cuda_graph=True):
+        pass
     with pytest.raises(ValueError, match=r"expected keyword argument\(s\) \['max_batch'\]"):
-        harness.runtime_kwargs(["device", "routes", "calibration", "max_pages_per_row",
-                                "use_cuda_graph"], dict(device="cuda", max_batch=8))
+        harness.runtime_kwargs(inspect.signature(old_runtime), wanted)
 
 
 # --------------------------------------------------------------------------- the loop on the CPU
@@ -440,6 +451,21 @@ def test_cpu_loop_rows_ratios_and_steps():
     assert [r["numerator"] for r in ratios] == ["pkvrt-adaptive", "pkvrt-bucket"]
     assert len(steps) == 3 * 4 and {s["baseline"] for s in steps if s["engine"] == "flashinfer-tc"} == {True}
     assert any("baseline flashinfer-tc" in line for line in logs)
+
+
+def test_cpu_loop_baseline_probe_survives_a_failing_variant(monkeypatch):
+    def broken_plan(self, step):
+        if self.label == "flashinfer-tc":
+            raise RuntimeError("no tensor-core kernel for this shape")
+        return ReferenceEngine._plan(self, step)
+    monkeypatch.setattr(ReferenceEngine, "_plan", ReferenceEngine.plan, raising=False)
+    monkeypatch.setattr(ReferenceEngine, "plan", broken_plan)
+    rows, _, info, logs = _run_cpu(_config(engines=("flashinfer", "adaptive")), slow_cuda_variant=False)
+    assert info["baseline"] == "flashinfer-cuda"
+    assert info["baseline_failures"] == {
+        "flashinfer-tc": "RuntimeError: no tensor-core kernel for this shape"}
+    assert [r["engine"] for r in rows if r["row"] == "measured"] == ["flashinfer-cuda", "pkvrt-adaptive"]
+    assert any("flashinfer-tc unavailable" in line for line in logs)
 
 
 def test_cpu_loop_wrong_engine_is_not_timed():

@@ -79,7 +79,8 @@ def test_serving_table_mean_std_over_seeds(capsys, serving_dir, tmp_path):
     assert t3[("bimodal-B8", "pkvrt-adaptive")][2:] == ["2", "2600.0 ± 141.4", "0.800 ± 0.000",
                                                         "1250.0 ± 70.7", "0.900 ± 0.000"]
     t4 = {(r[0], r[1]): r for r in table(md, "Table 4")}
-    assert t4[("bimodal-B8", "pkvrt-adaptive")][2:] == ["measured run", "2.00", "45.0", "500.0", "2.50", "1.00"]
+    assert t4[("bimodal-B8", "pkvrt-adaptive")][2:] == ["measured run", "2.00", "45.0", "500.0",
+                                                        "2.50", "1.00"]
     assert t4[("bimodal-B8", "flashinfer-tc")][4] == "–"
     assert "| serving.json | serving | FAKE GPU |" in md
 
@@ -207,7 +208,8 @@ def _bad_row(**over):
     (json.dumps({"meta": {}, "rows": {}}), "not a pkvrt results file"),
     (json.dumps({"meta": [], "rows": []}), "key 'meta': expected an object, got list"),
     (json.dumps({"meta": {}, "rows": [3]}), "rows[0]: expected an object, got 3"),
-    (json.dumps({"meta": {}, "rows": [{"engine": "e"}]}), "rows[0]: key 'case': expected a non-empty string, got None"),
+    (json.dumps({"meta": {}, "rows": [{"engine": "e"}]}),
+     "rows[0]: key 'case': expected a non-empty string, got None"),
     (json.dumps({"meta": {}, "rows": [{"case": "c", "engine": "e", "median_us": "fast"}]}),
      "rows[0]: key 'median_us': expected a number or null, got 'fast'"),
     (json.dumps({"meta": {"kind": "serving"}, "rows": _bad_row(tok_per_s=None)}),

@@ -19,9 +19,9 @@ from pkvrt import _driver, fi_route, graphs, runtime
 from pkvrt.calibration import load_calibration
 from pkvrt.registry import load_routes
 from pkvrt.router import Router
-from pkvrt.runtime import (Capacities, Runtime, arena_layout, bucket_sections, check_run_args,
-                           check_shape, check_step, decide, grow, initial_capacities,
-                           needed_capacities, predict_route_us, stage_bucket, stage_workqueue)
+from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
+                          needed_capacities, stage_bucket, stage_workqueue)
+from pkvrt.runtime import Runtime, check_run_args, check_shape, check_step, decide, predict_route_us
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = load_calibration(REPO / "calibration" / "rtx3060-seed.json")
@@ -141,12 +141,13 @@ def test_validate_false_skips_only_the_page_id_scan():
         check_step(list(range(1, 10)), np.zeros((9, 1), np.int32), **STEP, validate=False)
 
 
-@pytest.mark.parametrize("kind", ["list", "int64", "tensor", "pinned-like"])
+@pytest.mark.parametrize("kind", ["list", "int64", "tensor", "strided-tensor"])
 def test_check_step_accepts_host_inputs(kind):
     seq = [17, 1, 300]
     bt = table(seq)
     conv = {"list": lambda a: np.asarray(a).tolist(), "int64": lambda a: np.asarray(a, np.int64),
-            "tensor": lambda a: torch.as_tensor(np.asarray(a)), "pinned-like": lambda a: torch.as_tensor(np.asarray(a)).int()}[kind]
+            "tensor": lambda a: torch.as_tensor(np.asarray(a)),
+            "strided-tensor": lambda a: torch.as_tensor(np.asarray(a)).int().t().contiguous().t()}[kind]
     s = check_step(conv(seq), conv(bt), **STEP)
     assert s.seq.tolist() == seq and s.pages.tolist() == [2, 1, 19]
     assert s.max_page_id == int(max(bt[i, :p].max() for i, p in enumerate([2, 1, 19])))
@@ -349,7 +350,7 @@ def test_arena_layout_sections_are_disjoint_and_aligned(max_batch, tasks):
     L = arena_layout(max_batch, tasks)
     starts = [L.seq_lens, L.split_offsets, L.num_tasks, L.row_ids, L.merge_offsets, L.tasks]
     sizes = [max_batch, graphs.padded_batch(max_batch) + 1, 1, 2 * max_batch, 2 * max_batch, 5 * tasks]
-    assert all(s % runtime.ALIGN == 0 for s in starts)
+    assert all(s % graphs.ALIGN == 0 for s in starts)
     assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:] + [L.size]))
 
 

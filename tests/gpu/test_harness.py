@@ -28,7 +28,7 @@ def tiny_trace(tmp_path):
     return p
 
 
-ENGINES = "flashinfer,flashinfer-cuda,adaptive,pkv_workqueue,pkv_bucket,pkv_fused,flashinfer"
+ENGINES = "flashinfer,flashinfer-cuda,flashinfer-graph,adaptive,pkv_workqueue,pkv_bucket,pkv_fused"
 
 
 @pytest.mark.parametrize("extra, case", [
@@ -46,15 +46,17 @@ def test_tiny_serving_run(capsys, tmp_path, tiny_trace, extra, case):
     assert meta["kind"] == "serving" and meta["gpu"] == torch.cuda.get_device_name()
     assert meta["per_seed"]["5"]["baseline"] in ("flashinfer-cuda", "flashinfer-tc")
     measured = {r["engine"]: r for r in doc["rows"] if r["row"] == "measured"}
-    assert {"pkvrt-adaptive", "pkvrt-workqueue", "pkvrt-bucket", "pkvrt-fused"} <= set(measured)
+    assert {"pkvrt-adaptive", "pkvrt-workqueue", "pkvrt-bucket", "pkvrt-fused",
+            "flashinfer-graph"} <= set(measured)
     assert sum(r["baseline"] for r in measured.values()) == 1
     for r in measured.values():
         assert r["case"] == case and r["correct"], r
         assert r["max_err"] < 2e-3 and r["mean_err"] < 3e-4 and r["max_err_ref"] < 2e-3
-        assert r["median_us"] > 0 and r["wall_us"] >= r["median_us"] * 0.5
+        assert r["median_us"] > 0 and r["wall_us"] > 0 and r["tok_per_s"] > 0
         assert r["steps"] == 6 and r["decode_tokens"] > 6
     assert measured["pkvrt-workqueue"]["route"] == "pkv_workqueue"
     assert measured["pkvrt-bucket"]["route"] == "pkv_bucket"
+    assert measured["flashinfer-graph"]["route"] == "flashinfer"
     ratios = [r for r in doc["rows"] if r["row"] == "ratio"]
     assert len(ratios) == len(measured) - 1 and all(r["wall_ratio"] > 0 for r in ratios)
     steps = results.read_results(out.with_name("serving.steps.json"))

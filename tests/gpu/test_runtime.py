@@ -81,6 +81,7 @@ def check(out, q, cache, seq, bt, what):
 
 
 def runtime(**kw):
+    kw = dict(dict(max_batch=16, max_pages_per_row=2048), **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the calibration fallback warning on a GPU with no file
         return Runtime(*SHAPE.values(), torch.float16, **kw)

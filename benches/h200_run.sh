@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call of the H200 evidence run; stages chosen by name, results under $OUT.
+# usage: bash benches/h200_run.sh OUT STAGE [STAGE ...]
+#   tests      the GPU test suite (tests/gpu), summary printed
+#   calibrate  pkvrt calibrate -> calibration/nvidia-h200.json (copied to OUT)
+#   isolated   benches/isolated.py (Table 1) -> OUT/isolated.json
+#   serving    the serving traces of issue 6 -> OUT/serving-*.json
+#   ablations  pytest benches --benchmark-only -> OUT/ablations.json
+set -u
+out=$1; shift
+export PYTHONUNBUFFERED=1
+for stage in "$@"; do
+  echo "== $stage ($(date +%T))"
+  case $stage in
+    tests) timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider --maxfail=20 2>&1 | tee $out/gpu_tests.log | grep -E "passed|failed|Error|error|FAILED" | tail -25 ;;
+    calibrate) timeout 240 python3 -m pkvrt calibrate --out calibration/nvidia-h200.json --raw $out/calibrate-sweeps.json 2>&1 | tail -40; cp calibration/nvidia-h200.json $out/ ;;
+    isolated) timeout 240 python3 benches/isolated.py --out $out/isolated.json 2>&1 | grep -v WARN | tail -12 ;;
+    serving)
+      for spec in "bucketed 1" "bimodal 8" "uniform 8" "zipf 8" "bimodal 4" "mixed 8"; do
+        set -- $spec
+        timeout 150 python3 -m pkvrt bench serving --trace $1 --max-active $2 --steps-limit 60 \
+          --engines flashinfer,adaptive,flashinfer-graph --out $out/serving-$1-B$2.json 2>&1 | tail -4
+      done ;;
+    ablations) timeout 200 python3 -m pytest benches --benchmark-only -q -p no:cacheprovider --benchmark-json=$out/ablations.json 2>&1 | tail -15 ;;
+  esac
+done

@@ -1,0 +1,127 @@
+// plan_workqueue.cu — device-side planning of the workqueue route.
+//
+// Builds, from device-resident seq_lens, the same plan as pkvrt/planner.py's plan_workqueue
+// (same split counts, split_offsets and task set; tasks in row order instead of the host's
+// longest-first order), so that a whole decode step — planning, decode, merge — can run inside
+// an engine's own CUDA graph while the lengths change between replays, with no host work
+// proportional to the batch.
+//
+// Split rule (planner.workqueue_split_counts): want = ceil(ctas_target / (B * H_kv)), snapped
+// to the nearest allowed count (ties to the smaller); each row is then capped by
+// cap = max(1, tiles / min_split_tiles): the largest allowed count <= cap, or cap itself.
+// Split s of S covers tiles [s*tiles/S, (s+1)*tiles/S).
+//
+// Grid:  one CTA of PKV_PLAN_THREADS (1024) threads; rows >= *num_rows are idle (0 splits).
+// Layout: seq_lens [max_rows] int32; tasks [task_capacity, 5] int32 (row, kvh, split,
+//         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
+//         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
+// Preconditions: max_rows <= 1024, num_candidates <= 64, task_capacity >= the plan's tasks
+//         (else *num_tasks is clamped and *overflow set to 1).
+#include <stdint.h>
+
+#define PKV_PLAN_THREADS 1024
+
+struct PlanParams {
+  const int* seq_lens;
+  const int* num_rows;
+  int* tasks;
+  int* num_tasks;
+  int* split_offsets;
+  int* num_splits;
+  int* overflow;
+  const int* candidates;
+  int num_candidates;
+  int max_rows;
+  int num_kv_heads;
+  int min_split_tiles;
+  int tile_tokens;
+  int task_capacity;
+  float ctas_target;  // workqueue_ctas_per_sm * sm_count
+};
+
+__device__ __forceinline__ int snap(const int* c, int n, int want) {  // nearest, ties smaller
+  if (want <= c[0]) return c[0];
+  if (want >= c[n - 1]) return c[n - 1];
+  int i = 0;
+  while (c[i] < want) ++i;  // c[i-1] < want <= c[i]
+  return (want - c[i - 1] <= c[i] - want) ? c[i - 1] : c[i];
+}
+
+__device__ __forceinline__ int fit(const int* c, int n, int s, int cap) {
+  int best = -1;
+  for (int i = 0; i < n && c[i] <= cap; ++i) best = c[i];
+  return min(s, best >= 0 ? best : cap);
+}
+
+extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
+    pkv_plan_workqueue(const __grid_constant__ PlanParams p) {
+  __shared__ int cand[64];
+  __shared__ int offs[PKV_PLAN_THREADS + 1];
+  __shared__ int warp_sums[32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid < p.num_candidates) cand[tid] = p.candidates[tid];
+  __syncthreads();
+
+  const int rows = min(*p.num_rows, p.max_rows);
+  int s = 0;
+  if (tid < rows) {
+    const int tiles = (p.seq_lens[tid] + p.tile_tokens - 1) / p.tile_tokens;
+    const int want = (int)ceilf(p.ctas_target / (float)(rows * p.num_kv_heads));
+    const int cap = max(1, tiles / p.min_split_tiles);
+    s = fit(cand, p.num_candidates, snap(cand, p.num_candidates, want), cap);
+  }
+  // Block-wide exclusive scan of s (warp shuffles, then warp totals).
+  int x = s;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;  // inclusive
+  }
+  __syncthreads();
+  const int excl = x - s + (warp > 0 ? warp_sums[warp - 1] : 0);
+  offs[tid] = excl;
+  if (tid == PKV_PLAN_THREADS - 1) offs[PKV_PLAN_THREADS] = excl + s;
+  __syncthreads();
+  const int total_slots = offs[PKV_PLAN_THREADS];
+  if (tid < p.max_rows) {
+    p.split_offsets[tid] = excl;
+    p.num_splits[tid] = s;
+  }
+  if (tid == 0) {
+    p.split_offsets[p.max_rows] = total_slots;
+    const int want_tasks = total_slots * p.num_kv_heads;
+    *p.num_tasks = min(want_tasks, p.task_capacity);
+    *p.overflow = want_tasks > p.task_capacity;
+  }
+  // Tasks: slot j belongs to the row r with offs[r] <= j < offs[r+1] (binary search).
+  for (int j = tid; j < total_slots; j += PKV_PLAN_THREADS) {
+    int lo = 0, hi = rows - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (offs[mid] <= j) lo = mid; else hi = mid - 1;
+    }
+    const int r = lo, split = j - offs[r], S = offs[r + 1] - offs[r];
+    const int len = p.seq_lens[r];
+    const int tiles = (len + p.tile_tokens - 1) / p.tile_tokens;
+    const int b = split * tiles / S * p.tile_tokens;
+    const int e = min(len, (split + 1) * tiles / S * p.tile_tokens);
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      const int t = j * p.num_kv_heads + h;
+      if (t < p.task_capacity) {
+        int* dst = p.tasks + 5 * t;
+        dst[0] = r; dst[1] = h; dst[2] = split; dst[3] = b; dst[4] = e;
+      }
+    }
+  }
+}

@@ -1,0 +1,99 @@
+"""Device-side workqueue planning equals the host planner, and runs inside a CUDA graph."""
+
+import numpy as np
+import pytest
+import torch
+
+from pkvrt import ops, planner, reference
+from pkvrt.calibration import find_calibration
+from pkvrt.registry import load_routes
+from paged import make_batch, rel_err
+
+pytestmark = pytest.mark.gpu
+H_KV, MAX_ROWS = 8, 64
+
+
+def _buffers(max_rows, capacity):
+    i32 = dict(device="cuda", dtype=torch.int32)
+    return dict(tasks=torch.full((capacity, 5), -7, **i32), num_tasks=torch.zeros(1, **i32),
+                split_offsets=torch.zeros(max_rows + 1, **i32), num_splits=torch.zeros(max_rows, **i32),
+                overflow=torch.zeros(1, **i32))
+
+
+def _device_plan(seq, bufs, splits, cal):
+    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
+    seq_dev[: len(seq)] = torch.as_tensor(seq, dtype=torch.int32)
+    rows = torch.tensor([len(seq)], dtype=torch.int32, device="cuda")
+    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
+    ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
+                              bufs["num_splits"], bufs["overflow"], cand, num_kv_heads=H_KV,
+                              min_split_tiles=-(-cal.splits.min_split_tokens // 32),
+                              ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count)
+    return seq_dev, rows, cand
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_plan_equals_host_plan(seed):
+    rng = np.random.default_rng(seed)
+    b = int(rng.integers(1, MAX_ROWS + 1))
+    seq = rng.integers(1, 70000, b).astype(np.int32)
+    splits = load_routes().route("pkv_workqueue").splits
+    cal = find_calibration(torch.cuda.get_device_name())
+    host = planner.plan_workqueue(seq, num_kv_heads=H_KV, num_qo_heads=32, head_dim=128,
+                                  dtype_bytes=2, splits=splits, cal=cal)
+    bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
+    _device_plan(seq, bufs, splits, cal)
+    torch.cuda.synchronize()
+    assert bufs["overflow"].item() == 0
+    np.testing.assert_array_equal(bufs["num_splits"].cpu().numpy()[:b], host.num_splits)
+    np.testing.assert_array_equal(bufs["split_offsets"].cpu().numpy()[: b + 1], host.split_offsets)
+    n = bufs["num_tasks"].item()
+    dev_tasks = bufs["tasks"].cpu().numpy()[:n]
+    key = lambda t: np.lexsort(t.T[::-1])  # noqa: E731
+    np.testing.assert_array_equal(dev_tasks[key(dev_tasks)], host.tasks[key(host.tasks)])
+
+
+def test_plan_decode_merge_in_one_graph_with_changing_lengths():
+    lens = [40000, 3000, 17, 9000]
+    batch = make_batch(lens, seed=11)
+    splits = load_routes().route("pkv_workqueue").splits
+    cal = find_calibration(torch.cuda.get_device_name())
+    bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
+    slots = MAX_ROWS * 64
+    part_a = torch.empty(slots, 32, 128, device="cuda")
+    part_ml = torch.empty(slots, 32, 2, device="cuda")
+    out = torch.empty_like(batch.q)
+    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
+    rows = torch.tensor([len(lens)], dtype=torch.int32, device="cuda")
+    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
+    bt = torch.zeros(MAX_ROWS, batch.block_tables.shape[1], dtype=torch.int32, device="cuda")
+    bt[: len(lens)] = batch.block_tables
+
+    def step():
+        ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
+                                  bufs["num_splits"], bufs["overflow"], cand, num_kv_heads=H_KV,
+                                  min_split_tiles=-(-cal.splits.min_split_tokens // 32),
+                                  ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count)
+        ops.workqueue_decode(batch.q, batch.k_cache, batch.v_cache, seq_dev, bt, bufs["tasks"],
+                             bufs["num_tasks"], bufs["split_offsets"], out, part_a, part_ml)
+        ops.merge(part_a, part_ml, bufs["split_offsets"][: len(lens) + 1], out, skip_single=True)
+
+    seq_dev[: len(lens)] = batch.seq_lens
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for shrink in (0, 5, 1000, 16999):  # lengths change between replays, no host planning
+        new = [max(1, n - shrink) for n in lens]
+        seq_dev[: len(lens)] = torch.tensor(new, dtype=torch.int32)
+        batch.seq_lens.copy_(seq_dev[: len(lens)])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.seq_lens,
+                                         batch.block_tables)
+        assert rel_err(out, ref) < 2e-3
