@@ -5,7 +5,9 @@
 #   calibrate  pkvrt calibrate -> calibration/nvidia-h200.json (copied to OUT)
 #   isolated   benches/isolated.py (Table 1) -> OUT/isolated.json
 #   serving    the serving traces of issue 6 -> OUT/serving-*.json
+#   engine     the engine protocol (32 layers + MLP tail) on bimodal B8 -> OUT/engine-*.json
 #   ablations  pytest benches --benchmark-only -> OUT/ablations.json
+#   example    examples/decode_loop.py
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -18,9 +20,13 @@ for stage in "$@"; do
     serving)
       for spec in "bucketed 1" "bimodal 8" "uniform 8" "zipf 8" "bimodal 4" "mixed 8"; do
         set -- $spec
-        timeout 150 python3 -m pkvrt bench serving --trace $1 --max-active $2 --steps-limit 60 \
-          --engines flashinfer,adaptive,flashinfer-graph --out $out/serving-$1-B$2.json 2>&1 | tail -4
+        timeout 60 python3 -m pkvrt bench serving --trace $1 --max-active $2 --steps-limit 60 \
+          --engines flashinfer,adaptive,flashinfer-graph --out $out/serving-$1-B$2.json 2>&1 | tail -3
       done ;;
+    engine) timeout 100 python3 -m pkvrt bench serving --trace bimodal --max-active 8 --steps-limit 24 \
+          --seeds 20260623-20260625 --engine-layers 32 --mlp --engines flashinfer,adaptive \
+          --out $out/engine-bimodal-B8-mlp.json 2>&1 | tail -3 ;;
+    example) timeout 60 python3 examples/decode_loop.py 2>&1 | tail -8 ;;
     ablations) timeout 200 python3 -m pytest benches --benchmark-only -q -p no:cacheprovider --benchmark-json=$out/ablations.json 2>&1 | tail -15 ;;
   esac
 done

@@ -53,7 +53,7 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``pkvrt bench``: the ``serving`` and ``isolated`` modes."""
-    sub = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    sub = parser.add_subparsers(dest="mode", metavar="MODE")  # none: serving with its defaults
     s = sub.add_parser("serving", help="continuous decode over a trace, FlashInfer vs pkvrt",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--trace", default="bimodal", metavar="SPEC",
@@ -101,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode is None:  # `pkvrt bench` alone is the main job: `pkvrt bench serving` as is
+        parser = argparse.ArgumentParser(prog="pkvrt bench")
+        add_arguments(parser)
+        args = parser.parse_args(["serving"])
     if args.mode == "isolated":
         return run_isolated(args.isolated_args)
     return run_serving(args)

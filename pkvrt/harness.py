@@ -159,11 +159,12 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 
 
 def case_name(trace: str, max_active: int, seed: int | None, *, layers: int = 1,
-              mlp: bool = False) -> str:
-    """``bimodal-B8-seed20260623``; the engine protocol is part of the name:
-    ``bimodal-B8-L32-mlp-seed20260623``."""
+              mlp: bool = False, group: int = 4) -> str:
+    """``bimodal-B8-seed20260623``; the engine protocol and a group size other than the seed's
+    G = 4 are part of the name: ``bimodal-B8-L32-mlp-seed20260623``, ``bimodal-B8-G8-seed...``."""
     proto = "" if layers == 1 and not mlp else f"-L{layers}" + ("-mlp" if mlp else "")
-    return f"{trace}-B{max_active}{proto}" + ("" if seed is None else f"-seed{seed}")
+    g = "" if group == 4 else f"-G{group}"
+    return f"{trace}-B{max_active}{g}{proto}" + ("" if seed is None else f"-seed{seed}")
 
 
 def sample_steps(total: int, limit: int) -> np.ndarray:
@@ -561,7 +562,9 @@ class RuntimeEngine:
         wanted = dict(device=wl.device, routes=routes, calibration=calibration,
                       max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
                       use_cuda_graph=True, max_graphs=64 * wl.copies, validate=False,
-                      flashinfer_tensor_cores=tensor_cores)
+                      flashinfer_tensor_cores=tensor_cores,
+                      # the flashinfer-graph engine is FlashInfer's CUDA-graph mode by definition
+                      flashinfer_cuda_graph=name == FI_GRAPH)
         self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime), wanted)
         if self.force is not None and "force" not in inspect.signature(Runtime.plan).parameters:
             raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
@@ -724,7 +727,8 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
     Returns (rows incl. ratio rows, per-step rows, info dict for the results meta).
     """
     wl = Workload(trace, config, seed, device=device, l2_bytes=l2_bytes, budget_bytes=budget_bytes)
-    case = case_name(trace.name, config.max_active, seed, layers=config.layers, mlp=config.mlp)
+    case = case_name(trace.name, config.max_active, seed, layers=config.layers, mlp=config.mlp,
+                     group=config.shape.num_qo_heads // config.shape.num_kv_heads)
     sh = config.shape
     out = torch.full((config.max_active, sh.num_qo_heads, sh.head_dim), float("nan"),
                      dtype=sh.torch_dtype, device=device)

@@ -351,6 +351,11 @@ class Runtime:
     flashinfer : use FlashInfer as the baseline route; False, or FlashInfer failing to import,
         makes it unavailable: steps the policy sends to it run on the fastest PersistentKV route.
     flashinfer_tensor_cores : FlashInfer's tensor-core decode (H200, G=4: 44 vs 52 us at B1 32K).
+    flashinfer_cuda_graph : run the FlashInfer route in FlashInfer's CUDA-graph mode inside the
+        runtime's graphs. Off by default: in the H200 serving runs of 2026-11-29 the runtime
+        with this mode hit "illegal memory access" on traces whose steps it sent to FlashInfer
+        (bimodal B8, uniform B8, G=1), not yet isolated; the eager FlashInfer route (its
+        standard plan/run, as the baseline uses it) is the default until it is.
 
     Raises
     ------
@@ -362,7 +367,8 @@ class Runtime:
                  dtype=torch.float16, *, device="cuda", routes=None, calibration="auto",
                  max_batch: int = 256, max_pages_per_row: int = 8192, use_cuda_graph: bool = True,
                  max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
-                 flashinfer: bool = True, flashinfer_tensor_cores: bool = True):
+                 flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
+                 flashinfer_cuda_graph: bool = False):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
         for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -408,7 +414,8 @@ class Runtime:
                         fi_mod, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, page_size=self.page_size, dtype=dtype, device=self.device,
                         sm_scale=sm_scale, tensor_cores=flashinfer_tensor_cores,
-                        cuda_graph=self.use_cuda_graph, indices_buffer=self._fi_indices)
+                        cuda_graph=self.use_cuda_graph and flashinfer_cuda_graph,
+                        indices_buffer=self._fi_indices)
                 except Exception as exc:  # noqa: BLE001 - reported, the route becomes unavailable
                     self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
                     warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}",
@@ -613,7 +620,7 @@ class Runtime:
                        dtype=self.dtype, device=self.device, max_page_id=st.max_page_id)
         if out is None:
             out = torch.empty_like(q)
-        if not self.use_cuda_graph:
+        if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
             self._launch(st, q, k_cache, v_cache, out)
             self._counts["eager_runs"] += 1
             return out

@@ -81,7 +81,9 @@ def check(out, q, cache, seq, bt, what):
 
 
 def runtime(**kw):
-    kw = dict(dict(max_batch=16, max_pages_per_row=2048), **kw)
+    # FlashInfer's CUDA-graph mode on: these tests check the graph machinery of every route.
+    # The default (eager FlashInfer route) has its own test below.
+    kw = dict(dict(max_batch=16, max_pages_per_row=2048, flashinfer_cuda_graph=True), **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the calibration fallback warning on a GPU with no file
         return Runtime(*SHAPE.values(), torch.float16, **kw)
@@ -129,6 +131,20 @@ def test_replay_after_inplace_metadata_change(pool, route):
         check(out, q, caches[0], seq, bt, f"replay {i}")
     s = rt.stats()
     assert s["captures"] == 1 and s["replays"] == 3 and s["staging_copies"] == 0
+
+
+def test_default_flashinfer_route_runs_eagerly_inside_a_graph_runtime(pool):
+    if FI_MODULE is None:
+        pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    b, caches = pool
+    rt = runtime(flashinfer_cuda_graph=False)
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=70 + i)
+        rt.plan(seq, bt, force="flashinfer")
+        out = rt.run(q, *caches[0], out=torch.full_like(q, float("nan")))
+        check(out, q, caches[0], seq, bt, f"step {i}")
+    s = rt.stats()
+    assert s["captures"] == 0 and s["eager_runs"] == len(STEPS)
 
 
 def test_graph_count_stays_bounded_over_many_steps():
