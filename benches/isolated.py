@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch  # noqa: E402
 
 from pkvrt import ops, planner, reference, results  # noqa: E402
+from pkvrt.harness import median_us  # noqa: E402  (graph-replay CUDA-event median per call)
 from pkvrt.calibration import find_calibration  # noqa: E402
 from pkvrt.registry import load_routes  # noqa: E402
 
@@ -41,29 +41,6 @@ CASES = {  # name -> (seq_lens, H_q, H_kv)
     "G8-B1-32K": ([32768], 32, 4),
 }
 L2_ROTATE_BYTES = 3 * 60 * 2**20
-
-
-def median_us(fn, calls_per_fn: int, repeats: int = 30) -> float:
-    """CUDA-event median per call of a graph that runs ``fn`` (which makes calls_per_fn calls)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls_per_fn)
-    return statistics.median(times)
 
 
 def read_bandwidth_gbps() -> float:
