@@ -96,9 +96,12 @@ def test_serving_value_errors_name_the_argument(capsys, no_cuda, argv, message):
     assert err.startswith("pkvrt: error: ") and message in err
 
 
-def test_bench_needs_a_mode(capsys):
-    rc, _, err = run(capsys, "bench")
-    assert rc == 2 and "MODE" in err
+def test_bench_alone_is_the_main_job(capsys, no_cuda):
+    # `pkvrt bench` with no mode = `pkvrt bench serving` with its defaults (README's main job);
+    # without CUDA that is the planner over the default trace, exit 0.
+    rc, out, err = run(capsys, "bench")
+    assert rc == 0 and "no CUDA GPU here" in out + err
+    assert "Launches/step" in out
 
 
 def test_isolated_without_gpu(capsys, no_cuda):
