@@ -47,13 +47,16 @@ class RouteDecision:
     active: int = 0
     max_context: int = 0
     forced: bool = False
+    reused: bool = False   # route taken from the memo (see Router's memo_size); plan still exact
 
     def explain(self) -> str:
         """An aligned table: one line per route with its predicted µs and verdict or reason."""
         names = list(self.predicted_us) + [n for n in self.refused if n not in self.predicted_us]
         w = max(len("route"), *(len(n) for n in names))
         lines = [f"step: {self.active} active rows, longest context {self.max_context} tokens"
-                 + (" (forced)" if self.forced else ""),
+                 + (" (forced)" if self.forced else "")
+                 + (" (route reused from an earlier step with the same memo key; predictions "
+                    "below are that step's)" if self.reused else ""),
                  f"{'route':<{w}}  {'predicted us':>12}  verdict"]
         for n in names:
             t = self.predicted_us.get(n)
@@ -75,10 +78,20 @@ class Router:
     num_qo_heads, num_kv_heads, head_dim, page_size, dtype_bytes : the attention shape.
     graphs : the runtime replays CUDA graphs (launch overhead ``lambda_graph_us``); False for
         the seed's eager protocol (``lambda_us``).
+    memo_size : 0 (default): every step is predicted from scratch. N > 0: remember up to N
+        decisions keyed by (active rows, distinct lengths, each row's length // q) with
+        q = max(TILE_TOKENS, calibration min_split_tokens), and reuse the route of the first
+        step with that key; the chosen route's plan is still built from the exact lengths. The
+        key holds everything the split rules see at split granularity, so a reused route can
+        differ from a fresh one only where predictions sit within a quantum of a margin.
+        Why: the prediction of every route is most of ``decide``'s host time (NumPy per-call
+        overhead over tiny arrays: B1 81 -> ~30 us on the dev box, ~250 us on the H200 host
+        before, benches/NOTES.md).
     """
 
     def __init__(self, registry, calibration: Calibration, *, num_qo_heads: int, num_kv_heads: int,
-                 head_dim: int, page_size: int, dtype_bytes: int = 2, graphs: bool = True):
+                 head_dim: int, page_size: int, dtype_bytes: int = 2, graphs: bool = True,
+                 memo_size: int = 0):
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("page_size", page_size), ("dtype_bytes", dtype_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -95,6 +108,12 @@ class Router:
         self._invalid = self._kernel_gap()
         self._shape = dict(num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads, head_dim=head_dim,
                            dtype_bytes=dtype_bytes)
+        if isinstance(memo_size, bool) or not isinstance(memo_size, int) or memo_size < 0:
+            raise ValueError(f"Router: memo_size={memo_size!r}: expected an integer >= 0")
+        self.memo_size = memo_size
+        self._memo: dict = {}   # insertion-ordered: the oldest key is evicted first
+        self._quantum = max(TILE_TOKENS, calibration.splits.min_split_tokens)
+        self.memo_hits = 0
 
     def _kernel_gap(self) -> str | None:
         """Why no PersistentKV kernel exists for this shape (None: one does)."""
@@ -143,6 +162,15 @@ class Router:
         """
         seq = check_seq_lens(seq_lens)
         active, max_ctx = int(seq.size), int(seq.max())
+        key = None
+        if force is None and self.memo_size:
+            lens = seq.tolist()
+            key = (active, len(set(lens)), tuple(n // self._quantum for n in lens))
+            hit = self._memo.get(key)
+            if hit is not None:
+                self.memo_hits += 1
+                return attrs.evolve(hit, plan=self._plan_for(self.registry.route(hit.route), seq, block_tables),
+                                    active=active, max_context=max_ctx, reused=True)
         reg = self.registry
         base = reg.baseline
         if force is not None:
@@ -204,12 +232,19 @@ class Router:
         else:
             chosen = base
         t_chosen = predicted[chosen.name]
-        if chosen.kind == "flashinfer":
-            plan = plan_flashinfer(seq, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+        d = RouteDecision(route=chosen.name, kind=chosen.kind, plan=self._plan_for(chosen, seq, block_tables),
+                          predicted_us=predicted, refused=refused, speedup=t_fi / t_chosen,
+                          active=active, max_context=max_ctx, forced=force is not None)
+        if key is not None:
+            if len(self._memo) >= self.memo_size:
+                del self._memo[next(iter(self._memo))]
+            self._memo[key] = d
+        return d
+
+    def _plan_for(self, route, seq, block_tables):
+        """The full plan of ``route`` for the exact lengths ``seq``."""
+        if route.kind == "flashinfer":
+            return plan_flashinfer(seq, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                    dtype_bytes=self.dtype_bytes, page_size=self.page_size,
                                    block_tables=block_tables)
-        else:
-            plan = self._route_plan(chosen, seq, full=True)
-        return RouteDecision(route=chosen.name, kind=chosen.kind, plan=plan,
-                             predicted_us=predicted, refused=refused, speedup=t_fi / t_chosen,
-                             active=active, max_context=max_ctx, forced=force is not None)
+        return self._route_plan(route, seq, full=True)

@@ -292,3 +292,62 @@ def test_bench_decide_b8(benchmark, tmp_path):
     seq = bimodal_b8()
     d = benchmark(rt.decide, seq)
     assert d.route == "pkv_workqueue"
+
+
+# --------------------------------------------------------------------------- decision memo
+
+def _h200_router(**kw):
+    from pkvrt.calibration import load_calibration
+    cal = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
+    return Router(load_routes(), cal, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, **kw)
+
+
+def test_memo_off_by_default_predicts_every_step():
+    r = _h200_router()
+    a, b = r.decide([32768]), r.decide([32769])
+    assert not a.reused and not b.reused and r.memo_hits == 0
+
+
+def test_memo_reuses_the_route_and_builds_the_exact_plan():
+    r = _h200_router(memo_size=8)
+    first = r.decide([32768, 20000])
+    again = r.decide([32769, 20001])            # same key: lengths // 512 unchanged
+    assert again.reused and not first.reused and r.memo_hits == 1
+    assert again.route == first.route and again.predicted_us == first.predicted_us
+    if again.kind in ("workqueue", "fused"):    # the plan follows the exact new lengths
+        t = again.plan.tasks
+        assert t[t[:, 0] == 0, 4].max() == 32769 and t[t[:, 0] == 1, 4].max() == 20001
+    assert "reused" in again.explain()
+    other = r.decide([40000, 20001])            # another key: predicted afresh
+    assert not other.reused
+
+
+def test_memo_key_separates_distinct_length_counts_and_evicts_oldest():
+    r = _h200_router(memo_size=2)
+    r.decide([20000, 20000])
+    assert not r.decide([20000, 20001]).reused  # 2 distinct lengths: another bucket structure
+    r.decide([50000])                           # evicts the first key
+    assert not r.decide([20000, 20000]).reused
+    assert len(r._memo) == 2
+
+
+@pytest.mark.parametrize("family, b", [("bimodal", 8), ("uniform", 8), ("zipf", 8), ("bucketed", 1)])
+def test_memo_routes_agree_with_exact_decisions_on_traces(family, b):
+    from pkvrt.traces import decode_steps, synthetic
+    exact, memo = _h200_router(), _h200_router(memo_size=4096)
+    steps = list(decode_steps(synthetic(family, num_requests=32, seed=20260623), max_active=b))
+    same = sum(exact.decide(s.seq_lens).route == memo.decide(s.seq_lens).route for s in steps)
+    assert memo.memo_hits > len(steps) // 2
+    assert same == len(steps)  # measured: 100 % on these traces with the H200 calibration
+
+
+def test_memo_size_validated():
+    with pytest.raises(ValueError, match="memo_size"):
+        _h200_router(memo_size=-1)
+
+
+def test_bench_decide_b8_with_memo(benchmark):
+    r = _h200_router(memo_size=4096)
+    seq = np.array([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], dtype=np.int32)
+    r.decide(seq)
+    benchmark(r.decide, seq)
