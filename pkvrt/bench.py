@@ -29,19 +29,10 @@ from pkvrt import calibration as calib
 from pkvrt import harness, results
 from pkvrt import registry as reg_mod
 from pkvrt.traces import FAMILIES, resolve_trace
+from pkvrt.cli import positive_int
 
 HELD_OUT_SEEDS = "20260623,20260624,20260625,20260626,20260627"
 ISOLATED = results.ROOT / "benches" / "isolated.py"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
-    return value
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -59,12 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--trace", default="bimodal", metavar="SPEC",
                    help=f"a family ({', '.join(FAMILIES)}), 'mixed' or a .csv/.json trace file "
                         "(default: bimodal)")
-    s.add_argument("--max-active", type=_positive_int, default=8, metavar="N",
+    s.add_argument("--max-active", type=positive_int, default=8, metavar="N",
                    help="decode slots, the batch size B (default: 8)")
     s.add_argument("--seeds", type=_seeds, default=harness.parse_seeds(HELD_OUT_SEEDS),
                    metavar="S[,S|A-B]", help="seeds (trace draw, page layout, data); default: the "
                                              "held-out seeds 20260623-20260627")
-    s.add_argument("--num-requests", type=_positive_int, metavar="N",
+    s.add_argument("--num-requests", type=positive_int, metavar="N",
                    help="requests of a family (default 32); for a file, keep the first N")
     s.add_argument("--engines", default="flashinfer,adaptive", metavar="LIST",
                    help="comma-separated: flashinfer (baseline, always run), flashinfer-cuda, "
@@ -78,21 +69,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--out", metavar="FILE",
                    help="results JSON (default: benches/results/<gpu>/serving-<case>.json; the "
                         "per-step records go to FILE with suffix .steps.json)")
-    s.add_argument("--steps-limit", type=_positive_int, default=200, metavar="N",
+    s.add_argument("--steps-limit", type=positive_int, default=200, metavar="N",
                    help="measure at most N steps per seed, spread evenly over the trace "
                         "(default: 200)")
-    s.add_argument("--engine-layers", type=_positive_int, default=1, metavar="L",
+    s.add_argument("--engine-layers", type=positive_int, default=1, metavar="L",
                    help="attention calls per step, planned once (engine protocol; default: 1)")
     s.add_argument("--mlp", action="store_true",
                    help="follow every layer's attention with the seed's gated MLP tail "
                         f"(intermediate {harness.MLP_INTERMEDIATE}, hidden H_q*D)")
-    s.add_argument("--check-steps", type=_positive_int, default=4, metavar="N",
+    s.add_argument("--check-steps", type=positive_int, default=4, metavar="N",
                    help="steps checked for correctness before timing (default: 4)")
     shape = s.add_argument_group("shape")
-    shape.add_argument("--num-qo-heads", type=_positive_int, default=32, metavar="H")
-    shape.add_argument("--num-kv-heads", type=_positive_int, default=8, metavar="H")
-    shape.add_argument("--head-dim", type=_positive_int, default=128, metavar="D")
-    shape.add_argument("--page-size", type=_positive_int, default=16, metavar="P")
+    shape.add_argument("--num-qo-heads", type=positive_int, default=32, metavar="H")
+    shape.add_argument("--num-kv-heads", type=positive_int, default=8, metavar="H")
+    shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D")
+    shape.add_argument("--page-size", type=positive_int, default=16, metavar="P")
     shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16")
     i = sub.add_parser("isolated", help="the isolated kernel benchmark (benches/isolated.py)",
                        description="Run benches/isolated.py; pass its arguments after '--', e.g. "

@@ -86,7 +86,8 @@ With --active, --context and --group it also says, per route, whether a step of 
 passes the route's gates (or why not) and the promotion margin the route would have to clear."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (shared by the subcommands)."""
     try:
         value = int(text)
     except ValueError:
@@ -101,10 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routes", metavar="PATH",
                         help=f"routes.toml to show (default: {registry.default_routes_path()})")
     shape = parser.add_argument_group("explain one step (give all three)")
-    shape.add_argument("--active", type=_positive_int, metavar="N", help="active rows")
-    shape.add_argument("--context", type=_positive_int, metavar="TOKENS",
+    shape.add_argument("--active", type=positive_int, metavar="N", help="active rows")
+    shape.add_argument("--context", type=positive_int, metavar="TOKENS",
                        help="longest context in the step (tokens)")
-    shape.add_argument("--group", type=_positive_int, metavar="G", help="group size H_q / H_kv")
+    shape.add_argument("--group", type=positive_int, metavar="G", help="group size H_q / H_kv")
 
 
 def run(args: argparse.Namespace) -> int:

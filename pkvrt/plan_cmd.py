@@ -25,6 +25,7 @@ from pkvrt import calibration as calib
 from pkvrt import registry as reg_mod
 from pkvrt.planner import BucketPlan, WorkqueuePlan
 from pkvrt.traces import FAMILIES, Trace, decode_steps, resolve_trace
+from pkvrt.cli import positive_int
 
 ADAPTIVE = "adaptive"
 KIND_LABELS = {"flashinfer": "FlashInfer", "bucket": "PersistentKV buckets",
@@ -344,26 +345,17 @@ def summary_json(s: PlanSummary, *, command: str | None = None) -> dict:
 
 # --------------------------------------------------------------------------- the command
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
-    return value
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``pkvrt plan``."""
     parser.add_argument("--trace", default="bimodal", metavar="SPEC",
                         help=f"a family ({', '.join(FAMILIES)}), 'mixed' (the shipped fixture) "
                              "or a .csv/.json trace file (default: bimodal)")
-    parser.add_argument("--max-active", type=_positive_int, default=8, metavar="N",
+    parser.add_argument("--max-active", type=positive_int, default=8, metavar="N",
                         help="decode slots, the batch size B (default: 8)")
     parser.add_argument("--seed", type=int, default=20260623,
                         help="seed of a synthetic family (default: 20260623, the first held-out)")
-    parser.add_argument("--num-requests", type=_positive_int, metavar="N",
+    parser.add_argument("--num-requests", type=positive_int, metavar="N",
                         help="requests of a family (default 32); for a file, keep the first N")
     parser.add_argument("--routes", metavar="PATH",
                         help=f"routes.toml (default: {reg_mod.default_routes_path()})")
@@ -376,10 +368,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eager", action="store_true",
                         help="predict eager launches (lambda_us) instead of CUDA-graph replays")
     shape = parser.add_argument_group("shape")
-    shape.add_argument("--num-qo-heads", type=_positive_int, default=32, metavar="H")
-    shape.add_argument("--num-kv-heads", type=_positive_int, default=8, metavar="H")
-    shape.add_argument("--head-dim", type=_positive_int, default=128, metavar="D")
-    shape.add_argument("--page-size", type=_positive_int, default=16, metavar="P")
+    shape.add_argument("--num-qo-heads", type=positive_int, default=32, metavar="H")
+    shape.add_argument("--num-kv-heads", type=positive_int, default=8, metavar="H")
+    shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D")
+    shape.add_argument("--page-size", type=positive_int, default=16, metavar="P")
     parser.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
 
 
