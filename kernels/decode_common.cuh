@@ -17,16 +17,18 @@
 //   part_a       [slots, H_q, D]  float32         un-normalised accumulator a
 //   part_ml      [slots, H_q, 2]  float32         (m, l)
 //
-// CTA shape: PKV_THREADS = 128 threads. A token row of D elements is read by LANES = D/8 lanes
-// with one 16-byte access each (8 halves); the CTA is GROUPS = 128/LANES token groups
-// (D=128: 16 lanes, 8 groups). Group gi owns tokens gi, gi+GROUPS, ... of every tile and keeps
-// its own (m, l, a) for the G heads in registers; the groups are combined once at the end
-// through shared memory.
-//
-// Pipeline: tiles of PKV_TILE_TOKENS (32) tokens, PKV_STAGES(D) stages deep, filled with
-// cp.async (16 B, L1-bypassing). Each thread copies exactly the K and V chunks it later
-// consumes, so a thread waits only on its own copy groups (cp.async.wait_group) and the main
-// loop has no __syncthreads at all.
+// CTA shape: PKV_THREADS = 128 threads, two bodies (decode_range dispatches on G):
+//  * SIMT (G = 1, 2): a token row of D elements is read by LANES = D/8 lanes with one 16-byte
+//    access each; the CTA is GROUPS = 128/LANES token groups (D=128: 16 lanes, 8 groups). Group
+//    gi owns tokens gi, gi+GROUPS, ... of every 32-token tile (PKV_TILE_TOKENS) and keeps its
+//    own (m, l, a) for the G heads in registers. Pipeline: stages<D>() tiles deep (D=128: 4,
+//    64 KB); each thread copies exactly the chunks it later consumes, so it waits only on its
+//    own cp.async groups and the main loop has no barrier.
+//  * Tensor cores (G = 4, 8): each of the 4 warps streams its own 16-token tiles through
+//    tc_stages<D>() private stages (D=128: 3, 96 KB per CTA) and computes S = Q K^T and
+//    O += P V with mma.sync m16n8k16 (details above decode_range_tc).
+// Both combine their per-group / per-warp states once at the end through shared memory
+// (finish_groups).
 //
 // Bytes moved per (row, KV head): 2 * seq_len * D * sizeof(T) of K and V, each byte once, plus
 // 4 bytes of block table per page and G*D*sizeof(T) of Q.

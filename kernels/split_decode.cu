@@ -6,7 +6,8 @@
 // Grid:  blockIdx.x = split (0..num_splits-1), blockIdx.y = KV head, blockIdx.z = bucket row.
 //        row_ids[blockIdx.z] is the batch row (Q and O are read/written by that index; -1 marks
 //        an idle slot of a padded graph and exits at once).
-// Block: 128 threads; dynamic shared memory pkv::smem_bytes<D, G>() (64 KB for D = 128).
+// Block: 128 threads; dynamic shared memory pkv::smem_bytes<D, G>() (D = 128: 96 KB for G >= 4,
+//        64 KB for G < 4).
 // Split ranges are row-local: the row's own seq_len gives n_tiles = ceil(seq_len / 32) and
 // split s owns tiles [s*ceil(n_tiles/S), (s+1)*ceil(n_tiles/S)) clipped to the row; a split with
 // no tiles writes the neutral state (m=-inf, l=0, a=0) to its slot and returns before touching
