@@ -29,7 +29,7 @@ from pkvrt import calibration as calib
 from pkvrt import harness, results
 from pkvrt import registry as reg_mod
 from pkvrt.traces import FAMILIES, resolve_trace
-from pkvrt.cli import positive_int
+from pkvrt.cli import add_shape_arguments, positive_int
 
 HELD_OUT_SEEDS = "20260623,20260624,20260625,20260626,20260627"
 ISOLATED = results.ROOT / "benches" / "isolated.py"
@@ -79,11 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(intermediate {harness.MLP_INTERMEDIATE}, hidden H_q*D)")
     s.add_argument("--check-steps", type=positive_int, default=4, metavar="N",
                    help="steps checked for correctness before timing (default: 4)")
-    shape = s.add_argument_group("shape")
-    shape.add_argument("--num-qo-heads", type=positive_int, default=32, metavar="H")
-    shape.add_argument("--num-kv-heads", type=positive_int, default=8, metavar="H")
-    shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D")
-    shape.add_argument("--page-size", type=positive_int, default=16, metavar="P")
+    shape = add_shape_arguments(s)
     shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16")
     i = sub.add_parser("isolated", help="the isolated kernel benchmark (benches/isolated.py)",
                        description="Run benches/isolated.py; pass its arguments after '--', e.g. "

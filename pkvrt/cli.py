@@ -97,6 +97,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser):
+    """The attention-shape options every subcommand shares (seed shape as defaults)."""
+    shape = parser.add_argument_group("shape")
+    shape.add_argument("--num-qo-heads", type=positive_int, default=32, metavar="H")
+    shape.add_argument("--num-kv-heads", type=positive_int, default=8, metavar="H")
+    shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D")
+    shape.add_argument("--page-size", type=positive_int, default=16, metavar="P")
+    return shape
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``pkvrt routes``."""
     parser.add_argument("--routes", metavar="PATH",

@@ -25,7 +25,7 @@ from pkvrt import calibration as calib
 from pkvrt import registry as reg_mod
 from pkvrt.planner import BucketPlan, WorkqueuePlan
 from pkvrt.traces import FAMILIES, Trace, decode_steps, resolve_trace
-from pkvrt.cli import positive_int
+from pkvrt.cli import add_shape_arguments, positive_int
 
 ADAPTIVE = "adaptive"
 KIND_LABELS = {"flashinfer": "FlashInfer", "bucket": "PersistentKV buckets",
@@ -367,11 +367,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="pick the calibration file by device name, e.g. 'NVIDIA H200'")
     parser.add_argument("--eager", action="store_true",
                         help="predict eager launches (lambda_us) instead of CUDA-graph replays")
-    shape = parser.add_argument_group("shape")
-    shape.add_argument("--num-qo-heads", type=positive_int, default=32, metavar="H")
-    shape.add_argument("--num-kv-heads", type=positive_int, default=8, metavar="H")
-    shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D")
-    shape.add_argument("--page-size", type=positive_int, default=16, metavar="P")
+    add_shape_arguments(parser)
     parser.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
 
 
