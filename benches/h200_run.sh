@@ -8,6 +8,10 @@
 #   engine     the engine protocol (32 layers + MLP tail) on bimodal B8 -> OUT/engine-*.json
 #   ablations  pytest benches --benchmark-only -> OUT/ablations.json
 #   example    examples/decode_loop.py
+#   hostcost   benches/host_cost.py (host time per step, every route, graphs/eager, device planning)
+#   soak       benches/soak.py, 100 000 steps, the policy's routes -> OUT/soak.json
+#   soak-dev   benches/soak.py --device-planning, 100 000 steps -> OUT/soak-device-planning.json
+#   sanitize   benches/sanitize.sh (compute-sanitizer, 4 tools) -> OUT/sanitize*.{json,log}
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -27,6 +31,11 @@ for stage in "$@"; do
           --seeds 20260623-20260625 --engine-layers 32 --mlp --engines flashinfer,adaptive \
           --out $out/engine-bimodal-B8-mlp.json 2>&1 | tail -3 ;;
     example) timeout 60 python3 examples/decode_loop.py 2>&1 | tail -8 ;;
+    hostcost) timeout 240 python3 benches/host_cost.py --steps 100 --out $out/host-cost.json 2>&1 | grep -v WARN | tail -80 ;;
+    soak) timeout 200 python3 benches/soak.py --max-seconds 180 --out $out/soak.json 2>&1 | tail -25 ;;
+    soak-dev) timeout 200 python3 benches/soak.py --max-seconds 180 --device-planning \
+          --out $out/soak-device-planning.json 2>&1 | tail -25 ;;
+    sanitize) bash benches/sanitize.sh $out 2>&1 | tail -20 ;;
     ablations) timeout 200 python3 -m pytest benches --benchmark-only -q -p no:cacheprovider --benchmark-json=$out/ablations.json 2>&1 | tail -15 ;;
   esac
 done

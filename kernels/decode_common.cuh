@@ -522,6 +522,9 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     cp_async_commit();
   }
   for (int i = 0; i < my_tiles; ++i) {
+    // The stage refilled below was read (ldmatrix) by every lane in iteration i - 1: order
+    // those reads before these writes (compute-sanitizer racecheck flags the bare WAR hazard).
+    __syncwarp();
     if (i + STAGES - 1 < my_tiles) issue(i + STAGES - 1);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();

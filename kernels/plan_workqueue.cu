@@ -15,8 +15,11 @@
 // Layout: seq_lens [max_rows] int32; tasks [task_capacity, 5] int32 (row, kvh, split,
 //         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
 //         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
-// Preconditions: max_rows <= 1024, num_candidates <= 64, task_capacity >= the plan's tasks
-//         (else *num_tasks is clamped and *overflow set to 1).
+// Status (*status, written every launch): bit 0 = the plan needs more than task_capacity tasks
+//         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [1, *max_seq_len]
+//         (that row gets 0 splits: no task reads its block table or writes its output). This is
+//         how device-side planning stays memory-safe without a host look at the lengths.
+// Preconditions: max_rows <= 1024, num_candidates <= 64.
 #include <stdint.h>
 
 #define PKV_PLAN_THREADS 1024
@@ -24,11 +27,12 @@
 struct PlanParams {
   const int* seq_lens;
   const int* num_rows;
+  const int* max_seq_len;  // [1]: longest valid seq_len (block-table columns * page size)
   int* tasks;
   int* num_tasks;
   int* split_offsets;
   int* num_splits;
-  int* overflow;
+  int* status;
   const int* candidates;
   int num_candidates;
   int max_rows;
@@ -58,13 +62,18 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
   __shared__ int cand[64];
   __shared__ int offs[PKV_PLAN_THREADS + 1];
   __shared__ int warp_sums[32];
+  __shared__ int bad_rows;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if (tid < p.num_candidates) cand[tid] = p.candidates[tid];
+  if (tid == 0) bad_rows = 0;
   __syncthreads();
 
   const int rows = min(*p.num_rows, p.max_rows);
+  const int max_len = *p.max_seq_len;
   int s = 0;
-  if (tid < rows) {
+  if (tid < rows && (p.seq_lens[tid] < 1 || p.seq_lens[tid] > max_len)) {
+    atomicOr(&bad_rows, 1);
+  } else if (tid < rows) {
     const int tiles = (p.seq_lens[tid] + p.tile_tokens - 1) / p.tile_tokens;
     const int want = (int)ceilf(p.ctas_target / (float)(rows * p.num_kv_heads));
     const int cap = max(1, tiles / p.min_split_tiles);
@@ -102,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
     p.split_offsets[p.max_rows] = total_slots;
     const int want_tasks = total_slots * p.num_kv_heads;
     *p.num_tasks = min(want_tasks, p.task_capacity);
-    *p.overflow = want_tasks > p.task_capacity;
+    *p.status = (want_tasks > p.task_capacity ? 1 : 0) | (bad_rows ? 2 : 0);
   }
   // Tasks: slot j belongs to the row r with offs[r] <= j < offs[r+1] (binary search).
   for (int j = tid; j < total_slots; j += PKV_PLAN_THREADS) {

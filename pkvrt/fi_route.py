@@ -5,7 +5,7 @@ and says why it cannot be used; the Runtime then reports the route unavailable a
 it. When it can, :class:`FlashInferRoute` drives ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
 over the same HND pages the PersistentKV kernels read (CSR from ``pkvrt.pagetable.to_csr``):
 
-* CUDA-graph mode (the Runtime's default): FlashInfer's own graph mode
+* CUDA-graph mode (``Runtime(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
   (``use_cuda_graph=True`` with fixed ``paged_kv_*_buffer`` tensors). Such a wrapper is built for
   one batch size, so there is one wrapper per batch size, in an LRU of ``max_wrappers``
   (8 MiB device + 8 MiB pinned int workspace each, FlashInfer's own). ``plan`` runs on the host
@@ -76,6 +76,7 @@ class FlashInferRoute:
         self._wrappers: OrderedDict[int, tuple[int, object]] = OrderedDict()  # B -> (serial, wrapper)
         self._serial = 0
         self._current = None
+        self._plan_events: dict[int, object] = {}   # wrapper serial -> event after its last plan
         self.wrappers_built = 0
         if not cuda_graph:
             self._eager = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -98,7 +99,8 @@ class FlashInferRoute:
         self.wrappers_built += 1
         self._wrappers[batch] = (self._serial, w)
         while len(self._wrappers) > self.max_wrappers:
-            self._wrappers.popitem(last=False)  # its graphs keep their key (serial) and never hit again
+            _, (old, _) = self._wrappers.popitem(last=False)  # its graphs keep their key (serial)
+            self._plan_events.pop(old, None)                  # and never hit again
         return self._serial, w
 
     def plan(self, indptr, indices, last_page_len) -> int:
@@ -107,15 +109,31 @@ class FlashInferRoute:
 
         indptr : int32 [B+1] pinned CPU tensor; last_page_len : int32 [B] pinned CPU tensor;
         indices : int32 [nnz] view of ``indices_buffer`` (already on the device).
+
+        FlashInfer's plan() writes its schedule into a pinned host buffer of the wrapper and
+        copies it to the device asynchronously, with no guard against the next plan() of the same
+        wrapper rewriting that buffer before the copy has run. A host running ahead of the GPU
+        (graph replays make that easy) then hands a step another step's schedule: wrong output,
+        or an illegal memory access in FlashInfer's merge. So an event recorded after each
+        plan() is waited on before that wrapper plans again (a no-op unless the host is a whole
+        step ahead).
         """
+        import torch
+
         batch = last_page_len.shape[0]
         if self.cuda_graph:
             serial, w = self._wrapper(batch)
         else:
             serial, w = 0, self._eager
+        ev = self._plan_events.get(serial)
+        if ev is not None:
+            ev.synchronize()  # this wrapper's last plan copy has run: its pinned buffer is free
+        else:
+            ev = self._plan_events[serial] = torch.cuda.Event()
         w.plan(indptr, indices, last_page_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
                sm_scale=self.sm_scale, non_blocking=True)
+        ev.record()
         self._current = w
         return serial
 

@@ -58,6 +58,7 @@ FI_WORKSPACE_BYTES = 256 * 2**20
 BASELINE = "flashinfer"
 ADAPTIVE = "adaptive"
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
+DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 FI_VARIANTS = {"flashinfer-cuda": False, "flashinfer-tc": True}   # label -> use_tensor_cores
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -121,6 +122,8 @@ def engine_label(name: str) -> str:
     keep their name."""
     if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
+    if name == DEVICE_PLAN:
+        return "pkvrt-device-plan"
     if name == ADAPTIVE:
         return "pkvrt-adaptive"
     return "pkvrt-" + (name[4:] if name.startswith("pkv_") else name).replace("_", "-")
@@ -130,12 +133,13 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     """``--engines`` as a tuple: ``flashinfer`` (the baseline, always first, added if absent),
     ``flashinfer-cuda`` / ``flashinfer-tc`` (one variant for the whole run), ``flashinfer-graph``
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
-    or a PersistentKV route name of routes.toml (that route forced on every step). Duplicates
-    are dropped."""
+    ``device-plan`` (the Runtime with device-side planning), or a PersistentKV route name of
+    routes.toml (that route forced on every step). Duplicates are dropped."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
-    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, *route_names)))
+    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, DEVICE_PLAN,
+                                  *route_names)))
     for n in names:
         if n not in known:
             raise ValueError(f"--engines: unknown engine {n!r}; expected one of {', '.join(known)}")
@@ -547,6 +551,8 @@ class RuntimeEngine:
 
     def __init__(self, wl: Workload, *, name: str, force: str | None, routes, calibration,
                  max_active: int, tensor_cores: bool):
+        self.device_planning = name == DEVICE_PLAN
+        self._on_device: dict[int, tuple] = {}
         try:
             from pkvrt.runtime import Runtime
         except ModuleNotFoundError as e:
@@ -565,6 +571,8 @@ class RuntimeEngine:
                       flashinfer_tensor_cores=tensor_cores,
                       # the flashinfer-graph engine is FlashInfer's CUDA-graph mode by definition
                       flashinfer_cuda_graph=name == FI_GRAPH)
+        if self.device_planning:
+            wanted["device_planning"] = True
         self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime), wanted)
         if self.force is not None and "force" not in inspect.signature(Runtime.plan).parameters:
             raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
@@ -574,17 +582,41 @@ class RuntimeEngine:
         self.decision = None
 
     def plan(self, step: Step) -> None:
+        if self.device_planning:
+            self.decision = self.rt.plan(*self._device_inputs(step))
+            self._last_seq = step.seq_lens
+            return
         bt = self.layout.block_table(step.rids)
         if self.force is None:
             self.decision = self.rt.plan(step.seq_lens, bt)
         else:
             self.decision = self.rt.plan(step.seq_lens, bt, force=self.force)
 
+    def _device_inputs(self, step: Step):
+        """The step's lengths and block table as int32 tensors on the GPU, as an engine whose
+        scheduler keeps them there has them: uploaded the first time a step is seen (the
+        untimed warm-up pass), reused by the timed passes."""
+        key = id(step)
+        if key not in self._on_device:
+            dev = self.rt.device
+            self._on_device[key] = (
+                torch.as_tensor(np.asarray(step.seq_lens, dtype=np.int32), device=dev),
+                torch.as_tensor(np.ascontiguousarray(self.layout.block_table(step.rids), dtype=np.int32),
+                                device=dev), step)   # step kept alive: its id stays unique
+        return self._on_device[key][:2]
+
     def attend(self, q, k_cache, v_cache, out) -> None:
         self.rt.run(q, k_cache, v_cache, out=out)
 
     def step_info(self):
         d = self.decision
+        if self.device_planning:  # the plan lives on the GPU: the host planner's identical
+            rt = self.rt          # rule gives its splits and counters (off the timed path)
+            p = planner.plan_workqueue(self._last_seq, num_kv_heads=rt.num_kv_heads,
+                                       num_qo_heads=rt.num_qo_heads, head_dim=rt.head_dim,
+                                       dtype_bytes=2, splits=rt.registry.route(d.route).splits,
+                                       cal=rt.calibration)
+            return d.route, tuple(plan_splits(p)), p.counters
         return d.route, tuple(plan_splits(d.plan)), d.plan.counters
 
     def stats(self) -> dict:

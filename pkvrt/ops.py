@@ -224,9 +224,10 @@ def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: boo
 class PlanParams(ctypes.Structure):
     """Mirror of PlanParams in kernels/plan_workqueue.cu."""
     _fields_ = [
-        ("seq_lens", ctypes.c_void_p), ("num_rows", ctypes.c_void_p), ("tasks", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p), ("num_rows", ctypes.c_void_p),
+        ("max_seq_len", ctypes.c_void_p), ("tasks", ctypes.c_void_p),
         ("num_tasks", ctypes.c_void_p), ("split_offsets", ctypes.c_void_p),
-        ("num_splits", ctypes.c_void_p), ("overflow", ctypes.c_void_p),
+        ("num_splits", ctypes.c_void_p), ("status", ctypes.c_void_p),
         ("candidates", ctypes.c_void_p), ("num_candidates", ctypes.c_int),
         ("max_rows", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("min_split_tiles", ctypes.c_int), ("tile_tokens", ctypes.c_int),
@@ -238,13 +239,16 @@ PLAN_MAX_ROWS = 1024
 
 
 def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
-                          overflow, candidates, *, num_kv_heads: int, min_split_tiles: int,
-                          ctas_target: float) -> None:
+                          status, candidates, *, num_kv_heads: int, min_split_tiles: int,
+                          ctas_target: float, max_seq_len=None) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
-    seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows);
+    seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
+    [1] int32 (device; None: no bound beyond int32);
     tasks [capacity, 5]; num_tasks [1]; split_offsets [max_rows+1]; num_splits [max_rows];
-    overflow [1] (set to 1 if the plan needs more than capacity tasks); candidates [n] int32,
+    status [1] int32, written every launch: bit 0 = the plan needs more than capacity tasks
+    (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len] (that row
+    gets no split: nothing reads its block table or writes its output); candidates [n] int32,
     the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
     pkvrt.planner.workqueue_split_counts with ctas_target = workqueue_ctas_per_sm * sm_count.
     """
@@ -257,14 +261,17 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
               f"{tuple(split_offsets.shape)} / {tuple(num_splits.shape)}")
     if not 1 <= candidates.shape[0] <= 64:
         _fail("candidates", "1 to 64 allowed split counts", candidates.shape[0])
+    if max_seq_len is None:
+        max_seq_len = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=dev)
     p = PlanParams()
     p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
     p.num_rows = _int32("num_rows", num_rows, dev, 1)
+    p.max_seq_len = _int32("max_seq_len", max_seq_len, dev, 1)
     p.tasks = _int32("tasks", tasks, dev, 2)
     p.num_tasks = _int32("num_tasks", num_tasks, dev, 1)
     p.split_offsets = _int32("split_offsets", split_offsets, dev, 1)
     p.num_splits = _int32("num_splits", num_splits, dev, 1)
-    p.overflow = _int32("overflow", overflow, dev, 1)
+    p.status = _int32("status", status, dev, 1)
     p.candidates = _int32("candidates", candidates, dev, 1)
     p.num_candidates, p.max_rows, p.num_kv_heads = candidates.shape[0], max_rows, num_kv_heads
     p.min_split_tiles, p.tile_tokens = min_split_tiles, _buildspec.TILE_TOKENS

@@ -52,8 +52,12 @@ class RouteDecision:
     def explain(self) -> str:
         """An aligned table: one line per route with its predicted µs and verdict or reason."""
         names = list(self.predicted_us) + [n for n in self.refused if n not in self.predicted_us]
+        if self.route not in names:
+            names.insert(0, self.route)
         w = max(len("route"), *(len(n) for n in names))
-        lines = [f"step: {self.active} active rows, longest context {self.max_context} tokens"
+        ctx = (f"longest context {self.max_context} tokens" if self.max_context >= 0 else
+               "lengths on the GPU (device planning)")
+        lines = [f"step: {self.active} active rows, {ctx}"
                  + (" (forced)" if self.forced else "")
                  + (" (route reused from an earlier step with the same memo key; predictions "
                     "below are that step's)" if self.reused else ""),
@@ -238,7 +242,7 @@ class Router:
         if key is not None:
             if len(self._memo) >= self.memo_size:
                 del self._memo[next(iter(self._memo))]
-            self._memo[key] = d
+            self._memo[key] = attrs.evolve(d, plan=None)  # a hit re-plans: keep no arrays
         return d
 
     def _plan_for(self, route, seq, block_tables):

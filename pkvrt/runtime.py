@@ -78,6 +78,10 @@ from pkvrt.router import RouteDecision, Router
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 RING = 2    # pinned staging slots
+_NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with use_cuda_graph=True; the Runtime "
+                   "would replay or capture its own graphs inside yours. Build it with "
+                   "use_cuda_graph=False (and device_planning=True) to capture whole steps in your "
+                   "own graph")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -189,6 +193,38 @@ def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pa
                              "past them may be padding)")
         max_id = int(ids.max())
     return StepInput(seq=seq, block_tables=bt, pages=pages, max_pages=max_pages, max_page_id=max_id)
+
+
+_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+def check_device_step(seq_lens, block_tables, *, device, max_batch: int):
+    """Device planning's host checks of a step (O(1): shapes, dtypes, devices, never values, so
+    nothing synchronizes); raise ValueError naming the argument, else ``(seq_lens, block_tables)``
+    as tensors. Values are checked by the planning kernel (Runtime.device_status)."""
+    out = []
+    for name, x, ndim, what in (("seq_lens", seq_lens, 1, "[B]"),
+                                ("block_tables", block_tables, 2, "[B, max_pages]")):
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        if t.dtype not in _INT_DTYPES:
+            raise ValueError(f"Runtime.plan: {name}: expected an integer tensor (int32 on {device} "
+                             f"is fastest), got {t.dtype}")
+        if t.device.type != "cpu" and t.device != device:
+            raise ValueError(f"Runtime.plan: {name}: expected a tensor on {device} (or the CPU), "
+                             f"got {t.device}")
+        if t.dim() != ndim or t.numel() == 0:
+            raise ValueError(f"Runtime.plan: {name}: expected a non-empty {what} tensor, got shape "
+                             f"{tuple(t.shape)}")
+        out.append(t)
+    seq, bt = out
+    b = seq.shape[0]
+    if b > max_batch:
+        raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows: expected at most "
+                         f"max_batch={max_batch} (raise Runtime(max_batch=...))")
+    if bt.shape[0] != b:
+        raise ValueError(f"Runtime.plan: block_tables: expected shape [B={b}, max_pages], got "
+                         f"{tuple(bt.shape)}")
+    return seq, bt
 
 
 def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, num_kv_heads: int,
@@ -359,6 +395,17 @@ class Runtime:
         with this mode hit "illegal memory access" on traces whose steps it sent to FlashInfer
         (bimodal B8, uniform B8, G=1), not yet isolated; the eager FlashInfer route (its
         standard plan/run, as the baseline uses it) is the default until it is.
+    device_planning : build each step's workqueue plan on the GPU (kernels/plan_workqueue.cu)
+        from device-resident seq_lens, instead of routing and planning on the host. ``plan()``
+        then does no work proportional to the batch and never synchronizes: two device copies
+        (lengths, block tables), one fill and one replay of a captured planning graph (an eager
+        launch with graphs off). Every step runs the routes.toml workqueue route (``force=`` may
+        name another workqueue or fused route); FlashInfer and the bucket route are not used. The
+        lengths are checked on the GPU: a row whose seq_len is outside [1, block-table columns *
+        page_size] gets no work (its output row is not computed) and sets a flag that
+        :meth:`device_status` reports. With ``use_cuda_graph=False`` plan() and run() are
+        capturable, so an engine can capture a whole step (all layers) in its own CUDA graph and
+        replay it with new lengths (same batch size) and no host planning at all.
 
     Raises
     ------
@@ -371,8 +418,12 @@ class Runtime:
                  max_batch: int = 256, max_pages_per_row: int = 8192, use_cuda_graph: bool = True,
                  max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
                  flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
-                 flashinfer_cuda_graph: bool = False, decision_memo: int = 4096):
+                 flashinfer_cuda_graph: bool = False, decision_memo: int = 4096,
+                 device_planning: bool = False):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        if device_planning and max_batch > ops.PLAN_MAX_ROWS:
+            raise ValueError(f"Runtime: max_batch={max_batch}: device_planning plans at most "
+                             f"{ops.PLAN_MAX_ROWS} rows (one planning CTA)")
         for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Runtime: {name}={v!r}: expected a positive integer")
@@ -384,8 +435,18 @@ class Runtime:
         self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
         self.use_cuda_graph, self.validate, self.sm_scale = bool(use_cuda_graph), bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
+        self.device_planning = bool(device_planning)
+        self._dp_routes = {r.name: r for r in self.registry.routes if r.kind in ("workqueue", "fused")}
+        if self.device_planning:
+            if not self._dp_routes:
+                raise ValueError(f"{self.registry.path}: device_planning needs a route of kind "
+                                 "'workqueue' or 'fused'; there is none")
+            default = [r for r in self._dp_routes.values() if r.kind == "workqueue" and not r.ablation]
+            self._dp_default = (default or list(self._dp_routes.values()))[0].name
+            flashinfer = False  # device planning runs the PersistentKV workqueue routes only
 
         self.device = _resolve_device(device)
+        self._cuda = self.device.type == "cuda"
 
         with torch.cuda.device(self.device):
             if isinstance(calibration, Calibration):
@@ -399,7 +460,9 @@ class Runtime:
                                  page_size=self.page_size, dtype_bytes=2, graphs=self.use_cuda_graph,
                                  memo_size=decision_memo)
             self._load_kernels()
-            self._fi_reason = "disabled: Runtime(flashinfer=False)" if not flashinfer else None
+            self._fi_reason = None if flashinfer else (
+                "disabled: Runtime(device_planning=True)" if self.device_planning
+                else "disabled: Runtime(flashinfer=False)")
             fi_mod = None
             if flashinfer:
                 fi_mod, self._fi_reason = fi_route.load_flashinfer()
@@ -426,6 +489,8 @@ class Runtime:
                                   RuntimeWarning, stacklevel=2)
             self._side = torch.cuda.Stream(self.device)
             self._pool = torch.cuda.graph_pool_handle()
+            if self.device_planning:
+                self._alloc_device_planning()
         self._seen = graphs.SeenKeys(4 * max_graphs)
         self._ring_next = 0
         self._step: _Step | None = None
@@ -495,7 +560,40 @@ class Runtime:
             self._graphs.clear()
             self._counts["regrowths"] += 1
 
+    def _alloc_device_planning(self) -> None:
+        """Buffers of device-side planning: lengths over the padded batch, active rows, the
+        planner's split counts and status word, and each workqueue route's allowed split counts."""
+        dev, gmax = self.device, graphs.padded_batch(self.max_batch)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self._d_seq = torch.zeros(gmax, **i32)
+        self._d_rows = torch.zeros(1, **i32)
+        self._d_max_seq = torch.zeros(1, **i32)
+        self._d_scalars = (0, 0)   # host copy of (_d_rows, _d_max_seq) ...
+        self._d_scalars_cached = True   # ... valid until an engine captures a plan()
+        self._d_num_splits = torch.zeros(gmax, **i32)
+        self._d_status = torch.zeros(1, **i32)
+        self._d_cands = {n: torch.tensor(r.splits.candidates(), **i32) for n, r in self._dp_routes.items()}
+        self._dp_grid: dict[tuple[str, int], int] = {}
+        self._dp_refused: dict[str, dict[str, str]] = {}
+
+    def _device_grid_tasks(self, route, gbatch: int) -> int:
+        """Grid (task slots) of a device-planned step on ``gbatch`` padded rows: the most tasks
+        the planner's rule gives any active batch b in (gbatch/2, gbatch] (rows capped by short
+        contexts only get fewer), so every such step replays one graph."""
+        key = (route.name, gbatch)
+        if key not in self._dp_grid:
+            cal, hkv = self.calibration, self.num_kv_heads
+            target = cal.splits.workqueue_ctas_per_sm * cal.sm_count
+            self._dp_grid[key] = max(
+                b * hkv * route.splits.clamp(int(np.ceil(np.float32(target) / np.float32(b * hkv))))
+                for b in range(gbatch // 2 + 1, gbatch + 1))
+        return self._dp_grid[key]
+
     # -- planning --------------------------------------------------------------------------
+
+    def _capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (an engine's)."""
+        return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def plan(self, seq_lens, block_tables, *, force: str | None = None) -> RouteDecision:
         """Choose this step's route and upload its metadata. Call once per decode step.
@@ -519,7 +617,21 @@ class Runtime:
         ------
         ValueError naming the argument (seq_lens, block_tables, force); the runtime's state is
         unchanged then (the previous plan stays in effect).
+
+        With ``device_planning``: seq_lens [B] and block_tables [B, W] are best int32 tensors on
+        the Runtime's device (CPU tensors work, as a host-to-device copy); only their shapes,
+        dtypes and devices are checked on the host, the lengths on the GPU (:meth:`device_status`).
         """
+        if self._capturing():
+            if not self.device_planning:
+                raise RuntimeError("Runtime.plan: called during CUDA-graph capture; host planning "
+                                   "stages the plan in host memory and cannot be captured. Build the "
+                                   "Runtime with device_planning=True, use_cuda_graph=False to "
+                                   "capture whole steps in your own graph")
+            if self.use_cuda_graph:
+                raise RuntimeError(_NESTED_CAPTURE.format("plan"))
+        if self.device_planning:
+            return self._plan_on_device(seq_lens, block_tables, force)
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
         d = decide(self.router, step.seq, step.block_tables, force=force,
@@ -546,6 +658,88 @@ class Runtime:
         self.last_decision = d
         self._counts["plans"] += 1
         return d
+
+    def _plan_on_device(self, seq_lens, block_tables, force: str | None) -> RouteDecision:
+        """plan() with device-side planning (see the constructor's ``device_planning``)."""
+        name = self._dp_default if force is None else force
+        route = self._dp_routes.get(name)
+        if route is None:
+            raise ValueError(f"Runtime.plan: force={force!r}: with device_planning expected one of "
+                             f"the workqueue/fused routes {sorted(self._dp_routes)}")
+        seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
+                                    max_batch=self.max_batch)
+        b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
+        grid = self._device_grid_tasks(route, gb)
+        need = Capacities(slots=gb * route.splits.max, tasks=grid)
+        if need.slots > self._cap.slots or need.tasks > self._cap.tasks:
+            self._alloc(Capacities(slots=grow(self._cap.slots, need.slots),
+                                   tasks=grow(self._cap.tasks, need.tasks)))
+        w = min(bt.shape[1], self.max_pages_per_row)
+        self._d_seq[:b].copy_(seq, non_blocking=True)
+        self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
+        scalars = (b, w * self.page_size)
+        if self._capturing():
+            # An engine captures this step into its own graph: its replays rewrite the device
+            # scalars behind the host's back, so from now on they are written every step.
+            self._d_scalars_cached = False
+        if not self._d_scalars_cached:
+            self._d_rows.fill_(b)
+            self._d_max_seq.fill_(scalars[1])
+        elif scalars != self._d_scalars:  # rewritten only when they change (a fill each)
+            if scalars[0] != self._d_scalars[0]:
+                self._d_rows.fill_(b)
+            if scalars[1] != self._d_scalars[1]:
+                self._d_max_seq.fill_(scalars[1])
+            self._d_scalars = scalars
+        key = ("device-plan", route.name, gb, grid, self._generation)
+        launch = lambda: self._launch_device_plan(route, gb, grid)  # noqa: E731
+        if not self.use_cuda_graph:
+            launch()
+        elif (e := self._graphs.get(key)) is not None:
+            e.graph.replay()
+            self._counts["replays"] += 1
+        else:
+            self._capture(key, launch)
+        self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
+                           max_page_id=-1)
+        others = self._dp_refused.setdefault(route.name, {
+            r.name: f"device_planning runs {route.name} every step (no host routing)"
+            for r in self.registry.routes if r.name != route.name})
+        self.last_decision = RouteDecision(route=route.name, kind=route.kind, plan=None,
+                                           predicted_us={}, refused=others, speedup=1.0, active=b,
+                                           max_context=-1, forced=force is not None)
+        self._counts["plans"] += 1
+        return self.last_decision
+
+    def _launch_device_plan(self, route, gbatch: int, grid: int) -> None:
+        L, cal = self._layout, self.calibration
+        ops.plan_workqueue_device(
+            self._d_seq[:gbatch], self._d_rows,
+            self._arena[L.tasks:L.tasks + 5 * grid].view(grid, 5),
+            self._v_num_tasks, self._arena[L.split_offsets:L.split_offsets + gbatch + 1],
+            self._d_num_splits[:gbatch], self._d_status, self._d_cands[route.name],
+            num_kv_heads=self.num_kv_heads,
+            min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
+            ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count, max_seq_len=self._d_max_seq)
+
+    def device_status(self, *, raise_on_error: bool = True) -> int:
+        """The device planner's status word of the last planned step (synchronizes the stream):
+        0 = fine; bit 0 = task capacity exceeded (cannot happen with the runtime's own sizing);
+        bit 1 = a row's seq_len was outside [1, block-table columns * page_size] and its output
+        row was not computed. Raises RuntimeError on a nonzero word unless ``raise_on_error`` is
+        False. Only meaningful with ``device_planning``."""
+        if not self.device_planning:
+            raise RuntimeError("Runtime.device_status: only with Runtime(device_planning=True)")
+        word = int(self._d_status.item())
+        if word and raise_on_error:
+            what = []
+            if word & 2:
+                what.append("a row's seq_len was outside [1, block_tables columns * page_size]: "
+                            "that row got no work and its output row was not computed")
+            if word & 1:
+                what.append("the plan needed more tasks than the grid holds")
+            raise RuntimeError("Runtime.device_status: " + "; ".join(what))
+        return word
 
     def _stage_persistentkv(self, s: _Staging, d: RouteDecision, step: StepInput):
         L, a, b = self._layout, s.arena_np, step.seq.size
@@ -624,6 +818,8 @@ class Runtime:
                        dtype=self.dtype, device=self.device, max_page_id=st.max_page_id)
         if out is None:
             out = torch.empty_like(q)
+        if self.use_cuda_graph and self._capturing():
+            raise RuntimeError(_NESTED_CAPTURE.format("run"))
         if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
             self._launch(st, q, k_cache, v_cache, out)
             self._counts["eager_runs"] += 1
@@ -687,7 +883,8 @@ class Runtime:
             self._fi.run(q, k_cache, v_cache, out)
             return
         views = self._views(st)
-        pa, pm, seq, bt = self._part_a, self._part_ml, self._v_seq, self._bt
+        seq = self._d_seq if self.device_planning else self._v_seq
+        pa, pm, bt = self._part_a, self._part_ml, self._bt
         if st.kind == "bucket":
             for rows, s, moffs in views:
                 ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale)
@@ -712,7 +909,8 @@ class Runtime:
         lines = [f"pkvrt.Runtime: H_q={self.num_qo_heads} H_kv={self.num_kv_heads} D={self.head_dim} "
                  f"page={self.page_size} {str(self.dtype).replace('torch.', '')}; "
                  f"{'CUDA graphs' if self.use_cuda_graph else 'eager launches'}; calibration "
-                 f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}",
+                 f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
+                 + ("; device planning (split counts built on the GPU)" if self.device_planning else ""),
                  "flashinfer: " + ("available" + (" (tensor cores)" if self._fi.tensor_cores else " (CUDA cores)")
                                    if self._fi is not None else
                                    f"unavailable ({self._fi_reason}); steps the policy sends to it run "

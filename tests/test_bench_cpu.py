@@ -82,7 +82,7 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
                                      "flashinfer, flashinfer-cuda, flashinfer-tc, "
-                                     "flashinfer-graph, adaptive, "
+                                     "flashinfer-graph, adaptive, device-plan, "
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),
     (["--trace", "no/such.csv"], "--trace 'no/such.csv': expected a family"),

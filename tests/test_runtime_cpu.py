@@ -566,6 +566,40 @@ class Emu:
                 out[row] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
 
 
+    def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
+                              status, candidates, *, num_kv_heads, min_split_tiles, ctas_target,
+                              max_seq_len):
+        """The planning kernel's rule written out again (snap want to the nearest candidate,
+        ties smaller; cap by tiles / min_split_tiles), tasks in row order."""
+        self.launches += 1
+        cands, max_rows = candidates.tolist(), seq_lens.shape[0]
+        rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
+        want = math.ceil(ctas_target / (rows * num_kv_heads))
+        snapped = min(cands, key=lambda c: (abs(c - want), c))
+        splits, bad = [0] * max_rows, False
+        for r in range(rows):
+            n = int(seq_lens[r])
+            if not 1 <= n <= max_len:
+                bad = True
+                continue
+            cap = max(1, -(-n // TILE) // min_split_tiles)
+            splits[r] = min(snapped, max([c for c in cands if c <= cap], default=cap))
+        offs = np.concatenate([[0], np.cumsum(splits)])
+        split_offsets[:] = torch.as_tensor(offs, dtype=torch.int32)
+        num_splits[:] = torch.as_tensor(splits, dtype=torch.int32)
+        t = []
+        for r in range(rows):
+            n, s = int(seq_lens[r]), splits[r]
+            tiles = -(-n // TILE)
+            for j in range(s):
+                b, e = j * tiles // s * TILE, min(n, (j + 1) * tiles // s * TILE)
+                t += [[r, h, j, b, e] for h in range(num_kv_heads)]
+        num_tasks[0] = min(len(t), tasks.shape[0])
+        if t:
+            tasks[:num_tasks[0]] = torch.as_tensor(t[:tasks.shape[0]], dtype=torch.int32)
+        status[0] = (len(t) > tasks.shape[0]) | (2 if bad else 0)
+
+
 class ReplayGraph:
     def __init__(self, launch):
         self.launch, self.resets = launch, 0
@@ -601,7 +635,7 @@ def fake_device(monkeypatch):
         return graphs.GraphEntry(ReplayGraph(launch), nodes=1, mem_bytes=0)
 
     monkeypatch.setattr(graphs, "capture", capture)
-    for name in ("split_decode", "merge", "workqueue_decode"):
+    for name in ("split_decode", "merge", "workqueue_decode", "plan_workqueue_device"):
         monkeypatch.setattr(ops, name, getattr(emu, name))
     return emu
 
@@ -803,3 +837,52 @@ def test_fake_device_without_flashinfer_warns_and_explains(fake_device, pool, mo
     assert rel_err(rt.run(q, b.k_cache, b.v_cache), ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
     with pytest.raises(ValueError, match="force='flashinfer'"):
         rt.plan(seq, bt, force="flashinfer")
+
+
+def test_flashinfer_route_waits_for_a_wrappers_last_plan_copy_before_replanning(monkeypatch):
+    """FlashInfer's plan() copies its schedule from a per-wrapper pinned buffer asynchronously;
+    re-planning the same wrapper before that copy ran hands a step another step's schedule (the
+    illegal memory access of the 2026-11-29 graph-mode serving runs). The route must wait on an
+    event recorded after the wrapper's previous plan, and only that wrapper's."""
+    log = []
+
+    class Ev:
+        n = 0
+
+        def __init__(self):
+            Ev.n += 1
+            self.id = Ev.n
+
+        def record(self):
+            log.append(("record", self.id))
+
+        def synchronize(self):
+            log.append(("sync", self.id))
+
+    class Wrapper:
+        def __init__(self, *a, **kw):
+            self.batch = None if "paged_kv_last_page_len_buffer" not in kw else \
+                kw["paged_kv_last_page_len_buffer"].shape[0]
+
+        def plan(self, indptr, indices, last, *a, **kw):
+            log.append(("plan", last.shape[0]))
+
+    monkeypatch.setattr(torch.cuda, "Event", Ev)
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper)
+    for graph_mode in (True, False):
+        log.clear()
+        route = fi_route.FlashInferRoute(
+            fake, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float16,
+            device=torch.device("cpu"), sm_scale=None, tensor_cores=True, cuda_graph=graph_mode,
+            indices_buffer=torch.zeros(64, dtype=torch.int32))
+        ip, idx = torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+        route.plan(ip, idx, torch.zeros(2, dtype=torch.int32))
+        route.plan(ip[:2], idx, torch.zeros(1, dtype=torch.int32))
+        route.plan(ip, idx, torch.zeros(2, dtype=torch.int32))
+        first, other = log[1][1], log[3][1]
+        if graph_mode:   # one wrapper (and event) per batch size: B2's event waited on, not B1's
+            assert log == [("plan", 2), ("record", first), ("plan", 1), ("record", other),
+                           ("sync", first), ("plan", 2), ("record", first)]
+        else:            # one eager wrapper: every re-plan waits
+            assert log == [("plan", 2), ("record", first), ("sync", first), ("plan", 1),
+                           ("record", first), ("sync", first), ("plan", 2), ("record", first)]

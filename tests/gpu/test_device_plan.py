@@ -97,3 +97,28 @@ def test_plan_decode_merge_in_one_graph_with_changing_lengths():
         ref = reference.decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.seq_lens,
                                          batch.block_tables)
         assert rel_err(out, ref) < 2e-3
+
+
+def test_device_plan_flags_lengths_outside_the_block_table():
+    """Rows with seq_len 0 or beyond max_seq_len get no split and set status bit 1; the others
+    still get their splits."""
+    seq = np.array([4000, 0, 700, 4097, 33], dtype=np.int32)
+    splits = load_routes().route("pkv_workqueue").splits
+    cal = find_calibration(torch.cuda.get_device_name())
+    bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
+    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
+    seq_dev[: len(seq)] = torch.as_tensor(seq)
+    rows = torch.tensor([len(seq)], dtype=torch.int32, device="cuda")
+    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
+    max_len = torch.tensor([4096], dtype=torch.int32, device="cuda")
+    ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
+                              bufs["num_splits"], bufs["overflow"], cand, num_kv_heads=H_KV,
+                              min_split_tiles=-(-cal.splits.min_split_tokens // 32),
+                              ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count,
+                              max_seq_len=max_len)
+    torch.cuda.synchronize()
+    assert bufs["overflow"].item() == 2
+    got = bufs["num_splits"].cpu().numpy()[: len(seq)]
+    assert got[1] == 0 and got[3] == 0 and (got[[0, 2, 4]] > 0).all()
+    n = bufs["num_tasks"].item()
+    assert not np.isin(bufs["tasks"].cpu().numpy()[:n, 0], [1, 3]).any()

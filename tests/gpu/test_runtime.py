@@ -147,6 +147,33 @@ def test_default_flashinfer_route_runs_eagerly_inside_a_graph_runtime(pool):
     assert s["captures"] == 0 and s["eager_runs"] == len(STEPS)
 
 
+@pytest.mark.parametrize("graph_mode", [True, False], ids=["fi-graph", "fi-eager"])
+def test_flashinfer_route_with_the_host_running_ahead(pool, graph_mode):
+    """Steps planned and run while the GPU is still busy (a spin kernel in front), synchronized
+    only at the end: every step's output must be its own. Without the route's wait on a
+    wrapper's previous plan copy, FlashInfer's pinned schedule buffer is rewritten under the
+    pending copy and a step runs another step's schedule (fi_route.FlashInferRoute.plan)."""
+    if FI_MODULE is None:
+        pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    b, caches = pool
+    rt = runtime(flashinfer_cuda_graph=graph_mode)
+    plan_steps = [([0, 2, 3, 5], 0), ([0, 2, 3, 4], 0), ([0, 2, 3, 5], 9), ([1, 3, 4, 5], 2)] * 2
+    for rows, short in plan_steps[:2]:   # warm-up: wrappers built, graphs captured
+        seq, bt, q = step_inputs(b, rows, short, seed=1)
+        rt.plan(seq, bt, force="flashinfer")
+        rt.run(q, *caches[0], out=torch.empty_like(q))
+    torch.cuda.synchronize()
+    outs = []
+    torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time: the host runs far ahead
+    for i, (rows, short) in enumerate(plan_steps):
+        seq, bt, q = step_inputs(b, rows, short, seed=90 + i)
+        rt.plan(seq, bt, force="flashinfer")
+        outs.append((rt.run(q, *caches[0], out=torch.full_like(q, float("nan"))), q, seq, bt))
+    torch.cuda.synchronize()
+    for i, (out, q, seq, bt) in enumerate(outs):
+        check(out, q, caches[0], seq, bt, f"step {i} planned ahead of the GPU")
+
+
 def test_graph_count_stays_bounded_over_many_steps():
     lens = [2000, 1500, 700, 300, 64, 1]
     b = make_batch(lens, **SHAPE, dtype=torch.float16, seed=7)

@@ -1,0 +1,182 @@
+"""Host cost of a decode step (issue #5): pkvrt.Runtime per route, graphs vs eager, host vs
+device-side planning, next to FlashInfer's own plan()+run(), in one process.
+
+Each engine runs `steps` decode steps whose lengths grow by one token a step (block tables fixed,
+50 % holes, the seed shape H_q=32, H_kv=8, D=128, fp16, page 16), each step = plan() once + run()
+for each of `layers` layers. Measured per step (medians):
+
+* plan_us   host time of plan() (perf_counter around the call; nothing synchronizes)
+* run_us    host time of one run() (a graph replay, or the eager launches)
+* host_us   plan_us + layers * run_us as measured together (enqueue time of the whole step)
+* gpu_us    device time of the step (CUDA events behind a spin kernel that covers the host
+            enqueue, the harness's CudaClock: no host gaps inside)
+* wall_us   plan + runs + torch.cuda.synchronize, from an idle GPU (serialized host + device)
+* over_us   wall_us - gpu_us: what the host adds to a step that waits for its result
+
+The device-planning engine gets its lengths as int32 CUDA tensors (uploaded before the timed
+loop, as an engine that keeps them on the GPU has them); every other engine gets host numpy.
+
+usage: python benches/host_cost.py [--out benches/results/h200/host-cost.json] [--steps 200]
+       [--layers 1,32] [--cases B1-32K,B8-bimodal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CASES = {
+    "B1-32K": [32768],
+    "B4-32K": [32768] * 4,
+    "B8-bimodal": [32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584],
+}
+SEED = 20260623
+
+
+def engines(fi_available: bool):
+    """(name, Runtime kwargs or None for raw FlashInfer, force, device lengths)."""
+    out = []
+    for graphs in (True, False):
+        tag = "graphs" if graphs else "eager"
+        for force in ("pkv_bucket", "pkv_workqueue", "pkv_fused", None):
+            out.append((f"runtime-{force or 'adaptive'}-{tag}", dict(use_cuda_graph=graphs), force, False))
+        out.append((f"runtime-device-plan-{tag}", dict(use_cuda_graph=graphs, device_planning=True),
+                    None, True))
+    if fi_available:
+        out.append(("runtime-flashinfer-eager", dict(use_cuda_graph=True), "flashinfer", False))
+        out.append(("flashinfer-raw", None, None, False))
+    return out
+
+
+class RawFlashInfer:
+    """FlashInfer's wrapper used directly, as the serving baseline uses it: CSR into pinned host
+    buffers, plan() with host indptr/last_page_len, run() per layer (tensor cores, G=4)."""
+
+    def __init__(self, max_batch, max_pages):
+        import flashinfer
+        import torch
+
+        ws = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
+        self.w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True)
+        pin = dict(dtype=torch.int32, pin_memory=True)
+        self.indptr = torch.zeros(max_batch + 1, **pin)
+        self.indices = torch.zeros(max_batch * max_pages, **pin)
+        self.last = torch.zeros(max_batch, **pin)
+
+    def plan(self, seq, bt, force=None):
+        import torch
+
+        from pkvrt.pagetable import to_csr
+
+        indptr, indices, last = to_csr(seq, bt, 16)
+        b, nnz = len(last), len(indices)
+        self.indptr.numpy()[:b + 1] = indptr
+        self.indices.numpy()[:nnz] = indices
+        self.last.numpy()[:b] = last
+        self.w.plan(self.indptr[:b + 1], self.indices[:nnz], self.last[:b], 32, 8, 128, 16,
+                    q_data_type=torch.float16, kv_data_type=torch.float16)
+
+    def run(self, q, k, v, out=None):
+        return self.w.run(q, (k, v), out=out)
+
+
+def measure(eng, steps_in, batch, layers: int, clock) -> dict:
+    import torch
+
+    q, k, v = batch.q, batch.k_cache, batch.v_cache
+    out = torch.empty_like(q)
+
+    def step(i):
+        seq, bt, force = steps_in[i]
+        t0 = time.perf_counter()
+        eng.plan(seq, bt, force=force)
+        t1 = time.perf_counter()
+        for _ in range(layers):
+            eng.run(q, k, v, out=out)
+        return t0, t1, time.perf_counter()
+
+    for i in range(min(20, len(steps_in))):  # warm-up: captures, FlashInfer JIT, memo
+        step(i)
+    torch.cuda.synchronize()
+    plan_us, run_us, host_us, walls, gpus = [], [], [], [], []
+    for i in range(len(steps_in)):
+        torch.cuda.synchronize()
+        t0, t1, t2 = step(i)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        plan_us.append((t1 - t0) * 1e6)
+        run_us.append((t2 - t1) * 1e6 / layers)
+        host_us.append((t2 - t0) * 1e6)
+        walls.append((t3 - t0) * 1e6)
+    cover = 2 * statistics.median(host_us) + 200
+    for i in range(len(steps_in)):
+        clock.sync()
+        token = clock.start(cover)
+        step(i)
+        gpus.append(clock.stop(token))
+    med = statistics.median
+    row = dict(plan_us=med(plan_us), run_us=med(run_us), host_us=med(host_us), wall_us=med(walls),
+               gpu_us=med(gpus))
+    row["over_us"] = row["wall_us"] - row["gpu_us"]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benches/results/h200/host-cost.json")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--layers", default="1,32")
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from paged import make_batch
+
+    from pkvrt import fi_route, results
+    from pkvrt.harness import CudaClock
+    from pkvrt.runtime import Runtime
+
+    fi_mod, fi_reason = fi_route.load_flashinfer()
+    clock = CudaClock()
+    rows = []
+    layers_list = [int(x) for x in args.layers.split(",")]
+    for case in args.cases.split(","):
+        lens = CASES[case]
+        # lengths grow by one a step: the batch is built for the longest step
+        batch = make_batch([n + args.steps for n in lens], seed=SEED)
+        bt = batch.block_tables.cpu().numpy()
+        host_steps = [np.array(lens, dtype=np.int32) + i for i in range(args.steps)]
+        dev_steps = [torch.as_tensor(s, device="cuda") for s in host_steps]
+        bt_dev = batch.block_tables.to(torch.int32)
+        for name, kw, force, on_device in engines(fi_mod is not None):
+            if kw is None:
+                eng = RawFlashInfer(len(lens), bt.shape[1])
+            else:
+                eng = Runtime(32, 8, 128, 16, torch.float16, max_batch=max(8, len(lens)),
+                              max_pages_per_row=bt.shape[1], validate=False, **kw)
+            steps_in = [(d, bt_dev, force) if on_device else (h, bt, force)
+                        for h, d in zip(host_steps, dev_steps)]
+            for layers in layers_list:
+                r = measure(eng, steps_in, batch, layers, clock)
+                route = getattr(getattr(eng, "last_decision", None), "route", "flashinfer")
+                rows.append(dict(case=case, engine=name, layers=layers, route=route, **r))
+                print(f"{case:11s} {name:32s} L{layers:<3d} plan {r['plan_us']:7.1f}  run {r['run_us']:6.1f}"
+                      f"  host {r['host_us']:8.1f}  gpu {r['gpu_us']:8.1f}  wall {r['wall_us']:8.1f}"
+                      f"  over {r['over_us']:7.1f} us  ({route})", flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    meta = results.make_meta(seeds=[SEED], routes_path=Path("routes.toml").resolve(),
+                             steps=args.steps, flashinfer_unavailable=fi_reason)
+    results.write_results(args.out, meta, rows)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

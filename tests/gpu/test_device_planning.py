@@ -1,0 +1,113 @@
+"""Runtime(device_planning=True) on the GPU: split counts and tasks built by the planning kernel
+from device-resident lengths give the host-planned workqueue route's output bit for bit, over
+steps whose rows join and leave; a whole multi-layer step captured in an engine's own CUDA graph
+replays correctly with new lengths; bad lengths are flagged, not read."""
+
+from __future__ import annotations
+
+import torch
+
+import pytest
+from test_runtime import POOL_LENS, SHAPE, STEPS, check, pool, step_inputs  # noqa: F401
+
+from pkvrt.runtime import Runtime
+
+pytestmark = pytest.mark.gpu
+
+
+def dev(x):
+    return torch.as_tensor(x, device="cuda")
+
+
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("force", [None, "pkv_fused"])
+def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa: F811
+    b, caches = pool
+    kw = dict(max_batch=8, max_pages_per_row=b.block_tables.shape[1], use_cuda_graph=use_graphs)
+    rt_dev = Runtime(*SHAPE.values(), torch.float16, device_planning=True, **kw)
+    rt_host = Runtime(*SHAPE.values(), torch.float16, flashinfer=False, **kw)
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=i)
+        rt_dev.plan(dev(seq), dev(bt), force=force)
+        rt_host.plan(seq, bt, force=force or "pkv_workqueue")
+        for layer, cache in enumerate(caches):
+            out = rt_dev.run(q, *cache, out=torch.full_like(q, float("nan")))
+            check(out, q, cache, seq, bt, f"device planning step {i} layer {layer}")
+            host = rt_host.run(q, *cache, out=torch.empty_like(q))
+            assert torch.equal(out, host), f"step {i} layer {layer}: differs from host planning"
+        assert rt_dev.device_status() == 0
+    if use_graphs:
+        assert rt_dev.stats()["replays"] > 0
+
+
+def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool):  # noqa: F811
+    """plan() + run() for 4 layers inside the engine's own torch.cuda.graph (graphs off in the
+    Runtime, so every launch lands in the engine's graph); lengths change between replays."""
+    b, caches = pool
+    rows = [0, 1, 2, 3]
+    rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, use_cuda_graph=False,
+                 max_batch=8, max_pages_per_row=b.block_tables.shape[1])
+    seq0, bt, q = step_inputs(b, rows, 40, seed=7)
+    seq_dev, bt_dev = dev(seq0), dev(bt)
+    layers = [caches[i % 2] for i in range(4)]
+    outs = [torch.empty_like(q) for _ in layers]
+
+    def step():
+        rt.plan(seq_dev, bt_dev)
+        for cache, out in zip(layers, outs):
+            rt.run(q, *cache, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                      # warm-up: loads kernels, sizes buffers
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for short in (40, 17, 3, 0):     # no host planning between replays: only the lengths move
+        seq = [max(1, POOL_LENS[r] - short) for r in rows]
+        seq_dev.copy_(torch.tensor(seq, dtype=seq_dev.dtype))
+        for out in outs:
+            out.fill_(float("nan"))
+        g.replay()
+        for layer, (cache, out) in enumerate(zip(layers, outs)):
+            check(out, q, cache, seq, bt, f"engine graph short={short} layer {layer}")
+    assert rt.device_status() == 0
+
+
+def test_bad_lengths_are_flagged_and_never_read(pool):  # noqa: F811
+    b, caches = pool
+    rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, max_batch=8,
+                 max_pages_per_row=b.block_tables.shape[1])
+    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=3)
+    bad = seq.copy()
+    bad[1] = bt.shape[1] * SHAPE["page_size"] + 1
+    rt.plan(dev(bad), dev(bt))
+    rt.static_q(3).copy_(q)
+    rt.static_out(3).fill_(7.0)
+    out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
+    torch.cuda.synchronize()
+    assert torch.all(out[1] == 7.0)
+    check(out[[0, 2]].contiguous(), q[[0, 2]].contiguous(), caches[0], seq[[0, 2]], bt[[0, 2]],
+          "rows around a flagged row")
+    assert rt.device_status(raise_on_error=False) == 2
+    with pytest.raises(RuntimeError, match="outside"):
+        rt.device_status()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(device_planning=False, use_cuda_graph=False), "host planning .* cannot be captured"),
+    (dict(device_planning=True, use_cuda_graph=True), "use_cuda_graph=True"),
+])
+def test_capturing_plan_in_an_engine_graph_needs_device_planning_without_runtime_graphs(pool, kw, match):  # noqa: F811
+    b, caches = pool
+    rt = Runtime(*SHAPE.values(), torch.float16, max_batch=8, flashinfer=False,
+                 max_pages_per_row=b.block_tables.shape[1], **kw)
+    seq, bt, _ = step_inputs(b, [0, 1], 0, seed=1)
+    args = (dev(seq), dev(bt)) if kw["device_planning"] else (seq, bt)
+    rt.plan(*args)   # warm-up outside capture works
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=match):
+        with torch.cuda.graph(g):
+            rt.plan(*args)

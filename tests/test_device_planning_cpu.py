@@ -1,0 +1,151 @@
+"""Runtime(device_planning=True) on the fake device (CPU): the planning kernel is emulated by an
+independent write-out of its rule (test_runtime_cpu.Emu.plan_workqueue_device), so these tests
+check the Runtime's side: buffers, graph keys, checks, status word, and that its outputs equal
+the host-planned workqueue route's. The kernel itself is checked against the host planner on
+the H200 (tests/gpu/test_device_plan.py, tests/gpu/test_runtime.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from pkvrt import graphs, ops
+from pkvrt.runtime import check_device_step
+from test_runtime_cpu import (STEPS, fake_device, fake_runtime, pool, ref, rel_err,  # noqa: F401
+                              step_inputs)
+
+
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("force", [None, "pkv_fused"])
+def test_device_planning_matches_reference_and_host_planning(fake_device, pool, use_graphs, force):  # noqa: F811
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    dev = fake_runtime(use_cuda_graph=use_graphs, device_planning=True)
+    host = fake_runtime(use_cuda_graph=use_graphs)
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=i)
+        d = dev.plan(torch.as_tensor(seq), torch.as_tensor(bt), force=force)
+        assert d.route == (force or "pkv_workqueue") and d.forced == (force is not None)
+        out = dev.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, i
+        host.plan(seq, bt, force=force or "pkv_workqueue")
+        # same split rule, same per-split arithmetic: bit-identical to host planning
+        assert torch.equal(out, host.run(q, *cache, out=torch.empty_like(q))), i
+        assert dev.device_status() == 0
+    s = dev.stats()
+    assert s["plans"] == len(STEPS) and s["h2d_copies"] == 0
+    if use_graphs:  # one planning graph per padded batch, replayed on later steps
+        assert s["replays"] > 0 and s["graphs"] <= s["max_graphs"]
+
+
+def test_device_planning_grid_covers_every_batch_of_its_padded_size(fake_device):  # noqa: F811
+    rt = fake_runtime(device_planning=True)
+    route = rt.registry.route("pkv_workqueue")
+    cal = rt.calibration
+    for gb in (1, 2, 4, 8):
+        grid = rt._device_grid_tasks(route, gb)
+        for b in range(gb // 2 + 1, gb + 1):
+            want = -(-cal.splits.workqueue_ctas_per_sm * cal.sm_count // (b * rt.num_kv_heads))
+            assert b * rt.num_kv_heads * route.splits.clamp(int(want)) <= grid
+
+
+def test_device_planning_flags_bad_lengths_and_skips_their_rows(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True)
+    seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=3)
+    bad = seq.copy()
+    bad[1] = bt.shape[1] * 16 + 1       # beyond the block table's columns
+    rt.plan(torch.as_tensor(bad), torch.as_tensor(bt))
+    rt.static_q(3).copy_(q)
+    rt.static_out(3).fill_(7.0)
+    out = rt.run(rt.static_q(3), *cache, out=rt.static_out(3))
+    want = ref(q, cache, seq, bt)
+    assert rel_err(out[[0, 2]], want[[0, 2]]) < 2e-3
+    assert torch.all(out[1] == 7.0)     # the flagged row was not computed (nothing written)
+    assert rt.device_status(raise_on_error=False) == 2
+    with pytest.raises(RuntimeError, match="seq_len was outside"):
+        rt.device_status()
+    bad[1] = 0
+    rt.plan(torch.as_tensor(bad), torch.as_tensor(bt))
+    assert rt.device_status(raise_on_error=False) == 2
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))  # the word is rewritten every step
+    assert rt.device_status() == 0
+
+
+@pytest.mark.parametrize("seq, bt, match", [
+    (torch.tensor([5.0]), torch.zeros(1, 4, dtype=torch.int32), r"seq_lens: expected an integer tensor"),
+    (torch.tensor([[5]]), torch.zeros(1, 4, dtype=torch.int32), r"seq_lens: expected a non-empty \[B\]"),
+    (torch.tensor([], dtype=torch.int32), torch.zeros(0, 4, dtype=torch.int32), r"seq_lens: expected a non-empty"),
+    (torch.tensor([5, 6]), torch.zeros(3, 4, dtype=torch.int32), r"block_tables: expected shape \[B=2"),
+    (torch.tensor([5, 6]), torch.zeros(2, 4), r"block_tables: expected an integer tensor"),
+    (torch.tensor([5, 6]), torch.zeros(8, dtype=torch.int32), r"block_tables: expected a non-empty \[B, max_pages\]"),
+    (torch.ones(9, dtype=torch.int32), torch.zeros(9, 4, dtype=torch.int32), r"batch of 9 rows: expected at most max_batch=8"),
+])
+def test_device_step_checks_name_the_argument(seq, bt, match):
+    with pytest.raises(ValueError, match=match):
+        check_device_step(seq, bt, device=torch.device("cpu"), max_batch=8)
+
+
+def test_device_planning_errors_keep_the_previous_plan(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True)
+    seq, bt, q = step_inputs(b, [0, 4], 0, seed=1)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    before = (rt._step, rt._d_seq.clone(), rt._bt.clone())
+    for kw, match in ((dict(force="pkv_bucket"), "with device_planning expected one of"),
+                      (dict(force="flashinfer"), "with device_planning expected one of")):
+        with pytest.raises(ValueError, match=match):
+            rt.plan(torch.as_tensor(seq), torch.as_tensor(bt), **kw)
+    with pytest.raises(ValueError, match="block_tables"):
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt[:1]))
+    assert rt._step is before[0] and torch.equal(rt._d_seq, before[1]) and torch.equal(rt._bt, before[2])
+    out = rt.run(q, *cache, out=torch.empty_like(q))
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+
+
+def test_device_planning_construction(fake_device, tmp_path):  # noqa: F811
+    rt = fake_runtime(device_planning=True, flashinfer=True)
+    assert not rt.flashinfer_available  # device planning never takes the FlashInfer route
+    assert "device planning" in rt.explain()
+    with pytest.raises(ValueError, match="max_batch=2000: device_planning plans at most 1024"):
+        fake_runtime(device_planning=True, max_batch=2000)
+    text = "\n".join(line for line in (pytest.importorskip("pathlib").Path(__file__).parents[1]
+                                      / "routes.toml").read_text().splitlines())
+    only_bucket = tmp_path / "routes.toml"
+    start = text.index("[routes.pkv_workqueue]")
+    only_bucket.write_text(text[:start])
+    from pkvrt.registry import load_routes
+    reg = load_routes(only_bucket)
+    if any(r.kind in ("workqueue", "fused") for r in reg.routes):
+        pytest.skip("routes.toml order changed: workqueue routes are not last")
+    with pytest.raises(ValueError, match="device_planning needs a route of kind 'workqueue'"):
+        fake_runtime(device_planning=True, routes=reg)
+
+
+def test_device_planning_explain_names_the_route(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    rt = fake_runtime(device_planning=True)
+    seq, bt, _ = step_inputs(b, [0, 1], 0, seed=1)
+    d = rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    text = d.explain()
+    assert "lengths on the GPU" in text and "pkv_workqueue" in text and "chosen" in text
+    assert "device_planning runs pkv_workqueue" in text
+
+
+def test_device_planning_graph_replay_after_length_change(fake_device, pool):  # noqa: F811
+    """Same padded batch, new lengths: the planning graph and the decode graph replay (no new
+    capture), and the output follows the new lengths."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True)
+    for i, short in enumerate([30, 12, 0]):
+        seq, bt, q = step_inputs(b, [0, 1, 3], short, seed=50 + i)
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+        rt.static_q(3).copy_(q)
+        out = rt.run(rt.static_q(3), *cache, out=rt.static_out(3))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    s = rt.stats()
+    assert s["captures"] == 2 and s["replays"] == 4 and graphs.padded_batch(3) == rt._step.gbatch
+    assert ops is not None
