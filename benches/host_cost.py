@@ -65,6 +65,7 @@ class RawFlashInfer:
         self.indptr = torch.zeros(max_batch + 1, **pin)
         self.indices = torch.zeros(max_batch * max_pages, **pin)
         self.last = torch.zeros(max_batch, **pin)
+        self.planned = None
 
     def plan(self, seq, bt, force=None):
         import torch
@@ -73,11 +74,16 @@ class RawFlashInfer:
 
         indptr, indices, last = to_csr(seq, bt, 16)
         b, nnz = len(last), len(indices)
+        if self.planned is not None:   # the last plan's async copies read these pinned buffers
+            self.planned.synchronize()
+        else:
+            self.planned = torch.cuda.Event()
         self.indptr.numpy()[:b + 1] = indptr
         self.indices.numpy()[:nnz] = indices
         self.last.numpy()[:b] = last
         self.w.plan(self.indptr[:b + 1], self.indices[:nnz], self.last[:b], 32, 8, 128, 16,
                     q_data_type=torch.float16, kv_data_type=torch.float16)
+        self.planned.record()
 
     def run(self, q, k, v, out=None):
         return self.w.run(q, (k, v), out=out)

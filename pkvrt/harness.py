@@ -495,18 +495,28 @@ class FlashInferEngine:
         self.last = torch.zeros(max_active, **pin)
         self._np = (self.indptr.numpy(), self.indices.numpy(), self.last.numpy())  # views
         self._last_info = None
+        self._planned = None   # event after the last plan()'s copies (see plan)
 
     def plan(self, step: Step) -> None:
         sh = self.shape
         indptr, indices, last = to_csr(step.seq_lens, self.layout.block_table(step.rids), sh.page_size)
         b, nnz = len(last), len(indices)
+        # The pinned buffers here and FlashInfer's own pinned schedule buffer are copied to the
+        # device asynchronously by plan(): wait until the previous step's copies have run before
+        # rewriting them (the untimed pass does not synchronize between steps; without this wait
+        # a step ran another step's CSR: illegal memory accesses and hangs, H200 2026-11-29).
+        if self._planned is not None:
+            self._planned.synchronize()
+        else:
+            self._planned = torch.cuda.Event()
         np_indptr, np_indices, np_last = self._np
-        np_indptr[:b + 1] = indptr          # safe to overwrite: every step ends synchronized
+        np_indptr[:b + 1] = indptr
         np_indices[:nnz] = indices
         np_last[:b] = last
         self.wrapper.plan(self.indptr[:b + 1], self.indices[:nnz], self.last[:b],
                           sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
                           q_data_type=sh.torch_dtype, kv_data_type=sh.torch_dtype)
+        self._planned.record()
         self._last_info = step.seq_lens
 
     def attend(self, q, k_cache, v_cache, out) -> None:
