@@ -2,9 +2,12 @@
 # Serving evidence of issue 6 in one device call: held-out seeds, the baseline, the adaptive
 # policy and device-side planning; OUT/results.tgz is rewritten after every trace, so a call that
 # runs out of time still returns what finished.
-# usage: bash benches/h200_serving.sh OUT [ENGINES]
+# usage: bash benches/h200_serving.sh OUT [core|extra] [ENGINES] [TRACE_DIR]
+#   core   Table 2 traces (seed protocol, one layer), G = 1 / 8
+#   extra  more held-out seeds, Azure traces (TRACE_DIR), the mixed fixture, engine protocol
 set -u
-out=$1; engines=${2:-flashinfer,adaptive,device-plan}; r=$out/r; mkdir -p $r
+out=$1; set_=${2:-core}; engines=${3:-flashinfer,adaptive,device-plan}; traces=${4:-../shared/traces}
+r=$out/r; mkdir -p $r
 export PYTHONUNBUFFERED=1
 serve() {  # name max_active limit_s seeds extra-args...
   local name=$1 b=$2 limit=$3 seeds=$4; shift 4
@@ -14,6 +17,7 @@ serve() {  # name max_active limit_s seeds extra-args...
   echo "   rc=$?"; grep -E "tok/s|Error|error" $r/serving-$name-B$b.log | tail -8
   tar czf $out/results.tgz -C $r .
 }
+if [ "$set_" = core ]; then
 serve bucketed 1 120 20260623-20260627 --trace bucketed
 serve bimodal 8 120 20260623-20260627 --trace bimodal
 serve zipf 8 70 20260623-20260624 --trace zipf
@@ -21,3 +25,13 @@ serve bimodal 4 80 20260623-20260625 --trace bimodal
 serve gqa-G1 8 45 20260623 --trace bimodal --num-kv-heads 32
 serve uniform 8 55 20260623 --trace uniform
 serve gqa-G8 8 45 20260623 --trace bimodal --num-kv-heads 4
+else
+serve zipf 8 90 20260623-20260627 --trace zipf
+serve uniform 8 90 20260623-20260627 --trace uniform
+serve mixed 8 45 20260623 --trace mixed
+serve azure-code 8 60 20260623 --trace $traces/azure2023_code.csv --steps-limit 32
+serve azure-conv 8 60 20260623 --trace $traces/azure2023_conv.csv --steps-limit 32
+serve engine-bimodal-L32 8 90 20260623-20260625 --trace bimodal --engine-layers 32
+serve engine-bimodal-L32-mlp 8 90 20260623-20260625 --trace bimodal --engine-layers 32 --mlp
+serve engine-bucketed-L32 1 90 20260623-20260625 --trace bucketed --engine-layers 32
+fi

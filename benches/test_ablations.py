@@ -1,7 +1,7 @@
 """pytest-benchmark ablations (GPU; skipped without CUDA): `pytest benches --benchmark-only`.
 
 - fused decode+merge vs the two-kernel workqueue (decode launch + merge launch), and
-- CUDA-graph replay vs eager launches through pkvrt.Runtime,
+- CUDA-graph replay vs eager launches through pkvrt.Runtime (and device-side planning),
 on the seed's shape (H_q=32, H_kv=8, D=128, fp16, page 16). Each round is one call followed by
 a device synchronize, so the numbers are synchronized wall time per call (host + device), the
 serving-facing quantity; isolated.py gives the device-only (CUDA-event) view.
@@ -67,15 +67,20 @@ def test_fused_merge_ablation(benchmark, case, variant):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("graphs", [True, False], ids=["graph-replay", "eager"])
-def test_graph_replay_ablation(benchmark, case, graphs):
+@pytest.mark.parametrize("mode", ["graph-replay", "eager", "device-plan"])
+def test_graph_replay_ablation(benchmark, case, mode):
+    """plan() + run() per step: host planning with graph replay, host planning with eager
+    launches, and device-side planning (lengths on the GPU) with graph replay."""
     from pkvrt.runtime import Runtime
 
     lens = CASES[case]
     b = make_batch(lens, hole_fraction=0.0, seed=20260623)
-    rt = Runtime(32, 8, 128, 16, torch.float16, max_batch=16, use_cuda_graph=graphs)
-    seq = b.seq_lens.cpu().numpy()
-    bt = b.block_tables.cpu().numpy()
+    rt = Runtime(32, 8, 128, 16, torch.float16, max_batch=16, use_cuda_graph=mode != "eager",
+                 device_planning=mode == "device-plan")
+    if mode == "device-plan":
+        seq, bt = b.seq_lens.int(), b.block_tables.int()
+    else:
+        seq, bt = b.seq_lens.cpu().numpy(), b.block_tables.cpu().numpy()
     out = torch.empty_like(b.q)
     decision = rt.plan(seq, bt)
 
@@ -83,5 +88,5 @@ def test_graph_replay_ablation(benchmark, case, graphs):
         rt.plan(seq, bt)
         rt.run(b.q, b.k_cache, b.v_cache, out=out)
 
-    benchmark.extra_info.update(case=case, graphs=graphs, route=decision.route)
+    benchmark.extra_info.update(case=case, mode=mode, route=decision.route)
     benchmark.pedantic(_sync(step), warmup_rounds=5, rounds=200, iterations=1)
