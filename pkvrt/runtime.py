@@ -53,6 +53,11 @@ slots: a slot's pinned memory is rewritten only after the event recorded behind 
 has completed (``Event.synchronize``, a no-op unless the host runs more than a whole step ahead
 of the GPU).
 
+Measured on the H200's host (benches/host_cost.py -> benches/results/h200/host-cost.json, one
+layer): host-planned plan() 250-740 us, a graph-hit run() 16-40 us; with device_planning
+plan() 48-71 us and run() 20-31 us; an engine that captures plan() + 32 layers in its own graph
+(examples/engine_graph.py) spends 5.8 us per replayed step.
+
 The runtime must be used from the thread, CUDA device and stream it plans on: ``plan``'s copies,
 the launches and the replays all go to the current stream, which must be the same one for
 ``plan`` and ``run`` (like FlashInfer's wrappers).
@@ -391,10 +396,11 @@ class Runtime:
         active rows, distinct lengths and each length at split granularity; plans stay exact).
         Cuts ``plan()``'s router time 2.5-6x; 0 predicts every step from scratch.
     flashinfer_cuda_graph : run the FlashInfer route in FlashInfer's CUDA-graph mode inside the
-        runtime's graphs. Off by default: in the H200 serving runs of 2026-11-29 the runtime
-        with this mode hit "illegal memory access" on traces whose steps it sent to FlashInfer
-        (bimodal B8, uniform B8, G=1), not yet isolated; the eager FlashInfer route (its
-        standard plan/run, as the baseline uses it) is the default until it is.
+        runtime's graphs. Off by default: it does not remove the larger host cost, FlashInfer's
+        plan() on the host (H200: 210-470 us per step, host-cost.json), and adds one wrapper
+        per batch size. (The "illegal memory access" once seen with it was a race on pinned buffers,
+        FlashInfer's own and the serving harness's, both guarded now: see
+        fi_route.FlashInferRoute.plan and tests/gpu/test_runtime.py.)
     device_planning : build each step's workqueue plan on the GPU (kernels/plan_workqueue.cu)
         from device-resident seq_lens, instead of routing and planning on the host. ``plan()``
         then does no work proportional to the batch and never synchronizes: two device copies
