@@ -12,6 +12,10 @@ and writes ``DIR/report.md`` with the seed paper's tables:
 - Table 3, absolute serving throughput and ms per step (the paper's model-level table for the
   ``-L<n>-mlp`` cases);
 - Table 4, structural counters (launches, CTA work per SM, KV and merge MB) where rows carry them;
+- Table 6, coverage map: per isolated case and per serving trace the best pkvrt engine, its ratio
+  against FlashInfer and a verdict from that ratio (CUDA-event and wall ratios separately);
+- Table 7, split sensitivity: per (case, engine) of a ``calibration-sweeps`` file with more than
+  one split value, time per split relative to the group's best split;
 - per-step tables from ``.steps.json`` files: throughput ratio by context length per engine, and
   the route map of the adaptive engine over (active rows, context);
 - every other file as a plain table of its rows.
@@ -42,6 +46,8 @@ STEP_KEYS = {"step": int, "active": int, "max_context": int, "wall_us": float, "
 COUNTERS = (("launches_per_step", "Launches/step", 2), ("cta_work_per_sm", "Decode CTA work/SM", 1),
             ("useful_kv_mb", "Useful KV MB", 1), ("merge_mb", "Merge MB", 2),
             ("merge_launches", "Merge launches", 2))
+FASTER, SLOWER = 1.02, 0.98   # verdict band: ratio >= 1.02 pkvrt faster, < 0.98 FlashInfer faster
+SWEEPS = "calibration-sweeps"
 NO_PLOTS = "Plots skipped: matplotlib is not installed (pip install 'pkvrt[plots]')."
 
 
@@ -292,6 +298,179 @@ def counters_table(files) -> str:
     return md_table(("Trace", "Engine", "Source", *(c[1] for c in COUNTERS)), rows, align="lll" + "r" * 5)
 
 
+# --------------------------------------------------------------------------- Table 6
+
+def verdict(ratio) -> str:
+    """A pkvrt / FlashInfer speed ratio as a verdict: 1.05 -> "pkvrt faster", 0.99 -> "tie"
+    (0.98 <= ratio < 1.02), 0.90 -> "FlashInfer faster"; None -> "-". The ratio is judged as the
+    tables show it, to 3 decimals (1.0196 is shown as 1.020 and is "pkvrt faster")."""
+    if ratio is None:
+        return "-"
+    shown = round(ratio, 3)
+    if shown >= FASTER:
+        return "pkvrt faster"
+    return "tie" if shown >= SLOWER else "FlashInfer faster"
+
+
+def _fastest(rows, prefix: str):
+    return min((r for r in rows if r["engine"].startswith(prefix)), key=lambda r: r["median_us"],
+               default=None)
+
+
+def isolated_coverage(files) -> list[dict]:
+    """Per case of every isolated file: the fastest pkvrt-* engine at its best split and
+    ``FlashInfer µs / pkvrt µs`` against the file's fastest flashinfer-* engine of that case.
+    Isolated files time kernels only, so ``wall`` is None."""
+    out = []
+    for path, doc in _of_kind(files, "isolated"):
+        timed: dict[str, list[dict]] = collections.OrderedDict()
+        for r in doc["rows"]:
+            timed.setdefault(r["case"], [])
+            if _is_number(r.get("median_us")) and r["median_us"] > 0:
+                timed[r["case"]].append(r)
+        for case, rows in timed.items():
+            pkv, fi = _fastest(rows, "pkvrt"), _fastest(rows, "flashinfer")
+            ratio = fi["median_us"] / pkv["median_us"] if pkv and fi else None
+            split = "" if pkv is None or pkv.get("splits") is None else f", split {pkv['splits']}"
+            best = None if pkv is None else {"engine": pkv["engine"] + split, "ratio": ratio,
+                                             "text": "-" if ratio is None else f"{ratio:.3f}"}
+            out.append({"case": case, "source": Path(path).name, "seeds": "-",
+                        "baseline": fi["engine"] if fi else "-", "cuda": best, "wall": None})
+    return out
+
+
+def _best_engine(engines: dict[str, list[dict]], key: str) -> dict | None:
+    """The engine whose mean ``key`` ratio over seeds is highest, with that mean and mean ± std."""
+    means = {e: statistics.fmean(x[key] for x in es) for e, es in engines.items()}
+    if not means:
+        return None
+    e = max(means, key=means.get)
+    return {"engine": e, "ratio": means[e], "text": fmt_pm([x[key] for x in engines[e]])}
+
+
+def _candidates(key: str, engines: dict[str, list[dict]], failed: list[str]) -> dict[str, list[dict]]:
+    """The pkvrt-* engines of a trace whose every seed passed correctness; the others are
+    appended to ``failed`` as "trace: engine"."""
+    out = {}
+    for engine, entries in engines.items():
+        if not engine.startswith("pkvrt") or entries[0].get("baseline"):
+            continue
+        if all(e["cuda_ratio"] is not None for e in entries):
+            out[engine] = entries
+        else:
+            failed.append(f"{key}: {engine}")
+    return out
+
+
+def serving_coverage(files) -> tuple[list[dict], list[str]]:
+    """Per serving trace of Table 2: the pkvrt-* engine with the best mean CUDA ratio and the one
+    with the best mean wall ratio over seeds (ratios from ``serving_groups``), and the engines
+    left out because a seed failed correctness ("trace: engine")."""
+    traces: dict[str, dict[str, list[dict]]] = collections.OrderedDict()
+    for (key, engine), entries in serving_groups(files).items():
+        traces.setdefault(key, {})[engine] = entries
+    out: list[dict] = []
+    failed: list[str] = []
+    for key, engines in traces.items():
+        every = [e for entries in engines.values() for e in entries]
+        bases = collections.Counter(e["engine"] for e in every if e.get("baseline"))
+        cands = _candidates(key, engines, failed)
+        out.append({"case": key, "source": ", ".join(sorted({Path(e["file"]).name for e in every})),
+                    "seeds": len({e["case"] for e in every}),
+                    "baseline": ", ".join(f"{b} ({n})" if len(bases) > 1 else b
+                                          for b, n in bases.most_common()),
+                    "cuda": _best_engine(cands, "cuda_ratio"),
+                    "wall": _best_engine(cands, "wall_ratio")})
+    return out, failed
+
+
+def _coverage_cells(best: dict | None) -> tuple[str, str, str]:
+    if best is None:
+        return "-", "-", "-"
+    return best["engine"], best["text"], verdict(best["ratio"])
+
+
+def coverage_table(files) -> str:
+    """Table 6: one row per measured case (isolated cases, then serving traces)."""
+    iso = isolated_coverage(files)
+    serving, failed = serving_coverage(files)
+    if not iso and not serving:
+        return "No data: no isolated or serving results files."
+    rows = [(c["case"], c["source"], c["baseline"], c["seeds"], *_coverage_cells(c["cuda"]),
+             *_coverage_cells(c["wall"])) for c in iso + serving]
+    notes = ["Ratio = FlashInfer time / pkvrt time (serving: decode-token throughput ratio against "
+             "each seed's baseline row, mean ± std over seeds). Verdict: pkvrt faster if ratio >= "
+             f"{FASTER}, tie if {SLOWER} <= ratio < {FASTER}, FlashInfer faster below {SLOWER}."]
+    protocols = sorted({str(d["meta"]["protocol"]) for _, d in _of_kind(files, "isolated")
+                        if d["meta"].get("protocol")})
+    if iso:
+        notes.append("Isolated cases: kernel time only (no wall measure), best split per engine, "
+                     "against the fastest flashinfer-* engine of the case"
+                     + (f"; protocol: {'; '.join(protocols)}." if protocols else "."))
+    for label, key in (("CUDA events (isolated and serving)", "cuda"), ("wall (serving)", "wall")):
+        counts = collections.Counter(verdict(c[key]["ratio"]) for c in iso + serving if c[key])
+        if counts:
+            notes.append(f"Verdicts, {label}: " + ", ".join(
+                f"{v} {counts[v]}" for v in ("pkvrt faster", "tie", "FlashInfer faster", "-")
+                if counts[v]) + ".")
+    if failed:
+        notes.append("Not candidates (a seed failed correctness): " + "; ".join(failed) + ".")
+    return md_table(("Case", "Source", "Baseline", "Seeds", "Best pkvrt (CUDA events)", "CUDA ratio",
+                     "CUDA verdict", "Best pkvrt (wall)", "Wall ratio", "Wall verdict"),
+                    rows, align="lllrlrllrl") + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+# --------------------------------------------------------------------------- Table 7
+
+def split_groups(doc) -> dict[tuple[str, str], list[dict]]:
+    """(case, engine) -> its rows sorted by split, for the groups with more than one split value."""
+    groups: dict[tuple[str, str], list[dict]] = collections.OrderedDict()
+    for r in doc["rows"]:
+        if r.get("splits") is not None:
+            groups.setdefault((r["case"], r["engine"]), []).append(r)
+    return {k: sorted(rows, key=lambda r: r["splits"]) for k, rows in groups.items()
+            if len({r["splits"] for r in rows}) > 1}
+
+
+def split_rows(rows, refs) -> tuple[dict | None, list[tuple]]:
+    """The fastest row of a sweep group, and the table rows: one per split with its time relative
+    to the fastest (1.000 = best, marked), then the reference rows (FlashInfer of the same case)."""
+    timed = [r for r in rows if _is_number(r.get("median_us")) and r["median_us"] > 0]
+    best = min(timed, key=lambda r: r["median_us"], default=None)
+
+    def rel(r):
+        ok = best is not None and _is_number(r.get("median_us"))
+        return f"{r['median_us'] / best['median_us']:.3f}" if ok else "-"
+    out = []
+    for r in rows:
+        us = f"{r['median_us']:.2f}" if _is_number(r.get("median_us")) else "FAILED"
+        work = f"{r['cta_work_per_sm']:.2f}" if _is_number(r.get("cta_work_per_sm")) else "-"
+        out.append((r["splits"], us, work, rel(r), "best" if r is best else ""))
+    for r in refs:
+        us = f"{r['median_us']:.2f}" if _is_number(r.get("median_us")) else "FAILED"
+        out.append((f"{r['engine']} (no split)", us, "-", rel(r), "reference"))
+    return best, out
+
+
+def split_table(files) -> str:
+    """Table 7: per (case, engine) sweep of a calibration-sweeps file, µs against the split."""
+    parts = []
+    for path, doc in _of_kind(files, SWEEPS):
+        for (case, engine), rows in split_groups(doc).items():
+            refs = [r for r in doc["rows"] if r["case"] == case and r.get("splits") is None
+                    and r["engine"].startswith("flashinfer")]
+            best, table_rows = split_rows(rows, refs)
+            head = (f"best: {best['splits']} splits, {best['median_us']:.2f} µs" if best
+                    else "no timed split")
+            parts.append(f"**{case} · {engine}** ({Path(path).name}; {head})\n\n" + md_table(
+                ("Splits", "µs", "CTA work/SM", "Time vs best split", "Best"), rows=table_rows,
+                align="rrrrl"))
+    if not parts:
+        return (f"No data: no {SWEEPS} file with a split sweep (more than one split value for a "
+                "case and engine).")
+    return "\n\n".join(parts)
+
+
 # --------------------------------------------------------------------------- per-step data
 
 def context_bin(tokens: int) -> tuple[int, int]:
@@ -462,6 +641,8 @@ def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
         ("Table 3: absolute serving throughput (mean ± std over seeds; -L<n>-mlp cases are the "
          "model-level proxy)", throughput_table(files)),
         ("Table 4: structural counters, mean per step", counters_table(files)),
+        ("Table 6: coverage map (from the measured results)", coverage_table(files)),
+        ("Table 7: split sensitivity (calibration seed sweeps)", split_table(files)),
     ]
     by_ctx = ratio_by_context(files)
     cells = route_map_cells(files)

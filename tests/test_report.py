@@ -22,7 +22,12 @@ def run(capsys, *argv):
 def table(md: str, title_start: str) -> list[list[str]]:
     """Cells of the Markdown table under the ``## <title_start>...`` heading (no header/rule)."""
     section = next(s for s in md.split("\n## ") if s.startswith(title_start))
-    lines = [ln for ln in section.splitlines() if ln.startswith("| ")]
+    return cells(section)
+
+
+def cells(text: str) -> list[list[str]]:
+    """Cells of the first Markdown table in ``text`` (no header/rule)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
     return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in lines[2:]]
 
 
@@ -193,6 +198,135 @@ def test_default_out_is_inside_the_results_dir(capsys, serving_dir):
     rc, _, _ = run(capsys, "report", str(serving_dir))
     assert rc == 0 and (serving_dir / "report" / "report.md").is_file()
 
+
+
+# --------------------------------------------------------------------------- Tables 6, 7
+
+def sub_tables(md: str, title_start: str) -> dict[str, list[list[str]]]:
+    """The tables of a section that holds several, keyed by the bold title line above each."""
+    section = next(s for s in md.split("\n## ") if s.startswith(title_start))
+    out: dict[str, list[list[str]]] = {}
+    for block in section.split("\n**")[1:]:
+        title, _, body = block.partition("\n")
+        out[title] = cells(body)
+    return out
+
+
+@pytest.mark.parametrize("ratio, text", [
+    (1.05, "pkvrt faster"), (1.02, "pkvrt faster"), (1.0196, "pkvrt faster"),   # shown as 1.020
+    (1.019, "tie"), (1.0, "tie"), (0.98, "tie"), (0.9796, "tie"),               # shown as 0.980
+    (0.979, "FlashInfer faster"), (0.5, "FlashInfer faster"), (None, "-")])
+def test_verdict_thresholds(ratio, text):
+    assert report.verdict(ratio) == text
+
+
+def test_coverage_table(capsys, tmp_path):
+    d = tmp_path / "cov"
+    iso = [
+        dict(case="B1-32K", engine="flashinfer-tc", splits=None, median_us=40.0),
+        dict(case="B1-32K", engine="flashinfer-cuda", splits=None, median_us=50.0),
+        dict(case="B1-32K", engine="pkvrt-bucket", splits=16, median_us=45.0),
+        dict(case="B1-32K", engine="pkvrt-bucket", splits=32, median_us=38.0),   # 40 / 38 = 1.053
+        dict(case="B1-32K", engine="pkvrt-workqueue", splits=64, median_us=39.0),
+        dict(case="B1-32K", engine="pkvrt-fused", splits=8, median_us=None, error="boom"),
+        dict(case="B8-32K", engine="flashinfer-tc", splits=None, median_us=50.0),
+        dict(case="B8-32K", engine="pkvrt-bucket", splits=4, median_us=50.5),     # 0.990
+        dict(case="G8-B1-32K", engine="flashinfer-cuda", splits=None, median_us=30.0),
+        dict(case="G8-B1-32K", engine="pkvrt-bucket", splits=8, median_us=40.0),  # 0.750
+    ]
+    write(d / "isolated.json", None, iso, protocol="isolated graph-replay (fake)")
+    # bimodal-B8: adaptive cuda 1.25, 1.35 (wall 1.2, 1.3); device-plan cuda 0.95, 1.05 (wall 1.5, 1.7)
+    serving = []
+    for seed, (a_cuda, a_tok, d_cuda, d_tok) in ((1, (2500.0, 1200.0, 1900.0, 1500.0)),
+                                                  (2, (2700.0, 1300.0, 2100.0, 1700.0))):
+        serving += serving_rows(seed, base_tok=1000.0, base_cuda=2000.0, eng_tok=a_tok, eng_cuda=a_cuda)
+        serving += serving_rows(seed, base_tok=1000.0, base_cuda=2000.0, eng_tok=d_tok, eng_cuda=d_cuda,
+                                engine="pkvrt-device-plan")[1:]
+    serving.append({"case": "bimodal-B8-seed2", "engine": "pkvrt-bucket", "row": "measured",
+                    "correct": False, "max_err": 0.25})
+    write(d / "serving.json", "serving", serving)
+    # bucketed-B1, one seed: cuda 594 / 600 = 0.99 (tie), wall 485 / 500 = 0.97 (FlashInfer faster)
+    write(d / "serving-b1.json", "serving",
+          serving_rows(1, base_tok=500.0, base_cuda=600.0, eng_tok=485.0, eng_cuda=594.0,
+                       trace="bucketed-B1"))
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    rows = {r[0]: r for r in table(md, "Table 6")}
+    assert rows["B1-32K"] == ["B1-32K", "isolated.json", "flashinfer-tc", "-", "pkvrt-bucket, split 32",
+                              "1.053", "pkvrt faster", "-", "-", "-"]
+    assert rows["B8-32K"][4:7] == ["pkvrt-bucket, split 4", "0.990", "tie"]
+    assert rows["G8-B1-32K"][2:7] == ["flashinfer-cuda", "-", "pkvrt-bucket, split 8", "0.750",
+                                      "FlashInfer faster"]
+    # the best engine differs per measure: adaptive on CUDA events, device-plan on wall time
+    assert rows["bimodal-B8"] == ["bimodal-B8", "serving.json", "flashinfer-tc", "2", "pkvrt-adaptive",
+                                  "1.300 ± 0.071", "pkvrt faster", "pkvrt-device-plan",
+                                  "1.600 ± 0.141", "pkvrt faster"]
+    assert rows["bucketed-B1"][4:] == ["pkvrt-adaptive", "0.990", "tie", "pkvrt-adaptive", "0.970",
+                                       "FlashInfer faster"]
+    # isolated cases first, then the traces in Table 2's order (files by name: serving-b1 first)
+    assert list(rows) == ["B1-32K", "B8-32K", "G8-B1-32K", "bucketed-B1", "bimodal-B8"]
+    section = md.split("## Table 6")[1].split("\n## ")[0]
+    assert "Verdicts, CUDA events (isolated and serving): pkvrt faster 2, tie 2, FlashInfer faster 1." \
+        in section
+    assert "Verdicts, wall (serving): pkvrt faster 1, FlashInfer faster 1." in section
+    assert "Not candidates (a seed failed correctness): bimodal-B8: pkvrt-bucket." in section
+    assert "protocol: isolated graph-replay (fake)" in section
+
+
+def test_coverage_baselines_over_seeds(tmp_path):
+    rows = (serving_rows(1, base_tok=1.0, base_cuda=1.0, eng_tok=1.0, eng_cuda=1.0)
+            + serving_rows(2, base_tok=1.0, base_cuda=1.0, eng_tok=1.0, eng_cuda=1.0)
+            + [dict(r, engine="flashinfer-cuda") if r["baseline"] else r
+               for r in serving_rows(3, base_tok=1.0, base_cuda=1.0, eng_tok=1.0, eng_cuda=1.0)])
+    write(tmp_path / "s.json", "serving", rows)
+    cov, failed = report.serving_coverage(report.load_dir(tmp_path))
+    assert cov[0]["baseline"] == "flashinfer-tc (2), flashinfer-cuda (1)" and cov[0]["seeds"] == 3
+    assert failed == []
+
+
+def test_split_sensitivity_table(capsys, tmp_path):
+    d = tmp_path / "sw"
+    rows = [
+        dict(case="B1-32K", engine="pkvrt-bucket", splits=32, median_us=50.0, cta_work_per_sm=2.0),
+        dict(case="B1-32K", engine="pkvrt-bucket", splits=8, median_us=60.0, cta_work_per_sm=0.5),
+        dict(case="B1-32K", engine="pkvrt-bucket", splits=16, median_us=40.0, cta_work_per_sm=1.0),
+        dict(case="B1-32K", engine="flashinfer-tc", splits=None, median_us=44.0),
+        dict(case="B1-8K", engine="pkvrt-bucket", splits=16, median_us=18.0),      # one split: no table
+        dict(case="B2-32K", engine="flashinfer-cuda", splits=None, median_us=70.0),  # no sweep: no table
+        dict(case="mix-seed1", engine="pkvrt-workqueue", splits=4, median_us=None),
+        dict(case="mix-seed1", engine="pkvrt-workqueue", splits=12, median_us=30.0, cta_work_per_sm=3.0),
+    ]
+    write(d / "calibrate-sweeps.json", "calibration-sweeps", rows)
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    tables = sub_tables(md, "Table 7")
+    assert list(tables) == [
+        "B1-32K · pkvrt-bucket** (calibrate-sweeps.json; best: 16 splits, 40.00 µs)",
+        "mix-seed1 · pkvrt-workqueue** (calibrate-sweeps.json; best: 12 splits, 30.00 µs)"]
+    # sorted by split, relative to the best (40 us): 60/40, 40/40, 50/40; FlashInfer 44/40
+    assert tables[next(iter(tables))] == [
+        ["8", "60.00", "0.50", "1.500", ""],
+        ["16", "40.00", "1.00", "1.000", "best"],
+        ["32", "50.00", "2.00", "1.250", ""],
+        ["flashinfer-tc (no split)", "44.00", "-", "1.100", "reference"]]
+    assert list(tables.values())[1] == [["4", "FAILED", "-", "-", ""],
+                                        ["12", "30.00", "3.00", "1.000", "best"]]
+    assert "## Other results: calibrate-sweeps.json" in md         # the raw rows stay in the report
+
+
+def test_new_sections_say_no_data(capsys, tmp_path):
+    d = tmp_path / "none"
+    write(d / "soak.json", "soak", [dict(case="soak", engine="pkvrt-adaptive", steps=10)])
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "## Table 6: coverage map (from the measured results)\n\nNo data: no isolated or serving " \
+           "results files." in md
+    assert "## Table 7: split sensitivity (calibration seed sweeps)\n\nNo data: no calibration-sweeps " \
+           "file with a split sweep" in md
+    assert "## Other results: soak.json" in md
 
 # --------------------------------------------------------------------------- malformed inputs
 
