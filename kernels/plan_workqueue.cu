@@ -17,8 +17,9 @@
 //         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
 // Status (*status, written every launch): bit 0 = the plan needs more than task_capacity tasks
 //         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [1, *max_seq_len]
-//         (that row gets 0 splits: no task reads its block table or writes its output). This is
-//         how device-side planning stays memory-safe without a host look at the lengths.
+//         (that row gets 0 splits: no task reads its block table or writes its output). So a bad
+//         length cannot send a kernel past its block-table row without a host look at the
+//         lengths; the page ids in the table are trusted.
 // Preconditions: max_rows <= 1024, num_candidates <= 64.
 #include <stdint.h>
 

@@ -100,7 +100,9 @@ class FlashInferRoute:
         self._wrappers[batch] = (self._serial, w)
         while len(self._wrappers) > self.max_wrappers:
             _, (old, _) = self._wrappers.popitem(last=False)  # its graphs keep their key (serial)
-            self._plan_events.pop(old, None)                  # and never hit again
+            ev = self._plan_events.pop(old, None)             # and never hit again; its pinned
+            if ev is not None:                                # buffer may be reused by the next
+                ev.synchronize()                              # wrapper: its last copy must be done
         return self._serial, w
 
     def plan(self, indptr, indices, last_page_len) -> int:

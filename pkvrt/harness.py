@@ -608,11 +608,11 @@ class RuntimeEngine:
         untimed warm-up pass), reused by the timed passes."""
         key = id(step)
         if key not in self._on_device:
-            dev = self.rt.device
-            self._on_device[key] = (
-                torch.as_tensor(np.asarray(step.seq_lens, dtype=np.int32), device=dev),
-                torch.as_tensor(np.ascontiguousarray(self.layout.block_table(step.rids), dtype=np.int32),
-                                device=dev), step)   # step kept alive: its id stays unique
+            dev, seq = self.rt.device, np.asarray(step.seq_lens, dtype=np.int32)
+            cols = -(-int(seq.max()) // self.rt.page_size)   # only the columns the step uses
+            bt = np.ascontiguousarray(self.layout.block_table(step.rids)[:, :cols], dtype=np.int32)
+            self._on_device[key] = (torch.as_tensor(seq, device=dev), torch.as_tensor(bt, device=dev),
+                                    step)   # step kept alive: its id stays unique
         return self._on_device[key][:2]
 
     def attend(self, q, k_cache, v_cache, out) -> None:

@@ -236,6 +236,7 @@ class PlanParams(ctypes.Structure):
 
 
 PLAN_MAX_ROWS = 1024
+MAX_SEQ_LEN = 2**31 - 1 - _buildspec.TILE_TOKENS   # int32 lengths; len + tile - 1 must not overflow
 
 
 def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
@@ -244,7 +245,7 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
-    [1] int32 (device; None: no bound beyond int32);
+    [1] int32 (device; None: MAX_SEQ_LEN, through a temporary tensor);
     tasks [capacity, 5]; num_tasks [1]; split_offsets [max_rows+1]; num_splits [max_rows];
     status [1] int32, written every launch: bit 0 = the plan needs more than capacity tasks
     (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len] (that row
@@ -261,8 +262,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
               f"{tuple(split_offsets.shape)} / {tuple(num_splits.shape)}")
     if not 1 <= candidates.shape[0] <= 64:
         _fail("candidates", "1 to 64 allowed split counts", candidates.shape[0])
-    if max_seq_len is None:
-        max_seq_len = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=dev)
+    if max_seq_len is None:  # a temporary: pass a persistent tensor when capturing a graph
+        max_seq_len = torch.full((1,), MAX_SEQ_LEN, dtype=torch.int32, device=dev)
     p = PlanParams()
     p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
     p.num_rows = _int32("num_rows", num_rows, dev, 1)

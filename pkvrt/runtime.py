@@ -83,6 +83,7 @@ from pkvrt.router import RouteDecision, Router
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 RING = 2    # pinned staging slots
+MAX_SEQ_LEN = ops.MAX_SEQ_LEN   # longest row in tokens: int32 lengths, tile arithmetic included
 _NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with use_cuda_graph=True; the Runtime "
                    "would replay or capture its own graphs inside yours. Build it with "
                    "use_cuda_graph=False (and device_planning=True) to capture whole steps in your "
@@ -200,20 +201,18 @@ def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pa
     return StepInput(seq=seq, block_tables=bt, pages=pages, max_pages=max_pages, max_page_id=max_id)
 
 
-_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
-
-
 def check_device_step(seq_lens, block_tables, *, device, max_batch: int):
-    """Device planning's host checks of a step (O(1): shapes, dtypes, devices, never values, so
-    nothing synchronizes); raise ValueError naming the argument, else ``(seq_lens, block_tables)``
-    as tensors. Values are checked by the planning kernel (Runtime.device_status)."""
+    """Device planning's host checks of a step (O(1): shapes, int32 dtype, devices, never values,
+    so nothing synchronizes); raise ValueError naming the argument, else ``(seq_lens,
+    block_tables)`` as tensors. Lengths are checked by the planning kernel
+    (Runtime.device_status); page ids are trusted."""
     out = []
     for name, x, ndim, what in (("seq_lens", seq_lens, 1, "[B]"),
                                 ("block_tables", block_tables, 2, "[B, max_pages]")):
         t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-        if t.dtype not in _INT_DTYPES:
-            raise ValueError(f"Runtime.plan: {name}: expected an integer tensor (int32 on {device} "
-                             f"is fastest), got {t.dtype}")
+        if t.dtype != torch.int32:  # the kernels' type: a wider one would wrap unchecked
+            raise ValueError(f"Runtime.plan: {name}: expected an int32 tensor (on {device} for the "
+                             f"fast path), got {t.dtype}")
         if t.device.type != "cpu" and t.device != device:
             raise ValueError(f"Runtime.plan: {name}: expected a tensor on {device} (or the CPU), "
                              f"got {t.device}")
@@ -409,7 +408,8 @@ class Runtime:
         name another workqueue or fused route); FlashInfer and the bucket route are not used. The
         lengths are checked on the GPU: a row whose seq_len is outside [1, block-table columns *
         page_size] gets no work (its output row is not computed) and sets a flag that
-        :meth:`device_status` reports. With ``use_cuda_graph=False`` plan() and run() are
+        :meth:`device_status` reports for the last planned step. Page ids are trusted: unlike
+        host planning (``validate=True``), nothing checks them against the cache. With ``use_cuda_graph=False`` plan() and run() are
         capturable, so an engine can capture a whole step (all layers) in its own CUDA graph and
         replay it with new lengths (same batch size) and no host planning at all.
 
@@ -433,6 +433,10 @@ class Runtime:
         for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Runtime: {name}={v!r}: expected a positive integer")
+        if max_pages_per_row * page_size > MAX_SEQ_LEN:
+            raise ValueError(f"Runtime: max_pages_per_row={max_pages_per_row}: rows of "
+                             f"{max_pages_per_row * page_size} tokens exceed the int32 lengths the "
+                             f"kernels take (at most {MAX_SEQ_LEN} tokens)")
         self._graphs = graphs.GraphCache(max_graphs)   # checks max_graphs
         self._counts = dict(plans=0, captures=0, replays=0, eager_runs=0, staging_copies=0,
                             h2d_copies=0, regrowths=0, capture_seconds=0.0)
@@ -479,7 +483,12 @@ class Runtime:
             if self._fi_reason is not None and not any(r.kind != "flashinfer" for r in self.registry.routes):
                 raise ValueError(f"{self.registry.path}: no PersistentKV route, and the FlashInfer route "
                                  f"is unavailable ({self._fi_reason}): no route can run")
-            self._alloc(initial_capacities(self.registry, max_batch=max_batch, num_kv_heads=self.num_kv_heads))
+            cap = initial_capacities(self.registry, max_batch=max_batch, num_kv_heads=self.num_kv_heads)
+            self._dp_grid: dict[tuple[str, int], int] = {}
+            if self.device_planning:
+                dp = self._device_capacities()
+                cap = Capacities(slots=max(cap.slots, dp.slots), tasks=max(cap.tasks, dp.tasks))
+            self._alloc(cap)
             self._fi = None
             if fi_mod is not None:
                 try:
@@ -510,6 +519,8 @@ class Runtime:
         families = {KIND_KERNELS[r.kind] for r in self.registry.routes if r.kind != "flashinfer"}
         if families & {"split_decode", "workqueue_decode"}:
             families.add("merge")
+        if self.device_planning:
+            families.add("plan_workqueue")
         for fam in sorted(families):
             grouped = "group" in _buildspec.FAMILIES[fam]["variants"]
             sym = _buildspec.symbol(fam, tag, self.head_dim, g if grouped else None)
@@ -579,8 +590,16 @@ class Runtime:
         self._d_num_splits = torch.zeros(gmax, **i32)
         self._d_status = torch.zeros(1, **i32)
         self._d_cands = {n: torch.tensor(r.splits.candidates(), **i32) for n, r in self._dp_routes.items()}
-        self._dp_grid: dict[tuple[str, int], int] = {}
         self._dp_refused: dict[str, dict[str, str]] = {}
+
+    def _device_capacities(self) -> Capacities:
+        """What device planning can ever need: the worst step of every padded batch (every split
+        has H_kv tasks, so slots = tasks / H_kv). Allocated at construction, so the buffers never
+        grow afterwards and a graph an engine captured around plan()/run() never points at
+        freed memory."""
+        batches = [1 << i for i in range(graphs.padded_batch(self.max_batch).bit_length())]
+        tasks = max(self._device_grid_tasks(r, gb) for r in self._dp_routes.values() for gb in batches)
+        return Capacities(slots=tasks // self.num_kv_heads, tasks=tasks)
 
     def _device_grid_tasks(self, route, gbatch: int) -> int:
         """Grid (task slots) of a device-planned step on ``gbatch`` padded rows: the most tasks
@@ -624,9 +643,12 @@ class Runtime:
         ValueError naming the argument (seq_lens, block_tables, force); the runtime's state is
         unchanged then (the previous plan stays in effect).
 
-        With ``device_planning``: seq_lens [B] and block_tables [B, W] are best int32 tensors on
-        the Runtime's device (CPU tensors work, as a host-to-device copy); only their shapes,
-        dtypes and devices are checked on the host, the lengths on the GPU (:meth:`device_status`).
+        With ``device_planning``: seq_lens [B] and block_tables [B, W] are int32 tensors on the
+        Runtime's device (CPU int32 tensors work outside graph capture, as a host-to-device copy
+        that a pageable source makes synchronous); only their shapes, dtypes and devices are
+        checked on the host, the lengths on the GPU (:meth:`device_status`); page ids are
+        trusted (not checked: that would need a look at every entry). If plan() raises after its
+        checks (a failed launch), no step is planned until the next successful plan().
         """
         if self._capturing():
             if not self.device_planning:
@@ -675,12 +697,13 @@ class Runtime:
         seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
                                     max_batch=self.max_batch)
         b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
-        grid = self._device_grid_tasks(route, gb)
-        need = Capacities(slots=gb * route.splits.max, tasks=grid)
-        if need.slots > self._cap.slots or need.tasks > self._cap.tasks:
-            self._alloc(Capacities(slots=grow(self._cap.slots, need.slots),
-                                   tasks=grow(self._cap.tasks, need.tasks)))
+        grid = self._device_grid_tasks(route, gb)   # <= the capacity sized at construction
         w = min(bt.shape[1], self.max_pages_per_row)
+        if self._capturing() and (seq.device != self.device or bt.device != self.device):
+            raise ValueError("Runtime.plan: seq_lens/block_tables on the CPU during CUDA-graph "
+                             "capture: the graph would read host memory captured by address; "
+                             f"pass int32 tensors on {self.device}")
+        self._step = None   # until this step is fully enqueued: a failure below leaves no plan
         self._d_seq[:b].copy_(seq, non_blocking=True)
         self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
         scalars = (b, w * self.page_size)

@@ -73,14 +73,19 @@ def test_device_planning_flags_bad_lengths_and_skips_their_rows(fake_device, poo
     assert rt.device_status() == 0
 
 
+I32 = dict(dtype=torch.int32)
+
+
 @pytest.mark.parametrize("seq, bt, match", [
-    (torch.tensor([5.0]), torch.zeros(1, 4, dtype=torch.int32), r"seq_lens: expected an integer tensor"),
-    (torch.tensor([[5]]), torch.zeros(1, 4, dtype=torch.int32), r"seq_lens: expected a non-empty \[B\]"),
-    (torch.tensor([], dtype=torch.int32), torch.zeros(0, 4, dtype=torch.int32), r"seq_lens: expected a non-empty"),
-    (torch.tensor([5, 6]), torch.zeros(3, 4, dtype=torch.int32), r"block_tables: expected shape \[B=2"),
-    (torch.tensor([5, 6]), torch.zeros(2, 4), r"block_tables: expected an integer tensor"),
-    (torch.tensor([5, 6]), torch.zeros(8, dtype=torch.int32), r"block_tables: expected a non-empty \[B, max_pages\]"),
-    (torch.ones(9, dtype=torch.int32), torch.zeros(9, 4, dtype=torch.int32), r"batch of 9 rows: expected at most max_batch=8"),
+    (torch.tensor([5.0]), torch.zeros(1, 4, **I32), r"seq_lens: expected an int32 tensor"),
+    (torch.tensor([5]), torch.zeros(1, 4, **I32), r"seq_lens: expected an int32 tensor .* got torch.int64"),
+    (torch.tensor([[5]], **I32), torch.zeros(1, 4, **I32), r"seq_lens: expected a non-empty \[B\]"),
+    (torch.tensor([], **I32), torch.zeros(0, 4, **I32), r"seq_lens: expected a non-empty"),
+    (torch.tensor([5, 6], **I32), torch.zeros(3, 4, **I32), r"block_tables: expected shape \[B=2"),
+    (torch.tensor([5, 6], **I32), torch.zeros(2, 4), r"block_tables: expected an int32 tensor"),
+    (torch.tensor([5, 6], **I32), torch.zeros(2, 4, dtype=torch.int64), r"block_tables: expected an int32"),
+    (torch.tensor([5, 6], **I32), torch.zeros(8, **I32), r"block_tables: expected a non-empty \[B, max_pages\]"),
+    (torch.ones(9, **I32), torch.zeros(9, 4, **I32), r"batch of 9 rows: expected at most max_batch=8"),
 ])
 def test_device_step_checks_name_the_argument(seq, bt, match):
     with pytest.raises(ValueError, match=match):
@@ -149,3 +154,91 @@ def test_device_planning_graph_replay_after_length_change(fake_device, pool):  #
     s = rt.stats()
     assert s["captures"] == 2 and s["replays"] == 4 and graphs.padded_batch(3) == rt._step.gbatch
     assert ops is not None
+
+
+def test_device_grid_holds_the_planning_rule_for_all_long_rows(fake_device):  # noqa: F811
+    """Worst case of the rule: every row long enough to take the largest split count; the
+    planning kernel's rule (emulated) must fit the grid of its padded batch with no overflow."""
+    rt = fake_runtime(device_planning=True, max_batch=64)
+    cal, hkv = rt.calibration, rt.num_kv_heads
+    for name, route in rt._dp_routes.items():
+        cands = torch.tensor(route.splits.candidates(), dtype=torch.int32)
+        for b in range(1, 65):
+            gb = graphs.padded_batch(b)
+            grid = rt._device_grid_tasks(route, gb)
+            seq = torch.full((gb,), 200_000, dtype=torch.int32)
+            tasks = torch.zeros(grid, 5, dtype=torch.int32)
+            num, status = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            fake_device.plan_workqueue_device(
+                seq, torch.tensor([b], dtype=torch.int32), tasks, num,
+                torch.zeros(gb + 1, dtype=torch.int32), torch.zeros(gb, dtype=torch.int32), status,
+                cands, num_kv_heads=hkv, min_split_tiles=-(-cal.splits.min_split_tokens // 32),
+                ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count,
+                max_seq_len=torch.tensor([2**30], dtype=torch.int32))
+            assert int(status[0]) == 0 and int(num[0]) <= grid, (name, b)
+            assert int(num[0]) // hkv <= rt.stats()["capacities"]["slots"], (name, b)
+
+
+def test_device_planning_never_regrows(fake_device, pool):  # noqa: F811
+    """Buffers are sized for every padded batch at construction: an engine's captured graph can
+    never be left pointing at reallocated memory."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True, max_batch=64)
+    for i, rows in enumerate(([0], [0, 1, 2, 3, 4, 5], [2, 3])):
+        seq, bt, q = step_inputs(b, rows, 0, seed=i)
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+        out = rt.run(q, *cache, out=torch.empty_like(q))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    assert rt.stats()["regrowths"] == 0
+
+
+def test_device_scalars_are_rewritten_every_step_once_an_engine_captured_a_plan(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True, use_cuda_graph=False)
+    seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=4)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    rt._capturing = lambda: True            # as if inside an engine's torch.cuda.graph
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    rt._capturing = lambda: False
+    rt._d_rows.fill_(5)                     # what replaying the engine's B=5 graph would leave
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))   # same B and width as the cached scalars
+    assert int(rt._d_rows[0]) == 3
+    out = rt.run(q, *cache, out=torch.empty_like(q))
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+
+
+def test_cpu_inputs_during_capture_are_refused(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    rt = fake_runtime(device_planning=True, use_cuda_graph=False)
+    seq, bt, _ = step_inputs(b, [0, 1], 0, seed=4)
+    rt._capturing = lambda: True
+    rt.device = torch.device("cuda", 0)     # the fake device is the CPU: make the inputs host ones
+    with pytest.raises(ValueError, match="on the CPU during CUDA-graph capture"):
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+
+
+def test_block_table_width_changes_between_steps(fake_device, pool):  # noqa: F811
+    """A narrower table bounds the lengths: rows that fit are exact, a longer one is flagged."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True)
+    seq, bt, q = step_inputs(b, [2, 3, 5], 0, seed=6)      # 2500, 900, 33 tokens
+    for width in (bt.shape[1], 160, 57):                   # 57 pages = 912 tokens: row 0 too long
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt[:, :width].contiguous()))
+        rt.static_q(3).copy_(q)
+        out = rt.run(rt.static_q(3), *cache, out=rt.static_out(3))
+        want = ref(q, cache, seq, bt)
+        fits = [i for i, n in enumerate(seq) if n <= width * 16]
+        assert rel_err(out[fits], want[fits]) < 2e-3, width
+        assert rt.device_status(raise_on_error=False) == (0 if len(fits) == 3 else 2), width
+
+
+def test_negative_lengths_are_flagged(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    rt = fake_runtime(device_planning=True)
+    seq, bt, _ = step_inputs(b, [0, 1], 0, seed=1)
+    seq[0] = -5
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rt.device_status(raise_on_error=False) == 2

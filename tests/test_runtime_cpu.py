@@ -869,6 +869,19 @@ def test_flashinfer_route_waits_for_a_wrappers_last_plan_copy_before_replanning(
 
     monkeypatch.setattr(torch.cuda, "Event", Ev)
     fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper)
+
+    # An evicted wrapper's pinned buffer may be reused at once: its last copy is waited on first.
+    log.clear()
+    route = fi_route.FlashInferRoute(
+        fake, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float16,
+        device=torch.device("cpu"), sm_scale=None, tensor_cores=True, cuda_graph=True,
+        indices_buffer=torch.zeros(64, dtype=torch.int32), max_wrappers=1)
+    ip, idx = torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    route.plan(ip, idx, torch.zeros(2, dtype=torch.int32))
+    route.plan(ip[:2], idx, torch.zeros(1, dtype=torch.int32))
+    b2 = log[1][1]
+    assert log[:3] == [("plan", 2), ("record", b2), ("sync", b2)] and log[3] == ("plan", 1)
+
     for graph_mode in (True, False):
         log.clear()
         route = fi_route.FlashInferRoute(

@@ -17,7 +17,7 @@ def _buffers(max_rows, capacity):
     i32 = dict(device="cuda", dtype=torch.int32)
     return dict(tasks=torch.full((capacity, 5), -7, **i32), num_tasks=torch.zeros(1, **i32),
                 split_offsets=torch.zeros(max_rows + 1, **i32), num_splits=torch.zeros(max_rows, **i32),
-                overflow=torch.zeros(1, **i32))
+                status=torch.zeros(1, **i32))
 
 
 def _device_plan(seq, bufs, splits, cal):
@@ -26,7 +26,7 @@ def _device_plan(seq, bufs, splits, cal):
     rows = torch.tensor([len(seq)], dtype=torch.int32, device="cuda")
     cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
     ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
-                              bufs["num_splits"], bufs["overflow"], cand, num_kv_heads=H_KV,
+                              bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                               min_split_tiles=-(-cal.splits.min_split_tokens // 32),
                               ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count)
     return seq_dev, rows, cand
@@ -44,7 +44,7 @@ def test_device_plan_equals_host_plan(seed):
     bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
     _device_plan(seq, bufs, splits, cal)
     torch.cuda.synchronize()
-    assert bufs["overflow"].item() == 0
+    assert bufs["status"].item() == 0
     np.testing.assert_array_equal(bufs["num_splits"].cpu().numpy()[:b], host.num_splits)
     np.testing.assert_array_equal(bufs["split_offsets"].cpu().numpy()[: b + 1], host.split_offsets)
     n = bufs["num_tasks"].item()
@@ -71,7 +71,7 @@ def test_plan_decode_merge_in_one_graph_with_changing_lengths():
 
     def step():
         ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
-                                  bufs["num_splits"], bufs["overflow"], cand, num_kv_heads=H_KV,
+                                  bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                                   min_split_tiles=-(-cal.splits.min_split_tokens // 32),
                                   ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count)
         ops.workqueue_decode(batch.q, batch.k_cache, batch.v_cache, seq_dev, bt, bufs["tasks"],
@@ -112,12 +112,12 @@ def test_device_plan_flags_lengths_outside_the_block_table():
     cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
     max_len = torch.tensor([4096], dtype=torch.int32, device="cuda")
     ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
-                              bufs["num_splits"], bufs["overflow"], cand, num_kv_heads=H_KV,
+                              bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                               min_split_tiles=-(-cal.splits.min_split_tokens // 32),
                               ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count,
                               max_seq_len=max_len)
     torch.cuda.synchronize()
-    assert bufs["overflow"].item() == 2
+    assert bufs["status"].item() == 2
     got = bufs["num_splits"].cpu().numpy()[: len(seq)]
     assert got[1] == 0 and got[3] == 0 and (got[[0, 2, 4]] > 0).all()
     n = bufs["num_tasks"].item()
