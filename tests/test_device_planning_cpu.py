@@ -242,3 +242,17 @@ def test_negative_lengths_are_flagged(fake_device, pool):  # noqa: F811
     seq[0] = -5
     rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
     assert rt.device_status(raise_on_error=False) == 2
+
+
+def test_the_planning_kernel_is_loaded_at_construction(fake_device, monkeypatch):  # noqa: F811
+    """A missing planning cubin must fail Runtime(...), not the first plan() (maybe inside an
+    engine's capture)."""
+    from pkvrt import _driver
+
+    loaded = []
+    monkeypatch.setattr(_driver, "get_kernel", lambda fam, sym, smem=0: loaded.append((fam, sym, smem)))
+    fake_runtime(device_planning=True)
+    assert ("plan_workqueue", "pkv_plan_workqueue", 0) in loaded
+    loaded.clear()
+    fake_runtime()
+    assert not any(f == "plan_workqueue" for f, _, _ in loaded)
