@@ -650,7 +650,8 @@ class Runtime:
         trusted (not checked: that would need a look at every entry). If plan() raises after its
         checks (a failed launch), no step is planned until the next successful plan().
         """
-        if self._capturing():
+        capturing = self._capturing()
+        if capturing:
             if not self.device_planning:
                 raise RuntimeError("Runtime.plan: called during CUDA-graph capture; host planning "
                                    "stages the plan in host memory and cannot be captured. Build the "
@@ -659,7 +660,7 @@ class Runtime:
             if self.use_cuda_graph:
                 raise RuntimeError(_NESTED_CAPTURE.format("plan"))
         if self.device_planning:
-            return self._plan_on_device(seq_lens, block_tables, force)
+            return self._plan_on_device(seq_lens, block_tables, force, capturing)
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
         d = decide(self.router, step.seq, step.block_tables, force=force,
@@ -687,7 +688,8 @@ class Runtime:
         self._counts["plans"] += 1
         return d
 
-    def _plan_on_device(self, seq_lens, block_tables, force: str | None) -> RouteDecision:
+    def _plan_on_device(self, seq_lens, block_tables, force: str | None,
+                        capturing: bool) -> RouteDecision:
         """plan() with device-side planning (see the constructor's ``device_planning``)."""
         name = self._dp_default if force is None else force
         route = self._dp_routes.get(name)
@@ -699,27 +701,22 @@ class Runtime:
         b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
         grid = self._device_grid_tasks(route, gb)   # <= the capacity sized at construction
         w = min(bt.shape[1], self.max_pages_per_row)
-        if self._capturing() and (seq.device != self.device or bt.device != self.device):
+        if capturing and (seq.device != self.device or bt.device != self.device):
             raise ValueError("Runtime.plan: seq_lens/block_tables on the CPU during CUDA-graph "
                              "capture: the graph would read host memory captured by address; "
                              f"pass int32 tensors on {self.device}")
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
         self._d_seq[:b].copy_(seq, non_blocking=True)
         self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
-        scalars = (b, w * self.page_size)
-        if self._capturing():
-            # An engine captures this step into its own graph: its replays rewrite the device
-            # scalars behind the host's back, so from now on they are written every step.
-            self._d_scalars_cached = False
-        if not self._d_scalars_cached:
-            self._d_rows.fill_(b)
-            self._d_max_seq.fill_(scalars[1])
-        elif scalars != self._d_scalars:  # rewritten only when they change (a fill each)
-            if scalars[0] != self._d_scalars[0]:
-                self._d_rows.fill_(b)
-            if scalars[1] != self._d_scalars[1]:
-                self._d_max_seq.fill_(scalars[1])
-            self._d_scalars = scalars
+        # The device scalars are rewritten only when they change, until an engine captures a
+        # plan(): its replays then rewrite them behind the host's back, so from then on always.
+        self._d_scalars_cached &= not capturing
+        rows, max_seq = b, w * self.page_size
+        if not self._d_scalars_cached or rows != self._d_scalars[0]:
+            self._d_rows.fill_(rows)
+        if not self._d_scalars_cached or max_seq != self._d_scalars[1]:
+            self._d_max_seq.fill_(max_seq)
+        self._d_scalars = (rows, max_seq)
         key = ("device-plan", route.name, gb, grid, self._generation)
         launch = lambda: self._launch_device_plan(route, gb, grid)  # noqa: E731
         if not self.use_cuda_graph:
@@ -731,9 +728,11 @@ class Runtime:
             self._capture(key, launch)
         self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
                            max_page_id=-1)
-        others = self._dp_refused.setdefault(route.name, {
-            r.name: f"device_planning runs {route.name} every step (no host routing)"
-            for r in self.registry.routes if r.name != route.name})
+        others = self._dp_refused.get(route.name)
+        if others is None:   # built once per route, not every step
+            others = self._dp_refused[route.name] = {
+                r.name: f"device_planning runs {route.name} every step (no host routing)"
+                for r in self.registry.routes if r.name != route.name}
         self.last_decision = RouteDecision(route=route.name, kind=route.kind, plan=None,
                                            predicted_us={}, refused=others, speedup=1.0, active=b,
                                            max_context=-1, forced=force is not None)
