@@ -100,7 +100,8 @@ def engine_flashinfer(case: Case, tensor_cores: bool):
     return fn, outs[0]
 
 
-def engine_split(case: Case, splits: int):
+def engine_split(case: Case, splits: int, merge: bool = True):
+    """merge=False: the decode kernel alone (exploration: what the merge launch costs)."""
     b0 = case.b0
     rows = len(case.lens)
     row_ids = torch.arange(rows, dtype=torch.int32, device="cuda")
@@ -113,7 +114,7 @@ def engine_split(case: Case, splits: int):
         for b, o in zip(case.batches, outs):
             ops.split_decode(b0.q, b.k_cache, b.v_cache, b0.seq_lens, b0.block_tables, row_ids,
                              splits, o, part_a, part_ml)
-            if splits > 1:
+            if splits > 1 and merge:
                 ops.merge(part_a, part_ml, offsets, o, row_ids=row_ids)
     return fn, outs[0]
 
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--splits", default="", help="bucket split counts to sweep as well (exploration)")
     ap.add_argument("--wq-splits", default="", help="workqueue split counts to sweep as well")
+    ap.add_argument("--nomerge-splits", default="",
+                    help="bucket split counts to time without the merge kernel (exploration; outputs not exact)")
     ap.add_argument("--routes", default=None, help="routes.toml (split bounds); default: the repo's")
     ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args(argv)
@@ -202,6 +205,8 @@ def main(argv=None) -> int:
         # Sweeps (exploration; not the runtime's choice).
         for s in map(int, filter(None, args.splits.split(","))):
             engines.append(("sweep-bucket", s, *engine_split(case, s)))
+        for s in map(int, filter(None, args.nomerge_splits.split(","))):
+            engines.append(("sweep-bucket-nomerge", s, *engine_split(case, s, merge=False)))
         for s in map(int, filter(None, args.wq_splits.split(","))):
             engines.append(("sweep-workqueue", s, *engine_workqueue(case, s, False)))
         if not args.no_sdpa:

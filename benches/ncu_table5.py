@@ -3,7 +3,7 @@
 One row per profiled kernel: name, duration, DRAM throughput (% of peak) and bytes read, L2 hit
 rate, achieved occupancy (active warps, % of peak), SM throughput, grid and registers.
 
-usage: python benches/ncu_table5.py NCU_CSV --out ncu-b8-bimodal.json
+usage: python benches/ncu_table5.py NCU_CSV --out ncu-b8-bimodal.json [--case b8-bimodal]
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--case", default="b8-bimodal", help="the profiled batch (benches/ncu_table5.sh CASE)")
     args = ap.parse_args(argv)
     from pkvrt import results
 
     rows = parse(args.csv)
-    meta = results.make_meta(seeds=[20260623], kind="ncu", case="B8-bimodal",
+    meta = results.make_meta(seeds=[20260623], kind="ncu", case=args.case,
                              protocol="ncu --clock-control none, one launch per kernel after warm-up "
                                       "(benches/ncu_workload.py)")
     results.write_results(args.out, meta, rows)

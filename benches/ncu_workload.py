@@ -7,7 +7,8 @@ warmed up first; only the measured calls run between cudaProfilerStart and cudaP
 `ncu --profile-from-start off` sees one launch of each kernel. Outputs are checked against the
 FP32 reference before profiling starts.
 
-usage: ncu --profile-from-start off ... python benches/ncu_workload.py
+usage: ncu --profile-from-start off ... python benches/ncu_workload.py [--lens 32768] [--bucket-splits 16]
+(default: the B8 bimodal batch, bucket at the workqueue's largest split count)
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from pathlib import Path
 LENS = [32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
     import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lens", default=",".join(map(str, LENS)), help="comma-separated row lengths")
+    ap.add_argument("--bucket-splits", type=int, default=0, help="bucket route splits (0: the workqueue's max)")
+    args = ap.parse_args(argv)
+    lens = [int(x) for x in args.lens.split(",")]
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from paged import make_batch, rel_err
@@ -29,21 +38,22 @@ def main() -> int:
     from pkvrt.pagetable import to_csr
     from pkvrt.registry import load_routes
 
-    b = make_batch(LENS, seed=20260623)
+    b = make_batch(lens, seed=20260623)
     ref = reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
     cal = find_calibration(torch.cuda.get_device_name())
-    plan = planner.plan_workqueue(LENS, num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2,
+    plan = planner.plan_workqueue(lens, num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2,
                                   splits=load_routes().route("pkv_workqueue").splits, cal=cal)
     dev = dict(device="cuda", dtype=torch.int32)
     tasks, num = torch.as_tensor(plan.tasks, **dev), torch.tensor([len(plan.tasks)], **dev)
     offsets = torch.as_tensor(plan.split_offsets, **dev)
     s = int(plan.num_splits.max())
-    slots = max(int(plan.split_offsets[-1]), len(LENS) * s)
+    bs = args.bucket_splits or s
+    slots = max(int(plan.split_offsets[-1]), len(lens) * bs)
     part_a = torch.empty(slots, 32, 128, device="cuda")
     part_ml = torch.empty(slots, 32, 2, device="cuda")
-    counters = torch.zeros(len(LENS), 8, **dev)
-    rows = torch.arange(len(LENS), **dev)
-    moffs = torch.arange(len(LENS) + 1, **dev) * s
+    counters = torch.zeros(len(lens), 8, **dev)
+    rows = torch.arange(len(lens), **dev)
+    moffs = torch.arange(len(lens) + 1, **dev) * bs
     outs = {name: torch.empty_like(b.q) for name in ("workqueue", "fused", "bucket", "flashinfer")}
 
     def workqueue():
@@ -56,7 +66,7 @@ def main() -> int:
                              offsets, outs["fused"], part_a, part_ml, counters=counters)
 
     def bucket():
-        ops.split_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, rows, s,
+        ops.split_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, rows, bs,
                          outs["bucket"], part_a, part_ml)
         ops.merge(part_a, part_ml, moffs, outs["bucket"], row_ids=rows)
 
@@ -85,7 +95,7 @@ def main() -> int:
         fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled: {', '.join(outs)} (splits {s}, {len(plan.tasks)} workqueue tasks)")
+    print(f"profiled: {', '.join(outs)} (workqueue splits {s}, bucket {bs}, {len(plan.tasks)} workqueue tasks)")
     return 0
 
 

@@ -620,41 +620,104 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
     decode_range_simt<T, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
-// Exact merge of the partial states in slots [slot_begin, slot_end) for query head h into
-// O[out_row, h, :]. Executed by `nthreads` threads with index `tid`, each owning 4 elements
-// per step of 4*nthreads. Loads bypass L1 (__ldcg): slots may have been written by other CTAs
-// of the same launch (fused kernel).
+// Exact merge of the partial states in slots [slot_begin, slot_end) of query head h into
+// O[out_row, h, :] (`o` points at that head's D outputs), executed by one warp; lane owns the
+// E = D/32 consecutive outputs lane*E .. lane*E+E-1. Latency, not bandwidth, is its cost (a few
+// KB per head, in L2), so it is written to have few dependent round trips to L2:
+//  1. lane i loads (m, l) of slots i, i+32, ... and folds them online; a butterfly over the warp
+//     gives (m_all, l_all) on every lane: one round trip for up to 32 slots;
+//  2. lane i turns slot i's m into its weight 2^(m_i - m_all) / l_all; the accumulators then
+//     take batches of BATCH slots whose loads are all issued before the first FMA, the weight
+//     of each broadcast from its lane by shuffle: ceil(n / BATCH) round trips.
+// The first version looped over the slots three times with one dependent load per iteration:
+// 9 us for 16 slots, 28 us for 64 on the H200 (benches/NOTES.md, "The merge was latency-bound").
+// Loads bypass L1 (__ldcg): in the fused kernel the slots were written by other CTAs.
 template <typename T, int D>
 __device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
                                            int num_qo_heads, int slot_begin, int slot_end, int h,
-                                           T* out_row_ptr, int tid, int nthreads) {
-  float m_all = -INFINITY;
-  for (int s = slot_begin; s < slot_end; ++s)
-    m_all = fmaxf(m_all, __ldcg(part_ml + ((long long)s * num_qo_heads + h) * 2));
-  float l_all = 0.f;
-  for (int s = slot_begin; s < slot_end; ++s) {
-    const float* ml = part_ml + ((long long)s * num_qo_heads + h) * 2;
-    l_all += rescale(__ldcg(ml), m_all) * __ldcg(ml + 1);
+                                           T* o, int lane) {
+  constexpr int E = D / 32;                  // outputs per lane: 2, 4 or 8
+  constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
+  constexpr int BATCH = E >= 8 ? 8 : 16;     // slots in flight per lane (<= 64 registers)
+  const int n = slot_end - slot_begin;
+  auto ml_at = [&](int s) { return part_ml + ((long long)s * num_qo_heads + h) * 2; };
+
+  // 1. (m_all, l_all), with lane's own slot of the first 32 kept for its weight.
+  float m_mine = -INFINITY, l_acc = 0.f;
+  if (lane < n) {
+    m_mine = __ldcg(ml_at(slot_begin + lane));
+    l_acc = __ldcg(ml_at(slot_begin + lane) + 1);
   }
-  const float inv = 1.f / l_all;
-  for (int d0 = tid * 4; d0 < D; d0 += nthreads * 4) {
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = slot_begin; s < slot_end; ++s) {
-      const long long base = (long long)s * num_qo_heads + h;
-      const float w = rescale(__ldcg(part_ml + base * 2), m_all);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_a + base * D + d0));
-      a.x = fmaf(w, v.x, a.x);
-      a.y = fmaf(w, v.y, a.y);
-      a.z = fmaf(w, v.z, a.z);
-      a.w = fmaf(w, v.w, a.w);
+  float m_acc = m_mine;
+  for (int s = slot_begin + lane + 32; s < slot_end; s += 32) {
+    const float ms = __ldcg(ml_at(s)), ls = __ldcg(ml_at(s) + 1);
+    const float m_new = fmaxf(m_acc, ms);
+    l_acc = l_acc * rescale(m_acc, m_new) + ls * rescale(ms, m_new);
+    m_acc = m_new;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float mo = __shfl_xor_sync(0xffffffffu, m_acc, off);
+    const float lo = __shfl_xor_sync(0xffffffffu, l_acc, off);
+    const float m_new = fmaxf(m_acc, mo);
+    l_acc = l_acc * rescale(m_acc, m_new) + lo * rescale(mo, m_new);
+    m_acc = m_new;
+  }
+  const float m_all = m_acc, inv_l = 1.f / l_acc;
+
+  // 2. sum_s w_s a_s over the lane's E outputs.
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
+  for (int c0 = 0; c0 < n; c0 += 32) {
+    float w;  // weight of slot slot_begin + c0 + lane
+    if (c0 == 0) {
+      w = rescale(m_mine, m_all) * inv_l;
+    } else {
+      const int s = slot_begin + c0 + lane;
+      w = s < slot_end ? rescale(__ldcg(ml_at(s)), m_all) * inv_l : 0.f;
     }
-    T* o = out_row_ptr + d0;
-    if constexpr (sizeof(T) == 2) {
-      float f[8] = {a.x * inv, a.y * inv, a.z * inv, a.w * inv, 0.f, 0.f, 0.f, 0.f};
-      uint4 raw = from_float8(f, T());
-      *reinterpret_cast<uint2*>(o) = make_uint2(raw.x, raw.y);
+    const int cnt = min(32, n - c0);
+    for (int j0 = 0; j0 < cnt; j0 += BATCH) {
+      float v[BATCH][E];
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        if (j0 + j < cnt) {
+          const float* src = part_a + ((long long)(slot_begin + c0 + j0 + j) * num_qo_heads + h) * D + lane * E;
+          if constexpr (E == 2) {
+            const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
+            v[j][0] = x.x;
+            v[j][1] = x.y;
+          } else {
+#pragma unroll
+            for (int q = 0; q < V; ++q) {
+              const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + q);
+              v[j][4 * q] = x.x;
+              v[j][4 * q + 1] = x.y;
+              v[j][4 * q + 2] = x.z;
+              v[j][4 * q + 3] = x.w;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
+        if (j0 + j < cnt) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[e] = fmaf(wj, v[j][e], acc[e]);
+        }
+      }
     }
   }
+  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int e = 0; e < E; ++e) f[e] = acc[e];
+  const uint4 raw = from_float8(f, T());
+  T* dst = o + lane * E;
+  if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = raw;
+  else if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(raw.x, raw.y);
+  else *reinterpret_cast<unsigned*>(dst) = raw.x;
 }
 
 }  // namespace pkv

@@ -40,13 +40,13 @@ __device__ __forceinline__ void fused_decode(const pkv::DecodeParams& p) {
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // G heads of this KV head, 128 / G threads each.
-  constexpr int TPH = pkv::kThreads / G;
-  const int g = threadIdx.x / TPH;
-  const int h = kvh * G + g;
-  T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
-  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
-                        threadIdx.x % TPH, TPH);
+  // The G heads of this KV head, one warp each (G = 8: two per warp).
+  for (int g = threadIdx.x / 32; g < G; g += pkv::kThreads / 32) {
+    const int h = kvh * G + g;
+    T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
+    pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
+                          threadIdx.x % 32);
+  }
 }
 
 // (128, 1): with the default occupancy target ptxas spilled 4 bytes in the f16/d256/g1 variant.

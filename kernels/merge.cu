@@ -4,11 +4,11 @@
 // partial states (m_s, l_s, a_s) in the log2 domain; O = sum_s 2^(m_s-m) a_s / sum_s 2^(m_s-m) l_s
 // with m = max_s m_s. Empty splits carry (m=-inf, l=0, a=0) and weigh exactly 0.
 //
-// Grid:  blockIdx.x = block of heads (HPC = 128 / (D/4) heads per CTA: 4 for D = 128),
-//        blockIdx.y = merge row r. Output row = row_ids[r] (or r when row_ids is null);
+// Grid:  blockIdx.x = block of 4 query heads (one warp per head), blockIdx.y = merge row r. Output row = row_ids[r] (or r when row_ids is null);
 //        -1 exits (idle graph slot); rows with no slots exit; with skip_single, rows with one
 //        slot exit too (the decode kernel already wrote O for them).
-// Block: 128 threads, D/4 threads per head, float4 loads; no shared memory.
+// Block: 128 threads; warp w merges head 4*blockIdx.x + w (decode_common.cuh, merge_head:
+//        few dependent L2 round trips, the merge is latency-bound); no shared memory.
 // Layout: part_a [slots, H_q, D] f32, part_ml [slots, H_q, 2] f32, out [B, H_q, D] (T).
 // Bytes: reads (D + 2) * 4 bytes per slot and head, writes D * 2 bytes per row and head.
 #include "decode_common.cuh"
@@ -25,17 +25,16 @@ struct MergeParams {
 
 template <typename T, int D>
 __device__ __forceinline__ void merge_states(const MergeParams& p) {
-  constexpr int TPH = D / 4;
-  constexpr int HPC = pkv::kThreads / TPH;
+  constexpr int HPC = pkv::kThreads / 32;  // heads per CTA, one warp each
   const int r = blockIdx.y;
   const int out_row = p.row_ids ? p.row_ids[r] : r;
   if (out_row < 0) return;
   const int b = p.split_offsets[r], e = p.split_offsets[r + 1];
   if (e - b <= 0 || (p.skip_single && e - b == 1)) return;
-  const int h = blockIdx.x * HPC + threadIdx.x / TPH;
+  const int h = blockIdx.x * HPC + threadIdx.x / 32;
   if (h >= p.num_qo_heads) return;
   T* o = static_cast<T*>(p.out) + ((long long)out_row * p.num_qo_heads + h) * D;
-  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e, h, o, threadIdx.x % TPH, TPH);
+  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e, h, o, threadIdx.x % 32);
 }
 
 #define PKV_MERGE_ENTRY(TN, T, D)                                                        \

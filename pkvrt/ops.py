@@ -216,7 +216,7 @@ def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: boo
     if rows <= 0:
         return
     p.num_qo_heads, p.skip_single = hq, int(skip_single)
-    heads_per_cta = THREADS // (d // 4)
+    heads_per_cta = THREADS // 32  # one warp per head (kernels/merge.cu)
     k = _driver.get_kernel("merge", _buildspec.symbol("merge", _DTYPES[out.dtype], d))
     _driver.launch(k, ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1), THREADS, p)
 

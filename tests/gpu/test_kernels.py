@@ -126,6 +126,43 @@ def test_mostly_empty_splits():
     assert rel_err(run_split(b, 64), ref_out(b)) < 2e-3
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_merge_matches_reference_merge_for_any_slot_count(d, dtype):
+    """Slot counts around the merge's warp (32) and batch (8 / 16) boundaries, empty slots mixed
+    in, rows of different counts in one launch, heads not a multiple of the 4 per CTA."""
+    counts = [2, 7, 15, 16, 17, 31, 32, 33, 47, 64, 100, 129]
+    hq = 6
+    offsets = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    slots = int(offsets[-1])
+    g = torch.Generator().manual_seed(d)
+    m = torch.randn(slots, hq, generator=g) * 30
+    l = torch.rand(slots, hq, generator=g) * 50 + 0.5
+    a = torch.randn(slots, hq, d, generator=g) * 10
+    empty = torch.rand(slots, hq, generator=g) < 0.3
+    empty[offsets[:-1].long()] = False  # every row keeps a non-empty first slot
+    m[empty], l[empty], a[empty] = -math.inf, 0.0, 0.0
+    part_ml = torch.stack([m, l], -1).cuda()
+    out = torch.full((len(counts), hq, d), float("nan"), dtype=dtype, device="cuda")
+    ops.merge(a.cuda(), part_ml, offsets.cuda(), out)
+    for r, (b, e) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        ref = reference.merge_states(m[b:e], l[b:e], a[b:e])
+        assert rel_err(out[r].cpu(), ref) < TOL[dtype] / 2, (d, counts[r])
+
+
+@pytest.mark.parametrize("d,g", [(256, 8), (64, 2), (128, 4)])
+def test_fused_merge_with_many_splits(d, g):
+    """The fused kernel's in-CTA merge over more than 32 slots (G = 8: two heads per warp)."""
+    b = make_batch([40000, 3000, 1], num_qo_heads=2 * g, num_kv_heads=2, head_dim=d, page_size=16,
+                   seed=d + g)
+    ref = ref_out(b)
+    for splits in (40, 100):
+        out, counters = run_workqueue(b, splits, fused=True)
+        assert counters.sum().item() == 0
+        assert rel_err(out, ref) < TOL[torch.float16], (d, g, splits)
+        assert rel_err(run_workqueue(b, splits)[0], ref) < TOL[torch.float16], (d, g, splits)
+
+
 def test_capture_replay_after_inplace_change():
     b = make_batch([1000, 5000], seed=9)
     rows, splits = 2, 8
