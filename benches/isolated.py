@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch  # noqa: E402
 
-from pkvrt import ops, planner, reference, results  # noqa: E402
+from pkvrt import _driver, ops, planner, reference, results  # noqa: E402
 from pkvrt.harness import median_us  # noqa: E402  (graph-replay CUDA-event median per call)
 from pkvrt.calibration import find_calibration  # noqa: E402
 from pkvrt.registry import load_routes  # noqa: E402
@@ -144,6 +144,17 @@ def engine_workqueue(case: Case, splits: int | None, fused: bool, plan=None):
     return fn, outs[0]
 
 
+def without_pdl(fn, out):
+    """The engine ``fn`` with programmatic dependent launch off for its launches (A/B)."""
+    def run():
+        _driver.set_pdl(False)
+        try:
+            fn()
+        finally:
+            _driver.set_pdl(None)
+    return run, out
+
+
 def engine_sdpa(case: Case):
     """Repack the pages into contiguous K/V, then PyTorch SDPA (GQA), per row."""
     b0 = case.b0
@@ -174,6 +185,8 @@ def main(argv=None) -> int:
                     help="bucket split counts to time without the merge kernel (exploration; outputs not exact)")
     ap.add_argument("--routes", default=None, help="routes.toml (split bounds); default: the repo's")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--ab-pdl", action="store_true",
+                    help="also time the planner's bucket/workqueue choice with programmatic dependent launch off")
     args = ap.parse_args(argv)
     torch.manual_seed(SEED)
     registry = load_routes(args.routes)
@@ -202,6 +215,12 @@ def main(argv=None) -> int:
         s = int(wplan.num_splits.max())
         engines.append(("pkvrt-workqueue", s, *engine_workqueue(case, None, False, wplan)))
         engines.append(("pkvrt-fused", s, *engine_workqueue(case, None, True, wplan)))
+        if args.ab_pdl:
+            if len(bplan.buckets) == 1:
+                s = bplan.buckets[0].num_splits
+                engines.append(("pkvrt-bucket-nopdl", s, *without_pdl(*engine_split(case, s))))
+            s = int(wplan.num_splits.max())
+            engines.append(("pkvrt-workqueue-nopdl", s, *without_pdl(*engine_workqueue(case, None, False, wplan))))
         # Sweeps (exploration; not the runtime's choice).
         for s in map(int, filter(None, args.splits.split(","))):
             engines.append(("sweep-bucket", s, *engine_split(case, s)))

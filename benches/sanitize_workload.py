@@ -293,7 +293,7 @@ class DevicePlanStep:
         ops.plan_workqueue_device(self.seq, self.rows, self.tasks, self.num_tasks, self.split_offsets,
                                   self.num_splits, self.status, self.cand, num_kv_heads=H_KV,
                                   min_split_tiles=-(-cal.splits.min_split_tokens // TILE),
-                                  ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count,
+                                  **planner.device_plan_targets(cal),
                                   **self.bound)
         ops.workqueue_decode(dev.q, dev.k_cache, dev.v_cache, self.seq, self.bt, self.tasks,
                              self.num_tasks, self.split_offsets, self.out, self.part_a, self.part_ml)

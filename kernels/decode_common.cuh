@@ -161,6 +161,22 @@ __device__ __forceinline__ float rescale(float m_s, float m) {
   return m_s == -INFINITY ? 0.f : fast_exp2(m_s - m);
 }
 
+// ---- programmatic dependent launch (sm_90+) ------------------------------------------------
+//
+// The host launches every pkvrt kernel with the programmatic-stream-serialization attribute on
+// sm_90+ (pkvrt/_driver.py; PKVRT_PDL=0 turns it off): such a kernel may be scheduled while the
+// previous kernel of its stream is still draining. So every kernel entry calls pdl_enter()
+// before its first global-memory access: griddepcontrol.wait returns once the previous grid has
+// completed and its writes are visible (at once when launched without the attribute), then
+// launch_dependents lets the next kernel's CTAs get resident and wait in turn. What it hides
+// is the launch latency between decode and merge (and between layers' kernels in a graph).
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---- async copies --------------------------------------------------------------------------
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {

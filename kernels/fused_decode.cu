@@ -17,6 +17,7 @@
 
 template <typename T, int D, int G>
 __device__ __forceinline__ void fused_decode(const pkv::DecodeParams& p) {
+  pkv::pdl_enter();
   const int task = blockIdx.x;
   if (task >= *p.num_tasks) return;
   const int* t = p.tasks + 5 * task;

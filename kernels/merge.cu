@@ -25,6 +25,7 @@ struct MergeParams {
 
 template <typename T, int D>
 __device__ __forceinline__ void merge_states(const MergeParams& p) {
+  pkv::pdl_enter();
   constexpr int HPC = pkv::kThreads / 32;  // heads per CTA, one warp each
   const int r = blockIdx.y;
   const int out_row = p.row_ids ? p.row_ids[r] : r;

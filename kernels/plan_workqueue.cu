@@ -6,7 +6,8 @@
 // an engine's own CUDA graph while the lengths change between replays, with no host work
 // proportional to the batch.
 //
-// Split rule (planner.workqueue_split_counts): want = ceil(ctas_target / (B * H_kv)), snapped
+// Split rule (planner.workqueue_split_counts): want = ceil(target / (B * H_kv)), target =
+// ctas_target_single when B = 1 (planner.workqueue_ctas_target), ctas_target otherwise, snapped
 // to the nearest allowed count (ties to the smaller); each row is then capped by
 // cap = max(1, tiles / min_split_tiles): the largest allowed count <= cap, or cap itself.
 // Split s of S covers tiles [s*tiles/S, (s+1)*tiles/S).
@@ -22,6 +23,8 @@
 //         lengths; the page ids in the table are trusted.
 // Preconditions: max_rows <= 1024, num_candidates <= 64.
 #include <stdint.h>
+
+#include "decode_common.cuh"  // pkv::pdl_enter
 
 #define PKV_PLAN_THREADS 1024
 
@@ -41,7 +44,8 @@ struct PlanParams {
   int min_split_tiles;
   int tile_tokens;
   int task_capacity;
-  float ctas_target;  // workqueue_ctas_per_sm * sm_count
+  float ctas_target;         // workqueue_ctas_per_sm * sm_count
+  float ctas_target_single;  // bucket_ctas_per_sm * sm_count: the target of a one-row step
 };
 
 __device__ __forceinline__ int snap(const int* c, int n, int want) {  // nearest, ties smaller
@@ -60,6 +64,7 @@ __device__ __forceinline__ int fit(const int* c, int n, int s, int cap) {
 
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
     pkv_plan_workqueue(const __grid_constant__ PlanParams p) {
+  pkv::pdl_enter();
   __shared__ int cand[64];
   __shared__ int offs[PKV_PLAN_THREADS + 1];
   __shared__ int warp_sums[32];
@@ -76,7 +81,8 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
     atomicOr(&bad_rows, 1);
   } else if (tid < rows) {
     const int tiles = (p.seq_lens[tid] + p.tile_tokens - 1) / p.tile_tokens;
-    const int want = (int)ceilf(p.ctas_target / (float)(rows * p.num_kv_heads));
+    const float target = rows == 1 ? p.ctas_target_single : p.ctas_target;
+    const int want = (int)ceilf(target / (float)(rows * p.num_kv_heads));
     const int cap = max(1, tiles / p.min_split_tiles);
     s = fit(cand, p.num_candidates, snap(cand, p.num_candidates, want), cap);
   }

@@ -19,6 +19,7 @@
 
 template <typename T, int D, int G>
 __device__ __forceinline__ void split_decode(const pkv::DecodeParams& p) {
+  pkv::pdl_enter();
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int row = p.row_ids[blockIdx.z];

@@ -5,11 +5,17 @@ context (never creating a context), looks kernels up by name, and launches them 
 ``torch.cuda.current_stream()`` read at every launch, so that ``torch.cuda.graph`` capture
 records them. Every driver call goes through :func:`check`, which turns an error code into a
 :class:`CudaDriverError` naming the call.
+
+On sm_90+ every launch carries the programmatic-stream-serialization attribute (programmatic
+dependent launch, PDL): the kernel may be scheduled while the previous kernel of the stream
+drains, and waits in ``pkv::pdl_enter`` (kernels/decode_common.cuh) for that kernel's completion
+before touching memory. ``PKVRT_PDL=0`` in the environment, or :func:`set_pdl`, turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import warnings
 
@@ -65,6 +71,8 @@ _lock = threading.Lock()
 _modules: dict[tuple[int, str], object] = {}     # (context handle, family) -> CUmodule
 _kernels: dict[tuple[int, str], Kernel] = {}     # (context handle, symbol) -> Kernel
 _manifest: Manifest | None = None
+_pdl: bool | None = None                         # None: decide on first launch
+_tls = threading.local()                         # per-thread CUlaunchConfig for PDL launches
 
 
 def _context() -> int:
@@ -129,6 +137,35 @@ def get_kernel(family: str, symbol: str, smem_bytes: int = 0) -> Kernel:
         return k
 
 
+def pdl_enabled() -> bool:
+    """Whether launches use programmatic dependent launch: sm_90+ and not ``PKVRT_PDL=0``
+    (decided once per process, on the current device, unless :func:`set_pdl` overrides it)."""
+    global _pdl
+    if _pdl is None:
+        _pdl = (os.environ.get("PKVRT_PDL", "1") != "0"
+                and torch.cuda.get_device_capability()[0] >= 9)
+    return _pdl
+
+
+def set_pdl(enabled: bool | None) -> None:
+    """Force programmatic dependent launch on or off for later launches (None: back to the
+    default). For A/B measurements; a graph keeps what it was captured with."""
+    global _pdl
+    _pdl = None if enabled is None else bool(enabled)
+
+
+def _pdl_config():
+    cfg = getattr(_tls, "cfg", None)
+    if cfg is None:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg = _tls.cfg = cu.CUlaunchConfig()
+        cfg.attrs, cfg.numAttrs = [attr], 1
+        cfg.blockDimY = cfg.blockDimZ = 1
+    return cfg
+
+
 def launch(kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctypes.Structure) -> None:
     """Launch ``kernel`` with one by-value struct argument on torch's current stream.
 
@@ -137,6 +174,13 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctype
     """
     stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    if pdl_enabled():
+        cfg = _pdl_config()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream = block, kernel.smem_bytes, stream
+        check(f"cuLaunchKernelEx({kernel.name}, grid={grid}, block={block}, PDL)",
+              cu.cuLaunchKernelEx(cfg, kernel.func, ctypes.addressof(argv), 0))
+        return
     check(f"cuLaunchKernel({kernel.name}, grid={grid}, block={block})",
           cu.cuLaunchKernel(kernel.func, grid[0], grid[1], grid[2], block, 1, 1,
                             kernel.smem_bytes, stream, ctypes.addressof(argv), 0))

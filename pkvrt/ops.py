@@ -232,6 +232,7 @@ class PlanParams(ctypes.Structure):
         ("max_rows", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("min_split_tiles", ctypes.c_int), ("tile_tokens", ctypes.c_int),
         ("task_capacity", ctypes.c_int), ("ctas_target", ctypes.c_float),
+        ("ctas_target_single", ctypes.c_float),
     ]
 
 
@@ -241,7 +242,8 @@ MAX_SEQ_LEN = 2**31 - 1 - _buildspec.TILE_TOKENS   # int32 lengths; len + tile -
 
 def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                           status, candidates, *, num_kv_heads: int, min_split_tiles: int,
-                          ctas_target: float, max_seq_len=None) -> None:
+                          ctas_target: float, ctas_target_single: float | None = None,
+                          max_seq_len=None) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
@@ -251,7 +253,9 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len] (that row
     gets no split: nothing reads its block table or writes its output); candidates [n] int32,
     the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
-    pkvrt.planner.workqueue_split_counts with ctas_target = workqueue_ctas_per_sm * sm_count.
+    pkvrt.planner.workqueue_split_counts with ctas_target = workqueue_ctas_per_sm * sm_count and
+    ctas_target_single = bucket_ctas_per_sm * sm_count, the target of a one-row step
+    (planner.workqueue_ctas_target; None: ctas_target for every step).
     """
     dev = seq_lens.device
     max_rows = seq_lens.shape[0]
@@ -277,5 +281,6 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     p.num_candidates, p.max_rows, p.num_kv_heads = candidates.shape[0], max_rows, num_kv_heads
     p.min_split_tiles, p.tile_tokens = min_split_tiles, _buildspec.TILE_TOKENS
     p.task_capacity, p.ctas_target = tasks.shape[0], ctas_target
+    p.ctas_target_single = ctas_target if ctas_target_single is None else ctas_target_single
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
     _driver.launch(k, (1, 1, 1), 1024, p)

@@ -10,7 +10,8 @@ Split choice (row-local, paper section 3.5) is two small rules:
   ``S = ceil(target * sm_count / (bucket_rows * H_kv))`` (:func:`bucket_split_counts`);
 * workqueue route: the whole step aims for ``cal.splits.workqueue_ctas_per_sm``, so the split
   count comes from the active batch size, ``S = ceil(target * sm_count / (active * H_kv))``,
-  then each row is capped by its own tile count (:func:`workqueue_split_counts`).
+  then each row is capped by its own tile count (:func:`workqueue_split_counts`). A step of
+  one row is one bucket and takes the bucket target instead (:func:`workqueue_ctas_target`).
 
 Both snap S to the route's allowed counts (``SplitBounds.clamp``) and then cap it by the row's
 capacity ``max(1, tiles // min_split_tiles)`` (``min_split_tiles = ceil(min_split_tokens /
@@ -197,6 +198,25 @@ def bucket_split_counts(rows, longest, *, num_kv_heads: int, splits, cal: Calibr
     return fit_to_capacity(splits, clamp_splits(splits, want), cap)
 
 
+def workqueue_ctas_target(active: int, cal: Calibration) -> float:
+    """CTAs a workqueue step of ``active`` rows aims for: ``workqueue_ctas_per_sm * sm_count``,
+    or for a single row ``bucket_ctas_per_sm * sm_count``.
+
+    Why two: the workqueue target is fitted on ragged B4/B8 steps, whose short rows make short
+    CTAs and want several CTAs per SM (H200: 6.8); one row is a uniform step, where one wave of
+    equal CTAs is best (the bucket target, H200: 0.97). The workqueue target at B1 asked for 64
+    splits of a 32K row: 48.6 us against 42.2 at 16 (benches/NOTES.md, "The split rule at B1").
+    """
+    per_sm = cal.splits.bucket_ctas_per_sm if active == 1 else cal.splits.workqueue_ctas_per_sm
+    return per_sm * cal.sm_count
+
+
+def device_plan_targets(cal: Calibration) -> dict[str, float]:
+    """The CTA targets of ``ops.plan_workqueue_device`` as keywords (``ctas_target`` for steps of
+    several rows, ``ctas_target_single`` for one row), the same rule as :func:`workqueue_ctas_target`."""
+    return {"ctas_target": workqueue_ctas_target(2, cal), "ctas_target_single": workqueue_ctas_target(1, cal)}
+
+
 def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,
                            tile_tokens: int = TILE_TOKENS) -> np.ndarray:
     """S per row (int64 [B]): the active batch size sets the step's S, each row's tiles cap it.
@@ -205,8 +225,9 @@ def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: C
     4): B8 -> ceil(45*28 / (8*8)) = ceil(19.69) = 20 -> clamp 20; a 32K row keeps 20 (capacity
     256), a 2000-token row (63 tiles, capacity 15) gets 12, a 100-token row (capacity 1) gets 1.
     8 rows x 8 kvh x 20 = 1280 CTAs / 28 SMs = 45.7 CTA work per SM (the paper's Table 4).
+    One row aims for the bucket target (:func:`workqueue_ctas_target`).
     """
-    want = math.ceil(cal.splits.workqueue_ctas_per_sm * cal.sm_count / (len(seq) * num_kv_heads))
+    want = math.ceil(workqueue_ctas_target(len(seq), cal) / (len(seq) * num_kv_heads))
     cap = split_capacity(seq, min_split_tokens=cal.splits.min_split_tokens, tile_tokens=tile_tokens)
     return fit_to_capacity(splits, splits.clamp(want), cap)
 

@@ -77,7 +77,8 @@ from pkvrt.calibration import Calibration, find_calibration, load_calibration
 from pkvrt.costmodel import predict_us
 from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
                           needed_capacities, stage_bucket, stage_workqueue)
-from pkvrt.planner import bucket_counters, fused_counters, workqueue_counters
+from pkvrt.planner import (bucket_counters, device_plan_targets, fused_counters, workqueue_counters,
+                           workqueue_ctas_target)
 from pkvrt.registry import KIND_KERNELS, Registry, load_routes
 from pkvrt.router import RouteDecision, Router
 
@@ -608,9 +609,9 @@ class Runtime:
         key = (route.name, gbatch)
         if key not in self._dp_grid:
             cal, hkv = self.calibration, self.num_kv_heads
-            target = cal.splits.workqueue_ctas_per_sm * cal.sm_count
             self._dp_grid[key] = max(
-                b * hkv * route.splits.clamp(int(np.ceil(np.float32(target) / np.float32(b * hkv))))
+                b * hkv * route.splits.clamp(int(np.ceil(
+                    np.float32(workqueue_ctas_target(b, cal)) / np.float32(b * hkv))))
                 for b in range(gbatch // 2 + 1, gbatch + 1))
         return self._dp_grid[key]
 
@@ -748,7 +749,7 @@ class Runtime:
             self._d_num_splits[:gbatch], self._d_status, self._d_cands[route.name],
             num_kv_heads=self.num_kv_heads,
             min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
-            ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count, max_seq_len=self._d_max_seq)
+            max_seq_len=self._d_max_seq, **device_plan_targets(cal))
 
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):

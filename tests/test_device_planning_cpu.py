@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import graphs, ops
+from pkvrt import graphs, ops, planner
+from pkvrt.planner import workqueue_ctas_target
 from pkvrt.runtime import check_device_step
 from test_runtime_cpu import (STEPS, fake_device, fake_runtime, pool, ref, rel_err,  # noqa: F401
                               step_inputs)
@@ -45,7 +46,7 @@ def test_device_planning_grid_covers_every_batch_of_its_padded_size(fake_device)
     for gb in (1, 2, 4, 8):
         grid = rt._device_grid_tasks(route, gb)
         for b in range(gb // 2 + 1, gb + 1):
-            want = -(-cal.splits.workqueue_ctas_per_sm * cal.sm_count // (b * rt.num_kv_heads))
+            want = -(-workqueue_ctas_target(b, cal) // (b * rt.num_kv_heads))
             assert b * rt.num_kv_heads * route.splits.clamp(int(want)) <= grid
 
 
@@ -173,7 +174,7 @@ def test_device_grid_holds_the_planning_rule_for_all_long_rows(fake_device):  # 
                 seq, torch.tensor([b], dtype=torch.int32), tasks, num,
                 torch.zeros(gb + 1, dtype=torch.int32), torch.zeros(gb, dtype=torch.int32), status,
                 cands, num_kv_heads=hkv, min_split_tiles=-(-cal.splits.min_split_tokens // 32),
-                ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count,
+                **planner.device_plan_targets(cal),
                 max_seq_len=torch.tensor([2**30], dtype=torch.int32))
             assert int(status[0]) == 0 and int(num[0]) <= grid, (name, b)
             assert int(num[0]) // hkv <= rt.stats()["capacities"]["slots"], (name, b)

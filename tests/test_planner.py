@@ -16,7 +16,7 @@ from pkvrt.calibration import SplitPoints, load_calibration
 from pkvrt.pagetable import to_csr
 from pkvrt.planner import (BucketPlan, WorkqueuePlan, bucket_counters, check_seq_lens, clamp_splits,
                            plan_bucket, plan_flashinfer, plan_fused, plan_workqueue, split_capacity,
-                           split_tile_range, workqueue_counters)
+                           split_tile_range, workqueue_counters, workqueue_ctas_target)
 from pkvrt.registry import SplitBounds
 
 SEED = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json")
@@ -108,7 +108,8 @@ def test_workqueue_tasks_cover_every_row_and_head_once(seq, sb, cal, hd):
 def test_workqueue_split_comes_from_active_count_and_row_tiles(seq, cal):
     """Rows with enough tiles all get the same S, set by the active count alone."""
     plan = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=cal)
-    want = int(np.ceil(cal.splits.workqueue_ctas_per_sm * cal.sm_count / (len(seq) * 8)))
+    per_sm = cal.splits.bucket_ctas_per_sm if len(seq) == 1 else cal.splits.workqueue_ctas_per_sm
+    want = int(np.ceil(per_sm * cal.sm_count / (len(seq) * 8)))
     cap = split_capacity(seq, min_split_tokens=cal.splits.min_split_tokens)
     roomy = cap >= WQ_BOUNDS.clamp(want)
     assert (plan.num_splits[roomy] == WQ_BOUNDS.clamp(want)).all()
@@ -330,3 +331,17 @@ def test_bench_plan_bucket_b8(benchmark):
     seq = bimodal_b8(20260623)
     plan = benchmark(plan_bucket, seq, **SHAPE, splits=BUCKET_BOUNDS, cal=SEED)
     assert isinstance(plan, BucketPlan) and len(plan.buckets) == 8
+
+
+def test_one_row_workqueue_step_takes_the_bucket_target():
+    """H200 calibration: one 32K row gets the bucket's 16 splits (one wave of 128 CTAs), not the
+    64 the ragged-step target would ask for; two rows go back to the workqueue target."""
+    cal = load_calibration(pathlib.Path(__file__).parents[1] / "calibration" / "nvidia-h200.json")
+    assert workqueue_ctas_target(1, cal) == cal.splits.bucket_ctas_per_sm * cal.sm_count
+    assert workqueue_ctas_target(3, cal) == cal.splits.workqueue_ctas_per_sm * cal.sm_count
+    one = plan_workqueue([32768], **SHAPE, splits=WQ_BOUNDS, cal=cal)
+    bucket = plan_bucket([32768], **SHAPE, splits=BUCKET_BOUNDS, cal=cal)
+    assert one.num_splits.tolist() == [bucket.buckets[0].num_splits] == [16]
+    two = plan_workqueue([32768, 32768], **SHAPE, splits=WQ_BOUNDS, cal=cal)
+    want = -(-cal.splits.workqueue_ctas_per_sm * cal.sm_count // (2 * 8))
+    assert two.num_splits.tolist() == [WQ_BOUNDS.clamp(int(want))] * 2

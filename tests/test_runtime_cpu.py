@@ -568,13 +568,14 @@ class Emu:
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, ctas_target,
-                              max_seq_len):
+                              ctas_target_single=None, max_seq_len):
         """The planning kernel's rule written out again (snap want to the nearest candidate,
         ties smaller; cap by tiles / min_split_tiles), tasks in row order."""
         self.launches += 1
         cands, max_rows = candidates.tolist(), seq_lens.shape[0]
         rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
-        want = math.ceil(ctas_target / (rows * num_kv_heads))
+        target = ctas_target if ctas_target_single is None or rows != 1 else ctas_target_single
+        want = math.ceil(target / (rows * num_kv_heads))
         snapped = min(cands, key=lambda c: (abs(c - want), c))
         splits, bad = [0] * max_rows, False
         for r in range(rows):

@@ -28,7 +28,7 @@ def _device_plan(seq, bufs, splits, cal):
     ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
                               bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                               min_split_tiles=-(-cal.splits.min_split_tokens // 32),
-                              ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count)
+                              **planner.device_plan_targets(cal))
     return seq_dev, rows, cand
 
 
@@ -36,7 +36,17 @@ def _device_plan(seq, bufs, splits, cal):
 def test_device_plan_equals_host_plan(seed):
     rng = np.random.default_rng(seed)
     b = int(rng.integers(1, MAX_ROWS + 1))
-    seq = rng.integers(1, 70000, b).astype(np.int32)
+    _assert_device_plan_equals_host(rng.integers(1, 70000, b).astype(np.int32))
+
+
+@pytest.mark.parametrize("length", [1, 700, 8192, 32768, 131072])
+def test_device_plan_equals_host_plan_for_one_row(length):
+    """A one-row step takes the bucket target (planner.workqueue_ctas_target) on both sides."""
+    _assert_device_plan_equals_host(np.array([length], dtype=np.int32))
+
+
+def _assert_device_plan_equals_host(seq):
+    b = len(seq)
     splits = load_routes().route("pkv_workqueue").splits
     cal = find_calibration(torch.cuda.get_device_name())
     host = planner.plan_workqueue(seq, num_kv_heads=H_KV, num_qo_heads=32, head_dim=128,
@@ -73,7 +83,7 @@ def test_plan_decode_merge_in_one_graph_with_changing_lengths():
         ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
                                   bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                                   min_split_tiles=-(-cal.splits.min_split_tokens // 32),
-                                  ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count)
+                                  **planner.device_plan_targets(cal))
         ops.workqueue_decode(batch.q, batch.k_cache, batch.v_cache, seq_dev, bt, bufs["tasks"],
                              bufs["num_tasks"], bufs["split_offsets"], out, part_a, part_ml)
         ops.merge(part_a, part_ml, bufs["split_offsets"][: len(lens) + 1], out, skip_single=True)
@@ -114,7 +124,7 @@ def test_device_plan_flags_lengths_outside_the_block_table():
     ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
                               bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                               min_split_tiles=-(-cal.splits.min_split_tokens // 32),
-                              ctas_target=cal.splits.workqueue_ctas_per_sm * cal.sm_count,
+                              **planner.device_plan_targets(cal),
                               max_seq_len=max_len)
     torch.cuda.synchronize()
     assert bufs["status"].item() == 2
