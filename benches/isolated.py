@@ -144,6 +144,64 @@ def engine_workqueue(case: Case, splits: int | None, fused: bool, plan=None):
     return fn, outs[0]
 
 
+def per_call_us(calls, graphs: bool, repeats: int = 30) -> float:
+    """Median per call when each call is launched on its own, as an engine calling attention once
+    per layer does: ``graphs`` -> one CUDA graph per call, replayed one after another (the
+    Runtime's run()); else the calls' eager launches. A spin kernel queued first covers the host's
+    enqueue time, so the events see device time and the gaps between launches, not host gaps."""
+    import statistics
+
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    runs = calls
+    if graphs:
+        runs = []
+        for c in calls:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                c()
+            runs.append(g.replay)
+    times = []
+    for _ in range(repeats + 3):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of spinning while the host enqueues
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for r in runs:
+            r()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(runs))
+    return statistics.median(times[3:])
+
+
+def per_call_rows(case: Case, bplan, registry, args) -> list[dict]:
+    """Rows of the --per-call mode: pkvrt's bucket choice with one graph per call and eagerly,
+    FlashInfer tensor-core eagerly (FlashInfer's run() as the serving baseline calls it)."""
+    rows = []
+    if len(bplan.buckets) != 1:
+        return rows
+    s = bplan.buckets[0].num_splits
+    singles = []
+    for i in range(case.copies):  # one engine per cache copy, each a single call
+        sub_case = Case.__new__(Case)
+        sub_case.__dict__.update(case.__dict__, batches=[case.batches[i]])
+        singles.append(sub_case)
+    engines = [("per-call-pkvrt-bucket-graph", s, [engine_split(c, s)[0] for c in singles], True),
+               ("per-call-pkvrt-bucket-eager", s, [engine_split(c, s)[0] for c in singles], False)]
+    try:
+        engines.append(("per-call-flashinfer-tc-eager", None,
+                        [engine_flashinfer(c, True)[0] for c in singles], False))
+    except Exception as exc:  # noqa: BLE001 - FlashInfer missing: pkvrt rows only
+        print(f"{case.name}: flashinfer unavailable for --per-call: {exc!r}", flush=True)
+    for eng, s_, calls, graphs in engines:
+        us = per_call_us(calls, graphs)
+        rows.append(dict(case=case.name, engine=eng, splits=s_, median_us=round(us, 2),
+                         gbps=round(case.kv_bytes / (us * 1e-6) / 1e9, 1), kv_mb=round(case.kv_bytes / 1e6, 1),
+                         copies=case.copies, protocol="per call"))
+    return rows
+
+
 def without_pdl(fn, out):
     """The engine ``fn`` with programmatic dependent launch off for its launches (A/B)."""
     def run():
@@ -185,6 +243,9 @@ def main(argv=None) -> int:
                     help="bucket split counts to time without the merge kernel (exploration; outputs not exact)")
     ap.add_argument("--routes", default=None, help="routes.toml (split bounds); default: the repo's")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--per-call", action="store_true",
+                    help="also time each call launched on its own (a graph per call for pkvrt, eager "
+                         "FlashInfer): the per-layer pattern of the engine protocol")
     ap.add_argument("--ab-pdl", action="store_true",
                     help="also time the planner's bucket/workqueue choice with programmatic dependent launch off")
     args = ap.parse_args(argv)
@@ -251,6 +312,8 @@ def main(argv=None) -> int:
             if fi_out is not None:
                 row["max_err_fi"], row["mean_err_fi"] = errors(out, fi_out)
             rows.append(row)
+        if args.per_call:
+            rows += per_call_rows(case, bplan, registry, args)
         fi_best = min((r["median_us"] for r in rows if r["case"] == name and r["engine"].startswith("flashinfer")),
                       default=None)
         for r in rows:

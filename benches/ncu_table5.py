@@ -59,9 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--case", default="b8-bimodal", help="the profiled batch (benches/ncu_table5.sh CASE)")
     args = ap.parse_args(argv)
-    from pkvrt import results
+    from pkvrt import report, results
 
     rows = parse(args.csv)
+    engine = None
+    for r in rows:  # label each kernel with its engine, as pkvrt report does for older files
+        r["case"] = args.case
+        r["engine"] = engine = report.ncu_engine(r["kernel"], engine)
     meta = results.make_meta(seeds=[20260623], kind="ncu", case=args.case,
                              protocol="ncu --clock-control none, one launch per kernel after warm-up "
                                       "(benches/ncu_workload.py)")

@@ -12,6 +12,8 @@ and writes ``DIR/report.md`` with the seed paper's tables:
 - Table 3, absolute serving throughput and ms per step (the paper's model-level table for the
   ``-L<n>-mlp`` cases);
 - Table 4, structural counters (launches, CTA work per SM, KV and merge MB) where rows carry them;
+- Table 5, hardware counters from ``kind: ncu`` files (benches/ncu_table5.sh): per kernel its
+  duration, DRAM throughput and bytes, L2 hit rate, occupancy, SM throughput, grid, registers;
 - Table 6, coverage map: per isolated case and per serving trace the best pkvrt engine, its ratio
   against FlashInfer and a verdict from that ratio (CUDA-event and wall ratios separately);
 - Table 7, split sensitivity: per (case, engine) of a ``calibration-sweeps`` file with more than
@@ -48,6 +50,11 @@ COUNTERS = (("launches_per_step", "Launches/step", 2), ("cta_work_per_sm", "Deco
             ("merge_launches", "Merge launches", 2))
 FASTER, SLOWER = 1.02, 0.98   # verdict band: ratio >= 1.02 pkvrt faster, < 0.98 FlashInfer faster
 SWEEPS = "calibration-sweeps"
+NCU = "ncu"
+NCU_COLUMNS = (("duration_us", "Duration µs", 1), ("dram_pct_of_peak", "DRAM % of peak", 1),
+               ("dram_read_mb", "DRAM read MB", 1), ("l2_hit_pct", "L2 hit %", 1),
+               ("achieved_occupancy_pct", "Occupancy %", 1), ("sm_pct_of_peak", "SM % of peak", 1),
+               ("grid", "Grid", 0), ("registers", "Regs", 0))
 NO_PLOTS = "Plots skipped: matplotlib is not installed (pip install 'pkvrt[plots]')."
 
 
@@ -77,7 +84,7 @@ def validate(path, doc: dict) -> None:
         where = f"{path}: rows[{i}]"
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected an object, got {row!r}")
-        for key in ("case", "engine"):
+        for key in ("kernel",) if kind == NCU else ("case", "engine"):
             if not isinstance(row.get(key), str) or not row[key]:
                 raise ValueError(f"{where}: key {key!r}: expected a non-empty string, "
                                  f"got {row.get(key)!r}")
@@ -296,6 +303,43 @@ def counters_table(files) -> str:
     if not rows:
         return ""
     return md_table(("Trace", "Engine", "Source", *(c[1] for c in COUNTERS)), rows, align="lll" + "r" * 5)
+
+
+# --------------------------------------------------------------------------- Table 5
+
+def ncu_engine(kernel: str, previous: str | None) -> str:
+    """The engine an ncu kernel row belongs to: a decode kernel names it, a merge kernel belongs
+    to the decode launched just before it (benches/ncu_workload.py profiles engine by engine)."""
+    k = kernel.lower()
+    if "merge" in k:
+        return previous or "?"
+    for key, name in (("pkv_workqueue_decode", "pkvrt-workqueue"), ("pkv_fused_decode", "pkvrt-fused"),
+                      ("pkv_split_decode", "pkvrt-bucket"), ("flashinfer", "flashinfer-tc")):
+        if key in k:
+            return name
+    return kernel
+
+
+def ncu_table(files) -> str:
+    """Table 5: one row per profiled kernel of each ncu file, then each engine's total duration."""
+    out = []
+    for path, doc in _of_kind(files, NCU):
+        case = str(doc["meta"].get("case") or Path(path).stem)
+        engine, totals = None, {}
+        for r in doc["rows"]:
+            engine = r.get("engine") or ncu_engine(r["kernel"], engine)
+            totals[engine] = totals.get(engine, 0.0) + float(r.get("duration_us") or 0.0)
+            kernel = r["kernel"].replace("void ", "").split("<")[0].split("(")[0]
+            out.append([case, engine, kernel] + [
+                "-" if r.get(key) is None else f"{r[key]:.{digits}f}" for key, _, digits in NCU_COLUMNS])
+        out += [[case, e, "**all kernels**", f"**{t:.1f}**"] + [""] * (len(NCU_COLUMNS) - 1)
+                for e, t in totals.items()]
+    if not out:
+        return ""
+    note = ("Nsight Compute, `--clock-control none`, caches flushed before each kernel (ncu's "
+            "default), one launch per kernel after warm-up (`benches/ncu_table5.sh`). Durations "
+            "are single serialized launches, not the graph-replayed times of Table 1.")
+    return md_table(["Case", "Engine", "Kernel"] + [title for _, title, _ in NCU_COLUMNS], out) + "\n\n" + note
 
 
 # --------------------------------------------------------------------------- Table 6
@@ -641,6 +685,7 @@ def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
         ("Table 3: absolute serving throughput (mean ± std over seeds; -L<n>-mlp cases are the "
          "model-level proxy)", throughput_table(files)),
         ("Table 4: structural counters, mean per step", counters_table(files)),
+        ("Table 5: hardware counters (Nsight Compute)", ncu_table(files)),
         ("Table 6: coverage map (from the measured results)", coverage_table(files)),
         ("Table 7: split sensitivity (calibration seed sweeps)", split_table(files)),
     ]
@@ -648,7 +693,7 @@ def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
     cells = route_map_cells(files)
     sections += [("Throughput ratio by longest context (per-step records)", context_table(by_ctx)),
                  ("Route map of the adaptive engine (per-step records)", route_map_table(cells))]
-    handled = {"isolated", "serving", "serving-steps", "plan"}
+    handled = {"isolated", "serving", "serving-steps", "plan", NCU}
     for path, doc in files:
         if file_kind(doc) not in handled:
             sections.append((f"Other results: {Path(path).name}", generic_table(path, doc)))

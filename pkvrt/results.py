@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -26,6 +27,12 @@ def file_sha256(path) -> str | None:
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout (``-dirty`` with uncommitted changes), or ``$PKVRT_SOURCE_COMMIT``
+    when set: a copied work tree (the device machine's) can carry stale git metadata, so the
+    sender declares the commit it copied."""
+    declared = os.environ.get("PKVRT_SOURCE_COMMIT")
+    if declared:
+        return declared
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5)

@@ -402,3 +402,31 @@ def test_context_bins(tokens, bin_, label):
 def test_trace_key():
     assert report.trace_key("bimodal-B8-L32-mlp-seed20260623") == "bimodal-B8-L32-mlp"
     assert report.trace_key("B1-32K") == "B1-32K"
+
+
+def test_declared_source_commit_overrides_stale_git_metadata(monkeypatch):
+    """A work tree copied to the GPU machine can carry an older .git: the sender declares the
+    commit it copied, and the results' meta records that."""
+    from pkvrt import results
+
+    monkeypatch.setenv("PKVRT_SOURCE_COMMIT", "abc123")
+    assert results.make_meta()["pkvrt_commit"] == "abc123"
+    monkeypatch.delenv("PKVRT_SOURCE_COMMIT")
+    assert results.make_meta()["pkvrt_commit"] != "abc123"
+
+
+def test_ncu_rows_render_as_table_5_with_engines_per_kernel(tmp_path):
+    from pkvrt import report, results
+
+    rows = [{"kernel": "pkv_workqueue_decode_f16_d128_g4", "duration_us": 82.0, "dram_pct_of_peak": 85.0},
+            {"kernel": "pkv_merge_f16_d128", "duration_us": 4.5},
+            {"kernel": "void flashinfer::BatchPrefillWithPagedKVCacheKernel<x>(y)", "duration_us": 87.0},
+            {"kernel": "void flashinfer::PersistentVariableLengthMergeStatesKernel<x>(y)", "duration_us": 4.6}]
+    results.write_results(tmp_path / "ncu-b8.json", results.make_meta(kind="ncu", case="b8-bimodal"), rows)
+    md = report.ncu_table(report.load_dir(tmp_path))
+    assert "| b8-bimodal | pkvrt-workqueue | pkv_merge_f16_d128 | 4.5 |" in md
+    assert "| b8-bimodal | pkvrt-workqueue | **all kernels** | **86.5** |" in md
+    assert "| b8-bimodal | flashinfer-tc | **all kernels** | **91.6** |" in md
+    results.write_results(tmp_path / "bad.json", results.make_meta(kind="ncu"), [{"duration_us": 1.0}])
+    with pytest.raises(ValueError, match="bad.json: rows\\[0\\]: key 'kernel'"):
+        report.load_dir(tmp_path)
