@@ -56,7 +56,7 @@ of the GPU).
 Measured on the H200's host (benches/host_cost.py -> benches/results/h200/host-cost.json, one
 layer): host-planned plan() 250-740 us, a graph-hit run() 16-40 us; with device_planning
 plan() 48-71 us and run() 20-31 us; an engine that captures plan() + 32 layers in its own graph
-(examples/engine_graph.py) spends 5.8 us per replayed step.
+(examples/engine_graph.py) spends 3-6 us of host time per replayed step on the H200.
 
 The runtime must be used from the thread, CUDA device and stream it plans on: ``plan``'s copies,
 the launches and the replays all go to the current stream, which must be the same one for
