@@ -205,7 +205,9 @@ def isolated_table(files) -> str:
 def serving_groups(files) -> dict[tuple[str, str], list[dict]]:
     """(trace key, engine) -> one entry per (file, case): the measured row plus its ``cuda_ratio``
     and ``wall_ratio`` against the baseline row of the same case in the same file (None when
-    either failed correctness). Raises ValueError for a case with no baseline row."""
+    either failed correctness). A (case, engine) measured in several files (a later run adding
+    an engine re-times the others) counts once: the newest file's (``meta.date``), so a seed is
+    never averaged in twice. Raises ValueError for a case with no baseline row."""
     groups: dict[tuple[str, str], list[dict]] = collections.OrderedDict()
     for path, doc in _of_kind(files, "serving"):
         measured = [r for r in doc["rows"] if r.get("row", "measured") == "measured"]
@@ -222,10 +224,15 @@ def serving_groups(files) -> dict[tuple[str, str], list[dict]]:
                 raise ValueError(f"{path}: case {r['case']!r}: no baseline row "
                                  "(expected one row with \"baseline\": true)")
             timed = r.get("correct", True) and b.get("correct", True)
-            entry = dict(r, file=path,
+            entry = dict(r, file=path, file_date=str(doc["meta"].get("date") or ""),
                          cuda_ratio=r["cuda_tok_per_s"] / b["cuda_tok_per_s"] if timed else None,
                          wall_ratio=r["tok_per_s"] / b["tok_per_s"] if timed else None)
-            groups.setdefault((trace_key(r["case"]), r["engine"]), []).append(entry)
+            group = groups.setdefault((trace_key(r["case"]), r["engine"]), [])
+            same = [i for i, e in enumerate(group) if e["case"] == r["case"]]
+            if not same:
+                group.append(entry)
+            elif entry["file_date"] > group[same[0]]["file_date"]:
+                group[same[0]] = entry
     return groups
 
 

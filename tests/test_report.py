@@ -430,3 +430,21 @@ def test_ncu_rows_render_as_table_5_with_engines_per_kernel(tmp_path):
     results.write_results(tmp_path / "bad.json", results.make_meta(kind="ncu"), [{"duration_us": 1.0}])
     with pytest.raises(ValueError, match="bad.json: rows\\[0\\]: key 'kernel'"):
         report.load_dir(tmp_path)
+
+
+def test_a_seed_measured_in_two_files_counts_once_newest_wins(tmp_path):
+    """A later run that adds an engine re-times the others on the same seeds: each (case, engine)
+    enters the mean once, from the newest file, never twice."""
+    from pkvrt import report
+
+    d = tmp_path / "res"
+    write(d / "a.json", "serving", serving_rows(1, base_tok=1000.0, base_cuda=2000.0, eng_tok=1200.0,
+                                                 eng_cuda=2500.0, engine="pkvrt-device-plan"),
+          date="2026-11-29T20:00:00+00:00")
+    write(d / "b.json", "serving", serving_rows(1, base_tok=1000.0, base_cuda=2000.0, eng_tok=1400.0,
+                                                 eng_cuda=3000.0, engine="pkvrt-device-plan"),
+          date="2026-11-29T21:00:00+00:00")
+    groups = report.serving_groups(report.load_dir(d))
+    entries = groups[("bimodal-B8", "pkvrt-device-plan")]
+    assert len(entries) == 1 and entries[0]["cuda_ratio"] == pytest.approx(1.5)
+    assert len(groups[("bimodal-B8", "flashinfer-tc")]) == 1
