@@ -6,10 +6,11 @@ context (never creating a context), looks kernels up by name, and launches them 
 records them. Every driver call goes through :func:`check`, which turns an error code into a
 :class:`CudaDriverError` naming the call.
 
-On sm_90+ every launch carries the programmatic-stream-serialization attribute (programmatic
-dependent launch, PDL): the kernel may be scheduled while the previous kernel of the stream
-drains, and waits in ``pkv::pdl_enter`` (kernels/decode_common.cuh) for that kernel's completion
-before touching memory. ``PKVRT_PDL=0`` in the environment, or :func:`set_pdl`, turns it off.
+A kernel whose image was built for sm_90+ is launched with the programmatic-stream-serialization
+attribute (programmatic dependent launch, PDL): it may be scheduled while the previous kernel of
+the stream drains, and waits in ``pkv::pdl_enter`` (kernels/decode_common.cuh) for that kernel's
+completion before touching memory. ``PKVRT_PDL=0`` in the environment, or :func:`set_pdl`, turns
+it off (capturing such launches in a CUDA graph needs a CUDA 12.3+ driver).
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ class Kernel:
     name: str
     func: object          # CUfunction
     smem_bytes: int       # dynamic shared memory it is launched with
+    pdl: bool = False     # its image was built for sm_90+ (it waits in pkv::pdl_enter)
 
 
 _lock = threading.Lock()
-_modules: dict[tuple[int, str], object] = {}     # (context handle, family) -> CUmodule
+_modules: dict[tuple[int, str], tuple] = {}      # (context handle, family) -> (CUmodule, arch number)
 _kernels: dict[tuple[int, str], Kernel] = {}     # (context handle, symbol) -> Kernel
 _manifest: Manifest | None = None
 _pdl: bool | None = None                         # None: decide on first launch
@@ -113,7 +115,8 @@ def _module(ctx: int, family: str):
                           f"{entry.file} in the driver (slower first load)", RuntimeWarning,
                           stacklevel=3)
             data += b"\0"
-        _modules[key] = check(f"cuModuleLoadData({entry.file})", cu.cuModuleLoadData(data))
+        _modules[key] = (check(f"cuModuleLoadData({entry.file})", cu.cuModuleLoadData(data)),
+                         entry.arch_number)
     return _modules[key]
 
 
@@ -127,23 +130,25 @@ def get_kernel(family: str, symbol: str, smem_bytes: int = 0) -> Kernel:
     with _lock:
         if key in _kernels:
             return _kernels[key]
-        func = check(f"cuModuleGetFunction({symbol})",
-                     cu.cuModuleGetFunction(_module(ctx, family), symbol.encode()))
+        module, arch = _module(ctx, family)
+        func = check(f"cuModuleGetFunction({symbol})", cu.cuModuleGetFunction(module, symbol.encode()))
         if smem_bytes > 0:  # beyond 48 KB (static included) needs the opt-in
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(f"cuFuncSetAttribute({symbol}, MAX_DYNAMIC_SHARED_SIZE_BYTES={smem_bytes})",
                   cu.cuFuncSetAttribute(func, attr, smem_bytes))
-        k = _kernels[key] = Kernel(name=symbol, func=func, smem_bytes=smem_bytes)
+        # griddepcontrol exists from sm_90: an image built for an older arch (also one the
+        # driver JIT-compiles on an sm_90 GPU) has no wait in it, so it must not get the attribute.
+        k = _kernels[key] = Kernel(name=symbol, func=func, smem_bytes=smem_bytes, pdl=arch >= 90)
         return k
 
 
 def pdl_enabled() -> bool:
-    """Whether launches use programmatic dependent launch: sm_90+ and not ``PKVRT_PDL=0``
-    (decided once per process, on the current device, unless :func:`set_pdl` overrides it)."""
+    """Whether programmatic dependent launch is allowed: not ``PKVRT_PDL=0`` (read once per
+    process) unless :func:`set_pdl` overrides it. A launch uses it only when its kernel's image
+    was built for sm_90+ as well (``Kernel.pdl``), which also means the GPU is sm_90+."""
     global _pdl
     if _pdl is None:
-        _pdl = (os.environ.get("PKVRT_PDL", "1") != "0"
-                and torch.cuda.get_device_capability()[0] >= 9)
+        _pdl = os.environ.get("PKVRT_PDL", "1") != "0"
     return _pdl
 
 
@@ -174,7 +179,7 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctype
     """
     stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    if pdl_enabled():
+    if kernel.pdl and pdl_enabled():
         cfg = _pdl_config()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
         cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream = block, kernel.smem_bytes, stream

@@ -41,7 +41,8 @@ from pkvrt import results
 NUMERIC = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s", "gbps", "frac_read_bw",
            "max_err", "mean_err", "max_err_ref", "mean_err_ref", "cuda_ratio", "wall_ratio",
            "mean_cuda_us", "mean_wall_us", "launches_per_step", "cta_work_per_sm",
-           "useful_kv_mb", "merge_mb", "merge_launches")
+           "useful_kv_mb", "merge_mb", "merge_launches", "duration_us", "dram_pct_of_peak",
+           "dram_read_mb", "l2_hit_pct", "achieved_occupancy_pct", "sm_pct_of_peak", "grid", "registers")
 SERVING_TIMES = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s")
 STEP_KEYS = {"step": int, "active": int, "max_context": int, "wall_us": float, "cuda_us": float,
              "route": str}

@@ -166,7 +166,8 @@ def test_fused_merge_with_many_splits(d, g):
 def test_pdl_is_on_and_changes_no_bit():
     """sm_90+ launches use programmatic dependent launch; outputs are bit-identical without it,
     eager and graph-replayed (the kernels wait for their predecessor before reading)."""
-    assert _driver.pdl_enabled() == (torch.cuda.get_device_capability()[0] >= 9)
+    k = _driver.get_kernel("merge", "pkv_merge_f16_d128")
+    assert _driver.pdl_enabled() and k.pdl == (torch.cuda.get_device_capability()[0] >= 9)
     b = make_batch([5000, 33, 20000], seed=21)
     outs = {}
     for pdl in (True, False):
