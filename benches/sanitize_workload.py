@@ -378,6 +378,23 @@ def runtime_case(t: Tally, name: str, route: str, buf: Buffers) -> None:
                 f"route {rt.last_decision.route}, captures {s['captures']}, replays {s['replays']}")
 
 
+def runtime_layers_case(t: Tally, name: str, buf: Buffers) -> None:
+    """Device planning launched eagerly for 3 layers of one step: layers 2 and 3 set early_kv
+    (the decode copies K/V before the previous layer's merge has finished, PDL on sm_90+)."""
+    b, dev = host_batch(RUNTIME_LENS, 128, 4, F16, 16, seed=SEED + 400)
+    rows, hq, d = b.q.shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rt = Runtime(hq, H_KV, d, 16, F16, max_batch=4, max_pages_per_row=256, use_cuda_graph=False,
+                     device_planning=True)
+    rt.plan(dev.seq_lens.to(torch.int32), dev.block_tables.to(torch.int32))
+    outs = [torch.full_like(dev.q, float("nan")) for _ in range(3)]
+    for out in outs:
+        rt.run(dev.q, dev.k_cache, dev.v_cache, out=out)
+    for i, out in enumerate(outs):
+        t.check(f"{name} layer {i + 1}", out, ref_out(b, RUNTIME_LENS), TOL[F16])
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -398,6 +415,7 @@ def main(argv=None) -> int:
         for r in load_routes().routes:
             if r.kind != "flashinfer" and r.enabled:
                 t.guarded(f"Runtime force={r.name}", runtime_case, r.name, buf)
+        t.guarded("Runtime device planning, eager layers", runtime_layers_case, buf)
     torch.cuda.synchronize()
     print(f"sanitize_workload: {t.cases} cases, {t.bad} mismatches "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -111,6 +111,7 @@ struct DecodeParams {
   int bt_stride;              // elements between rows of block_tables
   int num_splits;             // split decode: splits per row (gridDim.x)
   float sm_scale_log2;        // softmax scale * log2(e)
+  int early_kv;               // workqueue: 1 = copy the first K/V tiles before pdl_enter (below)
 };
 
 // ---- element types -------------------------------------------------------------------------
@@ -271,6 +272,7 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
   const int lane = threadIdx.x % LANES;
   const int grp = threadIdx.x / LANES;
   const int h0 = kvh * G;
+  if (p.early_kv) pdl_enter();  // this body copies nothing early: wait before touching Q
 
   // Q: this lane's 8 elements of each of the G heads, pre-scaled into the log2 domain.
   float q[G][kVec];
@@ -477,17 +479,6 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   const int grp = lane / 4, tig = lane % 4;     // mma fragment coordinates
   const int h0 = kvh * G;
 
-  // Q as A fragments (row = head grp, k = 2*tig..+1 and +8), zero for rows >= G.
-  unsigned qa[KSTEPS][2];
-  {
-    const T* qh = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D;
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      qa[kk][0] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
-      qa[kk][1] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
-    }
-  }
-
   const T* kc = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride;
   const T* vc = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride;
   const int* bt = p.block_tables + (long long)row * p.bt_stride;
@@ -527,16 +518,42 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     }
   };
 
+  // Prefill the pipeline. With p.early_kv (workqueue launches after the first of a step, see
+  // pkvrt/runtime.py) the copies of tiles that hold only tokens before the row's last one are
+  // issued before pdl_enter: they overlap the previous kernel's drain (the previous layer's
+  // merge in an engine's step). The plan (tasks, offsets, lengths, block tables) is at least
+  // two kernels old then, and K/V of those tokens were written before the step; the last token
+  // (appended for this step, possibly by the kernel just before) and Q are read after the wait.
+  int filled = 0;
+  if (p.early_kv) {
+    const int safe_end = p.seq_lens[row] - 1;
+    for (; filled < STAGES - 1 && filled < my_tiles; ++filled) {
+      if (min(tok_end, tok_begin + (warp + filled * kWarps + 1) * kTcTile) > safe_end) break;
+      issue(filled);
+      cp_async_commit();
+    }
+    pdl_enter();
+  }
+  for (int s = filled; s < STAGES - 1; ++s) {
+    if (s < my_tiles) issue(s);
+    cp_async_commit();
+  }
+
+  // Q as A fragments (row = head grp, k = 2*tig..+1 and +8), zero for rows >= G.
+  unsigned qa[KSTEPS][2];
+  {
+    const T* qh = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      qa[kk][0] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
+      qa[kk][1] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
+    }
+  }
+
   float o[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m = -INFINITY, l = 0.f;  // row grp of this warp's state (l: this thread's columns)
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < my_tiles) issue(s);
-    cp_async_commit();
-  }
   for (int i = 0; i < my_tiles; ++i) {
     // The stage refilled below was read (ldmatrix) by every lane in iteration i - 1: order
     // those reads before these writes (compute-sanitizer racecheck flags the bare WAR hazard).

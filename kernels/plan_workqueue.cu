@@ -6,11 +6,18 @@
 // an engine's own CUDA graph while the lengths change between replays, with no host work
 // proportional to the batch.
 //
-// Split rule (planner.workqueue_split_counts): want = ceil(target / (B * H_kv)), target =
-// ctas_target_single when B = 1 (planner.workqueue_ctas_target), ctas_target otherwise, snapped
-// to the nearest allowed count (ties to the smaller); each row is then capped by
-// cap = max(1, tiles / min_split_tiles): the largest allowed count <= cap, or cap itself.
-// Split s of S covers tiles [s*tiles/S, (s+1)*tiles/S).
+// Split rule: the balanced partition (planner.balanced_partition, planner.partition_costs).
+// tiles_r = ceil(len_r / tile_tokens); L = max tiles, W = sum tiles. For every candidate s (an
+// allowed count with ceil(L/s) >= min_split_tiles; if none, max(1, L / min_split_tiles)) the
+// chunk is c = ceil(L/s), row r gets n_r = ceil(tiles_r / c) splits, N = H_kv * sum n_r CTAs,
+// N_big = H_kv * sum of n_r over rows whose largest split ceil(tiles_r / n_r) exceeds c/2. With
+// S = sms, R = resident * S, full = N_big / R, rem = N_big % R and load8(k) = 8 + (k-1)*(slowdown8-8):
+//     cost = max((8c + f8) * (full * load8(resident) + (rem ? load8(ceil(rem / S)) : 0)) * S,
+//                (8 * H_kv * W + N * f8) * 8)                                     (int64)
+// f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
+// cost, then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
+// first candidate is always eligible). Split j of n over t tiles covers tiles [j*t/n, (j+1)*t/n).
+// Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate).
 //
 // Grid:  one CTA of PKV_PLAN_THREADS (1024) threads; rows >= *num_rows are idle (0 splits).
 // Layout: seq_lens [max_rows] int32; tasks [task_capacity, 5] int32 (row, kvh, split,
@@ -44,49 +51,119 @@ struct PlanParams {
   int min_split_tiles;
   int tile_tokens;
   int task_capacity;
-  float ctas_target;         // workqueue_ctas_per_sm * sm_count
-  float ctas_target_single;  // bucket_ctas_per_sm * sm_count: the target of a one-row step
+  int sms;           // S: the GPU's SMs
+  int resident;      // decode CTAs resident per SM (occupancy)
+  int slowdown8;     // an SM's time with two resident CTAs over one, eighths
+  int overhead8;     // f8: a CTA's fixed cost, eighths of a tile
+  int max_ctas;      // candidates planning more CTAs are skipped (planner.MAX_WAVES * R)
 };
 
-__device__ __forceinline__ int snap(const int* c, int n, int want) {  // nearest, ties smaller
-  if (want <= c[0]) return c[0];
-  if (want >= c[n - 1]) return c[n - 1];
-  int i = 0;
-  while (c[i] < want) ++i;  // c[i-1] < want <= c[i]
-  return (want - c[i - 1] <= c[i] - want) ? c[i - 1] : c[i];
-}
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ long long load8(int k, int slowdown8) { return 8 + (long long)(k - 1) * (slowdown8 - 8); }
 
-__device__ __forceinline__ int fit(const int* c, int n, int s, int cap) {
-  int best = -1;
-  for (int i = 0; i < n && c[i] <= cap; ++i) best = c[i];
-  return min(s, best >= 0 ? best : cap);
-}
-
-extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
+extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     pkv_plan_workqueue(const __grid_constant__ PlanParams p) {
   pkv::pdl_enter();
   __shared__ int cand[64];
+  __shared__ int tiles_of[PKV_PLAN_THREADS];
   __shared__ int offs[PKV_PLAN_THREADS + 1];
   __shared__ int warp_sums[32];
-  __shared__ int bad_rows;
+  __shared__ int warp_max[32];
+  __shared__ long long warp_tiles[32];
+  __shared__ long long cost_of[64];
+  __shared__ int ctas_of[64], chunk_of[64];
+  __shared__ int num_cand, chunk, bad_rows;
+  __shared__ long long total_tiles;
+  __shared__ int longest;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  if (tid < p.num_candidates) cand[tid] = p.candidates[tid];
   if (tid == 0) bad_rows = 0;
   __syncthreads();
 
+  // 1. Tiles of every active row (0: idle or bad), their max L and sum W.
   const int rows = min(*p.num_rows, p.max_rows);
   const int max_len = *p.max_seq_len;
-  int s = 0;
-  if (tid < rows && (p.seq_lens[tid] < 1 || p.seq_lens[tid] > max_len)) {
-    atomicOr(&bad_rows, 1);
-  } else if (tid < rows) {
-    const int tiles = (p.seq_lens[tid] + p.tile_tokens - 1) / p.tile_tokens;
-    const float target = rows == 1 ? p.ctas_target_single : p.ctas_target;
-    const int want = (int)ceilf(target / (float)(rows * p.num_kv_heads));
-    const int cap = max(1, tiles / p.min_split_tiles);
-    s = fit(cand, p.num_candidates, snap(cand, p.num_candidates, want), cap);
+  int t = 0;
+  if (tid < rows) {
+    const int len = p.seq_lens[tid];
+    if (len < 1 || len > max_len) atomicOr(&bad_rows, 1);
+    else t = ceil_div(len, p.tile_tokens);
   }
-  // Block-wide exclusive scan of s (warp shuffles, then warp totals).
+  tiles_of[tid] = t;
+  int mx = t;
+  long long sum = t;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  if (lane == 0) {
+    warp_max[warp] = mx;
+    warp_tiles[warp] = sum;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int m = 0;
+    long long w = 0;
+    for (int i = 0; i < PKV_PLAN_THREADS / 32; ++i) {
+      m = max(m, warp_max[i]);
+      w += warp_tiles[i];
+    }
+    longest = m;
+    total_tiles = w;
+    // Candidates whose chunk is at least min_split_tiles (else the row cap alone).
+    int n = 0;
+    for (int i = 0; i < p.num_candidates; ++i)
+      if (m > 0 && ceil_div(m, p.candidates[i]) >= p.min_split_tiles) cand[n++] = p.candidates[i];
+    if (n == 0) cand[n++] = max(1, m / p.min_split_tiles);
+    num_cand = n;
+  }
+  __syncthreads();
+
+  // 2. Cost of every candidate: warp w takes candidates w, w + 32.
+  const int L = longest, H = p.num_kv_heads, S = p.sms, R = p.resident * p.sms, f8 = p.overhead8;
+  for (int k = warp; k < num_cand; k += PKV_PLAN_THREADS / 32) {
+    const int c = L > 0 ? ceil_div(L, cand[k]) : 1;
+    int n_all = 0, n_big = 0;
+    for (int r = lane; r < rows; r += 32) {
+      const int tr = tiles_of[r];
+      if (tr > 0) {
+        const int n = ceil_div(tr, c);
+        n_all += n;
+        if (2 * ceil_div(tr, n) > c) n_big += n;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      n_all += __shfl_xor_sync(0xffffffffu, n_all, o);
+      n_big += __shfl_xor_sync(0xffffffffu, n_big, o);
+    }
+    if (lane == 0) {
+      const long long ctas = (long long)H * n_all, big = (long long)H * n_big;
+      const long long full = big / R, rem = big % R;
+      const long long loads = full * load8(p.resident, p.slowdown8) +
+                              (rem > 0 ? load8((int)((rem + S - 1) / S), p.slowdown8) : 0);
+      const long long a = (8LL * c + f8) * loads * S;
+      const long long b = (8LL * H * total_tiles + ctas * f8) * 8;
+      cost_of[k] = a > b ? a : b;
+      ctas_of[k] = (int)ctas;
+      chunk_of[k] = c;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int best = 0;
+    for (int k = 1; k < num_cand; ++k) {
+      if (ctas_of[k] > p.max_ctas) continue;
+      const bool better = cost_of[k] < cost_of[best] ||
+                          (cost_of[k] == cost_of[best] && ctas_of[k] < ctas_of[best]);
+      if (better) best = k;
+    }
+    chunk = chunk_of[best];
+  }
+  __syncthreads();
+  const int s = t > 0 ? ceil_div(t, chunk) : 0;
+
+  // 3. Block-wide exclusive scan of s (warp shuffles, then warp totals).
   int x = s;
 #pragma unroll
   for (int o = 1; o < 32; o *= 2) {
@@ -120,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
     *p.num_tasks = min(want_tasks, p.task_capacity);
     *p.status = (want_tasks > p.task_capacity ? 1 : 0) | (bad_rows ? 2 : 0);
   }
-  // Tasks: slot j belongs to the row r with offs[r] <= j < offs[r+1] (binary search).
+  // 4. Tasks: slot j belongs to the row r with offs[r] <= j < offs[r+1] (binary search).
   for (int j = tid; j < total_slots; j += PKV_PLAN_THREADS) {
     int lo = 0, hi = rows - 1;
     while (lo < hi) {
@@ -129,13 +206,13 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS)
     }
     const int r = lo, split = j - offs[r], S = offs[r + 1] - offs[r];
     const int len = p.seq_lens[r];
-    const int tiles = (len + p.tile_tokens - 1) / p.tile_tokens;
+    const int tiles = tiles_of[r];
     const int b = split * tiles / S * p.tile_tokens;
     const int e = min(len, (split + 1) * tiles / S * p.tile_tokens);
     for (int h = 0; h < p.num_kv_heads; ++h) {
-      const int t = j * p.num_kv_heads + h;
-      if (t < p.task_capacity) {
-        int* dst = p.tasks + 5 * t;
+      const int tk = j * p.num_kv_heads + h;
+      if (tk < p.task_capacity) {
+        int* dst = p.tasks + 5 * tk;
         dst[0] = r; dst[1] = h; dst[2] = split; dst[3] = b; dst[4] = e;
       }
     }

@@ -11,11 +11,14 @@
 //        to slot split_offsets[row] + split. A row with a single split writes O directly and
 //        the merge kernel skips it (merge.cu, skip_single = 1).
 // Bytes: each K and V byte of every active row once (the tasks partition [0, seq_len)).
+// PDL: with p.early_kv the plan and the first K/V tiles (never a row's last token) are read
+//        before griddepcontrol.wait (decode_common.cuh, decode_range_tc); Q, the last token and
+//        every write come after it.
 #include "decode_common.cuh"
 
 template <typename T, int D, int G>
 __device__ __forceinline__ void workqueue_decode(const pkv::DecodeParams& p) {
-  pkv::pdl_enter();
+  if (!p.early_kv) pkv::pdl_enter();  // else decode_range enters after its first copies
   const int task = blockIdx.x;
   if (task >= *p.num_tasks) return;
   const int* t = p.tasks + 5 * task;

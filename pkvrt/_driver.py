@@ -191,6 +191,13 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctype
                             kernel.smem_bytes, stream, ctypes.addressof(argv), 0))
 
 
+def occupancy(kernel: Kernel, block: int) -> int:
+    """Most CTAs of ``kernel`` resident on one SM at once with ``block`` threads and its dynamic
+    shared memory (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+    return int(check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel.name})",
+                     cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.func, block, kernel.smem_bytes)))
+
+
 def function_attributes(kernel: Kernel) -> dict[str, int]:
     """Registers, local (spill) bytes, static smem of a loaded kernel (for doctor/tests)."""
     A = cu.CUfunction_attribute

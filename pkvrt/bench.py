@@ -219,6 +219,9 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
         if name in harness.FI_VARIANTS:
             return harness.FlashInferEngine(wl, tensor_cores=harness.FI_VARIANTS[name],
                                             max_active=config.max_active)
+        if name == harness.STEP_GRAPH:
+            return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
+                                           max_active=config.max_active)
         force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name}.get(name, name)
         return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
                                      calibration=cal, max_active=config.max_active,

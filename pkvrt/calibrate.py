@@ -55,11 +55,22 @@ C_GRID = tuple(0.5 * 1.01 ** i for i in range(int(math.log(128) / math.log(1.01)
 def calibration_steps(seed: int = SEED) -> list[tuple[str, str, np.ndarray]]:
     """The timed steps: (case, route kind, seq_lens int32 [B]).
 
-    B1 rows of 8K, 32K and 64K tokens for the bucket route; for the workqueue route the first
-    decode step of a B4 and a B8 continuous-decode run over ``synthetic("bimodal", seed=seed)``
-    (one ~32K row and three 1K-4K rows per four; seq_len = prompt + 1).
+    Bucket route: B1 rows of 8K, 32K and 64K tokens (its split target). Workqueue route (the
+    balanced partition, timed at every candidate cut): one row of 1.6K, 8K, 32K and 128K tokens; a
+    32K row beside a 1.4K one; eight 32K rows; eight 1K rows; eight short rows drawn with
+    ``seed`` (log-normal around 900 tokens); the first decode step of a B4 and a B8
+    continuous-decode run over ``synthetic("bimodal", seed=seed)`` (one ~32K row and three
+    1K-4K rows per four; seq_len = prompt + 1).
     """
-    out = [(f"B1-{n // 1024}K", "bucket", np.array([n], dtype=np.int32)) for n in B1_CONTEXTS]
+    i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+    out = [(f"B1-{n // 1024}K", "bucket", i32([n])) for n in B1_CONTEXTS]
+    out += [("B1-1.6K", "workqueue", i32([1600])), ("B1-8K", "workqueue", i32([8192])),
+            ("B1-32K", "workqueue", i32([32768])), ("B1-128K", "workqueue", i32([131072])),
+            ("B2-32K+1.4K", "workqueue", i32([32768, 1400])),
+            ("B8-32K", "workqueue", i32([32768] * 8)), ("B8-1K", "workqueue", i32([1024] * 8))]
+    rng = np.random.default_rng(seed)
+    short = np.clip(np.round(rng.lognormal(np.log(900), 0.9, 8)), 16, 8000)
+    out.append((f"short-B8-seed{seed}", "workqueue", i32(short)))
     for b in (4, 8):
         trace = synthetic("bimodal", num_requests=b, seed=seed)
         step = next(decode_steps(trace, max_active=b))
@@ -131,7 +142,9 @@ def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float
         lambda_graph_us=round(lambda_graph_us, 3), c_min=round(c_min, 3),
         splits=calib.SplitPoints(bucket_ctas_per_sm=round(splits["bucket_ctas_per_sm"], 3),
                                  workqueue_ctas_per_sm=round(splits["workqueue_ctas_per_sm"], 3),
-                                 min_split_tokens=int(splits["min_split_tokens"])),
+                                 min_split_tokens=int(splits["min_split_tokens"]),
+                                 cta_overhead_tiles=round(float(splits["cta_overhead_tiles"]), 3),
+                                 co_resident_slowdown=round(float(splits["co_resident_slowdown"]), 3)),
         flashinfer_ctas_per_sm=tuple((int(a), round(c, 3)) for a, c in sorted(flashinfer.items())),
         versions=tuple((k, versions.get(k)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=date or datetime.date.today().isoformat(), seed=SEED, command=command,
@@ -297,6 +310,16 @@ def measure_launch(repeats: int) -> dict[str, float]:
     return res
 
 
+def decode_occupancy() -> int:
+    """Resident CTAs per SM of the workqueue decode kernel at the seed shape (the driver's
+    occupancy query with its block size and dynamic shared memory): the partition's waves."""
+    from pkvrt import _buildspec, _driver, ops
+
+    sym = _buildspec.symbol("workqueue_decode", "f16", SHAPE["head_dim"], SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"])
+    smem = ops.decode_smem_bytes(SHAPE["head_dim"], SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"])
+    return _driver.occupancy(_driver.get_kernel("workqueue_decode", sym, smem), ops.THREADS)
+
+
 def measure_torch_read(gib: int, repeats: int) -> float:
     """GB/s of ``sum(x, dim=1, dtype=float32)`` over ``gib`` GiB of fp16 (reads each byte once)."""
     import torch
@@ -392,31 +415,49 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
                         lambda_graph_us=launch["pkvrt_graph"],
                         splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS))
 
-    raw, fit_recs = [], []
+    raw, fit_recs, partition_cases = [], [], {}
     for case, kind, seq in calibration_steps():
         wl = _workload(seq, l2)
         ref = _reference(wl)
         kv = int(seq.sum()) * kv_tok
-        bounds = bucket_bounds if kind == "bucket" else wq_bounds
-        for s in split_candidates(bounds, quick):
+        if kind == "bucket":
+            cands = split_candidates(bucket_bounds, quick)
+        else:  # every cut of the partition: the longest row's allowed counts, chunks >= 1 tile
+            cands = planner.partition_candidates(int(-(-seq.max() // TILE_TOKENS)), wq_bounds, 1).tolist()
+            cands = cands[::3] + cands[-1:] if quick else cands
+            partition_cases[case] = (seq, {})
+        for s in dict.fromkeys(cands):
             if kind == "bucket":
                 us = time_bucket(wl, s, ref, repeats)
                 ctas, launches = len(seq) * hkv * s, 2 if s > 1 else 1
                 merge = planner.state_bytes(len(seq) * s if s > 1 else 0, num_qo_heads=hq, head_dim=d)
             else:
                 plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
-                                              dtype_bytes=2, splits=SplitBounds(s, s, s), cal=base)
+                                              dtype_bytes=2, splits=wq_bounds, cal=base, longest_splits=s)
                 us = time_workqueue(wl, plan, ref, repeats)
                 ctas, launches, merge = plan.counters.decode_ctas, 2, plan.counters.merge_bytes
+                partition_cases[case][1][int(s)] = float(us)
             rec = dict(case=case, route=kind, rows=len(seq), context=int(seq.max()), splits=int(s),
                        us=float(us), kv_bytes=kv, ctas=int(ctas), launches=launches,
                        merge_bytes=int(merge))
             fit_recs.append(rec)
             raw.append(dict(case=case, engine=f"pkvrt-{kind}", splits=int(s), median_us=float(us),
-                            gbps=kv / (us * 1e3), cta_work_per_sm=ctas / sm))
+                            gbps=kv / (us * 1e3), cta_work_per_sm=ctas / sm, ctas=int(ctas),
+                            rows=len(seq), kv_mb=round(kv / 1e6, 3)))
+        if kind == "workqueue":   # FlashInfer on the same step, for the report (not fitted)
+            for tc in (False, True):
+                us = time_flashinfer(wl, tc, ref, repeats)
+                raw.append(dict(case=case, engine="flashinfer-tc" if tc else "flashinfer-cuda",
+                                median_us=float(us), gbps=kv / (us * 1e3), rows=len(seq),
+                                kv_mb=round(kv / 1e6, 3)))
         del wl
         torch.cuda.empty_cache()
-    splits = calib.fit_split_points(fit_recs, sm_count=sm, num_kv_heads=hkv)
+    splits = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"],
+                                    sm_count=sm, num_kv_heads=hkv)
+    resident = decode_occupancy()
+    points, regret = calib.fit_partition(partition_cases, sm_count=sm, resident=resident,
+                                         num_kv_heads=hkv, splits=wq_bounds)
+    splits.update(points)
     c_min = fit_c_min(fit_recs, base)
     base = attrs.evolve(base, c_min=c_min)
 
@@ -440,12 +481,15 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
         f"streaming read, here the {which}: torch float32-accumulating sum over "
         f"{1 if quick else 2} GiB fp16 {torch_read:.0f} GB/s, PersistentKV split_decode over a "
         f"B{rows16} x 32K step (8 splits, incl. merge) {float(kernel_read):.0f} GB/s. "
+        f"splits.workqueue_ctas_per_sm: the decode kernel's occupancy (driver query, {resident} CTAs "
+        f"per SM); co_resident_slowdown / cta_overhead_tiles / min_split_tokens: fit_partition over "
+        f"{len(partition_cases)} steps timed at every cut of the balanced partition (regret of the "
+        f"fitted rule: " + ", ".join(f"{k} {v:.3f}" for k, v in regret.items()) + "). "
         f"lambda_us / lambda_graph_us:"
         f" a 1-token pkvrt split decode launched eagerly from Python (median of {repeats} loops of "
         f"100) / as one node of a 200-node CUDA graph (torch 1-element add: "
-        f"{launch['torch_eager']:.2f} / {launch['torch_graph']:.2f} us). splits: fit_split_points "
-        f"over bucket B1 {'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)} and workqueue first "
-        f"steps of bimodal B4/B8 (seed {SEED}), {len(fit_recs)} timed configurations; c_min: "
+        f"{launch['torch_eager']:.2f} / {launch['torch_graph']:.2f} us). splits.bucket_ctas_per_sm: fit_split_points "
+        f"over bucket B1 {'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)} (seed {SEED}); c_min: "
         f"least-squares fit of the cost model (log time) to the same configurations. "
         f"flashinfer.ctas_per_sm: FlashInfer "
         f"{env.get('flashinfer')} best of CUDA-core/tensor-core at 32K "
@@ -474,8 +518,10 @@ def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, sec
          f"per graph node (torch add {launch['torch_graph']:.2f})"),
         ("c_min", f"{cal.c_min:.2f}", f"cost-model fit over {len(recs)} configurations"),
         ("splits.bucket_ctas_per_sm", f"{s.bucket_ctas_per_sm:.2f}", "fit_split_points, B1 cases"),
-        ("splits.workqueue_ctas_per_sm", f"{s.workqueue_ctas_per_sm:.2f}", "fit_split_points, B4/B8"),
-        ("splits.min_split_tokens", str(s.min_split_tokens), "shortest chosen split"),
+        ("splits.workqueue_ctas_per_sm", f"{s.workqueue_ctas_per_sm:.2f}", "decode kernel occupancy (driver)"),
+        ("splits.co_resident_slowdown", f"{s.co_resident_slowdown:.2f}", "fit_partition: two CTAs on an SM"),
+        ("splits.cta_overhead_tiles", f"{s.cta_overhead_tiles:.2f}", "fit_partition: a CTA's fixed cost"),
+        ("splits.min_split_tokens", str(s.min_split_tokens), "fit_partition: shortest split"),
         *((f"flashinfer.ctas_per_sm.{a}", f"{c:.2f}", f"{fi_times[a]:.1f} us ({fi_variant[a]})")
           for a, c in cal.flashinfer_ctas_per_sm),
     ]

@@ -16,7 +16,9 @@ Schema 1 (every key required, no others allowed)::
     lambda_us         launch overhead of one eager launch, µs
     lambda_graph_us   launch overhead of one launch inside a CUDA-graph replay, µs
     c_min             occupancy target of the cost model, decode CTAs per SM
-    splits            {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens"}
+    splits            {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
+                       "cta_overhead_tiles", "co_resident_slowdown" (these two optional: 4.0 and
+                       1.5 when absent, in files written before 2026-12-01)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
     versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
     date              ISO date the file was produced, "2026-11-29"
@@ -37,6 +39,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 
 import attrs
+import numpy as np
 
 SCHEMA = 1
 DEFAULT_SLUG = "rtx3060-seed"
@@ -46,7 +49,11 @@ _TOP_KEYS = (
     "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
-_SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens")
+_SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
+               "co_resident_slowdown")
+# splits.* of a file written before they existed (2026-12-01): the balanced partition's defaults
+DEFAULT_CTA_OVERHEAD_TILES = 4.0
+DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
 _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 
 
@@ -59,13 +66,20 @@ class SplitPoints:
     """Operating points of the split choice (see ``pkvrt.planner``).
 
     bucket_ctas_per_sm: CTA work per SM the bucket route's split count aims for.
-    workqueue_ctas_per_sm: CTA work per SM the workqueue's split count aims for.
+    workqueue_ctas_per_sm: decode CTAs resident per SM (the kernel's occupancy): the
+        balanced partition's waves (``planner.PartitionModel``).
     min_split_tokens: no split is planned shorter than this many tokens (row-local cap).
+    cta_overhead_tiles: fixed cost of one decode CTA in the balanced partition's makespan model,
+        in 32-token tiles of streaming (``planner.partition_costs``).
+    co_resident_slowdown: how much longer an SM takes with two resident CTAs than with one
+        (1.0: a second CTA is free, 2.0: it runs after the first).
     """
 
     bucket_ctas_per_sm: float
     workqueue_ctas_per_sm: float
     min_split_tokens: int
+    cta_overhead_tiles: float = DEFAULT_CTA_OVERHEAD_TILES
+    co_resident_slowdown: float = DEFAULT_CO_RESIDENT_SLOWDOWN
 
 
 @attrs.frozen
@@ -128,12 +142,12 @@ def _int(obj, key, path, where="", positive=True) -> int:
     return v
 
 
-def _float(obj, key, path, where="") -> float:
+def _float(obj, key, path, where="", zero_ok=False) -> float:
     v = obj[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _fail(path, where + key, "a number", v)
-    if not math.isfinite(v) or v <= 0:
-        raise _fail(path, where + key, "a finite positive number", v)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise _fail(path, where + key, "a finite number >= 0" if zero_ok else "a finite positive number", v)
     return float(v)
 
 
@@ -171,11 +185,15 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
     _take(doc, _TOP_KEYS, path, "")
 
     sp = _dict(doc, "splits", path)
-    _take(sp, _SPLIT_KEYS, path, "splits.")
+    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, **sp}, _SPLIT_KEYS, path, "splits.")
     splits = SplitPoints(
         bucket_ctas_per_sm=_float(sp, "bucket_ctas_per_sm", path, "splits."),
         workqueue_ctas_per_sm=_float(sp, "workqueue_ctas_per_sm", path, "splits."),
         min_split_tokens=_int(sp, "min_split_tokens", path, "splits."),
+        cta_overhead_tiles=(_float(sp, "cta_overhead_tiles", path, "splits.", zero_ok=True)
+                            if "cta_overhead_tiles" in sp else DEFAULT_CTA_OVERHEAD_TILES),
+        co_resident_slowdown=(_float(sp, "co_resident_slowdown", path, "splits.")
+                              if "co_resident_slowdown" in sp else DEFAULT_CO_RESIDENT_SLOWDOWN),
     )
 
     fi = _dict(doc, "flashinfer", path)
@@ -415,6 +433,69 @@ def fit_split_points(measurements, *, sm_count: int, num_kv_heads: int, tile_tok
     out: dict = {f"{r}_ctas_per_sm": float(_median(v)) for r, v in sorted(per_route.items())}
     out["min_split_tokens"] = max(tile_tokens, min(tokens_per_split) // tile_tokens * tile_tokens)
     return out
+
+
+PARTITION_SLOWDOWNS = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0)        # co_resident_slowdown tried
+PARTITION_OVERHEADS = tuple(float(i) for i in range(9))      # cta_overhead_tiles tried: 0 .. 8
+PARTITION_MIN_TOKENS = (32, 64, 128, 256)                    # min_split_tokens tried
+
+
+def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, splits,
+                  tile_tokens: int = 32, slowdowns=PARTITION_SLOWDOWNS, overheads=PARTITION_OVERHEADS,
+                  min_tokens=PARTITION_MIN_TOKENS) -> tuple[dict, dict]:
+    """Fit the balanced partition's constants to timed partitions of calibration steps.
+
+    Parameters
+    ----------
+    cases : mapping case name -> ``(seq_lens, {s: us})``, the step's lengths and the measured
+        time of the partition cut at every candidate ``s`` (``planner.plan_workqueue(...,
+        longest_splits=s)``).
+    sm_count, resident : the GPU's SMs and the decode kernel's resident CTAs per SM (measured
+        with the driver's occupancy query).
+    num_kv_heads : the timed shape's KV heads. splits : the workqueue route's SplitBounds.
+
+    Returns
+    -------
+    (points, regret) : points ``{"workqueue_ctas_per_sm", "co_resident_slowdown",
+        "cta_overhead_tiles", "min_split_tokens"}`` (a ``splits`` update); regret ``{case: us of
+        the rule's pick / best us}`` at those points.
+
+    Rule: every combination of the grids is scored by the geometric mean over the cases of how
+    much slower the partition it picks is than the fastest partition measured, then by the
+    worst case; the best wins, ties to the smallest overhead, then slowdown, then the largest
+    minimum split (the simpler rule). A pick that was not timed scores as the slowest time of
+    its case.
+    """
+    from pkvrt import planner  # planner imports this module: late import keeps them acyclic
+
+    if not cases:
+        raise ValueError("fit_partition: no cases")
+    base = Calibration(gpu="fit", slug="fit", sm_count=sm_count, l2_bytes=1, beta_gbps=1.0,
+                       lambda_us=1.0, lambda_graph_us=1.0, c_min=1.0,
+                       splits=SplitPoints(1.0, float(resident), tile_tokens), flashinfer_ctas_per_sm=((1, 1.0),),
+                       versions=(), date="2026-12-01", seed=0, command="", provenance="")
+    seqs = {}
+    for name, (seq, times) in cases.items():
+        if not times or not all(isinstance(t, (int, float)) and t > 0 for t in times.values()):
+            raise ValueError(f"fit_partition: case {name!r}: expected positive times per candidate, got {times!r}")
+        seqs[name] = (np.asarray(seq, dtype=np.int64), times, min(times.values()), max(times.values()))
+    best_key, best = None, None
+    for k in slowdowns:
+        for f in overheads:
+            for m in min_tokens:
+                cal = attrs.evolve(base, splits=SplitPoints(1.0, float(resident), m, f, k))
+                regret = {}
+                for name, (seq, times, fastest, slowest) in seqs.items():
+                    s = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits,
+                                                   cal=cal, tile_tokens=tile_tokens).longest_splits
+                    regret[name] = times.get(s, slowest) / fastest
+                score = float(np.exp(np.mean(np.log(list(regret.values())))))
+                key = (round(score, 6), round(max(regret.values()), 6), f, k, -m)
+                if best_key is None or key < best_key:
+                    best_key, best = key, ({"workqueue_ctas_per_sm": float(resident),
+                                            "co_resident_slowdown": k, "cta_overhead_tiles": f,
+                                            "min_split_tokens": m}, regret)
+    return best
 
 
 def _median(xs: list[float]) -> float:

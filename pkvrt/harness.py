@@ -11,8 +11,9 @@ Protocol of one seed (:func:`run_seed`):
 2. K/V pages, q and (``--mlp``) the MLP weights are allocated once, random, seeded. When the
    smallest step's KV fits in L2 a few identical cache copies are rotated over the attention
    calls (:func:`cache_copies`), so no engine is timed on an L2-resident cache.
-3. Baseline: FlashInfer's CUDA-core and tensor-core wrappers are both run on the first
-   ``probe_steps`` steps; the faster (wall time) is the baseline (:func:`choose_baseline`).
+3. Baseline: FlashInfer's CUDA-core and tensor-core wrappers are both run on ``probe_steps``
+   steps spread over the measured ones; the faster by device time is the baseline
+   (:func:`choose_baseline`).
 4. Per engine: one untimed pass over all measured steps (warms graphs and JIT caches and checks
    correctness on ``check_steps`` sampled steps: vs FlashInfer ``max|e| < 2e-3, mean|e| < 3e-4``
    and vs the FP32 reference on a few rows); an engine that fails is not timed. Then a wall pass
@@ -59,6 +60,7 @@ BASELINE = "flashinfer"
 ADAPTIVE = "adaptive"
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
+STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
 FI_VARIANTS = {"flashinfer-cuda": False, "flashinfer-tc": True}   # label -> use_tensor_cores
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -122,8 +124,8 @@ def engine_label(name: str) -> str:
     keep their name."""
     if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
-    if name == DEVICE_PLAN:
-        return "pkvrt-device-plan"
+    if name in (DEVICE_PLAN, STEP_GRAPH):
+        return "pkvrt-" + name
     if name == ADAPTIVE:
         return "pkvrt-adaptive"
     return "pkvrt-" + (name[4:] if name.startswith("pkv_") else name).replace("_", "-")
@@ -133,13 +135,15 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     """``--engines`` as a tuple: ``flashinfer`` (the baseline, always first, added if absent),
     ``flashinfer-cuda`` / ``flashinfer-tc`` (one variant for the whole run), ``flashinfer-graph``
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
-    ``device-plan`` (the Runtime with device-side planning), or a PersistentKV route name of
-    routes.toml (that route forced on every step). Duplicates are dropped."""
+    ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
+    ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
+    as one CUDA graph, as an engine that captures its decode step runs it), or a PersistentKV
+    route name of routes.toml (that route forced on every step). Duplicates are dropped."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
     known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, DEVICE_PLAN,
-                                  *route_names)))
+                                  STEP_GRAPH, *route_names)))
     for n in names:
         if n not in known:
             raise ValueError(f"--engines: unknown engine {n!r}; expected one of {', '.join(known)}")
@@ -459,7 +463,11 @@ class Workload:
 
 def run_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> None:
     """One decode step of ``engine``: plan once, then attention (+ MLP) for every layer.
-    out: [max_active, H_q, D], rows ``:B`` receive the last layer's attention output."""
+    out: [max_active, H_q, D], rows ``:B`` receive the last layer's attention output. An engine
+    with its own ``run_step`` (a captured whole step) runs the step itself."""
+    if hasattr(engine, "run_step"):
+        engine.run_step(wl, step, pos, out)
+        return
     engine.plan(step)
     b = len(step.rids)
     q, o = wl.q[:b], out[:b]
@@ -638,6 +646,70 @@ class RuntimeEngine:
         return out
 
 
+class StepGraphEngine(RuntimeEngine):
+    """``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` with the whole decode step
+    captured as one CUDA graph, as an engine that captures its decode step runs it
+    (``examples/engine_graph.py``): per step, the step's lengths and block-table rows are copied
+    into static device buffers, then the graph of (plan + every layer's attention, and the MLP
+    tail with ``mlp``) for this batch size and cache phase is replayed. A graph is captured the
+    first time its (batch, phase) is seen (the untimed pass). The phase is the first cache copy
+    the step reads, ``pos * layers % copies``: the graph bakes in which copy each layer reads."""
+
+    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int):
+        from pkvrt.runtime import Runtime
+
+        sh = wl.shape
+        self.device_planning, self.force, self.label = True, None, engine_label(name)
+        self._on_device: dict[int, tuple] = {}
+        self.layout, self.dropped = wl.layout, ()
+        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
+                          device=wl.device, routes=routes, calibration=calibration,
+                          max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
+                          use_cuda_graph=False, validate=False, device_planning=True)
+        i32 = dict(dtype=torch.int32, device=wl.device)
+        self.seq = torch.ones(max_active, **i32)
+        self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.decision = None
+
+    def run_step(self, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> None:
+        b = len(step.rids)
+        seq, bt = self._device_inputs(step)
+        self.seq[:b].copy_(seq)
+        self.bt[:b, :bt.shape[1]].copy_(bt)
+        self._last_seq = step.seq_lens
+        phase = pos * wl.layers % wl.copies
+        g = self.graphs.get((b, phase))
+        if g is None:
+            g = self.graphs[(b, phase)] = self._capture(wl, b, phase, out)
+        g.replay()
+        self.decision = self.rt.last_decision
+
+    def _capture(self, wl: Workload, b: int, phase: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
+        q, o = wl.q[:b], out[:b]
+
+        def body():
+            self.rt.plan(self.seq[:b], self.bt[:b])
+            for layer in range(wl.layers):
+                c = (phase + layer) % wl.copies
+                self.rt.run(q, wl.k[c], wl.v[c], out=o)
+                if wl.mlp:
+                    wl.mlp_tail(o)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()   # warm-up outside the capture (kernel loads, torch's lazy init)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        return g
+
+    def stats(self) -> dict:
+        return {"step_graphs": len(self.graphs)}
+
+
 # --------------------------------------------------------------------------- passes
 
 def untimed_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock,
@@ -742,20 +814,23 @@ def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs
 
 def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int,
                    failures: dict) -> dict[str, float]:
-    """Summed wall µs of each candidate engine over the first ``probe_steps`` steps (after one
-    warm-up pass over them). ``candidates``: label -> engine; one that raises is removed from
-    it and its error recorded in ``failures`` (the other variant can still be the baseline)."""
-    steps = wl.steps[:probe_steps]
+    """Summed device µs (the device pass: CUDA events behind a covering spin) of each candidate
+    engine over ``probe_steps`` steps spread over the measured ones (after one warm-up pass over
+    them): the baseline is FlashInfer's fastest path by device time. ``candidates``: label ->
+    engine; one that raises is removed from it and its error recorded in ``failures`` (the other
+    variant can still be the baseline)."""
+    steps = [wl.steps[i] for i in sample_steps(len(wl.steps), probe_steps)]
     probe = {}
     for label, eng in list(candidates.items()):
         try:
             untimed_pass(eng, wl, steps, out, clock)
             walls, _ = wall_pass(eng, wl, steps, out, clock)
+            cudas, _ = device_pass(eng, wl, steps, out, clock, [1.25 * w + 50.0 for w in walls])
         except Exception as exc:  # noqa: BLE001 - recorded in meta and printed
             failures[label] = f"{type(exc).__name__}: {exc}"
             del candidates[label]
             continue
-        probe[label] = sum(walls)
+        probe[label] = sum(cudas)
     return probe
 
 
@@ -788,7 +863,7 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
     if not probe:
         raise ValueError(f"{case}: no FlashInfer variant could run the baseline: {failures}")
     base_label = choose_baseline(probe)
-    log(f"  baseline {base_label} (probe wall over {min(config.probe_steps, len(wl.steps))} "
+    log(f"  baseline {base_label} (probe device time over {min(config.probe_steps, len(wl.steps))} "
         f"steps: " + ", ".join(f"{k} {v:.0f} us" for k, v in probe.items()) + ")")
     check = check_positions(len(wl.steps), config.check_steps)
     refs = {pos: reference_rows(wl, wl.steps[pos]) for pos in check}
@@ -811,7 +886,7 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
                 f"  wall {row['wall_us']:9.1f} us  {row['tok_per_s']:10.0f} tok/s  "
                 f"max|e| {row['max_err']:.2e}")
     rows.extend(ratio_rows(rows))
-    info = {"baseline": base_label, "baseline_probe_wall_us": probe,
+    info = {"baseline": base_label, "baseline_probe_device_us": probe,
             "baseline_failures": failures, "cache_copies": wl.copies,
             "steps_total": wl.steps_total, "steps_measured": len(wl.steps)}
     return rows, steps_out, info

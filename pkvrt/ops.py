@@ -37,7 +37,7 @@ class DecodeParams(ctypes.Structure):
         ("v_page_stride", ctypes.c_longlong), ("v_head_stride", ctypes.c_longlong),
         ("num_qo_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("page_size_log2", ctypes.c_int), ("bt_stride", ctypes.c_int),
-        ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float),
+        ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
     ]
 
 
@@ -50,6 +50,15 @@ class MergeParams(ctypes.Structure):
     ]
 
 
+def _tuning() -> dict:
+    """The tuning constants the loaded cubins were built with (their manifest: a PKVRT_TUNE
+    variant in PKVRT_CUBIN_DIR may differ from the shipped ones), else _buildspec.TUNING."""
+    try:
+        return {**_buildspec.TUNING, **_driver.manifest().tuning}
+    except Exception:  # noqa: BLE001 - no cubins here (CPU-only package): the shipped constants
+        return _buildspec.TUNING
+
+
 def decode_smem_bytes(head_dim: int, group: int) -> int:
     """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, G>() (decode_common.cuh).
 
@@ -57,7 +66,7 @@ def decode_smem_bytes(head_dim: int, group: int) -> int:
     (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB). G < 4 (SIMT body): as many 32-token K+V stages
     as fit PKV_SMEM_BYTES, at least 2 (D=128: 4 * 16 KB = 64 KB).
     """
-    t = _buildspec.TUNING
+    t = _tuning()
     if group >= 4:
         stages = 2 if head_dim >= 256 else t["PKV_TC_STAGES"]
         return stages * (t["PKV_THREADS"] // 32) * 2 * 16 * head_dim * 2
@@ -166,7 +175,7 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
 
 def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
-                     counters=None) -> None:
+                     counters=None, early_kv: bool = False) -> None:
     """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
@@ -174,6 +183,12 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     split_offsets[row] + split. Rows with one split write O directly. Without ``counters``,
     :func:`merge` with skip_single=True must follow; with counters [B, H_kv] int32 (zeroed
     once, left zero by the kernel) the last CTA of each (row, kvh) merges in-kernel.
+
+    early_kv (sm_90+, PDL, workqueue only): read the plan and start the first K/V copies before
+    waiting for the previous kernel of the stream, which may still be running. Only valid when
+    that kernel is not the one writing this plan (tasks, num_tasks, split_offsets, seq_lens,
+    block tables): the Runtime sets it for the second and later layers of a step. K/V of a row's
+    last token, Q and every output are touched after the wait.
     """
     tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out)
     if tasks.dim() != 2 or tasks.shape[1] != 5:
@@ -187,6 +202,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     if counters is not None:
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
+    else:
+        p.early_kv = int(bool(early_kv))
     k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g), decode_smem_bytes(d, g))
     _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
 
@@ -231,8 +248,8 @@ class PlanParams(ctypes.Structure):
         ("candidates", ctypes.c_void_p), ("num_candidates", ctypes.c_int),
         ("max_rows", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("min_split_tiles", ctypes.c_int), ("tile_tokens", ctypes.c_int),
-        ("task_capacity", ctypes.c_int), ("ctas_target", ctypes.c_float),
-        ("ctas_target_single", ctypes.c_float),
+        ("task_capacity", ctypes.c_int), ("sms", ctypes.c_int), ("resident", ctypes.c_int),
+        ("slowdown8", ctypes.c_int), ("overhead8", ctypes.c_int), ("max_ctas", ctypes.c_int),
     ]
 
 
@@ -242,7 +259,7 @@ MAX_SEQ_LEN = 2**31 - 1 - _buildspec.TILE_TOKENS   # int32 lengths; len + tile -
 
 def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                           status, candidates, *, num_kv_heads: int, min_split_tiles: int,
-                          ctas_target: float, ctas_target_single: float | None = None,
+                          sms: int, resident: int, slowdown8: int, overhead8: int, max_ctas: int,
                           max_seq_len=None) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
@@ -253,9 +270,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len] (that row
     gets no split: nothing reads its block table or writes its output); candidates [n] int32,
     the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
-    pkvrt.planner.workqueue_split_counts with ctas_target = workqueue_ctas_per_sm * sm_count and
-    ctas_target_single = bucket_ctas_per_sm * sm_count, the target of a one-row step
-    (planner.workqueue_ctas_target; None: ctas_target for every step).
+    pkvrt.planner.balanced_partition; sms, resident, slowdown8, overhead8 and max_ctas are
+    ``planner.device_plan_targets(cal)``.
     """
     dev = seq_lens.device
     max_rows = seq_lens.shape[0]
@@ -280,7 +296,11 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     p.candidates = _int32("candidates", candidates, dev, 1)
     p.num_candidates, p.max_rows, p.num_kv_heads = candidates.shape[0], max_rows, num_kv_heads
     p.min_split_tiles, p.tile_tokens = min_split_tiles, _buildspec.TILE_TOKENS
-    p.task_capacity, p.ctas_target = tasks.shape[0], ctas_target
-    p.ctas_target_single = ctas_target if ctas_target_single is None else ctas_target_single
+    for name, v, least in (("sms", sms, 1), ("resident", resident, 1), ("slowdown8", slowdown8, 0),
+                           ("overhead8", overhead8, 0), ("max_ctas", max_ctas, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            _fail(name, f"an integer >= {least}", v)
+    p.task_capacity, p.sms, p.resident, p.slowdown8 = tasks.shape[0], sms, resident, slowdown8
+    p.overhead8, p.max_ctas = overhead8, max_ctas
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
     _driver.launch(k, (1, 1, 1), 1024, p)

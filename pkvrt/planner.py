@@ -4,22 +4,21 @@ Pure functions of the step's ``seq_lens`` (int [B]), the attention shape, the ro
 bounds (``pkvrt.registry.SplitBounds``) and the GPU's calibration; the runtime calls one per
 decode step, so they are vectorized (no Python loop over rows or tasks).
 
-Split choice (row-local, paper section 3.5) is two small rules:
+Split choice (row-local, paper section 3.5):
 
 * bucket route: each bucket aims for ``cal.splits.bucket_ctas_per_sm`` CTA work per SM,
-  ``S = ceil(target * sm_count / (bucket_rows * H_kv))`` (:func:`bucket_split_counts`);
-* workqueue route: the whole step aims for ``cal.splits.workqueue_ctas_per_sm``, so the split
-  count comes from the active batch size, ``S = ceil(target * sm_count / (active * H_kv))``,
-  then each row is capped by its own tile count (:func:`workqueue_split_counts`). A step of
-  one row is one bucket and takes the bucket target instead (:func:`workqueue_ctas_target`).
+  ``S = ceil(target * sm_count / (bucket_rows * H_kv))`` (:func:`bucket_split_counts`), snapped
+  to the route's allowed counts (``SplitBounds.clamp``) and capped by the row's capacity
+  ``max(1, tiles // min_split_tiles)``: the largest allowed count that fits, or the capacity
+  itself when even the smallest allowed count does not.
+* workqueue and fused routes: the balanced partition (:func:`balanced_partition`) cuts the
+  whole step's KV work (rows x KV heads x tiles) into chunks of one length, chosen by a small
+  makespan model over waves of ``workqueue_ctas_per_sm * sm_count`` CTAs, so short rows stay
+  whole and long rows are cut until every CTA finishes about together.
 
-Both snap S to the route's allowed counts (``SplitBounds.clamp``) and then cap it by the row's
-capacity ``max(1, tiles // min_split_tiles)`` (``min_split_tiles = ceil(min_split_tokens /
-tile_tokens)``), taking the largest allowed count that fits, or the capacity itself when even
-the smallest allowed count does not (a row is never given more splits than tiles). A split
-covers a contiguous, balanced range of 32-token tiles: split ``s`` of ``S`` over ``n`` tiles owns
-tiles ``[s*n//S, (s+1)*n//S)`` (:func:`split_tile_range`), so every split has at least
-``n//S >= 1`` tiles and boundaries fall on multiples of ``tile_tokens``.
+A split covers a contiguous, balanced range of 32-token tiles: split ``s`` of ``S`` over ``n``
+tiles owns tiles ``[s*n//S, (s+1)*n//S)`` (:func:`split_tile_range`), so every split has at
+least ``n//S >= 1`` tiles and boundaries fall on multiples of ``tile_tokens``.
 
 Counters (per step): launches, decode CTAs, CTA work per SM (``decode_ctas / sm_count``),
 useful KV bytes ``sum(seq_lens) * H_kv * D * 2 (K and V) * dtype_bytes``, merge bytes and merge
@@ -33,7 +32,6 @@ states once in MiB: ``merge_bytes / 2 / 2**20`` (B8, 160 slots: 160*32*520 B = 2
 from __future__ import annotations
 
 import functools
-import math
 
 import attrs
 import numpy as np
@@ -198,38 +196,163 @@ def bucket_split_counts(rows, longest, *, num_kv_heads: int, splits, cal: Calibr
     return fit_to_capacity(splits, clamp_splits(splits, want), cap)
 
 
-def workqueue_ctas_target(active: int, cal: Calibration) -> float:
-    """CTAs a workqueue step of ``active`` rows aims for: ``workqueue_ctas_per_sm * sm_count``,
-    or for a single row ``bucket_ctas_per_sm * sm_count``.
+MAX_WAVES = 2   # the balanced partition plans at most 2 resident waves of CTAs (see balanced_partition)
 
-    Why two: the workqueue target is fitted on ragged B4/B8 steps, whose short rows make short
-    CTAs and want several CTAs per SM (H200: 6.8); one row is a uniform step, where one wave of
-    equal CTAs is best (the bucket target, H200: 0.97). The workqueue target at B1 asked for 64
-    splits of a 32K row: 48.6 us against 42.2 at 16 (benches/NOTES.md, "The split rule at B1").
+
+@attrs.frozen
+class PartitionModel:
+    """Constants of the partition's makespan model, from the calibration, in integer units.
+
+    sms : S, the GPU's SMs. resident : CTAs of the decode kernel resident per SM at once (its
+    occupancy; ``cal.splits.workqueue_ctas_per_sm`` rounded). slowdown8 : how much longer an SM
+    takes with two resident CTAs than with one, in eighths (1.4 -> 11). overhead8 : a CTA's
+    fixed cost (prologue, partial-state write, its share of the merge), in eighths of a tile.
     """
-    per_sm = cal.splits.bucket_ctas_per_sm if active == 1 else cal.splits.workqueue_ctas_per_sm
-    return per_sm * cal.sm_count
+
+    sms: int
+    resident: int
+    slowdown8: int
+    overhead8: int
+
+    @classmethod
+    def of(cls, cal: Calibration) -> "PartitionModel":
+        sp = cal.splits
+        return cls(sms=cal.sm_count, resident=max(1, int(round(sp.workqueue_ctas_per_sm))),
+                   slowdown8=int(round(8 * sp.co_resident_slowdown)),
+                   overhead8=int(round(8 * sp.cta_overhead_tiles)))
+
+    @property
+    def wave(self) -> int:
+        """CTAs resident on the whole GPU at once: ``resident * sms``."""
+        return self.resident * self.sms
+
+    def load8(self, k):
+        """Time multiplier, in eighths, of an SM holding ``k`` resident CTAs: 8 for one, then
+        ``slowdown8 - 8`` more for each further one (k=2 -> slowdown8). Works on arrays."""
+        return 8 + (np.asarray(k) - 1) * (self.slowdown8 - 8)
 
 
-def device_plan_targets(cal: Calibration) -> dict[str, float]:
-    """The CTA targets of ``ops.plan_workqueue_device`` as keywords (``ctas_target`` for steps of
-    several rows, ``ctas_target_single`` for one row), the same rule as :func:`workqueue_ctas_target`."""
-    return {"ctas_target": workqueue_ctas_target(2, cal), "ctas_target_single": workqueue_ctas_target(1, cal)}
+def partition_candidates(longest_tiles: int, splits, min_tiles: int) -> np.ndarray:
+    """Split counts the longest row may take: the route's allowed counts whose chunk
+    ``ceil(longest_tiles / s)`` is at least ``min_tiles`` tiles; if none is, the old row cap
+    ``max(1, longest_tiles // min_tiles)`` alone. int64, ascending."""
+    c = _candidates(splits)
+    ok = c[-(-longest_tiles // c) >= min_tiles]
+    return ok if ok.size else np.array([max(1, longest_tiles // min_tiles)], dtype=np.int64)
+
+
+@attrs.frozen
+class Partition:
+    """The balanced partition of one step: every split is at most ``chunk_tiles`` tiles.
+
+    num_splits : int64 [B] splits per row. chunk_tiles : c. longest_splits : the candidate s
+    it was chosen at (c = ceil(longest tiles / s)). ctas : decode CTAs (sum(num_splits) * H_kv).
+    cost : the model's makespan of the choice, in eighths of a tile times the wave size.
+    """
+
+    num_splits: np.ndarray
+    chunk_tiles: int
+    longest_splits: int
+    ctas: int
+    cost: int
+
+
+def partition_costs(tiles: np.ndarray, cands: np.ndarray, *, num_kv_heads: int, model: PartitionModel):
+    """Model cost of cutting a step at each candidate ``s`` (the longest row's split count).
+
+    tiles : int64 [B] tiles per row (0 = a row with no work). cands : int64 [K].
+    Returns (cost [K], ctas [K], chunk [K]) int64: chunk ``c = ceil(max(tiles) / s)``; row r gets
+    ``n_r = ceil(tiles_r / c)`` splits; ctas ``N = H_kv * sum(n_r)``. The cost (in 1/64 tile
+    times S) is the larger of two makespans:
+
+    * waves of the big CTAs (those longer than half a chunk): they fill the GPU's resident slots
+      (``R = resident * S``) wave after wave; a wave costs ``(8c + f)`` times the load of its
+      busiest SM, ``load8(ceil(CTAs in the wave / S))``: 8 with one CTA per SM, ``slowdown8``
+      with two. So 128 CTAs on 132 SMs are one light wave and 160 put two on 28 SMs;
+    * the average SM load: ``(8 * H_kv * sum(tiles) + N * f) * 8 / S``.
+
+    Worked example (H200: S = 132, two resident CTAs per SM, slowdown 1.4 -> 11, f = 6 tiles
+    -> 48; H_kv 8): one 8K row, 256 tiles. s = 16: c = 16, N = 128 all big, one CTA per SM:
+    max((128 + 48) * 8 * 132, (8*8*256 + 128*48) * 8) = max(185856, 180224) = 185856. s = 32:
+    c = 8, N = 256, two per SM: max((64 + 48) * 11 * 132, (16384 + 256*48) * 8) = 229376. s = 20:
+    c = 13, N = 160: (104 + 48) * 11 * 132 = 220704. So 16 splits (measured best: 13.7 us, 14.5
+    at 32, 16.0 at 20).
+    """
+    t = tiles[None, :]
+    c = -(-tiles.max() // cands)                              # [K]
+    n = np.where(t > 0, -(-t // c[:, None]), 0)              # [K, B]
+    chunk = np.where(n > 0, -(-t // np.maximum(n, 1)), 0)     # largest task of each row
+    ctas = num_kv_heads * n.sum(axis=1)
+    big = num_kv_heads * np.where(2 * chunk > c[:, None], n, 0).sum(axis=1)
+    m, full, rem = model, big // model.wave, big % model.wave
+    loads = full * m.load8(m.resident) + np.where(rem > 0, m.load8(np.maximum(1, -(-rem // m.sms))), 0)
+    cost = np.maximum((8 * c + m.overhead8) * loads * m.sms,
+                      (8 * num_kv_heads * int(tiles.sum()) + ctas * m.overhead8) * 8)
+    return cost, ctas, c
+
+
+def balanced_partition(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,
+                       tile_tokens: int = TILE_TOKENS, longest_splits: int | None = None) -> Partition:
+    """Cut a step's KV work (rows x KV heads x tiles) into chunks of near-equal size.
+
+    One chunk length ``c`` (tiles) for the whole step: a row of ``t`` tiles gets
+    ``ceil(t / c)`` balanced splits, so a row that fits in one chunk is neither split nor merged,
+    and a 28K row next to six 2K rows is cut so that all of them finish together. ``c`` is
+    ``ceil(longest / s)`` for the candidate ``s`` (the longest row's split count, an allowed
+    count of ``splits`` whose chunk is at least ``min_split_tokens``) of least model cost
+    (:func:`partition_costs`), ties to fewer CTAs, then smaller s; candidates planning more than
+    ``MAX_WAVES`` waves of CTAs are skipped unless the smallest candidate is (a batch whose rows
+    alone exceed that). ``longest_splits`` forces ``s`` (sweeps and ablations).
+
+    The planning kernel (kernels/plan_workqueue.cu) computes the same choice with the same
+    integer arithmetic; tests/gpu/test_device_plan.py checks they agree.
+    """
+    tiles = -(-np.asarray(seq, dtype=np.int64) // tile_tokens)
+    min_tiles = -(-cal.splits.min_split_tokens // tile_tokens)
+    ns, c, s, ctas, cost = _partition_of_tiles(tuple(tiles.tolist()), num_kv_heads, splits,
+                                               PartitionModel.of(cal), min_tiles, longest_splits)
+    return Partition(num_splits=np.array(ns, dtype=np.int64), chunk_tiles=c, longest_splits=s,
+                     ctas=ctas, cost=cost)
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: PartitionModel, min_tiles: int,
+                        longest_splits: int | None):
+    """:func:`balanced_partition` on a tuple of tile counts, cached: a decoding row's tile count
+    changes once per 32 steps, so most steps of a serving loop repeat an earlier step's tiles."""
+    t = np.array(tiles, dtype=np.int64)
+    cands = partition_candidates(int(t.max()), splits, min_tiles)
+    if longest_splits is not None:
+        cands = np.array([longest_splits], dtype=np.int64)
+    cost, ctas, chunk = partition_costs(t, cands, num_kv_heads=num_kv_heads, model=model)
+    ok = (ctas <= MAX_WAVES * model.wave) | (np.arange(cands.size) == 0)
+    i = min(np.flatnonzero(ok).tolist(), key=lambda k: (cost[k], ctas[k], cands[k]))
+    c = int(chunk[i])
+    return tuple((-(-t // c)).tolist()), c, int(cands[i]), int(ctas[i]), int(cost[i])
+
+
+def device_plan_targets(cal: Calibration) -> dict[str, int]:
+    """The partition constants of ``ops.plan_workqueue_device`` as keywords
+    (:class:`PartitionModel` and the CTA cap of MAX_WAVES resident waves)."""
+    m = PartitionModel.of(cal)
+    return {"sms": m.sms, "resident": m.resident, "slowdown8": m.slowdown8, "overhead8": m.overhead8,
+            "max_ctas": MAX_WAVES * m.wave}
 
 
 def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,
                            tile_tokens: int = TILE_TOKENS) -> np.ndarray:
-    """S per row (int64 [B]): the active batch size sets the step's S, each row's tiles cap it.
+    """S per row (int64 [B]) of the workqueue and fused routes: :func:`balanced_partition`."""
+    return balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal,
+                              tile_tokens=tile_tokens).num_splits
 
-    Example (seed: 28 SMs, target 45.0 CTAs/SM, min_split_tokens 128; H_kv 8; bounds 1..64 by
-    4): B8 -> ceil(45*28 / (8*8)) = ceil(19.69) = 20 -> clamp 20; a 32K row keeps 20 (capacity
-    256), a 2000-token row (63 tiles, capacity 15) gets 12, a 100-token row (capacity 1) gets 1.
-    8 rows x 8 kvh x 20 = 1280 CTAs / 28 SMs = 45.7 CTA work per SM (the paper's Table 4).
-    One row aims for the bucket target (:func:`workqueue_ctas_target`).
-    """
-    want = math.ceil(workqueue_ctas_target(len(seq), cal) / (len(seq) * num_kv_heads))
-    cap = split_capacity(seq, min_split_tokens=cal.splits.min_split_tokens, tile_tokens=tile_tokens)
-    return fit_to_capacity(splits, splits.clamp(want), cap)
+
+def device_grid_ctas(gbatch: int, *, num_kv_heads: int, splits, cal: Calibration) -> int:
+    """Most decode CTAs the balanced partition plans for at most ``gbatch`` rows: MAX_WAVES resident waves,
+    or every row at the smallest allowed count when that is more (then it is the only candidate
+    left), never more than every row at the largest. The device-planned grid is sized by it."""
+    c = _candidates(splits)
+    per_row = num_kv_heads * gbatch
+    return int(min(per_row * c[-1], max(MAX_WAVES * PartitionModel.of(cal).wave, per_row * c[0])))
 
 
 def split_tile_range(split, num_splits, tiles):
@@ -343,17 +466,27 @@ def plan_bucket(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: int
 # ----------------------------------------------------------------------------- workqueue route
 
 
-def workqueue_from_checked(seq, *, num_kv_heads, num_qo_heads, head_dim, dtype_bytes, splits, cal, tile_tokens,
-                           tasks: bool):
-    """:func:`plan_workqueue` (``tasks=True``) or only its counters (``tasks=False``) for a
-    ``seq`` already checked by :func:`check_seq_lens`."""
-    ns = workqueue_split_counts(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens)
-    slots = int(ns.sum())
+def workqueue_counters_of(seq, num_splits, *, num_kv_heads, num_qo_heads, head_dim, dtype_bytes,
+                          sm_count) -> Counters:
+    """Counters of a workqueue step whose rows have ``num_splits`` splits: 2 launches, one CTA per
+    (split, KV head), one partial state per split (the merge also normalises S = 1 rows)."""
+    slots = int(np.sum(num_splits))
     ctas = slots * num_kv_heads
-    counters = Counters(
-        launches=2, decode_ctas=ctas, cta_work_per_sm=ctas / cal.sm_count,
+    return Counters(
+        launches=2, decode_ctas=ctas, cta_work_per_sm=ctas / sm_count,
         useful_kv_bytes=kv_bytes(seq, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
         merge_bytes=state_bytes(slots, num_qo_heads=num_qo_heads, head_dim=head_dim), merge_launches=1)
+
+
+def workqueue_from_checked(seq, *, num_kv_heads, num_qo_heads, head_dim, dtype_bytes, splits, cal, tile_tokens,
+                           tasks: bool, longest_splits: int | None = None):
+    """:func:`plan_workqueue` (``tasks=True``) or only its counters (``tasks=False``) for a
+    ``seq`` already checked by :func:`check_seq_lens`."""
+    ns = balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens,
+                            longest_splits=longest_splits).num_splits
+    counters = workqueue_counters_of(seq, ns, num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads,
+                                     head_dim=head_dim, dtype_bytes=dtype_bytes, sm_count=cal.sm_count)
+    slots, ctas = int(ns.sum()), counters.decode_ctas
     if not tasks:
         return counters
     offsets = np.zeros(seq.size + 1, dtype=np.int32)
@@ -394,13 +527,16 @@ def workqueue_counters(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_d
 
 
 def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype_bytes: int,
-                   splits, cal: Calibration, tile_tokens: int = TILE_TOKENS) -> WorkqueuePlan:
-    """Compact ``(row, kvh, split, tok_begin, tok_end)`` tasks, only non-empty ones.
+                   splits, cal: Calibration, tile_tokens: int = TILE_TOKENS,
+                   longest_splits: int | None = None) -> WorkqueuePlan:
+    """Compact ``(row, kvh, split, tok_begin, tok_end)`` tasks, only non-empty ones, cut by the
+    balanced partition (:func:`balanced_partition`).
 
     Parameters
     ----------
     seq_lens : int [B], tokens per row (>= 1).
     splits : SplitBounds of the route. cal : the GPU's calibration.
+    longest_splits : force the partition's candidate (the longest row's split count): sweeps.
 
     Returns
     -------
@@ -411,7 +547,7 @@ def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: 
     return workqueue_from_checked(
         check_seq_lens(seq_lens), num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads,
         head_dim=head_dim, dtype_bytes=dtype_bytes, splits=splits, cal=cal, tile_tokens=tile_tokens,
-        tasks=True)
+        tasks=True, longest_splits=longest_splits)
 
 
 def fused_counters(counters: Counters) -> Counters:

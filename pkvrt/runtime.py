@@ -77,8 +77,8 @@ from pkvrt.calibration import Calibration, find_calibration, load_calibration
 from pkvrt.costmodel import predict_us
 from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
                           needed_capacities, stage_bucket, stage_workqueue)
-from pkvrt.planner import (bucket_counters, device_plan_targets, fused_counters, workqueue_counters,
-                           workqueue_ctas_target)
+from pkvrt.planner import (bucket_counters, device_grid_ctas, device_plan_targets, fused_counters,
+                           workqueue_counters)
 from pkvrt.registry import KIND_KERNELS, Registry, load_routes
 from pkvrt.router import RouteDecision, Router
 
@@ -354,6 +354,7 @@ class _Step:
     structure: object
     max_page_id: int
     views: object = None
+    runs: int = 0        # run() calls since this plan: the first must not read the plan early
 
 
 def _resolve_device(device) -> torch.device:
@@ -603,16 +604,13 @@ class Runtime:
         return Capacities(slots=tasks // self.num_kv_heads, tasks=tasks)
 
     def _device_grid_tasks(self, route, gbatch: int) -> int:
-        """Grid (task slots) of a device-planned step on ``gbatch`` padded rows: the most tasks
-        the planner's rule gives any active batch b in (gbatch/2, gbatch] (rows capped by short
-        contexts only get fewer), so every such step replays one graph."""
+        """Grid (task slots) of a device-planned step on ``gbatch`` padded rows: the most CTAs the
+        balanced partition can plan for that many rows (``planner.device_grid_ctas``), so every
+        step of up to ``gbatch`` rows replays one graph; slots beyond a step's tasks exit at once."""
         key = (route.name, gbatch)
         if key not in self._dp_grid:
-            cal, hkv = self.calibration, self.num_kv_heads
-            self._dp_grid[key] = max(
-                b * hkv * route.splits.clamp(int(np.ceil(
-                    np.float32(workqueue_ctas_target(b, cal)) / np.float32(b * hkv))))
-                for b in range(gbatch // 2 + 1, gbatch + 1))
+            self._dp_grid[key] = device_grid_ctas(gbatch, num_kv_heads=self.num_kv_heads,
+                                                  splits=route.splits, cal=self.calibration)
         return self._dp_grid[key]
 
     # -- planning --------------------------------------------------------------------------
@@ -850,7 +848,8 @@ class Runtime:
         if self.use_cuda_graph and self._capturing():
             raise RuntimeError(_NESTED_CAPTURE.format("run"))
         if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
-            self._launch(st, q, k_cache, v_cache, out)
+            self._launch(st, q, k_cache, v_cache, out, early_kv=st.runs > 0)
+            st.runs += 1
             self._counts["eager_runs"] += 1
             return out
         kv = (graphs.tensor_key(k_cache), graphs.tensor_key(v_cache))
@@ -906,8 +905,15 @@ class Runtime:
                 st.views = (tasks, offsets, counters)
         return st.views
 
-    def _launch(self, st: _Step, q, k_cache, v_cache, out) -> None:
-        """The step's kernel launches on the current stream (what a graph captures)."""
+    def _launch(self, st: _Step, q, k_cache, v_cache, out, early_kv: bool = False) -> None:
+        """The step's kernel launches on the current stream (what a graph captures).
+
+        ``early_kv``: the workqueue decode may read the plan and copy its first K/V tiles before
+        the previous kernel of the stream has finished (``ops.workqueue_decode``). Set by
+        :meth:`run` for every launch of a step but the first when the runtime launches eagerly
+        (or inside an engine's captured step): the kernel before it is then the previous
+        layer's, never the plan's. The runtime's own per-layer graphs start with a graph
+        boundary, where nothing overlaps, so they never set it."""
         if st.kind == "flashinfer":
             self._fi.run(q, k_cache, v_cache, out)
             return
@@ -922,7 +928,7 @@ class Runtime:
             return
         tasks, offsets, counters = views
         ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
-                             pa, pm, self.sm_scale, counters=counters)
+                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv)
         if st.kind == "workqueue":
             ops.merge(pa, pm, offsets, out, skip_single=True)
 

@@ -82,7 +82,7 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
                                      "flashinfer, flashinfer-cuda, flashinfer-tc, "
-                                     "flashinfer-graph, adaptive, device-plan, "
+                                     "flashinfer-graph, adaptive, device-plan, device-plan-step, "
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),
     (["--trace", "no/such.csv"], "--trace 'no/such.csv': expected a family"),
@@ -207,11 +207,19 @@ def test_calibration_steps_use_the_calibration_seed_only():
     steps = calibrate.calibration_steps()
     assert [(c, k, len(s)) for c, k, s in steps] == [
         ("B1-8K", "bucket", 1), ("B1-32K", "bucket", 1), ("B1-64K", "bucket", 1),
+        ("B1-1.6K", "workqueue", 1), ("B1-8K", "workqueue", 1), ("B1-32K", "workqueue", 1),
+        ("B1-128K", "workqueue", 1),
+        ("B2-32K+1.4K", "workqueue", 2), ("B8-32K", "workqueue", 8), ("B8-1K", "workqueue", 8),
+        ("short-B8-seed20260622", "workqueue", 8),
         ("bimodal-B4-seed20260622", "workqueue", 4), ("bimodal-B8-seed20260622", "workqueue", 8)]
     b8 = steps[-1][2]
     assert (b8 > 30720).sum() == 2 and ((b8 >= 1025) & (b8 <= 4097)).sum() == 6
-    assert np.array_equal(calibrate.calibration_steps()[-1][2], b8)        # seeded
-    assert not np.array_equal(calibrate.calibration_steps(seed=20260623)[-1][2], b8)
+    short = steps[-3][2]
+    assert short.min() >= 16 and short.max() <= 8000
+    again = calibrate.calibration_steps()
+    assert np.array_equal(again[-1][2], b8) and np.array_equal(again[-3][2], short)   # seeded
+    other = calibrate.calibration_steps(seed=20260623)
+    assert not np.array_equal(other[-1][2], b8) and not np.array_equal(other[-3][2], short)
 
 
 @pytest.mark.parametrize("quick, expected", [(True, (4, 20, 36, 52, 64)),
@@ -225,7 +233,8 @@ def test_make_calibration_round_trips(tmp_path):
     cal = calibrate.make_calibration(
         gpu="NVIDIA H200", sm_count=132, l2_bytes=60 * 2**20, beta_gbps=4123.456, lambda_us=9.87654,
         lambda_graph_us=1.1234, c_min=2.345678,
-        splits={"bucket_ctas_per_sm": 1.9393, "workqueue_ctas_per_sm": 7.7575, "min_split_tokens": 512},
+        splits={"bucket_ctas_per_sm": 1.9393, "workqueue_ctas_per_sm": 0.7575, "min_split_tokens": 512,
+                "cta_overhead_tiles": 2.25, "co_resident_slowdown": 1.35},
         flashinfer={8: 3.6084, 1: 1.2}, versions={"torch": "2.9", "cuda": "12.8", "flashinfer": "0.5.3",
                                                   "driver": None},
         command="pkvrt calibrate", provenance="test values", date="2026-11-30")

@@ -313,3 +313,41 @@ def test_fit_takes_the_median_over_cases_and_explicit_routes():
 def test_fit_rejects_bad_records(bad, match):
     with pytest.raises(ValueError, match=match):
         fit_split_points(bad, sm_count=28, num_kv_heads=8)
+
+
+def test_fit_partition_recovers_the_constants_that_made_the_times():
+    """Times drawn from the partition's own model with known constants: the fit picks constants
+    whose choice is the fastest partition of every case (regret 1)."""
+    import attrs
+    import numpy as np
+
+    from pkvrt import planner
+    from pkvrt.calibration import SplitPoints, fit_partition
+    from pkvrt.registry import SplitBounds
+
+    bounds = SplitBounds(1, 64, 4)
+    truth = attrs.evolve(load_calibration(SEED), sm_count=132,
+                         splits=SplitPoints(1.0, 2.0, 64, 6.0, 1.4))
+    model = planner.PartitionModel.of(truth)
+    cases = {}
+    for name, seq in {"one-8K": [8192], "one-32K": [32768], "ragged": [28672] + [2048] * 6,
+                      "short": [300, 900, 1500, 4000, 200, 700, 1100, 2500], "uniform": [32768] * 8}.items():
+        seq = np.array(seq)
+        tiles = -(-seq // 32)
+        cands = planner.partition_candidates(int(tiles.max()), bounds, 1)
+        cost, _, _ = planner.partition_costs(tiles, cands, num_kv_heads=8, model=model)
+        cases[name] = (seq, {int(s): float(c) for s, c in zip(cands, cost)})
+    points, regret = fit_partition(cases, sm_count=132, resident=2, num_kv_heads=8, splits=bounds)
+    assert points["workqueue_ctas_per_sm"] == 2.0
+    assert max(regret.values()) == pytest.approx(1.0)
+
+
+def test_fit_partition_refuses_empty_or_bad_times():
+    from pkvrt.calibration import fit_partition
+    from pkvrt.registry import SplitBounds
+
+    with pytest.raises(ValueError, match="no cases"):
+        fit_partition({}, sm_count=132, resident=2, num_kv_heads=8, splits=SplitBounds(1, 64, 4))
+    with pytest.raises(ValueError, match="case 'x'"):
+        fit_partition({"x": ([100], {4: -1.0})}, sm_count=132, resident=2, num_kv_heads=8,
+                      splits=SplitBounds(1, 64, 4))

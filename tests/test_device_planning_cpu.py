@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pkvrt import graphs, ops, planner
-from pkvrt.planner import workqueue_ctas_target
 from pkvrt.runtime import check_device_step
 from test_runtime_cpu import (STEPS, fake_device, fake_runtime, pool, ref, rel_err,  # noqa: F401
                               step_inputs)
@@ -40,14 +39,18 @@ def test_device_planning_matches_reference_and_host_planning(fake_device, pool, 
 
 
 def test_device_planning_grid_covers_every_batch_of_its_padded_size(fake_device):  # noqa: F811
+    """Every step of b rows in (gb/2, gb] fits the grid of its padded batch gb, whatever the
+    lengths: uniform long rows, one long row among short ones, random."""
     rt = fake_runtime(device_planning=True)
     route = rt.registry.route("pkv_workqueue")
-    cal = rt.calibration
+    rng = np.random.default_rng(0)
     for gb in (1, 2, 4, 8):
         grid = rt._device_grid_tasks(route, gb)
         for b in range(gb // 2 + 1, gb + 1):
-            want = -(-workqueue_ctas_target(b, cal) // (b * rt.num_kv_heads))
-            assert b * rt.num_kv_heads * route.splits.clamp(int(want)) <= grid
+            for seq in (np.full(b, 200_000), np.r_[131072, np.full(b - 1, 40)], rng.integers(1, 70000, b)):
+                p = planner.balanced_partition(seq, num_kv_heads=rt.num_kv_heads, splits=route.splits,
+                                               cal=rt.calibration)
+                assert p.ctas <= grid, (gb, seq)
 
 
 def test_device_planning_flags_bad_lengths_and_skips_their_rows(fake_device, pool):  # noqa: F811
@@ -257,3 +260,20 @@ def test_the_planning_kernel_is_loaded_at_construction(fake_device, monkeypatch)
     loaded.clear()
     fake_runtime()
     assert not any(f == "plan_workqueue" for f, _, _ in loaded)
+
+
+def test_only_later_launches_of_a_step_read_the_plan_early(fake_device, pool):  # noqa: F811
+    """early_kv (the decode copying K/V before the previous kernel finishes) is never set on the
+    first launch after a plan (the plan kernel may be the kernel before it), and only in eager
+    mode (the runtime's own per-layer graphs begin with a graph boundary)."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    for graphs_on, want in ((False, [False, True, True] * 2), (True, None)):
+        fake_device.early.clear()
+        rt = fake_runtime(use_cuda_graph=graphs_on, device_planning=True)
+        for i in range(2):
+            seq, bt, q = step_inputs(b, [0, 1, 2], i, seed=i)
+            rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+            for _ in range(3):
+                rt.run(q, *cache, out=torch.empty_like(q))
+        assert fake_device.early == want if want else fake_device.early and not any(fake_device.early)

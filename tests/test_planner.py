@@ -16,7 +16,8 @@ from pkvrt.calibration import SplitPoints, load_calibration
 from pkvrt.pagetable import to_csr
 from pkvrt.planner import (BucketPlan, WorkqueuePlan, bucket_counters, check_seq_lens, clamp_splits,
                            plan_bucket, plan_flashinfer, plan_fused, plan_workqueue, split_capacity,
-                           split_tile_range, workqueue_counters, workqueue_ctas_target)
+                           split_tile_range, workqueue_counters)
+from pkvrt import planner
 from pkvrt.registry import SplitBounds
 
 SEED = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json")
@@ -42,7 +43,9 @@ def cals(draw):
         SEED, sm_count=draw(st.integers(1, 200)),
         splits=SplitPoints(bucket_ctas_per_sm=draw(st.floats(0.1, 100)),
                            workqueue_ctas_per_sm=draw(st.floats(0.1, 100)),
-                           min_split_tokens=draw(st.integers(1, 2048))))
+                           min_split_tokens=draw(st.integers(1, 2048)),
+                           cta_overhead_tiles=draw(st.floats(0.0, 16.0)),
+                           co_resident_slowdown=draw(st.floats(1.0, 3.0))))
 
 
 lengths = st.one_of(st.integers(1, 100), st.integers(1, 5000), st.integers(16000, 140000))
@@ -79,12 +82,14 @@ def check_workqueue(plan: WorkqueuePlan, seq, sb: SplitBounds, num_kv_heads: int
     ns = plan.num_splits.astype(np.int64)
     assert plan.split_offsets.dtype == np.int32 and plan.num_splits.dtype == np.int32
     assert plan.split_offsets[0] == 0 and (np.diff(plan.split_offsets) == ns).all()
-    # split counts: at least 1, never more than the row's capacity (so never more than its
-    # tiles), at most the route's max, and an allowed count unless the row is too short for one
-    cap = split_capacity(seq, min_split_tokens=cal.splits.min_split_tokens)
-    assert (ns >= 1).all() and (ns <= cap).all() and (ns <= tiles_of(seq)).all() and (ns <= sb.max).all()
-    allowed = np.isin(ns, sb.candidates())
-    assert (allowed | (ns == cap) & (cap < sb.candidates()[0])).all()
+    # split counts: the balanced partition's chunk c bounds every split, a row that fits one
+    # chunk is not split, and no row has more splits than the longest row's candidate
+    p = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=sb, cal=cal)
+    tiles = tiles_of(seq)
+    assert (ns == -(-tiles // p.chunk_tiles)).all() and (ns >= 1).all() and (ns <= tiles).all()
+    assert (ns[tiles <= p.chunk_tiles] == 1).all()
+    assert ((e - b) <= p.chunk_tiles * TILE_TOKENS).all()
+    assert ns.max() <= p.longest_splits <= max(sb.max, 1) or p.longest_splits == max(1, tiles.max() // -(-cal.splits.min_split_tokens // TILE_TOKENS))
 
 
 @settings(max_examples=150, deadline=None)
@@ -103,27 +108,65 @@ def test_workqueue_tasks_cover_every_row_and_head_once(seq, sb, cal, hd):
                               splits=sb, cal=cal) == c
 
 
-@settings(max_examples=40, deadline=None)
-@given(seq=seqs, cal=cals())
-def test_workqueue_split_comes_from_active_count_and_row_tiles(seq, cal):
-    """Rows with enough tiles all get the same S, set by the active count alone."""
-    plan = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=cal)
-    per_sm = cal.splits.bucket_ctas_per_sm if len(seq) == 1 else cal.splits.workqueue_ctas_per_sm
-    want = int(np.ceil(per_sm * cal.sm_count / (len(seq) * 8)))
-    cap = split_capacity(seq, min_split_tokens=cal.splits.min_split_tokens)
-    roomy = cap >= WQ_BOUNDS.clamp(want)
-    assert (plan.num_splits[roomy] == WQ_BOUNDS.clamp(want)).all()
+def _brute_force_partition(seq, sb, cal, hkv):
+    """The partition's choice computed again, one candidate at a time, in plain Python ints."""
+    tiles = [int(t) for t in tiles_of(seq)]
+    min_tiles = -(-cal.splits.min_split_tokens // TILE_TOKENS)
+    m = planner.PartitionModel.of(cal)
+    sms, wave, f8 = m.sms, m.wave, m.overhead8
+    load = lambda k: 8 + (k - 1) * (m.slowdown8 - 8)  # noqa: E731
+    longest = max(tiles)
+    cands = [s for s in sb.candidates() if -(-longest // s) >= min_tiles] or [max(1, longest // min_tiles)]
+    best = None
+    for i, s in enumerate(cands):
+        c = -(-longest // s)
+        n = [-(-t // c) for t in tiles]
+        ctas = hkv * sum(n)
+        big = hkv * sum(k for t, k in zip(tiles, n) if 2 * -(-t // k) > c)
+        loads = big // wave * load(m.resident) + (load(-(-(big % wave) // sms)) if big % wave else 0)
+        cost = max((8 * c + f8) * loads * sms, (8 * hkv * sum(tiles) + ctas * f8) * 8)
+        if i > 0 and ctas > planner.MAX_WAVES * wave:
+            continue
+        if best is None or (cost, ctas, s) < best[:3]:
+            best = (cost, ctas, s, c)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(seq=seqs, sb=bounds(), cal=cals(), hd=heads)
+def test_balanced_partition_is_the_least_cost_candidate(seq, sb, cal, hd):
+    kvh, _ = hd
+    p = planner.balanced_partition(seq, num_kv_heads=kvh, splits=sb, cal=cal)
+    cost, ctas, s, c = _brute_force_partition(seq, sb, cal, kvh)
+    assert (p.cost, p.ctas, p.longest_splits, p.chunk_tiles) == (cost, ctas, s, c)
+
+
+def test_balanced_partition_examples():
+    """H200-like constants (132 SMs, two resident CTAs per SM, slowdown 1.4, CTA overhead 6 tiles,
+    64-token floor): the worked example of partition_costs and the ragged steps issue 12 names."""
+    cal = attrs.evolve(SEED, sm_count=132, splits=SplitPoints(
+        bucket_ctas_per_sm=0.97, workqueue_ctas_per_sm=2.0, min_split_tokens=64, cta_overhead_tiles=6.0,
+        co_resident_slowdown=1.4))
+    part = lambda seq: planner.balanced_partition(np.array(seq), num_kv_heads=8, splits=WQ_BOUNDS, cal=cal)  # noqa: E731
+    one = part([8192])                                              # one light wave of 128 CTAs
+    assert (one.num_splits.tolist(), one.cost) == ([16], 185856)
+    cost, ctas, _ = planner.partition_costs(np.array([256]), np.array([16, 20, 32]), num_kv_heads=8,
+                                            model=planner.PartitionModel.of(cal))
+    assert cost.tolist() == [185856, 220704, 229376] and ctas.tolist() == [128, 160, 256]
+    # 50 tiles: s = 16 -> c = 4, 13 splits, 104 CTAs (not 1 split on 8 CTAs, 23 us measured)
+    one_short = part([1600])
+    assert (one_short.num_splits.tolist(), one_short.ctas, one_short.chunk_tiles) == ([13], 104, 4)
+    assert part([32768] * 8).num_splits.tolist() == [4] * 8        # 256 CTAs, two per SM
+    ragged = part([28672] + [2048] * 6)                             # a 28K row and six 2K rows
+    assert ragged.chunk_tiles == 56 and ragged.num_splits.tolist() == [16] + [2] * 6
 
 
 def test_workqueue_tasks_run_longest_first():
     seq = np.array([100, 40000, 3000, 33000])
     plan = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
-    # B4 seed: S = 40 for the long rows (1000 and 825 tokens per split), 20 for 3000 tokens
-    # (94 tiles, capacity 23 -> 20; 150 per split), 1 for 100 tokens -> order rows 1, 3, 2, 0
-    assert [int(r) for r in dict.fromkeys(plan.tasks[:, 0].tolist())] == [1, 3, 2, 0]
-    size = plan.tasks[:, 4] - plan.tasks[:, 3]
-    first_of_row = {int(r): int(size[np.argmax(plan.tasks[:, 0] == r)]) for r in range(4)}
-    assert first_of_row[1] >= first_of_row[3] >= first_of_row[2] >= first_of_row[0]
+    size = (plan.tasks[:, 4] - plan.tasks[:, 3]).astype(np.int64)
+    per_split = seq[plan.tasks[:, 0]] // plan.num_splits[plan.tasks[:, 0]]
+    assert (np.diff(per_split) <= 0).all()          # rows by decreasing tokens per split
 
 
 def test_fused_plan_shares_tasks_and_drops_the_merge_launch():
@@ -203,19 +246,25 @@ def test_counters_by_hand():
     seq = np.array([32768, 1000, 100], dtype=np.int32)
     kv = (32768 + 1000 + 100) * 8 * 128 * 2 * 2                  # 33868 tok * 4096 B = 138_723_328 B
     assert kv == 138_723_328
-    # workqueue: want ceil(45.0*28 / (3*8)) = ceil(52.5) = 53 -> nearest allowed (1,4,..,64): 52
-    # capacities: 1024 tiles // 4 = 256; 32 tiles // 4 = 8; 4 tiles // 4 = 1 -> S = 52, 8, 1
+    # workqueue, balanced partition (seed: a wave of 28 CTAs, CTA overhead 2 tiles = 16 eighths):
+    # tiles [1024, 32, 4]. s = 12: chunk ceil(1024/12) = 86 -> splits [12, 1, 1], 112 CTAs, 96 of
+    # them longer than half a chunk -> 4 waves: max(4*(8*86+16)*28, 8*8*1060 + 112*16) = 78848,
+    # the cheapest within MAX_WAVES = 4 waves (112 CTAs; s = 8 costs 87360; s = 16, 144 CTAs at
+    # 73920, is beyond the cap)
+    p = planner.balanced_partition(seq, num_kv_heads=8, splits=WQ_BOUNDS, cal=SEED)
     wq = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED)
-    assert wq.num_splits.tolist() == [52, 8, 1] and wq.split_offsets.tolist() == [0, 52, 60, 61]
+    assert wq.num_splits.tolist() == p.num_splits.tolist()
+    n = wq.num_splits.tolist()
+    assert wq.split_offsets.tolist() == [0, n[0], n[0] + n[1], sum(n)] and n[1:] == [1, 1]
     c = wq.counters
-    assert c.decode_ctas == 61 * 8 == 488
-    assert c.cta_work_per_sm == pytest.approx(488 / 28)          # 17.43
+    assert c.decode_ctas == sum(n) * 8
+    assert c.cta_work_per_sm == pytest.approx(sum(n) * 8 / 28)
     assert c.useful_kv_bytes == kv
-    assert c.merge_bytes == 61 * 32 * (128 * 4 + 8) * 2 == 2_030_080
+    assert c.merge_bytes == sum(n) * 32 * (128 * 4 + 8) * 2
     assert (c.launches, c.merge_launches) == (2, 1)
-    # the 1000-token row: 32 tiles in 8 splits of 4 tiles; the last ends at 1000, not 1024
+    # the 1000-token row is one task per head: [0, 1000)
     r1 = wq.tasks[(wq.tasks[:, 0] == 1) & (wq.tasks[:, 1] == 0)]
-    assert r1[:, 3].tolist() == [0, 128, 256, 384, 512, 640, 768, 896] and r1[-1, 4] == 1000
+    assert r1[:, 3].tolist() == [0] and r1[-1, 4] == 1000
 
     # exact buckets: 3 one-row buckets, want ceil(9.0*28 / 8) = 32; capacities 256, 8, 1
     # -> S = 32, 8, 1 (1 < min 4: the 4-tile row cannot take 4 splits of 4 tiles)
@@ -260,7 +309,8 @@ def test_papers_table4_counters():
     short = (total - 2 * 32768) // 6
     seq = np.array([32768, 32769] + [short - 2 + i for i in range(6)])  # 8 distinct lengths
     bk = plan_bucket(seq, **SHAPE, splits=BUCKET_BOUNDS, cal=SEED).counters
-    wq = plan_workqueue(seq, **SHAPE, splits=WQ_BOUNDS, cal=SEED).counters
+    # the paper's workqueue gave every row 20 splits (the balanced partition cuts it otherwise)
+    wq = planner.workqueue_counters_of(seq, [20] * 8, **SHAPE, sm_count=SEED.sm_count)
     assert (bk.launches, round(bk.cta_work_per_sm, 1), round(bk.merge_bytes / 2 / 2**20, 2), bk.merge_launches) == \
         (16, 73.1, 4.06, 8)
     assert (wq.launches, round(wq.cta_work_per_sm, 1), round(wq.merge_bytes / 2 / 2**20, 2), wq.merge_launches) == \
@@ -333,15 +383,9 @@ def test_bench_plan_bucket_b8(benchmark):
     assert isinstance(plan, BucketPlan) and len(plan.buckets) == 8
 
 
-def test_one_row_workqueue_step_takes_the_bucket_target():
-    """H200 calibration: one 32K row gets the bucket's 16 splits (one wave of 128 CTAs), not the
-    64 the ragged-step target would ask for; two rows go back to the workqueue target."""
-    cal = load_calibration(pathlib.Path(__file__).parents[1] / "calibration" / "nvidia-h200.json")
-    assert workqueue_ctas_target(1, cal) == cal.splits.bucket_ctas_per_sm * cal.sm_count
-    assert workqueue_ctas_target(3, cal) == cal.splits.workqueue_ctas_per_sm * cal.sm_count
-    one = plan_workqueue([32768], **SHAPE, splits=WQ_BOUNDS, cal=cal)
-    bucket = plan_bucket([32768], **SHAPE, splits=BUCKET_BOUNDS, cal=cal)
-    assert one.num_splits.tolist() == [bucket.buckets[0].num_splits] == [16]
-    two = plan_workqueue([32768, 32768], **SHAPE, splits=WQ_BOUNDS, cal=cal)
-    want = -(-cal.splits.workqueue_ctas_per_sm * cal.sm_count // (2 * 8))
-    assert two.num_splits.tolist() == [WQ_BOUNDS.clamp(int(want))] * 2
+def test_device_grid_bounds_the_partition():
+    """planner.device_grid_ctas: MAX_WAVES resident waves, or every row at the smallest count."""
+    cal = attrs.evolve(SEED, sm_count=132, splits=SplitPoints(0.97, 2.0, 64, 6.0, 1.4))
+    assert planner.device_grid_ctas(8, num_kv_heads=8, splits=WQ_BOUNDS, cal=cal) == 2 * 264
+    assert planner.device_grid_ctas(1, num_kv_heads=8, splits=WQ_BOUNDS, cal=cal) == 8 * 64
+    assert planner.device_grid_ctas(128, num_kv_heads=8, splits=WQ_BOUNDS, cal=cal) == 128 * 8

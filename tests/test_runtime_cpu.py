@@ -9,6 +9,7 @@ import pathlib
 import sys
 import types
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -503,6 +504,7 @@ class Emu:
 
     def __init__(self):
         self.launches = 0
+        self.early = []   # early_kv of every workqueue launch
 
     @staticmethod
     def _kv(cache, bt_row, n):
@@ -541,8 +543,9 @@ class Emu:
             out[orow] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
 
     def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
-                         sm_scale=None, counters=None):
+                         sm_scale=None, counters=None, early_kv=False):
         self.launches += 1
+        self.early.append(bool(early_kv))
         scale = sm_scale or 1 / math.sqrt(q.shape[2])
         g = q.shape[1] // k.shape[1]
         t = int(num_tasks[0])
@@ -567,33 +570,49 @@ class Emu:
 
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
-                              status, candidates, *, num_kv_heads, min_split_tiles, ctas_target,
-                              ctas_target_single=None, max_seq_len):
-        """The planning kernel's rule written out again (snap want to the nearest candidate,
-        ties smaller; cap by tiles / min_split_tiles), tasks in row order."""
+                              status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
+                              slowdown8, overhead8, max_ctas, max_seq_len):
+        """The planning kernel's balanced partition written out again in plain loops (candidate
+        chunks from the longest row, cost = max(waves of big CTAs, average load)), tasks in row
+        order."""
         self.launches += 1
-        cands, max_rows = candidates.tolist(), seq_lens.shape[0]
+        max_rows = seq_lens.shape[0]
         rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
-        target = ctas_target if ctas_target_single is None or rows != 1 else ctas_target_single
-        want = math.ceil(target / (rows * num_kv_heads))
-        snapped = min(cands, key=lambda c: (abs(c - want), c))
-        splits, bad = [0] * max_rows, False
+        tiles, bad = [0] * max_rows, False
         for r in range(rows):
             n = int(seq_lens[r])
             if not 1 <= n <= max_len:
                 bad = True
-                continue
-            cap = max(1, -(-n // TILE) // min_split_tiles)
-            splits[r] = min(snapped, max([c for c in cands if c <= cap], default=cap))
+            else:
+                tiles[r] = -(-n // TILE)
+        longest, total = max(tiles), sum(tiles)
+        cands = [c for c in candidates.tolist() if longest and -(-longest // c) >= min_split_tiles]
+        cands = cands or [max(1, longest // min_split_tiles)]
+        best = None
+        for i, s_ in enumerate(cands):
+            c = -(-longest // s_) if longest else 1
+            n_all = n_big = 0
+            for t in tiles:
+                if t:
+                    n = -(-t // c)
+                    n_all += n
+                    n_big += n if 2 * -(-t // n) > c else 0
+            ctas = num_kv_heads * n_all
+            big, wave = num_kv_heads * n_big, resident * sms
+            load = lambda k: 8 + (k - 1) * (slowdown8 - 8)  # noqa: E731
+            loads = big // wave * load(resident) + (load(-(-(big % wave) // sms)) if big % wave else 0)
+            cost = max((8 * c + overhead8) * loads * sms, (8 * num_kv_heads * total + ctas * overhead8) * 8)
+            if i == 0 or (ctas <= max_ctas and (cost, ctas) < best[1:3]):
+                best = (c, cost, ctas)
+        splits = [-(-t // best[0]) if t else 0 for t in tiles]
         offs = np.concatenate([[0], np.cumsum(splits)])
         split_offsets[:] = torch.as_tensor(offs, dtype=torch.int32)
         num_splits[:] = torch.as_tensor(splits, dtype=torch.int32)
         t = []
         for r in range(rows):
             n, s = int(seq_lens[r]), splits[r]
-            tiles = -(-n // TILE)
             for j in range(s):
-                b, e = j * tiles // s * TILE, min(n, (j + 1) * tiles // s * TILE)
+                b, e = j * tiles[r] // s * TILE, min(n, (j + 1) * tiles[r] // s * TILE)
                 t += [[r, h, j, b, e] for h in range(num_kv_heads)]
         num_tasks[0] = min(len(t), tasks.shape[0])
         if t:
@@ -752,7 +771,8 @@ def test_fake_device_capacity_growth_drops_graphs(fake_device, pool, tmp_path):
     text = (REPO / "routes.toml").read_text().replace("max_active = 8", "max_active = 1")
     (tmp_path / "routes.toml").write_text(text.replace("max = 64", "max = 16"))
     b, _ = pool
-    rt = fake_runtime(routes=tmp_path / "routes.toml")
+    wide = attrs.evolve(SEED, splits=attrs.evolve(SEED.splits, workqueue_ctas_per_sm=8.0))  # many small CTAs
+    rt = fake_runtime(routes=tmp_path / "routes.toml", calibration=wide)
     assert rt.stats()["capacities"]["slots"] == 16          # 1 row * 16 splits
     cache = (b.k_cache, b.v_cache)
     for rows in ([0], [0, 1, 2, 4]):

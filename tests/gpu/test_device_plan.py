@@ -32,16 +32,27 @@ def _device_plan(seq, bufs, splits, cal):
     return seq_dev, rows, cand
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(24))
 def test_device_plan_equals_host_plan(seed):
+    """The balanced partition on random batches: uniform lengths, short rows, one long row among
+    short ones (the ragged steps where it matters), equal rows."""
     rng = np.random.default_rng(seed)
     b = int(rng.integers(1, MAX_ROWS + 1))
-    _assert_device_plan_equals_host(rng.integers(1, 70000, b).astype(np.int32))
+    kind = seed % 4
+    if kind == 0:
+        seq = rng.integers(1, 70000, b)
+    elif kind == 1:
+        seq = rng.integers(1, 3000, b)
+    elif kind == 2:
+        seq = np.r_[rng.integers(20000, 131073, 1), rng.integers(1, 4096, b - 1)]
+    else:
+        seq = np.full(b, int(rng.integers(1, 140000)))
+    _assert_device_plan_equals_host(seq.astype(np.int32))
 
 
-@pytest.mark.parametrize("length", [1, 700, 8192, 32768, 131072])
+@pytest.mark.parametrize("length", [1, 700, 1600, 8192, 32768, 131072])
 def test_device_plan_equals_host_plan_for_one_row(length):
-    """A one-row step takes the bucket target (planner.workqueue_ctas_target) on both sides."""
+    """One row: the partition's candidates and costs agree on both sides."""
     _assert_device_plan_equals_host(np.array([length], dtype=np.int32))
 
 
