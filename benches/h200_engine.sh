@@ -6,7 +6,8 @@
 # returns at most 8), so a call that runs out of time still returns what finished.
 # usage: bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
 #   quick  one held-out seed of bimodal B8, bucketed B1 and the Azure conversation trace
-#   all    every family of issue 12 (held-out seeds 20260623-27; 3 for B4 and G = 1 / 8)
+#   all    every family of issue 12 (held-out seeds 20260623-27; 3 for B4, G = 1 / 8, the Azure
+#          traces and bimodal B8 with the MLP tail)
 set -u
 out=$1; set_=${2:-quick}; traces=${3:-../shared/traces}
 r=/tmp/engine-r; mkdir -p $r
@@ -29,6 +30,7 @@ else
 serve bucketed 1 150 20260623-20260627 --trace bucketed
 serve bimodal 4 120 20260623-20260625 --trace bimodal
 serve bimodal 8 150 20260623-20260627 --trace bimodal
+serve bimodal-mlp 8 120 20260623-20260625 --trace bimodal --mlp
 serve uniform 8 150 20260623-20260627 --trace uniform
 serve zipf 8 150 20260623-20260627 --trace zipf
 serve gqa-G8 8 100 20260623-20260625 --trace bimodal --num-kv-heads 4

@@ -39,7 +39,10 @@ CASES = {  # name -> (seq_lens, H_q, H_kv)
     "B8-bimodal": ([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], 32, 8),
     "G1-B1-32K": ([32768], 32, 32),
     "G8-B1-32K": ([32768], 32, 4),
+    "G1-B8-bimodal": ([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], 32, 32),
+    "G8-B8-bimodal": ([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], 32, 4),
 }
+DEFAULT_CASES = [c for c in CASES if not c.endswith("B8-bimodal") or c == "B8-bimodal"]
 L2_ROTATE_BYTES = 3 * 60 * 2**20
 
 
@@ -236,9 +239,12 @@ def errors(out, ref):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benches/results/h200/isolated.json")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"of {', '.join(CASES)}")
     ap.add_argument("--splits", default="", help="bucket split counts to sweep as well (exploration)")
     ap.add_argument("--wq-splits", default="", help="workqueue split counts to sweep as well")
+    ap.add_argument("--partition-sweep", action="store_true",
+                    help="also time the balanced partition cut at every candidate (the longest row's "
+                         "allowed split counts): how far the rule's pick is from the best cut")
     ap.add_argument("--nomerge-splits", default="",
                     help="bucket split counts to time without the merge kernel (exploration; outputs not exact)")
     ap.add_argument("--routes", default=None, help="routes.toml (split bounds); default: the repo's")
@@ -289,6 +295,11 @@ def main(argv=None) -> int:
             engines.append(("sweep-bucket-nomerge", s, *engine_split(case, s, merge=False)))
         for s in map(int, filter(None, args.wq_splits.split(","))):
             engines.append(("sweep-workqueue", s, *engine_workqueue(case, s, False)))
+        if args.partition_sweep:
+            wq = registry.route("pkv_workqueue").splits
+            for s in planner.partition_candidates(-(-max(lens) // 32), wq, 1).tolist():
+                cut = planner.plan_workqueue(lens, splits=wq, cal=cal, longest_splits=s, **shape(hq, hkv))
+                engines.append(("sweep-partition", s, *engine_workqueue(case, None, False, cut)))
         if not args.no_sdpa:
             engines.append(("repack-sdpa", None, *engine_sdpa(case)))
         fi_out = None

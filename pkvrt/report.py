@@ -36,6 +36,8 @@ import re
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from pkvrt import results
 
 NUMERIC = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s", "gbps", "frac_read_bw",
@@ -564,6 +566,71 @@ def ratio_by_context(files) -> list[dict]:
             for (e, bin_), (n, bw, ew, bc, ec) in sorted(acc.items())]
 
 
+FLOOR_BYTES_PER_US = 4.2e6   # the floor's read bandwidth, 4.2 TB/s (DESIGN.md "H200 anchors")
+
+
+def step_floor_us(record: dict, meta: dict) -> float:
+    """The read floor of one per-step record: the step's K+V bytes over every layer,
+    ``active * mean_context * 2 * H_kv * D * dtype bytes * layers``, at 4.2 TB/s."""
+    sh = meta.get("shape") or {}
+    per_token = 2 * int(sh.get("num_kv_heads", 8)) * int(sh.get("head_dim", 128)) * 2
+    tokens = record["active"] * record["mean_context"]
+    return tokens * per_token * int(meta.get("layers") or 1) / FLOOR_BYTES_PER_US
+
+
+def engine_protocol_rows(files) -> list[dict]:
+    """Per (trace, engine) of the multi-layer (engine protocol) per-step files: steps, the
+    fraction of the read floor (sum of floors / sum of CUDA-event times), the baseline's, the
+    throughput ratio over the steps, and the 5th percentile and minimum of the per-step ratio."""
+    acc = collections.OrderedDict()
+    for path, doc in _of_kind(files, "serving-steps"):
+        meta = doc["meta"]
+        if int(meta.get("layers") or 1) < 2:
+            continue
+        base = {(r["case"], r["step"]): r for r in doc["rows"] if r.get("baseline")}
+        for r in doc["rows"]:
+            b = base.get((r["case"], r["step"]))
+            if b is None or r.get("baseline"):
+                continue
+            a = acc.setdefault((trace_key(r["case"]), r["engine"], b["engine"]),
+                               {"floor": 0.0, "us": 0.0, "base_us": 0.0, "ratios": []})
+            a["floor"] += step_floor_us(r, meta)
+            a["us"] += r["cuda_us"]
+            a["base_us"] += b["cuda_us"]
+            a["ratios"].append(b["cuda_us"] / r["cuda_us"])
+    out = []
+    for (key, engine, base), a in acc.items():
+        rs = sorted(a["ratios"])
+        out.append({"trace": key, "engine": engine, "baseline": base, "steps": len(rs),
+                    "floor_fraction": a["floor"] / a["us"], "baseline_floor_fraction": a["floor"] / a["base_us"],
+                    "ratio": a["base_us"] / a["us"], "p5": float(np.percentile(rs, 5)), "min": rs[0]})
+    return out
+
+
+def engine_protocol_table(rows: list[dict]) -> str:
+    cells = [(r["trace"], r["engine"], r["baseline"], r["steps"], f"{r['floor_fraction']:.3f}",
+              f"{r['baseline_floor_fraction']:.3f}", f"{r['ratio']:.3f}", f"{r['p5']:.3f}",
+              f"{r['min']:.3f}") for r in rows]
+    return md_table(("Trace", "Engine", "Baseline", "Steps", "Floor fraction", "Baseline's",
+                     "CUDA ratio (summed)", "Per-step ratio p5", "min"), cells,
+                    align="lllrrrrrr") if cells else ""
+
+
+def engine_step_points(files, engine: str) -> list[tuple[int, float, float]]:
+    """(active rows, total tokens, per-step CUDA ratio vs the baseline) of ``engine``'s steps in
+    the engine-protocol per-step files."""
+    pts = []
+    for path, doc in _of_kind(files, "serving-steps"):
+        if int(doc["meta"].get("layers") or 1) < 2:
+            continue
+        base = {(r["case"], r["step"]): r for r in doc["rows"] if r.get("baseline")}
+        for r in doc["rows"]:
+            b = base.get((r["case"], r["step"]))
+            if b is not None and r["engine"] == engine:
+                pts.append((r["active"], r["active"] * r["mean_context"], b["cuda_us"] / r["cuda_us"]))
+    return pts
+
+
 def route_map_cells(files, engine: str = "pkvrt-adaptive") -> list[dict]:
     """Per (active rows, context bin) of ``engine``'s steps: the route it took most often, that
     route's share, and the wall / CUDA throughput ratio against the baseline over those steps."""
@@ -669,6 +736,30 @@ def plot_route_map(cells: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_step_ratios(pts: list[tuple[int, float, float]], engine: str, path: Path) -> None:
+    """Per-step CUDA ratio of ``engine`` against (active rows, total tokens): every step class
+    that loses shows red."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    rng = np.random.default_rng(0)   # spread the integer row counts a little so points show
+    x = [a + rng.uniform(-0.25, 0.25) for a, _, _ in pts]
+    ratios = [r for _, _, r in pts]
+    sc = ax.scatter(x, [t for _, t, _ in pts], c=ratios, cmap="RdYlGn", s=14,
+                    norm=TwoSlopeNorm(vmin=min(min(ratios), 0.9), vcenter=1.0, vmax=max(max(ratios), 1.1)))
+    fig.colorbar(sc, ax=ax, label="per-step CUDA ratio vs the baseline (>1: faster)")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("active rows in the step")
+    ax.set_ylabel("total tokens in the step (KV read per layer)")
+    ax.set_title(f"{engine}: engine protocol, every measured step of every trace")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -699,7 +790,10 @@ def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
     ]
     by_ctx = ratio_by_context(files)
     cells = route_map_cells(files)
-    sections += [("Throughput ratio by longest context (per-step records)", context_table(by_ctx)),
+    engine_rows = engine_protocol_rows(files)
+    sections += [("Engine protocol: fraction of the read floor (KV bytes at 4.2 TB/s) and per-step "
+                  "ratios", engine_protocol_table(engine_rows)),
+                 ("Throughput ratio by longest context (per-step records)", context_table(by_ctx)),
                  ("Route map of the adaptive engine (per-step records)", route_map_table(cells))]
     handled = {"isolated", "serving", "serving-steps", "plan", NCU}
     for path, doc in files:
@@ -722,6 +816,12 @@ def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
         if cells:
             plot_route_map(cells, out_dir / "route_map.png")
             plots.append("route_map.png")
+        for engine in dict.fromkeys(r["engine"] for r in engine_rows):
+            pts = engine_step_points(files, engine)
+            if pts:
+                name = f"steps_{engine}.png"
+                plot_step_ratios(pts, engine, out_dir / name)
+                plots.append(name)
         parts += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
         note = "wrote plots: " + ", ".join(plots)
     return "\n".join(parts) + "\n", [note]

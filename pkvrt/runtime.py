@@ -411,9 +411,18 @@ class Runtime:
         lengths are checked on the GPU: a row whose seq_len is outside [1, block-table columns *
         page_size] gets no work (its output row is not computed) and sets a flag that
         :meth:`device_status` reports for the last planned step. Page ids are trusted: unlike
-        host planning (``validate=True``), nothing checks them against the cache. With ``use_cuda_graph=False`` plan() and run() are
-        capturable, so an engine can capture a whole step (all layers) in its own CUDA graph and
-        replay it with new lengths (same batch size) and no host planning at all.
+        host planning (``validate=True``), nothing checks them against the cache. With
+        ``use_cuda_graph=False`` plan() and run() are capturable, so an engine can capture a whole
+        step (all layers) in its own CUDA graph and replay it with new lengths (same batch size)
+        and no host planning at all: the fastest way to run pkvrt (H200 engine protocol,
+        README). The split of every step is the balanced partition (planner.balanced_partition).
+
+    Ordering contract with PDL (sm_90+, eager launches or an engine's captured step): from the
+    second run() after a plan(), the decode kernel reads the plan and copies K/V of each row's
+    tokens before its last one while the previous kernel of the stream may still run (it
+    overlaps the previous layer's merge). Those tokens must be in the cache before the step
+    starts, as in any decode step (only the new token's K/V is written during the step, and that
+    one, Q and all outputs are read and written after the wait). ``PKVRT_PDL=0`` turns PDL off.
 
     Raises
     ------
