@@ -60,8 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--engines", default="flashinfer,adaptive", metavar="LIST",
                    help="comma-separated: flashinfer (baseline, always run), flashinfer-cuda, "
                         "flashinfer-tc, flashinfer-graph (FlashInfer's CUDA-graph mode via the "
-                        "Runtime), adaptive, or a routes.toml route name forced on every step, "
-                        "e.g. pkv_workqueue (default: flashinfer,adaptive)")
+                        "Runtime), adaptive, device-plan (device planning, a graph per layer), "
+                        "device-plan-step (device planning, the whole step in one graph), or a "
+                        "routes.toml route name forced on every step, e.g. pkv_workqueue "
+                        "(default: flashinfer,adaptive)")
     s.add_argument("--routes", metavar="PATH",
                    help=f"routes.toml (default: {reg_mod.default_routes_path()})")
     s.add_argument("--calibration", metavar="PATH",
@@ -261,8 +263,8 @@ def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, step
                   "check, wall pass (synchronized host clock per step incl. planning and metadata),"
                   " device pass (CUDA events behind a host-covering spin kernel); FlashInfer "
                   "planned every step from pinned host CSR, baseline = faster of CUDA-core / "
-                  "tensor-core wrappers on the first steps; layers share one KV cache rotated over"
-                  " L2-defeating copies"))
+                  "tensor-core wrappers by device time over probe steps spread over the measured "
+                  "ones; layers share one KV cache rotated over L2-defeating copies"))
     results.write_results(out, meta, rows)
     results.write_results(steps_path(out), {**meta, "kind": "serving-steps", "results_file": out.name},
                           steps)
