@@ -112,6 +112,7 @@ struct DecodeParams {
   int num_splits;             // split decode: splits per row (gridDim.x)
   float sm_scale_log2;        // softmax scale * log2(e)
   int early_kv;               // workqueue: 1 = copy the first K/V tiles before pdl_enter (below)
+  unsigned long long* trace;  // workqueue: null, or [grid, 3] %globaltimer marks (trace_mark)
 };
 
 // ---- element types -------------------------------------------------------------------------
@@ -176,6 +177,32 @@ __device__ __forceinline__ void pdl_enter() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// ---- timeline marks (benches/layer_timeline.py) -------------------------------------------
+//
+// With a non-null trace buffer [grid, 3] (uint64), thread 0 of a working CTA writes %globaltimer
+// (ns) at its entry (0), when its PDL wait returned (1) and at its end (2). Null costs one
+// predicated branch per mark.
+enum TraceMark { kEnter = 0, kWaited = 1, kDone = 2 };
+__device__ __forceinline__ void trace_mark(unsigned long long* trace, int mark) {
+  if (trace != nullptr && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    trace[3ull * cta + mark] = t;
+  }
+}
+
+// The kDone mark of a CTA whose warps finish independently (no barrier: some may have left):
+// each warp's lane 0 raises it to its own end time (the buffer starts zeroed).
+__device__ __forceinline__ void trace_warp_done(unsigned long long* trace) {
+  if (trace != nullptr && threadIdx.x % 32 == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    atomicMax(trace + 3ull * cta + kDone, t);
+  }
 }
 
 // ---- async copies --------------------------------------------------------------------------
@@ -272,7 +299,10 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
   const int lane = threadIdx.x % LANES;
   const int grp = threadIdx.x / LANES;
   const int h0 = kvh * G;
-  if (p.early_kv) pdl_enter();  // this body copies nothing early: wait before touching Q
+  if (p.early_kv) {  // this body copies nothing early: wait before touching Q
+    pdl_enter();
+    trace_mark(p.trace, kWaited);
+  }
 
   // Q: this lane's 8 elements of each of the G heads, pre-scaled into the log2 domain.
   float q[G][kVec];
@@ -533,6 +563,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
       cp_async_commit();
     }
     pdl_enter();
+    trace_mark(p.trace, kWaited);
   }
   for (int s = filled; s < STAGES - 1; ++s) {
     if (s < my_tiles) issue(s);

@@ -11,6 +11,7 @@
 //        few dependent L2 round trips, the merge is latency-bound); no shared memory.
 // Layout: part_a [slots, H_q, D] f32, part_ml [slots, H_q, 2] f32, out [B, H_q, D] (T).
 // Bytes: reads (D + 2) * 4 bytes per slot and head, writes D * 2 bytes per row and head.
+// Trace (optional): CTA entry, PDL wait returned, and the last of its warps' ends.
 #include "decode_common.cuh"
 
 struct MergeParams {
@@ -21,11 +22,14 @@ struct MergeParams {
   void* out;                 // [B, H_q, D]
   int num_qo_heads;
   int skip_single;
+  unsigned long long* trace;  // null, or [grid, 3] %globaltimer marks (pkv::trace_mark)
 };
 
 template <typename T, int D>
 __device__ __forceinline__ void merge_states(const MergeParams& p) {
+  pkv::trace_mark(p.trace, pkv::kEnter);
   pkv::pdl_enter();
+  pkv::trace_mark(p.trace, pkv::kWaited);
   constexpr int HPC = pkv::kThreads / 32;  // heads per CTA, one warp each
   const int r = blockIdx.y;
   const int out_row = p.row_ids ? p.row_ids[r] : r;
@@ -36,6 +40,7 @@ __device__ __forceinline__ void merge_states(const MergeParams& p) {
   if (h >= p.num_qo_heads) return;
   T* o = static_cast<T*>(p.out) + ((long long)out_row * p.num_qo_heads + h) * D;
   pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e, h, o, threadIdx.x % 32);
+  pkv::trace_warp_done(p.trace);
 }
 
 #define PKV_MERGE_ENTRY(TN, T, D)                                                        \

@@ -21,6 +21,8 @@ __device__ __forceinline__ void workqueue_decode(const pkv::DecodeParams& p) {
   if (!p.early_kv) pkv::pdl_enter();  // else decode_range enters after its first copies
   const int task = blockIdx.x;
   if (task >= *p.num_tasks) return;
+  pkv::trace_mark(p.trace, pkv::kEnter);
+  if (!p.early_kv) pkv::trace_mark(p.trace, pkv::kWaited);
   const int* t = p.tasks + 5 * task;
   const int row = t[0], kvh = t[1], split = t[2], begin = t[3], end = t[4];
   const int first = p.split_offsets[row];
@@ -29,6 +31,7 @@ __device__ __forceinline__ void workqueue_decode(const pkv::DecodeParams& p) {
   pkv::decode_range<T, D, G>(p, row, kvh, begin, end,
                              pkv::Sink{nsplit == 1 ? row : -1, first + split},
                              reinterpret_cast<unsigned char*>(smem));
+  pkv::trace_mark(p.trace, pkv::kDone);
 }
 
 // (128, 1): with the default occupancy target ptxas spilled 4 bytes in the sm_80 d64/g8 variants.

@@ -38,6 +38,7 @@ class DecodeParams(ctypes.Structure):
         ("num_qo_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("page_size_log2", ctypes.c_int), ("bt_stride", ctypes.c_int),
         ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
+        ("trace", ctypes.c_void_p),
     ]
 
 
@@ -46,7 +47,7 @@ class MergeParams(ctypes.Structure):
     _fields_ = [
         ("part_a", ctypes.c_void_p), ("part_ml", ctypes.c_void_p),
         ("split_offsets", ctypes.c_void_p), ("row_ids", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("num_qo_heads", ctypes.c_int), ("skip_single", ctypes.c_int),
+        ("num_qo_heads", ctypes.c_int), ("skip_single", ctypes.c_int), ("trace", ctypes.c_void_p),
     ]
 
 
@@ -175,7 +176,7 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
 
 def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
-                     counters=None, early_kv: bool = False) -> None:
+                     counters=None, early_kv: bool = False, trace=None) -> None:
     """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
@@ -189,6 +190,9 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     that kernel is not the one writing this plan (tasks, num_tasks, split_offsets, seq_lens,
     block tables): the Runtime sets it for the second and later layers of a step. K/V of a row's
     last token, Q and every output are touched after the wait.
+
+    trace (workqueue only): None or a zeroed int64 [>= capacity, 3] timeline buffer
+    (benches/layer_timeline.py).
     """
     tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out)
     if tasks.dim() != 2 or tasks.shape[1] != 5:
@@ -204,15 +208,30 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
         p.counters = _int32("counters", counters, q.device, 2)
     else:
         p.early_kv = int(bool(early_kv))
+        p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
     k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g), decode_smem_bytes(d, g))
     _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
 
 
-def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: bool = False) -> None:
+def _trace(trace, grid_ctas: int, device) -> int:
+    """Pointer of a timeline buffer (int64 [>= grid_ctas, 3], zeroed; see trace_mark in
+    kernels/decode_common.cuh), or 0 for none."""
+    if trace is None:
+        return 0
+    if trace.dtype != torch.int64 or trace.device != device or not trace.is_contiguous() \
+            or trace.dim() != 2 or trace.shape[1] != 3 or trace.shape[0] < grid_ctas:
+        _fail("trace", f"a contiguous int64 [>= {grid_ctas}, 3] tensor on {device}",
+              f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")
+    return trace.data_ptr()
+
+
+def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: bool = False,
+          trace=None) -> None:
     """Segmented exact merge, grid (head blocks, rows); rows = split_offsets.numel() - 1.
 
     part_a [slots, H_q, D] f32; part_ml [slots, H_q, 2] f32; split_offsets [rows+1] int32;
     row_ids [rows] int32 output row per merge row (None: identity; -1: idle); out [B, H_q, D].
+    trace: None or a zeroed int64 [>= grid CTAs, 3] timeline buffer (benches/layer_timeline.py).
     """
     if out.dtype not in _DTYPES or not out.is_cuda or not out.is_contiguous() or out.dim() != 3:
         _fail("out", "a contiguous CUDA float16/bfloat16 [B, H_q, D] tensor",
@@ -234,8 +253,10 @@ def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: boo
         return
     p.num_qo_heads, p.skip_single = hq, int(skip_single)
     heads_per_cta = THREADS // 32  # one warp per head (kernels/merge.cu)
+    grid = ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1)
+    p.trace = _trace(trace, grid[0] * grid[1], out.device)
     k = _driver.get_kernel("merge", _buildspec.symbol("merge", _DTYPES[out.dtype], d))
-    _driver.launch(k, ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1), THREADS, p)
+    _driver.launch(k, grid, THREADS, p)
 
 
 class PlanParams(ctypes.Structure):

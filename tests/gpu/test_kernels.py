@@ -228,3 +228,46 @@ def test_no_local_memory_in_loaded_kernels():
     run_split(b, 2)
     k = _driver.get_kernel("split_decode", "pkv_split_decode_f16_d128_g4", ops.decode_smem_bytes(128, 4))
     assert _driver.function_attributes(k)["local_bytes"] == 0
+
+
+def test_timeline_marks_are_ordered_and_change_no_bit():
+    """trace buffers (benches/layer_timeline.py): every working CTA writes entry <= wait <= done,
+    idle grid slots write nothing, and the outputs are the untraced ones bit for bit; two
+    layers, the second with early K/V copies."""
+    from pkvrt import planner
+    from pkvrt.calibration import find_calibration
+    from pkvrt.registry import load_routes
+
+    b = make_batch([5000, 33, 20000], seed=23)
+    lens = b.seq_lens.tolist()
+    plan = planner.plan_workqueue(lens, num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2,
+                                  splits=load_routes().route("pkv_workqueue").splits,
+                                  cal=find_calibration(torch.cuda.get_device_name()))
+    i32 = dict(dtype=torch.int32, device="cuda")
+    n = len(plan.tasks)
+    tasks = torch.zeros(n + 5, 5, **i32)           # 5 idle grid slots
+    tasks[:n] = torch.as_tensor(plan.tasks, **i32)
+    num, offsets = torch.tensor([n], **i32), torch.as_tensor(plan.split_offsets, **i32)
+    slots = int(plan.split_offsets[-1])
+    pa, pm = torch.empty(slots, 32, 128, device="cuda"), torch.empty(slots, 32, 2, device="cuda")
+    outs = {}
+    for traced in (False, True):
+        dec = torch.zeros(2, n + 5, 3, dtype=torch.int64, device="cuda")
+        mer = torch.zeros(2, 8 * len(lens), 3, dtype=torch.int64, device="cuda")
+        out = poisoned_like(b.q)
+        for layer in range(2):
+            ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, tasks, num,
+                                 offsets, out, pa, pm, early_kv=layer > 0,
+                                 trace=dec[layer] if traced else None)
+            ops.merge(pa, pm, offsets, out, skip_single=True, trace=mer[layer] if traced else None)
+        torch.cuda.synchronize()
+        outs[traced] = out.clone()
+    assert torch.equal(outs[True], outs[False])
+    assert rel_err(outs[True], ref_out(b)) < TOL[torch.float16]
+    d = dec.cpu()
+    assert (d[:, :n] > 0).all() and (d[:, n:] == 0).all()
+    assert (d[:, :n, 0] <= d[:, :n, 1]).all() and (d[:, :n, 1] <= d[:, :n, 2]).all()
+    m = mer.cpu()
+    done = m[:, :, 2] > 0                          # rows with one split are not merged
+    assert done.any() and (m[:, :, 0][done] <= m[:, :, 1][done]).all()
+    assert (m[:, :, 1][done] <= m[:, :, 2][done]).all()

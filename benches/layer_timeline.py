@@ -1,0 +1,141 @@
+"""Where a layer's time goes: %globaltimer marks of every decode and merge CTA of an eager step.
+
+Issue 12, item 2 ("the fixed cost of a layer"). Per case (the steps of the engine protocol that
+lose the most: one short row, one long row, a ragged B8 step), the host partition (this GPU's
+calibration) is launched for ``--layers`` layers back to back, eagerly, the way the Runtime runs
+an engine-captured step: workqueue decode (``early_kv`` from the second layer on) then merge,
+on one stream with programmatic dependent launch, all queued behind a spin kernel so that no
+host gap enters. Each working CTA writes three marks (kernels/decode_common.cuh, trace_mark):
+entering, its PDL wait returned, done. Per layer it reports, in µs from the layer's first decode
+CTA: the last decode CTA past its wait, the first and last decode CTA done, the merge's first
+CTA in, its last wait, its last CTA done, and the period to the next layer's first CTA; the
+median over layers 1.. (layer 0 waits on the spin) goes to the table and the JSON.
+
+usage: python benches/layer_timeline.py [--layers 8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from paged import make_batch, rel_err  # noqa: E402
+
+from pkvrt import ops, planner, reference, results  # noqa: E402
+from pkvrt.calibration import find_calibration  # noqa: E402
+from pkvrt.registry import load_routes  # noqa: E402
+
+CASES = {  # name -> seq_lens (H_q 32, H_kv 8, D 128, fp16, page 16)
+    "B1-1.6K": [1600],
+    "B1-8K": [8192],
+    "B1-32K": [32768],
+    "B8-bimodal": [32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584],
+}
+COLUMNS = ("decode_waited_last", "decode_done_first", "decode_done_last", "merge_in_first",
+           "merge_waited_last", "merge_done_last", "period")
+
+
+def layer_marks(dec: np.ndarray, mer: np.ndarray) -> dict[str, float]:
+    """Marks (ns) of one layer's decode [n, 3] and merge [m, 3] CTAs -> µs from the first
+    decode CTA in (only CTAs that wrote a mark count)."""
+    d = dec[dec[:, 0] > 0]
+    t0 = d[:, 0].min()
+    m_in = mer[mer[:, 0] > 0]
+    m_done = mer[mer[:, 2] > 0]
+    us = lambda t: float(t - t0) / 1e3  # noqa: E731
+    return {"t0": int(t0), "decode_waited_last": us(d[:, 1].max()), "decode_done_first": us(d[:, 2].min()),
+            "decode_done_last": us(d[:, 2].max()),
+            "merge_in_first": us(m_in[:, 0].min()) if len(m_in) else float("nan"),
+            "merge_waited_last": us(m_in[:, 1].max()) if len(m_in) else float("nan"),
+            "merge_done_last": us(m_done[:, 2].max()) if len(m_done) else float("nan")}
+
+
+def run_case(name: str, lens, layers: int, cal, splits) -> dict:
+    b = make_batch(lens, device="cuda", seed=20261201)
+    plan = planner.plan_workqueue(np.array(lens), num_kv_heads=8, num_qo_heads=32, head_dim=128,
+                                  dtype_bytes=2, splits=splits, cal=cal)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    tasks = torch.as_tensor(plan.tasks, **i32)
+    num = torch.tensor([len(plan.tasks)], **i32)
+    offsets = torch.as_tensor(plan.split_offsets, **i32)
+    slots = int(plan.split_offsets[-1])
+    part_a = torch.empty(slots, 32, 128, device="cuda")
+    part_ml = torch.empty(slots, 32, 2, device="cuda")
+    out = torch.full_like(b.q, float("nan"))
+    merge_ctas = 8 * len(lens)
+    kv = int(sum(lens)) * 8 * 128 * 2 * 2
+    # Each layer reads its own cache copy, and the timed layers others than the warm-up's, with
+    # at least 3 x L2 between reuses: no layer is timed on L2-resident K/V.
+    copies = max(2 * layers, -(-3 * 60 * 2**20 // kv))
+    ks = [b.k_cache] + [b.k_cache.clone() for _ in range(copies - 1)]
+    vs = [b.v_cache] + [b.v_cache.clone() for _ in range(copies - 1)]
+    dec = torch.zeros(layers, len(plan.tasks), 3, dtype=torch.int64, device="cuda")
+    mer = torch.zeros(layers, merge_ctas, 3, dtype=torch.int64, device="cuda")
+
+    def step(traced: bool):
+        for layer in range(layers):
+            c = (layer + (layers if traced else 0)) % copies
+            ops.workqueue_decode(b.q, ks[c], vs[c], b.seq_lens, b.block_tables, tasks, num,
+                                 offsets, out, part_a, part_ml, early_kv=layer > 0,
+                                 trace=dec[layer] if traced else None)
+            ops.merge(part_a, part_ml, offsets, out, skip_single=True,
+                      trace=mer[layer] if traced else None)
+
+    step(False)                       # warm-up: kernel loads, attributes
+    torch.cuda.synchronize()
+    err = rel_err(out, reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables))
+    if not err < 5e-3:
+        raise RuntimeError(f"{name}: wrong output, rel_err {err:.3g}")
+    torch.cuda._sleep(50_000_000)     # ~25 ms: the host queues every layer before the GPU starts
+    step(True)
+    torch.cuda.synchronize()
+    err = rel_err(out, reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables))
+    if not err < 5e-3:
+        raise RuntimeError(f"{name}: wrong output after the traced step, rel_err {err:.3g}")
+    d, m = dec.cpu().numpy(), mer.cpu().numpy()
+    per = [layer_marks(d[i], m[i]) for i in range(layers)]
+    for i in range(layers - 1):
+        per[i]["period"] = (per[i + 1]["t0"] - per[i]["t0"]) / 1e3
+    med = {c: statistics.median(p[c] for p in per[1:-1] if c in p) for c in COLUMNS}
+    common = dict(case=name, engine="pkvrt-workqueue", splits=int(plan.num_splits.max()),
+                  ctas=len(plan.tasks), floor_us=round(kv / 4.2e6, 2))
+    rows = [dict(common, layer="median", **{k: round(v, 2) for k, v in med.items()})]
+    rows += [dict(common, layer=i, **{k: round(v, 2) for k, v in p.items() if k != "t0"})
+             for i, p in enumerate(per)]
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out", default="benches/results/h200/layer-timeline.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("layer_timeline: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cal = find_calibration(torch.cuda.get_device_name())
+    splits = load_routes().route("pkv_workqueue").splits
+    rows = [r for n in args.cases.split(",") for r in run_case(n, CASES[n], args.layers, cal, splits)]
+    print(f"{'case':11s} {'S':>3s} {'CTAs':>5s} {'floor':>6s} " + " ".join(f"{c:>8s}" for c in
+          ("dec.wait", "dec.1st", "dec.last", "mrg.in", "mrg.wait", "mrg.done", "period")))
+    for r in (r for r in rows if r["layer"] == "median"):
+        print(f"{r['case']:11s} {r['splits']:3d} {r['ctas']:5d} {r['floor_us']:6.1f} "
+              + " ".join(f"{r[c]:8.2f}" for c in COLUMNS))
+    meta = results.make_meta(seeds=[20261201], routes_path=None, calibration_path=cal.source,
+                             kind="layer-timeline", protocol="eager layers behind a spin, PDL, "
+                             "%globaltimer marks per CTA, median over the middle layers, µs from "
+                             "the layer's first decode CTA")
+    results.write_results(args.out, meta, rows)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
