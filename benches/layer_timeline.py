@@ -60,13 +60,7 @@ def run_case(name: str, lens, layers: int, cal, splits) -> dict:
     b = make_batch(lens, device="cuda", seed=20261201)
     plan = planner.plan_workqueue(np.array(lens), num_kv_heads=8, num_qo_heads=32, head_dim=128,
                                   dtype_bytes=2, splits=splits, cal=cal)
-    i32 = dict(dtype=torch.int32, device="cuda")
-    tasks = torch.as_tensor(plan.tasks, **i32)
-    num = torch.tensor([len(plan.tasks)], **i32)
-    offsets = torch.as_tensor(plan.split_offsets, **i32)
-    slots = int(plan.split_offsets[-1])
-    part_a = torch.empty(slots, 32, 128, device="cuda")
-    part_ml = torch.empty(slots, 32, 2, device="cuda")
+    tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=32, head_dim=128)
     out = torch.full_like(b.q, float("nan"))
     merge_ctas = 8 * len(lens)
     kv = int(sum(lens)) * 8 * 128 * 2 * 2

@@ -44,12 +44,7 @@ def test_fused_merge_ablation(benchmark, case, variant):
                                   dtype_bytes=2, splits=load_routes().route("pkv_workqueue").splits,
                                   cal=cal)
     dev = dict(device="cuda", dtype=torch.int32)
-    tasks = torch.as_tensor(plan.tasks, **dev)
-    num = torch.tensor([len(plan.tasks)], **dev)
-    off = torch.as_tensor(plan.split_offsets, **dev)
-    slots = int(plan.split_offsets[-1])
-    part_a = torch.empty(slots, 32, 128, device="cuda")
-    part_ml = torch.empty(slots, 32, 2, device="cuda")
+    tasks, num, off, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=32, head_dim=128)
     out = torch.empty_like(b.q)
     counters = torch.zeros(len(CASES[case]), 8, **dev)
 

@@ -223,12 +223,7 @@ def time_workqueue(wl, plan, ref, repeats: int) -> float:
     step, bt, seq = _device_tables(wl)
     b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
-    tasks = torch.from_numpy(plan.tasks).cuda()
-    num = torch.tensor([plan.tasks.shape[0]], dtype=torch.int32, device="cuda")
-    offsets = torch.from_numpy(plan.split_offsets).cuda()
-    slots = int(plan.split_offsets[-1])
-    part_a = torch.empty((slots, hq, d), device="cuda")
-    part_ml = torch.empty((slots, hq, 2), device="cuda")
+    tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
 
     def fn():
         for k, v in zip(wl.k, wl.v):

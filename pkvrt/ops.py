@@ -259,6 +259,18 @@ def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: boo
     _driver.launch(k, grid, THREADS, p)
 
 
+def workqueue_tensors(plan, *, num_qo_heads: int, head_dim: int, device="cuda"):
+    """A host WorkqueuePlan as the device tensors :func:`workqueue_decode` and :func:`merge`
+    take: ``(tasks [T, 5], num_tasks [1], split_offsets [B+1])`` int32 and the partial-state
+    buffers ``(part_a [slots, H_q, D], part_ml [slots, H_q, 2])`` float32 (uninitialised)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    slots = int(plan.split_offsets[-1])
+    return (torch.as_tensor(plan.tasks, **i32), torch.tensor([len(plan.tasks)], **i32),
+            torch.as_tensor(plan.split_offsets, **i32),
+            torch.empty(slots, num_qo_heads, head_dim, device=device),
+            torch.empty(slots, num_qo_heads, 2, device=device))
+
+
 class PlanParams(ctypes.Structure):
     """Mirror of PlanParams in kernels/plan_workqueue.cu."""
     _fields_ = [
