@@ -696,15 +696,9 @@ class StepGraphEngine(RuntimeEngine):
                 if wl.mlp:
                     wl.mlp_tail(o)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()   # warm-up outside the capture (kernel loads, torch's lazy init)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            body()
-        return g
+        from pkvrt import graphs   # the Runtime's warm-up-then-capture, with its empty-graph check
+
+        return graphs.capture(body, side_stream=torch.cuda.Stream(), pool=None, device=wl.device).graph
 
     def stats(self) -> dict:
         return {"step_graphs": len(self.graphs)}
