@@ -38,7 +38,7 @@ FAMILIES = {
     "merge": {"source": "kernels/merge.cu", "variants": "dtype,head_dim"},
     "plan_workqueue": {"source": "kernels/plan_workqueue.cu", "variants": ""},
 }
-HEADERS = ("kernels/decode_common.cuh",)
+HEADERS = ("kernels/decode_common.cuh", "kernels/workqueue_task.cuh")
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo")
 

@@ -221,10 +221,12 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
         if name in harness.FI_VARIANTS:
             return harness.FlashInferEngine(wl, tensor_cores=harness.FI_VARIANTS[name],
                                             max_active=config.max_active)
-        if name == harness.STEP_GRAPH:
+        base, _, route = name.partition(":")   # device-plan[-step]:ROUTE
+        if base == harness.STEP_GRAPH:
             return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
-                                           max_active=config.max_active)
-        force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name}.get(name, name)
+                                           max_active=config.max_active, force=route or None)
+        force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name,
+                 harness.DEVICE_PLAN: None}.get(base, name) if not route else route
         return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
                                      calibration=cal, max_active=config.max_active,
                                      tensor_cores=base_label == "flashinfer-tc")

@@ -126,6 +126,9 @@ def engine_label(name: str) -> str:
         return name
     if name in (DEVICE_PLAN, STEP_GRAPH):
         return "pkvrt-" + name
+    base, _, route = name.partition(":")
+    if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
+        return f"pkvrt-{base}-" + (route[4:] if route.startswith("pkv_") else route).replace("_", "-")
     if name == ADAPTIVE:
         return "pkvrt-adaptive"
     return "pkvrt-" + (name[4:] if name.startswith("pkv_") else name).replace("_", "-")
@@ -137,16 +140,24 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
-    as one CUDA graph, as an engine that captures its decode step runs it), or a PersistentKV
-    route name of routes.toml (that route forced on every step). Duplicates are dropped."""
+    as one CUDA graph, as an engine that captures its decode step runs it), either of those two
+    with ``:ROUTE`` (device planning with that workqueue or fused route of routes.toml instead of
+    the default one, e.g. ``device-plan-step:pkv_fused``), or a PersistentKV route name of
+    routes.toml (that route forced on every step). Duplicates are dropped."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
     known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, DEVICE_PLAN,
                                   STEP_GRAPH, *route_names)))
     for n in names:
-        if n not in known:
-            raise ValueError(f"--engines: unknown engine {n!r}; expected one of {', '.join(known)}")
+        base, colon, route = n.partition(":")
+        if colon and base in (DEVICE_PLAN, STEP_GRAPH):
+            if route not in route_names:
+                raise ValueError(f"--engines: {n!r}: unknown route {route!r}; expected one of "
+                                 f"{', '.join(route_names)}")
+        elif n not in known:
+            raise ValueError(f"--engines: unknown engine {n!r}; expected one of {', '.join(known)} "
+                             f"(device-plan and device-plan-step also take :ROUTE)")
     out = [BASELINE] + [n for n in names if n != BASELINE]
     return tuple(dict.fromkeys(out))
 
@@ -569,7 +580,7 @@ class RuntimeEngine:
 
     def __init__(self, wl: Workload, *, name: str, force: str | None, routes, calibration,
                  max_active: int, tensor_cores: bool):
-        self.device_planning = name == DEVICE_PLAN
+        self.device_planning = name.partition(":")[0] == DEVICE_PLAN
         self._on_device: dict[int, tuple] = {}
         try:
             from pkvrt.runtime import Runtime
@@ -601,7 +612,7 @@ class RuntimeEngine:
 
     def plan(self, step: Step) -> None:
         if self.device_planning:
-            self.decision = self.rt.plan(*self._device_inputs(step))
+            self.decision = self.rt.plan(*self._device_inputs(step), force=self.force)
             self._last_seq = step.seq_lens
             return
         bt = self.layout.block_table(step.rids)
@@ -655,11 +666,12 @@ class StepGraphEngine(RuntimeEngine):
     first time its (batch, phase) is seen (the untimed pass). The phase is the first cache copy
     the step reads, ``pos * layers % copies``: the graph bakes in which copy each layer reads."""
 
-    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int):
+    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
+                 force: str | None = None):
         from pkvrt.runtime import Runtime
 
         sh = wl.shape
-        self.device_planning, self.force, self.label = True, None, engine_label(name)
+        self.device_planning, self.force, self.label = True, force, engine_label(name)
         self._on_device: dict[int, tuple] = {}
         self.layout, self.dropped = wl.layout, ()
         self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
@@ -689,7 +701,7 @@ class StepGraphEngine(RuntimeEngine):
         q, o = wl.q[:b], out[:b]
 
         def body():
-            self.rt.plan(self.seq[:b], self.bt[:b])
+            self.rt.plan(self.seq[:b], self.bt[:b], force=self.force)
             for layer in range(wl.layers):
                 c = (phase + layer) % wl.copies
                 self.rt.run(q, wl.k[c], wl.v[c], out=o)

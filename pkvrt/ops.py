@@ -185,13 +185,13 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     :func:`merge` with skip_single=True must follow; with counters [B, H_kv] int32 (zeroed
     once, left zero by the kernel) the last CTA of each (row, kvh) merges in-kernel.
 
-    early_kv (sm_90+, PDL, workqueue only): read the plan and start the first K/V copies before
+    early_kv (sm_90+, PDL): read the plan and start the first K/V copies before
     waiting for the previous kernel of the stream, which may still be running. Only valid when
     that kernel is not the one writing this plan (tasks, num_tasks, split_offsets, seq_lens,
     block tables): the Runtime sets it for the second and later layers of a step. K/V of a row's
     last token, Q and every output are touched after the wait.
 
-    trace (workqueue only): None or a zeroed int64 [>= capacity, 3] timeline buffer
+    trace: None or a zeroed int64 [>= capacity, 3] timeline buffer
     (benches/layer_timeline.py).
     """
     tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out)
@@ -206,9 +206,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     if counters is not None:
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
-    else:
-        p.early_kv = int(bool(early_kv))
-        p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
+    p.early_kv = int(bool(early_kv))
+    p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
     k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g), decode_smem_bytes(d, g))
     _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
 

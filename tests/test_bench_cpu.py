@@ -258,6 +258,17 @@ def test_engine_labels_and_parsing():
         "flashinfer", "flashinfer-cuda")
 
 
+def test_device_planned_engines_take_a_route():
+    assert harness.parse_engines("device-plan-step:pkv_fused,device-plan", ROUTES) == (
+        "flashinfer", "device-plan-step:pkv_fused", "device-plan")
+    assert harness.engine_label("device-plan-step:pkv_fused") == "pkvrt-device-plan-step-fused"
+    assert harness.engine_label("device-plan:pkv_workqueue") == "pkvrt-device-plan-workqueue"
+    with pytest.raises(ValueError, match="unknown route 'pkv_nope'"):
+        harness.parse_engines("device-plan-step:pkv_nope", ROUTES)
+    with pytest.raises(ValueError, match="unknown engine 'adaptive:pkv_fused'"):
+        harness.parse_engines("adaptive:pkv_fused", ROUTES)
+
+
 @pytest.mark.parametrize("text, seeds", [("20260623", (20260623,)),
                                          ("20260623-20260625,1", (20260623, 20260624, 20260625, 1)),
                                          ("3,3,2", (3, 2))])

@@ -40,9 +40,12 @@ def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa:
         assert rt_dev.stats()["replays"] > 0
 
 
-def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool):  # noqa: F811
+@pytest.mark.parametrize("force", [None, "pkv_fused"])
+def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool, force):  # noqa: F811
     """plan() + run() for 4 layers inside the engine's own torch.cuda.graph (graphs off in the
-    Runtime, so every launch lands in the engine's graph); lengths change between replays."""
+    Runtime, so every launch lands in the engine's graph, with early K/V copies from layer 2 on);
+    lengths change between replays. pkv_fused: the merge in the decode tail, whose completion
+    counters must come back to zero after every layer for the next one and the next replay."""
     b, caches = pool
     rows = [0, 1, 2, 3]
     rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, use_cuda_graph=False,
@@ -53,7 +56,7 @@ def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool):  # 
     outs = [torch.empty_like(q) for _ in layers]
 
     def step():
-        rt.plan(seq_dev, bt_dev)
+        rt.plan(seq_dev, bt_dev, force=force)
         for cache, out in zip(layers, outs):
             rt.run(q, *cache, out=out)
 

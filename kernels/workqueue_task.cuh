@@ -1,0 +1,63 @@
+// workqueue_task.cuh — one task of the compact workqueue, with or without the merge in its tail.
+//
+// Shared by workqueue_decode.cu (kTailMerge = false: a merge launch follows) and fused_decode.cu
+// (kTailMerge = true: the last CTA of each (row, KV head) merges). One body, so the two kernels
+// differ only in the tail and measure the same decode (benches/NOTES.md, "Merge in the tail").
+//
+// Task = (row, kvh, split, tok_begin, tok_end) from the planner; grid = task capacity, tasks at
+// or beyond *num_tasks exit at once (a captured graph is replayed with fewer tasks). The state
+// of (row, split) goes to slot split_offsets[row] + split; a row with one split writes O.
+//
+// Tail merge (kTailMerge): after its slot stores, every thread fences them (__threadfence) and
+// the CTA bumps the (row, kvh) completion counter once; the CTA that brings it to the row's
+// split count is the last, resets it to 0 (all others have arrived, so a replay needs no
+// memset) and merges the G heads from L2 (__ldcg, merge_head). No CTA ever waits on another:
+// the last one to finish does the work, as in XQA's multi-block mode.
+// PDL: with p.early_kv the plan and the first K/V tiles (never a row's last token) are read
+// before griddepcontrol.wait (decode_common.cuh, decode_range_tc); Q, the last token, every
+// write and the counters come after it.
+#pragma once
+#include "decode_common.cuh"
+
+namespace pkv {
+
+// True on every thread of the CTA that arrives last at the (row, kvh) counter.
+__device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
+  __threadfence();  // this thread's slot stores are visible device-wide before the bump
+  const bool last = __syncthreads_or(threadIdx.x == 0 && atomicAdd(counter, 1) == nsplit - 1);
+  if (last) {
+    if (threadIdx.x == 0) *counter = 0;
+    __threadfence();  // acquire: the other CTAs' slots are read after their bumps
+  }
+  return last;
+}
+
+template <typename T, int D, int G, bool kTailMerge>
+__device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
+  if (!p.early_kv) pdl_enter();  // else decode_range enters after its first copies
+  const int task = blockIdx.x;
+  if (task >= *p.num_tasks) return;
+  trace_mark(p.trace, kEnter);
+  if (!p.early_kv) trace_mark(p.trace, kWaited);
+  const int* t = p.tasks + 5 * task;
+  const int row = t[0], kvh = t[1], split = t[2], begin = t[3], end = t[4];
+  const int first = p.split_offsets[row];
+  const int nsplit = p.split_offsets[row + 1] - first;
+  extern __shared__ uint4 smem[];
+  decode_range<T, D, G>(p, row, kvh, begin, end, Sink{nsplit == 1 ? row : -1, first + split},
+                        reinterpret_cast<unsigned char*>(smem));
+  if constexpr (kTailMerge) {
+    if (nsplit > 1 && arrive_last(p.counters + row * p.num_kv_heads + kvh, nsplit)) {
+      // The G heads of this KV head, one warp each (G = 8: two per warp).
+      for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {
+        const int h = kvh * G + g;
+        T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
+        merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
+                         threadIdx.x % 32);
+      }
+    }
+  }
+  trace_mark(p.trace, kDone);
+}
+
+}  // namespace pkv
