@@ -4,11 +4,15 @@
 # protocol with device planning running pkv_workqueue (decode + merge launch) and pkv_fused
 # (the last CTA of a row and KV head merges) in the same process as FlashInfer.
 # usage: bash benches/h200_tail_merge.sh OUT [TRACE_DIR] [OLD_FUSED_CUBIN]
+#   STAGES="sass ncu engine g1" (default: all); g1 = bimodal B8 at G = 1 with the tensor-core
+#   body (the shipped build) and with the SIMT body (a PKV_TC_MIN_GROUP=4 build).
 # Writes OUT/tail.tgz (sass/, ncu csv, engine-*.json/log), rewritten after every stage.
 set -u
-out=$1; traces=${2:-../shared/traces}; old=${3:-}
+out=$1; traces=${2:-../shared/traces}; old=${3:-}; stages=${STAGES:-sass ncu engine g1}
 r=/tmp/tail-r; mkdir -p $r/sass
 save() { tar czf $out/tail.tgz -C $r .; }
+has() { case " $stages " in *" $1 "*) return 0;; esac; return 1; }
+if has sass; then
 for fam in workqueue_decode fused_decode; do
   cuobjdump -sass -fun pkv_${fam}_f16_d128_g4 pkvrt/_cubins/$fam.sm_90.cubin > $r/sass/$fam.sass
 done
@@ -25,6 +29,8 @@ lines = ["op " + " ".join(rows)] + [f"{o} " + " ".join(str(rows[k][o]) for k in 
 print("\n".join(l for l in lines[:1] + [l for l in lines[1:] if len(set(l.split()[1:])) > 1][:40]))
 PY
 save
+fi
+if has ncu; then
 m=gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,\
 lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,\
 smsp__inst_executed_op_ldgsts.sum,smsp__inst_executed.sum,launch__registers_per_thread,\
@@ -42,6 +48,7 @@ for r in rows[2:]:
         f"{k.split('__')[1][:22]}={d[k]}" for k in hdr if "__" in k and k.endswith((".sum", ".pct", "thread", "active"))))
 PY
 save
+fi
 serve() {  # name B seeds extra-args...
   local name=$1 b=$2 seeds=$3; shift 3
   echo "== $name B$b ($(date +%T))"
@@ -51,9 +58,16 @@ serve() {  # name B seeds extra-args...
   echo "   rc=$?"; grep -E "^ *(pkvrt-|flashinfer)|Error|error" $r/engine-$name-B$b.log | grep -v "^  baseline" | tail -6
   save
 }
+if has engine; then
 serve bucketed 1 20260623-20260624 --trace bucketed
 serve bimodal 4 20260623 --trace bimodal
 serve bimodal 8 20260623-20260624 --trace bimodal
 serve azure-conv 8 20260623 --trace $traces/azure2023_conv.csv --steps-limit 32
 serve gqa-G8 8 20260623 --trace bimodal --num-kv-heads 4
 serve uniform 8 20260623 --trace uniform
+fi
+if has g1; then
+serve gqa-G1-tc 8 20260623 --trace bimodal --num-kv-heads 32
+PKVRT_CUDA_ARCHS=sm_90 PKVRT_TUNE=PKV_TC_MIN_GROUP=4 python3 -m pkvrt._build /tmp/cubins-simt > /dev/null
+PKVRT_CUBIN_DIR=/tmp/cubins-simt serve gqa-G1-simt 8 20260623 --trace bimodal --num-kv-heads 32
+fi

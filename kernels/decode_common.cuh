@@ -50,6 +50,9 @@
 #ifndef PKV_SMEM_BYTES
 #define PKV_SMEM_BYTES 65536
 #endif
+#ifndef PKV_TC_MIN_GROUP
+#define PKV_TC_MIN_GROUP 1
+#endif
 
 namespace pkv {
 
@@ -58,12 +61,16 @@ constexpr int kThreads = PKV_THREADS;
 constexpr int kVec = 8;  // elements per 16-byte access
 
 // Two implementations of the per-CTA decode body share one entry point (decode_range):
-//  * SIMT (G = 1, 2): CUDA-core FP32 math; each 16-byte chunk is copied and consumed by one
-//    thread. Measured at the read roofline for G = 1 on the H200 (benches/NOTES.md, v1).
-//  * Tensor cores (G = 4, 8): mma.sync m16n8k16 (fp16/bf16 in, FP32 accumulate), the G heads
-//    padded to 16 rows. v1's SIMT body was issue-bound at G = 4 (3.2 TB/s at B8 32K).
+//  * Tensor cores (G >= PKV_TC_MIN_GROUP): mma.sync m16n8k16 (fp16/bf16 in, FP32 accumulate),
+//    the G heads padded to 16 rows. Its instruction count per K/V byte does not depend on G
+//    (the padding rows are free), so one body serves every group size.
+//  * SIMT (G < PKV_TC_MIN_GROUP): CUDA-core FP32 math; each 16-byte chunk is copied and
+//    consumed by one thread. Issue-bound at G = 4 (3.2 TB/s at B8 32K, benches/NOTES.md v1);
+//    at the read roofline for G = 1 in isolation, but slower than the tensor-core body in the
+//    engine protocol (NOTES.md, "G = 1 on the tensor-core body"). Kept as the ablation
+//    (PKVRT_TUNE=PKV_TC_MIN_GROUP=4).
 template <int G>
-__host__ __device__ constexpr bool use_tensor_cores() { return G >= 4; }
+__host__ __device__ constexpr bool use_tensor_cores() { return G >= PKV_TC_MIN_GROUP; }
 
 // SIMT pipeline: as many 32-token K+V tiles as fit PKV_SMEM_BYTES, at least 2.
 // D=128: a stage is 32*128*2*2 = 16 KB, 64 KB / 16 KB = 4 stages.
@@ -692,7 +699,8 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 //     gives (m_all, l_all) on every lane: one round trip for up to 32 slots;
 //  2. lane i turns slot i's m into its weight 2^(m_i - m_all) / l_all; the accumulators then
 //     take batches of BATCH slots whose loads are all issued before the first FMA, the weight
-//     of each broadcast from its lane by shuffle: ceil(n / BATCH) round trips.
+//     of each broadcast from its lane by shuffle: ceil(n / BATCH) round trips, the first of
+//     them issued together with step 1's loads.
 // The first version looped over the slots three times with one dependent load per iteration:
 // 9 us for 16 slots, 28 us for 64 on the H200 (benches/NOTES.md, "The merge was latency-bound").
 // Loads bypass L1 (__ldcg): in the fused kernel the slots were written by other CTAs.
@@ -705,6 +713,33 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
   constexpr int BATCH = E >= 8 ? 8 : 16;     // slots in flight per lane (<= 64 registers)
   const int n = slot_end - slot_begin;
   auto ml_at = [&](int s) { return part_ml + ((long long)s * num_qo_heads + h) * 2; };
+  float v[BATCH][E];
+  auto load_batch = [&](int s0, int cnt) {   // the lane's E outputs of slots s0 .. s0+cnt-1
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      if (j < cnt) {
+        const float* src = part_a + ((long long)(s0 + j) * num_qo_heads + h) * D + lane * E;
+        if constexpr (E == 2) {
+          const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
+          v[j][0] = x.x;
+          v[j][1] = x.y;
+        } else {
+#pragma unroll
+          for (int q = 0; q < V; ++q) {
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + q);
+            v[j][4 * q] = x.x;
+            v[j][4 * q + 1] = x.y;
+            v[j][4 * q + 2] = x.z;
+            v[j][4 * q + 3] = x.w;
+          }
+        }
+      }
+    }
+  };
+
+  // The first batch of accumulators is loaded with the (m, l) of step 1: one round trip for
+  // both when the row has at most BATCH slots (16 at D <= 128), the common case.
+  load_batch(slot_begin, min(BATCH, n));
 
   // 1. (m_all, l_all), with lane's own slot of the first 32 kept for its weight.
   float m_mine = -INFINITY, l_acc = 0.f;
@@ -743,27 +778,7 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
     }
     const int cnt = min(32, n - c0);
     for (int j0 = 0; j0 < cnt; j0 += BATCH) {
-      float v[BATCH][E];
-#pragma unroll
-      for (int j = 0; j < BATCH; ++j) {
-        if (j0 + j < cnt) {
-          const float* src = part_a + ((long long)(slot_begin + c0 + j0 + j) * num_qo_heads + h) * D + lane * E;
-          if constexpr (E == 2) {
-            const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
-            v[j][0] = x.x;
-            v[j][1] = x.y;
-          } else {
-#pragma unroll
-            for (int q = 0; q < V; ++q) {
-              const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + q);
-              v[j][4 * q] = x.x;
-              v[j][4 * q + 1] = x.y;
-              v[j][4 * q + 2] = x.z;
-              v[j][4 * q + 3] = x.w;
-            }
-          }
-        }
-      }
+      if (c0 + j0 > 0) load_batch(slot_begin + c0 + j0, min(BATCH, cnt - j0));
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
         const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);

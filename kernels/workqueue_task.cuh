@@ -8,10 +8,10 @@
 // or beyond *num_tasks exit at once (a captured graph is replayed with fewer tasks). The state
 // of (row, split) goes to slot split_offsets[row] + split; a row with one split writes O.
 //
-// Tail merge (kTailMerge): after its slot stores, every thread fences them (__threadfence) and
-// the CTA bumps the (row, kvh) completion counter once; the CTA that brings it to the row's
-// split count is the last, resets it to 0 (all others have arrived, so a replay needs no
-// memset) and merges the G heads from L2 (__ldcg, merge_head). No CTA ever waits on another:
+// Tail merge (kTailMerge): after its slot stores the CTA bumps the (row, kvh) completion counter
+// once (arrive_last); the CTA that brings it to the row's split count is the last, resets it
+// to 0 (all others have arrived, so a replay needs no memset) and merges the G heads from L2
+// (__ldcg, merge_head). No CTA ever waits on another:
 // the last one to finish does the work, as in XQA's multi-block mode.
 // PDL: with p.early_kv the plan and the first K/V tiles (never a row's last token) are read
 // before griddepcontrol.wait (decode_common.cuh, decode_range_tc); Q, the last token, every
@@ -21,15 +21,22 @@
 
 namespace pkv {
 
-// True on every thread of the CTA that arrives last at the (row, kvh) counter.
+// True on every thread of the CTA that arrives last at the (row, kvh) counter. The pattern of
+// cooperative groups' grid sync: the barrier orders every thread's slot stores before thread 0's
+// device-scope fence (release), then one atomic per CTA; the last CTA fences again (acquire)
+// before the barrier that releases its threads to read the other CTAs' slots.
 __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
-  __threadfence();  // this thread's slot stores are visible device-wide before the bump
-  const bool last = __syncthreads_or(threadIdx.x == 0 && atomicAdd(counter, 1) == nsplit - 1);
-  if (last) {
-    if (threadIdx.x == 0) *counter = 0;
-    __threadfence();  // acquire: the other CTAs' slots are read after their bumps
+  __syncthreads();
+  int last = 0;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1) == nsplit - 1;
+    if (last) {
+      *counter = 0;  // every other CTA of this (row, kvh) has arrived: ready for the next launch
+      __threadfence();
+    }
   }
-  return last;
+  return __syncthreads_or(last);
 }
 
 template <typename T, int D, int G, bool kTailMerge>

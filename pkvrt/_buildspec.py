@@ -27,6 +27,7 @@ TUNING = {
     "PKV_TC_STAGES": 3,         # per-warp K+V stages of the tensor-core body (2 at D=256)
     "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one SIMT decode CTA (G < 4)
     "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
+    "PKV_TC_MIN_GROUP": 1,      # smallest group size on the tensor-core body (4: SIMT for G < 4)
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 

@@ -63,12 +63,12 @@ def _tuning() -> dict:
 def decode_smem_bytes(head_dim: int, group: int) -> int:
     """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, G>() (decode_common.cuh).
 
-    G >= 4 (tensor-core body): 4 warps x tc_stages x (K + V) x 16 tokens x D x 2 bytes
-    (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB). G < 4 (SIMT body): as many 32-token K+V stages
-    as fit PKV_SMEM_BYTES, at least 2 (D=128: 4 * 16 KB = 64 KB).
+    G >= PKV_TC_MIN_GROUP (tensor-core body): 4 warps x tc_stages x (K + V) x 16 tokens x D x
+    2 bytes (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB). Below it (SIMT body): as many 32-token
+    K+V stages as fit PKV_SMEM_BYTES, at least 2 (D=128: 4 * 16 KB = 64 KB).
     """
     t = _tuning()
-    if group >= 4:
+    if group >= t["PKV_TC_MIN_GROUP"]:
         stages = 2 if head_dim >= 256 else t["PKV_TC_STAGES"]
         return stages * (t["PKV_THREADS"] // 32) * 2 * 16 * head_dim * 2
     stage = 2 * t["PKV_TILE_TOKENS"] * head_dim * 2
