@@ -4,11 +4,14 @@
 # protocol with device planning running pkv_workqueue (decode + merge launch) and pkv_fused
 # (the last CTA of a row and KV head merges) in the same process as FlashInfer.
 # usage: bash benches/h200_tail_merge.sh OUT [TRACE_DIR] [OLD_FUSED_CUBIN]
-#   STAGES="sass ncu engine g1" (default: all); g1 = bimodal B8 at G = 1 with the tensor-core
-#   body (the shipped build) and with the SIMT body (a PKV_TC_MIN_GROUP=4 build).
+#   STAGES="sass ncu engine g1 fine" (default: all but fine); g1 = bimodal B8 at G = 1 with the
+#   tensor-core body (the shipped build) and with the SIMT body (a PKV_TC_MIN_GROUP=4 build);
+#   fine = both routes again with every split count 1..64 allowed (routes.toml + two ablation
+#   routes *_fine), device planning of all four in one process.
 # Writes OUT/tail.tgz (sass/, ncu csv, engine-*.json/log), rewritten after every stage.
 set -u
 out=$1; traces=${2:-../shared/traces}; old=${3:-}; stages=${STAGES:-sass ncu engine g1}
+engines=flashinfer,device-plan-step,device-plan-step:pkv_fused
 r=/tmp/tail-r; mkdir -p $r/sass
 save() { tar czf $out/tail.tgz -C $r .; }
 has() { case " $stages " in *" $1 "*) return 0;; esac; return 1; }
@@ -53,7 +56,7 @@ serve() {  # name B seeds extra-args...
   local name=$1 b=$2 seeds=$3; shift 3
   echo "== $name B$b ($(date +%T))"
   timeout 150 python3 -m pkvrt bench serving --max-active $b --steps-limit 16 --check-steps 2 \
-    --engine-layers 32 --engines flashinfer,device-plan-step,device-plan-step:pkv_fused \
+    --engine-layers 32 --engines $engines \
     --seeds $seeds "$@" --out $r/engine-$name-B$b.json > $r/engine-$name-B$b.log 2>&1
   echo "   rc=$?"; grep -E "^ *(pkvrt-|flashinfer)|Error|error" $r/engine-$name-B$b.log | grep -v "^  baseline" | tail -6
   save
@@ -70,4 +73,29 @@ if has g1; then
 serve gqa-G1-tc 8 20260623 --trace bimodal --num-kv-heads 32
 PKVRT_CUDA_ARCHS=sm_90 PKVRT_TUNE=PKV_TC_MIN_GROUP=4 python3 -m pkvrt._build /tmp/cubins-simt > /dev/null
 PKVRT_CUBIN_DIR=/tmp/cubins-simt serve gqa-G1-simt 8 20260623 --trace bimodal --num-kv-heads 32
+fi
+if has fine; then
+python3 - <<'PY'
+base = open("routes.toml").read()
+extra = "".join(f"""
+[routes.{name}_fine]
+kind = "{kind}"
+kernel = "{kind}_decode"
+ablation = true
+
+[routes.{name}_fine.splits]
+min = 1
+max = 64
+multiple_of = 1
+""" for name, kind in (("pkv_workqueue", "workqueue"), ("pkv_fused", "fused")))
+open("/tmp/routes-fine.toml", "w").write(base + extra)
+PY
+engines=$engines,device-plan-step:pkv_workqueue_fine,device-plan-step:pkv_fused_fine
+serve fine-gqa-G1 8 20260623 --trace bimodal --num-kv-heads 32 --routes /tmp/routes-fine.toml
+serve fine-bimodal 8 20260623-20260624 --trace bimodal --routes /tmp/routes-fine.toml
+serve fine-bucketed 1 20260623 --trace bucketed --routes /tmp/routes-fine.toml
+serve fine-bimodal 4 20260623 --trace bimodal --routes /tmp/routes-fine.toml
+serve fine-uniform 8 20260623 --trace uniform --routes /tmp/routes-fine.toml
+serve fine-azure-conv 8 20260623 --trace $traces/azure2023_conv.csv --steps-limit 32 --routes /tmp/routes-fine.toml
+serve fine-gqa-G8 8 20260623 --trace bimodal --num-kv-heads 4 --routes /tmp/routes-fine.toml
 fi
