@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The 32-layer engine protocol (issue 12) in one device call: every trace family at its batch,
 # FlashInfer's fastest decode path (by device time) against device planning run both ways (a
-# graph replay per layer; the whole step captured as one graph). Results are written under
+# graph replay per layer; the whole step captured as one graph; and, as the ablation, the step
+# graph on pkv_workqueue: decode + a merge launch instead of the merge in the decode tail).
+# ENGINES overrides the list. Results are written under
 # /tmp/engine-r and OUT/engine.tgz is rewritten after every trace (one file: the device tool
 # returns at most 8), so a call that runs out of time still returns what finished.
 # usage: bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
@@ -12,7 +14,7 @@ set -u
 out=$1; set_=${2:-quick}; traces=${3:-../shared/traces}
 r=/tmp/engine-r; mkdir -p $r
 export PYTHONUNBUFFERED=1
-engines=flashinfer,device-plan,device-plan-step
+engines=${ENGINES:-flashinfer,device-plan,device-plan-step,device-plan-step:pkv_workqueue}
 serve() {  # name max_active limit_s seeds extra-args...
   local name=$1 b=$2 limit=$3 seeds=$4; shift 4
   echo "== $name B$b seeds $seeds ($(date +%T))"

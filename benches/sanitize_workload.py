@@ -62,7 +62,8 @@ DEV = "cuda"
 SEED = 20260707
 
 # (head_dim, G, dtype, page): every (D, G) pair once. Per G and per D both dtypes and pages 1 and
-# 16 occur (SIMT body: G = 1, 2; tensor-core body: G = 4, 8; D = 256 runs 2 TC stages, not 3).
+# 16 occur (the tensor-core body serves every G as built, PKV_TC_MIN_GROUP = 1; the SIMT body
+# only in a PKV_TC_MIN_GROUP=4 build; D = 256 runs 2 TC stages, not 3).
 SHAPES = [
     (64, 1, F16, 1), (64, 2, BF16, 16), (64, 4, BF16, 1), (64, 8, F16, 16),
     (128, 1, BF16, 16), (128, 2, F16, 1), (128, 4, F16, 64), (128, 8, BF16, 1),

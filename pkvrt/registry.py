@@ -132,6 +132,19 @@ class Registry:
     sha256: str  # hex digest of the file bytes (recorded in every results file)
     routes: tuple[Route, ...]  # file order
     boundary: BoundaryRule
+    device_route: str | None = None  # [device_planning] route: what device planning runs
+
+    def device_planning_route(self) -> Route:
+        """The route ``Runtime(device_planning=True)`` runs when none is forced: ``[device_planning]
+        route`` if the file names one, else the first non-ablation workqueue or fused route (else
+        the first of either kind). Raises KeyError when the file has no such route."""
+        if self.device_route is not None:
+            return self.route(self.device_route)
+        dp = [r for r in self.routes if r.kind in ("workqueue", "fused")]
+        if not dp:
+            raise KeyError(f"{self.path}: device planning needs a route of kind 'workqueue' or "
+                           "'fused'; there is none")
+        return ([r for r in dp if not r.ablation] or dp)[0]
 
     def route(self, name: str) -> Route:
         for r in self.routes:
@@ -193,9 +206,9 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
         raise RoutesError(f"{p}: byte {e.start} is not UTF-8; expected a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
-    routes, boundary = _parse(str(p), doc)
+    routes, boundary, device_route = _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
-                    routes=routes, boundary=boundary)
+                    routes=routes, boundary=boundary, device_route=device_route)
 
 
 def _syntax_error(path: str, text: str, msg: str) -> RoutesError:
@@ -372,8 +385,8 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
                  bucketing=bucketing, coarse_lengths=coarse)
 
 
-def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule]:
-    top = _Table(path, "top level", doc, ("gates", "promotion", "routes"))
+def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None]:
+    top = _Table(path, "top level", doc, ("gates", "promotion", "device_planning", "routes"))
     gates = _gates(top.table("gates", GATE_KEYS), None)
     promo = top.table("promotion", ("margin", "boundary"))
     margin = promo.margin("margin")
@@ -388,4 +401,10 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule]:
     if len(baselines) != 1:
         table.fail("kind", f'{len(baselines) or "no"} routes have kind "flashinfer" '
                    f'{baselines or ""}'.rstrip(), "exactly one baseline route")
-    return routes, boundary
+    device_route = None
+    if (dp := top.table("device_planning", ("route",), required=False)) is not None:
+        names = [r.name for r in routes if r.kind in ("workqueue", "fused")]
+        device_route = dp.get("route", f"the name of a workqueue or fused route ({', '.join(names) or 'none here'})",
+                              lambda v: None if v in names else "is not a workqueue or fused route of this file"
+                              if isinstance(v, str) else "is not a string")
+    return routes, boundary, device_route

@@ -406,8 +406,10 @@ class Runtime:
         from device-resident seq_lens, instead of routing and planning on the host. ``plan()``
         then does no work proportional to the batch and never synchronizes: two device copies
         (lengths, block tables), one fill and one replay of a captured planning graph (an eager
-        launch with graphs off). Every step runs the first routes.toml route of kind workqueue or
-        fused that is not an ablation (``force=`` may name another workqueue or fused route); FlashInfer and the bucket route are not used. The
+        launch with graphs off). Every step runs routes.toml's ``[device_planning] route``
+        (pkv_fused, the merge in the decode tail, as shipped; without that table the first
+        non-ablation workqueue or fused route); ``force=`` may name another workqueue or fused
+        route. FlashInfer and the bucket route are not used. The
         lengths are checked on the GPU: a row whose seq_len is outside [1, block-table columns *
         page_size] gets no work (its output row is not computed) and sets a flag that
         :meth:`device_status` reports for the last planned step. Page ids are trusted: unlike
@@ -459,11 +461,10 @@ class Runtime:
         self.device_planning = bool(device_planning)
         self._dp_routes = {r.name: r for r in self.registry.routes if r.kind in ("workqueue", "fused")}
         if self.device_planning:
-            if not self._dp_routes:
-                raise ValueError(f"{self.registry.path}: device_planning needs a route of kind "
-                                 "'workqueue' or 'fused'; there is none")
-            default = [r for r in self._dp_routes.values() if not r.ablation]
-            self._dp_default = (default or list(self._dp_routes.values()))[0].name
+            try:
+                self._dp_default = self.registry.device_planning_route().name
+            except KeyError as e:
+                raise ValueError(e.args[0]) from None
             flashinfer = False  # device planning runs the PersistentKV workqueue routes only
 
         self.device = _resolve_device(device)

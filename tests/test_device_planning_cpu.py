@@ -15,20 +15,22 @@ from test_runtime_cpu import (STEPS, fake_device, fake_runtime, pool, ref, rel_e
 
 
 @pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("force", [None, "pkv_fused"])
+@pytest.mark.parametrize("force", [None, "pkv_workqueue", "pkv_fused"])
 def test_device_planning_matches_reference_and_host_planning(fake_device, pool, use_graphs, force):  # noqa: F811
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
     dev = fake_runtime(use_cuda_graph=use_graphs, device_planning=True)
     host = fake_runtime(use_cuda_graph=use_graphs)
+    default = dev.registry.device_planning_route().name   # routes.toml [device_planning]
+    assert default == "pkv_fused"
     for i, (rows, short) in enumerate(STEPS):
         seq, bt, q = step_inputs(b, rows, short, seed=i)
         d = dev.plan(torch.as_tensor(seq), torch.as_tensor(bt), force=force)
-        assert d.route == (force or "pkv_workqueue") and d.forced == (force is not None)
+        assert d.route == (force or default) and d.forced == (force is not None)
         out = dev.run(q, *cache, out=torch.full_like(q, float("nan")))
         assert not torch.isnan(out).any()
         assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, i
-        host.plan(seq, bt, force=force or "pkv_workqueue")
+        host.plan(seq, bt, force=force or default)
         # same split rule, same per-split arithmetic: bit-identical to host planning
         assert torch.equal(out, host.run(q, *cache, out=torch.empty_like(q))), i
         assert dev.device_status() == 0
@@ -124,12 +126,13 @@ def test_device_planning_construction(fake_device, tmp_path):  # noqa: F811
                                       / "routes.toml").read_text().splitlines())
     only_bucket = tmp_path / "routes.toml"
     start = text.index("[routes.pkv_workqueue]")
-    only_bucket.write_text(text[:start])
+    dp = text.index("\n[device_planning]") + 1
+    only_bucket.write_text(text[:dp] + text[text.index("\n\n", dp):start])
     from pkvrt.registry import load_routes
     reg = load_routes(only_bucket)
     if any(r.kind in ("workqueue", "fused") for r in reg.routes):
         pytest.skip("routes.toml order changed: workqueue routes are not last")
-    with pytest.raises(ValueError, match="device_planning needs a route of kind 'workqueue'"):
+    with pytest.raises(ValueError, match="device planning needs a route of kind 'workqueue'"):
         fake_runtime(device_planning=True, routes=reg)
 
 
@@ -139,8 +142,8 @@ def test_device_planning_explain_names_the_route(fake_device, pool):  # noqa: F8
     seq, bt, _ = step_inputs(b, [0, 1], 0, seed=1)
     d = rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
     text = d.explain()
-    assert "lengths on the GPU" in text and "pkv_workqueue" in text and "chosen" in text
-    assert "device_planning runs pkv_workqueue" in text
+    assert "lengths on the GPU" in text and "pkv_fused" in text and "chosen" in text
+    assert "device_planning runs pkv_fused" in text
 
 
 def test_device_planning_graph_replay_after_length_change(fake_device, pool):  # noqa: F811

@@ -72,6 +72,24 @@ def test_base_is_valid(tmp_path):
     assert [r.name for r in reg.routes] == ["flashinfer", "pkv_bucket", "pkv_workqueue"]
 
 
+def test_device_planning_route_is_declared_or_the_first_non_ablation_one(tmp_path):
+    assert load_routes(write(tmp_path, BASE)).device_planning_route().name == "pkv_workqueue"
+    fused = BASE + '\n[routes.pkv_fused]\nkind = "fused"\nkernel = "fused_decode"\n' \
+                   '\n[routes.pkv_fused.splits]\nmin = 1\nmax = 64\nmultiple_of = 4\n'
+    named = fused.replace("[routes.flashinfer]", '[device_planning]\nroute = "pkv_fused"\n\n[routes.flashinfer]')
+    reg = load_routes(write(tmp_path, named))
+    assert reg.device_route == "pkv_fused" and reg.device_planning_route().kind == "fused"
+    assert load_routes(SHIPPED).device_planning_route().name == "pkv_fused"
+    for bad, why in (('"pkv_bucket"', "is not a workqueue or fused route of this file"),
+                     ('"nope"', "is not a workqueue or fused route of this file"),
+                     ("3", "is not a string")):
+        with pytest.raises(RoutesError, match=rf"\[device_planning\] route: .*{why}; expected "
+                                              r"the name of a workqueue or fused route \(pkv_workqueue, pkv_fused\)"):
+            load_routes(write(tmp_path, named.replace('route = "pkv_fused"', f"route = {bad}")))
+    with pytest.raises(RoutesError, match=r"\[device_planning\] rout: unknown key; expected one of route"):
+        load_routes(write(tmp_path, named.replace('route = "pkv_fused"', 'rout = "pkv_fused"')))
+
+
 def test_shipped_routes_have_the_seed_values():
     reg = load_routes(SHIPPED)
     assert [r.name for r in reg.routes] == ["flashinfer", "pkv_bucket", "pkv_workqueue", "pkv_fused"]
@@ -114,7 +132,7 @@ ERRORS = [
      ["[routes.pkv_bucket]", f"declared twice at line {BASE.count(chr(10)) + 2}", "duplicate route"]),
     ("duplicate-key", edit("min_active = 1", "min_active = 1\nmin_active = 2"),
      ["[gates] min_active", "line 5"]),
-    ("unknown-top-key", "foo = 1\n" + BASE, ["[top level] foo: unknown key", "gates, promotion, routes"]),
+    ("unknown-top-key", "foo = 1\n" + BASE, ["[top level] foo: unknown key", "gates, promotion, device_planning, routes"]),
     ("unknown-gate-key", edit("min_active = 1", "min_active = 1\nmin_ctx = 3"),
      ["[gates] min_ctx: unknown key", "group_sizes"]),
     ("unknown-route-key", edit('bucketing = "exact"', 'bucketing = "exact"\nsplitz = 4'),

@@ -20,7 +20,7 @@ def dev(x):
 
 
 @pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("force", [None, "pkv_fused"])
+@pytest.mark.parametrize("force", [None, "pkv_workqueue", "pkv_fused"])
 def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa: F811
     b, caches = pool
     kw = dict(max_batch=8, max_pages_per_row=b.block_tables.shape[1], use_cuda_graph=use_graphs)
@@ -29,7 +29,7 @@ def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa:
     for i, (rows, short) in enumerate(STEPS):
         seq, bt, q = step_inputs(b, rows, short, seed=i)
         rt_dev.plan(dev(seq), dev(bt), force=force)
-        rt_host.plan(seq, bt, force=force or "pkv_workqueue")
+        rt_host.plan(seq, bt, force=force or rt_dev.registry.device_planning_route().name)
         for layer, cache in enumerate(caches):
             out = rt_dev.run(q, *cache, out=torch.full_like(q, float("nan")))
             check(out, q, cache, seq, bt, f"device planning step {i} layer {layer}")
@@ -40,12 +40,12 @@ def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa:
         assert rt_dev.stats()["replays"] > 0
 
 
-@pytest.mark.parametrize("force", [None, "pkv_fused"])
+@pytest.mark.parametrize("force", [None, "pkv_workqueue", "pkv_fused"])
 def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool, force):  # noqa: F811
     """plan() + run() for 4 layers inside the engine's own torch.cuda.graph (graphs off in the
     Runtime, so every launch lands in the engine's graph, with early K/V copies from layer 2 on);
-    lengths change between replays. pkv_fused: the merge in the decode tail, whose completion
-    counters must come back to zero after every layer for the next one and the next replay."""
+    lengths change between replays. pkv_fused (the default): the merge in the decode tail,
+    whose completion counters must come back to zero after every layer and replay."""
     b, caches = pool
     rows = [0, 1, 2, 3]
     rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, use_cuda_graph=False,
