@@ -18,7 +18,8 @@ Schema 1 (every key required, no others allowed)::
     c_min             occupancy target of the cost model, decode CTAs per SM
     splits            {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
                        "cta_overhead_tiles", "co_resident_slowdown" (these two optional: 4.0 and
-                       1.5 when absent, in files written before 2026-12-01)}
+                       1.5 when absent, in files written before 2026-12-01), "max_waves"
+                       (optional, int >= 1, default 2)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
     versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
     date              ISO date the file was produced, "2026-11-29"
@@ -50,10 +51,11 @@ _TOP_KEYS = (
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
-               "co_resident_slowdown")
+               "co_resident_slowdown", "max_waves")
 # splits.* of a file written before they existed (2026-12-01): the balanced partition's defaults
 DEFAULT_CTA_OVERHEAD_TILES = 4.0
 DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
+DEFAULT_MAX_WAVES = 2   # resident waves of CTAs the balanced partition may plan (planner.MAX_WAVES)
 _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 
 
@@ -73,6 +75,8 @@ class SplitPoints:
         in 32-token tiles of streaming (``planner.partition_costs``).
     co_resident_slowdown: how much longer an SM takes with two resident CTAs than with one
         (1.0: a second CTA is free, 2.0: it runs after the first).
+    max_waves: the balanced partition plans at most this many resident waves of decode CTAs
+        (``workqueue_ctas_per_sm * sm_count`` each); larger cuts are not considered.
     """
 
     bucket_ctas_per_sm: float
@@ -80,6 +84,7 @@ class SplitPoints:
     min_split_tokens: int
     cta_overhead_tiles: float = DEFAULT_CTA_OVERHEAD_TILES
     co_resident_slowdown: float = DEFAULT_CO_RESIDENT_SLOWDOWN
+    max_waves: int = DEFAULT_MAX_WAVES
 
 
 @attrs.frozen
@@ -185,7 +190,8 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
     _take(doc, _TOP_KEYS, path, "")
 
     sp = _dict(doc, "splits", path)
-    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, **sp}, _SPLIT_KEYS, path, "splits.")
+    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, **sp},
+          _SPLIT_KEYS, path, "splits.")
     splits = SplitPoints(
         bucket_ctas_per_sm=_float(sp, "bucket_ctas_per_sm", path, "splits."),
         workqueue_ctas_per_sm=_float(sp, "workqueue_ctas_per_sm", path, "splits."),
@@ -194,6 +200,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
                             if "cta_overhead_tiles" in sp else DEFAULT_CTA_OVERHEAD_TILES),
         co_resident_slowdown=(_float(sp, "co_resident_slowdown", path, "splits.")
                               if "co_resident_slowdown" in sp else DEFAULT_CO_RESIDENT_SLOWDOWN),
+        max_waves=_int(sp, "max_waves", path, "splits.") if "max_waves" in sp else DEFAULT_MAX_WAVES,
     )
 
     fi = _dict(doc, "flashinfer", path)

@@ -196,7 +196,7 @@ def bucket_split_counts(rows, longest, *, num_kv_heads: int, splits, cal: Calibr
     return fit_to_capacity(splits, clamp_splits(splits, want), cap)
 
 
-MAX_WAVES = 2   # the balanced partition plans at most 2 resident waves of CTAs (see balanced_partition)
+MAX_WAVES = 2   # default of calibration splits.max_waves: resident waves of CTAs the partition may plan
 
 
 @attrs.frozen
@@ -207,19 +207,22 @@ class PartitionModel:
     occupancy; ``cal.splits.workqueue_ctas_per_sm`` rounded). slowdown8 : how much longer an SM
     takes with two resident CTAs than with one, in eighths (1.4 -> 11). overhead8 : a CTA's
     fixed cost (prologue, partial-state write, its share of the merge), in eighths of a tile.
+    max_waves : the partition plans at most ``max_waves * wave`` CTAs (calibration
+    ``splits.max_waves``, default MAX_WAVES).
     """
 
     sms: int
     resident: int
     slowdown8: int
     overhead8: int
+    max_waves: int = MAX_WAVES
 
     @classmethod
     def of(cls, cal: Calibration) -> "PartitionModel":
         sp = cal.splits
         return cls(sms=cal.sm_count, resident=max(1, int(round(sp.workqueue_ctas_per_sm))),
                    slowdown8=int(round(8 * sp.co_resident_slowdown)),
-                   overhead8=int(round(8 * sp.cta_overhead_tiles)))
+                   overhead8=int(round(8 * sp.cta_overhead_tiles)), max_waves=sp.max_waves)
 
     @property
     def wave(self) -> int:
@@ -302,7 +305,7 @@ def balanced_partition(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calib
     count of ``splits`` whose chunk is at least ``min_split_tokens``) of least model cost
     (:func:`partition_costs`), ties to fewer CTAs, then smaller s; candidates planning more than
     ``MAX_WAVES`` waves of CTAs are skipped unless the smallest candidate is (a batch whose rows
-    alone exceed that). ``longest_splits`` forces ``s`` (sweeps and ablations).
+    alone exceed that; ``MAX_WAVES`` is calibration ``splits.max_waves``). ``longest_splits`` forces ``s`` (sweeps and ablations).
 
     The planning kernel (kernels/plan_workqueue.cu) computes the same choice with the same
     integer arithmetic; tests/gpu/test_device_plan.py checks they agree.
@@ -325,7 +328,7 @@ def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: Partitio
     if longest_splits is not None:
         cands = np.array([longest_splits], dtype=np.int64)
     cost, ctas, chunk = partition_costs(t, cands, num_kv_heads=num_kv_heads, model=model)
-    ok = (ctas <= MAX_WAVES * model.wave) | (np.arange(cands.size) == 0)
+    ok = (ctas <= model.max_waves * model.wave) | (np.arange(cands.size) == 0)
     i = min(np.flatnonzero(ok).tolist(), key=lambda k: (cost[k], ctas[k], cands[k]))
     c = int(chunk[i])
     return tuple((-(-t // c)).tolist()), c, int(cands[i]), int(ctas[i]), int(cost[i])
@@ -333,10 +336,10 @@ def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: Partitio
 
 def device_plan_targets(cal: Calibration) -> dict[str, int]:
     """The partition constants of ``ops.plan_workqueue_device`` as keywords
-    (:class:`PartitionModel` and the CTA cap of MAX_WAVES resident waves)."""
+    (:class:`PartitionModel` and the CTA cap of ``max_waves`` resident waves)."""
     m = PartitionModel.of(cal)
     return {"sms": m.sms, "resident": m.resident, "slowdown8": m.slowdown8, "overhead8": m.overhead8,
-            "max_ctas": MAX_WAVES * m.wave}
+            "max_ctas": m.max_waves * m.wave}
 
 
 def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,
@@ -347,12 +350,13 @@ def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: C
 
 
 def device_grid_ctas(gbatch: int, *, num_kv_heads: int, splits, cal: Calibration) -> int:
-    """Most decode CTAs the balanced partition plans for at most ``gbatch`` rows: MAX_WAVES resident waves,
+    """Most decode CTAs the balanced partition plans for at most ``gbatch`` rows: max_waves resident waves,
     or every row at the smallest allowed count when that is more (then it is the only candidate
     left), never more than every row at the largest. The device-planned grid is sized by it."""
     c = _candidates(splits)
     per_row = num_kv_heads * gbatch
-    return int(min(per_row * c[-1], max(MAX_WAVES * PartitionModel.of(cal).wave, per_row * c[0])))
+    m = PartitionModel.of(cal)
+    return int(min(per_row * c[-1], max(m.max_waves * m.wave, per_row * c[0])))
 
 
 def split_tile_range(split, num_splits, tiles):

@@ -389,3 +389,22 @@ def test_device_grid_bounds_the_partition():
     assert planner.device_grid_ctas(8, num_kv_heads=8, splits=WQ_BOUNDS, cal=cal) == 2 * 264
     assert planner.device_grid_ctas(1, num_kv_heads=8, splits=WQ_BOUNDS, cal=cal) == 8 * 64
     assert planner.device_grid_ctas(128, num_kv_heads=8, splits=WQ_BOUNDS, cal=cal) == 128 * 8
+
+
+def test_max_waves_caps_the_partition_from_the_calibration():
+    """calibration splits.max_waves bounds the CTAs of a cut (here H_kv 32, three 33K rows among
+    short ones: one split per row at 2 waves (256 CTAs), 4 splits of the long rows at 3 waves)."""
+    from pkvrt.planner import PartitionModel, balanced_partition
+    from pkvrt.registry import load_routes
+
+    h200 = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
+    seq = np.array([33323, 33000, 32500, 2000, 3000, 2500, 1500, 2227])
+    sp = load_routes().route("pkv_fused").splits
+    got = {}
+    for w in (2, 3):
+        c = attrs.evolve(h200, splits=attrs.evolve(h200.splits, max_waves=w))
+        p = balanced_partition(seq, num_kv_heads=32, splits=sp, cal=c)
+        assert p.ctas <= w * PartitionModel.of(c).wave
+        assert planner.device_plan_targets(c)["max_ctas"] == w * PartitionModel.of(c).wave
+        got[w] = p.longest_splits
+    assert got == {2: 1, 3: 4}
