@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     seq_lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")   # the engine's tensor
 
     rt = pkvrt.Runtime(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16, max_batch=8,
-                       max_pages_per_row=width, device_planning=True, use_cuda_graph=False)
+                       max_pages_per_row=width, device_planning=True, use_cuda_graph=False,
+                       num_pages=k_all[0].shape[0])   # page ids are checked on the GPU
 
     def step():
         rt.plan(seq_lens, block_tables)

@@ -24,10 +24,12 @@
 //         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
 //         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
 // Status (*status, written every launch): bit 0 = the plan needs more than task_capacity tasks
-//         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [1, *max_seq_len]
-//         (that row gets 0 splits: no task reads its block table or writes its output). So a bad
-//         length cannot send a kernel past its block-table row without a host look at the
-//         lengths; the page ids in the table are trusted.
+//         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [1, *max_seq_len];
+//         bit 2 = some active row's block table holds a page id outside [0, *num_pages) in one
+//         of the ceil(seq_len / page_size) entries the decode would read (checked when
+//         block_tables is given and *num_pages > 0). Such a row gets 0 splits: no task reads its block table or
+//         writes its output. So neither a bad length nor a bad page id can send a decode kernel
+//         outside its block-table row or the cache without a host look at them.
 // Preconditions: max_rows <= 1024, num_candidates <= 64.
 #include <stdint.h>
 
@@ -56,6 +58,10 @@ struct PlanParams {
   int slowdown8;     // an SM's time with two resident CTAs over one, eighths
   int overhead8;     // f8: a CTA's fixed cost, eighths of a tile
   int max_ctas;      // candidates planning more CTAs are skipped (planner.MAX_WAVES * R)
+  const int* block_tables;  // [rows, bt_stride] or null: page ids not checked
+  const int* num_pages;     // [1]: pages in the cache, valid ids are [0, *num_pages); 0 = unchecked
+  int bt_stride;
+  int page_size_log2;
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -82,12 +88,37 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   // 1. Tiles of every active row (0: idle or bad), their max L and sum W.
   const int rows = min(*p.num_rows, p.max_rows);
   const int max_len = *p.max_seq_len;
-  int t = 0;
+  int len = 0;
   if (tid < rows) {
-    const int len = p.seq_lens[tid];
-    if (len < 1 || len > max_len) atomicOr(&bad_rows, 1);
-    else t = ceil_div(len, p.tile_tokens);
+    len = p.seq_lens[tid];
+    if (len < 1 || len > max_len) {
+      atomicOr(&bad_rows, 1);
+      len = 0;
+    }
   }
+  tiles_of[tid] = len;  // the valid length for now; tiles below
+  const int num_pages = p.block_tables != nullptr ? *p.num_pages : 0;
+  if (num_pages > 0) {
+    // Page ids: warp w checks rows w, w + 32, ...; its lanes stride over the row's pages.
+    __syncthreads();
+    for (int r = warp; r < rows; r += PKV_PLAN_THREADS / 32) {
+      const int n = (tiles_of[r] + (1 << p.page_size_log2) - 1) >> p.page_size_log2;
+      const int* bt = p.block_tables + (long long)r * p.bt_stride;
+      bool bad = false;
+      for (int j = lane; j < n; j += 32) {
+        const int page = bt[j];
+        bad |= page < 0 || page >= num_pages;
+      }
+      if (__any_sync(0xffffffffu, bad) && lane == 0) {
+        tiles_of[r] = 0;
+        atomicOr(&bad_rows, 2);
+      }
+    }
+    __syncthreads();
+    len = tiles_of[tid];
+  }
+  int t = len > 0 ? ceil_div(len, p.tile_tokens) : 0;
+  __syncthreads();
   tiles_of[tid] = t;
   int mx = t;
   long long sum = t;
@@ -195,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     p.split_offsets[p.max_rows] = total_slots;
     const int want_tasks = total_slots * p.num_kv_heads;
     *p.num_tasks = min(want_tasks, p.task_capacity);
-    *p.status = (want_tasks > p.task_capacity ? 1 : 0) | (bad_rows ? 2 : 0);
+    *p.status = (want_tasks > p.task_capacity ? 1 : 0) | (bad_rows & 1 ? 2 : 0) | (bad_rows & 2 ? 4 : 0);
   }
   // 4. Tasks: slot j belongs to the row r with offs[r] <= j < offs[r+1] (binary search).
   for (int j = tid; j < total_slots; j += PKV_PLAN_THREADS) {

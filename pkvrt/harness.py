@@ -601,7 +601,7 @@ class RuntimeEngine:
                       # the flashinfer-graph engine is FlashInfer's CUDA-graph mode by definition
                       flashinfer_cuda_graph=name == FI_GRAPH)
         if self.device_planning:
-            wanted["device_planning"] = True
+            wanted.update(device_planning=True, num_pages=wl.k[0].shape[0])
         self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime), wanted)
         if self.force is not None and "force" not in inspect.signature(Runtime.plan).parameters:
             raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
@@ -677,7 +677,8 @@ class StepGraphEngine(RuntimeEngine):
         self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
                           device=wl.device, routes=routes, calibration=calibration,
                           max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-                          use_cuda_graph=False, validate=False, device_planning=True)
+                          use_cuda_graph=False, validate=False, device_planning=True,
+                          num_pages=wl.k[0].shape[0])
         i32 = dict(dtype=torch.int32, device=wl.device)
         self.seq = torch.ones(max_active, **i32)
         self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)

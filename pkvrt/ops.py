@@ -282,6 +282,8 @@ class PlanParams(ctypes.Structure):
         ("min_split_tiles", ctypes.c_int), ("tile_tokens", ctypes.c_int),
         ("task_capacity", ctypes.c_int), ("sms", ctypes.c_int), ("resident", ctypes.c_int),
         ("slowdown8", ctypes.c_int), ("overhead8", ctypes.c_int), ("max_ctas", ctypes.c_int),
+        ("block_tables", ctypes.c_void_p), ("num_pages", ctypes.c_void_p),
+        ("bt_stride", ctypes.c_int), ("page_size_log2", ctypes.c_int),
     ]
 
 
@@ -292,15 +294,20 @@ MAX_SEQ_LEN = 2**31 - 1 - _buildspec.TILE_TOKENS   # int32 lengths; len + tile -
 def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                           status, candidates, *, num_kv_heads: int, min_split_tiles: int,
                           sms: int, resident: int, slowdown8: int, overhead8: int, max_ctas: int,
-                          max_seq_len=None) -> None:
+                          max_seq_len=None, block_tables=None, num_pages=None,
+                          page_size: int | None = None) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
     [1] int32 (device; None: MAX_SEQ_LEN, through a temporary tensor);
     tasks [capacity, 5]; num_tasks [1]; split_offsets [max_rows+1]; num_splits [max_rows];
     status [1] int32, written every launch: bit 0 = the plan needs more than capacity tasks
-    (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len] (that row
-    gets no split: nothing reads its block table or writes its output); candidates [n] int32,
+    (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len], bit 2 =
+    an active row's block table holds a page id outside [0, num_pages) among the entries its
+    length uses (either way that row gets no split: nothing reads its block table or the cache
+    for it, nor writes its output). Page ids are checked when ``block_tables`` [>= max_rows,
+    W] int32 (device, row-contiguous), ``num_pages`` [1] int32 (device; 0 = unchecked) and
+    ``page_size`` are given. candidates [n] int32,
     the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
     pkvrt.planner.balanced_partition; sms, resident, slowdown8, overhead8 and max_ctas are
     ``planner.device_plan_targets(cal)``.
@@ -334,5 +341,16 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
             _fail(name, f"an integer >= {least}", v)
     p.task_capacity, p.sms, p.resident, p.slowdown8 = tasks.shape[0], sms, resident, slowdown8
     p.overhead8, p.max_ctas = overhead8, max_ctas
+    if block_tables is not None:
+        if num_pages is None or page_size is None:
+            _fail("num_pages/page_size", "both given with block_tables", (num_pages, page_size))
+        if block_tables.dim() != 2 or block_tables.shape[0] < max_rows or block_tables.stride(1) != 1:
+            _fail("block_tables", f"a row-contiguous int32 [>= {max_rows}, W] tensor",
+                  tuple(block_tables.shape))
+        if isinstance(page_size, bool) or page_size < 1 or page_size & (page_size - 1):
+            _fail("page_size", "a power of two", page_size)
+        p.block_tables = _int32("block_tables", block_tables, dev, 2)
+        p.num_pages = _int32("num_pages", num_pages, dev, 1)
+        p.bt_stride, p.page_size_log2 = block_tables.stride(0), page_size.bit_length() - 1
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
     _driver.launch(k, (1, 1, 1), 1024, p)

@@ -205,8 +205,8 @@ def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pa
 def check_device_step(seq_lens, block_tables, *, device, max_batch: int):
     """Device planning's host checks of a step (O(1): shapes, int32 dtype, devices, never values,
     so nothing synchronizes); raise ValueError naming the argument, else ``(seq_lens,
-    block_tables)`` as tensors. Lengths are checked by the planning kernel
-    (Runtime.device_status); page ids are trusted."""
+    block_tables)`` as tensors. Lengths and page ids are checked by the planning kernel
+    (Runtime.device_status)."""
     out = []
     for name, x, ndim, what in (("seq_lens", seq_lens, 1, "[B]"),
                                 ("block_tables", block_tables, 2, "[B, max_pages]")):
@@ -402,6 +402,10 @@ class Runtime:
         per batch size. (The "illegal memory access" once seen with it was a race on pinned buffers,
         FlashInfer's own and the serving harness's, both guarded now: see
         fi_route.FlashInferRoute.plan and tests/gpu/test_runtime.py.)
+    num_pages : device planning: the pages of the KV cache that run() will be given
+        (``k_cache.shape[0]``); page ids are checked against it on the GPU, and run() refuses a
+        cache with fewer pages. None: taken from the first run()'s cache, so the ids of a step
+        planned before any run() are not checked. Host planning checks ids on the host.
     device_planning : build each step's workqueue plan on the GPU (kernels/plan_workqueue.cu)
         from device-resident seq_lens, instead of routing and planning on the host. ``plan()``
         then does no work proportional to the batch and never synchronizes: two device copies
@@ -409,11 +413,11 @@ class Runtime:
         launch with graphs off). Every step runs routes.toml's ``[device_planning] route``
         (pkv_fused, the merge in the decode tail, as shipped; without that table the first
         non-ablation workqueue or fused route); ``force=`` may name another workqueue or fused
-        route. FlashInfer and the bucket route are not used. The
-        lengths are checked on the GPU: a row whose seq_len is outside [1, block-table columns *
-        page_size] gets no work (its output row is not computed) and sets a flag that
-        :meth:`device_status` reports for the last planned step. Page ids are trusted: unlike
-        host planning (``validate=True``), nothing checks them against the cache. With
+        route. FlashInfer and the bucket route are not used. Lengths and page ids are checked
+        on the GPU by the planning kernel: a row whose seq_len is outside [1, block-table columns
+        * page_size], or whose block table holds a page id outside [0, num_pages) among the
+        pages its length uses, gets no work (its output row is not computed) and sets a flag
+        that :meth:`device_status` reports for the last planned step. With
         ``use_cuda_graph=False`` plan() and run() are capturable, so an engine can capture a whole
         step (all layers) in its own CUDA graph and replay it with new lengths (same batch size)
         and no host planning at all: the fastest way to run pkvrt (H200 engine protocol,
@@ -438,14 +442,16 @@ class Runtime:
                  max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
                  flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
                  flashinfer_cuda_graph: bool = False, decision_memo: int = 4096,
-                 device_planning: bool = False):
+                 device_planning: bool = False, num_pages: int | None = None):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
         if device_planning and max_batch > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime: max_batch={max_batch}: device_planning plans at most "
                              f"{ops.PLAN_MAX_ROWS} rows (one planning CTA)")
-        for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row)):
+        for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row),
+                        ("num_pages", 1 if num_pages is None else num_pages)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Runtime: {name}={v!r}: expected a positive integer")
+        self._num_pages = num_pages   # device planning: the page-id bound (None: the first cache)
         if max_pages_per_row * page_size > MAX_SEQ_LEN:
             raise ValueError(f"Runtime: max_pages_per_row={max_pages_per_row}: rows of "
                              f"{max_pages_per_row * page_size} tokens exceed the int32 lengths the "
@@ -601,6 +607,9 @@ class Runtime:
         self._d_scalars_cached = True   # ... valid until an engine captures a plan()
         self._d_num_splits = torch.zeros(gmax, **i32)
         self._d_status = torch.zeros(1, **i32)
+        # Page ids are checked against this bound by the planning kernel (0 = not yet known:
+        # the first run() sets it from its cache when the constructor was not told num_pages).
+        self._d_num_pages = torch.full((1,), self._num_pages or 0, **i32)
         self._d_cands = {n: torch.tensor(r.splits.candidates(), **i32) for n, r in self._dp_routes.items()}
         self._dp_refused: dict[str, dict[str, str]] = {}
 
@@ -655,8 +664,8 @@ class Runtime:
         With ``device_planning``: seq_lens [B] and block_tables [B, W] are int32 tensors on the
         Runtime's device (CPU int32 tensors work outside graph capture, as a host-to-device copy
         that a pageable source makes synchronous); only their shapes, dtypes and devices are
-        checked on the host, the lengths on the GPU (:meth:`device_status`); page ids are
-        trusted (not checked: that would need a look at every entry). If plan() raises after its
+        checked on the host, the lengths and the page ids each length uses on the GPU, against
+        ``num_pages`` (:meth:`device_status`). If plan() raises after its
         checks (a failed launch), no step is planned until the next successful plan().
         """
         capturing = self._capturing()
@@ -757,14 +766,30 @@ class Runtime:
             self._d_num_splits[:gbatch], self._d_status, self._d_cands[route.name],
             num_kv_heads=self.num_kv_heads,
             min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
-            max_seq_len=self._d_max_seq, **device_plan_targets(cal))
+            max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch], num_pages=self._d_num_pages,
+            page_size=self.page_size, **device_plan_targets(cal))
+
+    def _check_page_bound(self, cache_pages: int) -> None:
+        """Device planning checks page ids against ``num_pages``: a cache with fewer pages would
+        let an unchecked id through, so it is refused. Without ``num_pages`` the first cache
+        sets the bound (from the next plan() on: the first step's ids were not checked)."""
+        if self._num_pages is None:
+            self._num_pages = int(cache_pages)
+            self._d_num_pages.fill_(self._num_pages)
+        elif cache_pages < self._num_pages:
+            raise ValueError(f"Runtime.run: k_cache has {cache_pages} pages but device planning "
+                             f"checks page ids against num_pages={self._num_pages}; pass a cache "
+                             f"of at least that many pages (or construct with num_pages="
+                             f"{cache_pages})")
 
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):
         0 = fine; bit 0 = task capacity exceeded (cannot happen with the runtime's own sizing);
-        bit 1 = a row's seq_len was outside [1, block-table columns * page_size] and its output
-        row was not computed. Raises RuntimeError on a nonzero word unless ``raise_on_error`` is
-        False. Only meaningful with ``device_planning``."""
+        bit 1 = a row's seq_len was outside [1, block-table columns * page_size]; bit 2 = a row's
+        block table held a page id outside [0, num_pages) among the pages its length uses
+        (either way that row got no work and its output row was not computed). Raises
+        RuntimeError on a nonzero word unless ``raise_on_error`` is False. Only meaningful with
+        ``device_planning``."""
         if not self.device_planning:
             raise RuntimeError("Runtime.device_status: only with Runtime(device_planning=True)")
         word = int(self._d_status.item())
@@ -773,6 +798,10 @@ class Runtime:
             if word & 2:
                 what.append("a row's seq_len was outside [1, block_tables columns * page_size]: "
                             "that row got no work and its output row was not computed")
+            if word & 4:
+                what.append(f"a row's block table held a page id outside [0, num_pages = "
+                            f"{self._num_pages}): that row got no work and its output row was not "
+                            "computed")
             if word & 1:
                 what.append("the plan needed more tasks than the grid holds")
             raise RuntimeError("Runtime.device_status: " + "; ".join(what))
@@ -853,6 +882,8 @@ class Runtime:
         check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
                        dtype=self.dtype, device=self.device, max_page_id=st.max_page_id)
+        if self.device_planning:
+            self._check_page_bound(k_cache.shape[0])
         if out is None:
             out = torch.empty_like(q)
         if self.use_cuda_graph and self._capturing():

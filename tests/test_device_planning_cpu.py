@@ -251,6 +251,39 @@ def test_negative_lengths_are_flagged(fake_device, pool):  # noqa: F811
     assert rt.device_status(raise_on_error=False) == 2
 
 
+def test_page_ids_are_checked_against_num_pages(fake_device, pool):  # noqa: F811
+    """Device planning checks the page ids a row's length uses against num_pages (the
+    constructor's, else the first run()'s cache); a cache smaller than that bound is refused."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    pages = b.k_cache.shape[0]
+    seq, bt, q = step_inputs(b, [0, 1], 0, seed=1)
+    bad = bt.clone()
+    bad[1, (int(seq[1]) - 1) // b.k_cache.shape[2]] = pages     # the row's last used page
+    rt = fake_runtime(device_planning=True, num_pages=pages)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bad))
+    assert rt.device_status(raise_on_error=False) == 4
+    with pytest.raises(RuntimeError, match=rf"page id outside \[0, num_pages = {pages}\)"):
+        rt.device_status()
+    unused = bt.clone()
+    unused[1, -1] = pages + 7          # beyond the row's length: never read, not an error
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(unused))
+    assert rt.device_status() == 0
+    with pytest.raises(ValueError, match=f"k_cache has {pages} pages .* num_pages={pages + 1}"):
+        small = fake_runtime(device_planning=True, num_pages=pages + 1)
+        small.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+        small.run(q, *cache)
+    learn = fake_runtime(device_planning=True)      # no num_pages: the first cache sets it
+    learn.plan(torch.as_tensor(seq), torch.as_tensor(bad))
+    assert learn.device_status() == 0               # a step planned before any run(): unchecked
+    learn.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    learn.run(q, *cache)
+    learn.plan(torch.as_tensor(seq), torch.as_tensor(bad))
+    assert learn.device_status(raise_on_error=False) == 4
+    with pytest.raises(ValueError, match="num_pages=0: expected a positive integer"):
+        fake_runtime(device_planning=True, num_pages=0)
+
+
 def test_the_planning_kernel_is_loaded_at_construction(fake_device, monkeypatch):  # noqa: F811
     """A missing planning cubin must fail Runtime(...), not the first plan() (maybe inside an
     engine's capture)."""

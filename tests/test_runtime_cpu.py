@@ -571,18 +571,22 @@ class Emu:
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
-                              slowdown8, overhead8, max_ctas, max_seq_len):
+                              slowdown8, overhead8, max_ctas, max_seq_len, block_tables=None,
+                              num_pages=None, page_size=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs, average load)), tasks in row
-        order."""
+        order; rows with a bad length or a page id outside [0, num_pages) get no work."""
         self.launches += 1
         max_rows = seq_lens.shape[0]
         rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
-        tiles, bad = [0] * max_rows, False
+        bound = int(num_pages[0]) if block_tables is not None else 0
+        tiles, bad, bad_page = [0] * max_rows, False, False
         for r in range(rows):
             n = int(seq_lens[r])
             if not 1 <= n <= max_len:
                 bad = True
+            elif bound and not all(0 <= int(x) < bound for x in block_tables[r, :-(-n // page_size)]):
+                bad_page = True
             else:
                 tiles[r] = -(-n // TILE)
         longest, total = max(tiles), sum(tiles)
@@ -617,7 +621,7 @@ class Emu:
         num_tasks[0] = min(len(t), tasks.shape[0])
         if t:
             tasks[:num_tasks[0]] = torch.as_tensor(t[:tasks.shape[0]], dtype=torch.int32)
-        status[0] = (len(t) > tasks.shape[0]) | (2 if bad else 0)
+        status[0] = (len(t) > tasks.shape[0]) | (2 if bad else 0) | (4 if bad_page else 0)
 
 
 class ReplayGraph:

@@ -99,6 +99,35 @@ def test_bad_lengths_are_flagged_and_never_read(pool):  # noqa: F811
         rt.device_status()
 
 
+@pytest.mark.parametrize("page", [69, 50_000_000, -1])
+def test_bad_page_ids_are_flagged_and_never_read(pool, page):  # noqa: F811
+    """A page id outside the cache (just past it, far past it, negative) in a page the row's
+    length uses: the planning kernel gives the row no work (before: a silent read past the cache,
+    or an illegal address that killed the context) and device_status() names it."""
+    b, caches = pool
+    pages = caches[0][0].shape[0]
+    rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, max_batch=8,
+                 max_pages_per_row=b.block_tables.shape[1], num_pages=pages)
+    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=3)
+    bad = bt.copy()
+    bad[1, (int(seq[1]) - 1) // SHAPE["page_size"]] = page if page != 69 else pages + 5
+    rt.plan(dev(seq), dev(bad))
+    rt.static_q(3).copy_(q)
+    rt.static_out(3).fill_(7.0)
+    out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
+    torch.cuda.synchronize()
+    assert torch.all(out[1] == 7.0)
+    check(out[[0, 2]].contiguous(), q[[0, 2]].contiguous(), caches[0], seq[[0, 2]], bt[[0, 2]],
+          "rows around a row with a bad page id")
+    assert rt.device_status(raise_on_error=False) == 4
+    with pytest.raises(RuntimeError, match="page id outside"):
+        rt.device_status()
+    rt.plan(dev(seq), dev(bt))          # the next good step runs every row
+    out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
+    check(out, q, caches[0], seq, bt, "the good step after a bad one")
+    assert rt.device_status() == 0
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(device_planning=False, use_cuda_graph=False), "host planning .* cannot be captured"),
     (dict(device_planning=True, use_cuda_graph=True), "use_cuda_graph=True"),

@@ -1,0 +1,79 @@
+"""Device time of the planning kernel (kernels/plan_workqueue.cu) with and without the page-id
+check (issue 13, item 5: target <= 1 % of a step's device time).
+
+For each batch (rows x tokens per row, random valid page ids), times 200 graph replays of 20
+planning launches each way with CUDA events and prints us per launch; writes JSON with --out.
+
+usage: python benches/plan_cost.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+CASES = [(1, 1600), (1, 32768), (8, 1500), (8, 32768), (8, 131072), (64, 32768), (256, 8192)]
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from pkvrt import ops, planner, results
+    from pkvrt.calibration import find_calibration
+    from pkvrt.registry import load_routes
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    cal = find_calibration(torch.cuda.get_device_name())
+    splits = load_routes().device_planning_route().splits
+    i32 = dict(dtype=torch.int32, device="cuda")
+    page, rows_out = 16, []
+    for b, tokens in CASES:
+        width = -(-tokens // page)
+        num_pages = b * width
+        seq = torch.full((b,), tokens, **i32)
+        bt = torch.randperm(num_pages, device="cuda").view(b, width).int()
+        cap = b * 8 * splits.max
+        bufs = [torch.zeros(cap, 5, **i32), torch.zeros(1, **i32), torch.zeros(b + 1, **i32),
+                torch.zeros(b, **i32), torch.zeros(1, **i32)]
+        cand = torch.tensor(splits.candidates(), **i32)
+        rows, max_seq, pages = torch.tensor([b], **i32), torch.tensor([tokens], **i32), torch.tensor([num_pages], **i32)
+        times = {}
+        for checked in (False, True):
+            kw = dict(block_tables=bt, num_pages=pages, page_size=page) if checked else {}
+
+            def launch():
+                ops.plan_workqueue_device(seq, rows, *bufs[:4], bufs[4], cand, num_kv_heads=8,
+                                          min_split_tiles=-(-cal.splits.min_split_tokens // 32),
+                                          max_seq_len=max_seq, **planner.device_plan_targets(cal), **kw)
+            launch()
+            torch.cuda.synchronize()
+            assert int(bufs[4][0]) == 0, "a valid step was flagged"
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+                for _ in range(20):
+                    launch()
+            g.replay()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(200):
+                g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times[checked] = e0.elapsed_time(e1) * 1000 / (200 * 20)
+        rows_out.append(dict(rows=b, tokens=tokens, unchecked_us=round(times[False], 2),
+                             checked_us=round(times[True], 2)))
+        print(f"B{b:<4d} {tokens:>7d} tokens: plan {times[False]:6.2f} us, with page-id check "
+              f"{times[True]:6.2f} us", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": results.environment(), "rows": rows_out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
