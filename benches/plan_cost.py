@@ -4,7 +4,7 @@ check (issue 13, item 5: target <= 1 % of a step's device time).
 For each batch (rows x tokens per row, random valid page ids), times 200 graph replays of 20
 planning launches each way with CUDA events and prints us per launch; writes JSON with --out.
 
-usage: python benches/plan_cost.py [--out FILE]
+usage: python benches/plan_cost.py [--out FILE]   (committed: results/h200/device-planning/plan-cost.json)
 """
 
 from __future__ import annotations
