@@ -141,6 +141,11 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
+    if not torch.cuda.is_available():
+        print("host_cost.py: needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "nothing was run", file=sys.stderr)
+        return 2
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from paged import make_batch
 

@@ -255,6 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-pdl", action="store_true",
                     help="also time the planner's bucket/workqueue choice with programmatic dependent launch off")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("isolated.py: needs a CUDA GPU (torch.cuda.is_available() is False); nothing was run",
+              file=sys.stderr)
+        return 2
     torch.manual_seed(SEED)
     registry = load_routes(args.routes)
     cal = find_calibration(torch.cuda.get_device_name())

@@ -50,9 +50,15 @@ SPEC = _load_spec()
 
 
 def find_nvcc() -> str:
+    """$PKVRT_NVCC if set (it must be an executable: no silent fallback to another nvcc), else
+    $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc."""
+    explicit = os.environ.get("PKVRT_NVCC")
+    if explicit:
+        if Path(explicit).is_file() and os.access(explicit, os.X_OK):
+            return explicit
+        raise BuildError(f"PKVRT_NVCC={explicit}: expected the path of an executable nvcc; "
+                         "unset it to search CUDA_HOME and PATH")
     candidates = []
-    if os.environ.get("PKVRT_NVCC"):
-        candidates.append(os.environ["PKVRT_NVCC"])
     if os.environ.get("CUDA_HOME"):
         candidates.append(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"))
     on_path = shutil.which("nvcc")

@@ -61,6 +61,22 @@ def available() -> str | None:
     return None
 
 
+def driver_cuda_version() -> tuple[int, int]:
+    """The newest CUDA version the installed driver supports, ``(major, minor)``, e.g. (12, 8)
+    for a R570 driver (cuDriverGetVersion returns 1000 * major + 10 * minor: 12080). Needs no
+    context and no GPU, only libcuda. Raises :class:`CudaDriverError` saying why it cannot ask
+    (cuda-python missing, libcuda not loadable)."""
+    if cu is None:
+        raise CudaDriverError(f"cuda-python is not importable ({_IMPORT_ERROR})")
+    try:
+        result = cu.cuDriverGetVersion()
+    except RuntimeError as e:  # cuda-python could not load libcuda (no NVIDIA driver here)
+        raise CudaDriverError(f"cuDriverGetVersion: the CUDA driver library is not loadable "
+                              f"({type(e).__name__}: {e})") from None
+    version = int(check("cuDriverGetVersion", result))
+    return version // 1000, version % 1000 // 10
+
+
 @attrs.frozen
 class Kernel:
     name: str

@@ -12,6 +12,9 @@ described in pkvrt/harness.py.
 Without a CUDA GPU it says so and runs the planner instead (``pkvrt plan`` on the same trace:
 route per step, counters, cost-model predictions), exit status 0.
 
+Without a MODE (no arguments, or an option first) it is ``serving``: ``pkvrt bench --trace zipf``
+is ``pkvrt bench serving --trace zipf``; ``pkvrt bench`` alone runs serving with its defaults.
+
 ``pkvrt bench isolated -- [ARGS]`` runs benches/isolated.py (the Table 1 kernel benchmark) with
 ARGS, e.g. ``pkvrt bench isolated -- --cases B1-32K,B8-32K``.
 """
@@ -29,7 +32,7 @@ from pkvrt import calibration as calib
 from pkvrt import harness, results
 from pkvrt import registry as reg_mod
 from pkvrt.traces import FAMILIES, resolve_trace
-from pkvrt.cli import add_shape_arguments, positive_int
+from pkvrt.cli import add_shape_arguments, check_shape_arguments, positive_int
 
 HELD_OUT_SEEDS = "20260623,20260624,20260625,20260626,20260627"
 ISOLATED = results.ROOT / "benches" / "isolated.py"
@@ -42,9 +45,19 @@ def _seeds(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def default_mode(argv: list[str]) -> list[str]:
+    """The arguments after ``bench``, with ``serving`` put first where they name no MODE (none at
+    all, or an option other than -h/--help first): ``--trace zipf`` -> ``serving --trace zipf``.
+    pkvrt/cli.py applies it before parsing."""
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        return ["serving", *argv]
+    return argv
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``pkvrt bench``: the ``serving`` and ``isolated`` modes."""
-    sub = parser.add_subparsers(dest="mode", metavar="MODE")  # none: serving with its defaults
+    sub = parser.add_subparsers(dest="mode", metavar="MODE", required=True,
+                                help="serving (the default when no MODE is given) or isolated")
     s = sub.add_parser("serving", help="continuous decode over a trace, FlashInfer vs pkvrt",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--trace", default="bimodal", metavar="SPEC",
@@ -90,10 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.mode is None:  # `pkvrt bench` alone is the main job: `pkvrt bench serving` as is
-        parser = argparse.ArgumentParser(prog="pkvrt bench")
-        add_arguments(parser)
-        args = parser.parse_args(["serving"])
     if args.mode == "isolated":
         return run_isolated(args.isolated_args)
     return run_serving(args)
@@ -125,9 +134,7 @@ def run_isolated(argv: list[str]) -> int:
 def _config(args, registry) -> harness.ServingConfig:
     shape = harness.Shape(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
                           head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype)
-    if shape.num_qo_heads % shape.num_kv_heads:
-        raise ValueError(f"--num-qo-heads {shape.num_qo_heads} is not a multiple of "
-                         f"--num-kv-heads {shape.num_kv_heads}")
+    check_shape_arguments(args, harness.DTYPES[args.dtype])   # the shapes the Runtime takes
     engines = harness.parse_engines(args.engines, [r.name for r in registry.routes])
     return harness.ServingConfig(
         trace=args.trace, max_active=args.max_active, seeds=tuple(args.seeds), engines=engines,

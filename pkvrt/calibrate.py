@@ -1,4 +1,4 @@
-"""Measure this GPU's cost-model constants and write calibration/<gpu>.json (needs a CUDA GPU).
+"""Measure this GPU's cost-model constants, write calibration/<gpu>.json (needs a GPU and FlashInfer).
 
 What is measured, at the seed shape (H_q 32, H_kv 8, D 128, page 16, fp16), every time a CUDA-
 event median of CUDA-graph replays (the benches/isolated.py protocol), every kernel output
@@ -18,9 +18,16 @@ checked against the FP32 reference first:
 - flashinfer.ctas_per_sm: FlashInfer's best (CUDA-core or tensor-core) time at 32K for 1, 2, 4,
   8, 16 active rows, turned into the C that reproduces it (:func:`fit_flashinfer_ctas`).
 
+FlashInfer is required (``pip install -e ".[flashinfer]"``): it is timed to fit FlashInfer's cost
+model, ``flashinfer.ctas_per_sm``, which the host router uses to predict the FlashInfer baseline's
+time before it promotes a PersistentKV route (the promotion margin); its times on the workqueue
+steps are also written to ``--raw`` for the report (not fitted). Every other constant comes from
+pkvrt's own kernels and torch and could be measured without FlashInfer, but a calibration file
+needs all of them (schema 1), so without FlashInfer calibrate stops before measuring anything.
+
 It prints a table of the constants and the sweeps and takes about a minute on an H200 (budget:
-3 minutes); ``--quick`` measures fewer points (seconds). Without a CUDA GPU it says so and exits
-with status 2.
+3 minutes); ``--quick`` measures fewer points (seconds). Without a CUDA GPU or without FlashInfer
+it says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -356,9 +363,15 @@ def run(args: argparse.Namespace) -> int:
 
     why = _driver.available()
     env = results.environment()
-    if why or str(env.get("flashinfer", "")).startswith("unavailable"):
-        print(f"pkvrt calibrate: cannot measure here: "
-              f"{why or 'FlashInfer is ' + env['flashinfer'] + ' (it is needed for flashinfer.ctas_per_sm)'}",
+    if why:
+        print(f"pkvrt calibrate: cannot measure here: {why}", file=sys.stderr)
+        return 2
+    if str(env.get("flashinfer", "")).startswith("unavailable"):
+        print(f"pkvrt calibrate: FlashInfer is {env['flashinfer']}. Calibration needs it: it times "
+              "FlashInfer's decode to fit flashinfer.ctas_per_sm, the cost model the router uses "
+              "to predict the FlashInfer baseline before promoting a PersistentKV route. Install "
+              "it (pip install -e \".[flashinfer]\", flashinfer-python 0.5.x) and run again; "
+              "`pkvrt doctor` says why it does not import. Nothing was measured or written.",
               file=sys.stderr)
         return 2
     try:

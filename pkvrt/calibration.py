@@ -315,11 +315,16 @@ def calibration_dirs() -> list[pathlib.Path]:
 
     ``$PKVRT_CALIBRATION_DIR`` if set; then ``<repo>/calibration`` when running from a checkout
     (the directory next to ``pkvrt/`` holding ``pyproject.toml``), else the installed copy
-    ``pkvrt/_data/calibration``.
+    ``pkvrt/_data/calibration``. A set ``$PKVRT_CALIBRATION_DIR`` that is not a directory is an
+    error (CalibrationError naming it), not a silent fallback.
     """
     dirs = []
     if os.environ.get(ENV_DIR):
-        dirs.append(pathlib.Path(os.environ[ENV_DIR]))
+        env_dir = pathlib.Path(os.environ[ENV_DIR])
+        if not env_dir.is_dir():
+            raise CalibrationError(f"{ENV_DIR}={env_dir}: expected an existing directory of "
+                                   "calibration files; unset it to use the shipped ones")
+        dirs.append(env_dir)
     pkg = pathlib.Path(__file__).resolve().parent
     repo = pkg.parent
     if (repo / "calibration").is_dir() and (repo / "pyproject.toml").is_file():

@@ -6,6 +6,8 @@ file only wires them up. ``routes`` is defined here, ``doctor`` in pkvrt/doctor.
 built; a command whose module is absent from this build is left out. A ValueError or OSError
 from a command (every pkvrt error class, e.g. RoutesError, subclasses ValueError) prints
 ``pkvrt: error: <message>`` on stderr and exits 2; ``--traceback`` shows the traceback instead.
+A warning prints one line, ``pkvrt: warning: <message>`` (only here: library users keep Python's
+format). A closed stdout (``pkvrt plan | head``) ends the command quietly with status 0.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
+import re
 import sys
+import warnings
 
 import pkvrt
 from pkvrt import registry
@@ -65,17 +70,51 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``pkvrt`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
+    argv = _bench_mode(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, argparse printed it)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            rc = int(args._run(args) or 0)
+            sys.stdout.flush()          # a closed stdout shows up here, not at interpreter exit
+            return rc
+        except BrokenPipeError:
+            _stdout_to_devnull()
+            return 0
+        except (ValueError, OSError) as e:
+            if args.traceback:
+                raise
+            print(f"pkvrt: error: {e}", file=sys.stderr)
+            return 2
+
+
+def _bench_mode(argv: list[str]) -> list[str]:
+    """``pkvrt bench [OPTIONS]`` -> ``pkvrt bench serving [OPTIONS]`` (pkvrt/bench.py's rule)."""
+    i = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)  # the COMMAND
+    if i is None or argv[i] != "bench":
+        return argv
+    bench = _optional_module(COMMANDS["bench"])
+    return argv if bench is None else [*argv[:i + 1], *bench.default_mode(argv[i + 1:])]
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` while a command runs: ``pkvrt: warning: <message>`` on one line
+    (the message's own ``pkvrt: `` prefix dropped), no file, line number or source line."""
+    text = str(message).removeprefix("pkvrt: ")
+    print(f"pkvrt: warning: {text}", file=file or sys.stderr)
+
+
+def _stdout_to_devnull() -> None:
+    """After a BrokenPipeError: point stdout at devnull so that the flush at exit cannot fail
+    again (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
     try:
-        return int(args._run(args) or 0)
-    except (ValueError, OSError) as e:
-        if args.traceback:
-            raise
-        print(f"pkvrt: error: {e}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no file descriptor (captured in-process)
+        pass
 
 
 # ---- pkvrt routes --------------------------------------------------------------------------
@@ -97,6 +136,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: expected a non-negative integer")
+    return value
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser):
     """The attention-shape options every subcommand shares (seed shape as defaults)."""
     shape = parser.add_argument_group("shape")
@@ -105,6 +155,28 @@ def add_shape_arguments(parser: argparse.ArgumentParser):
     shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D")
     shape.add_argument("--page-size", type=positive_int, default=16, metavar="P")
     return shape
+
+
+SHAPE_FLAGS = {"num_qo_heads": "--num-qo-heads", "num_kv_heads": "--num-kv-heads",
+               "head_dim": "--head-dim", "page_size": "--page-size"}
+
+
+def check_shape_arguments(args: argparse.Namespace, dtype=None) -> None:
+    """Refuse the shapes the Runtime refuses, by its own rule (``pkvrt.runtime.check_shape``),
+    naming the flags: "Runtime: page_size=3: expected a power of two <= 64" becomes
+    "--page-size 3: expected a power of two <= 64". ``dtype``: a torch dtype (default fp16)."""
+    import torch
+
+    from pkvrt.runtime import check_shape
+
+    try:
+        check_shape(args.num_qo_heads, args.num_kv_heads, args.head_dim, args.page_size,
+                    dtype or torch.float16)
+    except ValueError as e:
+        names = "|".join(SHAPE_FLAGS)      # page_size=3 -> --page-size 3, head_dim -> --head-dim
+        text = re.sub(rf"\b({names})(=?)", lambda m: SHAPE_FLAGS[m[1]] + (" " if m[2] else ""),
+                      str(e).removeprefix("Runtime: "))
+        raise ValueError(text) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,8 +2,9 @@
 
 Prints one line per check. Without a CUDA GPU pkvrt runs the planner only, which is not a
 problem: the exit status is 0. Exit status 1 means a problem was found (a kernel family with
-no cubin or PTX for this GPU, FlashInfer missing on a GPU machine, an invalid routes.toml or
-calibration file); each such line starts with "PROBLEM".
+no cubin or PTX for this GPU, a driver too old for the toolkit that built the kernels, FlashInfer
+missing on a GPU machine, an invalid routes.toml or calibration file); each such line starts
+with "PROBLEM".
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import importlib
 import importlib.metadata
 import platform
+import re
 import sys
 import warnings
 
@@ -42,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     report("cuda-python", "; ".join(f"{d} {_dist_version(d)}" for d in ("cuda-python", "cuda-bindings")))
     gpu = gpu_info(torch)
     report("gpu", gpu["text"] if gpu else NO_GPU)
+    text, bad = driver_status(gpu["cc"] if gpu else None)
+    report("driver", text, bad)
     for label, text, bad in kernel_rows(gpu["cc"] if gpu else None):
         report(label, text, bad)
     fi_ok, fi_text = flashinfer_status()
@@ -120,6 +124,68 @@ def kernel_rows(cc: tuple[int, int] | None) -> list[tuple[str, str, bool]]:
             out.append((label, f"PTX fallback {e.arch}, JIT-compiled by the driver for {arch} "
                                f"({e.file})", False))
     return out
+
+
+# Oldest Linux driver branch per CUDA major version; it loads cubins of every <major>.x toolkit
+# (minor version compatibility). nvcc 13.0's cubins need R580; a R535-R570 driver is CUDA 12.x.
+MIN_DRIVER_BRANCH = {11: "R450", 12: "R525", 13: "R580"}
+
+
+def driver_status(cc: tuple[int, int] | None) -> tuple[str, bool]:
+    """(text, is_problem): the CUDA version the driver supports against the toolkit that built
+    the kernels (the manifest's ``nvcc``). A problem only on a GPU machine (``cc``)."""
+    from pkvrt import _driver  # the one door to cuda.bindings
+    from pkvrt.manifest import ManifestError, load_manifest
+
+    try:
+        man = load_manifest()
+    except ManifestError:
+        man = None  # the kernels row says why
+    nvcc = man.nvcc_version if man else None
+    m = re.match(r"(\d+)\.(\d+)", nvcc or "")
+    built = (int(m[1]), int(m[2])) if m else None
+    try:
+        drv = _driver.driver_cuda_version()
+    except _driver.CudaDriverError as e:
+        need = f"; the kernels (nvcc {nvcc}) need {required_driver(built)}" if built else ""
+        return f"cannot ask the driver which CUDA it supports: {e}{need}", cc is not None
+    if built is None:
+        return (f"supports CUDA {drv[0]}.{drv[1]} (no kernels built to compare with: see kernels)",
+                False)
+    ptx = cc is not None and any(getattr(man.select(f, cc), "kind", None) == "ptx" for f in FAMILIES)
+    return driver_check(drv, nvcc, built, ptx=ptx, gpu=cc is not None)
+
+
+def required_driver(built: tuple[int, int]) -> str:
+    """(13, 0) -> "a driver that supports CUDA 13.0 (R580 or newer)"."""
+    branch = MIN_DRIVER_BRANCH.get(built[0])
+    return f"a driver that supports CUDA {built[0]}.0" + (f" ({branch} or newer)" if branch else "")
+
+
+def driver_check(drv: tuple[int, int], nvcc: str, built: tuple[int, int], *, ptx: bool,
+                 gpu: bool) -> tuple[str, bool]:
+    """Compare the driver's CUDA version ``drv`` with the toolkit ``built`` (nvcc ``nvcc``).
+
+    A cubin needs a driver of the toolkit's major version or newer: a R570 driver (CUDA 12.8)
+    cannot load cubins of nvcc 13.0, which need R580. Within a major version an older driver
+    loads them (minor version compatibility), but PTX, JIT-compiled by the driver on a GPU with
+    no cubin, needs a driver at least as new as the toolkit (``ptx``: this GPU uses it).
+    """
+    text = f"supports CUDA {drv[0]}.{drv[1]}; kernels built by nvcc {nvcc}"
+    if drv >= built:
+        return f"{text}: OK", False
+    rebuild = (f"or rebuild the kernels with a CUDA {drv[0]}.x toolkit "
+               f"(at most {drv[0]}.{drv[1]}): "
+               f"PKVRT_NVCC=/path/to/cuda-{drv[0]}.x/bin/nvcc pip install -e . "
+               f"(or, without pip: PKVRT_NVCC=... python -m pkvrt._build)")
+    if drv[0] < built[0]:
+        return (f"{text}, which need {required_driver(built)}: the kernels cannot be loaded. "
+                f"Update the driver, {rebuild}", gpu)
+    if ptx:
+        return (f"{text}; this GPU has no cubin and its PTX fallback needs a driver that "
+                f"supports CUDA {built[0]}.{built[1]}. Update the driver, {rebuild}", gpu)
+    return (f"{text}: OK (cubins load on an older {built[0]}.x driver; the PTX fallback for "
+            f"GPUs without a cubin would need CUDA {built[0]}.{built[1]})", False)
 
 
 def flashinfer_status() -> tuple[bool, str]:

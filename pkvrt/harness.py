@@ -162,17 +162,25 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+MAX_SEEDS = 10_000   # a bench runs every seed; more than this is a typo, not a plan
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
-    """``--seeds 20260623,20260624`` or a range ``20260623-20260627`` (inclusive)."""
+    """``--seeds 20260623,20260624`` or a range ``20260623-20260627`` (inclusive); at most
+    :data:`MAX_SEEDS` in all. A ValueError says what is wrong with ``text``; the caller names
+    the flag."""
     seeds: list[int] = []
     for part in (p.strip() for p in text.split(",")):
         lo, dash, hi = part.partition("-")
         try:
             a, b = int(lo), int(hi) if dash else int(lo)
         except ValueError:
-            raise ValueError(f"--seeds: {part!r} is not an integer or a range A-B") from None
+            raise ValueError(f"{part!r} is not an integer or a range A-B") from None
         if b < a:
-            raise ValueError(f"--seeds: range {part!r} is empty (expected A <= B)")
+            raise ValueError(f"range {part!r} is empty (expected A <= B)")
+        if len(seeds) + b - a + 1 > MAX_SEEDS:
+            raise ValueError(f"{'range ' if dash else ''}{part!r} makes {len(seeds) + b - a + 1} "
+                             f"seeds; expected at most {MAX_SEEDS}")
         seeds.extend(range(a, b + 1))
     return tuple(dict.fromkeys(seeds))
 

@@ -25,7 +25,7 @@ from pkvrt import calibration as calib
 from pkvrt import registry as reg_mod
 from pkvrt.planner import BucketPlan, WorkqueuePlan
 from pkvrt.traces import FAMILIES, Trace, decode_steps, resolve_trace
-from pkvrt.cli import add_shape_arguments, positive_int
+from pkvrt.cli import add_shape_arguments, check_shape_arguments, non_negative_int, positive_int
 
 ADAPTIVE = "adaptive"
 KIND_LABELS = {"flashinfer": "FlashInfer", "bucket": "PersistentKV buckets",
@@ -353,7 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or a .csv/.json trace file (default: bimodal)")
     parser.add_argument("--max-active", type=positive_int, default=8, metavar="N",
                         help="decode slots, the batch size B (default: 8)")
-    parser.add_argument("--seed", type=int, default=20260623,
+    parser.add_argument("--seed", type=non_negative_int, default=20260623,
                         help="seed of a synthetic family (default: 20260623, the first held-out)")
     parser.add_argument("--num-requests", type=positive_int, metavar="N",
                         help="requests of a family (default 32); for a file, keep the first N")
@@ -386,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
     """``pkvrt plan``: print the summary (and write ``--json``); returns 0."""
     from pkvrt.router import Router
 
+    check_shape_arguments(args)        # the shapes the Runtime takes, no others
     trace = resolve_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
     registry = reg_mod.load_routes(args.routes)
     if args.calibration:

@@ -5,7 +5,8 @@ pkvrt results file, ``{"meta": {...}, "rows": [...]}``; a malformed one is an er
 and writes ``DIR/report.md`` with the seed paper's tables:
 
 - Table 1, isolated kernels (benches/isolated.py): case, engine, µs, GB/s, fraction of the
-  measured read bandwidth, ratio against the best FlashInfer variant of the same file;
+  4.2 TB/s read floor (the reference of the engine-protocol table), ratio against the best
+  FlashInfer variant of the same file;
 - Table 2, serving (``pkvrt bench serving``): per trace and engine the selected route, CUDA and
   wall decode-token throughput ratios against the file's baseline row (mean ± sample std over
   seeds), and max / mean errors;
@@ -18,12 +19,17 @@ and writes ``DIR/report.md`` with the seed paper's tables:
   against FlashInfer and a verdict from that ratio (CUDA-event and wall ratios separately);
 - Table 7, split sensitivity: per (case, engine) of a ``calibration-sweeps`` file with more than
   one split value, time per split relative to the group's best split;
-- per-step tables from ``.steps.json`` files: throughput ratio by context length per engine, and
-  the route map of the adaptive engine over (active rows, context);
+- per-step tables from ``.steps.json`` files, per experiment (the case without its seed: trace,
+  B, G, L) and engine with the baseline named: throughput ratio by context length, and the route
+  map of the adaptive engine over (active rows, context);
 - every other file as a plain table of its rows.
 
-With matplotlib installed it also writes ``ratio_vs_context.png`` and ``route_map.png``; without
-it the report says that plots were skipped. Ratios are only ever formed between rows of one file.
+It also draws ``ratio_vs_context.png``, ``route_map.png`` and ``steps_<engine>.png`` from the same
+numbers as those tables, one panel per experiment. That needs matplotlib (``pip install
+'pkvrt[plots]'``); without it the command fails before writing anything, so that a committed
+report keeps its plots, unless ``--no-plots`` asks for the tables only. Ratios are only ever
+formed between rows of one file, and a (case, engine) measured in several files counts once, from
+the newest file (``meta.date``).
 """
 
 from __future__ import annotations
@@ -58,7 +64,11 @@ NCU_COLUMNS = (("duration_us", "Duration µs", 1), ("dram_pct_of_peak", "DRAM % 
                ("dram_read_mb", "DRAM read MB", 1), ("l2_hit_pct", "L2 hit %", 1),
                ("achieved_occupancy_pct", "Occupancy %", 1), ("sm_pct_of_peak", "SM % of peak", 1),
                ("grid", "Grid", 0), ("registers", "Regs", 0))
-NO_PLOTS = "Plots skipped: matplotlib is not installed (pip install 'pkvrt[plots]')."
+NO_MATPLOTLIB = ("the plots need matplotlib, which is not installed: pip install 'pkvrt[plots]' "
+                 "(or pass --no-plots to write the tables only; nothing was written)")
+PLOTS_OFF = "Plots not drawn (pkvrt report --no-plots)."
+FLOOR_BYTES_PER_US = 4.2e6   # the floor's read bandwidth, 4.2 TB/s (DESIGN.md "H200 anchors")
+FLOOR_GBPS = FLOOR_BYTES_PER_US / 1e3
 
 
 # --------------------------------------------------------------------------- reading
@@ -168,7 +178,12 @@ def _of_kind(files, kind):
 # --------------------------------------------------------------------------- Table 1
 
 def isolated_table(files) -> str:
-    """Best split per (case, engine) of every isolated file, ratio vs the case's best FlashInfer."""
+    """Best split per (case, engine) of every isolated file, ratio vs the case's best FlashInfer.
+
+    The fraction column is GB/s over the 4.2 TB/s read floor (:data:`FLOOR_GBPS`, the reference
+    of the engine-protocol table), not over the file's own ``read_bandwidth_gbps`` probe nor its
+    rows' ``frac_read_bw``: the probe (a torch row-sum, 2.86 TB/s on the H200) reads slower than
+    decode does, so fractions of it exceed 1 (decode at 4.2 TB/s: 4.2 / 2.86 = 1.47)."""
     out = []
     for path, doc in _of_kind(files, "isolated"):
         beta = doc["meta"].get("read_bandwidth_gbps")
@@ -186,9 +201,7 @@ def isolated_table(files) -> str:
             fi = [r["median_us"] for e, r in engines.items() if e.startswith("flashinfer")]
             for e, r in sorted(engines.items(), key=lambda x: x[1]["median_us"]):
                 gbps = r.get("gbps")
-                frac = r.get("frac_read_bw")
-                if frac is None and gbps is not None and beta:
-                    frac = gbps / beta
+                frac = None if gbps is None else gbps / FLOOR_GBPS
                 rows.append((case, e, "-" if r.get("splits") is None else r["splits"],
                              f"{r['median_us']:.2f}", "-" if gbps is None else f"{gbps:.1f}",
                              "-" if frac is None else f"{frac:.3f}",
@@ -196,9 +209,11 @@ def isolated_table(files) -> str:
         for r in failed:
             rows.append((r["case"], r["engine"], r.get("splits", "-"), "FAILED", "-", "-",
                          str(r.get("error", "no time"))[:60]))
-        title = (f"**{Path(path).name}**" + (f" (measured read bandwidth {beta} GB/s)" if beta else ""))
+        title = f"**{Path(path).name}**" + (
+            f" (the file's streaming-read probe measured {beta} GB/s; fractions are of the "
+            f"{FLOOR_GBPS / 1e3:g} TB/s floor instead)" if beta else "")
         out.append(title + "\n\n" + md_table(
-            ("Case", "Engine", "Split", "µs", "GB/s", "Fraction of read BW",
+            ("Case", "Engine", "Split", "µs", "GB/s", f"Fraction of {FLOOR_GBPS / 1e3:g} TB/s",
              "Ratio vs FlashInfer best"), rows, align="llrrrrr"))
     return "\n\n".join(out)
 
@@ -540,33 +555,61 @@ def bin_label(lo: int, hi: int) -> str:
     return f"{k(lo)}-{k(hi)}"
 
 
-def paired_steps(files):
-    """Yield (engine record, baseline record) for every non-baseline per-step record that has a
-    baseline record of the same case and step in the same file."""
-    for path, doc in _of_kind(files, "serving-steps"):
+def paired_steps(files, *, min_layers: int = 1):
+    """Yield (file meta, engine record, baseline record) for every non-baseline per-step record
+    that has a baseline record of the same case and step in the same file, from the files of at
+    least ``min_layers`` layers.
+
+    A (case, engine) recorded in several files (a later run re-timing an engine on the same
+    seeds) is taken from the newest file only (``meta.date``; the first of equal dates), as
+    Tables 2 and 3 count it: one record per measured step, never two."""
+    docs = [(p, d) for p, d in _of_kind(files, "serving-steps")
+            if int(d["meta"].get("layers") or 1) >= min_layers]
+    newest: dict[tuple[str, str], tuple[str, str]] = {}      # (case, engine) -> (date, path)
+    for path, doc in docs:
+        date = str(doc["meta"].get("date") or "")
+        for r in doc["rows"]:
+            key = (r["case"], r["engine"])
+            if not r.get("baseline") and (key not in newest or date > newest[key][0]):
+                newest[key] = (date, path)
+    for path, doc in docs:
         base = {(r["case"], r["step"]): r for r in doc["rows"] if r.get("baseline")}
         for r in doc["rows"]:
             b = base.get((r["case"], r["step"]))
-            if b is not None and not r.get("baseline"):
-                yield r, b
+            if b is not None and not r.get("baseline") \
+                    and newest[(r["case"], r["engine"])][1] == path:
+                yield doc["meta"], r, b
+
+
+def baseline_text(baselines: dict[str, str]) -> str:
+    """Name the baseline of a group of seeds from {case: baseline engine}: the engine when every
+    seed has the same one, else each with its share, most first: ``{"s1": "fi-cuda", "s2":
+    "fi-cuda", "s3": "fi-tc"}`` -> "fi-cuda (2/3 seeds), fi-tc (1/3 seeds)"."""
+    counts = collections.Counter(baselines.values()).most_common()
+    if len(counts) == 1:
+        return counts[0][0]
+    return ", ".join(f"{e} ({n}/{len(baselines)} seeds)" for e, n in counts)
 
 
 def ratio_by_context(files) -> list[dict]:
-    """Per engine and context bin (the step's longest context): throughput ratio over the bin's
-    steps, ``sum(baseline time) / sum(engine time)`` (every step has the same tokens on both)."""
+    """Per experiment (the case without its seed: trace, B, G, L), engine and context bin (the
+    step's longest context): the steps and the throughput ratio over them, ``sum(baseline time) /
+    sum(engine time)`` (every step has the same tokens on both). ``baseline`` names the baseline
+    engine of the (experiment, engine)'s seeds (:func:`baseline_text`)."""
     acc = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
-    for r, b in paired_steps(files):
-        a = acc[(r["engine"], context_bin(r["max_context"]))]
+    bases: dict[tuple[str, str], dict[str, str]] = collections.defaultdict(dict)
+    for _, r, b in paired_steps(files):
+        exp = trace_key(r["case"])
+        bases[(exp, r["engine"])][r["case"]] = b["engine"]
+        a = acc[(exp, r["engine"], context_bin(r["max_context"]))]
         a[0] += 1
         a[1] += b["wall_us"]
         a[2] += r["wall_us"]
         a[3] += b["cuda_us"]
         a[4] += r["cuda_us"]
-    return [{"engine": e, "bin": bin_, "steps": n, "wall_ratio": bw / ew, "cuda_ratio": bc / ec}
-            for (e, bin_), (n, bw, ew, bc, ec) in sorted(acc.items())]
-
-
-FLOOR_BYTES_PER_US = 4.2e6   # the floor's read bandwidth, 4.2 TB/s (DESIGN.md "H200 anchors")
+    return [{"experiment": x, "engine": e, "baseline": baseline_text(bases[(x, e)]), "bin": bin_,
+             "steps": n, "wall_ratio": bw / ew, "cuda_ratio": bc / ec}
+            for (x, e, bin_), (n, bw, ew, bc, ec) in sorted(acc.items())]
 
 
 def step_floor_us(record: dict, meta: dict) -> float:
@@ -579,25 +622,17 @@ def step_floor_us(record: dict, meta: dict) -> float:
 
 
 def engine_protocol_rows(files) -> list[dict]:
-    """Per (trace, engine) of the multi-layer (engine protocol) per-step files: steps, the
-    fraction of the read floor (sum of floors / sum of CUDA-event times), the baseline's, the
+    """Per (trace, engine, baseline) of the multi-layer (engine protocol) per-step files: steps,
+    the fraction of the read floor (sum of floors / sum of CUDA-event times), the baseline's, the
     throughput ratio over the steps, and the 5th percentile and minimum of the per-step ratio."""
     acc = collections.OrderedDict()
-    for path, doc in _of_kind(files, "serving-steps"):
-        meta = doc["meta"]
-        if int(meta.get("layers") or 1) < 2:
-            continue
-        base = {(r["case"], r["step"]): r for r in doc["rows"] if r.get("baseline")}
-        for r in doc["rows"]:
-            b = base.get((r["case"], r["step"]))
-            if b is None or r.get("baseline"):
-                continue
-            a = acc.setdefault((trace_key(r["case"]), r["engine"], b["engine"]),
-                               {"floor": 0.0, "us": 0.0, "base_us": 0.0, "ratios": []})
-            a["floor"] += step_floor_us(r, meta)
-            a["us"] += r["cuda_us"]
-            a["base_us"] += b["cuda_us"]
-            a["ratios"].append(b["cuda_us"] / r["cuda_us"])
+    for meta, r, b in paired_steps(files, min_layers=2):
+        a = acc.setdefault((trace_key(r["case"]), r["engine"], b["engine"]),
+                           {"floor": 0.0, "us": 0.0, "base_us": 0.0, "ratios": []})
+        a["floor"] += step_floor_us(r, meta)
+        a["us"] += r["cuda_us"]
+        a["base_us"] += b["cuda_us"]
+        a["ratios"].append(b["cuda_us"] / r["cuda_us"])
     out = []
     for (key, engine, base), a in acc.items():
         rs = sorted(a["ratios"])
@@ -616,55 +651,61 @@ def engine_protocol_table(rows: list[dict]) -> str:
                     align="lllrrrrrr") if cells else ""
 
 
-def engine_step_points(files, engine: str) -> list[tuple[int, float, float]]:
-    """(active rows, total tokens, per-step CUDA ratio vs the baseline) of ``engine``'s steps in
-    the engine-protocol per-step files."""
-    pts = []
-    for path, doc in _of_kind(files, "serving-steps"):
-        if int(doc["meta"].get("layers") or 1) < 2:
-            continue
-        base = {(r["case"], r["step"]): r for r in doc["rows"] if r.get("baseline")}
-        for r in doc["rows"]:
-            b = base.get((r["case"], r["step"]))
-            if b is not None and r["engine"] == engine:
-                pts.append((r["active"], r["active"] * r["mean_context"], b["cuda_us"] / r["cuda_us"]))
-    return pts
+def engine_step_points(files, engine: str) -> list[dict]:
+    """One point per measured step of ``engine`` in the engine-protocol per-step files (the
+    steps the engine-protocol table counts): its experiment, the experiment's baseline
+    (:func:`baseline_text`), active rows, total tokens and the per-step CUDA ratio."""
+    pts, bases = [], collections.defaultdict(dict)
+    for _, r, b in paired_steps(files, min_layers=2):
+        if r["engine"] == engine:
+            exp = trace_key(r["case"])
+            bases[exp][r["case"]] = b["engine"]
+            pts.append({"experiment": exp, "active": r["active"],
+                        "tokens": r["active"] * r["mean_context"],
+                        "ratio": b["cuda_us"] / r["cuda_us"]})
+    return [dict(p, baseline=baseline_text(bases[p["experiment"]])) for p in pts]
 
 
 def route_map_cells(files, engine: str = "pkvrt-adaptive") -> list[dict]:
-    """Per (active rows, context bin) of ``engine``'s steps: the route it took most often, that
-    route's share, and the wall / CUDA throughput ratio against the baseline over those steps."""
+    """Per experiment and (active rows, context bin) of ``engine``'s steps: the route it took
+    most often, that route's share, and the wall / CUDA throughput ratio against the baseline
+    (named per experiment, :func:`baseline_text`) over those steps."""
     acc: dict = collections.defaultdict(lambda: [collections.Counter(), 0.0, 0.0, 0.0, 0.0])
-    for r, b in paired_steps(files):
+    bases: dict[str, dict[str, str]] = collections.defaultdict(dict)
+    for _, r, b in paired_steps(files):
         if r["engine"] != engine:
             continue
-        a = acc[(r["active"], context_bin(r["max_context"]))]
+        exp = trace_key(r["case"])
+        bases[exp][r["case"]] = b["engine"]
+        a = acc[(exp, r["active"], context_bin(r["max_context"]))]
         a[0][r["route"]] += 1
         a[1] += b["wall_us"]
         a[2] += r["wall_us"]
         a[3] += b["cuda_us"]
         a[4] += r["cuda_us"]
     out = []
-    for (active, bin_), (routes, bw, ew, bc, ec) in sorted(acc.items()):
+    for (exp, active, bin_), (routes, bw, ew, bc, ec) in sorted(acc.items()):
         route, n = routes.most_common(1)[0]
         total = sum(routes.values())
-        out.append({"active": active, "bin": bin_, "route": route, "share": n / total,
-                    "steps": total, "wall_ratio": bw / ew, "cuda_ratio": bc / ec})
+        out.append({"experiment": exp, "baseline": baseline_text(bases[exp]), "active": active,
+                    "bin": bin_, "route": route, "share": n / total, "steps": total,
+                    "wall_ratio": bw / ew, "cuda_ratio": bc / ec})
     return out
 
 
 def context_table(data: list[dict]) -> str:
-    rows = [(d["engine"], bin_label(*d["bin"]), d["steps"], f"{d['cuda_ratio']:.3f}",
-             f"{d['wall_ratio']:.3f}") for d in data]
-    return md_table(("Engine", "Longest context", "Steps", "CUDA ratio", "Wall ratio"), rows,
-                    align="llrrr") if rows else ""
+    rows = [(d["experiment"], d["engine"], d["baseline"], bin_label(*d["bin"]), d["steps"],
+             f"{d['cuda_ratio']:.3f}", f"{d['wall_ratio']:.3f}") for d in data]
+    return md_table(("Experiment", "Engine", "Baseline", "Longest context", "Steps", "CUDA ratio",
+                     "Wall ratio"), rows, align="lllrrrr") if rows else ""
 
 
 def route_map_table(cells: list[dict]) -> str:
-    rows = [(c["active"], bin_label(*c["bin"]), c["route"], f"{100 * c['share']:.0f}%", c["steps"],
-             f"{c['cuda_ratio']:.3f}", f"{c['wall_ratio']:.3f}") for c in cells]
-    return md_table(("Active rows", "Longest context", "Route", "Share", "Steps", "CUDA ratio",
-                     "Wall ratio"), rows, align="rllrrrr") if rows else ""
+    rows = [(c["experiment"], c["baseline"], c["active"], bin_label(*c["bin"]), c["route"],
+             f"{100 * c['share']:.0f}%", c["steps"], f"{c['cuda_ratio']:.3f}",
+             f"{c['wall_ratio']:.3f}") for c in cells]
+    return md_table(("Experiment", "Baseline", "Active rows", "Longest context", "Route", "Share",
+                     "Steps", "CUDA ratio", "Wall ratio"), rows, align="llrllrrrr") if rows else ""
 
 
 # --------------------------------------------------------------------------- other files
@@ -685,78 +726,122 @@ def generic_table(path, doc) -> str:
 
 
 # --------------------------------------------------------------------------- plots
+# Each plot draws the numbers of one table above, one panel per experiment (trace, B, G, L), so
+# that no series mixes batch sizes, group sizes, layer counts or baselines.
 
-def plot_ratio_vs_context(data: list[dict], path: Path) -> None:
-    """Wall and CUDA throughput ratio against the longest context, one line per engine."""
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+
+def _panels(plt, n: int, *, ncols: int = 4, size: tuple[float, float] = (4.6, 3.4)):
+    """A figure with ``n`` panels in rows of ``ncols`` (the unused cells removed), laid out by
+    matplotlib's constrained layout; returns (figure, list of ``n`` axes)."""
+    ncols = min(n, ncols)
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows),
+                             squeeze=False, layout="constrained")
+    for ax in axes.flat[n:]:
+        fig.delaxes(ax)
+    return fig, list(axes.flat[:n])
+
+
+def _by_experiment(items: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = collections.OrderedDict()
+    for it in items:
+        out.setdefault(it["experiment"], []).append(it)
+    return out
+
+
+def _bin_x(bin_: tuple[int, int]) -> float:
+    """Where a power-of-two context bin sits on a log axis: its geometric middle."""
+    return math.sqrt(bin_[0] * bin_[1])
+
+
+def plot_ratio_vs_context(data: list[dict], path: Path) -> None:
+    """The throughput-ratio-by-context table: one panel per experiment, one colour per engine
+    (the legend names its baseline), CUDA-event ratio solid, wall ratio dashed."""
+    plt = _pyplot()
+    groups = _by_experiment(data)
     engines = list(dict.fromkeys(d["engine"] for d in data))
-    for ax, key, title in zip(axes, ("wall_ratio", "cuda_ratio"), ("wall", "CUDA events")):
-        for e in engines:
-            pts = [d for d in data if d["engine"] == e]
-            x = [math.sqrt(d["bin"][0] * d["bin"][1]) for d in pts]
-            ax.plot(x, [d[key] for d in pts], marker="o", label=e)
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    color = {e: plt.get_cmap("tab10")(i % 10) for i, e in enumerate(engines)}
+    fig, axes = _panels(plt, len(groups))
+    for ax, (exp, rows) in zip(axes, groups.items()):
+        for e in dict.fromkeys(d["engine"] for d in rows):
+            pts = [d for d in rows if d["engine"] == e]
+            x = [_bin_x(d["bin"]) for d in pts]
+            ax.plot(x, [d["cuda_ratio"] for d in pts], marker="o", color=color[e],
+                    label=f"{e} vs {pts[0]['baseline']}")
+            ax.plot(x, [d["wall_ratio"] for d in pts], marker="x", ls="--", color=color[e])
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("longest context in the step (tokens, power-of-two bins)")
-        ax.set_title(f"decode-token throughput ratio vs baseline ({title})")
-    axes[0].set_ylabel("engine / baseline")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ax.set_title(exp, fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle("Decode-token throughput ratio vs the baseline by longest context, per experiment "
+                 "(solid: CUDA events, dashed: wall; steps per point: the table)")
+    fig.supxlabel("longest context in the step (tokens, power-of-two bins)")
+    fig.supylabel("engine / baseline")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_route_map(cells: list[dict], path: Path) -> None:
-    """The adaptive engine's route over (active rows, context bin), labelled by the wall ratio."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The route-map table: one panel per experiment, the adaptive engine's route per (active
+    rows, context bin) as a coloured square labelled by the wall ratio vs the named baseline."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(7, 5))
+    groups = _by_experiment(cells)
     routes = list(dict.fromkeys(c["route"] for c in cells))
-    colors = plt.get_cmap("tab10")
-    for i, route in enumerate(routes):
-        pts = [c for c in cells if c["route"] == route]
-        ax.scatter([c["active"] for c in pts], [math.sqrt(c["bin"][0] * c["bin"][1]) for c in pts],
-                   s=400, marker="s", color=colors(i % 10), label=route)
-    for c in cells:
-        ax.annotate(f"{c['wall_ratio']:.2f}", (c["active"], math.sqrt(c["bin"][0] * c["bin"][1])),
-                    ha="center", va="center", fontsize=7, color="white")
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("active rows")
-    ax.set_ylabel("longest context (tokens)")
-    ax.set_title("adaptive route per (active, context); label: wall ratio vs baseline")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    color = {r: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(routes)}
+    fig, axes = _panels(plt, len(groups))
+    for ax, (exp, cs) in zip(axes, groups.items()):
+        x, y = [c["active"] for c in cs], [_bin_x(c["bin"]) for c in cs]
+        ax.scatter(x, y, s=260, marker="s", color=[color[c["route"]] for c in cs])
+        for c, xi, yi in zip(cs, x, y):
+            ax.annotate(f"{c['wall_ratio']:.2f}", (xi, yi), ha="center", va="center", fontsize=6,
+                        color="white")
+        ax.set_xlim(0.3, max(x) + 0.7)
+        ax.set_xticks(range(1, max(x) + 1))
+        ax.set_yscale("log", base=2)
+        ax.margins(y=0.15)
+        ax.set_title(f"{exp}\nvs {cs[0]['baseline']}", fontsize=8)
+    fig.legend(handles=[Line2D([], [], marker="s", ls="", color=color[r], label=r) for r in routes],
+               loc="outside right upper", title="route", fontsize=8)
+    fig.suptitle("Route of pkvrt-adaptive per (active rows, longest context), per experiment; "
+                 "label: wall ratio vs the baseline")
+    fig.supxlabel("active rows")
+    fig.supylabel("longest context (tokens)")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_step_ratios(pts: list[tuple[int, float, float]], engine: str, path: Path) -> None:
-    """Per-step CUDA ratio of ``engine`` against (active rows, total tokens): every step class
-    that loses shows red."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_step_ratios(pts: list[dict], engine: str, path: Path) -> None:
+    """Every measured engine-protocol step of ``engine`` (the steps the engine-protocol table
+    counts), one panel per experiment: per-step CUDA ratio vs the named baseline against (active
+    rows, total tokens); a step that loses shows red, on one colour scale for all panels."""
+    plt = _pyplot()
     from matplotlib.colors import TwoSlopeNorm
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    ratios = [p["ratio"] for p in pts]
+    norm = TwoSlopeNorm(vmin=min(min(ratios), 0.9), vcenter=1.0, vmax=max(max(ratios), 1.1))
+    groups = _by_experiment(pts)
+    fig, axes = _panels(plt, len(groups))
     rng = np.random.default_rng(0)   # spread the integer row counts a little so points show
-    x = [a + rng.uniform(-0.25, 0.25) for a, _, _ in pts]
-    ratios = [r for _, _, r in pts]
-    sc = ax.scatter(x, [t for _, t, _ in pts], c=ratios, cmap="RdYlGn", s=14,
-                    norm=TwoSlopeNorm(vmin=min(min(ratios), 0.9), vcenter=1.0, vmax=max(max(ratios), 1.1)))
-    fig.colorbar(sc, ax=ax, label="per-step CUDA ratio vs the baseline (>1: faster)")
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("active rows in the step")
-    ax.set_ylabel("total tokens in the step (KV read per layer)")
-    ax.set_title(f"{engine}: engine protocol, every measured step of every trace")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    for ax, (exp, ps) in zip(axes, groups.items()):
+        sc = ax.scatter([p["active"] + rng.uniform(-0.25, 0.25) for p in ps],
+                        [p["tokens"] for p in ps], c=[p["ratio"] for p in ps], cmap="RdYlGn",
+                        norm=norm, s=14)
+        ax.set_xticks(range(1, max(p["active"] for p in ps) + 1))
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"{exp} vs {ps[0]['baseline']} ({len(ps)} steps)", fontsize=8)
+    fig.colorbar(sc, ax=axes, label="per-step CUDA ratio vs the baseline (>1: faster)")
+    fig.suptitle(f"{engine}: engine protocol, every measured step, per experiment")
+    fig.supxlabel("active rows in the step")
+    fig.supylabel("total tokens in the step (KV read per layer)")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -770,15 +855,23 @@ def _have_matplotlib() -> bool:
 
 # --------------------------------------------------------------------------- the report
 
-def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
-    """The Markdown text and the notes printed by the command (plots written or skipped)."""
+def build_report(files, out_dir: Path, *, plots: bool = True) -> tuple[str, list[str]]:
+    """The Markdown text and the notes printed by the command; draws the plots into ``out_dir``
+    unless ``plots`` is False. Raises ValueError, before writing anything, when there are
+    per-step records to plot, ``plots`` is True and matplotlib is not installed."""
+    by_ctx = ratio_by_context(files)
+    cells = route_map_cells(files)
+    engine_rows = engine_protocol_rows(files)
+    if plots and (by_ctx or cells) and not _have_matplotlib():
+        raise ValueError(NO_MATPLOTLIB)
     parts = ["# pkvrt results report", "", "| File | Kind | GPU | Date | Commit |", "|---|---|---|---|---|"]
     for path, doc in files:
         m = doc["meta"]
         parts.append(f"| {Path(path).name} | {file_kind(doc)} | {m.get('gpu') or '-'} | "
                      f"{m.get('date') or '-'} | {m.get('pkvrt_commit') or '-'} |")
     sections = [
-        ("Table 1: isolated decode attention (best split per engine)", isolated_table(files)),
+        (f"Table 1: isolated decode attention (best split per engine; fraction of the "
+         f"{FLOOR_GBPS / 1e3:g} TB/s read floor)", isolated_table(files)),
         ("Table 2: serving throughput against the baseline (mean ± std over seeds)",
          serving_table(files)),
         ("Table 3: absolute serving throughput (mean ± std over seeds; -L<n>-mlp cases are the "
@@ -787,14 +880,13 @@ def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
         ("Table 5: hardware counters (Nsight Compute)", ncu_table(files)),
         ("Table 6: coverage map (from the measured results)", coverage_table(files)),
         ("Table 7: split sensitivity (calibration seed sweeps)", split_table(files)),
+        (f"Engine protocol: fraction of the read floor (KV bytes at {FLOOR_GBPS / 1e3:g} TB/s) and "
+         "per-step ratios", engine_protocol_table(engine_rows)),
+        ("Throughput ratio by longest context (per-step records, per experiment)",
+         context_table(by_ctx)),
+        ("Route map of the adaptive engine (per-step records, per experiment)",
+         route_map_table(cells)),
     ]
-    by_ctx = ratio_by_context(files)
-    cells = route_map_cells(files)
-    engine_rows = engine_protocol_rows(files)
-    sections += [("Engine protocol: fraction of the read floor (KV bytes at 4.2 TB/s) and per-step "
-                  "ratios", engine_protocol_table(engine_rows)),
-                 ("Throughput ratio by longest context (per-step records)", context_table(by_ctx)),
-                 ("Route map of the adaptive engine (per-step records)", route_map_table(cells))]
     handled = {"isolated", "serving", "serving-steps", "plan", NCU}
     for path, doc in files:
         if file_kind(doc) not in handled:
@@ -805,25 +897,26 @@ def build_report(files, out_dir: Path) -> tuple[str, list[str]]:
     if not by_ctx and not cells:
         note = "No per-step records (.steps.json files) to plot."
         parts += ["", note]
-    elif not _have_matplotlib():
-        note = NO_PLOTS
+    elif not plots:
+        note = PLOTS_OFF
         parts += ["", note]
     else:
-        plots = []
+        out_dir.mkdir(parents=True, exist_ok=True)
+        drawn = []
         if by_ctx:
             plot_ratio_vs_context(by_ctx, out_dir / "ratio_vs_context.png")
-            plots.append("ratio_vs_context.png")
+            drawn.append("ratio_vs_context.png")
         if cells:
             plot_route_map(cells, out_dir / "route_map.png")
-            plots.append("route_map.png")
+            drawn.append("route_map.png")
         for engine in dict.fromkeys(r["engine"] for r in engine_rows):
             pts = engine_step_points(files, engine)
             if pts:
                 name = f"steps_{engine}.png"
                 plot_step_ratios(pts, engine, out_dir / name)
-                plots.append(name)
-        parts += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-        note = "wrote plots: " + ", ".join(plots)
+                drawn.append(name)
+        parts += ["", "## Plots", ""] + [f"![{p}]({p})" for p in drawn]
+        note = "wrote plots: " + ", ".join(drawn)
     return "\n".join(parts) + "\n", [note]
 
 
@@ -833,14 +926,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory of results JSON files (pkvrt bench, benches/isolated.py)")
     parser.add_argument("--out", metavar="DIR",
                         help="where report.md and the plots go (default: RESULTS_DIR/report)")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write report.md with the tables only (no matplotlib needed); plot "
+                             "files already in DIR are left as they are, without links")
 
 
 def run(args: argparse.Namespace) -> int:
     """``pkvrt report``: write DIR/report.md (and plots); returns 0."""
     files = load_dir(args.results_dir)
     out = Path(args.out) if args.out else Path(args.results_dir) / "report"
+    text, notes = build_report(files, out, plots=not args.no_plots)
     out.mkdir(parents=True, exist_ok=True)
-    text, notes = build_report(files, out)
     (out / "report.md").write_text(text, encoding="utf-8")
     print(f"read {len(files)} results file(s) from {args.results_dir}")
     for n in notes:

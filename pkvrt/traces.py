@@ -9,14 +9,15 @@ three places:
   ``write_csv(mixed_fixture(), "pkvrt/_data/traces/mixed.csv")``);
 - a CSV or JSON file, e.g. the Azure slices in ``../shared/traces/``.
 
-File formats (what :func:`load_trace` accepts):
+File formats (what :func:`load_trace` accepts; docs/traces.md describes them with examples):
 
 - CSV: a header line, then one request per line. Columns ``prompt_len`` and ``decode_len`` are
-  required, ``arrival_step`` is optional (0 when absent); any column order; other columns are
-  ignored (real logs carry timestamps and ids), so a misspelt *required* column is an error
-  while a misspelt optional one is silently absent. Blank lines are skipped.
-- JSON: a list of objects, or an object ``{"requests": [...]}``, each object with the same keys
-  (JSON integers only; other keys ignored).
+  required, ``arrival_step`` is optional (0 when absent); any column order. Any other column
+  name is an error naming the file, the column and the accepted columns (a misspelt optional
+  column would otherwise be silently absent); so is a column named twice. Blank lines are
+  skipped.
+- JSON: a list of objects, or an object ``{"requests": [...]}`` (its other keys are ignored),
+  each request object with the same keys and no others (JSON integers only).
 
 Values must be integers: lengths >= 1, arrival_step >= 0. Request ids are the 0-based position
 in the file; a trace's ids are always ``0..n-1`` so that they index page-table rows.
@@ -53,6 +54,7 @@ FIXTURE_DIR = Path(__file__).resolve().parent / "_data" / "traces"
 _INT32_MAX = 2**31 - 1
 _FIELDS = ("arrival_step", "prompt_len", "decode_len")
 _REQUIRED = ("prompt_len", "decode_len")
+_ACCEPTED = "prompt_len, decode_len (required), arrival_step (optional)"
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 
 
@@ -253,6 +255,16 @@ def _load_csv(path: Path, text: str) -> list[tuple[int, int, int]]:
         raise TraceError(path, 1, None, "expected a header line with columns prompt_len,"
                          "decode_len[,arrival_step], got an empty file")
     names = [h.strip() for h in header]
+    for i, name in enumerate(names):
+        if not name:
+            raise TraceError(path, 1, None, f"column {i + 1} of the header has no name (a "
+                             f"trailing comma?); the accepted columns are {_ACCEPTED}")
+        if name not in _FIELDS:
+            raise TraceError(path, 1, name, f"unknown column; the accepted columns are "
+                             f"{_ACCEPTED}")
+        if names.count(name) > 1:
+            raise TraceError(path, 1, name, "expected each column once, got it "
+                             f"{names.count(name)} times")
     for name in _REQUIRED:
         if name not in names:
             raise TraceError(path, 1, name, f"expected a column named {name!r} in the header, "
@@ -338,6 +350,10 @@ def _load_json(path: Path, text: str) -> list[tuple[int, int, int]]:
     for obj, line in elements:
         if not isinstance(obj, dict):
             raise TraceError(path, line, None, f"expected a request object, got {obj!r}")
+        for name in obj:
+            if name not in _FIELDS:
+                raise TraceError(path, line, name, f"unknown key; the accepted keys are "
+                                 f"{_ACCEPTED}")
         for name in _REQUIRED:
             if name not in obj:
                 raise TraceError(path, line, name, f"expected key {name!r} in the request "
@@ -352,8 +368,9 @@ def load_trace(path) -> Trace:
     """Load a CSV (``.csv`` or anything not ``.json``) or JSON (``.json``) trace file.
 
     See the module docstring for the formats. Raises :class:`TraceError` naming the file, line
-    and field for a missing column/key, a non-integer, a length < 1, a negative arrival step, an
-    empty file, or malformed JSON; ``FileNotFoundError`` if the file does not exist.
+    and field for a missing or unknown column/key, a non-integer, a length < 1, a negative
+    arrival step, an empty file, or malformed JSON; ``FileNotFoundError`` if the file does not
+    exist.
     """
     path = Path(path)
     raw = path.read_bytes()

@@ -70,8 +70,8 @@ def test_fallback_without_out_writes_nothing(capsys, tmp_path, no_cuda, monkeypa
 @pytest.mark.parametrize("argv, message", [
     (["--max-active", "0"], "argument --max-active: 0 is not positive"),
     (["--steps-limit", "-3"], "argument --steps-limit: -3 is not positive"),
-    (["--seeds", "abc"], "--seeds: 'abc' is not an integer or a range A-B"),
-    (["--seeds", "9-3"], "--seeds: range '9-3' is empty"),
+    (["--seeds", "abc"], "argument --seeds: 'abc' is not an integer or a range A-B"),
+    (["--seeds", "9-3"], "argument --seeds: range '9-3' is empty"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
 ])
 def test_serving_argument_errors(capsys, no_cuda, argv, message):
@@ -86,7 +86,7 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),
     (["--trace", "no/such.csv"], "--trace 'no/such.csv': expected a family"),
-    (["--num-qo-heads", "30"], "--num-qo-heads 30 is not a multiple of --num-kv-heads 8"),
+    (["--num-qo-heads", "30"], "--num-qo-heads 30: expected a multiple of --num-kv-heads 8"),
     (["--calibration", "no/such.json"], "no/such.json: cannot read calibration file"),
     (["--routes", "no/such.toml"], "no/such.toml: file not found"),
 ])
@@ -96,6 +96,7 @@ def test_serving_value_errors_name_the_argument(capsys, no_cuda, argv, message):
     assert err.startswith("pkvrt: error: ") and message in err
 
 
+@pytest.mark.slow
 def test_bench_alone_is_the_main_job(capsys, no_cuda):
     # `pkvrt bench` with no mode = `pkvrt bench serving` with its defaults (README's main job);
     # without CUDA that is the planner over the default trace, exit 0.
@@ -453,6 +454,7 @@ def _config(**kw):
     return harness.ServingConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_cpu_loop_rows_ratios_and_steps():
     rows, steps, info, logs = _run_cpu(_config())
     assert info["baseline"] == "flashinfer-tc"                    # the cuda variant was slowed
@@ -476,6 +478,7 @@ def test_cpu_loop_rows_ratios_and_steps():
     assert any("baseline flashinfer-tc" in line for line in logs)
 
 
+@pytest.mark.slow
 def test_cpu_loop_baseline_probe_survives_a_failing_variant(monkeypatch):
     def broken_plan(self, step):
         if self.label == "flashinfer-tc":
@@ -501,6 +504,7 @@ def test_cpu_loop_wrong_engine_is_not_timed():
     assert any("pkvrt-bucket: FAILED correctness" in line for line in logs)
 
 
+@pytest.mark.slow
 def test_cpu_loop_engine_protocol_with_mlp(tmp_path, capsys):
     config = _config(layers=3, mlp=True, mlp_intermediate=32, engines=("flashinfer", "adaptive"))
     rows, steps, info, _ = _run_cpu(config)

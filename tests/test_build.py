@@ -80,9 +80,24 @@ def test_targets_env(monkeypatch):
 
 
 def test_missing_nvcc_message(monkeypatch, tmp_path):
-    monkeypatch.setenv("PKVRT_NVCC", str(tmp_path / "nope"))
+    monkeypatch.delenv("PKVRT_NVCC", raising=False)
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.setattr(shutil, "which", lambda _: None)
     monkeypatch.setattr(_build.Path, "is_file", lambda self: False)
     with pytest.raises(_build.BuildError, match="CUDA_HOME or PKVRT_NVCC"):
         _build.find_nvcc()
+
+
+def test_pkvrt_nvcc_that_is_not_an_executable_is_an_error(monkeypatch, tmp_path):
+    # the user named this nvcc: no silent fallback to another one on PATH
+    other = tmp_path / "bin" / "nvcc"
+    other.parent.mkdir()
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    monkeypatch.setattr(shutil, "which", lambda _: str(other))
+    monkeypatch.setenv("PKVRT_NVCC", "/nonexistent/nvcc")
+    with pytest.raises(_build.BuildError, match="^PKVRT_NVCC=/nonexistent/nvcc: expected the path "
+                                                "of an executable nvcc"):
+        _build.find_nvcc()
+    monkeypatch.setenv("PKVRT_NVCC", str(other))
+    assert _build.find_nvcc() == str(other)

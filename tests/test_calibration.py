@@ -218,6 +218,18 @@ def test_calibration_dirs_is_the_checkout_directory_here(monkeypatch):
     assert calibration_dirs() == [REPO / "calibration"]
 
 
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_calibration_dir_env_must_be_a_directory(tmp_path, monkeypatch, kind):
+    # the user asked for this directory: a typo is an error naming it, not a silent fallback
+    path = tmp_path / "no-such-dir"
+    if kind == "file":
+        path.write_text("{}")
+    monkeypatch.setenv(C.ENV_DIR, str(path))
+    with pytest.raises(CalibrationError, match=f"^{C.ENV_DIR}={path}: expected an existing "
+                                               "directory of calibration files"):
+        find_calibration("NVIDIA H200")
+
+
 def _profile(tmp_path, slug, gpu, name=None, **changes) -> pathlib.Path:
     doc = seed_doc() | {"slug": slug, "gpu": gpu} | changes
     return write(tmp_path, doc, name or f"{slug}.json")

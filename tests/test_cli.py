@@ -184,6 +184,7 @@ def test_a_broken_import_inside_a_command_module_propagates(fake_modules, monkey
     assert info.value.name == "pkvrt_test_no_such_dependency"
 
 
+@pytest.mark.slow
 def test_python_dash_m(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pkvrt", "routes"], cwd=REPO,
                           capture_output=True, text=True, timeout=300,

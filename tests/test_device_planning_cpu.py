@@ -298,6 +298,7 @@ def test_the_planning_kernel_is_loaded_at_construction(fake_device, monkeypatch)
     assert not any(f == "plan_workqueue" for f, _, _ in loaded)
 
 
+@pytest.mark.slow
 def test_only_later_launches_of_a_step_read_the_plan_early(fake_device, pool):  # noqa: F811
     """early_kv (the decode copying K/V before the previous kernel finishes) is never set on the
     first launch after a plan (the plan kernel may be the kernel before it), and only in eager

@@ -115,19 +115,24 @@ def test_isolated_table(capsys, tmp_path):
         dict(case="B1-32K", engine="pkvrt-fused", splits=8, error="RuntimeError('boom')"),
     ]
     write(d / "isolated.json", None, rows, protocol="isolated graph-replay (fake)",
-          read_bandwidth_gbps=4000.0)
+          read_bandwidth_gbps=2000.0)
     rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
     assert rc == 0, err
-    t1 = table((tmp_path / "o" / "report.md").read_text(), "Table 1")
-    assert t1[0] == ["B1-32K", "pkvrt-bucket", "32", "36.00", "2777.0", "0.700", "1.111x"]
-    assert t1[1] == ["B1-32K", "flashinfer-tc", "-", "40.00", "2500.0", "0.625", "1.000x"]
-    assert t1[2] == ["B1-32K", "flashinfer-cuda", "-", "50.00", "2000.0", "0.500", "0.800x"]
+    md = (tmp_path / "o" / "report.md").read_text()
+    t1 = table(md, "Table 1")
+    # the fraction is GB/s over the stated 4.2 TB/s floor, never over the file's read probe
+    # (2000 GB/s here: 2777 / 2000 = 1.39) nor a row's own frac_read_bw (0.7): 2777 / 4200 = 0.661
+    assert t1[0] == ["B1-32K", "pkvrt-bucket", "32", "36.00", "2777.0", "0.661", "1.111x"]
+    assert t1[1] == ["B1-32K", "flashinfer-tc", "-", "40.00", "2500.0", "0.595", "1.000x"]
+    assert t1[2] == ["B1-32K", "flashinfer-cuda", "-", "50.00", "2000.0", "0.476", "0.800x"]
     assert t1[3][:4] == ["B1-32K", "pkvrt-fused", "8", "FAILED"] and "boom" in t1[3][6]
+    assert "| Case | Engine | Split | µs | GB/s | Fraction of 4.2 TB/s | Ratio vs FlashInfer best |" in md
+    assert report.FLOOR_GBPS == 4200.0
 
 
-def _steps(engine, baseline, values, route=None):
+def _steps(engine, baseline, values, route=None, case="bimodal-B8-seed1"):
     """values: (step, active, max_context, wall_us, cuda_us)."""
-    return [dict(case="bimodal-B8-seed1", engine=engine, seed=1, baseline=baseline, step=s, active=a,
+    return [dict(case=case, engine=engine, seed=1, baseline=baseline, step=s, active=a,
                  max_context=c, mean_context=c / 2, route=route or ("flashinfer" if baseline else "x"),
                  split_max=None, wall_us=w, cuda_us=u) for s, a, c, w, u in values]
 
@@ -142,32 +147,129 @@ def test_per_step_tables_and_route_map(capsys, tmp_path):
                 + _steps("pkvrt-adaptive", False, [(3, 1, 5000, 10.0, 8.0)], route="flashinfer"))
     write(d / "s.steps.json", "serving-steps", base + adaptive)
     files = report.load_dir(d)
-    by_ctx = {(r["engine"], r["bin"]): r for r in report.ratio_by_context(files)}
+    by_ctx = {(r["experiment"], r["engine"], r["bin"]): r for r in report.ratio_by_context(files)}
     # 16K-32K bin: baseline 200 us wall, engine 200 us -> 1.0; cuda 160 / 100 = 1.6
-    r = by_ctx[("pkvrt-adaptive", (16384, 32768))]
+    r = by_ctx[("bimodal-B8", "pkvrt-adaptive", (16384, 32768))]
     assert r["steps"] == 2 and r["wall_ratio"] == pytest.approx(1.0) and r["cuda_ratio"] == pytest.approx(1.6)
-    assert by_ctx[("pkvrt-adaptive", (32768, 65536))]["wall_ratio"] == pytest.approx(1.5)
+    assert r["baseline"] == "flashinfer-tc"
+    assert by_ctx[("bimodal-B8", "pkvrt-adaptive", (32768, 65536))]["wall_ratio"] == pytest.approx(1.5)
     cells = {(c["active"], c["bin"]): c for c in report.route_map_cells(files)}
     assert cells[(8, (16384, 32768))]["route"] == "pkv_workqueue"
     assert cells[(2, (32768, 65536))]["route"] == "pkv_bucket"
     assert cells[(1, (4096, 8192))]["wall_ratio"] == pytest.approx(1.0)
-    rc, out, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    rc, out, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"), "--no-plots")
     assert rc == 0, err
     md = (tmp_path / "o" / "report.md").read_text()
-    assert ["pkvrt-adaptive", "16K-32K", "2", "1.600", "1.000"] in table(md, "Throughput ratio")
-    assert ["2", "32K-64K", "pkv_bucket", "100%", "1", "2.000", "1.500"] in table(md, "Route map")
+    assert ["bimodal-B8", "pkvrt-adaptive", "flashinfer-tc", "16K-32K", "2", "1.600",
+            "1.000"] in table(md, "Throughput ratio")
+    assert ["bimodal-B8", "flashinfer-tc", "2", "32K-64K", "pkv_bucket", "100%", "1", "2.000",
+            "1.500"] in table(md, "Route map")
 
 
-def test_plots_skipped_without_matplotlib(capsys, tmp_path, monkeypatch):
+def test_per_step_data_is_per_experiment_and_names_the_baseline(tmp_path):
+    """B, G and L are different experiments: the per-step tables and plots never pool them, and
+    a group whose seeds had different baselines names each with its share."""
+    d = tmp_path / "st"
+    rows = []
+    for case in ("bimodal-B8-seed1", "bimodal-B4-seed1", "bimodal-B8-G1-seed1", "bimodal-B8-L32-seed1"):
+        rows += (_steps("flashinfer-tc", True, [(0, 2, 20000, 100.0, 80.0)], case=case)
+                 + _steps("pkvrt-adaptive", False, [(0, 2, 20000, 50.0, 40.0)], case=case))
+    rows += (_steps("flashinfer-cuda", True, [(0, 2, 20000, 100.0, 80.0)], case="bimodal-B8-seed2")
+             + _steps("pkvrt-adaptive", False, [(0, 2, 20000, 50.0, 40.0)], case="bimodal-B8-seed2"))
+    write(d / "s.steps.json", "serving-steps", rows)
+    files = report.load_dir(d)
+    by_ctx = {r["experiment"]: r for r in report.ratio_by_context(files)}
+    assert sorted(by_ctx) == ["bimodal-B4", "bimodal-B8", "bimodal-B8-G1", "bimodal-B8-L32"]
+    assert by_ctx["bimodal-B4"]["steps"] == 1 and by_ctx["bimodal-B8"]["steps"] == 2
+    assert by_ctx["bimodal-B8"]["baseline"] == "flashinfer-tc (1/2 seeds), flashinfer-cuda (1/2 seeds)"
+    assert by_ctx["bimodal-B8-L32"]["baseline"] == "flashinfer-tc"
+    cells = report.route_map_cells(files)
+    assert [(c["experiment"], c["steps"]) for c in cells] == [
+        ("bimodal-B4", 1), ("bimodal-B8", 2), ("bimodal-B8-G1", 1), ("bimodal-B8-L32", 1)]
+
+
+def test_per_step_run_in_two_files_counts_once_newest_wins(tmp_path):
+    """A later file re-timing an engine on the same seeds (serving-figraph-*) replaces the older
+    records in the per-step tables and plots, as in Table 2: each measured step counts once."""
+    d = tmp_path / "st"
+    old = (_steps("flashinfer-cuda", True, [(0, 8, 20000, 100.0, 80.0), (1, 8, 20000, 100.0, 80.0)])
+           + _steps("pkvrt-device-plan", False, [(0, 8, 20000, 50.0, 40.0), (1, 8, 20000, 50.0, 40.0)])
+           + _steps("pkvrt-adaptive", False, [(0, 8, 20000, 80.0, 60.0), (1, 8, 20000, 80.0, 60.0)]))
+    new = (_steps("flashinfer-cuda", True, [(0, 8, 20000, 100.0, 80.0), (1, 8, 20000, 100.0, 80.0)])
+           + _steps("pkvrt-device-plan", False, [(0, 8, 20000, 100.0, 80.0), (1, 8, 20000, 100.0, 80.0)]))
+    write(d / "a.steps.json", "serving-steps", old, date="2026-11-29T20:00:00+00:00", layers=32)
+    write(d / "b.steps.json", "serving-steps", new, date="2026-11-29T21:00:00+00:00", layers=32)
+    files = report.load_dir(d)
+    by_ctx = {r["engine"]: r for r in report.ratio_by_context(files)}
+    assert by_ctx["pkvrt-device-plan"]["steps"] == 2                      # not 4
+    assert by_ctx["pkvrt-device-plan"]["cuda_ratio"] == pytest.approx(1.0)  # the newer file's
+    assert by_ctx["pkvrt-adaptive"]["steps"] == 2                         # only in the older file
+    pts = report.engine_step_points(files, "pkvrt-device-plan")
+    assert len(pts) == 2 and {p["ratio"] for p in pts} == {1.0}
+    assert {p["baseline"] for p in pts} == {"flashinfer-cuda"}
+    rows = {r["engine"]: r for r in report.engine_protocol_rows(files)}
+    assert rows["pkvrt-device-plan"]["steps"] == len(pts) == 2
+
+
+def test_without_matplotlib_report_fails_and_keeps_the_committed_plots(capsys, tmp_path, monkeypatch):
     d = tmp_path / "st"
     write(d / "s.steps.json", "serving-steps",
           _steps("flashinfer-tc", True, [(0, 8, 20000, 100.0, 80.0)])
           + _steps("pkvrt-adaptive", False, [(0, 8, 20000, 80.0, 40.0)]))
+    o = tmp_path / "o"
+    o.mkdir()
+    committed = "# pkvrt results report\n\n![route_map.png](route_map.png)\n"
+    (o / "report.md").write_text(committed)
+    (o / "route_map.png").write_bytes(b"\x89PNG committed")
     monkeypatch.setattr(report, "_have_matplotlib", lambda: False)
-    rc, out, _ = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
-    assert rc == 0 and report.NO_PLOTS in out
-    assert report.NO_PLOTS in (tmp_path / "o" / "report.md").read_text()
-    assert not list((tmp_path / "o").glob("*.png"))
+    rc, out, err = run(capsys, "report", str(d), "--out", str(o))
+    assert rc == 2 and out == ""
+    assert err == f"pkvrt: error: {report.NO_MATPLOTLIB}\n"
+    assert "pip install 'pkvrt[plots]'" in err and "--no-plots" in err
+    assert (o / "report.md").read_text() == committed
+    assert (o / "route_map.png").read_bytes() == b"\x89PNG committed"
+    # --no-plots: the tables only, said so; the plot files already there are not touched
+    rc, out, err = run(capsys, "report", str(d), "--out", str(o), "--no-plots")
+    assert rc == 0, err
+    md = (o / "report.md").read_text()
+    assert report.PLOTS_OFF in out and report.PLOTS_OFF in md and "## Route map" in md
+    assert "](route_map.png)" not in md
+    assert (o / "route_map.png").read_bytes() == b"\x89PNG committed"
+
+
+def test_without_per_step_records_matplotlib_is_not_needed(capsys, serving_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "_have_matplotlib", lambda: False)
+    rc, out, err = run(capsys, "report", str(serving_dir), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    assert "No per-step records (.steps.json files) to plot." in out
+
+
+def test_plots_have_one_panel_per_experiment_and_name_the_baseline(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    d = tmp_path / "st"
+    rows = []
+    for case, base in (("bimodal-B8-L32-seed1", "flashinfer-tc"), ("bimodal-B8-L32-seed2", "flashinfer-tc"),
+                       ("bimodal-B8-G1-L32-seed1", "flashinfer-cuda")):
+        rows += (_steps(base, True, [(0, 8, 20000, 100.0, 80.0), (1, 4, 40000, 50.0, 40.0)], case=case)
+                 + _steps("pkvrt-device-plan", False, [(0, 8, 20000, 90.0, 70.0),
+                                                      (1, 4, 40000, 45.0, 35.0)], case=case))
+    write(d / "s.steps.json", "serving-steps", rows, layers=32)
+    files = report.load_dir(d)
+    report.plot_ratio_vs_context(report.ratio_by_context(files), tmp_path / "r.png")
+    report.plot_step_ratios(report.engine_step_points(files, "pkvrt-device-plan"), "pkvrt-device-plan",
+                            tmp_path / "s.png")
+    ctx, steps = ([ax for ax in f.axes if ax.get_label() != "<colorbar>"] for f in figs)
+    assert [ax.get_title() for ax in ctx] == ["bimodal-B8-G1-L32", "bimodal-B8-L32"]
+    assert [t.get_text() for t in ctx[0].get_legend().get_texts()] == [
+        "pkvrt-device-plan vs flashinfer-cuda"]
+    # one point per measured step, as the engine-protocol table counts them
+    assert [ax.get_title() for ax in steps] == ["bimodal-B8-L32 vs flashinfer-tc (4 steps)",
+                                                "bimodal-B8-G1-L32 vs flashinfer-cuda (2 steps)"]
+    assert [len(ax.collections[0].get_offsets()) for ax in steps] == [4, 2]
 
 
 def test_plots_written_with_matplotlib(capsys, tmp_path):
@@ -178,6 +280,8 @@ def test_plots_written_with_matplotlib(capsys, tmp_path):
           + _steps("pkvrt-adaptive", False, [(0, 8, 20000, 80.0, 40.0), (1, 1, 40000, 30.0, 20.0)]))
     rc, out, _ = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
     assert rc == 0 and "wrote plots: ratio_vs_context.png, route_map.png" in out
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "![ratio_vs_context.png](ratio_vs_context.png)" in md
     for name in ("ratio_vs_context.png", "route_map.png"):
         assert (tmp_path / "o" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

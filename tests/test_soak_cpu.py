@@ -10,12 +10,15 @@ The GPU side of the soak (device memory, real graph replays) is issue #7's devic
 import tracemalloc
 
 import numpy as np
+import pytest
 import torch
 
 from pkvrt import ops
 from test_runtime_cpu import fake_device, fake_runtime, pool, rel_err, ref, step_inputs  # noqa: F401
 
 STEPS, WARMUP = 30_000, 15_000
+
+pytestmark = pytest.mark.slow  # ~50 s alone on 2 cores; `pytest -q --quick` skips it
 
 
 def test_soak_host_state_bounded_and_deterministic(fake_device, pool, monkeypatch):  # noqa: F811

@@ -95,10 +95,10 @@ def test_mixed_fixture_matches_its_generator():
 
 # --------------------------------------------------------------------------- files
 
-def test_csv_roundtrip_any_column_order_extra_columns(tmp_path):
+def test_csv_roundtrip_any_column_order(tmp_path):
     path = tmp_path / "t.csv"
-    path.write_text("decode_len, note ,prompt_len,arrival_step\n"
-                    "4,x,100,0\n\n3,y,+7,2\n")
+    path.write_text("decode_len, prompt_len ,arrival_step\n"
+                    "4,100,0\n\n3,+7,2\n")
     tr = traces.load_trace(path)
     assert tr.requests == (Request(0, 0, 100, 4), Request(1, 2, 7, 3))
     assert tr.seed is None and tr.source == str(path) and tr.name == "t"
@@ -119,7 +119,7 @@ def test_write_csv_roundtrip(tmp_path, family):
 
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_json_loads_both_shapes(tmp_path, wrapped):
-    reqs = [{"prompt_len": 5, "decode_len": 2, "arrival_step": 1, "user": "a"},
+    reqs = [{"prompt_len": 5, "decode_len": 2, "arrival_step": 1},
             {"decode_len": 1, "prompt_len": 9}]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"meta": {"x": [1]}, "requests": reqs} if wrapped else reqs,
@@ -143,6 +143,11 @@ CSV_CASES = [
     ("prompt_len,decode_len,arrival_step\n10,4,0\n10,4\n", 3, "arrival_step", "no value"),
     ("prompt_len,decode_len\n2147483647,4\n", 2, "decode_len", "int32"),
     ("prompt_len,decode_len\n99999999999,4\n", 2, "prompt_len", "int32"),
+    # a misspelt optional column is refused, not silently absent (arrival_step would read as 0)
+    ("prompt_len,decode_len,arrival_stp\n10,4,3\n", 1, "arrival_stp", "unknown column"),
+    ("prompt_len,decode_len,note\n10,4,x\n", 1, "note", "unknown column"),
+    ("prompt_len,decode_len,\n10,4,\n", 1, None, "column 3 of the header has no name"),
+    ("prompt_len,decode_len,prompt_len\n10,4,9\n", 1, "prompt_len", "2 times"),
 ]
 
 JSON_CASES = [
@@ -163,6 +168,8 @@ JSON_CASES = [
     ('[{"prompt_len": 12, "decode_len": 2, "arrival_step": -1}]', 1, "arrival_step", "negative"),
     ('{"requests": [{"prompt_len": 1, "decode_len": 2}],\n "requests": [\n {"prompt_len": 0, '
      '"decode_len": 2}]}', 3, "prompt_len", "positive"),           # duplicate key: the last wins
+    ('[\n {"prompt_len": 1, "decode_len": 2},\n {"prompt_len": 1, "decode_len": 2, '
+     '"arrivalstep": 4}\n]', 3, "arrivalstep", "unknown key"),
 ]
 
 
@@ -179,6 +186,30 @@ def test_file_errors_name_file_line_field(tmp_path, suffix, text, line, field, w
     assert (err.file, err.line, err.field) == (str(path), line, field)
     if field is not None:
         assert repr(field) in msg
+
+
+@pytest.mark.parametrize("suffix, text", [
+    ("csv", "prompt_len,decode_len,arival_step\n10,4,3\n"),
+    ("json", '[{"prompt_len": 10, "decode_len": 4, "arival_step": 3}]'),
+])
+def test_unknown_column_names_the_accepted_ones(tmp_path, suffix, text):
+    path = tmp_path / f"typo.{suffix}"
+    path.write_text(text)
+    with pytest.raises(TraceError) as info:
+        traces.load_trace(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}, line 1, field 'arival_step': unknown ")
+    assert msg.endswith("prompt_len, decode_len (required), arrival_step (optional)")
+
+
+def test_raw_azure_columns_are_refused_not_guessed(tmp_path):
+    """The Azure LLM inference trace's own columns are not aliases: such a file must be converted
+    (docs/traces.md) rather than load with every column ignored."""
+    path = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,4808,10\n")
+    with pytest.raises(TraceError, match=r"line 1, field 'TIMESTAMP': unknown column"):
+        traces.load_trace(path)
 
 
 def test_non_utf8_file_names_line(tmp_path):

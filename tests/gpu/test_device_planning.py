@@ -79,50 +79,38 @@ def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool, forc
     assert rt.device_status() == 0
 
 
-def test_bad_lengths_are_flagged_and_never_read(pool):  # noqa: F811
-    b, caches = pool
-    rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, max_batch=8,
-                 max_pages_per_row=b.block_tables.shape[1])
-    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=3)
-    bad = seq.copy()
-    bad[1] = bt.shape[1] * SHAPE["page_size"] + 1
-    rt.plan(dev(bad), dev(bt))
-    rt.static_q(3).copy_(q)
-    rt.static_out(3).fill_(7.0)
-    out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
-    torch.cuda.synchronize()
-    assert torch.all(out[1] == 7.0)
-    check(out[[0, 2]].contiguous(), q[[0, 2]].contiguous(), caches[0], seq[[0, 2]], bt[[0, 2]],
-          "rows around a flagged row")
-    assert rt.device_status(raise_on_error=False) == 2
-    with pytest.raises(RuntimeError, match="outside"):
-        rt.device_status()
-
-
-@pytest.mark.parametrize("page", [69, 50_000_000, -1])
-def test_bad_page_ids_are_flagged_and_never_read(pool, page):  # noqa: F811
-    """A page id outside the cache (just past it, far past it, negative) in a page the row's
-    length uses: the planning kernel gives the row no work (before: a silent read past the cache,
-    or an illegal address that killed the context) and device_status() names it."""
+@pytest.mark.parametrize("bad", ["length", "page 69", "page 50000000", "page -1"])
+def test_a_bad_row_is_flagged_and_never_read(pool, bad):  # noqa: F811
+    """A row whose length exceeds its block table, or whose block table holds a page id outside
+    the cache (just past it, far past it, negative) in a page its length uses: the planning
+    kernel gives the row no work (before the page check: a silent read past the cache, or an
+    illegal address that killed the CUDA context), the rows around it are exact, and
+    device_status() names the cause; the next good step runs every row."""
     b, caches = pool
     pages = caches[0][0].shape[0]
     rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, max_batch=8,
                  max_pages_per_row=b.block_tables.shape[1], num_pages=pages)
     seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=3)
-    bad = bt.copy()
-    bad[1, (int(seq[1]) - 1) // SHAPE["page_size"]] = page if page != 69 else pages + 5
-    rt.plan(dev(seq), dev(bad))
+    bad_seq, bad_bt = seq.copy(), bt.copy()
+    if bad == "length":
+        bad_seq[1] = bt.shape[1] * SHAPE["page_size"] + 1
+        bit, match = 2, "seq_len was outside"
+    else:
+        page = int(bad.split()[1])
+        bad_bt[1, (int(seq[1]) - 1) // SHAPE["page_size"]] = pages + 5 if page == 69 else page
+        bit, match = 4, "page id outside"
+    rt.plan(dev(bad_seq), dev(bad_bt))
     rt.static_q(3).copy_(q)
     rt.static_out(3).fill_(7.0)
     out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
     torch.cuda.synchronize()
     assert torch.all(out[1] == 7.0)
     check(out[[0, 2]].contiguous(), q[[0, 2]].contiguous(), caches[0], seq[[0, 2]], bt[[0, 2]],
-          "rows around a row with a bad page id")
-    assert rt.device_status(raise_on_error=False) == 4
-    with pytest.raises(RuntimeError, match="page id outside"):
+          f"rows around a row with a bad {bad}")
+    assert rt.device_status(raise_on_error=False) == bit
+    with pytest.raises(RuntimeError, match=match):
         rt.device_status()
-    rt.plan(dev(seq), dev(bt))          # the next good step runs every row
+    rt.plan(dev(seq), dev(bt))
     out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
     check(out, q, caches[0], seq, bt, "the good step after a bad one")
     assert rt.device_status() == 0
