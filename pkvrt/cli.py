@@ -125,26 +125,24 @@ With --active, --context and --group it also says, per route, whether a step of 
 passes the route's gates (or why not) and the promotion margin the route would have to clear."""
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer (shared by the subcommands)."""
+def _int_at_least(text: str, least: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value}: expected {expected}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (shared by the subcommands)."""
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0 (a seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: expected a non-negative integer")
-    return value
+    return _int_at_least(text, 0, "a non-negative integer")
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser):

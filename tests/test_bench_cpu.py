@@ -68,8 +68,8 @@ def test_fallback_without_out_writes_nothing(capsys, tmp_path, no_cuda, monkeypa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-active", "0"], "argument --max-active: 0 is not positive"),
-    (["--steps-limit", "-3"], "argument --steps-limit: -3 is not positive"),
+    (["--max-active", "0"], "argument --max-active: 0: expected a positive integer"),
+    (["--steps-limit", "-3"], "argument --steps-limit: -3: expected a positive integer"),
     (["--seeds", "abc"], "argument --seeds: 'abc' is not an integer or a range A-B"),
     (["--seeds", "9-3"], "argument --seeds: range '9-3' is empty"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
