@@ -11,7 +11,10 @@ CTA: the last decode CTA past its wait, the first and last decode CTA done, the 
 CTA in, its last wait, its last CTA done, and the period to the next layer's first CTA; the
 median over layers 1.. (layer 0 waits on the spin) goes to the table and the JSON.
 
-usage: python benches/layer_timeline.py [--layers 8] [--out FILE]
+With ``--route pkv_fused`` the decode kernel merges in its last CTA's tail and no merge is
+launched: the merge columns are empty and ``decode_done_last`` is the end of the layer's work.
+
+usage: python benches/layer_timeline.py [--layers 8] [--route pkv_workqueue|pkv_fused] [--out FILE]
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def layer_marks(dec: np.ndarray, mer: np.ndarray) -> dict[str, float]:
             "merge_done_last": us(m_done[:, 2].max()) if len(m_done) else float("nan")}
 
 
-def run_case(name: str, lens, layers: int, cal, splits) -> dict:
+def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False) -> dict:
     b = make_batch(lens, device="cuda", seed=20261201)
     plan = planner.plan_workqueue(np.array(lens), num_kv_heads=8, num_qo_heads=32, head_dim=128,
                                   dtype_bytes=2, splits=splits, cal=cal)
@@ -71,15 +74,17 @@ def run_case(name: str, lens, layers: int, cal, splits) -> dict:
     vs = [b.v_cache] + [b.v_cache.clone() for _ in range(copies - 1)]
     dec = torch.zeros(layers, len(plan.tasks), 3, dtype=torch.int64, device="cuda")
     mer = torch.zeros(layers, merge_ctas, 3, dtype=torch.int64, device="cuda")
+    counters = torch.zeros(len(lens), 8, dtype=torch.int32, device="cuda") if fused else None
 
     def step(traced: bool):
         for layer in range(layers):
             c = (layer + (layers if traced else 0)) % copies
             ops.workqueue_decode(b.q, ks[c], vs[c], b.seq_lens, b.block_tables, tasks, num,
                                  offsets, out, part_a, part_ml, early_kv=layer > 0,
-                                 trace=dec[layer] if traced else None)
-            ops.merge(part_a, part_ml, offsets, out, skip_single=True,
-                      trace=mer[layer] if traced else None)
+                                 trace=dec[layer] if traced else None, counters=counters)
+            if not fused:
+                ops.merge(part_a, part_ml, offsets, out, skip_single=True,
+                          trace=mer[layer] if traced else None)
 
     step(False)                       # warm-up: kernel loads, attributes
     torch.cuda.synchronize()
@@ -97,7 +102,7 @@ def run_case(name: str, lens, layers: int, cal, splits) -> dict:
     for i in range(layers - 1):
         per[i]["period"] = (per[i + 1]["t0"] - per[i]["t0"]) / 1e3
     med = {c: statistics.median(p[c] for p in per[1:-1] if c in p) for c in COLUMNS}
-    common = dict(case=name, engine="pkvrt-workqueue", splits=int(plan.num_splits.max()),
+    common = dict(case=name, engine="pkvrt-fused" if fused else "pkvrt-workqueue", splits=int(plan.num_splits.max()),
                   ctas=len(plan.tasks), floor_us=round(kv / 4.2e6, 2))
     rows = [dict(common, layer="median", **{k: round(v, 2) for k, v in med.items()})]
     rows += [dict(common, layer=i, **{k: round(v, 2) for k, v in p.items() if k != "t0"})
@@ -109,14 +114,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--route", choices=("pkv_workqueue", "pkv_fused"), default="pkv_workqueue")
     ap.add_argument("--out", default="benches/results/h200/layer-timeline.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("layer_timeline: needs a CUDA GPU", file=sys.stderr)
         return 2
     cal = find_calibration(torch.cuda.get_device_name())
-    splits = load_routes().route("pkv_workqueue").splits
-    rows = [r for n in args.cases.split(",") for r in run_case(n, CASES[n], args.layers, cal, splits)]
+    splits = load_routes().route(args.route).splits
+    rows = [r for n in args.cases.split(",")
+            for r in run_case(n, CASES[n], args.layers, cal, splits, fused=args.route == "pkv_fused")]
     print(f"{'case':11s} {'S':>3s} {'CTAs':>5s} {'floor':>6s} " + " ".join(f"{c:>8s}" for c in
           ("dec.wait", "dec.1st", "dec.last", "mrg.in", "mrg.wait", "mrg.done", "period")))
     for r in (r for r in rows if r["layer"] == "median"):
