@@ -43,6 +43,7 @@ import attrs
 import numpy as np
 
 from pkvrt import calibration as calib
+from pkvrt.cli import positive_int
 from pkvrt import results
 from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.costmodel import route_time_us
@@ -151,7 +152,8 @@ def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float
                                  workqueue_ctas_per_sm=round(splits["workqueue_ctas_per_sm"], 3),
                                  min_split_tokens=int(splits["min_split_tokens"]),
                                  cta_overhead_tiles=round(float(splits["cta_overhead_tiles"]), 3),
-                                 co_resident_slowdown=round(float(splits["co_resident_slowdown"]), 3)),
+                                 co_resident_slowdown=round(float(splits["co_resident_slowdown"]), 3),
+                                 max_waves=int(splits.get("max_waves", calib.DEFAULT_MAX_WAVES))),
         flashinfer_ctas_per_sm=tuple((int(a), round(c, 3)) for a, c in sorted(flashinfer.items())),
         versions=tuple((k, versions.get(k)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=date or datetime.date.today().isoformat(), seed=SEED, command=command,
@@ -348,6 +350,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routes.toml whose split bounds give the candidates (default: the shipped one)")
     parser.add_argument("--raw", metavar="PATH",
                         help="also write every timed configuration as a results JSON (pkvrt report)")
+    parser.add_argument("--max-waves", type=positive_int, metavar="N",
+                        help="splits.max_waves, the resident waves of CTAs the balanced partition may "
+                             "plan; not fitted (the calibration steps are G = 4, where it rarely binds). "
+                             "Default: the value of the calibration file being replaced, else "
+                             f"{calib.DEFAULT_MAX_WAVES}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -389,6 +396,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.raw}")
     print(f"wrote {out}")
     return 0
+
+
+def kept_max_waves(args, slug: str) -> int:
+    """``--max-waves``, else the value in the calibration file this run replaces (it is set by
+    hand: re-calibrating must not reset it silently), else the default."""
+    if getattr(args, "max_waves", None):
+        return args.max_waves
+    out = Path(args.out) if args.out else calib.calibration_dirs()[-1] / f"{slug}.json"
+    if out.is_file():
+        try:
+            return calib.load_calibration(out).splits.max_waves
+        except calib.CalibrationError:
+            pass   # a broken file is replaced; its value is not worth keeping
+    return calib.DEFAULT_MAX_WAVES
 
 
 def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
@@ -463,9 +484,10 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
     splits = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"],
                                     sm_count=sm, num_kv_heads=hkv)
     resident = decode_occupancy()
+    max_waves = kept_max_waves(args, calib.slugify(props.name))
     points, regret = calib.fit_partition(partition_cases, sm_count=sm, resident=resident,
-                                         num_kv_heads=hkv, splits=wq_bounds)
-    splits.update(points)
+                                         num_kv_heads=hkv, splits=wq_bounds, max_waves=max_waves)
+    splits.update(points, max_waves=max_waves)
     c_min = fit_c_min(fit_recs, base)
     base = attrs.evolve(base, c_min=c_min)
 

@@ -454,7 +454,7 @@ PARTITION_MIN_TOKENS = (32, 64, 128, 256)                    # min_split_tokens 
 
 def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, splits,
                   tile_tokens: int = 32, slowdowns=PARTITION_SLOWDOWNS, overheads=PARTITION_OVERHEADS,
-                  min_tokens=PARTITION_MIN_TOKENS) -> tuple[dict, dict]:
+                  min_tokens=PARTITION_MIN_TOKENS, max_waves: int = DEFAULT_MAX_WAVES) -> tuple[dict, dict]:
     """Fit the balanced partition's constants to timed partitions of calibration steps.
 
     Parameters
@@ -463,7 +463,7 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
         time of the partition cut at every candidate ``s`` (``planner.plan_workqueue(...,
         longest_splits=s)``).
     sm_count, resident : the GPU's SMs and the decode kernel's resident CTAs per SM (measured
-        with the driver's occupancy query).
+        with the driver's occupancy query). max_waves : the partition's CTA cap (not fitted).
     num_kv_heads : the timed shape's KV heads. splits : the workqueue route's SplitBounds.
 
     Returns
@@ -495,7 +495,7 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
     for k in slowdowns:
         for f in overheads:
             for m in min_tokens:
-                cal = attrs.evolve(base, splits=SplitPoints(1.0, float(resident), m, f, k))
+                cal = attrs.evolve(base, splits=SplitPoints(1.0, float(resident), m, f, k, max_waves))
                 regret = {}
                 for name, (seq, times, fastest, slowest) in seqs.items():
                     s = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -228,6 +229,28 @@ def test_calibration_steps_use_the_calibration_seed_only():
 def test_split_candidates(quick, expected):
     bounds = next(r.splits for r in load_routes(None).routes if r.name == "pkv_bucket")
     assert calibrate.split_candidates(bounds, quick) == expected
+
+
+def test_max_waves_is_kept_across_a_recalibration(tmp_path):
+    """splits.max_waves is set by hand: `pkvrt calibrate` keeps the value of the file it
+    replaces unless --max-waves says otherwise, and writes it."""
+    import argparse
+
+    old = tmp_path / "nvidia-h200.json"
+    h200 = calibration.load_calibration(Path(calibrate.__file__).parents[1] / "calibration" / "nvidia-h200.json")
+    calibration.save_calibration(attrs.evolve(h200, splits=attrs.evolve(h200.splits, max_waves=3)), old)
+    args = argparse.Namespace(out=str(old), max_waves=None)
+    assert calibrate.kept_max_waves(args, "nvidia-h200") == 3
+    assert calibrate.kept_max_waves(argparse.Namespace(out=str(old), max_waves=4), "nvidia-h200") == 4
+    missing = argparse.Namespace(out=str(tmp_path / "new.json"), max_waves=None)
+    assert calibrate.kept_max_waves(missing, "x") == calibration.DEFAULT_MAX_WAVES
+    cal = calibrate.make_calibration(
+        gpu="NVIDIA H200", sm_count=132, l2_bytes=60 * 2**20, beta_gbps=4000.0, lambda_us=6.0,
+        lambda_graph_us=1.1, c_min=2.0,
+        splits={"bucket_ctas_per_sm": 1.0, "workqueue_ctas_per_sm": 2.0, "min_split_tokens": 128,
+                "cta_overhead_tiles": 3.0, "co_resident_slowdown": 1.8, "max_waves": 3},
+        flashinfer={8: 3.6}, versions={}, command="pkvrt calibrate", provenance="test", date="2026-12-01")
+    assert cal.splits.max_waves == 3
 
 
 def test_make_calibration_round_trips(tmp_path):
