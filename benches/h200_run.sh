@@ -19,7 +19,7 @@ for stage in "$@"; do
   echo "== $stage ($(date +%T))"
   case $stage in
     tests) timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider --maxfail=20 2>&1 | tee $out/gpu_tests.log | grep -E "passed|failed|Error|error|FAILED" | tail -25 ;;
-    calibrate) timeout 240 python3 -m pkvrt calibrate --out calibration/nvidia-h200.json --raw $out/calibrate-sweeps.json 2>&1 | tail -40; cp calibration/nvidia-h200.json $out/ ;;
+    calibrate) timeout ${CAL_TIMEOUT:-480} python3 -m pkvrt calibrate --out calibration/nvidia-h200.json --raw $out/calibrate-sweeps.json 2>&1 | tail -60; cp calibration/nvidia-h200.json $out/ ;;
     isolated) timeout 240 python3 benches/isolated.py --out $out/isolated.json 2>&1 | grep -v WARN | tail -12 ;;
     serving)
       for spec in "bucketed 1" "bimodal 8" "uniform 8" "zipf 8" "bimodal 4" "mixed 8"; do

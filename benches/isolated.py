@@ -277,9 +277,10 @@ def main(argv=None) -> int:
                         ("flashinfer-tc", None, *engine_flashinfer(case, True))]
         except Exception as exc:  # noqa: BLE001 - recorded in the results, not hidden
             print(f"{name}: flashinfer unavailable: {exc!r}", flush=True)
-        # The planner's automatic split choice (calibration of this GPU), as the runtime runs it.
-        bplan = planner.plan_bucket(lens, splits=registry.route("pkv_bucket").splits, cal=cal, **shape(hq, hkv))
-        wplan = planner.plan_workqueue(lens, splits=registry.route("pkv_workqueue").splits, cal=cal, **shape(hq, hkv))
+        # The planner's automatic split choice (calibration of this GPU at this G), as the runtime runs it.
+        gcal = cal.for_group(hq // hkv)
+        bplan = planner.plan_bucket(lens, splits=registry.route("pkv_bucket").splits, cal=gcal, **shape(hq, hkv))
+        wplan = planner.plan_workqueue(lens, splits=registry.route("pkv_workqueue").splits, cal=gcal, **shape(hq, hkv))
         if len(bplan.buckets) == 1:
             s = bplan.buckets[0].num_splits
             engines.append(("pkvrt-bucket", s, *engine_split(case, s)))
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
         if args.partition_sweep:
             wq = registry.route("pkv_workqueue").splits
             for s in planner.partition_candidates(-(-max(lens) // 32), wq, 1).tolist():
-                cut = planner.plan_workqueue(lens, splits=wq, cal=cal, longest_splits=s, **shape(hq, hkv))
+                cut = planner.plan_workqueue(lens, splits=wq, cal=gcal, longest_splits=s, **shape(hq, hkv))
                 engines.append(("sweep-partition", s, *engine_workqueue(case, None, False, cut)))
         if not args.no_sdpa:
             engines.append(("repack-sdpa", None, *engine_sdpa(case)))

@@ -57,7 +57,7 @@ struct PlanParams {
   int resident;      // decode CTAs resident per SM (occupancy)
   int slowdown8;     // an SM's time with two resident CTAs over one, eighths
   int overhead8;     // f8: a CTA's fixed cost, eighths of a tile
-  int max_ctas;      // candidates planning more CTAs are skipped (planner.MAX_WAVES * R)
+  int max_ctas;      // candidates planning more CTAs are skipped (calibration splits.max_waves * R)
   const int* block_tables;  // [rows, bt_stride] or null: page ids not checked
   const int* num_pages;     // [1]: pages in the cache, valid ids are [0, *num_pages); 0 = unchecked
   int bt_stride;

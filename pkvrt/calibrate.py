@@ -10,9 +10,14 @@ checked against the FP32 reference first:
 - lambda_us: one eager launch of a tiny pkvrt kernel (split decode of a 1-token row) from
   Python, median over 20 loops of 100 launches; lambda_graph_us: the same kernel as one node of
   a graph of 200 (torch's 1-element add is measured too and printed, for comparison);
-- splits.*: candidate split counts of the bucket route (B1 at 8K, 32K, 64K) and the workqueue
-  route (the first decode step of B4 and B8 bimodal traces drawn with the calibration seed
-  20260622), fitted by ``calibration.fit_split_points``;
+- splits.bucket_ctas_per_sm: candidate split counts of the bucket route (B1 at 8K, 32K, 64K),
+  fitted by ``calibration.fit_split_points``;
+- the balanced partition's constants (splits.workqueue_ctas_per_sm, co_resident_slowdown,
+  cta_overhead_tiles, min_split_tokens): the device-planning route of routes.toml (``[device_planning]
+  route``, the fused kernel as shipped) timed at every cut its split bounds allow on ten steps
+  (:func:`calibration_steps`), fitted by ``calibration.fit_partition``; once per group size of
+  ``--groups`` (H_q 32 over H_kv 32 / G): the first (4) gives the top-level keys, the others a
+  ``splits.by_group`` entry each, which the Runtime uses for that G;
 - c_min: the occupancy target that makes the cost model best fit every timed split
   configuration (least squares in log time, :func:`fit_c_min`);
 - flashinfer.ctas_per_sm: FlashInfer's best (CUDA-core or tensor-core) time at 32K for 1, 2, 4,
@@ -25,8 +30,8 @@ steps are also written to ``--raw`` for the report (not fitted). Every other con
 pkvrt's own kernels and torch and could be measured without FlashInfer, but a calibration file
 needs all of them (schema 1), so without FlashInfer calibrate stops before measuring anything.
 
-It prints a table of the constants and the sweeps and takes about a minute on an H200 (budget:
-3 minutes); ``--quick`` measures fewer points (seconds). Without a CUDA GPU or without FlashInfer
+It prints a table of the constants and the sweeps and takes about four minutes on an H200 with
+the three group sizes and the 64 cuts of the shipped bounds; ``--quick`` measures fewer points. Without a CUDA GPU or without FlashInfer
 it says so and exits with status 2.
 """
 
@@ -52,6 +57,33 @@ from pkvrt.traces import Request, Trace, decode_steps, synthetic
 
 SEED = 20260622
 SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+GROUPS = (4, 1, 8)   # group sizes whose partition constants are fitted; 4 gives the top level
+
+
+def group_shape(group: int) -> dict:
+    """SHAPE with ``group`` query heads per KV head (H_q fixed at 32): G 1 -> H_kv 32."""
+    hq = SHAPE["num_qo_heads"]
+    if group <= 0 or hq % group:
+        raise ValueError(f"--groups: group size {group} does not divide H_q = {hq}")
+    return {**SHAPE, "num_kv_heads": hq // group}
+
+
+def parse_groups(text: str) -> tuple[int, ...]:
+    """``--groups`` as a tuple of distinct group sizes, e.g. "4,1,8" -> (4, 1, 8). It must hold 4
+    (the seed shape): that fit becomes the file's top-level partition keys, the others
+    ``splits.by_group``."""
+    try:
+        groups = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--groups: expected comma-separated positive integers, e.g. 4,1,8; got {text!r}") from None
+    if not groups or len(set(groups)) != len(groups):
+        raise ValueError(f"--groups: expected distinct group sizes, got {text!r}")
+    if 4 not in groups:
+        raise ValueError(f"--groups: must include 4 (the seed shape, whose fit gives the file's "
+                         f"top-level partition keys), got {text!r}")
+    for g in groups:
+        group_shape(g)
+    return groups
 B1_CONTEXTS = (8192, 32768, 65536)
 FI_CONTEXT = 32768
 FI_ACTIVE = (1, 2, 4, 8, 16)
@@ -141,9 +173,15 @@ def fit_flashinfer_ctas(times_us: dict[int, float], *, context: int, cal: calib.
 
 def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float, lambda_us: float,
                      lambda_graph_us: float, c_min: float, splits: dict, flashinfer: dict,
-                     versions: dict, command: str, provenance: str,
+                     versions: dict, command: str, provenance: str, by_group: dict | None = None,
                      date: str | None = None) -> calib.Calibration:
-    """A schema-1 :class:`~pkvrt.calibration.Calibration` (rounded; validated by a round trip)."""
+    """A schema-1 :class:`~pkvrt.calibration.Calibration` (rounded; validated by a round trip).
+    ``by_group``: {G: fit_partition points} for ``splits.by_group``."""
+    rounded = {"workqueue_ctas_per_sm": lambda v: round(float(v), 3), "min_split_tokens": int,
+               "cta_overhead_tiles": lambda v: round(float(v), 3),
+               "co_resident_slowdown": lambda v: round(float(v), 3)}
+    groups = tuple(sorted((int(g), tuple((k, rounded[k](pts[k])) for k in rounded if k in pts))
+                          for g, pts in (by_group or {}).items()))
     cal = calib.Calibration(
         gpu=gpu, slug=calib.slugify(gpu), sm_count=int(sm_count), l2_bytes=int(l2_bytes),
         beta_gbps=round(beta_gbps, 1), lambda_us=round(lambda_us, 3),
@@ -153,7 +191,8 @@ def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float
                                  min_split_tokens=int(splits["min_split_tokens"]),
                                  cta_overhead_tiles=round(float(splits["cta_overhead_tiles"]), 3),
                                  co_resident_slowdown=round(float(splits["co_resident_slowdown"]), 3),
-                                 max_waves=int(splits.get("max_waves", calib.DEFAULT_MAX_WAVES))),
+                                 max_waves=int(splits.get("max_waves", calib.DEFAULT_MAX_WAVES)),
+                                 by_group=groups),
         flashinfer_ctas_per_sm=tuple((int(a), round(c, 3)) for a, c in sorted(flashinfer.items())),
         versions=tuple((k, versions.get(k)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=date or datetime.date.today().isoformat(), seed=SEED, command=command,
@@ -169,7 +208,7 @@ def format_rows(header, rows) -> str:
 
 # --------------------------------------------------------------------------- GPU measurements
 
-def _workload(seq_lens, l2_bytes: int):
+def _workload(seq_lens, l2_bytes: int, shape: dict = SHAPE):
     """K/V copies, q, seq_lens and block tables of one calibration step (hole fraction 0)."""
     from pkvrt import harness
 
@@ -177,7 +216,7 @@ def _workload(seq_lens, l2_bytes: int):
     trace = Trace(name="calibration", requests=reqs, seed=SEED, source="pkvrt calibrate")
     config = harness.ServingConfig(trace="calibration", max_active=len(reqs), seeds=(SEED,),
                                    engines=(harness.BASELINE,), steps_limit=1,
-                                   shape=harness.Shape(**SHAPE))
+                                   shape=harness.Shape(**shape))
     return harness.Workload(trace, config, SEED, l2_bytes=l2_bytes)
 
 
@@ -223,8 +262,9 @@ def time_bucket(wl, splits: int, ref, repeats: int) -> float:
     return us
 
 
-def time_workqueue(wl, plan, ref, repeats: int) -> float:
-    """workqueue_decode + merge of ``plan`` (a WorkqueuePlan of ``wl``'s step), µs per call."""
+def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
+    """workqueue_decode + merge of ``plan`` (a WorkqueuePlan of ``wl``'s step), or with ``fused``
+    the fused decode (merge in the tail, one launch), µs per call."""
     import torch
 
     from pkvrt import harness, ops
@@ -233,13 +273,17 @@ def time_workqueue(wl, plan, ref, repeats: int) -> float:
     b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
     tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
+    counters = (torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
+                if fused else None)
 
     def fn():
         for k, v in zip(wl.k, wl.v):
-            ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml)
-            ops.merge(part_a, part_ml, offsets, out, skip_single=True)
+            ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml,
+                                 counters=counters)
+            if not fused:
+                ops.merge(part_a, part_ml, offsets, out, skip_single=True)
     us = harness.median_us(fn, wl.copies, repeats)
-    _checked(f"workqueue S={int(plan.num_splits.max())}", out, ref)
+    _checked(f"{'fused' if fused else 'workqueue'} S={int(plan.num_splits.max())}", out, ref)
     return us
 
 
@@ -269,6 +313,37 @@ def time_flashinfer(wl, tensor_cores: bool, ref, repeats: int) -> float:
     us = harness.median_us(fn, wl.copies, repeats)
     _checked(f"flashinfer{'-tc' if tensor_cores else '-cuda'} B{b}", out, ref)
     return us
+
+
+def time_partition(case: str, seq, group: int, route, base: calib.Calibration, l2_bytes: int,
+                   repeats: int, quick: bool) -> list[dict]:
+    """Time ``route`` (the device-planning route: workqueue or fused) over one step at every cut
+    of the balanced partition (the longest row's allowed split counts whose chunk is at least one
+    tile; every third with ``quick``), at ``group`` query heads per KV head. One record per cut:
+    case, route, group, rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes."""
+    import torch
+
+    from pkvrt import planner
+
+    shape = group_shape(group)
+    hq, hkv, d = shape["num_qo_heads"], shape["num_kv_heads"], shape["head_dim"]
+    wl = _workload(seq, l2_bytes, shape)
+    ref = _reference(wl)
+    cands = planner.partition_candidates(int(-(-seq.max() // TILE_TOKENS)), route.splits, 1).tolist()
+    cands = cands[::3] + cands[-1:] if quick else cands
+    fused = route.kind == "fused"
+    out = []
+    for s in dict.fromkeys(cands):
+        plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d, dtype_bytes=2,
+                                      splits=route.splits, cal=base, longest_splits=s)
+        us = time_workqueue(wl, plan, ref, repeats, fused=fused)
+        out.append(dict(case=case, route=route.kind, group=group, rows=len(seq),
+                        context=int(seq.max()), splits=int(s), us=float(us),
+                        kv_bytes=int(seq.sum()) * 2 * hkv * d * 2, ctas=plan.counters.decode_ctas,
+                        launches=1 if fused else 2, merge_bytes=plan.counters.merge_bytes))
+    del wl
+    torch.cuda.empty_cache()
+    return out
 
 
 def _reference(wl):
@@ -314,14 +389,15 @@ def measure_launch(repeats: int) -> dict[str, float]:
     return res
 
 
-def decode_occupancy() -> int:
-    """Resident CTAs per SM of the workqueue decode kernel at the seed shape (the driver's
+def decode_occupancy(family: str = "workqueue_decode", group: int = 4) -> int:
+    """Resident CTAs per SM of a workqueue-kind decode kernel (``workqueue_decode`` or
+    ``fused_decode``) at the seed shape with ``group`` query heads per KV head (the driver's
     occupancy query with its block size and dynamic shared memory): the partition's waves."""
     from pkvrt import _buildspec, _driver, ops
 
-    sym = _buildspec.symbol("workqueue_decode", "f16", SHAPE["head_dim"], SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"])
-    smem = ops.decode_smem_bytes(SHAPE["head_dim"], SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"])
-    return _driver.occupancy(_driver.get_kernel("workqueue_decode", sym, smem), ops.THREADS)
+    sym = _buildspec.symbol(family, "f16", SHAPE["head_dim"], group)
+    smem = ops.decode_smem_bytes(SHAPE["head_dim"], group)
+    return _driver.occupancy(_driver.get_kernel(family, sym, smem), ops.THREADS)
 
 
 def measure_torch_read(gib: int, repeats: int) -> float:
@@ -350,6 +426,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routes.toml whose split bounds give the candidates (default: the shipped one)")
     parser.add_argument("--raw", metavar="PATH",
                         help="also write every timed configuration as a results JSON (pkvrt report)")
+    parser.add_argument("--groups", type=parse_groups, default=GROUPS, metavar="LIST",
+                        help="group sizes (query heads per KV head, H_q 32) whose partition constants "
+                             "are fitted; must include 4, which gives the top-level keys, the others "
+                             "go to splits.by_group (default: 4,1,8)")
     parser.add_argument("--max-waves", type=positive_int, metavar="N",
                         help="splits.max_waves, the resident waves of CTAs the balanced partition may "
                              "plan; not fitted (the calibration steps are G = 4, where it rarely binds). "
@@ -424,7 +504,7 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
     repeats = 10 if quick else 30
     reg = load_routes(args.routes)
     bucket_bounds = next(r.splits for r in reg.routes if r.kind == "bucket")
-    wq_bounds = next(r.splits for r in reg.routes if r.kind == "workqueue")
+    dp_route = reg.device_planning_route()   # the partition is fitted on what device planning runs
     props = torch.cuda.get_device_properties(0)
     sm, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 0) or 60 * 2**20
     hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], SHAPE["head_dim"]
@@ -444,50 +524,59 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
                         lambda_graph_us=launch["pkvrt_graph"],
                         splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS))
 
-    raw, fit_recs, partition_cases = [], [], {}
+    raw, fit_recs = [], []
+    partition_cases: dict[int, dict] = {g: {} for g in args.groups}
     for case, kind, seq in calibration_steps():
-        wl = _workload(seq, l2)
-        ref = _reference(wl)
         kv = int(seq.sum()) * kv_tok
         if kind == "bucket":
-            cands = split_candidates(bucket_bounds, quick)
-        else:  # every cut of the partition: the longest row's allowed counts, chunks >= 1 tile
-            cands = planner.partition_candidates(int(-(-seq.max() // TILE_TOKENS)), wq_bounds, 1).tolist()
-            cands = cands[::3] + cands[-1:] if quick else cands
-            partition_cases[case] = (seq, {})
-        for s in dict.fromkeys(cands):
-            if kind == "bucket":
+            wl = _workload(seq, l2)
+            ref = _reference(wl)
+            for s in split_candidates(bucket_bounds, quick):
                 us = time_bucket(wl, s, ref, repeats)
-                ctas, launches = len(seq) * hkv * s, 2 if s > 1 else 1
                 merge = planner.state_bytes(len(seq) * s if s > 1 else 0, num_qo_heads=hq, head_dim=d)
-            else:
-                plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
-                                              dtype_bytes=2, splits=wq_bounds, cal=base, longest_splits=s)
-                us = time_workqueue(wl, plan, ref, repeats)
-                ctas, launches, merge = plan.counters.decode_ctas, 2, plan.counters.merge_bytes
-                partition_cases[case][1][int(s)] = float(us)
-            rec = dict(case=case, route=kind, rows=len(seq), context=int(seq.max()), splits=int(s),
-                       us=float(us), kv_bytes=kv, ctas=int(ctas), launches=launches,
-                       merge_bytes=int(merge))
-            fit_recs.append(rec)
-            raw.append(dict(case=case, engine=f"pkvrt-{kind}", splits=int(s), median_us=float(us),
-                            gbps=kv / (us * 1e3), cta_work_per_sm=ctas / sm, ctas=int(ctas),
-                            rows=len(seq), kv_mb=round(kv / 1e6, 3)))
-        if kind == "workqueue":   # FlashInfer on the same step, for the report (not fitted)
-            for tc in (False, True):
-                us = time_flashinfer(wl, tc, ref, repeats)
-                raw.append(dict(case=case, engine="flashinfer-tc" if tc else "flashinfer-cuda",
-                                median_us=float(us), gbps=kv / (us * 1e3), rows=len(seq),
-                                kv_mb=round(kv / 1e6, 3)))
+                fit_recs.append(dict(case=case, route=kind, rows=len(seq), context=int(seq.max()),
+                                     splits=int(s), us=float(us), kv_bytes=kv, ctas=len(seq) * hkv * s,
+                                     launches=2 if s > 1 else 1, merge_bytes=int(merge)))
+                raw.append(dict(case=case, engine="pkvrt-bucket", splits=int(s), median_us=float(us),
+                                gbps=kv / (us * 1e3), cta_work_per_sm=len(seq) * hkv * s / sm,
+                                ctas=len(seq) * hkv * s, rows=len(seq), kv_mb=round(kv / 1e6, 3)))
+            del wl
+            torch.cuda.empty_cache()
+            continue
+        for g in args.groups:   # the partition of the device-planning route, at every group size
+            records = time_partition(case, seq, g, dp_route, base, l2, repeats, quick)
+            best = min(records, key=lambda r: r["us"])
+            print(f"  {case} G {g}: {len(records)} cuts, fastest S = {best['splits']} "
+                  f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
+            partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
+            raw += [dict(case=case if g == 4 else f"{case}-G{g}", engine=f"pkvrt-{dp_route.kind}",
+                         group=g, splits=r["splits"], median_us=r["us"],
+                         gbps=r["kv_bytes"] / (r["us"] * 1e3), cta_work_per_sm=r["ctas"] / sm,
+                         ctas=r["ctas"], rows=len(seq), kv_mb=round(r["kv_bytes"] / 1e6, 3))
+                    for r in records]
+            if g == 4:
+                fit_recs += records
+        wl = _workload(seq, l2)   # FlashInfer on the same step, for the report (not fitted)
+        ref = _reference(wl)
+        for tc in (False, True):
+            us = time_flashinfer(wl, tc, ref, repeats)
+            raw.append(dict(case=case, engine="flashinfer-tc" if tc else "flashinfer-cuda",
+                            median_us=float(us), gbps=kv / (us * 1e3), rows=len(seq),
+                            kv_mb=round(kv / 1e6, 3)))
         del wl
         torch.cuda.empty_cache()
     splits = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"],
                                     sm_count=sm, num_kv_heads=hkv)
-    resident = decode_occupancy()
     max_waves = kept_max_waves(args, calib.slugify(props.name))
-    points, regret = calib.fit_partition(partition_cases, sm_count=sm, resident=resident,
-                                         num_kv_heads=hkv, splits=wq_bounds, max_waves=max_waves)
-    splits.update(points, max_waves=max_waves)
+    family = dp_route.kernel
+    fitted, regrets = {}, {}
+    for g in args.groups:
+        hkv_g = group_shape(g)["num_kv_heads"]
+        fitted[g], regrets[g] = calib.fit_partition(
+            partition_cases[g], sm_count=sm, resident=decode_occupancy(family, g),
+            num_kv_heads=hkv_g, splits=dp_route.splits, max_waves=max_waves)
+    splits.update(fitted[4], max_waves=max_waves)
+    by_group = {g: pts for g, pts in fitted.items() if g != 4}
     c_min = fit_c_min(fit_recs, base)
     base = attrs.evolve(base, c_min=c_min)
 
@@ -511,10 +600,15 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
         f"streaming read, here the {which}: torch float32-accumulating sum over "
         f"{1 if quick else 2} GiB fp16 {torch_read:.0f} GB/s, PersistentKV split_decode over a "
         f"B{rows16} x 32K step (8 splits, incl. merge) {float(kernel_read):.0f} GB/s. "
-        f"splits.workqueue_ctas_per_sm: the decode kernel's occupancy (driver query, {resident} CTAs "
-        f"per SM); co_resident_slowdown / cta_overhead_tiles / min_split_tokens: fit_partition over "
-        f"{len(partition_cases)} steps timed at every cut of the balanced partition (regret of the "
-        f"fitted rule: " + ", ".join(f"{k} {v:.3f}" for k, v in regret.items()) + "). "
+        f"splits.workqueue_ctas_per_sm: the {family} kernel's occupancy (driver query, "
+        f"{fitted[4]['workqueue_ctas_per_sm']:g} CTAs per SM); co_resident_slowdown / "
+        f"cta_overhead_tiles / min_split_tokens: fit_partition over {len(partition_cases[4])} steps "
+        f"with route {dp_route.name} ({dp_route.kind}, the device-planning route) timed at every cut "
+        f"of the balanced partition at G = 4 (H_q 32, H_kv 8); splits.by_group: the same fit at "
+        f"G = {', '.join(str(g) for g in by_group) or '(none)'} (H_kv = 32 / G). Regret of the "
+        f"fitted rule (its pick over the fastest cut): " + "; ".join(
+            f"G {g}: " + ", ".join(f"{k} {v:.3f}" for k, v in regrets[g].items()) for g in args.groups)
+        + ". "
         f"lambda_us / lambda_graph_us:"
         f" a 1-token pkvrt split decode launched eagerly from Python (median of {repeats} loops of "
         f"100) / as one node of a 200-node CUDA graph (torch 1-element add: "
@@ -531,13 +625,14 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
         lambda_graph_us=launch["pkvrt_graph"], c_min=c_min, splits=splits, flashinfer=fi,
         versions={"torch": torch.__version__, "cuda": torch.version.cuda,
                   "flashinfer": env.get("flashinfer"), "driver": env.get("driver")},
-        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), provenance=provenance)
+        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), provenance=provenance,
+        by_group=by_group)
     _print(cal, launch, torch_read, float(kernel_read), fit_recs, fi_times, fi_variant,
-           time.perf_counter() - t_start)
+           time.perf_counter() - t_start, regrets)
     return cal, raw
 
 
-def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, seconds) -> None:
+def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, seconds, regrets) -> None:
     s = cal.splits
     rows = [
         ("gpu", cal.gpu, f"{cal.sm_count} SMs, L2 {cal.l2_bytes / 2**20:.0f} MiB"),
@@ -561,6 +656,12 @@ def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, sec
                       [(r["case"], r["route"], r["splits"], f"{r['us']:.1f}",
                         f"{r['ctas'] / cal.sm_count:.2f}", f"{r['kv_bytes'] / (r['us'] * 1e3):.0f}")
                        for r in recs]))
+    print()
+    print(format_rows(("G", "slowdown", "overhead tiles", "min split", "regret: case (pick / fastest cut)"),
+                      [(g, f"{c.splits.co_resident_slowdown:.2f}", f"{c.splits.cta_overhead_tiles:.2f}",
+                        c.splits.min_split_tokens,
+                        ", ".join(f"{k} {v:.3f}" for k, v in regrets[g].items()))
+                       for g, c in ((g, cal.for_group(g)) for g in regrets)]))
     print(f"\ncalibrated in {seconds:.0f} s")
 
 

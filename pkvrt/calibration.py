@@ -19,7 +19,9 @@ Schema 1 (every key required, no others allowed)::
     splits            {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
                        "cta_overhead_tiles", "co_resident_slowdown" (these two optional: 4.0 and
                        1.5 when absent, in files written before 2026-12-01), "max_waves"
-                       (optional, int >= 1, default 2)}
+                       (optional, int >= 1, default 2), "by_group" (optional: {"<G>": {some
+                       of _GROUP_KEYS}}, the balanced partition's constants fitted at query
+                       heads per KV head G; a group size without an entry uses the keys above)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
     versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
     date              ISO date the file was produced, "2026-11-29"
@@ -51,7 +53,9 @@ _TOP_KEYS = (
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
-               "co_resident_slowdown", "max_waves")
+               "co_resident_slowdown", "max_waves", "by_group")
+# splits.by_group.<G>.*: the balanced partition's constants that one group size may override
+_GROUP_KEYS = ("workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles", "co_resident_slowdown")
 # splits.* of a file written before they existed (2026-12-01): the balanced partition's defaults
 DEFAULT_CTA_OVERHEAD_TILES = 4.0
 DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
@@ -77,6 +81,9 @@ class SplitPoints:
         (1.0: a second CTA is free, 2.0: it runs after the first).
     max_waves: the balanced partition plans at most this many resident waves of decode CTAs
         (``workqueue_ctas_per_sm * sm_count`` each); larger cuts are not considered.
+    by_group: ``((G, ((key, value), ...)), ...)`` sorted by G: partition constants
+        (``_GROUP_KEYS``) fitted at G query heads per KV head, which replace the ones above for
+        that group size (:meth:`Calibration.for_group`). Empty: one set for every G.
     """
 
     bucket_ctas_per_sm: float
@@ -85,6 +92,14 @@ class SplitPoints:
     cta_overhead_tiles: float = DEFAULT_CTA_OVERHEAD_TILES
     co_resident_slowdown: float = DEFAULT_CO_RESIDENT_SLOWDOWN
     max_waves: int = DEFAULT_MAX_WAVES
+    by_group: tuple[tuple[int, tuple[tuple[str, float | int], ...]], ...] = ()
+
+    def to_dict(self) -> dict:
+        """The ``splits`` object of a file (``by_group`` only when it has entries)."""
+        d = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k != "by_group"}
+        if self.by_group:
+            d["by_group"] = {str(g): dict(kv) for g, kv in self.by_group}
+        return d
 
 
 @attrs.frozen
@@ -119,6 +134,20 @@ class Calibration:
     def version(self, name: str) -> str | None:
         """The recorded version of ``name`` ("torch", "cuda", "flashinfer", "driver")."""
         return dict(self.versions)[name]
+
+    def for_group(self, group_size: int) -> "Calibration":
+        """This calibration as seen by a shape with ``group_size`` query heads per KV head: the
+        ``splits.by_group`` entry of that size (if any) replaces the partition constants, and
+        ``by_group`` is emptied, so the result is the same whichever G it is asked for again
+        (the Runtime and the Router both call it). A G without an entry keeps the top-level
+        constants (fitted at the calibration shape's G, 4 for ``pkvrt calibrate``).
+        """
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"for_group: group_size must be a positive int, got {group_size!r}")
+        if not self.splits.by_group:
+            return self
+        over = dict(dict(self.splits.by_group).get(group_size, ()))
+        return attrs.evolve(self, splits=attrs.evolve(self.splits, by_group=(), **over))
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -172,6 +201,31 @@ def _dict(obj, key, path) -> dict:
     return v
 
 
+def _by_group(v, path) -> tuple:
+    """``splits.by_group`` -> SplitPoints.by_group (validated: G keys are positive integers, each
+    entry a non-empty object of ``_GROUP_KEYS``)."""
+    where = "splits.by_group"
+    if not isinstance(v, dict):
+        raise _fail(path, where, 'a JSON object {"<G>": {...}}', v)
+    out = []
+    for g, entry in v.items():
+        if not re.fullmatch(r"[1-9][0-9]*", g):
+            raise _fail(path, f"{where}.{g}", "keys that are positive integers (query heads per KV head)")
+        if not isinstance(entry, dict) or not entry:
+            raise _fail(path, f"{where}.{g}", f"a non-empty object of some of {list(_GROUP_KEYS)}", entry)
+        extra = sorted(set(entry) - set(_GROUP_KEYS))
+        if extra:
+            raise _fail(path, f"{where}.{g}.{extra[0]}", f"one of {list(_GROUP_KEYS)} (unknown key)")
+        kv = []
+        for k in _GROUP_KEYS:
+            if k in entry:
+                val = (_int(entry, k, path, f"{where}.{g}.") if k == "min_split_tokens" else
+                       _float(entry, k, path, f"{where}.{g}.", zero_ok=k == "cta_overhead_tiles"))
+                kv.append((k, val))
+        out.append((int(g), tuple(kv)))
+    return tuple(sorted(out))
+
+
 def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration:
     """Validate a parsed schema-1 document and build a :class:`Calibration`.
 
@@ -190,7 +244,8 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
     _take(doc, _TOP_KEYS, path, "")
 
     sp = _dict(doc, "splits", path)
-    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, **sp},
+    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, "by_group": None,
+           **sp},
           _SPLIT_KEYS, path, "splits.")
     splits = SplitPoints(
         bucket_ctas_per_sm=_float(sp, "bucket_ctas_per_sm", path, "splits."),
@@ -201,6 +256,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         co_resident_slowdown=(_float(sp, "co_resident_slowdown", path, "splits.")
                               if "co_resident_slowdown" in sp else DEFAULT_CO_RESIDENT_SLOWDOWN),
         max_waves=_int(sp, "max_waves", path, "splits.") if "max_waves" in sp else DEFAULT_MAX_WAVES,
+        by_group=_by_group(sp["by_group"], path) if "by_group" in sp else (),
     )
 
     fi = _dict(doc, "flashinfer", path)
@@ -259,7 +315,7 @@ def calibration_to_dict(cal: Calibration) -> dict:
         "lambda_us": cal.lambda_us,
         "lambda_graph_us": cal.lambda_graph_us,
         "c_min": cal.c_min,
-        "splits": attrs.asdict(cal.splits),
+        "splits": cal.splits.to_dict(),
         "flashinfer": {"ctas_per_sm": {str(a): c for a, c in cal.flashinfer_ctas_per_sm}},
         "versions": dict(cal.versions),
         "date": cal.date,
@@ -447,8 +503,8 @@ def fit_split_points(measurements, *, sm_count: int, num_kv_heads: int, tile_tok
     return out
 
 
-PARTITION_SLOWDOWNS = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0)        # co_resident_slowdown tried
-PARTITION_OVERHEADS = tuple(float(i) for i in range(9))      # cta_overhead_tiles tried: 0 .. 8
+PARTITION_SLOWDOWNS = tuple(i / 8 for i in range(8, 17))    # co_resident_slowdown tried: 1 .. 2 by 1/8
+PARTITION_OVERHEADS = tuple(i / 2 for i in range(17))        # cta_overhead_tiles tried: 0 .. 8 by 1/2
 PARTITION_MIN_TOKENS = (32, 64, 128, 256)                    # min_split_tokens tried
 
 

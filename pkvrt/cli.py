@@ -211,10 +211,12 @@ def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 
 def _splits_text(s: registry.SplitBounds | None) -> str:
-    """min 1, max 64, multiple_of 4 -> "1, 4..64 step 4"."""
+    """min 1, max 64, multiple_of 4 -> "1, 4..64 step 4"; every count (multiple_of 1) -> "1..64"."""
     if s is None:
         return "-"
     c = s.candidates()
+    if len(c) > 1 and s.multiple_of == 1:
+        return f"{c[0]}..{c[-1]}"
     ones, rest = ("1",) if c[0] == 1 else (), [x for x in c if x > 1]
     span = (f"{rest[0]}..{rest[-1]} step {s.multiple_of}" if len(rest) > 1
             else str(rest[0]) if rest else None)

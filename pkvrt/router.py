@@ -104,7 +104,7 @@ class Router:
             raise ValueError(f"Router: num_qo_heads={num_qo_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}; expected H_q = G * H_kv")
         self.registry = registry
-        self.cal = calibration
+        self.cal = calibration.for_group(num_qo_heads // num_kv_heads)   # splits.by_group, if any
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype_bytes = head_dim, page_size, dtype_bytes
         self.group_size = num_qo_heads // num_kv_heads

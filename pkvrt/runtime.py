@@ -383,7 +383,8 @@ class Runtime:
     device : the CUDA device of the caches ("cuda" = the current one).
     routes : routes.toml path (None: ``pkvrt.registry.load_routes()``'s default) or a Registry.
     calibration : "auto" (``find_calibration(torch.cuda.get_device_name(device))``), a path or a
-        Calibration.
+        Calibration; its ``splits.by_group`` entry for this group size, if there is one, replaces
+        the balanced partition's constants (``Calibration.for_group``).
     max_batch : most rows of a step. max_pages_per_row : most pages of one row (block-table width).
     use_cuda_graph : replay CUDA graphs (default) or launch eagerly (the ablation).
     max_graphs : graphs kept (LRU; evicted graphs are freed).
@@ -483,6 +484,8 @@ class Runtime:
                 self.calibration = find_calibration(torch.cuda.get_device_name(self.device))
             else:
                 self.calibration = load_calibration(pathlib.Path(calibration))
+            # the partition constants fitted at this group size (splits.by_group), if any
+            self.calibration = self.calibration.for_group(self.num_qo_heads // self.num_kv_heads)
             self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                  page_size=self.page_size, dtype_bytes=2, graphs=self.use_cuda_graph,

@@ -253,6 +253,52 @@ def test_max_waves_is_kept_across_a_recalibration(tmp_path):
     assert cal.splits.max_waves == 3
 
 
+@pytest.mark.parametrize("text, expected", [("4,1,8", (4, 1, 8)), ("4", (4,)), ("1,4", (1, 4))])
+def test_parse_groups(text, expected):
+    assert calibrate.parse_groups(text) == expected
+
+
+@pytest.mark.parametrize("text, match", [("4,x", "comma-separated positive integers"),
+                                         ("4,4", "distinct"), ("1,8", "must include 4"),
+                                         ("4,3", "does not divide H_q = 32"), ("4,0", "does not divide")])
+def test_parse_groups_refuses(text, match):
+    with pytest.raises(ValueError, match=match):
+        calibrate.parse_groups(text)
+
+
+def test_group_shape_keeps_32_query_heads():
+    assert calibrate.group_shape(1)["num_kv_heads"] == 32
+    assert calibrate.group_shape(8)["num_kv_heads"] == 4
+    assert calibrate.group_shape(4) == calibrate.SHAPE
+
+
+def test_by_group_fit_reaches_the_router_of_that_group_size():
+    """make_calibration writes the per-G fits as splits.by_group; a Router (and so the Runtime)
+    at G = 1 partitions with the G = 1 constants, at G = 4 with the top level, and the two cut
+    the same step differently when the constants differ."""
+    cal = calibrate.make_calibration(
+        gpu="NVIDIA H200", sm_count=132, l2_bytes=60 * 2**20, beta_gbps=4000.0, lambda_us=6.0,
+        lambda_graph_us=1.1, c_min=2.0,
+        splits={"bucket_ctas_per_sm": 1.0, "workqueue_ctas_per_sm": 2.0, "min_split_tokens": 128,
+                "cta_overhead_tiles": 3.0, "co_resident_slowdown": 1.8, "max_waves": 3},
+        by_group={1: {"workqueue_ctas_per_sm": 2.0, "min_split_tokens": 32, "cta_overhead_tiles": 0.0,
+                      "co_resident_slowdown": 1.0}},
+        flashinfer={8: 3.6}, versions={}, command="pkvrt calibrate", provenance="test", date="2026-12-01")
+    assert dict(cal.splits.by_group)[1] == (("workqueue_ctas_per_sm", 2.0), ("min_split_tokens", 32),
+                                            ("cta_overhead_tiles", 0.0), ("co_resident_slowdown", 1.0))
+    reg = load_routes(None)
+    shape = dict(head_dim=128, page_size=16)
+    r1 = Router(reg, cal, num_qo_heads=32, num_kv_heads=32, **shape)
+    r4 = Router(reg, cal, num_qo_heads=32, num_kv_heads=8, **shape)
+    assert r1.cal.splits.cta_overhead_tiles == 0.0 and r1.cal.splits.min_split_tokens == 32
+    assert r4.cal.splits.cta_overhead_tiles == 3.0 and r4.cal.splits.by_group == ()
+    bounds = reg.route("pkv_fused").splits
+    seq = np.array([33000, 33000, 33000, 900, 1200, 700, 2000, 400])
+    own = planner.balanced_partition(seq, num_kv_heads=32, splits=bounds, cal=r1.cal)
+    top = planner.balanced_partition(seq, num_kv_heads=32, splits=bounds, cal=r4.cal)
+    assert own.longest_splits != top.longest_splits
+
+
 def test_make_calibration_round_trips(tmp_path):
     cal = calibrate.make_calibration(
         gpu="NVIDIA H200", sm_count=132, l2_bytes=60 * 2**20, beta_gbps=4123.456, lambda_us=9.87654,

@@ -363,3 +363,59 @@ def test_fit_partition_refuses_empty_or_bad_times():
     with pytest.raises(ValueError, match="case 'x'"):
         fit_partition({"x": ([100], {4: -1.0})}, sm_count=132, resident=2, num_kv_heads=8,
                       splits=SplitBounds(1, 64, 4))
+
+
+# ----------------------------------------------------------------------------- splits.by_group
+
+
+def by_group_doc(entry) -> dict:
+    doc = seed_doc()
+    doc["splits"]["by_group"] = entry
+    return doc
+
+
+def test_by_group_round_trips_and_replaces_the_partition_constants(tmp_path):
+    """A G with an entry gets its constants (the others kept); a G without one gets the top
+    level; for_group empties by_group, so asking again (Runtime, then Router) changes nothing."""
+    p = write(tmp_path, by_group_doc({"1": {"cta_overhead_tiles": 1.5, "min_split_tokens": 64},
+                                      "8": {"co_resident_slowdown": 1.25}}))
+    cal = load_calibration(p)
+    assert cal.splits.by_group == ((1, (("min_split_tokens", 64), ("cta_overhead_tiles", 1.5))),
+                                   (8, (("co_resident_slowdown", 1.25),)))
+    save_calibration(cal, tmp_path / "again.json")
+    assert load_calibration(tmp_path / "again.json") == attrs.evolve(cal, source=str(tmp_path / "again.json"))
+    top = cal.splits
+    g1 = cal.for_group(1).splits
+    assert (g1.cta_overhead_tiles, g1.min_split_tokens) == (1.5, 64)
+    assert (g1.co_resident_slowdown, g1.workqueue_ctas_per_sm, g1.bucket_ctas_per_sm) == (
+        top.co_resident_slowdown, top.workqueue_ctas_per_sm, top.bucket_ctas_per_sm)
+    assert g1.by_group == ()
+    assert cal.for_group(8).splits.co_resident_slowdown == 1.25
+    g4 = cal.for_group(4).splits
+    assert attrs.evolve(g4, by_group=top.by_group) == top
+    assert cal.for_group(1).for_group(1) == cal.for_group(1)
+    assert cal.for_group(1).for_group(8) == cal.for_group(1)   # already the G = 1 view
+    no_groups = load_calibration(SEED)
+    assert no_groups.for_group(1) is no_groups
+
+
+@pytest.mark.parametrize("entry, key, expected", [
+    ([1, 2], "splits.by_group", "a JSON object"),
+    ({"G1": {"min_split_tokens": 64}}, "splits.by_group.G1", "keys that are positive integers"),
+    ({"0": {"min_split_tokens": 64}}, "splits.by_group.0", "keys that are positive integers"),
+    ({"1": {}}, "splits.by_group.1", "a non-empty object"),
+    ({"1": {"bucket_ctas_per_sm": 2.0}}, "splits.by_group.1.bucket_ctas_per_sm", "one of"),
+    ({"1": {"min_split_tokens": 6.5}}, "splits.by_group.1.min_split_tokens", "an integer"),
+    ({"1": {"co_resident_slowdown": 0}}, "splits.by_group.1.co_resident_slowdown", "a finite positive"),
+    ({"1": {"cta_overhead_tiles": -1}}, "splits.by_group.1.cta_overhead_tiles", "a finite number >= 0"),
+])
+def test_bad_by_group_is_named(tmp_path, entry, key, expected):
+    p = write(tmp_path, by_group_doc(entry))
+    with pytest.raises(CalibrationError, match=rf"{re.escape(str(p))}: key '{re.escape(key)}': expected {expected}"):
+        load_calibration(p)
+
+
+@pytest.mark.parametrize("g", [0, -4, 2.0, True])
+def test_for_group_refuses_a_non_positive_int(g):
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        load_calibration(SEED).for_group(g)

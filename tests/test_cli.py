@@ -37,6 +37,7 @@ def test_routes_table(capsys):
     assert rows["pkv_bucket"].split()[:4] == ["pkv_bucket", "bucket", "split_decode", "enabled"]
     assert "4..64 step 4" in rows["pkv_bucket"] and "1.05" in rows["pkv_bucket"]
     assert "1, 4..64 step 4" in rows["pkv_workqueue"]
+    assert "1..64 " in rows["pkv_fused"] and "step" not in rows["pkv_fused"]
     assert "ablation" in rows["pkv_fused"] and "ablation" not in rows["pkv_workqueue"]
     assert "at exactly 4 active rows PersistentKV needs margin >= 1.50" in out
     assert f"file: {reg.path}" in out and f"sha256: {reg.sha256}" in out

@@ -393,13 +393,14 @@ def test_device_grid_bounds_the_partition():
 
 def test_max_waves_caps_the_partition_from_the_calibration():
     """calibration splits.max_waves bounds the CTAs of a cut (here H_kv 32, three 33K rows among
-    short ones: one split per row at 2 waves (256 CTAs), 4 splits of the long rows at 3 waves)."""
+    short ones, split counts 1, 4, 8, ...: one split per row at 2 waves (256 CTAs), 4 splits of
+    the long rows at 3 waves)."""
     from pkvrt.planner import PartitionModel, balanced_partition
-    from pkvrt.registry import load_routes
+    from pkvrt.registry import SplitBounds
 
     h200 = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
     seq = np.array([33323, 33000, 32500, 2000, 3000, 2500, 1500, 2227])
-    sp = load_routes().route("pkv_fused").splits
+    sp = SplitBounds(1, 64, 4)
     got = {}
     for w in (2, 3):
         c = attrs.evolve(h200, splits=attrs.evolve(h200.splits, max_waves=w))

@@ -104,6 +104,8 @@ def test_shipped_routes_have_the_seed_values():
     assert (wq.kind, wq.kernel) == ("workqueue", "workqueue_decode")
     assert wq.splits == SplitBounds(min=1, max=64, multiple_of=4)
     assert (fused.kind, fused.kernel, fused.ablation) == ("fused", "fused_decode", True)
+    assert fused.splits == SplitBounds(min=1, max=64, multiple_of=1)   # device planning: any count
+    assert reg.device_planning_route() is fused
     for r in (bucket, wq, fused):
         assert r.enabled and r.margin == 1.05 and r.gates == seed_gates
     assert not bucket.ablation and not wq.ablation
