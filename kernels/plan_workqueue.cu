@@ -10,9 +10,11 @@
 // tiles_r = ceil(len_r / tile_tokens); L = max tiles, W = sum tiles. For every candidate s (an
 // allowed count with ceil(L/s) >= min_split_tiles; if none, max(1, L / min_split_tiles)) the
 // chunk is c = ceil(L/s), row r gets n_r = ceil(tiles_r / c) splits, N = H_kv * sum n_r CTAs,
-// N_big = H_kv * sum of n_r over rows whose largest split ceil(tiles_r / n_r) exceeds c/2. With
-// S = sms, R = resident * S, full = N_big / R, rem = N_big % R and load8(k) = 8 + (k-1)*(slowdown8-8):
-//     cost = max((8c + f8) * (full * load8(resident) + (rem ? load8(ceil(rem / S)) : 0)) * S,
+// N_big = H_kv * sum of n_r over rows whose largest split ceil(tiles_r / n_r) exceeds c/2 (the
+// other rows are small: W_small = H_kv * their tiles, N_small = N - N_big). With S = sms,
+// R = resident * S, full = N_big / R, rem = N_big % R and load8(k) = 8 + (k-1)*(slowdown8-8):
+//     cost = max((8c + f8) * (full * load8(resident) + (rem ? load8(ceil(rem / S)) : 0)) * S
+//                  + (8 * W_small + N_small * f8) * (slowdown8 - 8),
 //                (8 * H_kv * W + N * f8) * 8)                                     (int64)
 // f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
 // cost, then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
@@ -154,26 +156,29 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   const int L = longest, H = p.num_kv_heads, S = p.sms, R = p.resident * p.sms, f8 = p.overhead8;
   for (int k = warp; k < num_cand; k += PKV_PLAN_THREADS / 32) {
     const int c = L > 0 ? ceil_div(L, cand[k]) : 1;
-    int n_all = 0, n_big = 0;
+    int n_all = 0, n_big = 0, w_small = 0;
     for (int r = lane; r < rows; r += 32) {
       const int tr = tiles_of[r];
       if (tr > 0) {
         const int n = ceil_div(tr, c);
         n_all += n;
         if (2 * ceil_div(tr, n) > c) n_big += n;
+        else w_small += tr;
       }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       n_all += __shfl_xor_sync(0xffffffffu, n_all, o);
       n_big += __shfl_xor_sync(0xffffffffu, n_big, o);
+      w_small += __shfl_xor_sync(0xffffffffu, w_small, o);
     }
     if (lane == 0) {
       const long long ctas = (long long)H * n_all, big = (long long)H * n_big;
       const long long full = big / R, rem = big % R;
       const long long loads = full * load8(p.resident, p.slowdown8) +
                               (rem > 0 ? load8((int)((rem + S - 1) / S), p.slowdown8) : 0);
-      const long long a = (8LL * c + f8) * loads * S;
+      const long long beside = (8LL * H * w_small + (ctas - big) * f8) * (p.slowdown8 - 8);
+      const long long a = (8LL * c + f8) * loads * S + beside;
       const long long b = (8LL * H * total_tiles + ctas * f8) * 8;
       cost_of[k] = a > b ? a : b;
       ctas_of[k] = (int)ctas;

@@ -271,7 +271,12 @@ def partition_costs(tiles: np.ndarray, cands: np.ndarray, *, num_kv_heads: int, 
     * waves of the big CTAs (those longer than half a chunk): they fill the GPU's resident slots
       (``R = resident * S``) wave after wave; a wave costs ``(8c + f)`` times the load of its
       busiest SM, ``load8(ceil(CTAs in the wave / S))``: 8 with one CTA per SM, ``slowdown8``
-      with two. So 128 CTAs on 132 SMs are one light wave and 160 put two on 28 SMs;
+      with two. So 128 CTAs on 132 SMs are one light wave and 160 put two on 28 SMs. The small
+      CTAs run beside the big ones and slow them down: their work, ``8 * H_kv * (tiles of the
+      rows whose tasks are small) + N_small * f``, spread over the S SMs, costs ``slowdown8 - 8``
+      per eighth-tile on top (nothing when a second resident CTA is free, slowdown 1; all of it
+      when it is not, slowdown 2). Without that term two 34K rows beside six 2K rows at G = 1
+      were cut in 2 (the short rows' 192 CTAs ignored, 371 us) rather than 4 (304 us);
     * the average SM load: ``(8 * H_kv * sum(tiles) + N * f) * 8 / S``.
 
     Worked example (H200: S = 132, two resident CTAs per SM, slowdown 1.4 -> 11, f = 6 tiles
@@ -286,10 +291,13 @@ def partition_costs(tiles: np.ndarray, cands: np.ndarray, *, num_kv_heads: int, 
     n = np.where(t > 0, -(-t // c[:, None]), 0)              # [K, B]
     chunk = np.where(n > 0, -(-t // np.maximum(n, 1)), 0)     # largest task of each row
     ctas = num_kv_heads * n.sum(axis=1)
-    big = num_kv_heads * np.where(2 * chunk > c[:, None], n, 0).sum(axis=1)
+    is_big = 2 * chunk > c[:, None]
+    big = num_kv_heads * np.where(is_big, n, 0).sum(axis=1)
+    small_tiles = num_kv_heads * np.where(is_big, 0, t).sum(axis=1)
     m, full, rem = model, big // model.wave, big % model.wave
     loads = full * m.load8(m.resident) + np.where(rem > 0, m.load8(np.maximum(1, -(-rem // m.sms))), 0)
-    cost = np.maximum((8 * c + m.overhead8) * loads * m.sms,
+    beside = (8 * small_tiles + (ctas - big) * m.overhead8) * (m.slowdown8 - 8)
+    cost = np.maximum((8 * c + m.overhead8) * loads * m.sms + beside,
                       (8 * num_kv_heads * int(tiles.sum()) + ctas * m.overhead8) * 8)
     return cost, ctas, c
 

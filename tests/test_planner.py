@@ -123,8 +123,10 @@ def _brute_force_partition(seq, sb, cal, hkv):
         n = [-(-t // c) for t in tiles]
         ctas = hkv * sum(n)
         big = hkv * sum(k for t, k in zip(tiles, n) if 2 * -(-t // k) > c)
+        small_tiles = hkv * sum(t for t, k in zip(tiles, n) if t > 0 and 2 * -(-t // k) <= c)
         loads = big // wave * load(m.resident) + (load(-(-(big % wave) // sms)) if big % wave else 0)
-        cost = max((8 * c + f8) * loads * sms, (8 * hkv * sum(tiles) + ctas * f8) * 8)
+        beside = (8 * small_tiles + (ctas - big) * f8) * (m.slowdown8 - 8)
+        cost = max((8 * c + f8) * loads * sms + beside, (8 * hkv * sum(tiles) + ctas * f8) * 8)
         if i > 0 and ctas > planner.MAX_WAVES * wave:
             continue
         if best is None or (cost, ctas, s) < best[:3]:
@@ -409,3 +411,28 @@ def test_max_waves_caps_the_partition_from_the_calibration():
         assert planner.device_plan_targets(c)["max_ctas"] == w * PartitionModel.of(c).wave
         got[w] = p.longest_splits
     assert got == {2: 1, 3: 4}
+
+
+def test_small_ctas_beside_the_big_ones_cost_with_the_slowdown():
+    """Two 34K rows beside six ~2K rows at H_kv 32 (the calibration's bimodal B8 step at G = 1,
+    measured 371 us cut in 2, 304 in 4). The short rows' work beside the big CTAs costs
+    ``(8 * small tiles + small CTAs * f) * (slowdown8 - 8)``; with the H200's G = 1 constants
+    (slowdown 1.875, 7 tiles) it makes 4 splits the cheapest cut, where the two-term model
+    (waves of big CTAs, average load) picks 2. At slowdown 1 that work costs nothing."""
+    seq = np.array([34135, 1892, 1538, 3940, 1363, 1843, 2029, 34751])
+    tiles = -(-seq // 32)
+    cands = np.arange(1, 65)
+    m = planner.PartitionModel(sms=132, resident=2, slowdown8=15, overhead8=56, max_waves=3)
+    cost, ctas, chunk = planner.partition_costs(tiles, cands, num_kv_heads=32, model=m)
+    assert ctas[[1, 3]].tolist() == [320, 448] and chunk[[1, 3]].tolist() == [543, 272]
+    small = 32 * int(tiles[1:7].sum())      # every short row is one small task at both cuts
+    beside = (8 * small + 6 * 32 * 56) * (15 - 8)
+    waves = {2: (8 * 543 + 56) * 8 * 132, 4: (8 * 272 + 56) * 15 * 132}   # 128 big CTAs / 256
+    average = {s: (8 * 32 * int(tiles.sum()) + ctas[s - 1] * 56) * 8 for s in (2, 4)}
+    for s in (2, 4):
+        assert cost[s - 1] == max(waves[s] + beside, average[s])
+    assert int(cands[np.argmin(cost)]) == 4
+    assert max(waves[2], average[2]) < max(waves[4], average[4])   # without it: 2 splits
+    free = attrs.evolve(m, slowdown8=8)
+    cost1, _, _ = planner.partition_costs(tiles, cands[[1, 3]], num_kv_heads=32, model=free)
+    assert cost1.tolist() == [max((8 * c + 56) * 8 * 132, average[s]) for s, c in ((2, 543), (4, 272))]
