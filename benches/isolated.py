@@ -6,6 +6,12 @@ per cache copy (copies rotate so that no case is an L2 number), replayed many ti
 median per call. Correctness is checked before timing against FlashInfer (seed tolerance) and
 the FP32 reference. Also measured in the same run: streaming-read bandwidth (the floor's beta).
 
+FlashInfer's decode paths (pkvrt/fi_engines.py: the CUDA-core, tensor-core and cuDNN wrappers and
+XQA) each get a row; the baseline of a case is the fastest of them that matches the FP32
+reference, named in every row of the case (``baseline_engine``, ``ratio_vs_fi`` = its time over
+the row's). A path that cannot run here is printed and recorded in the meta with the reason
+(``baseline_candidates``: case -> path -> "ok" | "unavailable: ..." | "wrong output: ...").
+
 usage: python benches/isolated.py [--out benches/results/h200/isolated.json] [--cases B1-32K,...]
        [--splits 8,16,32] [--wq-splits 16] (extra split counts to sweep, exploration only)
 """
@@ -23,8 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch  # noqa: E402
 
-from pkvrt import _driver, ops, planner, reference, results  # noqa: E402
+from pkvrt import _driver, fi_engines, ops, planner, reference, results  # noqa: E402
 from pkvrt.harness import median_us  # noqa: E402  (graph-replay CUDA-event median per call)
+from pkvrt.harness import within_tolerance  # noqa: E402  (the serving bench's FP32 tolerance)
+from pkvrt.pagetable import to_padded  # noqa: E402
 from pkvrt.calibration import find_calibration  # noqa: E402
 from pkvrt.registry import load_routes  # noqa: E402
 
@@ -82,7 +90,9 @@ class Case:
         self.ref = reference.decode_attention(b0.q, b0.k_cache, b0.v_cache, b0.seq_lens, b0.block_tables)
 
 
-def engine_flashinfer(case: Case, tensor_cores: bool):
+def engine_flashinfer(case: Case, label: str):
+    """FlashInfer's decode wrapper ``label`` (a key of ``fi_engines.WRAPPERS``), planned once
+    from CSR; RuntimeError when this FlashInfer's wrapper does not run that backend."""
     import flashinfer
 
     b0 = case.b0
@@ -91,8 +101,8 @@ def engine_flashinfer(case: Case, tensor_cores: bool):
     indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32)
     indices = torch.cat([b0.block_tables[i, :p] for i, p in enumerate(pages)]).int()
     last = torch.tensor([n - (p - 1) * page for n, p in zip(case.lens, pages)], dtype=torch.int32)
-    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores)
+    ws = torch.zeros(fi_engines.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    w = fi_engines.make_wrapper(flashinfer, label, ws)
     w.plan(indptr, indices, last, b0.q.shape[1], b0.k_cache.shape[1], b0.q.shape[2], page,
            q_data_type=b0.q.dtype, kv_data_type=b0.k_cache.dtype)
     outs = [torch.empty_like(b0.q) for _ in case.batches]
@@ -101,6 +111,29 @@ def engine_flashinfer(case: Case, tensor_cores: bool):
         for b, o in zip(case.batches, outs):
             w.run(b0.q, (b.k_cache, b.v_cache), out=o)
     return fn, outs[0]
+
+
+def engine_xqa(case: Case):
+    """FlashInfer's XQA decode over the case's pages: the block table cut to the columns the
+    longest row uses (padding -> page 0), int32 lengths, both on the device."""
+    import flashinfer
+
+    entry = fi_engines.xqa_entry(flashinfer)
+    b0 = case.b0
+    table, seq = to_padded(case.lens, b0.block_tables.cpu().numpy(), b0.k_cache.shape[2])
+    table, seq = torch.as_tensor(table, device="cuda"), torch.as_tensor(seq, device="cuda")
+    ws = torch.zeros(fi_engines.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    outs = [torch.empty_like(b0.q) for _ in case.batches]
+
+    def fn():
+        for b, o in zip(case.batches, outs):
+            fi_engines.run_xqa(entry, b0.q, b.k_cache, b.v_cache, ws, table, seq, max(case.lens), o)
+    return fn, outs[0]
+
+
+def engine_fi_path(case: Case, label: str):
+    """The (fn, out) of FlashInfer path ``label`` (one of ``fi_engines.FI_VARIANTS``)."""
+    return engine_xqa(case) if label == fi_engines.XQA else engine_flashinfer(case, label)
 
 
 def engine_split(case: Case, splits: int, merge: bool = True):
@@ -194,7 +227,7 @@ def per_call_rows(case: Case, bplan, registry, args) -> list[dict]:
                ("per-call-pkvrt-bucket-eager", s, [engine_split(c, s)[0] for c in singles], False)]
     try:
         engines.append(("per-call-flashinfer-tc-eager", None,
-                        [engine_flashinfer(c, True)[0] for c in singles], False))
+                        [engine_flashinfer(c, "flashinfer-tc")[0] for c in singles], False))
     except Exception as exc:  # noqa: BLE001 - FlashInfer missing: pkvrt rows only
         print(f"{case.name}: flashinfer unavailable for --per-call: {exc!r}", flush=True)
     for eng, s_, calls, graphs in engines:
@@ -236,6 +269,28 @@ def errors(out, ref):
     return e.max().item(), e.mean().item()
 
 
+def fi_candidates(rows: list[dict]) -> tuple[str | None, dict[str, str]]:
+    """The baseline of one case's ``rows`` and every FlashInfer path's status, in
+    ``fi_engines.FI_VARIANTS`` order: "ok" (timed, within the FP32 tolerance of
+    ``harness.within_tolerance``), "wrong output: ..." (timed, outside it), or "unavailable: ..."
+    (not built: the row's ``unavailable``; failed to run: its ``error``; no row at all). The
+    baseline is the fastest "ok" path, None when there is none."""
+    status, timed = {}, {}
+    for r in rows:
+        label = r["engine"]
+        if label not in fi_engines.FI_VARIANTS:
+            continue
+        if "median_us" not in r:
+            status[label] = r.get("unavailable") or f"unavailable: {r.get('error', 'not timed')}"
+        elif not within_tolerance(r["max_err_ref"], r["mean_err_ref"]):
+            status[label] = (f"wrong output: vs FP32 max|e| {r['max_err_ref']:.3g}, "
+                             f"mean|e| {r['mean_err_ref']:.3g}")
+        else:
+            status[label], timed[label] = "ok", r["median_us"]
+    ordered = {label: status.get(label, "unavailable: not run") for label in fi_engines.FI_VARIANTS}
+    return (min(timed, key=timed.get) if timed else None), ordered
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benches/results/h200/isolated.json")
@@ -267,16 +322,17 @@ def main(argv=None) -> int:
         return dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=128, dtype_bytes=2)
     beta = read_bandwidth_gbps()
     print(f"streaming read: {beta:.0f} GB/s", flush=True)
-    rows = []
+    rows, candidates = [], {}
     for name in args.cases.split(","):
         lens, hq, hkv = CASES[name]
         case = Case(name, lens, hq, hkv)
         engines = []
-        try:
-            engines += [("flashinfer-cuda", None, *engine_flashinfer(case, False)),
-                        ("flashinfer-tc", None, *engine_flashinfer(case, True))]
-        except Exception as exc:  # noqa: BLE001 - recorded in the results, not hidden
-            print(f"{name}: flashinfer unavailable: {exc!r}", flush=True)
+        for label in fi_engines.FI_VARIANTS:
+            try:
+                engines.append((label, None, *engine_fi_path(case, label)))
+            except Exception as exc:  # noqa: BLE001 - recorded in the results, not hidden
+                rows.append(dict(case=name, engine=label, splits=None,
+                                 unavailable=f"unavailable: {type(exc).__name__}: {exc}"))
         # The planner's automatic split choice (calibration of this GPU at this G), as the runtime runs it.
         gcal = cal.for_group(hq // hkv)
         bplan = planner.plan_bucket(lens, splits=registry.route("pkv_bucket").splits, cal=gcal, **shape(hq, hkv))
@@ -316,10 +372,10 @@ def main(argv=None) -> int:
                 print(f"{name} {eng}@{s}: FAILED {exc!r}", flush=True)
                 rows.append(dict(case=name, engine=eng, splits=s, error=repr(exc)))
                 continue
-            if eng.startswith("flashinfer") and fi_out is None:
+            max_e, mean_e = errors(out, case.ref)
+            if eng in fi_engines.FI_VARIANTS and fi_out is None and within_tolerance(max_e, mean_e):
                 fi_out = out.clone()
             us = median_us(fn, case.copies)
-            max_e, mean_e = errors(out, case.ref)
             row = dict(case=name, engine=eng, splits=s, median_us=round(us, 2),
                        gbps=round(case.kv_bytes / (us * 1e-6) / 1e9, 1),
                        frac_read_bw=round(case.kv_bytes / (us * 1e-6) / 1e9 / beta, 3),
@@ -330,21 +386,30 @@ def main(argv=None) -> int:
             rows.append(row)
         if args.per_call:
             rows += per_call_rows(case, bplan, registry, args)
-        fi_best = min((r["median_us"] for r in rows if r["case"] == name and r["engine"].startswith("flashinfer")),
-                      default=None)
+        base, status = fi_candidates([r for r in rows if r["case"] == name])
+        candidates[name] = status
+        for label, text in status.items():
+            if text != "ok":
+                print(f"{name}: {label} {text}", flush=True)
+        fi_best = next((r["median_us"] for r in rows if r["case"] == name and r["engine"] == base), None)
         for r in rows:
-            if r["case"] == name and fi_best and "median_us" in r:
-                r["ratio_vs_fi"] = round(fi_best / r["median_us"], 3)
+            if r["case"] == name:
+                r["baseline_engine"] = base
+                if fi_best and "median_us" in r:
+                    r["ratio_vs_fi"] = round(fi_best / r["median_us"], 3)
         best = {}
         for r in rows:
             if r["case"] == name and "median_us" in r and (r["engine"] not in best or r["median_us"] < best[r["engine"]]["median_us"]):
                 best[r["engine"]] = r
-        print(f"{name:12s} " + "  ".join(f"{e}{'' if r['splits'] is None else '@' + str(r['splits'])}="
+        print(f"{name:12s} baseline {base}  " + "  ".join(f"{e}{'' if r['splits'] is None else '@' + str(r['splits'])}="
                                         f"{r['median_us']:.1f}us" for e, r in best.items()), flush=True)
         del case, engines
         torch.cuda.empty_cache()
     meta = results.make_meta(seeds=[SEED], routes_path=registry.path, calibration_path=cal.source,
-                             read_bandwidth_gbps=round(beta, 1), protocol="isolated graph-replay, CUDA-event median per call, 50% holes, L2 rotation")
+                             read_bandwidth_gbps=round(beta, 1), baseline_candidates=candidates,
+                             protocol="isolated graph-replay, CUDA-event median per call, 50% holes, "
+                                      "L2 rotation; baseline = fastest FlashInfer decode path (CUDA-core, "
+                                      "tensor-core, cuDNN, XQA) matching the FP32 reference")
     results.write_results(args.out, meta, rows)
     return 0
 

@@ -1,13 +1,13 @@
 """Time pkvrt against FlashInfer on a serving trace (``serving``) or isolated kernels (``isolated``).
 
 ``pkvrt bench serving`` replays continuous decode over a trace (a synthetic family, the shipped
-``mixed`` fixture or a CSV/JSON file) on the GPU, once per seed: FlashInfer (the faster of its
-CUDA-core and tensor-core wrappers on the first steps, planned every step) against the pkvrt
-Runtime (adaptive routing, CUDA graphs) and any forced route. Correctness is checked before
-timing; every engine gets CUDA-event and synchronized wall times per step. It writes a results
-JSON (one row per case and engine, plus ratio rows) and a ``.steps.json`` of per-step records
-next to it; ``pkvrt report`` turns a directory of them into tables and plots. The protocol is
-described in pkvrt/harness.py.
+``mixed`` fixture or a CSV/JSON file) on the GPU, once per seed: FlashInfer (the fastest of its
+decode paths on probe steps: the CUDA-core, tensor-core and cuDNN wrappers, planned every step,
+and XQA; pkvrt/fi_engines.py) against the pkvrt Runtime (adaptive routing, CUDA graphs) and any
+forced route. Correctness is checked before timing; every engine gets CUDA-event and
+synchronized wall times per step. It writes a results JSON (one row per case and engine, plus
+ratio rows) and a ``.steps.json`` of per-step records next to it; ``pkvrt report`` turns a
+directory of them into tables and plots. The protocol is described in pkvrt/harness.py.
 
 Without a CUDA GPU it says so and runs the planner instead (``pkvrt plan`` on the same trace:
 route per step, counters, cost-model predictions), exit status 0.
@@ -29,7 +29,7 @@ from pathlib import Path
 import attrs
 
 from pkvrt import calibration as calib
-from pkvrt import harness, results
+from pkvrt import fi_engines, harness, results
 from pkvrt import registry as reg_mod
 from pkvrt.traces import FAMILIES, resolve_trace
 from pkvrt.cli import add_shape_arguments, check_shape_arguments, positive_int
@@ -71,12 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--num-requests", type=positive_int, metavar="N",
                    help="requests of a family (default 32); for a file, keep the first N")
     s.add_argument("--engines", default="flashinfer,adaptive", metavar="LIST",
-                   help="comma-separated: flashinfer (baseline, always run), flashinfer-cuda, "
-                        "flashinfer-tc, flashinfer-graph (FlashInfer's CUDA-graph mode via the "
-                        "Runtime), adaptive, device-plan (device planning, a graph per layer), "
-                        "device-plan-step (device planning, the whole step in one graph), or a "
-                        "routes.toml route name forced on every step, e.g. pkv_workqueue "
-                        "(default: flashinfer,adaptive)")
+                   help="comma-separated: flashinfer (baseline: the fastest of FlashInfer's decode "
+                        "paths, always run), flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
+                        "flashinfer-xqa (one path for the whole run), flashinfer-graph "
+                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, device-plan "
+                        "(device planning, a graph per layer), device-plan-step (device planning, "
+                        "the whole step in one graph), or a routes.toml route name forced on every "
+                        "step, e.g. pkv_workqueue (default: flashinfer,adaptive)")
     s.add_argument("--routes", metavar="PATH",
                    help=f"routes.toml (default: {reg_mod.default_routes_path()})")
     s.add_argument("--calibration", metavar="PATH",
@@ -224,10 +225,9 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
     clock = harness.CudaClock()
     l2 = env.get("l2_bytes") or 60 * 2**20
 
-    def make_engine(name, wl, base_label):
+    def make_engine(name, wl, fi_route):
         if name in harness.FI_VARIANTS:
-            return harness.FlashInferEngine(wl, tensor_cores=harness.FI_VARIANTS[name],
-                                            max_active=config.max_active)
+            return fi_engines.make_engine(name, wl, max_active=config.max_active)
         base, _, route = name.partition(":")   # device-plan[-step]:ROUTE
         if base == harness.STEP_GRAPH:
             return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
@@ -236,7 +236,7 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
                  harness.DEVICE_PLAN: None}.get(base, name) if not route else route
         return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
                                      calibration=cal, max_active=config.max_active,
-                                     tensor_cores=base_label == "flashinfer-tc")
+                                     tensor_cores=fi_route == "flashinfer-tc")
 
     out = Path(args.out) if args.out else default_out(config, env["gpu"])
     rows, steps, per_seed = [], [], {}
@@ -268,12 +268,16 @@ def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, step
         steps_limit=config.steps_limit, shape=attrs.asdict(config.shape),
         calibration_slug=cal.slug, calibration_fallback=cal.fallback, per_seed=per_seed,
         spin_cycles_per_us=round(clock.cycles_per_us, 1),
+        baseline_candidates=harness.merge_candidates(per_seed),
         protocol=("continuous decode, hole fraction 0; per engine: untimed pass with correctness "
                   "check, wall pass (synchronized host clock per step incl. planning and metadata),"
-                  " device pass (CUDA events behind a host-covering spin kernel); FlashInfer "
-                  "planned every step from pinned host CSR, baseline = faster of CUDA-core / "
-                  "tensor-core wrappers by device time over probe steps spread over the measured "
-                  "ones; layers share one KV cache rotated over L2-defeating copies"))
+                  " device pass (CUDA events behind a host-covering spin kernel); FlashInfer's "
+                  "CUDA-core, tensor-core and cuDNN decode wrappers planned every step from pinned "
+                  "host CSR, its XQA decode given device block tables and lengths staged once per "
+                  "step; baseline = fastest of those paths that run and match the FP32 reference, "
+                  "by device time over probe steps spread over the measured ones "
+                  "(baseline_candidates says which could not and why); layers share one KV cache "
+                  "rotated over L2-defeating copies"))
     results.write_results(out, meta, rows)
     results.write_results(steps_path(out), {**meta, "kind": "serving-steps", "results_file": out.name},
                           steps)

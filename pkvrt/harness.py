@@ -11,9 +11,12 @@ Protocol of one seed (:func:`run_seed`):
 2. K/V pages, q and (``--mlp``) the MLP weights are allocated once, random, seeded. When the
    smallest step's KV fits in L2 a few identical cache copies are rotated over the attention
    calls (:func:`cache_copies`), so no engine is timed on an L2-resident cache.
-3. Baseline: FlashInfer's CUDA-core and tensor-core wrappers are both run on ``probe_steps``
-   steps spread over the measured ones; the faster by device time is the baseline
-   (:func:`choose_baseline`).
+3. Baseline: every FlashInfer decode path (:data:`FI_VARIANTS`, pkvrt/fi_engines.py: the
+   CUDA-core, tensor-core and cuDNN wrappers and XQA) is run on ``probe_steps`` steps spread over
+   the measured ones, its output checked against the FP32 reference; the fastest by device time
+   is the baseline (:func:`choose_baseline`). A path that this FlashInfer lacks, that refuses the
+   shape, fails or is wrong is unavailable: printed, and named with the reason in the results
+   meta (``baseline_candidates``, :func:`candidate_status`).
 4. Per engine: one untimed pass over all measured steps (warms graphs and JIT caches and checks
    correctness on ``check_steps`` sampled steps: vs FlashInfer ``max|e| < 2e-3, mean|e| < 3e-4``
    and vs the FP32 reference on a few rows); an engine that fails is not timed. Then a wall pass
@@ -46,7 +49,9 @@ import numpy as np
 import torch
 
 from pkvrt import planner, reference
-from pkvrt.pagetable import build_layout, to_csr
+from pkvrt.fi_engines import FI_VARIANTS
+from pkvrt.fi_engines import WORKSPACE_BYTES as FI_WORKSPACE_BYTES  # noqa: F401 (calibrate.py)
+from pkvrt.pagetable import build_layout
 from pkvrt.traces import Step, decode_steps
 
 MAX_ERR = 2e-3            # vs FlashInfer and vs the FP32 reference (DESIGN.md)
@@ -55,13 +60,12 @@ MLP_INTERMEDIATE = 11008
 L2_ROTATE_FACTOR = 3      # rotate copies until the KV touched between reuses is >= 3 x L2
 MAX_COPIES = 8
 REF_ROWS = 2              # FP32 reference rows per checked step (longest and shortest)
-FI_WORKSPACE_BYTES = 256 * 2**20
 BASELINE = "flashinfer"
 ADAPTIVE = "adaptive"
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
-FI_VARIANTS = {"flashinfer-cuda": False, "flashinfer-tc": True}   # label -> use_tensor_cores
+ROUTE_VARIANTS = ("flashinfer-cuda", "flashinfer-tc")  # the wrappers the Runtime's FlashInfer route runs
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -136,7 +140,8 @@ def engine_label(name: str) -> str:
 
 def parse_engines(text: str, route_names) -> tuple[str, ...]:
     """``--engines`` as a tuple: ``flashinfer`` (the baseline, always first, added if absent),
-    ``flashinfer-cuda`` / ``flashinfer-tc`` (one variant for the whole run), ``flashinfer-graph``
+    ``flashinfer-cuda`` / ``flashinfer-tc`` / ``flashinfer-cudnn`` / ``flashinfer-xqa`` (one
+    FlashInfer path for the whole run, :data:`FI_VARIANTS`), ``flashinfer-graph``
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
@@ -231,10 +236,40 @@ def cache_copies(min_step_kv_bytes: int, l2_bytes: int, copy_bytes: int, budget_
 
 
 def choose_baseline(probe_us: dict[str, float]) -> str:
-    """The FlashInfer variant with the smallest probe time (ties: the first given)."""
+    """The FlashInfer path with the smallest probe time (ties: the first given). ``probe_us``
+    holds the paths that ran; the unavailable ones are named by :func:`candidate_status`."""
     if not probe_us:
         raise ValueError("choose_baseline: no FlashInfer variant could be run")
     return min(probe_us, key=lambda k: probe_us[k])
+
+
+def candidate_status(labels, probe_us: dict[str, float], failures: dict[str, str]) -> dict[str, str]:
+    """Per FlashInfer path of ``labels`` (in that order) whether it competed for the baseline:
+    ``"ok"`` when it was probed, else ``"unavailable: "`` and why (its entry in ``failures``,
+    e.g. "unavailable: RuntimeError: flashinfer 0.5.3: ... backend='cudnn' ...")."""
+    return {label: "ok" if label in probe_us else
+            "unavailable: " + failures.get(label, "not probed") for label in labels}
+
+
+def merge_candidates(per_seed: dict[str, dict]) -> dict[str, str]:
+    """One ``baseline_candidates`` for a results file from each seed's (``per_seed[seed]
+    ["baseline_candidates"]``): a path's status where every seed agrees, else each seed's,
+    "seed 1: ok; seed 2: unavailable: ..."."""
+    merged: dict[str, dict[str, str]] = {}
+    for seed, info in per_seed.items():
+        for label, status in info.get("baseline_candidates", {}).items():
+            merged.setdefault(label, {})[seed] = status
+    return {label: next(iter(by_seed.values())) if len(set(by_seed.values())) == 1 else
+            "; ".join(f"seed {s}: {st}" for s, st in by_seed.items())
+            for label, by_seed in merged.items()}
+
+
+def route_variant(probe_us: dict[str, float]) -> str:
+    """The wrapper the Runtime's own FlashInfer route runs (pkvrt/fi_route.py drives the
+    CUDA-core or the tensor-core wrapper, no other path): the faster of the two in the probe,
+    the tensor-core one (the Runtime's default) when neither ran."""
+    probed = {k: probe_us[k] for k in ROUTE_VARIANTS if k in probe_us}
+    return choose_baseline(probed) if probed else "flashinfer-tc"
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -498,67 +533,7 @@ def run_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> N
 
 
 # --------------------------------------------------------------------------- engines
-
-class FlashInferEngine:
-    """FlashInfer's paged decode wrapper, planned every step on the host path an engine uses:
-    the block table rows -> CSR (``to_csr``) written into pinned host buffers, passed to
-    ``plan()`` (host-side indptr / last_page_len; indices copied asynchronously from pinned
-    memory), then ``run()`` per layer. No CUDA graph: FlashInfer's graph mode is the Runtime's
-    ``flashinfer`` route (engine ``pkvrt-flashinfer``)."""
-
-    def __init__(self, wl: Workload, *, tensor_cores: bool, max_active: int):
-        import flashinfer
-
-        sh = wl.shape
-        self.label = "flashinfer-tc" if tensor_cores else "flashinfer-cuda"
-        self.layout, self.shape = wl.layout, sh
-        ws = torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=wl.device)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "HND", use_tensor_cores=tensor_cores)
-        cap = max_active * wl.layout.max_pages
-        pin = dict(dtype=torch.int32, pin_memory=True)
-        self.indptr = torch.zeros(max_active + 1, **pin)
-        self.indices = torch.zeros(cap, **pin)
-        self.last = torch.zeros(max_active, **pin)
-        self._np = (self.indptr.numpy(), self.indices.numpy(), self.last.numpy())  # views
-        self._last_info = None
-        self._planned = None   # event after the last plan()'s copies (see plan)
-
-    def plan(self, step: Step) -> None:
-        sh = self.shape
-        indptr, indices, last = to_csr(step.seq_lens, self.layout.block_table(step.rids), sh.page_size)
-        b, nnz = len(last), len(indices)
-        # The pinned buffers here and FlashInfer's own pinned schedule buffer are copied to the
-        # device asynchronously by plan(): wait until the previous step's copies have run before
-        # rewriting them (the untimed pass does not synchronize between steps; without this wait
-        # a step ran another step's CSR: illegal memory accesses and hangs, H200 2026-11-29).
-        if self._planned is not None:
-            self._planned.synchronize()
-        else:
-            self._planned = torch.cuda.Event()
-        np_indptr, np_indices, np_last = self._np
-        np_indptr[:b + 1] = indptr
-        np_indices[:nnz] = indices
-        np_last[:b] = last
-        self.wrapper.plan(self.indptr[:b + 1], self.indices[:nnz], self.last[:b],
-                          sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
-                          q_data_type=sh.torch_dtype, kv_data_type=sh.torch_dtype)
-        self._planned.record()
-        self._last_info = step.seq_lens
-
-    def attend(self, q, k_cache, v_cache, out) -> None:
-        self.wrapper.run(q, (k_cache, v_cache), out=out)
-
-    def step_info(self):
-        """(route, splits, counters) of the last planned step."""
-        sh = self.shape
-        c = planner.flashinfer_counters(self._last_info, num_kv_heads=sh.num_kv_heads,
-                                        head_dim=sh.head_dim, dtype_bytes=sh.dtype_bytes)
-        return BASELINE, (), c
-
-    def stats(self) -> dict:
-        return {}
-
+# (FlashInfer's decode paths, the baseline's candidates, are in pkvrt/fi_engines.py)
 
 RUNTIME_REQUIRED = ("device", "routes", "calibration", "max_batch", "max_pages_per_row",
                     "use_cuda_graph")
@@ -831,30 +806,53 @@ def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int,
                    failures: dict) -> dict[str, float]:
     """Summed device µs (the device pass: CUDA events behind a covering spin) of each candidate
     engine over ``probe_steps`` steps spread over the measured ones (after one warm-up pass over
-    them): the baseline is FlashInfer's fastest path by device time. ``candidates``: label ->
-    engine; one that raises is removed from it and its error recorded in ``failures`` (the other
-    variant can still be the baseline)."""
+    them): the baseline is FlashInfer's fastest path by device time. The warm-up pass also checks
+    each candidate's output on the first and last probe step against the FP32 reference (the
+    tolerance of :func:`measure_engine`), so that a wrong path cannot become the baseline.
+    ``candidates``: label -> engine; one that raises or is wrong is removed from it and the
+    reason recorded in ``failures`` (another path can still be the baseline)."""
     steps = [wl.steps[i] for i in sample_steps(len(wl.steps), probe_steps)]
+    refs = {pos: reference_rows(wl, steps[pos]) for pos in check_positions(len(steps), 2)}
     probe = {}
     for label, eng in list(candidates.items()):
+        out.fill_(float("nan"))
         try:
-            untimed_pass(eng, wl, steps, out, clock)
-            walls, _ = wall_pass(eng, wl, steps, out, clock)
-            cudas, _ = device_pass(eng, wl, steps, out, clock, [1.25 * w + 50.0 for w in walls])
+            kept = untimed_pass(eng, wl, steps, out, clock, keep=tuple(refs))
+            why = wrong_output(kept, refs, steps)
+            if why is None:
+                walls, _ = wall_pass(eng, wl, steps, out, clock)
+                cudas, _ = device_pass(eng, wl, steps, out, clock, [1.25 * w + 50.0 for w in walls])
         except Exception as exc:  # noqa: BLE001 - recorded in meta and printed
-            failures[label] = f"{type(exc).__name__}: {exc}"
+            why = f"{type(exc).__name__}: {exc}"
+        if why is not None:
+            failures[label] = why
             del candidates[label]
             continue
         probe[label] = sum(cudas)
     return probe
 
 
+def wrong_output(kept: dict, refs: dict, steps: list[Step]) -> str | None:
+    """Why the outputs ``kept`` ({pos: [B, H_q, D]}) differ from the FP32 references ``refs``
+    ({pos: (rows, [R, H_q, D])}) beyond tolerance, naming the step; None when they agree."""
+    for pos, o in kept.items():
+        rows, ref = refs[pos]
+        max_e, mean_e = errors(o[torch.from_numpy(rows).to(o.device)], ref)
+        if not within_tolerance(max_e, mean_e):
+            return (f"wrong output on step {steps[pos].index}: vs FP32 max|e| {max_e:.3g}, "
+                    f"mean|e| {mean_e:.3g}")
+    return None
+
+
 def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, device="cuda",
              l2_bytes: int = 60 * 2**20, budget_bytes: int | None = None, log=print):
     """Measure every engine of ``config`` on one seed.
 
-    make_engine(name, wl, baseline_label) -> engine, for ``name`` in ``config.engines`` and the
-    two FlashInfer variants (``flashinfer-cuda``, ``flashinfer-tc``) of the probe.
+    make_engine(name, wl, fi_route) -> engine, for ``name`` in ``config.engines`` and every
+    FlashInfer path of the probe (:data:`FI_VARIANTS`, built with ``fi_route`` None).
+    ``fi_route`` is the wrapper the Runtime's FlashInfer route should run (:func:`route_variant`).
+    A FlashInfer path that cannot run here (it raised or was wrong in the probe) and that
+    ``config.engines`` names gets a row ``"row": "unavailable"`` with the reason, no timing.
 
     Returns (rows incl. ratio rows, per-step rows, info dict for the results meta).
     """
@@ -870,16 +868,20 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
     for label in FI_VARIANTS:
         try:
             candidates[label] = make_engine(label, wl, None)
-        except Exception as exc:  # noqa: BLE001 - recorded in meta, the other variant may work
+        except Exception as exc:  # noqa: BLE001 - recorded in meta and printed, another may work
             failures[label] = f"{type(exc).__name__}: {exc}"
     probe = probe_baseline(candidates, wl, clock, out, config.probe_steps, failures)
-    for label, why in failures.items():
-        log(f"  {label} unavailable: {why}")
+    status = candidate_status(FI_VARIANTS, probe, failures)
+    for label, text in status.items():
+        if text != "ok":
+            log(f"  {label} {text}")
     if not probe:
         raise ValueError(f"{case}: no FlashInfer variant could run the baseline: {failures}")
     base_label = choose_baseline(probe)
-    log(f"  baseline {base_label} (probe device time over {min(config.probe_steps, len(wl.steps))} "
-        f"steps: " + ", ".join(f"{k} {v:.0f} us" for k, v in probe.items()) + ")")
+    fi_route = route_variant(probe)
+    log(f"  baseline {base_label}, the fastest of {len(probe)} FlashInfer paths (probe device time "
+        f"over {min(config.probe_steps, len(wl.steps))} steps: "
+        + ", ".join(f"{k} {v:.0f} us" for k, v in probe.items()) + ")")
     check = check_positions(len(wl.steps), config.check_steps)
     refs = {pos: reference_rows(wl, wl.steps[pos]) for pos in check}
     fi_outs: dict[int, torch.Tensor] = {}
@@ -888,8 +890,13 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
     for name in config.engines:
         if name == BASELINE or name == base_label:
             continue
+        if name in failures:
+            log(f"  {name}: not measured, unavailable: {failures[name]}")
+            rows.append({"case": case, "engine": name, "row": "unavailable", "seed": seed,
+                         "reason": failures[name]})
+            continue
         engines.append((name, candidates[name] if name in candidates else
-                        make_engine(name, wl, base_label)))
+                        make_engine(name, wl, fi_route)))
     for name, eng in engines:
         out.fill_(float("nan"))
         row, srows = measure_engine(eng, wl, clock, case=case, seed=seed, fi_outs=fi_outs,
@@ -902,6 +909,7 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
                 f"max|e| {row['max_err']:.2e}")
     rows.extend(ratio_rows(rows))
     info = {"baseline": base_label, "baseline_probe_device_us": probe,
-            "baseline_failures": failures, "cache_copies": wl.copies,
+            "baseline_candidates": status, "baseline_failures": failures,
+            "flashinfer_route": fi_route, "cache_copies": wl.copies,
             "steps_total": wl.steps_total, "steps_measured": len(wl.steps)}
     return rows, steps_out, info

@@ -5,8 +5,8 @@ pkvrt results file, ``{"meta": {...}, "rows": [...]}``; a malformed one is an er
 and writes ``DIR/report.md`` with the seed paper's tables:
 
 - Table 1, isolated kernels (benches/isolated.py): case, engine, µs, GB/s, fraction of the
-  4.2 TB/s read floor (the reference of the engine-protocol table), ratio against the best
-  FlashInfer variant of the same file;
+  4.2 TB/s read floor (the reference of the engine-protocol table), ratio against the case's
+  baseline (FlashInfer's fastest correct decode path in the same file, marked "(baseline)");
 - Table 2, serving (``pkvrt bench serving``): per trace and engine the selected route, CUDA and
   wall decode-token throughput ratios against the file's baseline row (mean ± sample std over
   seeds), and max / mean errors;
@@ -177,8 +177,22 @@ def _of_kind(files, kind):
 
 # --------------------------------------------------------------------------- Table 1
 
+def isolated_baseline(rows) -> dict | None:
+    """The baseline row among one isolated case's timed ``rows``: the fastest row of the engine
+    they name as ``baseline_engine`` (benches/isolated.py: FlashInfer's fastest decode path that
+    matched the FP32 reference; None when none did), or, in files older than that field, the
+    fastest flashinfer-* row."""
+    named = [r for r in rows if "baseline_engine" in r]
+    if named:
+        name = named[0]["baseline_engine"]
+        return _fastest([r for r in rows if r["engine"] == name], "") if name else None
+    return _fastest(rows, "flashinfer")
+
+
 def isolated_table(files) -> str:
-    """Best split per (case, engine) of every isolated file, ratio vs the case's best FlashInfer.
+    """Best split per (case, engine) of every isolated file, ratio vs the case's baseline
+    (:func:`isolated_baseline`, marked in the Engine column). A FlashInfer path that could not
+    run shows "unavailable" and why, an engine that failed "FAILED" and its error.
 
     The fraction column is GB/s over the 4.2 TB/s read floor (:data:`FLOOR_GBPS`, the reference
     of the engine-protocol table), not over the file's own ``read_bandwidth_gbps`` probe nor its
@@ -198,23 +212,26 @@ def isolated_table(files) -> str:
                 best[r["engine"]] = r
         rows = []
         for case, engines in cases.items():
-            fi = [r["median_us"] for e, r in engines.items() if e.startswith("flashinfer")]
+            base = isolated_baseline(list(engines.values()))
             for e, r in sorted(engines.items(), key=lambda x: x[1]["median_us"]):
                 gbps = r.get("gbps")
                 frac = None if gbps is None else gbps / FLOOR_GBPS
-                rows.append((case, e, "-" if r.get("splits") is None else r["splits"],
+                rows.append((case, e + (" (baseline)" if r is base else ""),
+                             "-" if r.get("splits") is None else r["splits"],
                              f"{r['median_us']:.2f}", "-" if gbps is None else f"{gbps:.1f}",
                              "-" if frac is None else f"{frac:.3f}",
-                             f"{min(fi) / r['median_us']:.3f}x" if fi else "-"))
+                             f"{base['median_us'] / r['median_us']:.3f}x" if base else "-"))
         for r in failed:
-            rows.append((r["case"], r["engine"], r.get("splits", "-"), "FAILED", "-", "-",
-                         str(r.get("error", "no time"))[:60]))
+            why = r.get("unavailable")
+            rows.append((r["case"], r["engine"], "-" if r.get("splits") is None else r["splits"],
+                         "unavailable" if why else "FAILED", "-", "-",
+                         str(why or r.get("error", "no time")).removeprefix("unavailable: ")[:60]))
         title = f"**{Path(path).name}**" + (
             f" (the file's streaming-read probe measured {beta} GB/s; fractions are of the "
             f"{FLOOR_GBPS / 1e3:g} TB/s floor instead)" if beta else "")
         out.append(title + "\n\n" + md_table(
             ("Case", "Engine", "Split", "µs", "GB/s", f"Fraction of {FLOOR_GBPS / 1e3:g} TB/s",
-             "Ratio vs FlashInfer best"), rows, align="llrrrrr"))
+             "Ratio vs baseline"), rows, align="llrrrrr"))
     return "\n\n".join(out)
 
 
@@ -388,7 +405,7 @@ def _fastest(rows, prefix: str):
 
 def isolated_coverage(files) -> list[dict]:
     """Per case of every isolated file: the fastest pkvrt-* engine at its best split and
-    ``FlashInfer µs / pkvrt µs`` against the file's fastest flashinfer-* engine of that case.
+    ``FlashInfer µs / pkvrt µs`` against the case's baseline (:func:`isolated_baseline`).
     Isolated files time kernels only, so ``wall`` is None."""
     out = []
     for path, doc in _of_kind(files, "isolated"):
@@ -398,7 +415,7 @@ def isolated_coverage(files) -> list[dict]:
             if _is_number(r.get("median_us")) and r["median_us"] > 0:
                 timed[r["case"]].append(r)
         for case, rows in timed.items():
-            pkv, fi = _fastest(rows, "pkvrt"), _fastest(rows, "flashinfer")
+            pkv, fi = _fastest(rows, "pkvrt"), isolated_baseline(rows)
             ratio = fi["median_us"] / pkv["median_us"] if pkv and fi else None
             split = "" if pkv is None or pkv.get("splits") is None else f", split {pkv['splits']}"
             best = None if pkv is None else {"engine": pkv["engine"] + split, "ratio": ratio,
@@ -474,7 +491,8 @@ def coverage_table(files) -> str:
                         if d["meta"].get("protocol")})
     if iso:
         notes.append("Isolated cases: kernel time only (no wall measure), best split per engine, "
-                     "against the fastest flashinfer-* engine of the case"
+                     "against the case's baseline (FlashInfer's fastest path, named in the "
+                     "Baseline column)"
                      + (f"; protocol: {'; '.join(protocols)}." if protocols else "."))
     for label, key in (("CUDA events (isolated and serving)", "cuda"), ("wall (serving)", "wall")):
         counts = collections.Counter(verdict(c[key]["ratio"]) for c in iso + serving if c[key])

@@ -1,8 +1,9 @@
 """Results files: ``{"meta": {...}, "rows": [...]}`` as DESIGN.md ("Results files") defines.
 
-``meta`` records where a number came from (GPU, driver, CUDA, torch, FlashInfer, pkvrt commit,
-seeds, routes.toml and calibration hashes, date, command line); ``rows`` are flat records, one per
-measured (case, engine). Ratios are computed only between rows of the same file.
+``meta`` records where a number came from (GPU, driver, CUDA, torch, FlashInfer, the cuDNN
+frontend, pkvrt commit, seeds, routes.toml and calibration hashes, date, command line); ``rows``
+are flat records, one per measured (case, engine). Ratios are computed only between rows of the
+same file.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def environment() -> dict:
         env["flashinfer"] = flashinfer.__version__
     except Exception as exc:  # not installed, or failed to import/build: recorded, not fatal
         env["flashinfer"] = f"unavailable: {type(exc).__name__}"
+    try:  # the cuDNN frontend FlashInfer's cuDNN decode path runs on (pkvrt/fi_engines.py)
+        import cudnn
+        env["cudnn_frontend"] = str(getattr(cudnn, "__version__", "?"))
+    except Exception as exc:  # noqa: BLE001 - not installed, or its library failed to load
+        env["cudnn_frontend"] = f"unavailable: {type(exc).__name__}"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, sm_count=props.multi_processor_count,

@@ -61,6 +61,20 @@ def test_serving_falls_back_to_the_planner(capsys, tmp_path, no_cuda, trace, see
     assert "Table 4" in md and f"| {trace}-B8 | adaptive | planner |" in md
 
 
+def test_serving_parses_the_xqa_and_cudnn_engines(capsys, no_cuda, monkeypatch):
+    seen = {}
+
+    def fallback(args, config, registry, traces):   # stands in for the planner's run
+        seen["config"] = config
+        return 0
+    monkeypatch.setattr(bench, "planner_fallback", fallback)
+    rc, _, err = run(capsys, "bench", "serving", "--engines", "flashinfer-xqa,flashinfer-cudnn",
+                     "--seeds", "1", "--engine-layers", "32")
+    assert rc == 0, err
+    assert seen["config"].engines == ("flashinfer", "flashinfer-xqa", "flashinfer-cudnn")
+    assert seen["config"].layers == 32
+
+
 def test_fallback_without_out_writes_nothing(capsys, tmp_path, no_cuda, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, out, _ = run(capsys, "bench", "serving", "--seeds", "20260623", "--max-active", "4")
@@ -82,8 +96,8 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
-                                     "flashinfer, flashinfer-cuda, flashinfer-tc, "
-                                     "flashinfer-graph, adaptive, device-plan, device-plan-step, "
+                                     "flashinfer, flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
+                                     "flashinfer-xqa, flashinfer-graph, adaptive, device-plan, device-plan-step, "
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),
     (["--trace", "no/such.csv"], "--trace 'no/such.csv': expected a family"),
@@ -326,6 +340,12 @@ def test_engine_labels_and_parsing():
         "flashinfer", "adaptive", "pkv_bucket")
     assert harness.parse_engines("flashinfer-cuda, flashinfer", ROUTES) == (
         "flashinfer", "flashinfer-cuda")
+    assert harness.parse_engines("flashinfer-xqa,flashinfer-cudnn", ROUTES) == (
+        "flashinfer", "flashinfer-xqa", "flashinfer-cudnn")
+    assert harness.engine_label("flashinfer-xqa") == "flashinfer-xqa"
+    assert harness.engine_label("flashinfer-cudnn") == "flashinfer-cudnn"
+    with pytest.raises(ValueError, match="unknown engine 'flashinfer-fa3'"):
+        harness.parse_engines("flashinfer-fa3", ROUTES)
 
 
 def test_device_planned_engines_take_a_route():
@@ -404,6 +424,66 @@ def test_choose_baseline():
     assert harness.choose_baseline({"flashinfer-cuda": 520.0, "flashinfer-tc": 440.0}) == "flashinfer-tc"
     with pytest.raises(ValueError, match="no FlashInfer variant"):
         harness.choose_baseline({})
+
+
+def test_the_baseline_is_the_fastest_of_four_paths_and_names_the_others():
+    assert harness.FI_VARIANTS == ("flashinfer-cuda", "flashinfer-tc", "flashinfer-cudnn",
+                                   "flashinfer-xqa")
+    probe = {"flashinfer-cuda": 358.3, "flashinfer-tc": 255.5, "flashinfer-cudnn": 256.7,
+             "flashinfer-xqa": 305.5}   # B8 32K on the H200 (issue 15)
+    assert harness.choose_baseline(probe) == "flashinfer-tc"
+    assert harness.choose_baseline({**probe, "flashinfer-cudnn": 255.4}) == "flashinfer-cudnn"
+    assert harness.choose_baseline({"flashinfer-cuda": 51.1, "flashinfer-xqa": 47.0}) == "flashinfer-xqa"
+    # unavailable paths are not in the probe: the fastest of the rest, the others named with why
+    probe = {"flashinfer-cuda": 51.1, "flashinfer-xqa": 47.0}
+    failures = {"flashinfer-tc": "RuntimeError: boom",
+                "flashinfer-cudnn": "RuntimeError: flashinfer 0.5.3: no backend='cudnn'"}
+    assert harness.choose_baseline(probe) == "flashinfer-xqa"
+    assert harness.candidate_status(harness.FI_VARIANTS, probe, failures) == {
+        "flashinfer-cuda": "ok", "flashinfer-tc": "unavailable: RuntimeError: boom",
+        "flashinfer-cudnn": "unavailable: RuntimeError: flashinfer 0.5.3: no backend='cudnn'",
+        "flashinfer-xqa": "ok"}
+    assert harness.candidate_status(("flashinfer-tc",), {}, {}) == {
+        "flashinfer-tc": "unavailable: not probed"}
+
+
+def test_route_variant_is_the_faster_wrapper_the_runtime_can_run():
+    assert harness.route_variant({"flashinfer-cuda": 52.0, "flashinfer-tc": 44.0,
+                                  "flashinfer-xqa": 40.0}) == "flashinfer-tc"
+    assert harness.route_variant({"flashinfer-cuda": 30.0, "flashinfer-tc": 44.0}) == "flashinfer-cuda"
+    assert harness.route_variant({"flashinfer-xqa": 40.0}) == "flashinfer-tc"   # the Runtime's default
+
+
+def test_merge_candidates_over_seeds():
+    ok = dict.fromkeys(harness.FI_VARIANTS, "ok")
+    no_cudnn = {**ok, "flashinfer-cudnn": "unavailable: RuntimeError: x"}
+    assert harness.merge_candidates({"1": {"baseline_candidates": no_cudnn},
+                                     "2": {"baseline_candidates": no_cudnn}}) == no_cudnn
+    merged = harness.merge_candidates({"1": {"baseline_candidates": ok},
+                                       "2": {"baseline_candidates": no_cudnn}})
+    assert merged["flashinfer-tc"] == "ok"
+    assert merged["flashinfer-cudnn"] == "seed 1: ok; seed 2: unavailable: RuntimeError: x"
+    assert harness.merge_candidates({}) == {}
+
+
+def test_serving_meta_names_the_candidates_and_the_protocol(tmp_path):
+    """bench._write (after every seed) records each FlashInfer path's status and a protocol
+    that names the four paths."""
+    from types import SimpleNamespace as NS
+
+    status = dict.fromkeys(harness.FI_VARIANTS, "ok")
+    status["flashinfer-cudnn"] = "unavailable: RuntimeError: flashinfer 0.5.3: ..."
+    per_seed = {"7": {"baseline": "flashinfer-xqa", "baseline_candidates": status}}
+    out = tmp_path / "s.json"
+    bench._write(out, _config(seeds=(7,)), NS(path=None), NS(source=None, slug="x", fallback=False),
+                 NS(cycles_per_us=1.0), [_trace()], per_seed, [], [])
+    meta = results.read_results(out)["meta"]
+    assert meta["baseline_candidates"] == status
+    assert meta["per_seed"]["7"]["baseline"] == "flashinfer-xqa"
+    for words in ("CUDA-core, tensor-core and cuDNN decode wrappers", "XQA",
+                  "baseline = fastest of those paths", "baseline_candidates"):
+        assert words in meta["protocol"]
+    assert results.read_results(bench.steps_path(out))["meta"]["baseline_candidates"] == status
 
 
 def _rec(step, seq, route, splits, wall, cuda, ctas=0):
@@ -501,16 +581,24 @@ def _trace():
     return Trace(name="tiny", requests=tuple(reqs), seed=None, source="test")
 
 
-def _run_cpu(config, *, wrong=(), slow_cuda_variant=True):
+def _run_cpu(config, *, wrong=(), fast="flashinfer-tc", missing=()):
+    """run_seed on the CPU; every FlashInfer path but ``fast`` plans slowly (so ``fast`` is the
+    baseline unless it fails), those in ``missing`` cannot be built (as cuDNN on 0.5.3), those in
+    ``wrong`` give skewed outputs."""
     router = Router(load_routes(None), seed_calibration(), num_qo_heads=SHAPE.num_qo_heads,
                     num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim,
                     page_size=SHAPE.page_size)
+    made = []
 
-    def make_engine(name, wl, base_label):
-        delay = 0.05 if (name == "flashinfer-cuda" and slow_cuda_variant) else 0.0
+    def make_engine(name, wl, fi_route):
+        made.append((name, fi_route))
+        if name in missing:
+            raise RuntimeError(f"flashinfer 0.5.3: no {name} here")
+        delay = 0.05 if (name in harness.FI_VARIANTS and name != fast) else 0.0
         force = "flashinfer" if name in harness.FI_VARIANTS else name if name in ROUTES else None
         return ReferenceEngine(harness.engine_label(name), wl, router, force=force,
                                skew=0.05 if name in wrong else 0.0, host_delay_s=delay)
+    _run_cpu.made = made
     logs = []
     out = harness.run_seed(config, 11, _trace(), make_engine, clock=harness.HostClock(), device="cpu",
                            budget_bytes=2**30, log=logs.append)
@@ -526,7 +614,12 @@ def _config(**kw):
 @pytest.mark.slow
 def test_cpu_loop_rows_ratios_and_steps():
     rows, steps, info, logs = _run_cpu(_config())
-    assert info["baseline"] == "flashinfer-tc"                    # the cuda variant was slowed
+    assert info["baseline"] == "flashinfer-tc"                    # the other paths were slowed
+    assert info["baseline_candidates"] == dict.fromkeys(harness.FI_VARIANTS, "ok")
+    assert set(info["baseline_probe_device_us"]) == set(harness.FI_VARIANTS)
+    # the Runtime's FlashInfer route runs the faster of the two wrappers it can drive
+    assert info["flashinfer_route"] == "flashinfer-tc"
+    assert ("adaptive", "flashinfer-tc") in _run_cpu.made
     assert info["steps_measured"] == 4 and info["steps_total"] == 7
     measured = {r["engine"]: r for r in rows if r["row"] == "measured"}
     assert list(measured) == ["flashinfer-tc", "pkvrt-adaptive", "pkvrt-bucket"]
@@ -555,12 +648,40 @@ def test_cpu_loop_baseline_probe_survives_a_failing_variant(monkeypatch):
         return ReferenceEngine._plan(self, step)
     monkeypatch.setattr(ReferenceEngine, "_plan", ReferenceEngine.plan, raising=False)
     monkeypatch.setattr(ReferenceEngine, "plan", broken_plan)
-    rows, _, info, logs = _run_cpu(_config(engines=("flashinfer", "adaptive")), slow_cuda_variant=False)
+    rows, _, info, logs = _run_cpu(_config(engines=("flashinfer", "adaptive")), fast="flashinfer-cuda")
     assert info["baseline"] == "flashinfer-cuda"
     assert info["baseline_failures"] == {
         "flashinfer-tc": "RuntimeError: no tensor-core kernel for this shape"}
     assert [r["engine"] for r in rows if r["row"] == "measured"] == ["flashinfer-cuda", "pkvrt-adaptive"]
     assert any("flashinfer-tc unavailable" in line for line in logs)
+
+
+@pytest.mark.slow
+def test_cpu_loop_unavailable_and_wrong_paths_are_named_not_dropped():
+    """A FlashInfer path that cannot be built (cuDNN on 0.5.3) and one whose output is wrong (the
+    fastest here) do not compete for the baseline; both are printed and named with the reason,
+    and an --engines entry naming an unavailable path gets an "unavailable" row, not a crash."""
+    rows, _, info, logs = _run_cpu(_config(engines=("flashinfer", "flashinfer-cudnn", "adaptive")),
+                                   fast="flashinfer-xqa", missing=("flashinfer-cudnn",),
+                                   wrong=("flashinfer-xqa",))
+    status = info["baseline_candidates"]
+    assert list(status) == list(harness.FI_VARIANTS)
+    assert status["flashinfer-cudnn"] == "unavailable: RuntimeError: flashinfer 0.5.3: no flashinfer-cudnn here"
+    assert status["flashinfer-xqa"].startswith("unavailable: wrong output on step ")
+    assert "vs FP32 max|e| 0.05" in status["flashinfer-xqa"]
+    assert status["flashinfer-cuda"] == status["flashinfer-tc"] == "ok"
+    assert info["baseline"] in ("flashinfer-cuda", "flashinfer-tc")
+    assert set(info["baseline_probe_device_us"]) == {"flashinfer-cuda", "flashinfer-tc"}
+    assert info["flashinfer_route"] == info["baseline"]
+    for label in ("flashinfer-cudnn", "flashinfer-xqa"):
+        assert any(line.startswith(f"  {label} unavailable: ") for line in logs), logs
+    unavailable = [r for r in rows if r["row"] == "unavailable"]
+    assert unavailable == [{"case": "tiny-B2-seed11", "engine": "flashinfer-cudnn",
+                            "row": "unavailable", "seed": 11,
+                            "reason": "RuntimeError: flashinfer 0.5.3: no flashinfer-cudnn here"}]
+    measured = [r["engine"] for r in rows if r["row"] == "measured"]
+    assert measured == [info["baseline"], "pkvrt-adaptive"]
+    assert any("flashinfer-cudnn: not measured, unavailable" in line for line in logs)
 
 
 def test_cpu_loop_wrong_engine_is_not_timed():

@@ -165,3 +165,54 @@ def test_to_csr_errors(seq, bt, words):
 def test_to_csr_rejects_bad_page_size():
     with pytest.raises(ValueError, match="page_size=12"):
         pt.to_csr([1], [[0]], 12)
+
+
+# --------------------------------------------------------------------------- to_padded
+
+def test_to_padded_worked_example():
+    table, seq = pt.to_padded([33, 5], [[7, 8, 9, 10], [4, -1, -1, -1]], 16)
+    assert table.tolist() == [[7, 8, 9], [4, 0, 0]]         # 3 columns: ceil(33 / 16)
+    assert seq.tolist() == [33, 5]
+    assert table.dtype == seq.dtype == np.int32 and table.flags.c_contiguous
+    table, _ = pt.to_padded([33, 5], [[7, 8, 9, 10], [4, -1, -1, -1]], 16, pad=3)
+    assert table[1].tolist() == [4, 3, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 16, 64]),
+       batch=st.integers(1, 12), width=st.integers(1, 20))
+def test_to_padded_holds_the_csr_pages(data, page_size, batch, width):
+    """Row i's first ceil(seq_i / page) entries are the pages to_csr lists for it, the rest are
+    the pad; the table is exactly as wide as the longest row needs (XQA's max_seq_len)."""
+    seq = np.array(data.draw(st.lists(st.integers(1, width * page_size), min_size=batch,
+                                      max_size=batch)), np.int32)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    bt = rng.integers(1, 10_000, size=(batch, width)).astype(np.int32)
+    pages = -(-seq // page_size)
+    bt[np.arange(width) >= pages[:, None]] = -1       # padding must never be copied
+    table, seq_out = pt.to_padded(seq, bt, page_size)
+    indptr, indices, _ = pt.to_csr(seq, bt, page_size)
+    assert table.shape == (batch, pages.max()) and table.flags.c_contiguous
+    assert seq_out.tolist() == seq.tolist()
+    for i in range(batch):
+        assert table[i, :pages[i]].tolist() == indices[indptr[i]:indptr[i + 1]].tolist()
+        assert (table[i, pages[i]:] == 0).all()
+
+
+def test_to_padded_on_a_layout_step():
+    tr = traces.synthetic("bimodal", num_requests=16, seed=2)
+    lay = pt.build_layout(tr, page_size=16, hole_fraction=0.5, seed=2)
+    for step in list(traces.decode_steps(tr, max_active=8))[::7]:
+        table, seq = pt.to_padded(step.seq_lens, lay.block_table(step.rids), 16)
+        assert table.shape[1] * 16 >= seq.max() > (table.shape[1] - 1) * 16
+        assert ((table >= 0) & (table < lay.num_physical_pages)).all()
+
+
+@pytest.mark.parametrize("seq,bt,words", [
+    ([49], [[1, 2, 3]], "to_padded: row 0 has seq_len 49 = 4 pages"),
+    ([16, 0], [[1], [2]], r"to_padded: seq_lens\[1\] = 0"),
+    ([17], [[1, -1]], "to_padded: block_tables row 0 has a negative"),
+])
+def test_to_padded_errors(seq, bt, words):
+    with pytest.raises(ValueError, match=words):
+        pt.to_padded(np.array(seq), np.array(bt), 16)

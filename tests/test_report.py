@@ -123,11 +123,41 @@ def test_isolated_table(capsys, tmp_path):
     # the fraction is GB/s over the stated 4.2 TB/s floor, never over the file's read probe
     # (2000 GB/s here: 2777 / 2000 = 1.39) nor a row's own frac_read_bw (0.7): 2777 / 4200 = 0.661
     assert t1[0] == ["B1-32K", "pkvrt-bucket", "32", "36.00", "2777.0", "0.661", "1.111x"]
-    assert t1[1] == ["B1-32K", "flashinfer-tc", "-", "40.00", "2500.0", "0.595", "1.000x"]
+    assert t1[1] == ["B1-32K", "flashinfer-tc (baseline)", "-", "40.00", "2500.0", "0.595", "1.000x"]
     assert t1[2] == ["B1-32K", "flashinfer-cuda", "-", "50.00", "2000.0", "0.476", "0.800x"]
     assert t1[3][:4] == ["B1-32K", "pkvrt-fused", "8", "FAILED"] and "boom" in t1[3][6]
-    assert "| Case | Engine | Split | µs | GB/s | Fraction of 4.2 TB/s | Ratio vs FlashInfer best |" in md
+    assert "| Case | Engine | Split | µs | GB/s | Fraction of 4.2 TB/s | Ratio vs baseline |" in md
     assert report.FLOOR_GBPS == 4200.0
+
+
+def test_isolated_baseline_is_the_one_the_file_names(capsys, tmp_path):
+    """benches/isolated.py names each case's baseline (FlashInfer's fastest path that matched the
+    FP32 reference): a faster but wrong path is not the baseline, an unavailable one is shown."""
+    d = tmp_path / "iso"
+    common = dict(case="B1-32K", splits=None, baseline_engine="flashinfer-xqa")
+    rows = [
+        dict(common, engine="flashinfer-tc", median_us=44.0, gbps=2500.0),
+        dict(common, engine="flashinfer-xqa", median_us=40.0, gbps=2700.0),
+        dict(common, engine="flashinfer-cuda", median_us=30.0, gbps=3000.0,   # wrong: not the baseline
+             max_err_ref=0.5, mean_err_ref=0.1),
+        dict(common, engine="flashinfer-cudnn",
+             unavailable="unavailable: RuntimeError: flashinfer 0.5.3: no backend='cudnn'"),
+        dict(common, engine="pkvrt-bucket", splits=32, median_us=36.0, gbps=2777.0),
+        dict(case="B8-32K", splits=None, baseline_engine=None, engine="pkvrt-bucket", median_us=50.0),
+    ]
+    write(d / "isolated.json", None, rows, protocol="isolated graph-replay (fake)")
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    t1 = {r[1]: r for r in table(md, "Table 1") if r[0] == "B1-32K"}
+    assert t1["flashinfer-xqa (baseline)"][6] == "1.000x"
+    assert t1["pkvrt-bucket"][6] == "1.111x" and t1["flashinfer-cuda"][6] == "1.333x"
+    assert t1["flashinfer-cudnn"][3:] == ["unavailable", "-", "-",
+                                          "RuntimeError: flashinfer 0.5.3: no backend='cudnn'"]
+    b8 = [r for r in table(md, "Table 1") if r[0] == "B8-32K"]
+    assert b8 == [["B8-32K", "pkvrt-bucket", "-", "50.00", "-", "-", "-"]]   # no correct FlashInfer
+    t6 = {r[0]: r for r in table(md, "Table 6")}
+    assert t6["B1-32K"][2] == "flashinfer-xqa" and t6["B1-32K"][5] == "1.111"
 
 
 def _steps(engine, baseline, values, route=None, case="bimodal-B8-seed1"):

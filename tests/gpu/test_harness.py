@@ -28,7 +28,8 @@ def tiny_trace(tmp_path):
     return p
 
 
-ENGINES = "flashinfer,flashinfer-cuda,flashinfer-graph,adaptive,pkv_workqueue,pkv_bucket,pkv_fused"
+ENGINES = ("flashinfer,flashinfer-cuda,flashinfer-xqa,flashinfer-cudnn,flashinfer-graph,adaptive,"
+           "pkv_workqueue,pkv_bucket,pkv_fused")
 
 
 @pytest.mark.parametrize("extra, case", [
@@ -44,10 +45,19 @@ def test_tiny_serving_run(capsys, tmp_path, tiny_trace, extra, case):
     doc = results.read_results(out)
     meta = doc["meta"]
     assert meta["kind"] == "serving" and meta["gpu"] == torch.cuda.get_device_name()
-    assert meta["per_seed"]["5"]["baseline"] in ("flashinfer-cuda", "flashinfer-tc")
+    seed = meta["per_seed"]["5"]
+    assert seed["baseline"] in harness.FI_VARIANTS
+    # every FlashInfer path competed or is named with the reason (cuDNN needs FlashInfer >= 0.6)
+    assert list(meta["baseline_candidates"]) == list(harness.FI_VARIANTS)
+    assert meta["baseline_candidates"]["flashinfer-xqa"] == "ok"
+    assert seed["baseline_probe_device_us"][seed["baseline"]] == min(seed["baseline_probe_device_us"].values())
     measured = {r["engine"]: r for r in doc["rows"] if r["row"] == "measured"}
     assert {"pkvrt-adaptive", "pkvrt-workqueue", "pkvrt-bucket", "pkvrt-fused",
             "flashinfer-graph"} <= set(measured)
+    unavailable = {r["engine"] for r in doc["rows"] if r["row"] == "unavailable"}
+    assert unavailable | set(measured) >= {"flashinfer-xqa", "flashinfer-cudnn"}
+    failed = {k for k, v in meta["baseline_candidates"].items() if v != "ok"}
+    assert unavailable == failed & {"flashinfer-cuda", "flashinfer-xqa", "flashinfer-cudnn"}
     assert sum(r["baseline"] for r in measured.values()) == 1
     for r in measured.values():
         assert r["case"] == case and r["correct"], r
