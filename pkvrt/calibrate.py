@@ -21,18 +21,27 @@ checked against the FP32 reference first:
 - c_min: the occupancy target that makes the cost model best fit every timed split
   configuration (least squares in log time, :func:`fit_c_min`);
 - flashinfer.ctas_per_sm: FlashInfer's best (CUDA-core or tensor-core) time at 32K for 1, 2, 4,
-  8, 16 active rows, turned into the C that reproduces it (:func:`fit_flashinfer_ctas`).
+  8, 16 active rows, turned into the C that reproduces it (:func:`fit_flashinfer_ctas`);
+- time_model (what the router predicts with; :mod:`pkvrt.costmodel`, "The measured model"):
+  per route kind and group size, fitted by ``sweeps.fit_time_model`` on the timed rows: the
+  bucket sweeps, the device-planning route and the other workqueue-or-fused route of routes.toml
+  (``pkv_workqueue`` as shipped) each timed at every cut of the ten partition steps at every G of
+  ``--groups``, and FlashInfer (both paths) on those steps at every G and at B1..B16 32K.
 
 FlashInfer is required (``pip install -e ".[flashinfer]"``): it is timed to fit FlashInfer's cost
-model, ``flashinfer.ctas_per_sm``, which the host router uses to predict the FlashInfer baseline's
-time before it promotes a PersistentKV route (the promotion margin); its times on the workqueue
-steps are also written to ``--raw`` for the report (not fitted). Every other constant comes from
-pkvrt's own kernels and torch and could be measured without FlashInfer, but a calibration file
-needs all of them (schema 1), so without FlashInfer calibrate stops before measuring anything.
+model (``time_model.flashinfer``, and ``flashinfer.ctas_per_sm`` for the roofline), which the host
+router uses to predict the FlashInfer baseline's time before it promotes a PersistentKV route
+(the promotion margin). Every other constant comes from pkvrt's own kernels and torch and could
+be measured without FlashInfer, but a calibration file needs all of them (schema 1), so without
+FlashInfer calibrate stops before measuring anything.
 
-It prints a table of the constants and the sweeps and takes about four minutes on an H200 with
-the three group sizes and the 64 cuts of the shipped bounds; ``--quick`` measures fewer points. Without a CUDA GPU or without FlashInfer
-it says so and exits with status 2.
+It prints a table of the constants and the sweeps, then measured against predicted µs per route
+and step at the cut each planner picks (the time model and the roofline, ``sweeps.format_errors``),
+then the gates the steps measured (group sizes, minimum context, active rows where each route beat
+FlashInfer by its margin) as a routes.toml snippet: printed, written to ``--suggest-routes PATH``
+when asked, never applied. It takes roughly five minutes on an H200 (an estimate) with the three
+group sizes and the 64 + 17 cuts of the shipped bounds; ``--quick`` measures fewer points.
+Without a CUDA GPU or without FlashInfer it says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import numpy as np
 
 from pkvrt import calibration as calib
 from pkvrt.cli import positive_int
-from pkvrt import results
+from pkvrt import results, sweeps
 from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.costmodel import route_time_us
 from pkvrt.registry import SplitBounds, load_routes
@@ -430,6 +439,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="group sizes (query heads per KV head, H_q 32) whose partition constants "
                              "are fitted; must include 4, which gives the top-level keys, the others "
                              "go to splits.by_group (default: 4,1,8)")
+    parser.add_argument("--suggest-routes", metavar="PATH",
+                        help="also write the gates the calibration steps measured (group sizes, "
+                             "minimum context and active rows where each route beat FlashInfer) as a "
+                             "routes.toml snippet to PATH; it is printed either way and never applied")
     parser.add_argument("--max-waves", type=positive_int, metavar="N",
                         help="splits.max_waves, the resident waves of CTAs the balanced partition may "
                              "plan; not fitted (the calibration steps are G = 4, where it rarely binds). "
@@ -475,6 +488,13 @@ def run(args: argparse.Namespace) -> int:
         results.write_results(args.raw, meta, raw)
         print(f"wrote {args.raw}")
     print(f"wrote {out}")
+    if cal.time_model:
+        errors, gates = report(raw, cal, load_routes(args.routes), header=f"{cal.gpu}, {cal.date}, seed {SEED}")
+        print("\nmeasured vs predicted at the cut each planner picks (time_model; roofline: c_min and "
+              "flashinfer.ctas_per_sm)\n" + errors + "\n\n" + gates)
+        if args.suggest_routes:
+            Path(args.suggest_routes).write_text(gates, encoding="utf-8")
+            print(f"wrote {args.suggest_routes} (suggested gates; routes.toml is unchanged)")
     return 0
 
 
@@ -505,6 +525,9 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
     reg = load_routes(args.routes)
     bucket_bounds = next(r.splits for r in reg.routes if r.kind == "bucket")
     dp_route = reg.device_planning_route()   # the partition is fitted on what device planning runs
+    # every workqueue-or-fused kind is timed at every cut (its time model); dp_route first
+    partition_routes = [dp_route] + [r for k in ("workqueue", "fused") if k != dp_route.kind
+                                     for r in [sweeps.route_of_kind(reg, k)] if r is not None]
     props = torch.cuda.get_device_properties(0)
     sm, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 0) or 60 * 2**20
     hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], SHAPE["head_dim"]
@@ -543,28 +566,31 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
             del wl
             torch.cuda.empty_cache()
             continue
-        for g in args.groups:   # the partition of the device-planning route, at every group size
-            records = time_partition(case, seq, g, dp_route, base, l2, repeats, quick)
-            best = min(records, key=lambda r: r["us"])
-            print(f"  {case} G {g}: {len(records)} cuts, fastest S = {best['splits']} "
-                  f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
-            partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
-            raw += [dict(case=case if g == 4 else f"{case}-G{g}", engine=f"pkvrt-{dp_route.kind}",
-                         group=g, splits=r["splits"], median_us=r["us"],
-                         gbps=r["kv_bytes"] / (r["us"] * 1e3), cta_work_per_sm=r["ctas"] / sm,
-                         ctas=r["ctas"], rows=len(seq), kv_mb=round(r["kv_bytes"] / 1e6, 3))
-                    for r in records]
-            if g == 4:
-                fit_recs += records
-        wl = _workload(seq, l2)   # FlashInfer on the same step, for the report (not fitted)
-        ref = _reference(wl)
-        for tc in (False, True):
-            us = time_flashinfer(wl, tc, ref, repeats)
-            raw.append(dict(case=case, engine="flashinfer-tc" if tc else "flashinfer-cuda",
-                            median_us=float(us), gbps=kv / (us * 1e3), rows=len(seq),
-                            kv_mb=round(kv / 1e6, 3)))
-        del wl
-        torch.cuda.empty_cache()
+        for g in args.groups:   # the partition routes at every cut, then FlashInfer, per group size
+            name = case if g == 4 else f"{case}-G{g}"
+            for route in partition_routes:
+                records = time_partition(case, seq, g, route, base, l2, repeats, quick)
+                best = min(records, key=lambda r: r["us"])
+                print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "
+                      f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
+                raw += [dict(case=name, engine=f"pkvrt-{route.kind}", group=g, splits=r["splits"],
+                             median_us=r["us"], gbps=r["kv_bytes"] / (r["us"] * 1e3),
+                             cta_work_per_sm=r["ctas"] / sm, ctas=r["ctas"], rows=len(seq),
+                             kv_mb=round(r["kv_bytes"] / 1e6, 3)) for r in records]
+                if route is dp_route:
+                    partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
+                    if g == 4:
+                        fit_recs += records
+            wl = _workload(seq, l2, group_shape(g))   # FlashInfer on the same step: its time model
+            ref = _reference(wl)
+            kv_g = kv * group_shape(g)["num_kv_heads"] // hkv
+            for tc in (False, True):
+                us = time_flashinfer(wl, tc, ref, repeats)
+                raw.append(dict(case=name, engine="flashinfer-tc" if tc else "flashinfer-cuda", group=g,
+                                median_us=float(us), gbps=kv_g / (us * 1e3), rows=len(seq),
+                                kv_mb=round(kv_g / 1e6, 3)))
+            del wl
+            torch.cuda.empty_cache()
     splits = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"],
                                     sm_count=sm, num_kv_heads=hkv)
     max_waves = kept_max_waves(args, calib.slugify(props.name))
@@ -627,9 +653,47 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
                   "flashinfer": env.get("flashinfer"), "driver": env.get("driver")},
         command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), provenance=provenance,
         by_group=by_group)
+    try:
+        cal = add_time_model(cal, raw, reg)
+    except ValueError as e:   # keep the measurements: the file gets the roofline, --raw the rows
+        print(f"pkvrt calibrate: no time model written ({e}); the router will use the roofline. "
+              "benches/cost_model_error.py fits and prints it from the --raw rows.", file=sys.stderr)
     _print(cal, launch, torch_read, float(kernel_read), fit_recs, fi_times, fi_variant,
            time.perf_counter() - t_start, regrets)
     return cal, raw
+
+
+def add_time_model(cal: calib.Calibration, raw: list[dict], reg) -> calib.Calibration:
+    """``cal`` (its partition constants fitted) with the measured time model that
+    ``sweeps.fit_time_model`` fits on the timed rows ``raw``, and a sentence on it in ``source``.
+    A workqueue or fused kind that was not timed (routes.toml has no such route) takes the
+    other's constants, and ``source`` says so. Raises ValueError when G 4 still lacks a kind."""
+    fits = sweeps.fit_time_model(sweeps.read_rows(raw, SEED), cal, reg)
+    top, notes = fits.setdefault(4, {}), []
+    for kind, other in (("workqueue", "fused"), ("fused", "workqueue")):
+        if kind not in top and other in top:
+            top[kind] = top[other]
+            notes.append(f" No {kind} route was timed: time_model.{kind} is {other}'s.")
+    cal = sweeps.with_time_model(cal, fits)
+    dp = reg.device_planning_route()
+    text = (f" time_model: sweeps.fit_time_model per route kind and group size (G 4 top level, "
+            f"by_group: G = {', '.join(str(g) for g, _ in cal.time_model_by_group) or '(none)'}) on "
+            f"every calibration step at the cut its planner picks plus every cut within "
+            f"{100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest, FlashInfer at its faster path "
+            f"on the same steps and B1..B16 at 32K; bucket: read_scale and fixed_us only, tail_us and "
+            f"split_us from {dp.name} ({dp.kind}).") + "".join(notes)
+    cal = attrs.evolve(cal, provenance=cal.provenance + text)
+    return calib.calibration_from_dict(calib.calibration_to_dict(cal))
+
+
+def report(raw: list[dict], cal: calib.Calibration, reg, *, header: str = "") -> tuple[str, str]:
+    """(error table, suggested gates) of the calibration ``cal`` on the timed rows ``raw``:
+    measured vs predicted µs per route and step at the cut the planner picks
+    (``sweeps.format_errors``) and the routes.toml gates they measured (``sweeps.suggest_gates``,
+    text for a person, never applied)."""
+    timed = sweeps.read_rows(raw, SEED)
+    return (sweeps.format_errors(sweeps.error_rows(timed, cal, reg)),
+            sweeps.suggest_gates(timed, cal, reg, header=header))
 
 
 def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, seconds, regrets) -> None:
@@ -649,6 +713,10 @@ def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, sec
         ("splits.min_split_tokens", str(s.min_split_tokens), "fit_partition: shortest split"),
         *((f"flashinfer.ctas_per_sm.{a}", f"{c:.2f}", f"{fi_times[a]:.1f} us ({fi_variant[a]})")
           for a, c in cal.flashinfer_ctas_per_sm),
+        *((f"time_model{'' if g == 4 else f'.by_group.{g}'}.{k}",
+           f"{t.read_scale:.3f} {t.tail_us:.3f} {t.split_us:.3f} {t.fixed_us:.2f}",
+           "read_scale tail_us split_us fixed_us (sweeps.fit_time_model)")
+          for g, kinds in ((4, cal.time_model), *cal.time_model_by_group) for k, t in kinds),
     ]
     print(format_rows(("constant", "value", "from"), rows))
     print()

@@ -5,7 +5,7 @@ One file per GPU lives in ``calibration/<slug>.json`` (a checkout) or ``pkvrt/_d
 match it warns and falls back to the seed's RTX 3060 profile (``rtx3060-seed.json``), marked as a
 fallback. ``calibration/README.md`` explains every field and how ``pkvrt calibrate`` produces one.
 
-Schema 1 (every key required, no others allowed)::
+Schema 1 (every key required unless marked optional; no others allowed)::
 
     schema            1
     gpu               device name as CUDA reports it, "NVIDIA H200"
@@ -23,6 +23,12 @@ Schema 1 (every key required, no others allowed)::
                        of _GROUP_KEYS}}, the balanced partition's constants fitted at query
                        heads per KV head G; a group size without an entry uses the keys above)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
+    time_model        optional: {"flashinfer", "bucket", "workqueue", "fused": each
+                       {"read_scale" > 0, "tail_us" >= 0, "split_us" >= 0, "fixed_us" >= 0},
+                       "by_group" (optional: {"<G>": {some of those four kinds}})}: the
+                       measured time model of every route kind (costmodel.py, "The measured
+                       model"); a file without it (the seed, files of an older calibrate) is
+                       predicted with the roofline above (c_min, flashinfer.ctas_per_sm)
     versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
     date              ISO date the file was produced, "2026-11-29"
     seed              calibration trace seed, int
@@ -52,6 +58,7 @@ _TOP_KEYS = (
     "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
+_OPTIONAL_TOP_KEYS = ("time_model",)
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
                "co_resident_slowdown", "max_waves", "by_group")
 # splits.by_group.<G>.*: the balanced partition's constants that one group size may override
@@ -61,6 +68,9 @@ DEFAULT_CTA_OVERHEAD_TILES = 4.0
 DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
 DEFAULT_MAX_WAVES = 2   # resident waves of CTAs the balanced partition may plan (planner.MAX_WAVES)
 _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
+# time_model.<kind>: every route kind has one when the section is present
+TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")
+_TIME_KEYS = ("read_scale", "tail_us", "split_us", "fixed_us")
 
 
 class CalibrationError(ValueError):
@@ -103,6 +113,28 @@ class SplitPoints:
 
 
 @attrs.frozen
+class RouteTime:
+    """Constants of the measured time model of one route kind (``pkvrt.costmodel.measured_us``):
+
+        T = read_scale * KVBytes/beta + tail_us * sqrt(makespan) + split_us * splits + fixed_us
+
+    per launch group of a step; makespan in tile-times of the balanced partition's model,
+    splits the longest row's split count. read_scale: the step's streaming read in units of
+    ``beta``; tail_us: µs per square root of the makespan (the CTAs that finish last);
+    split_us: µs per split of the longest row (its merge); fixed_us: µs per launch group
+    (launches, prologue), inside a CUDA-graph replay.
+    """
+
+    read_scale: float
+    tail_us: float
+    split_us: float
+    fixed_us: float
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in _TIME_KEYS}
+
+
+@attrs.frozen
 class Calibration:
     """Constants of one GPU (schema 1). ``source`` is the path it was loaded from (not in the file;
     ``"<memory>"`` when built in code).
@@ -110,7 +142,10 @@ class Calibration:
     ``provenance`` holds the file's own ``"source"`` text (how the numbers were obtained);
     ``fallback`` is True when ``find_calibration`` found no file for the device at hand.
     ``flashinfer_ctas_per_sm`` is a tuple of ``(active_count, fitted_ctas_per_sm)`` pairs,
-    sorted by active count.
+    sorted by active count. ``time_model``: ``((kind, RouteTime), ...)`` in ``TIME_KINDS``
+    order, empty when the file has none (then every prediction is the roofline's);
+    ``time_model_by_group``: ``((G, ((kind, RouteTime), ...)), ...)`` sorted by G, the kinds
+    fitted at G query heads per KV head (:meth:`for_group`).
     """
 
     gpu: str
@@ -130,24 +165,35 @@ class Calibration:
     provenance: str
     source: str = "<memory>"
     fallback: bool = False
+    time_model: tuple[tuple[str, RouteTime], ...] = ()
+    time_model_by_group: tuple[tuple[int, tuple[tuple[str, RouteTime], ...]], ...] = ()
 
     def version(self, name: str) -> str | None:
         """The recorded version of ``name`` ("torch", "cuda", "flashinfer", "driver")."""
         return dict(self.versions)[name]
 
+    def route_time(self, kind: str) -> RouteTime | None:
+        """The measured time model of route ``kind`` ("flashinfer", "bucket", "workqueue",
+        "fused"), or None when this calibration has none (the roofline predicts)."""
+        return dict(self.time_model).get(kind)
+
     def for_group(self, group_size: int) -> "Calibration":
         """This calibration as seen by a shape with ``group_size`` query heads per KV head: the
-        ``splits.by_group`` entry of that size (if any) replaces the partition constants, and
-        ``by_group`` is emptied, so the result is the same whichever G it is asked for again
+        ``splits.by_group`` entry of that size (if any) replaces the partition constants, the
+        ``time_model.by_group`` entry the time constants of the kinds it holds, and both
+        ``by_group`` are emptied, so the result is the same whichever G it is asked for again
         (the Runtime and the Router both call it). A G without an entry keeps the top-level
         constants (fitted at the calibration shape's G, 4 for ``pkvrt calibrate``).
         """
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
             raise ValueError(f"for_group: group_size must be a positive int, got {group_size!r}")
-        if not self.splits.by_group:
+        if not self.splits.by_group and not self.time_model_by_group:
             return self
         over = dict(dict(self.splits.by_group).get(group_size, ()))
-        return attrs.evolve(self, splits=attrs.evolve(self.splits, by_group=(), **over))
+        times = dict(self.time_model) | dict(dict(self.time_model_by_group).get(group_size, ()))
+        return attrs.evolve(self, splits=attrs.evolve(self.splits, by_group=(), **over),
+                            time_model=tuple((k, times[k]) for k in TIME_KINDS if k in times),
+                            time_model_by_group=())
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -226,6 +272,41 @@ def _by_group(v, path) -> tuple:
     return tuple(sorted(out))
 
 
+def _route_time(entry, path, where: str) -> RouteTime:
+    """One ``time_model.<kind>`` object -> RouteTime (every key of ``_TIME_KEYS``, no other)."""
+    if not isinstance(entry, dict):
+        raise _fail(path, where, f"a JSON object of {list(_TIME_KEYS)}", entry)
+    _take(entry, _TIME_KEYS, path, where + ".")
+    return RouteTime(**{k: _float(entry, k, path, where + ".", zero_ok=k != "read_scale")
+                        for k in _TIME_KEYS})
+
+
+def _time_model(v, path) -> tuple[tuple, tuple]:
+    """``time_model`` -> (Calibration.time_model, Calibration.time_model_by_group): every kind of
+    ``TIME_KINDS`` at the top level; ``by_group`` entries hold some of them."""
+    where = "time_model"
+    if not isinstance(v, dict):
+        raise _fail(path, where, f"a JSON object of {list(TIME_KINDS)} (and optional by_group)", v)
+    _take({"by_group": None} | v, TIME_KINDS + ("by_group",), path, where + ".")
+    top = tuple((k, _route_time(v[k], path, f"{where}.{k}")) for k in TIME_KINDS)
+    groups = []
+    by_group = v.get("by_group", {})
+    if not isinstance(by_group, dict):
+        raise _fail(path, f"{where}.by_group", 'a JSON object {"<G>": {...}}', by_group)
+    for g, entry in by_group.items():
+        at = f"{where}.by_group.{g}"
+        if not re.fullmatch(r"[1-9][0-9]*", g):
+            raise _fail(path, at, "keys that are positive integers (query heads per KV head)")
+        if not isinstance(entry, dict) or not entry:
+            raise _fail(path, at, f"a non-empty object of some of {list(TIME_KINDS)}", entry)
+        extra = sorted(set(entry) - set(TIME_KINDS))
+        if extra:
+            raise _fail(path, f"{at}.{extra[0]}", f"one of {list(TIME_KINDS)} (unknown key)")
+        groups.append((int(g), tuple((k, _route_time(entry[k], path, f"{at}.{k}"))
+                                     for k in TIME_KINDS if k in entry)))
+    return top, tuple(sorted(groups))
+
+
 def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration:
     """Validate a parsed schema-1 document and build a :class:`Calibration`.
 
@@ -241,7 +322,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         raise _fail(path, "schema", f"it to be present (missing); this reader knows schema {SCHEMA}")
     if doc["schema"] != SCHEMA or isinstance(doc["schema"], bool):
         raise _fail(path, "schema", f"{SCHEMA} (unknown schema version)", doc["schema"])
-    _take(doc, _TOP_KEYS, path, "")
+    _take({k: None for k in _OPTIONAL_TOP_KEYS} | doc, _TOP_KEYS + _OPTIONAL_TOP_KEYS, path, "")
 
     sp = _dict(doc, "splits", path)
     _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, "by_group": None,
@@ -283,6 +364,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
     if slugify(slug) != slug:
         raise _fail(path, "slug", f"a slug (lower-case words joined by '-'), e.g. {slugify(slug)!r}", slug)
 
+    time_model, time_by_group = _time_model(doc["time_model"], path) if "time_model" in doc else ((), ())
     return Calibration(
         gpu=_str(doc, "gpu", path),
         slug=slug,
@@ -300,11 +382,14 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         command=_str(doc, "command", path),
         provenance=_str(doc, "source", path),
         source=str(source),
+        time_model=time_model,
+        time_model_by_group=time_by_group,
     )
 
 
 def calibration_to_dict(cal: Calibration) -> dict:
-    """The schema-1 document of ``cal`` (``source`` and ``fallback`` are not part of a file)."""
+    """The schema-1 document of ``cal`` (``source`` and ``fallback`` are not part of a file;
+    ``time_model`` only when the calibration has one, so older files round-trip unchanged)."""
     return {
         "schema": SCHEMA,
         "gpu": cal.gpu,
@@ -322,7 +407,14 @@ def calibration_to_dict(cal: Calibration) -> dict:
         "seed": cal.seed,
         "command": cal.command,
         "source": cal.provenance,
-    }
+    } | ({"time_model": _time_model_dict(cal)} if cal.time_model else {})
+
+
+def _time_model_dict(cal: Calibration) -> dict:
+    d = {k: t.to_dict() for k, t in cal.time_model}
+    if cal.time_model_by_group:
+        d["by_group"] = {str(g): {k: t.to_dict() for k, t in kinds} for g, kinds in cal.time_model_by_group}
+    return d
 
 
 def load_calibration(path) -> Calibration:

@@ -1,4 +1,8 @@
-"""The seed's roofline cost model: predicted µs of one decode step on one route.
+"""Predicted µs of one decode step on one route: the measured model, else the seed's roofline.
+
+A calibration with a ``time_model`` (what ``pkvrt calibrate`` writes now) is predicted with the
+measured model (:func:`predict_route_us`, section "The measured model" below); one without it
+(the seed's RTX 3060 profile, older files) with the seed's roofline:
 
     T_r = KVBytes/beta * max(1, C_min/C_r) + L_r*lambda + MergeBytes_r/beta
 
@@ -28,9 +32,18 @@ gives (290 - 1.1) / 260.6 = 1.109 = C_min/C -> C = 3.61 CTAs/SM, so
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
-from pkvrt.calibration import Calibration
+import attrs
+import numpy as np
+
+from pkvrt._buildspec import TILE_TOKENS
+from pkvrt.calibration import Calibration, RouteTime
+from pkvrt.planner import (PartitionModel, _bucket_groups, balanced_partition, bucket_split_counts, kv_bytes,
+                           partition_costs)
+from pkvrt.registry import SplitBounds
 
 
 def launch_us(cal: Calibration, *, graphs: bool) -> float:
@@ -95,3 +108,199 @@ def predict_flashinfer_us(counters, cal: Calibration, *, active: int, num_kv_hea
     c = flashinfer_ctas_per_sm(cal, active=active, num_kv_heads=num_kv_heads)
     return route_time_us(kv_bytes=counters.useful_kv_bytes, cta_work_per_sm=c, launches=counters.launches,
                          merge_bytes=counters.merge_bytes, cal=cal, graphs=graphs)
+
+
+# ----------------------------------------------------------------------------- the measured model
+#
+# Why not the roofline on the H200: at the cuts the planner picks, a step's time is its bytes at
+# about beta plus 6-16 µs that the roofline's knee cannot express (B1 32K bucket: 39.9 µs measured,
+# 42.6 predicted; FlashInfer B1 1.6K: 10.4 µs measured, 4.7 predicted). The partition's makespan
+# alone (µs per tile-time) misses too: B1 32K and B8 32K both run 128 CTAs, one per SM, with
+# makespans of 67 and 515 tile-times, in 41.1 and 250.2 µs: 0.61 and 0.49 µs per tile-time. What
+# fits every route of the 2026-12-01 H200 sweeps within 5 % at G = 4 (benches/cost_model_error.py)
+# is the read at beta, plus a tail growing with the square root of the makespan (the CTAs that
+# finish last), plus the longest row's merge, plus a fixed cost per launch group; four constants
+# per route kind (calibration ``time_model``):
+#
+#     T = sum over launch groups of
+#         read_scale * KVBytes/beta + tail_us * sqrt(makespan) + split_us * splits + fixed_us
+#
+# Launch groups: the workqueue and fused routes are one (the balanced partition, makespan
+# ``Partition.cost / (64 * SMs)`` tile-times, splits = its longest row's count); the bucket route
+# is one per bucket (decode + merge launch, its CTAs cut like a partition at the bucket's S);
+# FlashInfer is one, described by the balanced partition of the step at every split count 1..64
+# (FLASHINFER_PROXY_SPLITS): pkvrt cannot see the split FlashInfer chooses, and that partition
+# is the balanced split of the same work. Eager launches (graphs=False) add lambda_us -
+# lambda_graph_us per launch, since fixed_us was measured inside graph replays.
+#
+# Worked example, B1 32K at G = 4 on the H200 (beta 4404.9 GB/s; fused constants read 0.9811,
+# tail 0.5927, split 0.0900, fixed 3.695 from benches/cost_model_error.py on the 2026-12-01 sweeps):
+#     KVBytes   = 32768 * 8 kvh * 128 * 2 (K,V) * 2 B = 134_217_728 B -> / 4404.9e3 = 30.47 µs
+#     partition: 16 splits of 64 tiles, 128 CTAs one per SM, makespan 64 + 3 (overhead) = 67
+#     T_fused   = 0.9811*30.47 + 0.5927*sqrt(67) + 0.0900*16 + 3.695 = 29.89 + 4.85 + 1.44 + 3.70
+#               = 39.9 µs (measured 41.1)
+
+FLASHINFER_PROXY_SPLITS = SplitBounds(min=1, max=64, multiple_of=1)
+
+
+@attrs.frozen
+class LaunchGroup:
+    """One decode launch (with its merge) of a step, as the measured model reads it.
+
+    kv_bytes : useful K+V bytes it reads. makespan_tiles : the balanced partition's makespan of
+    its CTAs, in tile-times. splits : its longest row's split count. launches : 1 or 2.
+    """
+
+    kv_bytes: int
+    makespan_tiles: float
+    splits: int
+    launches: int
+
+
+def partition_group(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_bytes: int, splits,
+                    cal: Calibration, launches: int, tile_tokens: int = TILE_TOKENS,
+                    longest_splits: int | None = None) -> LaunchGroup:
+    """The launch group of the balanced partition of ``seq`` (int64 [B], checked) under the
+    route bounds ``splits``: the workqueue (2 launches) and fused (1) routes, FlashInfer's proxy.
+    ``longest_splits`` forces the cut (calibration sweeps)."""
+    p = balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens,
+                           longest_splits=longest_splits)
+    return LaunchGroup(kv_bytes=kv_bytes(seq, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
+                       makespan_tiles=p.cost / (64 * cal.sm_count), splits=int(p.num_splits.max()),
+                       launches=launches)
+
+
+def bucket_groups(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_bytes: int, splits,
+                  cal: Calibration, bucketing: str = "exact", coarse_lengths=(),
+                  tile_tokens: int = TILE_TOKENS, longest_splits: int | None = None) -> tuple[LaunchGroup, ...]:
+    """One launch group per bucket of the bucket route (``planner.plan_bucket``'s buckets and
+    split counts): its rows x H_kv x S CTAs, every row taken as long as the bucket's longest
+    (exact for exact buckets; an upper bound for coarse ones), decode + merge when S > 1.
+    ``longest_splits`` forces every bucket's S (calibration sweeps)."""
+    keys, inv, counts, longest = _bucket_groups(seq, bucketing, coarse_lengths)
+    s = (np.full(keys.size, longest_splits, dtype=np.int64) if longest_splits is not None else
+         bucket_split_counts(counts, longest, num_kv_heads=num_kv_heads, splits=splits, cal=cal,
+                             tile_tokens=tile_tokens))
+    tokens = np.bincount(inv, weights=seq, minlength=keys.size)
+    model = PartitionModel.of(cal)
+    return tuple(LaunchGroup(kv_bytes=int(tok) * num_kv_heads * head_dim * 2 * dtype_bytes,
+                             makespan_tiles=_bucket_cost(rows, -(-n // tile_tokens), k, num_kv_heads, model)
+                             / (64 * cal.sm_count), splits=k, launches=2 if k > 1 else 1)
+                 for n, rows, k, tok in zip(longest.tolist(), counts.tolist(), s.tolist(), tokens.tolist()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket_cost(rows: int, tiles: int, splits: int, num_kv_heads: int, model: PartitionModel) -> int:
+    """``planner.partition_costs`` of ``rows`` rows of ``tiles`` tiles cut at ``splits``, cached:
+    bucket shapes repeat from step to step (a row's tiles change once per 32 tokens), and one
+    uncached call per bucket would cost the router ~15-100 µs each on a B8 step of 8 buckets."""
+    cost, _, _ = partition_costs(np.full(rows, tiles, dtype=np.int64), np.array([splits], dtype=np.int64),
+                                 num_kv_heads=num_kv_heads, model=model)
+    return int(cost[0])
+
+
+def measured_us(groups, rt: RouteTime, cal: Calibration, *, graphs: bool) -> float:
+    """T of the measured model (section comment above) over ``groups`` with constants ``rt``."""
+    eager = 0.0 if graphs else cal.lambda_us - cal.lambda_graph_us
+    return sum(rt.read_scale * read_us(g.kv_bytes, cal) + rt.tail_us * math.sqrt(g.makespan_tiles)
+               + rt.split_us * g.splits + rt.fixed_us + g.launches * eager for g in groups)
+
+
+def route_groups(kind: str, seq: np.ndarray, cal: Calibration, *, num_kv_heads: int, head_dim: int,
+                 dtype_bytes: int, splits=None, bucketing: str = "exact", coarse_lengths=(),
+                 tile_tokens: int = TILE_TOKENS, longest_splits: int | None = None) -> tuple[LaunchGroup, ...]:
+    """The launch groups of route ``kind`` ("flashinfer", "bucket", "workqueue", "fused") on
+    ``seq`` (int64 [B], checked); ``splits``: the route's SplitBounds (not for flashinfer);
+    ``longest_splits``: the cut to describe instead of the planned one (not for flashinfer)."""
+    kw = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, cal=cal,
+              tile_tokens=tile_tokens)
+    if kind == "flashinfer":
+        return (partition_group(seq, splits=FLASHINFER_PROXY_SPLITS, launches=1, **kw),)
+    kw["longest_splits"] = longest_splits
+    if kind == "bucket":
+        return bucket_groups(seq, splits=splits, bucketing=bucketing, coarse_lengths=coarse_lengths, **kw)
+    if kind in ("workqueue", "fused"):
+        return (partition_group(seq, splits=splits, launches=2 if kind == "workqueue" else 1, **kw),)
+    raise ValueError(f"route_groups: unknown route kind {kind!r}")
+
+
+def predict_route_us(kind: str, seq: np.ndarray, counters, cal: Calibration, *, graphs: bool,
+                     num_kv_heads: int, head_dim: int, dtype_bytes: int, splits=None,
+                     bucketing: str = "exact", coarse_lengths=()) -> float:
+    """Predicted µs of route ``kind`` on ``seq`` (int64 [B], checked): the measured model when
+    ``cal`` has one for ``kind`` (``counters`` unused, may be None), else the roofline of the
+    route's closed-form ``counters`` (:func:`predict_us`, :func:`predict_flashinfer_us`), exactly
+    as before."""
+    rt = cal.route_time(kind)
+    if rt is None:
+        if kind == "flashinfer":
+            return predict_flashinfer_us(counters, cal, active=int(seq.size), num_kv_heads=num_kv_heads,
+                                         graphs=graphs)
+        return predict_us(counters, cal, graphs=graphs)
+    groups = route_groups(kind, seq, cal, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          dtype_bytes=dtype_bytes, splits=splits, bucketing=bucketing,
+                          coarse_lengths=coarse_lengths)
+    return measured_us(groups, rt, cal, graphs=graphs)
+
+
+# ----------------------------------------------------------------------------- fitting it
+
+
+def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | None = None) -> RouteTime:
+    """The :class:`RouteTime` that best reproduces timed single-group steps.
+
+    records : mappings with ``kv_bytes``, ``makespan_tiles``, ``splits`` and ``us`` (measured).
+    beta_gbps : the calibration's beta (KVBytes/beta is the read term).
+    shape : None: fit all four constants. ``(tail_us, split_us)``: keep those and fit
+        ``read_scale`` and ``fixed_us`` only (a route whose steps cannot separate four).
+
+    Minimises the squared relative error ``sum ((T_model - T)/T)^2`` with every constant >= 0
+    (read_scale > 0): least squares on each subset of the optional terms that keeps the read,
+    the best subset whose solution is non-negative wins (exact for four unknowns). Example
+    (H200 fused route, beta 4404.9 GB/s): B1 32K 134 MB in 41.07 µs at makespan 67 and 16
+    splits, B8 32K 1074 MB in 250.16 µs at 515 and 2, B8 1K 33.6 MB in 13.88 µs at 19 and 2,
+    with shape (0.59, 0.09): read_scale 0.974, fixed_us 3.84, predicting 39.78, 254.78, 14.01 µs
+    (-3.1 %, +1.8 %, +1.0 %).
+
+    Raises ValueError with fewer records than free constants, a record that is not numbers
+    >= 0 (times > 0), or no fit with a positive read_scale (records that read no bytes).
+    """
+    recs = list(records)
+    free = 2 if shape is not None else 4
+    if len(recs) < free:
+        raise ValueError(f"fit_route_time: {len(recs)} timed configurations, need at least {free}")
+    for i, r in enumerate(recs):
+        for key in ("kv_bytes", "makespan_tiles", "splits", "us"):
+            v = r.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not v >= 0:
+                raise ValueError(f"fit_route_time: records[{i}][{key!r}]: expected a number >= 0, got {v!r}")
+        if not r["us"] > 0:
+            raise ValueError(f"fit_route_time: records[{i}]['us']: expected a time > 0, got {r['us']!r}")
+    y = np.array([r["us"] for r in recs], dtype=float)
+    cols = np.array([[r["kv_bytes"] / (beta_gbps * 1e3), math.sqrt(r["makespan_tiles"]), r["splits"], 1.0]
+                     for r in recs])
+    if shape is not None:
+        tail, split = shape
+        y_fit, cols, optional = y - tail * cols[:, 1] - split * cols[:, 2], cols[:, [0, 3]], (1,)
+    else:
+        y_fit, optional = y, (1, 2, 3)
+    best = None
+    for k in range(len(optional) + 1):
+        for subset in itertools.combinations(optional, k):
+            idx = [0, *subset]
+            a = cols[:, idx] / y[:, None]
+            x = np.linalg.lstsq(a, y_fit / y, rcond=None)[0]
+            if x[0] <= 0 or (x[1:] < 0).any():
+                continue
+            loss = float(np.sum((a @ x - y_fit / y) ** 2))
+            if best is None or loss < best[0] - 1e-15:
+                full = np.zeros(cols.shape[1])
+                full[idx] = x
+                best = (loss, full)
+    if best is None:
+        raise ValueError("fit_route_time: no fit with a positive read_scale (do the records read any bytes?)")
+    x = best[1]
+    if shape is not None:
+        return RouteTime(read_scale=float(x[0]), tail_us=float(shape[0]), split_us=float(shape[1]),
+                         fixed_us=float(x[1]))
+    return RouteTime(read_scale=float(x[0]), tail_us=float(x[1]), split_us=float(x[2]), fixed_us=float(x[3]))

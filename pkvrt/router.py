@@ -3,7 +3,8 @@
 Each decode step :meth:`Router.decide` looks at the step (active rows, longest context, the
 GQA group size), drops the PersistentKV routes whose gates refuse it (``Route.refusals``;
 ablation routes unless forced by name), predicts ``T_r`` for the FlashInfer baseline and every
-remaining route (:mod:`pkvrt.costmodel`), and promotes the fastest PersistentKV route whose
+remaining route (:meth:`Router.predict`: the calibration's measured time model, else the seed's
+roofline, :mod:`pkvrt.costmodel`), and promotes the fastest PersistentKV route whose
 predicted speedup ``T_fi / T_r`` clears ``Registry.margin_for(route, active)``; otherwise the
 step stays on FlashInfer. Every route not taken gets a reason, so ``explain()`` can say why.
 
@@ -12,7 +13,10 @@ predictions use closed-form counters (split counts and bucket sizes only, no tas
 about 10 µs for the workqueue and 30 µs for exact buckets at B=8; the full plan is built for
 the chosen route alone (workqueue B=8: 30 µs; B=64: 35 µs). A whole ``decide`` on a bimodal
 B=8 step that picks the workqueue costs about 85 µs (``test_bench_decide_b8``); a step the
-gates send to FlashInfer about 20 µs.
+gates send to FlashInfer about 20 µs. With a calibration's measured time model the predictions
+come from launch groups instead of counters (FlashInfer's proxy partition, one group per bucket):
+bimodal B8 with the H200 constants 195-205 µs against 167 µs with the roofline, measured side by
+side on the (busier) dev box.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import attrs
 
 from pkvrt._buildspec import GROUP_SIZES, HEAD_DIMS, PAGE_SIZES, TILE_TOKENS
 from pkvrt.calibration import Calibration
-from pkvrt.costmodel import predict_flashinfer_us, predict_us
+from pkvrt.costmodel import predict_route_us
 from pkvrt.planner import (BucketPlan, FlashInferPlan, WorkqueuePlan, bucket_from_checked, check_seq_lens,
                            flashinfer_counters_from_checked, fused_counters, plan_flashinfer,
                            workqueue_from_checked)
@@ -146,6 +150,20 @@ class Router:
             return out
         return attrs.evolve(out, counters=fused_counters(out.counters)) if full else fused_counters(out)
 
+    def predict(self, route, seq) -> float:
+        """Predicted µs of ``route`` on ``seq`` (int64 [B], checked): the calibration's measured
+        time model when it has one (from the step's launch groups), else the roofline (from the
+        route's closed-form counters, built only then): ``costmodel.predict_route_us``."""
+        counters = None
+        if self.cal.route_time(route.kind) is None:
+            counters = (flashinfer_counters_from_checked(seq, num_kv_heads=self.num_kv_heads,
+                                                         head_dim=self.head_dim, dtype_bytes=self.dtype_bytes)
+                        if route.kind == "flashinfer" else self._route_plan(route, seq, full=False))
+        return predict_route_us(route.kind, seq, counters, self.cal, graphs=self.graphs,
+                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                dtype_bytes=self.dtype_bytes, splits=route.splits, bucketing=route.bucketing,
+                                coarse_lengths=route.coarse_lengths)
+
     # -- the decision --------------------------------------------------------------------
 
     def decide(self, seq_lens, *, force: str | None = None, block_tables=None) -> RouteDecision:
@@ -184,10 +202,7 @@ class Router:
             if reg.route(force).kind != "flashinfer" and self._invalid:
                 raise ValueError(f"force={force!r}: {self._invalid}")
 
-        fi_c = flashinfer_counters_from_checked(seq, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                                dtype_bytes=self.dtype_bytes)
-        t_fi = predict_flashinfer_us(fi_c, self.cal, active=active, num_kv_heads=self.num_kv_heads,
-                                     graphs=self.graphs)
+        t_fi = self.predict(base, seq)
         predicted = {base.name: t_fi}
         refused: dict[str, str] = {}
         promotable = []  # (T, route)
@@ -205,7 +220,7 @@ class Router:
                 if why:
                     refused[r.name] = "; ".join(why)
                     continue
-            t = predict_us(self._route_plan(r, seq, full=False), self.cal, graphs=self.graphs)
+            t = self.predict(r, seq)
             predicted[r.name] = t
             if r.name == force:
                 continue

@@ -74,11 +74,9 @@ import torch
 
 from pkvrt import _buildspec, _driver, fi_route, graphs, ops
 from pkvrt.calibration import Calibration, find_calibration, load_calibration
-from pkvrt.costmodel import predict_us
 from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
                           needed_capacities, stage_bucket, stage_workqueue)
-from pkvrt.planner import (bucket_counters, device_grid_ctas, device_plan_targets, fused_counters,
-                           workqueue_counters)
+from pkvrt.planner import check_seq_lens, device_grid_ctas, device_plan_targets
 from pkvrt.registry import KIND_KERNELS, Registry, load_routes
 from pkvrt.router import RouteDecision, Router
 
@@ -277,17 +275,9 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
 
 
 def predict_route_us(router: Router, route, seq: np.ndarray) -> float:
-    """The cost model's T of a PersistentKV ``route`` for ``seq`` (closed-form counters)."""
-    kw = dict(num_kv_heads=router.num_kv_heads, num_qo_heads=router.num_qo_heads,
-              head_dim=router.head_dim, dtype_bytes=router.dtype_bytes, splits=route.splits,
-              cal=router.cal)
-    if route.kind == "bucket":
-        c = bucket_counters(seq, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths, **kw)
-    else:
-        c = workqueue_counters(seq, **kw)
-        if route.kind == "fused":
-            c = fused_counters(c)
-    return predict_us(c, router.cal, graphs=router.graphs)
+    """The router's predicted T of a PersistentKV ``route`` for ``seq`` (closed-form counters;
+    the calibration's measured time model, else the roofline: ``Router.predict``)."""
+    return router.predict(route, check_seq_lens(seq))
 
 
 def decide(router: Router, seq, block_tables, *, force: str | None = None,

@@ -55,6 +55,22 @@ names = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), min_size=1
 pos = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False)
 
 
+non_neg = st.floats(min_value=0.0, max_value=1e4, allow_nan=False, allow_infinity=False)
+route_times = st.builds(C.RouteTime, pos, non_neg, non_neg, non_neg)
+
+
+@st.composite
+def time_models(draw) -> dict:
+    """Calibration keywords: no time model (an older file), or every kind plus some by_group."""
+    if not draw(st.booleans()):
+        return {}
+    groups = draw(st.dictionaries(st.integers(1, 64), st.lists(st.sampled_from(C.TIME_KINDS), min_size=1,
+                                                                 max_size=4, unique=True), max_size=3))
+    return dict(time_model=tuple((k, draw(route_times)) for k in C.TIME_KINDS),
+                time_model_by_group=tuple(sorted((g, tuple((k, draw(route_times)) for k in C.TIME_KINDS if k in ks))
+                                                 for g, ks in groups.items())))
+
+
 @st.composite
 def calibrations(draw) -> Calibration:
     table = draw(st.dictionaries(st.integers(1, 4096), pos, min_size=1, max_size=6))
@@ -66,7 +82,7 @@ def calibrations(draw) -> Calibration:
         flashinfer_ctas_per_sm=tuple(sorted(table.items())),
         versions=tuple((k, draw(st.none() | names)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=draw(st.dates()).isoformat(), seed=draw(st.integers(0, 2**40)), command=draw(names),
-        provenance=draw(names))
+        provenance=draw(names), **draw(time_models()))
 
 
 @settings(max_examples=60, deadline=None)
@@ -419,3 +435,68 @@ def test_bad_by_group_is_named(tmp_path, entry, key, expected):
 def test_for_group_refuses_a_non_positive_int(g):
     with pytest.raises(ValueError, match="group_size must be a positive int"):
         load_calibration(SEED).for_group(g)
+
+
+# ----------------------------------------------------------------------------- time_model
+
+def route_time(read=1.0, tail=0.5, split=0.1, fixed=4.0) -> dict:
+    return {"read_scale": read, "tail_us": tail, "split_us": split, "fixed_us": fixed}
+
+
+def time_model_doc(**over) -> dict:
+    doc = seed_doc()
+    doc["time_model"] = {k: route_time(fixed=float(i)) for i, k in enumerate(C.TIME_KINDS)} | over
+    return doc
+
+
+def test_old_files_have_no_time_model_and_round_trip_without_one(tmp_path):
+    cal = load_calibration(SEED)
+    assert cal.time_model == () and cal.time_model_by_group == () and cal.route_time("bucket") is None
+    assert "time_model" not in C.calibration_to_dict(cal)
+
+
+def test_time_model_round_trips_and_for_group_replaces_the_kinds_it_has(tmp_path):
+    doc = time_model_doc(by_group={"8": {"fused": route_time(read=0.9, fixed=2.5)},
+                                   "1": {"flashinfer": route_time(tail=0.0), "bucket": route_time(split=0.0)}})
+    cal = load_calibration(write(tmp_path, doc))
+    assert [k for k, _ in cal.time_model] == list(C.TIME_KINDS)
+    assert cal.route_time("workqueue") == C.RouteTime(1.0, 0.5, 0.1, 2.0)
+    assert [g for g, _ in cal.time_model_by_group] == [1, 8]
+    save_calibration(cal, tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["time_model"] == doc["time_model"]
+    assert load_calibration(tmp_path / "again.json") == attrs.evolve(cal, source=str(tmp_path / "again.json"))
+    g8 = cal.for_group(8)
+    assert g8.route_time("fused") == C.RouteTime(0.9, 0.5, 0.1, 2.5)
+    assert g8.route_time("workqueue") == cal.route_time("workqueue") and g8.time_model_by_group == ()
+    assert cal.for_group(1).route_time("flashinfer").tail_us == 0.0
+    assert cal.for_group(4).time_model == cal.time_model          # no entry: the top level
+    assert cal.for_group(8).for_group(1) == cal.for_group(8)       # already the G = 8 view
+
+
+@pytest.mark.parametrize("edit, key, expected", [
+    (lambda tm: tm.pop("bucket"), "time_model.bucket", "it to be present"),
+    (lambda tm: tm.update(fuse=route_time()), "time_model.fuse", "one of the schema-1 keys"),
+    (lambda tm: tm.update(fused=[1, 2]), "time_model.fused", "a JSON object"),
+    (lambda tm: tm["fused"].pop("tail_us"), "time_model.fused.tail_us", "it to be present"),
+    (lambda tm: tm["fused"].update(read_scale=0.0), "time_model.fused.read_scale", "a finite positive"),
+    (lambda tm: tm["fused"].update(split_us=-0.1), "time_model.fused.split_us", "a finite number >= 0"),
+    (lambda tm: tm["fused"].update(fixed_us="4"), "time_model.fused.fixed_us", "a number"),
+    (lambda tm: tm.update(by_group={"G8": {}}), "time_model.by_group.G8", "keys that are positive integers"),
+    (lambda tm: tm.update(by_group={"8": {}}), "time_model.by_group.8", "a non-empty object"),
+    (lambda tm: tm.update(by_group={"8": {"fast": route_time()}}), "time_model.by_group.8.fast", "one of"),
+    (lambda tm: tm.update(by_group={"8": {"fused": route_time(tail=-1)}}), "time_model.by_group.8.fused.tail_us",
+     "a finite number >= 0"),
+])
+def test_bad_time_model_is_named(tmp_path, edit, key, expected):
+    doc = time_model_doc()
+    edit(doc["time_model"])
+    p = write(tmp_path, doc)
+    with pytest.raises(CalibrationError, match=rf"{re.escape(str(p))}: key '{re.escape(key)}': expected {expected}"):
+        load_calibration(p)
+
+
+def test_time_model_must_be_an_object(tmp_path):
+    doc = seed_doc()
+    doc["time_model"] = [1]
+    with pytest.raises(CalibrationError, match=r"key 'time_model': expected a JSON object"):
+        load_calibration(write(tmp_path, doc))

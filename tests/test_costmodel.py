@@ -158,3 +158,154 @@ def test_faster_bandwidth_never_slows_a_route():
                  merge_launches=1)
     cal = make_cal()
     assert predict_us(c, attrs.evolve(cal, beta_gbps=2000.0), graphs=True) < predict_us(c, cal, graphs=True)
+
+
+# ----------------------------------------------------------------------------- the measured model
+
+from pkvrt.calibration import RouteTime, TIME_KINDS  # noqa: E402
+from pkvrt.costmodel import (FLASHINFER_PROXY_SPLITS, LaunchGroup, fit_route_time, measured_us,  # noqa: E402
+                             predict_route_us, route_groups)
+from pkvrt.planner import balanced_partition, bucket_counters, workqueue_counters  # noqa: E402
+
+SHAPE = dict(num_kv_heads=8, head_dim=128, dtype_bytes=2)
+WQ, BUCKET = SplitBounds(1, 64, 4), SplitBounds(4, 64, 4)
+
+
+def timed_cal(**kw) -> Calibration:
+    """make_cal() with a time model: every kind (read, tail, split, fixed) distinct."""
+    tm = tuple((k, RouteTime(1.0 + i / 10, 0.5 + i / 10, 0.1, 4.0 + i)) for i, k in enumerate(TIME_KINDS))
+    return make_cal(time_model=tm, **kw)
+
+
+# groups, constants, graphs, expected µs (make_cal: 1e6 B/µs, lambda 10 eager, 1 in a graph)
+MEASURED = [
+    ([LaunchGroup(10**9, 400.0, 16, 2)], RouteTime(1.1, 0.5, 0.1, 4.0), True, 1100 + 0.5 * 20 + 1.6 + 4),
+    ([LaunchGroup(10**9, 400.0, 16, 2)], RouteTime(1.1, 0.5, 0.1, 4.0), False, 1115.6 + 2 * 9),
+    ([LaunchGroup(10**6, 9.0, 1, 1)] * 3, RouteTime(1.0, 1.0, 0.0, 2.0), True, 3 * (1 + 3 + 2)),
+    ([], RouteTime(1.0, 1.0, 1.0, 1.0), True, 0.0),
+]
+
+
+@pytest.mark.parametrize("groups, rt, graphs, expected", MEASURED)
+def test_measured_model_table(groups, rt, graphs, expected):
+    assert measured_us(groups, rt, make_cal(), graphs=graphs) == pytest.approx(expected, rel=1e-12)
+
+
+def test_partition_routes_are_one_group_described_by_the_partition():
+    cal, seq = make_cal(), np.array([40000, 1000, 17, 32768])
+    p = balanced_partition(seq, num_kv_heads=8, splits=WQ, cal=cal)
+    for kind, launches in (("workqueue", 2), ("fused", 1)):
+        (g,) = route_groups(kind, seq, cal, splits=WQ, **SHAPE)
+        assert g == LaunchGroup(kv_bytes=int(seq.sum()) * 8 * 128 * 4, makespan_tiles=p.cost / (64 * 100),
+                                splits=int(p.num_splits.max()), launches=launches)
+    (fi,) = route_groups("flashinfer", seq, cal, **SHAPE)
+    proxy = balanced_partition(seq, num_kv_heads=8, splits=FLASHINFER_PROXY_SPLITS, cal=cal)
+    assert (fi.makespan_tiles, fi.splits, fi.launches) == (proxy.cost / 6400, int(proxy.num_splits.max()), 1)
+    forced = balanced_partition(seq, num_kv_heads=8, splits=WQ, cal=cal, longest_splits=8)
+    (g8,) = route_groups("fused", seq, cal, splits=WQ, longest_splits=8, **SHAPE)
+    assert (g8.makespan_tiles, g8.splits) == (forced.cost / 6400, int(forced.num_splits.max()))
+
+
+def test_bucket_route_is_one_group_per_bucket():
+    """Exact buckets of a 32K pair and a 1000-token row: two groups, their splits the plan's, their
+    bytes the step's; a one-row bucket is described like the partition cut at its S."""
+    cal, seq = make_cal(), np.array([32768, 1000, 32768])
+    plan = plan_bucket(seq, splits=BUCKET, num_qo_heads=32, cal=cal, **SHAPE)
+    groups = route_groups("bucket", seq, cal, splits=BUCKET, **SHAPE)
+    assert [g.splits for g in groups] == [b.num_splits for b in plan.buckets]
+    assert [g.launches for g in groups] == [2 if b.num_splits > 1 else 1 for b in plan.buckets]
+    assert sum(g.kv_bytes for g in groups) == plan.counters.useful_kv_bytes
+    one = np.array([32768])
+    (b,) = route_groups("bucket", one, cal, splits=BUCKET, **SHAPE)
+    (p,) = route_groups("fused", one, cal, splits=SplitBounds(1, 64, 1), longest_splits=b.splits, **SHAPE)
+    assert (b.makespan_tiles, b.splits, b.kv_bytes) == (p.makespan_tiles, p.splits, p.kv_bytes)
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="unknown route kind 'paged'"):
+        route_groups("paged", np.array([10]), make_cal(), **SHAPE)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_without_a_time_model_the_roofline_predicts_as_before(graphs):
+    cal, seq = make_cal(), np.array([40000, 1000, 17, 32768])
+    kw = dict(num_qo_heads=32, cal=cal, **SHAPE)
+    cases = [("bucket", bucket_counters(seq, splits=BUCKET, **kw), BUCKET),
+             ("workqueue", workqueue_counters(seq, splits=WQ, **kw), WQ)]
+    for kind, c, bounds in cases:
+        got = predict_route_us(kind, seq, c, cal, graphs=graphs, splits=bounds, **SHAPE)
+        assert got == predict_us(c, cal, graphs=graphs)
+    fi = flashinfer_counters(seq, **SHAPE)
+    assert predict_route_us("flashinfer", seq, fi, cal, graphs=graphs, **SHAPE) == \
+        predict_flashinfer_us(fi, cal, active=4, num_kv_heads=8, graphs=graphs)
+
+
+@pytest.mark.parametrize("kind, bounds", [("bucket", BUCKET), ("workqueue", WQ), ("fused", WQ), ("flashinfer", None)])
+def test_with_a_time_model_each_kind_uses_its_constants(kind, bounds):
+    cal, seq = timed_cal(), np.array([40000, 1000, 17, 32768])
+    groups = route_groups(kind, seq, cal, splits=bounds, **SHAPE)
+    got = predict_route_us(kind, seq, None, cal, graphs=True, splits=bounds, **SHAPE)
+    assert got == pytest.approx(measured_us(groups, cal.route_time(kind), cal, graphs=True))
+
+
+def test_worked_example_of_the_measured_model():
+    """B1 32K at G = 4 on the H200, fused route (costmodel.py, "The measured model")."""
+    cal = make_cal(sm_count=132, beta_gbps=4404.9, splits=SplitPoints(0.97, 2.0, 128, 3.0, 2.0, 3))
+    seq = np.array([32768])
+    (g,) = route_groups("fused", seq, cal, splits=SplitBounds(1, 64, 1), **SHAPE)
+    assert (g.kv_bytes, g.makespan_tiles, g.splits) == (134_217_728, 67.0, 16)
+    t = measured_us([g], RouteTime(0.9811, 0.5927, 0.0900, 3.695), cal, graphs=True)
+    assert round(t, 1) == 39.9
+
+
+# ----------------------------------------------------------------------------- fitting the measured model
+
+
+def synthetic_records(rt: RouteTime, n: int = 30, seed: int = 1, beta: float = 1000.0, noise: float = 0.0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        kv, m, s = int(rng.integers(10**6, 10**9)), float(rng.uniform(4, 600)), int(rng.integers(1, 65))
+        us = rt.read_scale * kv / (beta * 1e3) + rt.tail_us * math.sqrt(m) + rt.split_us * s + rt.fixed_us
+        out.append(dict(kv_bytes=kv, makespan_tiles=m, splits=s, us=us * (1 + noise * rng.standard_normal())))
+    return out
+
+
+@pytest.mark.parametrize("rt", [RouteTime(0.98, 0.6, 0.09, 3.7), RouteTime(1.2, 0.0, 0.3, 9.0),
+                                RouteTime(0.9, 1.5, 0.0, 0.0)])
+def test_fit_recovers_the_constants_that_made_the_times(rt):
+    got = fit_route_time(synthetic_records(rt), beta_gbps=1000.0)
+    assert attrs.astuple(got) == pytest.approx(attrs.astuple(rt), abs=1e-9)
+
+
+def test_fit_with_a_fixed_shape_recovers_read_and_fixed():
+    rt = RouteTime(1.03, 0.59, 0.09, 2.1)
+    got = fit_route_time(synthetic_records(rt, n=5), beta_gbps=1000.0, shape=(0.59, 0.09))
+    assert attrs.astuple(got) == pytest.approx(attrs.astuple(rt), abs=1e-9)
+
+
+@given(seed=st.integers(0, 10**6))
+def test_fit_never_returns_a_negative_constant(seed):
+    """Noisy times of a model with no tail and no split term: least squares alone may give them
+    negative weights; the fit keeps every constant >= 0 and close to the truth."""
+    recs = synthetic_records(RouteTime(1.0, 0.0, 0.0, 5.0), n=12, seed=seed, noise=0.02)
+    got = fit_route_time(recs, beta_gbps=1000.0)
+    assert got.read_scale > 0 and min(got.tail_us, got.split_us, got.fixed_us) >= 0
+    errs = [abs(measured_us([LaunchGroup(r["kv_bytes"], r["makespan_tiles"], r["splits"], 1)], got, make_cal(),
+                            graphs=True) / r["us"] - 1) for r in recs]
+    assert max(errs) < 0.1
+
+
+@pytest.mark.parametrize("records, shape, match", [
+    ([], None, "0 timed configurations, need at least 4"),
+    (synthetic_records(RouteTime(1, 1, 1, 1), n=3), None, "3 timed configurations, need at least 4"),
+    (synthetic_records(RouteTime(1, 1, 1, 1), n=1), (1.0, 1.0), "need at least 2"),
+    ([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=0.0)] * 4, None, r"records\[0\]\['us'\]: expected a time > 0"),
+    ([dict(kv_bytes=1, makespan_tiles=-1, splits=1, us=1.0)] * 4, None, r"'makespan_tiles'.*>= 0"),
+    ([dict(kv_bytes=1, makespan_tiles=1, us=1.0)] * 4, None, r"'splits'.*got None"),
+    ([dict(kv_bytes=0, makespan_tiles=i, splits=1, us=1.0 + i) for i in range(4)], None,
+     "no fit with a positive read_scale"),
+])
+def test_fit_refuses_what_it_cannot_fit(records, shape, match):
+    with pytest.raises(ValueError, match=match):
+        fit_route_time(records, beta_gbps=1000.0, shape=shape)

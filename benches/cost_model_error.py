@@ -1,0 +1,91 @@
+"""Cost-model error per route on a calibrate-sweeps file (CPU only; issue 13, item 3).
+
+Reads the rows ``pkvrt calibrate --raw`` wrote, fits what ``pkvrt calibrate`` fits from them (the
+balanced partition's constants per G, then the measured time model per G and route kind:
+pkvrt.sweeps), and prints the constants, measured vs predicted µs of every route on every
+calibration step at the cut its planner picks (beside the roofline's prediction), the worst error
+per route and G, and the routes.toml gates the steps measured (a suggestion, never applied).
+
+beta, SMs, resident CTAs per SM and max_waves come from ``--calibration`` (default: the
+calibration file of the sweeps' GPU). ``--keep-partition`` keeps that file's partition
+constants instead of refitting them; ``--file-constants`` evaluates that file's own time model
+(a file ``pkvrt calibrate`` wrote) instead of fitting one.
+
+usage: python benches/cost_model_error.py SWEEPS.json [--calibration PATH] [--routes PATH]
+           [--keep-partition | --file-constants] [--suggest-routes PATH]
+e.g.   python benches/cost_model_error.py benches/results/h200/calibrate-sweeps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    from pkvrt import calibration as calib
+    from pkvrt import sweeps
+    from pkvrt.calibrate import format_rows
+    from pkvrt.registry import load_routes
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweeps", help="a calibrate-sweeps results file (pkvrt calibrate --raw)")
+    ap.add_argument("--calibration", metavar="PATH",
+                    help="calibration giving beta, SMs and occupancy (default: the file of the sweeps' GPU)")
+    ap.add_argument("--routes", metavar="PATH", help="routes.toml (default: the shipped one)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--keep-partition", action="store_true",
+                      help="keep the calibration's partition constants (default: refit them from the sweeps)")
+    mode.add_argument("--file-constants", action="store_true",
+                      help="evaluate the calibration's own time model instead of fitting one")
+    ap.add_argument("--suggest-routes", metavar="PATH", help="also write the suggested gates to PATH")
+    args = ap.parse_args(argv)
+
+    try:
+        doc = json.loads(Path(args.sweeps).read_text(encoding="utf-8"))
+        meta, rows = doc["meta"], doc["rows"]
+        cal = (calib.load_calibration(args.calibration) if args.calibration
+               else calib.find_calibration(meta.get("gpu")))
+        reg = load_routes(args.routes)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"cost_model_error.py: {e}", file=sys.stderr)
+        return 2
+    seed = (meta.get("seeds") or [cal.seed])[0]
+    timed = sweeps.read_rows(rows, seed)
+    print(f"{args.sweeps}: {len(rows)} rows, {len(timed)} timed (route kind, step, G); "
+          f"GPU {meta.get('gpu')}, pkvrt {meta.get('pkvrt_commit')}; calibration {cal.source}")
+
+    fits = None
+    if args.file_constants:
+        if not cal.time_model:
+            print(f"cost_model_error.py: {cal.source} has no time_model to evaluate", file=sys.stderr)
+            return 2
+    else:
+        if not args.keep_partition:
+            points, regrets = sweeps.fit_partitions(timed, cal, reg)
+            cal = sweeps.with_partitions(cal, points)
+            print("\nbalanced partition, refitted (calibration.fit_partition on "
+                  f"{reg.device_planning_route().name}):")
+            print("(no sweeps of that route here: the calibration's constants are kept)" if not points else format_rows(("G", "slowdown", "overhead tiles", "min split", "worst regret"),
+                              [(g, p["co_resident_slowdown"], p["cta_overhead_tiles"], p["min_split_tokens"],
+                                f"{max(regrets[g].values()):.3f}") for g, p in sorted(points.items())]))
+        fits = sweeps.fit_time_model(timed, cal, reg)
+        print("\ntime model (sweeps.fit_time_model):")
+        print(format_rows(("G", "kind", "read_scale", "tail_us", "split_us", "fixed_us"),
+                          [(g, k, f"{t.read_scale:.4f}", f"{t.tail_us:.4f}", f"{t.split_us:.4f}",
+                            f"{t.fixed_us:.3f}") for g, kinds in sorted(fits.items()) for k, t in kinds.items()]))
+    print("\nmeasured vs predicted at the cut each planner picks (roofline: the calibration's c_min "
+          "and flashinfer.ctas_per_sm):")
+    print(sweeps.format_errors(sweeps.error_rows(timed, cal, reg, fits)))
+    gates = sweeps.suggest_gates(timed, cal, reg, header=f"{meta.get('gpu')}, {Path(args.sweeps).name}")
+    print("\n" + gates)
+    if args.suggest_routes:
+        Path(args.suggest_routes).write_text(gates, encoding="utf-8")
+        print(f"wrote {args.suggest_routes} (routes.toml is unchanged)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
