@@ -3,7 +3,8 @@
 # FlashInfer's fastest decode path (by device time) against device planning run both ways (a
 # graph replay per layer; the whole step captured as one graph; and, as the ablation, the step
 # graph on pkv_workqueue: decode + a merge launch instead of the merge in the decode tail).
-# ENGINES overrides the list. Results are written under
+# ENGINES overrides the list; TRACES="bucketed-B1 zipf-B8 ..." runs only those of the set (to split
+# the set over two device calls). Results are written under
 # /tmp/engine-r and OUT/engine.tgz is rewritten after every trace (one file: the device tool
 # returns at most 8), so a call that runs out of time still returns what finished.
 # usage: bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
@@ -17,6 +18,7 @@ export PYTHONUNBUFFERED=1
 engines=${ENGINES:-flashinfer,device-plan,device-plan-step,device-plan-step:pkv_workqueue}
 serve() {  # name max_active limit_s seeds extra-args...
   local name=$1 b=$2 limit=$3 seeds=$4; shift 4
+  if [ -n "${TRACES:-}" ] && [[ " $TRACES " != *" $name-B$b "* ]]; then return; fi
   echo "== $name B$b seeds $seeds ($(date +%T))"
   timeout $limit python3 -m pkvrt bench serving --max-active $b --steps-limit 16 --check-steps 2 \
     --engine-layers 32 --engines $engines --seeds $seeds "$@" \
