@@ -271,9 +271,18 @@ def time_bucket(wl, splits: int, ref, repeats: int) -> float:
     return us
 
 
+LAYERS = 8   # back-to-back calls per timed graph of the workqueue-kind routes
+
+
 def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
     """workqueue_decode + merge of ``plan`` (a WorkqueuePlan of ``wl``'s step), or with ``fused``
-    the fused decode (merge in the tail, one launch), µs per call."""
+    the fused decode (merge in the tail, one launch), µs per call.
+
+    Timed as a step's layers run (the Runtime's device planning): at least ``LAYERS`` calls back
+    to back in one graph over the rotating K/V copies, with programmatic dependent launch and
+    early K/V copies from the second call on. One call alone, as first done, mis-ranks cuts:
+    at B1 64K the 32-layer engine protocol measured 32 splits 21 % faster than 16, which a
+    single-call graph timed as equal (benches/NOTES.md, "Session 6")."""
     import torch
 
     from pkvrt import harness, ops
@@ -285,13 +294,16 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
     counters = (torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
                 if fused else None)
 
+    calls = max(LAYERS, wl.copies)
+
     def fn():
-        for k, v in zip(wl.k, wl.v):
+        for i in range(calls):
+            k, v = wl.k[i % wl.copies], wl.v[i % wl.copies]
             ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml,
-                                 counters=counters)
+                                 counters=counters, early_kv=i > 0)
             if not fused:
                 ops.merge(part_a, part_ml, offsets, out, skip_single=True)
-    us = harness.median_us(fn, wl.copies, repeats)
+    us = harness.median_us(fn, calls, repeats)
     _checked(f"{'fused' if fused else 'workqueue'} S={int(plan.num_splits.max())}", out, ref)
     return us
 
