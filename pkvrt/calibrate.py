@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pkvrt calibrate: FlashInfer is {env['flashinfer']}. Calibration needs it: it times "
               "FlashInfer's decode to fit flashinfer.ctas_per_sm, the cost model the router uses "
               "to predict the FlashInfer baseline before promoting a PersistentKV route. Install "
-              "it (pip install -e \".[flashinfer]\", flashinfer-python 0.5.x) and run again; "
+              "it (pip install -e \".[flashinfer]\", flashinfer-python 0.5.3 to 0.7.x) and run again; "
               "`pkvrt doctor` says why it does not import. Nothing was measured or written.",
               file=sys.stderr)
         return 2

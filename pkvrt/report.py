@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from pkvrt import results
+from pkvrt.model_results import KIND as MODEL_KIND, model_decode_table
 
 NUMERIC = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s", "gbps", "frac_read_bw",
            "max_err", "mean_err", "max_err_ref", "mean_err_ref", "cuda_ratio", "wall_ratio",
@@ -904,8 +905,10 @@ def build_report(files, out_dir: Path, *, plots: bool = True) -> tuple[str, list
          context_table(by_ctx)),
         ("Route map of the adaptive engine (per-step records, per experiment)",
          route_map_table(cells)),
+        ("Whole-model decode (Llama-3-8B shape, one CUDA graph per step): ms/step, tokens/s, "
+         "attention share", model_decode_table(files)),
     ]
-    handled = {"isolated", "serving", "serving-steps", "plan", NCU}
+    handled = {"isolated", "serving", "serving-steps", "plan", NCU, MODEL_KIND}
     for path, doc in files:
         if file_kind(doc) not in handled:
             sections.append((f"Other results: {Path(path).name}", generic_table(path, doc)))
