@@ -236,6 +236,38 @@ def isolated_table(files) -> str:
     return "\n\n".join(out)
 
 
+# --------------------------------------------------------------------------- baseline probe
+
+def baseline_probe_table(files) -> str:
+    """Every FlashInfer path the serving harness probed for the baseline, per results file: its
+    summed device µs over the probe steps relative to the fastest (mean over seeds, absolute µs
+    of the first seed in brackets), or why it could not run; the chosen baseline in bold. This
+    is where the paths that were not the baseline (e.g. XQA, cuDNN) appear in serving results."""
+    rows = []
+    for path, doc in _of_kind(files, "serving"):
+        seeds = doc["meta"].get("per_seed") or {}
+        probes = [s.get("baseline_probe_device_us") for s in seeds.values() if s.get("baseline_probe_device_us")]
+        if not probes:
+            continue
+        status = next(iter(seeds.values())).get("baseline_candidates") or {}
+        chosen = collections.Counter(s.get("baseline") for s in seeds.values()).most_common(1)[0][0]
+        labels = list(dict.fromkeys([*status, *probes[0]]))
+        cells = []
+        for label in labels:
+            rel = [p[label] / min(p.values()) for p in probes if label in p]
+            if rel:
+                text = f"{statistics.mean(rel):.3f} ({probes[0][label]:.0f} us)" if label in probes[0] \
+                    else f"{statistics.mean(rel):.3f}"
+                cells.append(f"**{label}** {text}" if label == chosen else f"{label} {text}")
+            else:
+                cells.append(f"{label}: {status.get(label, 'not probed')}")
+        rows.append((Path(path).name, len(probes), "; ".join(cells)))
+    if not rows:
+        return ""
+    return md_table(("File", "Seeds", "FlashInfer paths: probe device time / fastest (bold: the baseline)"), rows,
+                    align="lrl")
+
+
 # --------------------------------------------------------------------------- Tables 2, 3
 
 def serving_groups(files) -> dict[tuple[str, str], list[dict]]:
@@ -893,6 +925,7 @@ def build_report(files, out_dir: Path, *, plots: bool = True) -> tuple[str, list
          f"{FLOOR_GBPS / 1e3:g} TB/s read floor)", isolated_table(files)),
         ("Table 2: serving throughput against the baseline (mean ± std over seeds)",
          serving_table(files)),
+        ("Baseline probe: every FlashInfer decode path per serving run", baseline_probe_table(files)),
         ("Table 3: absolute serving throughput (mean ± std over seeds; -L<n>-mlp cases are the "
          "model-level proxy)", throughput_table(files)),
         ("Table 4: structural counters, mean per step", counters_table(files)),

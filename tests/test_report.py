@@ -582,3 +582,29 @@ def test_a_seed_measured_in_two_files_counts_once_newest_wins(tmp_path):
     entries = groups[("bimodal-B8", "pkvrt-device-plan")]
     assert len(entries) == 1 and entries[0]["cuda_ratio"] == pytest.approx(1.5)
     assert len(groups[("bimodal-B8", "flashinfer-tc")]) == 1
+
+
+def test_baseline_probe_table_lists_every_path_and_the_reason_one_could_not_run(tmp_path):
+    """FAKE probe times: seed 1 tc 100 / cuda 150 / xqa 200 us, seed 2 tc 100 / cuda 130 / xqa
+    300 -> cuda 1.400, xqa 2.500 (mean of the per-seed ratios), tc the baseline in bold; cuDNN
+    unavailable with its reason. A file without probe records gets no row."""
+    per_seed = {
+        "1": {"baseline": "flashinfer-tc",
+              "baseline_probe_device_us": {"flashinfer-cuda": 150.0, "flashinfer-tc": 100.0,
+                                           "flashinfer-xqa": 200.0},
+              "baseline_candidates": {"flashinfer-cuda": "ok", "flashinfer-tc": "ok",
+                                      "flashinfer-cudnn": "unavailable: no cuDNN decode in 0.5.3",
+                                      "flashinfer-xqa": "ok"}},
+        "2": {"baseline": "flashinfer-tc",
+              "baseline_probe_device_us": {"flashinfer-cuda": 130.0, "flashinfer-tc": 100.0,
+                                           "flashinfer-xqa": 300.0}},
+    }
+    rows = serving_rows(1, base_tok=1000.0, base_cuda=2000.0, eng_tok=1200.0, eng_cuda=2500.0)
+    a = write(tmp_path / "engine-a.json", "serving", rows, per_seed=per_seed)
+    b = write(tmp_path / "engine-b.json", "serving", rows)
+    files = [(str(a), results.read_results(a)), (str(b), results.read_results(b))]
+    got = cells(report.baseline_probe_table(files))
+    assert got == [["engine-a.json", "2",
+                    "flashinfer-cuda 1.400 (150 us); **flashinfer-tc** 1.000 (100 us); "
+                    "flashinfer-cudnn: unavailable: no cuDNN decode in 0.5.3; flashinfer-xqa 2.500 (200 us)"]]
+    assert report.baseline_probe_table(files[1:]) == ""
