@@ -6,7 +6,7 @@ measured model (:func:`predict_route_us`, section "The measured model" below); o
 
     T_r = KVBytes/beta * max(1, C_min/C_r) + L_r*lambda + MergeBytes_r/beta
 
-KVBytes: useful K+V bytes of the step; beta: streaming-read bandwidth; C_r: decode CTA work per
+KVBytes: useful K+V bytes of the step (1 byte per element for FP8 K/V: half of fp16); beta: streaming-read bandwidth; C_r: decode CTA work per
 SM of route r; C_min: occupancy target; L_r: launches; lambda: one launch's overhead (eager, or
 inside a CUDA-graph replay); MergeBytes_r: partial-state bytes written by decode and read back by
 the merge. All constants come from a :class:`pkvrt.calibration.Calibration`; none live here.

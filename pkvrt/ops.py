@@ -15,8 +15,10 @@ import math
 import torch
 
 from pkvrt import _buildspec, _driver
+from pkvrt.registry import FP8_NOT_IMPLEMENTED
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+FP8 = torch.float8_e4m3fn
 THREADS = _buildspec.TUNING["PKV_THREADS"]
 LOG2E = 1.4426950408889634
 
@@ -89,6 +91,9 @@ def _int32(name: str, t: torch.Tensor, device, ndim: int) -> int:
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          out: torch.Tensor) -> tuple[str, int, int, int]:
     """Validate the tensors shared by every decode launch. Returns (dtype tag, D, G, log2 page)."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype == FP8:   # before the device checks, so the reason is the first thing said
+            raise KernelArgumentError(f"{name}: {c.dtype}: {FP8_NOT_IMPLEMENTED}")
     if q.dtype not in _DTYPES:
         _fail("q", "dtype float16 or bfloat16", q.dtype)
     if not q.is_cuda:
@@ -121,6 +126,50 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         _fail("out", f"a contiguous {q.dtype} [*, {hq}, {d}] tensor on {q.device}",
               f"{out.dtype} {tuple(out.shape)} on {out.device}")
     return _DTYPES[q.dtype], d, g, int(math.log2(page))
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
+                    q: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    check_values: bool = False) -> bool:
+    """Validate the KV dtype and its dequantization scales (issue 14); returns True for FP8 K/V.
+
+    k_cache, v_cache [P, H_kv, page, D], one dtype: float16 / bfloat16 (``k_scale`` and
+    ``v_scale`` must be None) or float8_e4m3fn (both required: contiguous float32 [1] (per
+    tensor) or [H_kv] (per KV head) on the caches' device; q and out, when given, float16 or
+    bfloat16). Scales are device tensors so that a replayed CUDA graph reads new values without
+    re-capture.
+
+    check_values : also require every scale finite and > 0. That reads the scales back (a
+    device sync, one ``.item()``), so it is for validate modes (the Runtime's ``validate=True``
+    once FP8 is wired in), never for a launch wrapper or a captured region; without it only
+    metadata is read. Nothing calls this yet: the launch paths refuse FP8 caches outright.
+
+    Raises KernelArgumentError (a ValueError) naming the argument and what was expected.
+    """
+    if v_cache.dtype != k_cache.dtype:
+        _fail("v_cache", f"the dtype of k_cache ({k_cache.dtype})", v_cache.dtype)
+    if k_cache.dtype != FP8:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is not None:
+                _fail(name, f"None (scales are for float8_e4m3fn caches; these are {k_cache.dtype})",
+                      f"a {type(s).__name__}")
+        return False
+    for name, t in (("q", q), ("out", out)):
+        if t is not None and t.dtype not in _DTYPES:
+            _fail(name, "float16 or bfloat16 with float8_e4m3fn K/V", t.dtype)
+    hkv = k_cache.shape[1]
+    want = f"a contiguous float32 [1] or [H_kv={hkv}] tensor on {k_cache.device}"
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor):
+            _fail(name, want + " (float8_e4m3fn caches need scales)",
+                  "None" if s is None else type(s).__name__)
+        if s.dtype != torch.float32 or s.device != k_cache.device or s.dim() != 1 \
+                or s.shape[0] not in (1, hkv) or not s.is_contiguous():
+            _fail(name, want, f"{s.dtype} {tuple(s.shape)} on {s.device}"
+                  f"{'' if s.is_contiguous() else ' (strided)'}")
+        if check_values and not bool((torch.isfinite(s) & (s > 0)).all().item()):
+            _fail(name, "finite scales > 0", s.tolist())
+    return True
 
 
 def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,

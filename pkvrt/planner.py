@@ -22,7 +22,8 @@ least ``n//S >= 1`` tiles and boundaries fall on multiples of ``tile_tokens``.
 
 Counters (per step): launches, decode CTAs, CTA work per SM (``decode_ctas / sm_count``),
 useful KV bytes ``sum(seq_lens) * H_kv * D * 2 (K and V) * dtype_bytes``, merge bytes and merge
-launches. *Merge bytes* are the partial-state bytes the decode kernel writes and the merge
+launches. ``dtype_bytes`` everywhere here is the K/V element size only (2 for fp16/bf16, 1 for
+FP8 K/V): q, out and the fp32 partial states are not counted with it. *Merge bytes* are the partial-state bytes the decode kernel writes and the merge
 kernel reads back: per slot and query head ``D*4`` (``a``, fp32) ``+ 8`` (``m``, ``l``, fp32),
 times 2 (write + read). A bucket with S = 1 writes O directly and has no slots; every workqueue
 row has slots (its merge also normalises S = 1 rows). The paper's Table 4 "Merge MB" counts the
@@ -133,7 +134,8 @@ def _check_heads(num_kv_heads: int, num_qo_heads: int) -> None:
 
 
 def kv_bytes(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Useful K+V bytes of a step: ``sum(seq_lens) * H_kv * D * 2 * dtype_bytes``."""
+    """Useful K+V bytes of a step: ``sum(seq_lens) * H_kv * D * 2 * dtype_bytes`` (bytes per K/V
+    element: 2 for fp16/bf16, 1 for FP8; B1 32K, H_kv 8, D 128: 134 MB fp16, 67 MB FP8)."""
     return int(seq.sum()) * num_kv_heads * head_dim * 2 * dtype_bytes
 
 

@@ -30,10 +30,27 @@ KIND_KERNELS = {"flashinfer": None, "bucket": "split_decode",
                 "workqueue": "workqueue_decode", "fused": "fused_decode"}
 BUCKETINGS = ("exact", "coarse")
 ROUTE_KEYS = ("kind", "kernel", "enabled", "ablation", "margin", "gates", "splits",
-              "bucketing", "coarse_lengths")
+              "bucketing", "coarse_lengths", "kv_dtypes")
+# K/V dtype (torch's name) -> bytes per element. The K/V bytes a step reads scale with it.
+KV_DTYPES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+# kv_dtypes of a route without the key: pkvrt's kernels read fp16/bf16 K/V (FP8 is issue 14);
+# FlashInfer's decode also reads float8_e4m3fn K/V.
+DEFAULT_KV_DTYPES = {"flashinfer": ("float16", "bfloat16", "float8_e4m3fn")}
+PKV_KV_DTYPES = ("float16", "bfloat16")
+FP8_NOT_IMPLEMENTED = "FP8 KV is not implemented by pkvrt's kernels yet; see issue 14"
 GATE_KEYS = ("group_sizes", "min_context", "min_active", "max_active")
 _NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 _REQUIRED = object()
+
+
+def kv_dtype_name(dtype) -> str:
+    """routes.toml's name of a K/V dtype: ``torch.float16`` or ``"float16"`` -> ``"float16"``.
+
+    Raises ValueError for a dtype that is not a K/V dtype (:data:`KV_DTYPES`)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in KV_DTYPES:
+        raise ValueError(f"KV dtype {dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+    return name
 
 
 class RoutesError(ValueError):
@@ -102,15 +119,20 @@ class Route:
     splits: SplitBounds | None  # None only for flashinfer
     bucketing: str  # "exact" | "coarse" for bucket routes; "none" for the others
     coarse_lengths: tuple[int, ...]  # bucket lengths (tokens) of the coarse mode
+    kv_dtypes: tuple[str, ...] = PKV_KV_DTYPES  # K/V dtypes it serves (KV_DTYPES names)
 
-    def refusals(self, *, group_size: int, max_context: int, active: int) -> tuple[str, ...]:
+    def refusals(self, *, group_size: int, max_context: int, active: int,
+                 kv_dtype: str = "float16") -> tuple[str, ...]:
         """Why this route may not run a step: () when its gates admit it, else one sentence per
-        failed gate. The flashinfer baseline is never refused."""
+        failed gate. ``kv_dtype``: the K/V dtype's name (:func:`kv_dtype_name`). The flashinfer
+        baseline is never refused (the Router refuses a K/V dtype it does not serve up front)."""
         if self.kind == "flashinfer":
             return ()
         g, out = self.gates, []
         if not self.enabled:
             out.append("disabled in routes.toml")
+        if kv_dtype not in self.kv_dtypes:
+            out.append(f"KV dtype {kv_dtype} is not served (kv_dtypes = {list(self.kv_dtypes)})")
         if group_size not in g.group_sizes:
             out.append(f"group size {group_size} is not calibrated "
                        f"(gates.group_sizes = {list(g.group_sizes)})")
@@ -346,6 +368,21 @@ def _splits(t: _Table) -> SplitBounds:
     return SplitBounds(min=lo, max=hi, multiple_of=mult)
 
 
+def _kv_dtypes(t: _Table, default: tuple[str, ...]) -> tuple[str, ...]:
+    """A route's ``kv_dtypes``: a non-empty array of distinct :data:`KV_DTYPES` names."""
+    def problem(v):
+        if not isinstance(v, list):
+            return "is not an array"
+        if not v:
+            return "is empty"
+        bad = [x for x in v if not isinstance(x, str) or x not in KV_DTYPES]
+        if bad:
+            return f"has {_show(bad[0])}, not a KV dtype"
+        return "lists a dtype twice" if len(set(v)) != len(v) else None
+    return tuple(t.get("kv_dtypes", f"a non-empty array of distinct names among "
+                       f"{', '.join(map(_show, KV_DTYPES))}", problem, default))
+
+
 def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
     if not _NAME.match(name):
         _fail(path, "routes", name, "not a valid route name", "lower_snake_case from a letter")
@@ -364,7 +401,8 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
             t.fail("enabled", "the baseline cannot be disabled (it is every step's fallback)",
                    "true or no key")
         return Route(name=name, kind=kind, kernel=None, enabled=True, ablation=False,
-                     margin=1.0, gates=gates, splits=None, bucketing="none", coarse_lengths=())
+                     margin=1.0, gates=gates, splits=None, bucketing="none", coarse_lengths=(),
+                     kv_dtypes=_kv_dtypes(t, DEFAULT_KV_DTYPES["flashinfer"]))
     if "kernel" not in body:
         t.fail("kernel", "missing", f'kernel = "{want}" for kind "{kind}"')
     kernel = t.choice("kernel", tuple(FAMILIES))
@@ -382,7 +420,7 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
                  ablation=t.boolean("ablation", False), margin=t.margin("margin", margin),
                  gates=_gates(over, gates) if over else gates,
                  splits=_splits(t.table("splits", ("min", "max", "multiple_of"))),
-                 bucketing=bucketing, coarse_lengths=coarse)
+                 bucketing=bucketing, coarse_lengths=coarse, kv_dtypes=_kv_dtypes(t, PKV_KV_DTYPES))
 
 
 def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None]:

@@ -29,8 +29,7 @@ from pkvrt.costmodel import predict_route_us
 from pkvrt.planner import (BucketPlan, FlashInferPlan, WorkqueuePlan, bucket_from_checked, check_seq_lens,
                            flashinfer_counters_from_checked, fused_counters, plan_flashinfer,
                            workqueue_from_checked)
-
-PKV_DTYPE_BYTES = (2,)  # fp16 / bf16: the only dtypes the PersistentKV kernels are built for
+from pkvrt.registry import FP8_NOT_IMPLEMENTED, KV_DTYPES, PKV_KV_DTYPES, kv_dtype_name
 
 
 @attrs.frozen(eq=False)
@@ -83,7 +82,13 @@ class Router:
     Parameters
     ----------
     registry : pkvrt.registry.Registry. calibration : pkvrt.calibration.Calibration.
-    num_qo_heads, num_kv_heads, head_dim, page_size, dtype_bytes : the attention shape.
+    num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape.
+    kv_dtype : the K/V cache dtype, a torch dtype or its name ("float16" default, "bfloat16",
+        "float8_e4m3fn"). Routes whose routes.toml ``kv_dtypes`` lack it are refused every
+        step; the baseline must serve it (ValueError otherwise). FP8 has no PersistentKV
+        kernel yet (issue 14): every PersistentKV route is refused and steps run on FlashInfer.
+    dtype_bytes : bytes per K/V element, what the counters and the cost model count (None:
+        from ``kv_dtype``, 2 for fp16/bf16, 1 for FP8). Given, it must agree with ``kv_dtype``.
     graphs : the runtime replays CUDA graphs (launch overhead ``lambda_graph_us``); False for
         the seed's eager protocol (``lambda_us``).
     memo_size : 0 (default): every step is predicted from scratch. N > 0: remember up to N
@@ -98,8 +103,19 @@ class Router:
     """
 
     def __init__(self, registry, calibration: Calibration, *, num_qo_heads: int, num_kv_heads: int,
-                 head_dim: int, page_size: int, dtype_bytes: int = 2, graphs: bool = True,
-                 memo_size: int = 0):
+                 head_dim: int, page_size: int, kv_dtype="float16", dtype_bytes: int | None = None,
+                 graphs: bool = True, memo_size: int = 0):
+        kv_dtype = kv_dtype_name(kv_dtype)
+        if dtype_bytes is None:
+            dtype_bytes = KV_DTYPES[kv_dtype]
+        elif dtype_bytes != KV_DTYPES[kv_dtype]:
+            raise ValueError(f"Router: dtype_bytes={dtype_bytes!r}: expected {KV_DTYPES[kv_dtype]}, "
+                             f"the element size of kv_dtype {kv_dtype} (or None)")
+        if kv_dtype not in registry.baseline.kv_dtypes:
+            raise ValueError(f"Router: kv_dtype={kv_dtype}: the baseline route {registry.baseline.name!r} "
+                             f"does not serve it (kv_dtypes = {list(registry.baseline.kv_dtypes)} in "
+                             f"{registry.path}); expected a K/V dtype the baseline serves (it is every "
+                             f"step's fallback)")
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("page_size", page_size), ("dtype_bytes", dtype_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -111,6 +127,7 @@ class Router:
         self.cal = calibration.for_group(num_qo_heads // num_kv_heads)   # splits.by_group, if any
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype_bytes = head_dim, page_size, dtype_bytes
+        self.kv_dtype = kv_dtype
         self.group_size = num_qo_heads // num_kv_heads
         self.graphs = graphs
         self._invalid = self._kernel_gap()
@@ -132,8 +149,8 @@ class Router:
             gaps.append(f"group size {self.group_size} not in {list(GROUP_SIZES)}")
         if self.page_size not in PAGE_SIZES:
             gaps.append(f"page_size {self.page_size} not in {list(PAGE_SIZES)}")
-        if self.dtype_bytes not in PKV_DTYPE_BYTES:
-            gaps.append(f"dtype_bytes {self.dtype_bytes} is not fp16/bf16")
+        if self.kv_dtype not in PKV_KV_DTYPES:
+            gaps.append(f"KV dtype {self.kv_dtype} ({FP8_NOT_IMPLEMENTED})")
         return "no PersistentKV kernel: " + "; ".join(gaps) if gaps else None
 
     # -- per route -----------------------------------------------------------------------
@@ -201,6 +218,9 @@ class Router:
                 raise ValueError(f"force={force!r}: no such route in {reg.path}; known: {', '.join(names)}")
             if reg.route(force).kind != "flashinfer" and self._invalid:
                 raise ValueError(f"force={force!r}: {self._invalid}")
+            if self.kv_dtype not in reg.route(force).kv_dtypes:
+                raise ValueError(f"force={force!r}: the route does not serve KV dtype {self.kv_dtype} "
+                                 f"(kv_dtypes = {list(reg.route(force).kv_dtypes)} in {reg.path})")
 
         t_fi = self.predict(base, seq)
         predicted = {base.name: t_fi}
@@ -216,7 +236,8 @@ class Router:
                 if r.ablation:
                     refused[r.name] = f"ablation route: runs only when forced (force={r.name!r})"
                     continue
-                why = r.refusals(group_size=self.group_size, max_context=max_ctx, active=active)
+                why = r.refusals(group_size=self.group_size, max_context=max_ctx, active=active,
+                                 kv_dtype=self.kv_dtype)
                 if why:
                     refused[r.name] = "; ".join(why)
                     continue

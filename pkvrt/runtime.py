@@ -77,7 +77,7 @@ from pkvrt.calibration import Calibration, find_calibration, load_calibration
 from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
                           needed_capacities, stage_bucket, stage_workqueue)
 from pkvrt.planner import check_seq_lens, device_grid_ctas, device_plan_targets
-from pkvrt.registry import KIND_KERNELS, Registry, load_routes
+from pkvrt.registry import KIND_KERNELS, Registry, kv_dtype_name, load_routes
 from pkvrt.router import RouteDecision, Router
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -115,6 +115,8 @@ def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype) -> int:
     if g not in _buildspec.GROUP_SIZES:
         raise ValueError(f"Runtime: num_qo_heads / num_kv_heads = {g}: expected a group size in "
                          f"{_buildspec.GROUP_SIZES}")
+    if dtype == ops.FP8:
+        raise ValueError(f"Runtime: dtype={dtype}: {ops.FP8_NOT_IMPLEMENTED}")
     if dtype not in DTYPES:
         raise ValueError(f"Runtime: dtype={dtype}: expected torch.float16 or torch.bfloat16")
     return g
@@ -245,6 +247,8 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"Runtime.run: {name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype == ops.FP8 and name in ("k_cache", "v_cache"):
+            raise ValueError(f"Runtime.run: {name}: {t.dtype}: {ops.FP8_NOT_IMPLEMENTED}")
         if t.dtype != dtype:
             raise ValueError(f"Runtime.run: {name}: expected dtype {dtype} (the Runtime's), got {t.dtype}")
         if t.device != device:
@@ -452,6 +456,7 @@ class Runtime:
                             h2d_copies=0, regrowths=0, capture_seconds=0.0)
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype = int(head_dim), int(page_size), dtype
+        self._kv_dtype = kv_dtype_name(dtype)   # routes.toml's name of the K/V dtype
         self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
         self.use_cuda_graph, self.validate, self.sm_scale = bool(use_cuda_graph), bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
@@ -463,6 +468,11 @@ class Runtime:
             except KeyError as e:
                 raise ValueError(e.args[0]) from None
             flashinfer = False  # device planning runs the PersistentKV workqueue routes only
+            dp_route = self.registry.route(self._dp_default)
+            if self._kv_dtype not in dp_route.kv_dtypes:
+                raise ValueError(f"Runtime: dtype={dtype}: the device-planning route {dp_route.name!r} "
+                                 f"does not serve it (kv_dtypes = {list(dp_route.kv_dtypes)} in "
+                                 f"{self.registry.path})")
 
         self.device = _resolve_device(device)
         self._cuda = self.device.type == "cuda"
@@ -478,7 +488,8 @@ class Runtime:
             self.calibration = self.calibration.for_group(self.num_qo_heads // self.num_kv_heads)
             self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                 page_size=self.page_size, dtype_bytes=2, graphs=self.use_cuda_graph,
+                                 page_size=self.page_size, kv_dtype=self._kv_dtype,
+                                 graphs=self.use_cuda_graph,
                                  memo_size=decision_memo)
             self._load_kernels()
             self._fi_reason = None if flashinfer else (
@@ -707,6 +718,9 @@ class Runtime:
         if route is None:
             raise ValueError(f"Runtime.plan: force={force!r}: with device_planning expected one of "
                              f"the workqueue/fused routes {sorted(self._dp_routes)}")
+        if self._kv_dtype not in route.kv_dtypes:
+            raise ValueError(f"Runtime.plan: force={force!r}: route {name!r} does not serve KV dtype "
+                             f"{self._kv_dtype} (kv_dtypes = {list(route.kv_dtypes)} in routes.toml)")
         seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
                                     max_batch=self.max_batch)
         b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
