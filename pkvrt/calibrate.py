@@ -336,20 +336,18 @@ def time_flashinfer(wl, tensor_cores: bool, ref, repeats: int) -> float:
     return us
 
 
-def time_partition(case: str, seq, group: int, route, base: calib.Calibration, l2_bytes: int,
+def time_partition(case: str, seq, group: int, route, base: calib.Calibration, wl, ref,
                    repeats: int, quick: bool) -> list[dict]:
-    """Time ``route`` (the device-planning route: workqueue or fused) over one step at every cut
-    of the balanced partition (the longest row's allowed split counts whose chunk is at least one
-    tile; every third with ``quick``), at ``group`` query heads per KV head. One record per cut:
-    case, route, group, rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes."""
-    import torch
-
+    """Time ``route`` (a workqueue or fused route) over one step at every cut of the balanced
+    partition (the longest row's allowed split counts whose chunk is at least one tile; every
+    third with ``quick``), at ``group`` query heads per KV head. ``wl``, ``ref``: the step's
+    workload at that shape (``_workload(seq, l2, group_shape(group))``) and its FP32 reference,
+    shared with the other engines timed on the step. One record per cut: case, route, group,
+    rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes."""
     from pkvrt import planner
 
     shape = group_shape(group)
     hq, hkv, d = shape["num_qo_heads"], shape["num_kv_heads"], shape["head_dim"]
-    wl = _workload(seq, l2_bytes, shape)
-    ref = _reference(wl)
     cands = planner.partition_candidates(int(-(-seq.max() // TILE_TOKENS)), route.splits, 1).tolist()
     cands = cands[::3] + cands[-1:] if quick else cands
     fused = route.kind == "fused"
@@ -362,8 +360,6 @@ def time_partition(case: str, seq, group: int, route, base: calib.Calibration, l
                         context=int(seq.max()), splits=int(s), us=float(us),
                         kv_bytes=int(seq.sum()) * 2 * hkv * d * 2, ctas=plan.counters.decode_ctas,
                         launches=1 if fused else 2, merge_bytes=plan.counters.merge_bytes))
-    del wl
-    torch.cuda.empty_cache()
     return out
 
 
@@ -580,8 +576,10 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
             continue
         for g in args.groups:   # the partition routes at every cut, then FlashInfer, per group size
             name = case if g == 4 else f"{case}-G{g}"
+            wl = _workload(seq, l2, group_shape(g))   # one workload and reference for every engine
+            ref = _reference(wl)
             for route in partition_routes:
-                records = time_partition(case, seq, g, route, base, l2, repeats, quick)
+                records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick)
                 best = min(records, key=lambda r: r["us"])
                 print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "
                       f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
@@ -593,8 +591,6 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
                     partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
                     if g == 4:
                         fit_recs += records
-            wl = _workload(seq, l2, group_shape(g))   # FlashInfer on the same step: its time model
-            ref = _reference(wl)
             kv_g = kv * group_shape(g)["num_kv_heads"] // hkv
             for tc in (False, True):
                 us = time_flashinfer(wl, tc, ref, repeats)
