@@ -1,8 +1,7 @@
 // plan_workqueue.cu — device-side planning of the workqueue route.
 //
 // Builds, from device-resident seq_lens, the same plan as pkvrt/planner.py's plan_workqueue
-// (same split counts, split_offsets and task set; tasks in row order instead of the host's
-// longest-first order), so that a whole decode step — planning, decode, merge — can run inside
+// (same split counts, split_offsets, tasks and task order), so that a whole decode step — planning, decode, merge — can run inside
 // an engine's own CUDA graph while the lengths change between replays, with no host work
 // proportional to the batch.
 //
@@ -20,6 +19,11 @@
 // cost, then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
 // first candidate is always eligible). Split j of n over t tiles covers tiles [j*t/n, (j+1)*t/n).
 // Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate).
+// Task order (the host's): rows by decreasing tokens per split (seq_len / splits, integer), ties
+// by row index, then split, then KV head. The GPU starts CTAs in blockIdx order, so the longest
+// tasks start first and the short ones fill the tail (in row order a long row listed after
+// short ones started its CTAs in a later wave). Row r's rank is the count of rows before it in
+// that order (each active thread counts over the rows: O(rows) per thread).
 //
 // Grid:  one CTA of PKV_PLAN_THREADS (1024) threads; rows >= *num_rows are idle (0 splits).
 // Layout: seq_lens [max_rows] int32; tasks [task_capacity, 5] int32 (row, kvh, split,
@@ -69,12 +73,41 @@ struct PlanParams {
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __device__ __forceinline__ long long load8(int k, int slowdown8) { return 8 + (long long)(k - 1) * (slowdown8 - 8); }
 
+// Block-wide exclusive scan of x (one value per thread); *total gets the sum. Every thread of
+// the block must call it. warp_sums: 32 ints of shared memory.
+__device__ __forceinline__ int block_exclusive_scan(int x, int* warp_sums, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int v = x;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;  // inclusive
+  }
+  __syncthreads();
+  const int excl = v - x + (warp > 0 ? warp_sums[warp - 1] : 0);
+  *total = warp_sums[31];
+  __syncthreads();  // warp_sums may be reused by the next scan
+  return excl;
+}
+
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     pkv_plan_workqueue(const __grid_constant__ PlanParams p) {
   pkv::pdl_enter();
   __shared__ int cand[64];
   __shared__ int tiles_of[PKV_PLAN_THREADS];
-  __shared__ int offs[PKV_PLAN_THREADS + 1];
+  __shared__ int offs[PKV_PLAN_THREADS + 1];  // first task slot of each rank (task order)
+  __shared__ int splits_of[PKV_PLAN_THREADS], key_of[PKV_PLAN_THREADS], rank_row[PKV_PLAN_THREADS];
   __shared__ int warp_sums[32];
   __shared__ int warp_max[32];
   __shared__ long long warp_tiles[32];
@@ -199,30 +232,29 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   __syncthreads();
   const int s = t > 0 ? ceil_div(t, chunk) : 0;
 
-  // 3. Block-wide exclusive scan of s (warp shuffles, then warp totals).
-  int x = s;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
+  // 3. Slots in row order (split_offsets), then the rows' rank in task order and the first
+  //    task slot of each rank.
+  int total_slots;
+  const int excl = block_exclusive_scan(s, warp_sums, &total_slots);
+  splits_of[tid] = s;
+  key_of[tid] = s > 0 ? len / s : -1;  // tokens per split; rows with no work last
   __syncthreads();
-  if (warp == 0) {
-    int w = warp_sums[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
+  if (tid < rows) {
+    const int k = key_of[tid];
+    int rank = 0;
+    for (int i = 0; i < rows; ++i) {
+      const int ki = key_of[i];
+      rank += ki > k || (ki == k && i < tid);
     }
-    warp_sums[lane] = w;  // inclusive
+    rank_row[rank] = tid;
   }
   __syncthreads();
-  const int excl = x - s + (warp > 0 ? warp_sums[warp - 1] : 0);
-  offs[tid] = excl;
-  if (tid == PKV_PLAN_THREADS - 1) offs[PKV_PLAN_THREADS] = excl + s;
+  const int ranked_splits = tid < rows ? splits_of[rank_row[tid]] : 0;
+  int unused;
+  const int task_excl = block_exclusive_scan(ranked_splits, warp_sums, &unused);
+  offs[tid] = task_excl;  // first slot of rank tid in task order
+  if (tid == PKV_PLAN_THREADS - 1) offs[PKV_PLAN_THREADS] = total_slots;
   __syncthreads();
-  const int total_slots = offs[PKV_PLAN_THREADS];
   if (tid < p.max_rows) {
     p.split_offsets[tid] = excl;
     p.num_splits[tid] = s;
@@ -233,14 +265,15 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     *p.num_tasks = min(want_tasks, p.task_capacity);
     *p.status = (want_tasks > p.task_capacity ? 1 : 0) | (bad_rows & 1 ? 2 : 0) | (bad_rows & 2 ? 4 : 0);
   }
-  // 4. Tasks: slot j belongs to the row r with offs[r] <= j < offs[r+1] (binary search).
+  // 4. Tasks: task slot j belongs to the rank i with offs[i] <= j < offs[i+1] (binary search),
+  //    i.e. to row rank_row[i]; its split is j - offs[i] (the row's slot is split_offsets + split).
   for (int j = tid; j < total_slots; j += PKV_PLAN_THREADS) {
     int lo = 0, hi = rows - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
       if (offs[mid] <= j) lo = mid; else hi = mid - 1;
     }
-    const int r = lo, split = j - offs[r], S = offs[r + 1] - offs[r];
+    const int r = rank_row[lo], split = j - offs[lo], S = splits_of[r];
     const int len = p.seq_lens[r];
     const int tiles = tiles_of[r];
     const int b = split * tiles / S * p.tile_tokens;

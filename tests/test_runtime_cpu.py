@@ -574,8 +574,8 @@ class Emu:
                               slowdown8, overhead8, max_ctas, max_seq_len, block_tables=None,
                               num_pages=None, page_size=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
-        chunks from the longest row, cost = max(waves of big CTAs, average load)), tasks in row
-        order; rows with a bad length or a page id outside [0, num_pages) get no work."""
+        chunks from the longest row, cost = max(waves of big CTAs, average load)), tasks in the
+        host's order (rows by decreasing tokens per split, then split, then KV head); rows with a bad length or a page id outside [0, num_pages) get no work."""
         self.launches += 1
         max_rows = seq_lens.shape[0]
         rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
@@ -613,8 +613,9 @@ class Emu:
         split_offsets[:] = torch.as_tensor(offs, dtype=torch.int32)
         num_splits[:] = torch.as_tensor(splits, dtype=torch.int32)
         t = []
-        for r in range(rows):
-            n, s = int(seq_lens[r]), splits[r]
+        lens = [int(seq_lens[r]) if tiles[r] else 0 for r in range(rows)]
+        for r in sorted(range(rows), key=lambda r: -(lens[r] // splits[r]) if splits[r] else 1):
+            n, s = lens[r], splits[r]
             for j in range(s):
                 b, e = j * tiles[r] // s * TILE, min(n, (j + 1) * tiles[r] // s * TILE)
                 t += [[r, h, j, b, e] for h in range(num_kv_heads)]
