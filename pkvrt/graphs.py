@@ -284,8 +284,10 @@ def stage_workqueue(arena: np.ndarray, layout: ArenaLayout, plan, batch: int) ->
     return cap, layout.tasks + 5 * t
 
 
-def capture(launch, *, side_stream, pool, device) -> GraphEntry:
+def capture(launch, *, side_stream, pool, device, capture_error_mode: str = "global") -> GraphEntry:
     """Warm ``launch()`` up on ``side_stream``, then capture it into a new graph (CUDA only).
+    ``capture_error_mode`` is ``torch.cuda.graph``'s (``"thread_local"`` lets other threads,
+    such as NCCL's watchdog, make CUDA calls during the capture).
 
     The warm-up is a real run: it computes this call's result, so the caller need not replay
     the new graph for this call. ``torch.cuda.graph`` synchronizes the device when entering
@@ -312,7 +314,7 @@ def capture(launch, *, side_stream, pool, device) -> GraphEntry:
     cur.wait_stream(side_stream)
     before = torch.cuda.memory_allocated(device)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
         launch()
     if hasattr(graph, "instantiate"):
         graph.instantiate()

@@ -26,7 +26,7 @@ and FlashInfer read), all rows' pages drawn from one free list (:class:`PagePool
 non-attention work is plain PyTorch (cuBLAS GEMMs, a few elementwise kernels), identical for
 every attention backend; the backend (``pkvrt.model_attention``) only plans and attends.
 Not modelled: prefill (the caches hold random K/V for the context), Llama-3.1's RoPE frequency
-scaling (the same cost), sampling beyond argmax, tensor parallelism.
+scaling (the same cost), sampling beyond argmax; tensor parallelism is ``pkvrt.model_tp``.
 
 A step is split into host work and device work, so that the device work can be captured in one
 CUDA graph per batch size (:meth:`DecodeLoop.capture`) and replayed with new lengths:
@@ -200,24 +200,41 @@ class Weights:
     lm_head: torch.Tensor     # [vocab, hidden]
 
 
-def make_weights(cfg: ModelConfig, *, device="cuda", seed: int = 0) -> Weights:
-    """Random weights drawn on ``device`` (a seeded generator of that device): linears ~
-    N(0, 1/fan_in), embedding ~ N(0, 1), norms 1. Allocates :func:`weight_bytes`."""
+def weight_draws(cfg: ModelConfig, *, device="cuda", seed: int = 0):
+    """The random matrices of :func:`make_weights`, drawn one at a time in its order from one
+    seeded generator of ``device``: per layer ``qkv``, ``o``, ``gate_up``, ``down`` (linears ~
+    N(0, 1/fan_in)), then ``embed`` (N(0, 1)) and ``lm_head``. Yields ``(name, layer, tensor)``
+    (layer None for the last two), so a caller can keep a slice of each matrix and drop the rest
+    (``pkvrt.model_tp``: one rank's shard of the 8B model without holding all of it)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def linear(out_f: int, in_f: int) -> torch.Tensor:
         w = torch.randn(out_f, in_f, generator=gen, device=device, dtype=cfg.dtype)
         return w.mul_(in_f ** -0.5)
 
+    h, inter = cfg.hidden, cfg.intermediate
+    for layer in range(cfg.layers):
+        yield "qkv", layer, linear(cfg.qkv_dim, h)
+        yield "o", layer, linear(h, h)
+        yield "gate_up", layer, linear(2 * inter, h)
+        yield "down", layer, linear(h, inter)
+    yield "embed", None, torch.randn(cfg.vocab, h, generator=gen, device=device, dtype=cfg.dtype)
+    yield "lm_head", None, linear(cfg.vocab, h)
+
+
+def make_weights(cfg: ModelConfig, *, device="cuda", seed: int = 0) -> Weights:
+    """Random weights drawn on ``device`` (a seeded generator of that device, :func:`weight_draws`):
+    linears ~ N(0, 1/fan_in), embedding ~ N(0, 1), norms 1. Allocates :func:`weight_bytes`."""
+    drawn = {(name, layer): t for name, layer, t in weight_draws(cfg, device=device, seed=seed)}
+
     def ones() -> torch.Tensor:
         return torch.ones(cfg.hidden, device=device, dtype=cfg.dtype)
 
-    h, inter = cfg.hidden, cfg.intermediate
-    layers = tuple(LayerWeights(attn_norm=ones(), qkv=linear(cfg.qkv_dim, h), o=linear(h, h),
-                                mlp_norm=ones(), gate_up=linear(2 * inter, h), down=linear(h, inter))
-                   for _ in range(cfg.layers))
-    embed = torch.randn(cfg.vocab, h, generator=gen, device=device, dtype=cfg.dtype)
-    return Weights(embed=embed, layers=layers, final_norm=ones(), lm_head=linear(cfg.vocab, h))
+    layers = tuple(LayerWeights(attn_norm=ones(), qkv=drawn["qkv", i], o=drawn["o", i],
+                                mlp_norm=ones(), gate_up=drawn["gate_up", i], down=drawn["down", i])
+                   for i in range(cfg.layers))
+    return Weights(embed=drawn["embed", None], layers=layers, final_norm=ones(),
+                   lm_head=drawn["lm_head", None])
 
 
 @attrs.frozen(eq=False)
@@ -233,17 +250,28 @@ class KVCaches:
         return self.k.shape[1]
 
 
+def cache_draws(cfg: ModelConfig, num_pages: int, dest, *, device="cuda", seed: int = 1):
+    """The random K/V of :func:`make_caches` in its order (layer 0's K, layer 0's V, layer 1's
+    K, ...), from one seeded generator of ``device``: fills ``dest(layer, i)`` (i 0 for K, 1 for
+    V; a contiguous ``[num_pages, H_kv, page_size, D]`` tensor) with N(0, 1) and yields
+    ``(layer, i, tensor)``. A caller that keeps a slice (``pkvrt.model_tp``: one rank's KV heads)
+    passes one scratch tensor as every ``dest`` and copies out of it."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for layer in range(cfg.layers):
+        for i in (0, 1):
+            yield layer, i, dest(layer, i).normal_(generator=gen)
+
+
 def make_caches(cfg: ModelConfig, num_pages: int, *, device="cuda", seed: int = 1) -> KVCaches:
     """Caches of ``num_pages`` pages per layer filled with N(0, 1) K and V (the stand-in for a
-    prefill), drawn layer by layer on ``device``. Allocates :func:`kv_bytes`' worth."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    prefill), drawn layer by layer on ``device`` (:func:`cache_draws`). Allocates
+    :func:`kv_bytes`' worth."""
     shape = (cfg.layers, num_pages, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
-    k = torch.empty(shape, device=device, dtype=cfg.dtype)
-    v = torch.empty(shape, device=device, dtype=cfg.dtype)
-    for layer in range(cfg.layers):
-        k[layer].normal_(generator=gen)
-        v[layer].normal_(generator=gen)
-    return KVCaches(k=k, v=v)
+    kv = (torch.empty(shape, device=device, dtype=cfg.dtype),
+          torch.empty(shape, device=device, dtype=cfg.dtype))
+    for _ in cache_draws(cfg, num_pages, lambda layer, i: kv[i][layer], device=device, seed=seed):
+        pass
+    return KVCaches(k=kv[0], v=kv[1])
 
 
 # --------------------------------------------------------------------------- RoPE and append

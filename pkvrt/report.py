@@ -22,6 +22,8 @@ and writes ``DIR/report.md`` with the seed paper's tables:
 - per-step tables from ``.steps.json`` files, per experiment (the case without its seed: trace,
   B, G, L) and engine with the baseline named: throughput ratio by context length, and the route
   map of the adaptive engine over (active rows, context);
+- whole-model decode (``kind: model-decode``, benches/model_decode.py) and tensor-parallel
+  decode (``kind: tp-decode``, benches/tp_decode.py): per case ms/step, tokens/s, shares, checks;
 - every other file as a plain table of its rows.
 
 It also draws ``ratio_vs_context.png``, ``route_map.png`` and ``steps_<engine>.png`` from the same
@@ -46,6 +48,7 @@ import numpy as np
 
 from pkvrt import results
 from pkvrt.model_results import KIND as MODEL_KIND, model_decode_table
+from pkvrt.tp_results import KIND as TP_KIND, tp_decode_table
 
 NUMERIC = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s", "gbps", "frac_read_bw",
            "max_err", "mean_err", "max_err_ref", "mean_err_ref", "cuda_ratio", "wall_ratio",
@@ -940,8 +943,10 @@ def build_report(files, out_dir: Path, *, plots: bool = True) -> tuple[str, list
          route_map_table(cells)),
         ("Whole-model decode (Llama-3-8B shape, one CUDA graph per step): ms/step, tokens/s, "
          "attention share", model_decode_table(files)),
+        ("Tensor-parallel decode (Llama-3-8B shape, TP ranks, one CUDA graph per rank and step): "
+         "ms/step, tokens/s, scaling efficiency, attention and all-reduce shares", tp_decode_table(files)),
     ]
-    handled = {"isolated", "serving", "serving-steps", "plan", NCU, MODEL_KIND}
+    handled = {"isolated", "serving", "serving-steps", "plan", NCU, MODEL_KIND, TP_KIND}
     for path, doc in files:
         if file_kind(doc) not in handled:
             sections.append((f"Other results: {Path(path).name}", generic_table(path, doc)))
