@@ -9,10 +9,13 @@ per route and G, and the routes.toml gates the steps measured (a suggestion, nev
 beta, SMs, resident CTAs per SM and max_waves come from ``--calibration`` (default: the
 calibration file of the sweeps' GPU). ``--keep-partition`` keeps that file's partition
 constants instead of refitting them; ``--file-constants`` evaluates that file's own time model
-(a file ``pkvrt calibrate`` wrote) instead of fitting one.
+(a file ``pkvrt calibrate`` wrote) instead of fitting one. ``--write PATH`` saves the calibration
+with what was refitted (partition constants, time model; every measured constant kept) and a
+sentence in its ``source`` saying so: how a planner-model change is carried into a calibration
+file without re-timing the GPU (the sweeps time every cut, whatever rule picks among them).
 
 usage: python benches/cost_model_error.py SWEEPS.json [--calibration PATH] [--routes PATH]
-           [--keep-partition | --file-constants] [--suggest-routes PATH]
+           [--keep-partition | --file-constants] [--suggest-routes PATH] [--write PATH]
 e.g.   python benches/cost_model_error.py benches/results/h200/calibrate-sweeps.json
 """
 
@@ -41,7 +44,11 @@ def main(argv=None) -> int:
     mode.add_argument("--file-constants", action="store_true",
                       help="evaluate the calibration's own time model instead of fitting one")
     ap.add_argument("--suggest-routes", metavar="PATH", help="also write the suggested gates to PATH")
+    ap.add_argument("--write", metavar="PATH",
+                    help="save the calibration with the refitted constants to PATH (not with --file-constants)")
     args = ap.parse_args(argv)
+    if args.write and args.file_constants:
+        ap.error("--write saves refitted constants; --file-constants fits none")
 
     try:
         doc = json.loads(Path(args.sweeps).read_text(encoding="utf-8"))
@@ -84,6 +91,19 @@ def main(argv=None) -> int:
     if args.suggest_routes:
         Path(args.suggest_routes).write_text(gates, encoding="utf-8")
         print(f"wrote {args.suggest_routes} (routes.toml is unchanged)")
+    if args.write:
+        import datetime
+
+        import attrs
+
+        what = "the time model" if args.keep_partition else "the balanced partition's constants and the time model"
+        note = (f" Refitted offline on {datetime.date.today().isoformat()}: {what}, by "
+                f"benches/cost_model_error.py --write from {Path(args.sweeps).name} (the sweeps of "
+                f"pkvrt {meta.get('pkvrt_commit')}) under this checkout's planner; every other constant "
+                f"as measured.")
+        out = attrs.evolve(sweeps.with_time_model(cal, fits), provenance=cal.provenance + note)
+        calib.save_calibration(calib.calibration_from_dict(calib.calibration_to_dict(out)), args.write)
+        print(f"wrote {args.write}")
     return 0
 
 

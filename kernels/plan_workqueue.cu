@@ -14,7 +14,8 @@
 // R = resident * S, full = N_big / R, rem = N_big % R and load8(k) = 8 + (k-1)*(slowdown8-8):
 //     cost = max((8c + f8) * (full * load8(resident) + (rem ? load8(ceil(rem / S)) : 0)) * S
 //                  + (8 * W_small + N_small * f8) * (slowdown8 - 8),
-//                (8 * H_kv * W + N * f8) * 8)                                     (int64)
+//                W8 * (N > S ? load8(resident) / resident : 8))                 (int64)
+// W8 = 8 * H_kv * W + N * f8 (the average load at the GPU's best throughput; integer division).
 // f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
 // cost, then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
 // first candidate is always eligible). Split j of n over t tiles covers tiles [j*t/n, (j+1)*t/n).
@@ -212,7 +213,8 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
                               (rem > 0 ? load8((int)((rem + S - 1) / S), p.slowdown8) : 0);
       const long long beside = (8LL * H * w_small + (ctas - big) * f8) * (p.slowdown8 - 8);
       const long long a = (8LL * c + f8) * loads * S + beside;
-      const long long b = (8LL * H * total_tiles + ctas * f8) * 8;
+      const long long work = 8LL * H * total_tiles + ctas * f8;
+      const long long b = ctas > S ? work * load8(p.resident, p.slowdown8) / p.resident : work * 8;
       cost_of[k] = a > b ? a : b;
       ctas_of[k] = (int)ctas;
       chunk_of[k] = c;

@@ -279,14 +279,19 @@ def partition_costs(tiles: np.ndarray, cands: np.ndarray, *, num_kv_heads: int, 
       per eighth-tile on top (nothing when a second resident CTA is free, slowdown 1; all of it
       when it is not, slowdown 2). Without that term two 34K rows beside six 2K rows at G = 1
       were cut in 2 (the short rows' 192 CTAs ignored, 371 us) rather than 4 (304 us);
-    * the average SM load: ``(8 * H_kv * sum(tiles) + N * f) * 8 / S``.
+    * the average SM load, the work over the GPU's best throughput: ``W8 = 8 * H_kv * sum(tiles)
+      + N * f`` at ``8 / S`` per eighth-tile with at most one CTA per SM (N <= S), at
+      ``load8(resident) / resident / S`` when SMs can hold ``resident`` CTAs (N > S: two
+      co-resident CTAs stream faster than one when slowdown < 2). Counting it at one CTA per SM
+      (session 6) over-charged every cut of more than S CTAs: eight 1K rows (H_kv 8) were cut in
+      2 (128 CTAs, 13.2 us) rather than 4 (256 CTAs, 12.0 us), and the fit could not fix it.
 
     Worked example (H200: S = 132, two resident CTAs per SM, slowdown 1.4 -> 11, f = 6 tiles
     -> 48; H_kv 8): one 8K row, 256 tiles. s = 16: c = 16, N = 128 all big, one CTA per SM:
     max((128 + 48) * 8 * 132, (8*8*256 + 128*48) * 8) = max(185856, 180224) = 185856. s = 32:
-    c = 8, N = 256, two per SM: max((64 + 48) * 11 * 132, (16384 + 256*48) * 8) = 229376. s = 20:
-    c = 13, N = 160: (104 + 48) * 11 * 132 = 220704. So 16 splits (measured best: 13.7 us, 14.5
-    at 32, 16.0 at 20).
+    c = 8, N = 256, two per SM: max((64 + 48) * 11 * 132, (16384 + 256*48) * 11 // 2) =
+    max(162624, 157696) = 162624. s = 20: c = 13, N = 160: (104 + 48) * 11 * 132 = 220704. So
+    32 splits at these constants (the H200's fitted ones are in calibration/nvidia-h200.json).
     """
     t = tiles[None, :]
     c = -(-tiles.max() // cands)                              # [K]
@@ -299,8 +304,9 @@ def partition_costs(tiles: np.ndarray, cands: np.ndarray, *, num_kv_heads: int, 
     m, full, rem = model, big // model.wave, big % model.wave
     loads = full * m.load8(m.resident) + np.where(rem > 0, m.load8(np.maximum(1, -(-rem // m.sms))), 0)
     beside = (8 * small_tiles + (ctas - big) * m.overhead8) * (m.slowdown8 - 8)
-    cost = np.maximum((8 * c + m.overhead8) * loads * m.sms + beside,
-                      (8 * num_kv_heads * int(tiles.sum()) + ctas * m.overhead8) * 8)
+    work = 8 * num_kv_heads * int(tiles.sum()) + ctas * m.overhead8
+    floor = np.where(ctas > m.sms, work * m.load8(m.resident) // m.resident, work * 8)
+    cost = np.maximum((8 * c + m.overhead8) * loads * m.sms + beside, floor)
     return cost, ctas, c
 
 

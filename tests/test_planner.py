@@ -126,7 +126,9 @@ def _brute_force_partition(seq, sb, cal, hkv):
         small_tiles = hkv * sum(t for t, k in zip(tiles, n) if t > 0 and 2 * -(-t // k) <= c)
         loads = big // wave * load(m.resident) + (load(-(-(big % wave) // sms)) if big % wave else 0)
         beside = (8 * small_tiles + (ctas - big) * f8) * (m.slowdown8 - 8)
-        cost = max((8 * c + f8) * loads * sms + beside, (8 * hkv * sum(tiles) + ctas * f8) * 8)
+        work = 8 * hkv * sum(tiles) + ctas * f8     # at the best throughput: N > S may double up
+        floor = work * load(m.resident) // m.resident if ctas > sms else work * 8
+        cost = max((8 * c + f8) * loads * sms + beside, floor)
         if i > 0 and ctas > planner.MAX_WAVES * wave:
             continue
         if best is None or (cost, ctas, s) < best[:3]:
@@ -150,17 +152,17 @@ def test_balanced_partition_examples():
         bucket_ctas_per_sm=0.97, workqueue_ctas_per_sm=2.0, min_split_tokens=64, cta_overhead_tiles=6.0,
         co_resident_slowdown=1.4))
     part = lambda seq: planner.balanced_partition(np.array(seq), num_kv_heads=8, splits=WQ_BOUNDS, cal=cal)  # noqa: E731
-    one = part([8192])                                              # one light wave of 128 CTAs
-    assert (one.num_splits.tolist(), one.cost) == ([16], 185856)
+    one = part([8192])                                              # two CTAs on every SM
+    assert (one.num_splits.tolist(), one.cost) == ([32], 162624)
     cost, ctas, _ = planner.partition_costs(np.array([256]), np.array([16, 20, 32]), num_kv_heads=8,
                                             model=planner.PartitionModel.of(cal))
-    assert cost.tolist() == [185856, 220704, 229376] and ctas.tolist() == [128, 160, 256]
+    assert cost.tolist() == [185856, 220704, 162624] and ctas.tolist() == [128, 160, 256]
     # 50 tiles: s = 16 -> c = 4, 13 splits, 104 CTAs (not 1 split on 8 CTAs, 23 us measured)
     one_short = part([1600])
     assert (one_short.num_splits.tolist(), one_short.ctas, one_short.chunk_tiles) == ([13], 104, 4)
     assert part([32768] * 8).num_splits.tolist() == [4] * 8        # 256 CTAs, two per SM
     ragged = part([28672] + [2048] * 6)                             # a 28K row and six 2K rows
-    assert ragged.chunk_tiles == 56 and ragged.num_splits.tolist() == [16] + [2] * 6
+    assert ragged.chunk_tiles == 45 and ragged.num_splits.tolist() == [20] + [2] * 6   # 256 CTAs
 
 
 def test_workqueue_tasks_run_longest_first():
@@ -428,11 +430,12 @@ def test_small_ctas_beside_the_big_ones_cost_with_the_slowdown():
     small = 32 * int(tiles[1:7].sum())      # every short row is one small task at both cuts
     beside = (8 * small + 6 * 32 * 56) * (15 - 8)
     waves = {2: (8 * 543 + 56) * 8 * 132, 4: (8 * 272 + 56) * 15 * 132}   # 128 big CTAs / 256
-    average = {s: (8 * 32 * int(tiles.sum()) + ctas[s - 1] * 56) * 8 for s in (2, 4)}
+    average = {s: (8 * 32 * int(tiles.sum()) + ctas[s - 1] * 56) * 15 // 2 for s in (2, 4)}  # N > S
     for s in (2, 4):
         assert cost[s - 1] == max(waves[s] + beside, average[s])
     assert int(cands[np.argmin(cost)]) == 4
     assert max(waves[2], average[2]) < max(waves[4], average[4])   # without it: 2 splits
     free = attrs.evolve(m, slowdown8=8)
     cost1, _, _ = planner.partition_costs(tiles, cands[[1, 3]], num_kv_heads=32, model=free)
-    assert cost1.tolist() == [max((8 * c + 56) * 8 * 132, average[s]) for s, c in ((2, 543), (4, 272))]
+    average1 = {s: (8 * 32 * int(tiles.sum()) + ctas[s - 1] * 56) * 8 // 2 for s in (2, 4)}
+    assert cost1.tolist() == [max((8 * c + 56) * 8 * 132, average1[s]) for s, c in ((2, 543), (4, 272))]

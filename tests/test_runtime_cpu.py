@@ -507,13 +507,16 @@ class Emu:
         self.early = []   # early_kv of every workqueue launch
 
     @staticmethod
-    def _kv(cache, bt_row, n):
+    def _kv(cache, bt_row, n, scale=None):
+        """The row's tokens, dequantized (FP8 caches: element * scale of its KV head)."""
         npages = -(-n // cache.shape[2])
         ids = bt_row[:npages]
         assert int(ids.min()) >= 0 and int(ids.max()) < cache.shape[0], "read a page it must not"
-        return reference.gather_kv(cache, bt_row, n)
+        return reference.dequantize_kv(reference.gather_kv(cache, bt_row, n), scale)
 
-    def split_decode(self, q, k, v, seq, bt, row_ids, s, out, pa=None, pm=None, sm_scale=None):
+    def split_decode(self, q, k, v, seq, bt, row_ids, s, out, pa=None, pm=None, sm_scale=None, *,
+                     k_scale=None, v_scale=None):
+        ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
         if s > 1 and pa.shape[0] < row_ids.shape[0] * s:
             raise ops.KernelArgumentError("part_a too small")
@@ -522,7 +525,7 @@ class Emu:
             if row < 0:
                 continue
             n = int(seq[row])
-            kk, vv = self._kv(k, bt[row], n), self._kv(v, bt[row], n)
+            kk, vv = self._kv(k, bt[row], n, k_scale), self._kv(v, bt[row], n, v_scale)
             per = -(-(-(-n // TILE)) // s)
             for j in range(s):
                 b, e = min(n, j * per * TILE), min(n, (j + 1) * per * TILE)
@@ -543,7 +546,8 @@ class Emu:
             out[orow] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
 
     def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
-                         sm_scale=None, counters=None, early_kv=False):
+                         sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None):
+        ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
         self.early.append(bool(early_kv))
         scale = sm_scale or 1 / math.sqrt(q.shape[2])
@@ -555,7 +559,7 @@ class Emu:
             n = int(seq[row])
             assert 0 <= b < e <= n
             first, ns = int(offsets[row]), int(offsets[row + 1] - offsets[row])
-            kk, vv = self._kv(k, bt[row], n), self._kv(v, bt[row], n)
+            kk, vv = self._kv(k, bt[row], n, k_scale), self._kv(v, bt[row], n, v_scale)
             h = slice(kvh * g, kvh * g + g)
             m, l, a = reference.split_state(q[row, h], kk[kvh:kvh + 1, b:e], vv[kvh:kvh + 1, b:e], scale)
             if ns == 1:
@@ -574,7 +578,8 @@ class Emu:
                               slowdown8, overhead8, max_ctas, max_seq_len, block_tables=None,
                               num_pages=None, page_size=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
-        chunks from the longest row, cost = max(waves of big CTAs, average load)), tasks in the
+        chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
+        average load at the best throughput)), tasks in the
         host's order (rows by decreasing tokens per split, then split, then KV head); rows with a bad length or a page id outside [0, num_pages) get no work."""
         self.launches += 1
         max_rows = seq_lens.shape[0]
@@ -595,17 +600,23 @@ class Emu:
         best = None
         for i, s_ in enumerate(cands):
             c = -(-longest // s_) if longest else 1
-            n_all = n_big = 0
+            n_all = n_big = small = 0
             for t in tiles:
                 if t:
                     n = -(-t // c)
                     n_all += n
-                    n_big += n if 2 * -(-t // n) > c else 0
+                    if 2 * -(-t // n) > c:
+                        n_big += n
+                    else:
+                        small += t
             ctas = num_kv_heads * n_all
             big, wave = num_kv_heads * n_big, resident * sms
             load = lambda k: 8 + (k - 1) * (slowdown8 - 8)  # noqa: E731
             loads = big // wave * load(resident) + (load(-(-(big % wave) // sms)) if big % wave else 0)
-            cost = max((8 * c + overhead8) * loads * sms, (8 * num_kv_heads * total + ctas * overhead8) * 8)
+            beside = (8 * num_kv_heads * small + (ctas - big) * overhead8) * (slowdown8 - 8)
+            work = 8 * num_kv_heads * total + ctas * overhead8
+            floor = work * load(resident) // resident if ctas > sms else work * 8
+            cost = max((8 * c + overhead8) * loads * sms + beside, floor)
             if i == 0 or (ctas <= max_ctas and (cost, ctas) < best[1:3]):
                 best = (c, cost, ctas)
         splits = [-(-t // best[0]) if t else 0 for t in tiles]
