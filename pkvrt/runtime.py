@@ -569,7 +569,9 @@ class Runtime:
         if first:
             nb, npg, gmax = self.max_batch, self.max_pages_per_row, graphs.padded_batch(self.max_batch)
             fi = self._fi_reason is None
-            self._bt = torch.zeros(nb, npg, dtype=torch.int32, device=dev)
+            # gmax rows: device planning passes the graph batch's rows (padded_batch(b) may exceed
+            # max_batch, e.g. 4 for max_batch 3); rows past the step's are never read.
+            self._bt = torch.zeros(gmax, npg, dtype=torch.int32, device=dev)
             self._bt_flat = self._bt.view(-1)
             self._counters = torch.zeros(gmax, self.num_kv_heads, dtype=torch.int32, device=dev)
             self._sq = torch.zeros(gmax, hq, d, dtype=self.dtype, device=dev)

@@ -40,6 +40,20 @@ def test_device_planning_matches_reference_and_host_planning(fake_device, pool, 
         assert s["replays"] > 0 and s["graphs"] <= s["max_graphs"]
 
 
+@pytest.mark.parametrize("max_batch", [3, 5])
+def test_device_planning_when_max_batch_is_not_a_power_of_two(fake_device, pool, max_batch):  # noqa: F811
+    """A step of max_batch rows plans on the graph batch padded_batch(max_batch) > max_batch rows
+    (4 for 3, 8 for 5): the Runtime's block-table buffer must hold that many rows (on the H200,
+    a Runtime(max_batch=3) refused its first 3-row step: block_tables [3, W] for a 4-row plan)."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True, max_batch=max_batch)
+    seq, bt, q = step_inputs(b, list(range(max_batch)), 0, seed=7)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3 and rt.device_status() == 0
+
+
 def test_device_planning_grid_covers_every_batch_of_its_padded_size(fake_device):  # noqa: F811
     """Every step of b rows in (gb/2, gb] fits the grid of its padded batch gb, whatever the
     lengths: uniform long rows, one long row among short ones, random."""

@@ -579,10 +579,15 @@ class Emu:
                               num_pages=None, page_size=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
-        average load at the best throughput)), tasks in the
-        host's order (rows by decreasing tokens per split, then split, then KV head); rows with a bad length or a page id outside [0, num_pages) get no work."""
+        average load at the best throughput)), tasks in the host's order (rows by decreasing
+        tokens per split, then split, then KV head); rows with a bad length or a page id outside
+        [0, num_pages) get no work. Refuses what ops.plan_workqueue_device refuses: a block
+        table of fewer rows than seq_lens."""
         self.launches += 1
         max_rows = seq_lens.shape[0]
+        if block_tables is not None and block_tables.shape[0] < max_rows:
+            raise runtime.ops.KernelArgumentError(f"block_tables: expected [>= {max_rows}, W], got "
+                                          f"{tuple(block_tables.shape)}")
         rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
         bound = int(num_pages[0]) if block_tables is not None else 0
         tiles, bad, bad_page = [0] * max_rows, False, False
