@@ -12,8 +12,21 @@ reference, named in every row of the case (``baseline_engine``, ``ratio_vs_fi`` 
 the row's). A path that cannot run here is printed and recorded in the meta with the reason
 (``baseline_candidates``: case -> path -> "ok" | "unavailable: ..." | "wrong output: ...").
 
+FP8 K/V (``--kv-dtype fp8``, issue 14): the same cases (default B1-32K, B8-32K) with the caches
+in float8_e4m3fn and fp16 q/out, one float32 scale per tensor for K and one for V (FlashInfer's
+paths take host floats: the wrappers' ``k_scale``/``v_scale``, XQA's ``bmm1_scale``/
+``bmm2_scale``; pkvrt's kernels read the same values from device tensors). ``--fp8-scales unit``
+(default) casts the fp16 data to e4m3 with scales 1, so no FlashInfer path pays for a scale
+(the wrappers multiply ``out`` by a ``v_scale`` other than 1 in a separate kernel);
+``amax`` quantizes with amax / 448 (``reference.quantize_kv``). Every engine is checked against
+the FP32 reference over the dequantized cache (the fp16 tolerance) and, end to end, against FP32
+attention over the fp16 values the cache was quantized from (``reference.fp8_error_bound``); a
+FlashInfer path is the baseline if it passes either (an FP8 path that also rounds q or P to FP8
+still counts).
+
 usage: python benches/isolated.py [--out benches/results/h200/isolated.json] [--cases B1-32K,...]
        [--splits 8,16,32] [--wq-splits 16] (extra split counts to sweep, exploration only)
+       [--kv-dtype fp8 [--fp8-scales unit|amax]] (default out: .../isolated-fp8.json)
 """
 
 from __future__ import annotations
@@ -51,7 +64,9 @@ CASES = {  # name -> (seq_lens, H_q, H_kv)
     "G8-B8-bimodal": ([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], 32, 4),
 }
 DEFAULT_CASES = [c for c in CASES if not c.endswith("B8-bimodal") or c == "B8-bimodal"]
+FP8_CASES = ["B1-32K", "B8-32K"]   # issue 14's table
 L2_ROTATE_BYTES = 3 * 60 * 2**20
+FP8 = torch.float8_e4m3fn
 
 
 def read_bandwidth_gbps() -> float:
@@ -76,18 +91,46 @@ def simple_tasks(lens, hkv, splits, tile=32):
 
 
 class Case:
-    def __init__(self, name, lens, hq, hkv, dtype=torch.float16, page=16, d=128):
-        self.name, self.lens = name, lens
-        kv_bytes = 2 * sum(lens) * hkv * d * 2
+    """One case's pages (``copies`` rotated cache copies) and its FP32 reference. ``fp8``: None,
+    or "unit" / "amax" (the caches quantized to float8_e4m3fn, module docstring): then
+    ``scales`` holds the per-tensor device scales (k [1], v [1]), ``scale_floats`` the same as
+    host floats, ``ref`` the FP32 answer over the dequantized caches and ``exact`` / ``fp8_bound``
+    FP32 attention over the fp16 source and its FP8 error bound."""
+
+    def __init__(self, name, lens, hq, hkv, dtype=torch.float16, page=16, d=128, fp8=None):
+        self.name, self.lens, self.fp8 = name, lens, fp8
+        kv_bytes = 2 * sum(lens) * hkv * d * (1 if fp8 else 2)
         self.kv_bytes = kv_bytes
         self.copies = max(1, math.ceil(L2_ROTATE_BYTES / kv_bytes))
         b0 = make_batch(lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
                         dtype=dtype, seed=SEED, hole_fraction=0.5)
+        self.scales, self.scale_floats = (None, None), (1.0, 1.0)
+        if fp8:
+            src = b0
+            if fp8 == "unit":   # a plain cast: N(0, 1) data is far inside e4m3's range (448)
+                kq, vq = src.k_cache.to(FP8), src.v_cache.to(FP8)
+                ks = vs = torch.ones(1, device="cuda")
+            else:
+                kq, ks = reference.quantize_kv(src.k_cache, per_head=False)
+                vq, vs = reference.quantize_kv(src.v_cache, per_head=False)
+            self.scales, self.scale_floats = (ks, vs), (float(ks), float(vs))
+            self.exact = reference.decode_attention(src.q, src.k_cache, src.v_cache, src.seq_lens,
+                                                    src.block_tables, dtype=torch.float64)
+            self.fp8_bound = reference.fp8_error_bound(src.q, src.k_cache, src.v_cache, src.seq_lens,
+                                                       src.block_tables, k_scale=ks, v_scale=vs)
+            b0 = attrs.evolve(src, k_cache=kq, v_cache=vq)
+            del src
         # Copies share q, seq_lens and block tables (same pages, same values, other addresses).
         self.batches = [b0] + [attrs.evolve(b0, k_cache=b0.k_cache.clone(), v_cache=b0.v_cache.clone())
                                for _ in range(self.copies - 1)]
         self.b0 = b0
-        self.ref = reference.decode_attention(b0.q, b0.k_cache, b0.v_cache, b0.seq_lens, b0.block_tables)
+        self.ref = reference.decode_attention(b0.q, b0.k_cache, b0.v_cache, b0.seq_lens, b0.block_tables,
+                                              k_scale=self.scales[0], v_scale=self.scales[1])
+
+    @property
+    def kv_scales(self) -> dict:
+        """pkvrt's launch arguments for the scales (none for fp16 caches)."""
+        return dict(k_scale=self.scales[0], v_scale=self.scales[1]) if self.fp8 else {}
 
 
 def engine_flashinfer(case: Case, label: str):
@@ -106,10 +149,13 @@ def engine_flashinfer(case: Case, label: str):
     w.plan(indptr, indices, last, b0.q.shape[1], b0.k_cache.shape[1], b0.q.shape[2], page,
            q_data_type=b0.q.dtype, kv_data_type=b0.k_cache.dtype)
     outs = [torch.empty_like(b0.q) for _ in case.batches]
+    # FP8: the per-tensor scales as the host floats the wrappers take (k_scale joins sm_scale;
+    # a v_scale other than 1 is a separate multiply of out)
+    scales = dict(zip(("k_scale", "v_scale"), case.scale_floats)) if case.fp8 else {}
 
     def fn():
         for b, o in zip(case.batches, outs):
-            w.run(b0.q, (b.k_cache, b.v_cache), out=o)
+            w.run(b0.q, (b.k_cache, b.v_cache), out=o, **scales)
     return fn, outs[0]
 
 
@@ -125,9 +171,12 @@ def engine_xqa(case: Case):
     ws = torch.zeros(fi_engines.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     outs = [torch.empty_like(b0.q) for _ in case.batches]
 
+    ks, vs = case.scale_floats
+
     def fn():
         for b, o in zip(case.batches, outs):
-            fi_engines.run_xqa(entry, b0.q, b.k_cache, b.v_cache, ws, table, seq, max(case.lens), o)
+            fi_engines.run_xqa(entry, b0.q, b.k_cache, b.v_cache, ws, table, seq, max(case.lens), o,
+                               k_scale=ks, v_scale=vs)
     return fn, outs[0]
 
 
@@ -149,7 +198,7 @@ def engine_split(case: Case, splits: int, merge: bool = True):
     def fn():
         for b, o in zip(case.batches, outs):
             ops.split_decode(b0.q, b.k_cache, b.v_cache, b0.seq_lens, b0.block_tables, row_ids,
-                             splits, o, part_a, part_ml)
+                             splits, o, part_a, part_ml, **case.kv_scales)
             if splits > 1 and merge:
                 ops.merge(part_a, part_ml, offsets, o, row_ids=row_ids)
     return fn, outs[0]
@@ -174,7 +223,7 @@ def engine_workqueue(case: Case, splits: int | None, fused: bool, plan=None):
     def fn():
         for b, o in zip(case.batches, outs):
             ops.workqueue_decode(b0.q, b.k_cache, b.v_cache, b0.seq_lens, b0.block_tables, t, num,
-                                 off, o, part_a, part_ml, counters=counters)
+                                 off, o, part_a, part_ml, counters=counters, **case.kv_scales)
             if not fused:
                 ops.merge(part_a, part_ml, off, o, skip_single=True)
     return fn, outs[0]
@@ -272,9 +321,10 @@ def errors(out, ref):
 def fi_candidates(rows: list[dict]) -> tuple[str | None, dict[str, str]]:
     """The baseline of one case's ``rows`` and every FlashInfer path's status, in
     ``fi_engines.FI_VARIANTS`` order: "ok" (timed, within the FP32 tolerance of
-    ``harness.within_tolerance``), "wrong output: ..." (timed, outside it), or "unavailable: ..."
-    (not built: the row's ``unavailable``; failed to run: its ``error``; no row at all). The
-    baseline is the fastest "ok" path, None when there is none."""
+    ``harness.within_tolerance``, or for an FP8 case within ``fp8_error_bound`` of the
+    unquantized answer: the row's ``within_fp8_bound``), "wrong output: ..." (timed, outside
+    it), or "unavailable: ..." (not built: the row's ``unavailable``; failed to run: its
+    ``error``; no row at all). The baseline is the fastest "ok" path, None when there is none."""
     status, timed = {}, {}
     for r in rows:
         label = r["engine"]
@@ -282,7 +332,7 @@ def fi_candidates(rows: list[dict]) -> tuple[str | None, dict[str, str]]:
             continue
         if "median_us" not in r:
             status[label] = r.get("unavailable") or f"unavailable: {r.get('error', 'not timed')}"
-        elif not within_tolerance(r["max_err_ref"], r["mean_err_ref"]):
+        elif not (within_tolerance(r["max_err_ref"], r["mean_err_ref"]) or r.get("within_fp8_bound")):
             status[label] = (f"wrong output: vs FP32 max|e| {r['max_err_ref']:.3g}, "
                              f"mean|e| {r['mean_err_ref']:.3g}")
         else:
@@ -293,8 +343,10 @@ def fi_candidates(rows: list[dict]) -> tuple[str | None, dict[str, str]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benches/results/h200/isolated.json")
-    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"of {', '.join(CASES)}")
+    ap.add_argument("--out", default=None, help="default benches/results/h200/isolated.json "
+                    "(isolated-fp8.json with --kv-dtype fp8)")
+    ap.add_argument("--cases", default=None, help=f"of {', '.join(CASES)} (default: {', '.join(DEFAULT_CASES)}; "
+                    f"with --kv-dtype fp8: {', '.join(FP8_CASES)})")
     ap.add_argument("--splits", default="", help="bucket split counts to sweep as well (exploration)")
     ap.add_argument("--wq-splits", default="", help="workqueue split counts to sweep as well")
     ap.add_argument("--partition-sweep", action="store_true",
@@ -309,7 +361,19 @@ def main(argv=None) -> int:
                          "FlashInfer): the per-layer pattern of the engine protocol")
     ap.add_argument("--ab-pdl", action="store_true",
                     help="also time the planner's bucket/workqueue choice with programmatic dependent launch off")
+    ap.add_argument("--kv-dtype", choices=["fp16", "fp8"], default="fp16",
+                    help="fp8: float8_e4m3fn K/V with fp16 q/out (issue 14); default cases "
+                         f"{','.join(FP8_CASES)}, default out benches/results/h200/isolated-fp8.json")
+    ap.add_argument("--fp8-scales", choices=["unit", "amax"], default="unit",
+                    help="fp8: per-tensor scales 1 (a cast; FlashInfer's fastest case) or amax / 448")
     args = ap.parse_args(argv)
+    fp8 = args.fp8_scales if args.kv_dtype == "fp8" else None
+    if args.out is None:
+        args.out = f"benches/results/h200/isolated{'-fp8' if fp8 else ''}.json"
+    if args.cases is None:
+        args.cases = ",".join(FP8_CASES if fp8 else DEFAULT_CASES)
+    if fp8:
+        args.no_sdpa = True   # the repack engine is an fp16 orientation row
     if not torch.cuda.is_available():
         print("isolated.py: needs a CUDA GPU (torch.cuda.is_available() is False); nothing was run",
               file=sys.stderr)
@@ -319,13 +383,13 @@ def main(argv=None) -> int:
     cal = find_calibration(torch.cuda.get_device_name())
 
     def shape(hq, hkv):
-        return dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=128, dtype_bytes=2)
+        return dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=128, dtype_bytes=1 if fp8 else 2)
     beta = read_bandwidth_gbps()
     print(f"streaming read: {beta:.0f} GB/s", flush=True)
     rows, candidates = [], {}
     for name in args.cases.split(","):
         lens, hq, hkv = CASES[name]
-        case = Case(name, lens, hq, hkv)
+        case = Case(name, lens, hq, hkv, fp8=fp8)
         engines = []
         for label in fi_engines.FI_VARIANTS:
             try:
@@ -381,6 +445,10 @@ def main(argv=None) -> int:
                        frac_read_bw=round(case.kv_bytes / (us * 1e-6) / 1e9 / beta, 3),
                        kv_mb=round(case.kv_bytes / 1e6, 1), copies=case.copies,
                        max_err_ref=max_e, mean_err_ref=mean_e)
+            if fp8:   # end to end: vs FP32 attention over the fp16 values, within the FP8 bound
+                err = (out.double() - case.exact).norm().item()
+                row.update(kv_dtype="float8_e4m3fn", fp8_scales=fp8, err_norm_unquantized=err,
+                           fp8_bound=case.fp8_bound, within_fp8_bound=bool(err <= case.fp8_bound))
             if fi_out is not None:
                 row["max_err_fi"], row["mean_err_fi"] = errors(out, fi_out)
             rows.append(row)
@@ -407,6 +475,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     meta = results.make_meta(seeds=[SEED], routes_path=registry.path, calibration_path=cal.source,
                              read_bandwidth_gbps=round(beta, 1), baseline_candidates=candidates,
+                             kv_dtype="float8_e4m3fn" if fp8 else "float16", fp8_scales=fp8,
                              protocol="isolated graph-replay, CUDA-event median per call, 50% holes, "
                                       "L2 rotation; baseline = fastest FlashInfer decode path (CUDA-core, "
                                       "tensor-core, cuDNN, XQA) matching the FP32 reference")

@@ -8,9 +8,11 @@
 // to a slot that the merge kernel (merge.cu) or the fused kernel combines exactly.
 //
 // Layouts (elements, not bytes):
-//   q            [B, H_q, D]                      contiguous
+//   q            [B, H_q, D]                      contiguous, T = fp16 or bf16
 //   k/v cache    [num_pages, H_kv, page_size, D]  token rows contiguous (stride D); page and
-//                                                 head strides are arguments (views allowed)
+//                                                 head strides are arguments (views allowed);
+//                                                 KV = T, or e4m3 (1 byte, FP8 caches)
+//   k/v_scale    [1] or [H_kv]  float32           e4m3 only: element value = e4m3 * scale[kvh]
 //   block_tables [B, bt_stride]                   int32 logical page -> physical page
 //   seq_lens     [B]                              int32, >= 1
 //   out          [B, H_q, D]                      contiguous, dtype of q
@@ -30,12 +32,22 @@
 // Both combine their per-group / per-warp states once at the end through shared memory
 // (finish_groups).
 //
-// Bytes moved per (row, KV head): 2 * seq_len * D * sizeof(T) of K and V, each byte once, plus
-// 4 bytes of block table per page and G*D*sizeof(T) of Q.
+// FP8 (e4m3) K/V: the same pipelines over 1-byte elements. The shared-memory budget per CTA is
+// the fp16 one, so the stage count doubles (same bytes in flight, same occupancy, so the
+// partition constants calibrated on fp16 still describe the grid). Values are dequantized in
+// registers after the shared-memory load (e4m3 is exact in fp16 and bf16; cvt.rn.f16x2.e4m3x2
+// on sm_89+, an exact bit-shift emulation on sm_80/86). The scales are read from device memory
+// after the PDL wait (a replayed graph sees new values): k_scale joins the softmax scale of the
+// CTA's KV head, v_scale multiplies the state's accumulator once in finish_groups, so partial
+// states hold dequantized values and the merges are unchanged.
+//
+// Bytes moved per (row, KV head): 2 * seq_len * D * sizeof(KV) of K and V, each byte once, plus
+// 4 bytes of block table per page and G*D*sizeof(T) of Q (and 8 bytes of scales for e4m3).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #ifndef PKV_TILE_TOKENS
@@ -58,7 +70,12 @@ namespace pkv {
 
 constexpr int kTileTokens = PKV_TILE_TOKENS;
 constexpr int kThreads = PKV_THREADS;
-constexpr int kVec = 8;  // elements per 16-byte access
+constexpr int kVec = 8;  // elements per 16-byte access (fp16/bf16)
+
+// The K/V element type of an instantiation: T itself, or e4m3 (1 byte).
+using e4m3 = __nv_fp8_e4m3;
+template <typename KV>
+__host__ __device__ constexpr bool is_fp8() { return sizeof(KV) == 1; }
 
 // Two implementations of the per-CTA decode body share one entry point (decode_range):
 //  * Tensor cores (G >= PKV_TC_MIN_GROUP): mma.sync m16n8k16 (fp16/bf16 in, FP32 accumulate),
@@ -73,23 +90,28 @@ template <int G>
 __host__ __device__ constexpr bool use_tensor_cores() { return G >= PKV_TC_MIN_GROUP; }
 
 // SIMT pipeline: as many 32-token K+V tiles as fit PKV_SMEM_BYTES, at least 2.
-// D=128: a stage is 32*128*2*2 = 16 KB, 64 KB / 16 KB = 4 stages.
-template <int D>
+// D=128: a stage is 32*128*2*2 = 16 KB, 64 KB / 16 KB = 4 stages (e4m3: 8 KB, 8 stages).
+template <int D, typename KV = __half>
 __host__ __device__ constexpr int stages() {
-  return (PKV_SMEM_BYTES / (2 * kTileTokens * D * 2)) < 2 ? 2 : (PKV_SMEM_BYTES / (2 * kTileTokens * D * 2));
+  constexpr int stage = 2 * kTileTokens * D * (int)sizeof(KV);
+  return PKV_SMEM_BYTES / stage < 2 ? 2 : PKV_SMEM_BYTES / stage;
 }
 
 // Tensor-core pipeline: each of the 4 warps streams its own 16-token tiles through
 // tc_stages<D>() private stages (K and V, 16 x D each): D=128: 3 * 4 * 8 KB = 96 KB per CTA.
+// e4m3 tiles are half the bytes: twice the stages in the same 96 KB.
 constexpr int kWarps = kThreads / 32;
 constexpr int kTcTile = 16;
-template <int D>
-__host__ __device__ constexpr int tc_stages() { return D >= 256 ? 2 : PKV_TC_STAGES; }
+template <int D, typename KV = __half>
+__host__ __device__ constexpr int tc_stages() {
+  return (D >= 256 ? 2 : PKV_TC_STAGES) * (is_fp8<KV>() ? 2 : 1);
+}
 
-template <int D, int G>
+// Dynamic shared memory of a decode CTA (pkvrt/ops.py decode_smem_bytes mirrors it).
+template <int D, int G, typename KV = __half>
 __host__ __device__ constexpr int smem_bytes() {
-  return use_tensor_cores<G>() ? tc_stages<D>() * kWarps * 2 * kTcTile * D * 2
-                               : stages<D>() * 2 * kTileTokens * D * 2;
+  return use_tensor_cores<G>() ? tc_stages<D, KV>() * kWarps * 2 * kTcTile * D * (int)sizeof(KV)
+                               : stages<D, KV>() * 2 * kTileTokens * D * (int)sizeof(KV);
 }
 
 // Everything a decode kernel reads, passed by value as one __grid_constant__ parameter.
@@ -120,6 +142,10 @@ struct DecodeParams {
   float sm_scale_log2;        // softmax scale * log2(e)
   int early_kv;               // workqueue: 1 = copy the first K/V tiles before pdl_enter (below)
   unsigned long long* trace;  // workqueue: null, or [grid, 3] %globaltimer marks (trace_mark)
+  const float* k_scale;       // e4m3 K/V: [1] or [H_kv] dequantization scales (null otherwise)
+  const float* v_scale;       // [1] or [H_kv]
+  int k_scale_per_head;       // e4m3: 1 = k_scale indexed by KV head ([H_kv]), 0 = one scale ([1])
+  int v_scale_per_head;       // same for v_scale
 };
 
 // ---- element types -------------------------------------------------------------------------
@@ -155,6 +181,54 @@ __device__ __forceinline__ uint4 from_float8(const float (&f)[8], __nv_bfloat16)
 #pragma unroll
   for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
   return raw;
+}
+
+// Two e4m3 values (bits 0-7 and 8-15 of x, the lower one first in memory) as an f16x2 register
+// (low half = bits 0-7), exactly: every e4m3 value is an fp16 value.
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(x)));
+  return r;
+#else
+  // sm_80/86 have no FP8 conversion. e4m3's exponent and mantissa bits moved to fp16's
+  // positions (<< 7) read as value * 2^-8 for normal and subnormal values alike (fp16's bias is
+  // 8 larger); * 256 in fp16 is exact. 0x7F (NaN) would become 480: made fp16 NaN.
+  const unsigned bits = ((x & 0x7Fu) << 7) | ((x & 0x80u) << 8) | ((x & 0x7F00u) << 15) |
+                        ((x & 0x8000u) << 16);
+  __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(256.f));
+  unsigned r = *reinterpret_cast<unsigned*>(&h);
+  if ((x & 0x7Fu) == 0x7Fu) r = (r & 0xFFFF0000u) | 0x7FFFu;
+  if ((x & 0x7F00u) == 0x7F00u) r = (r & 0xFFFFu) | 0x7FFF0000u;
+  return r;
+#endif
+}
+
+// The same pair as the mma operand type of q: f16x2, or bf16x2 (exact: e4m3 has 4 significant
+// bits and exponents >= -9) through float.
+__device__ __forceinline__ unsigned e4m3x2_to(unsigned x, __half) { return e4m3x2_to_f16x2(x); }
+__device__ __forceinline__ unsigned e4m3x2_to(unsigned x, __nv_bfloat16) {
+  const unsigned h = e4m3x2_to_f16x2(x);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const unsigned*>(&b);
+}
+
+// 8 e4m3 values (8 bytes) as floats.
+__device__ __forceinline__ void to_float8(const uint2& raw, float (&f)[8], e4m3) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned w = i < 2 ? raw.x : raw.y;
+    const unsigned h = e4m3x2_to_f16x2(i % 2 ? w >> 16 : w & 0xFFFFu);
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+
+// The dequantization scales of KV head kvh (e4m3 instantiations only).
+__device__ __forceinline__ float kv_scale(const float* s, int per_head, int kvh) {
+  return s[per_head ? kvh : 0];
 }
 
 // 2^x with the hardware approximation (rel. error ~2^-22); 2^-inf = 0.
@@ -218,6 +292,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
+// 8 bytes (the SIMT body's chunk of 8 e4m3 elements; cp.async.cg takes 16 bytes only).
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -248,10 +327,12 @@ __device__ __forceinline__ void write_neutral(const DecodeParams& p, int kvh, in
 
 // Combines NG per-group states staged in shared memory (sm_acc [NG][G][D], sm_ml [NG][G][2],
 // written before a __syncthreads) into O (sink.out_row >= 0) or one partial-state slot.
-// Each thread finishes 8 consecutive outputs of one head.
+// Each thread finishes 8 consecutive outputs of one head. v_scale multiplies the accumulator
+// (e4m3 V's dequantization scale; 1 otherwise), so the slots hold dequantized states.
 template <typename T, int D, int G, int NG>
 __device__ __forceinline__ void finish_groups(const DecodeParams& p, const float* sm_acc,
-                                              const float* sm_ml, int h0, Sink sink) {
+                                              const float* sm_ml, int h0, Sink sink,
+                                              float v_scale) {
   constexpr int LANES = D / kVec;
   for (int idx = threadIdx.x; idx < G * LANES; idx += kThreads) {
     const int g = idx / LANES;
@@ -272,12 +353,14 @@ __device__ __forceinline__ void finish_groups(const DecodeParams& p, const float
     }
     const int h = h0 + g;
     if (sink.out_row >= 0) {
-      const float inv = 1.f / l_all;
+      const float inv = v_scale / l_all;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) a[e] *= inv;
       T* o = static_cast<T*>(p.out) + ((long long)sink.out_row * p.num_qo_heads + h) * D + d0;
       *reinterpret_cast<uint4*>(o) = from_float8(a, T());
     } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) a[e] *= v_scale;
       float* dst = p.part_a + ((long long)sink.slot * p.num_qo_heads + h) * D + d0;
       *reinterpret_cast<float4*>(dst) = make_float4(a[0], a[1], a[2], a[3]);
       *reinterpret_cast<float4*>(dst + 4) = make_float4(a[4], a[5], a[6], a[7]);
@@ -291,17 +374,31 @@ __device__ __forceinline__ void finish_groups(const DecodeParams& p, const float
 }
 
 // ---- SIMT body (G = 1, 2) ------------------------------------------------------------------
+//
+// A lane owns kVec = 8 consecutive elements of a token row: one 16-byte copy of fp16/bf16, one
+// 8-byte copy (cp.async.ca) of e4m3, so the lane/token mapping is the same for both.
 
-template <typename T, int D, int G>
+template <typename KV>
+__device__ __forceinline__ void copy_chunk(KV* smem, const KV* gmem) {
+  if constexpr (is_fp8<KV>()) cp_async8(smem, gmem);
+  else cp_async16(smem, gmem);
+}
+template <typename KV>
+__device__ __forceinline__ void load_chunk(const KV* smem, float (&f)[kVec]) {
+  if constexpr (is_fp8<KV>()) to_float8(*reinterpret_cast<const uint2*>(smem), f, KV());
+  else to_float8(*reinterpret_cast<const uint4*>(smem), f, KV());
+}
+
+template <typename T, typename KV, int D, int G>
 __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row, int kvh,
                                                   int tok_begin, int tok_end, Sink sink,
                                                   unsigned char* smem) {
   constexpr int LANES = D / kVec;            // lanes per token row
   constexpr int GROUPS = kThreads / LANES;   // token groups per CTA
   constexpr int TPG = kTileTokens / GROUPS;  // tokens per group per tile
-  constexpr int STAGES = stages<D>();
+  constexpr int STAGES = stages<D, KV>();
   static_assert(D % kVec == 0 && kThreads % LANES == 0 && kTileTokens % GROUPS == 0, "shape");
-  static_assert(GROUPS * G * (D + 2) * 4 <= smem_bytes<D, G>(), "group merge must fit in smem");
+  static_assert(GROUPS * G * (D + 2) * 4 <= smem_bytes<D, G, KV>(), "group merge must fit in smem");
 
   const int lane = threadIdx.x % LANES;
   const int grp = threadIdx.x / LANES;
@@ -311,7 +408,13 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
     trace_mark(p.trace, kWaited);
   }
 
-  // Q: this lane's 8 elements of each of the G heads, pre-scaled into the log2 domain.
+  // Q: this lane's 8 elements of each of the G heads, pre-scaled into the log2 domain (and by
+  // the K scale of an e4m3 cache: q . (k * s) = (q * s) . k).
+  float sm_scale = p.sm_scale_log2, v_scale = 1.f;
+  if constexpr (is_fp8<KV>()) {
+    sm_scale *= kv_scale(p.k_scale, p.k_scale_per_head, kvh);
+    v_scale = kv_scale(p.v_scale, p.v_scale_per_head, kvh);
+  }
   float q[G][kVec];
   {
     const T* qrow = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0) * D;
@@ -320,22 +423,22 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
       uint4 raw = *reinterpret_cast<const uint4*>(qrow + g * D + lane * kVec);
       to_float8(raw, q[g], T());
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) q[g][i] *= p.sm_scale_log2;
+      for (int i = 0; i < kVec; ++i) q[g][i] *= sm_scale;
     }
   }
 
   // Stage s holds K then V of one tile: [kTileTokens][D] each.
-  T* stage_base = reinterpret_cast<T*>(smem);
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  KV* stage_base = reinterpret_cast<KV*>(smem);
+  const KV* kc = static_cast<const KV*>(p.k_cache);
+  const KV* vc = static_cast<const KV*>(p.v_cache);
   const int* bt = p.block_tables + (long long)row * p.bt_stride;
   const int pmask = (1 << p.page_size_log2) - 1;
   const int num_tiles = (tok_end - tok_begin + kTileTokens - 1) / kTileTokens;
 
   // Copy this thread's chunks of tile `t` into stage `t % STAGES` (tokens past tok_end skipped).
   auto issue = [&](int t) {
-    T* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
-    T* vs = ks + kTileTokens * D;
+    KV* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
+    KV* vs = ks + kTileTokens * D;
 #pragma unroll
     for (int i = 0; i < TPG; ++i) {
       const int j = grp + i * GROUPS;  // token within the tile
@@ -343,10 +446,10 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
       if (tok < tok_end) {
         const long long page = bt[tok >> p.page_size_log2];
         const int in_page = tok & pmask;
-        const T* ksrc = kc + page * p.k_page_stride + kvh * p.k_head_stride + (long long)in_page * D;
-        const T* vsrc = vc + page * p.v_page_stride + kvh * p.v_head_stride + (long long)in_page * D;
-        cp_async16(ks + j * D + lane * kVec, ksrc + lane * kVec);
-        cp_async16(vs + j * D + lane * kVec, vsrc + lane * kVec);
+        const KV* ksrc = kc + page * p.k_page_stride + kvh * p.k_head_stride + (long long)in_page * D;
+        const KV* vsrc = vc + page * p.v_page_stride + kvh * p.v_head_stride + (long long)in_page * D;
+        copy_chunk(ks + j * D + lane * kVec, ksrc + lane * kVec);
+        copy_chunk(vs + j * D + lane * kVec, vsrc + lane * kVec);
       }
     }
   };
@@ -371,8 +474,8 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
     cp_async_commit();
     cp_async_wait<STAGES - 1>();  // this thread's copies of tile t have landed
 
-    const T* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
-    const T* vs = ks + kTileTokens * D;
+    const KV* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
+    const KV* vs = ks + kTileTokens * D;
     float x[TPG][G];
     float tile_max[G];
 #pragma unroll
@@ -382,7 +485,7 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
       const int j = grp + i * GROUPS;
       const bool valid = tok_begin + t * kTileTokens + j < tok_end;
       float kf[kVec];
-      to_float8(*reinterpret_cast<const uint4*>(ks + j * D + lane * kVec), kf, T());
+      load_chunk(ks + j * D + lane * kVec, kf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float s = 0.f;
@@ -408,7 +511,7 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
       const int j = grp + i * GROUPS;
       if (tok_begin + t * kTileTokens + j < tok_end) {
         float vf[kVec];
-        to_float8(*reinterpret_cast<const uint4*>(vs + j * D + lane * kVec), vf, T());
+        load_chunk(vs + j * D + lane * kVec, vf);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           const float w = fast_exp2(x[i][g] - m[g]);
@@ -435,7 +538,7 @@ __device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row
     }
   }
   __syncthreads();
-  finish_groups<T, D, G, GROUPS>(p, sm_acc, sm_ml, h0, sink);
+  finish_groups<T, D, G, GROUPS>(p, sm_acc, sm_ml, h0, sink, v_scale);
 }
 
 // ---- tensor-core body (G = 4, 8) -----------------------------------------------------------
@@ -500,29 +603,205 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi, __nv_bfloat16) {
   return *reinterpret_cast<unsigned*>(&h);
 }
 
+// ---- e4m3 K/V on the tensor-core body --------------------------------------------------------
+//
+// ldmatrix moves 16-bit elements, so e4m3 tiles are read with plain shared-memory loads and
+// converted to fp16 (bf16 for S with bf16 q) in registers. An mma's k index may be mapped to
+// any head-dim element (or token) as long as both operands use the same map, and its n index
+// to any output element as long as the result is stored by the same map; both are chosen so
+// that each thread loads whole 16-byte (D = 64: 8-byte for V) runs of one token row
+// (grp = lane / 4, tig = lane % 4 as in the mma fragments):
+//  * S = Q K^T: k-step 4*kb + s (kb < D/64, s < 4) gives thread tig the head-dim elements
+//    d = 64*kb + 16*tig + 4*s + {0, 1} (fragment k = 2*tig, 2*tig + 1) and + {2, 3}
+//    (k = 2*tig + 8, 2*tig + 9): bytes 4s..4s+3 of 16-byte chunk 4*kb + tig of the token row,
+//    and the same elements of q (32 contiguous bytes per thread and kb). n = token as in fp16.
+//  * O^T += V^T P^T, transposed so that the 8 head columns of the output are n and the 16 rows
+//    are head-dim elements: no padding rows (D/16 mma per tile instead of D/8, and 4*D/16
+//    accumulator registers instead of 4*D/8). B = P^T is P straight from the S accumulators
+//    (b0 = P[head grp][tokens 2*tig, +1], b1 = tokens + 8, as fp16's A operand). A = V^T: row
+//    r of m16 tile mt is head-dim element d(mt, r); thread grp reads, of token rows 2*tig,
+//    2*tig + 1, 2*tig + 8, 2*tig + 9, the EB = 16 bytes at 16*grp of each BLK = 128-byte block
+//    (D = 64: the 8 bytes at 8*grp of the 64-byte row): byte p of block c is
+//    d(mt = EB/2*c + p/2, r = grp + 8*(p & 1)) = BLK*c + EB*grp + p, and byte_perm pairs byte
+//    p of two token rows (the A fragment pairs tokens). Accumulator o[mt][c] holds
+//    O[head 2*tig + (c & 1)][d(mt, grp + 8*(c >> 1))]; the online softmax's rescale of head h
+//    comes from lane 4*h by shuffle.
+// Per tile and warp (D = 128): 4 + 4 16-byte loads, 64 conversions, 16 byte_perm, 16 + 8 mma.
+// Bank conflicts: 16-byte chunks are XOR-swizzled inside each 128-byte line of the tile by
+// e4m3_line_xor<D>, chosen so that every 8 lanes of a 16-byte load (16 lanes of an 8-byte one)
+// hit 8 different 16-byte bank groups for both patterns (K: token rows 2m, 2m+1 x 4 chunks
+// each, V: rows c, c+2, c+4, c+6 x 2 chunks each); the copies write whole lines (conflict-free
+// under any permutation inside a line). tests/test_e4m3_layout.py replays both patterns and the
+// fragment maps on the CPU.
+template <int D>
+__device__ __forceinline__ int e4m3_line_xor(int line) {
+  static_assert(D == 64 || D == 128 || D == 256, "e4m3 tiles: D in 64, 128, 256");
+  if constexpr (D == 64) {  // a line is 2 token rows: K reads one line, V 4 consecutive ones
+    return (line & 3) << 1;
+  } else {                  // by token row: rows 2m, 2m+1 in opposite halves (bit 2) for K,
+    const int r = D == 256 ? line >> 1 : line;   // rows c + 2t on 4 chunk pairs (bits 1-2) for V
+    return (((r >> 1) & 3) << 1) ^ ((r & 1) << 2);
+  }
+}
+// Shared-memory offset of byte a = token * D + d of an e4m3 K or V tile [16][D].
+template <int D>
+__device__ __forceinline__ int e4m3_swizzle(int a) {
+  return (a & ~0x70) | ((((a >> 4) & 7) ^ e4m3_line_xor<D>(a >> 7)) << 4);
+}
+// Element offset of 16-byte chunk c of token row t of a K or V tile in shared memory.
+template <typename KV, int D>
+__device__ __forceinline__ int tile_chunk(int t, int c) {
+  if constexpr (is_fp8<KV>()) return e4m3_swizzle<D>(t * D + c * 16);
+  else return t * D + (c ^ (t & 7)) * kVec;
+}
+
+// A thread's e4m3 fragment offsets inside a K or V tile, computed once per CTA (keeping one
+// offset per load instead ran the D = 256 kernels out of registers). The swizzle is the same for
+// rows t and t + 8 and for every 128-byte block of a row, and logical chunks c and c ^ 4 of a
+// line land on physical chunks p and p ^ 4 (one XOR per line), so each load is one of these
+// plus a constant, or with bit 6 flipped. K: one offset (chunk 4*kb + tig of row grp + 8*nt is
+// (k ^ 64*(kb & 1)) + 128*(kb / 2) + 8*D*nt); V: one (row 2*tig; row 2*tig + 1 is e4m3_v1).
+// (The k-step order cannot follow the swizzle instead: an mma's k -> d map must be the same for
+// every row and column of the warp, and the swizzle depends on the row.)
+struct E4m3Frags {
+  int k;      // K: row grp, chunk tig (block 0, k-step group 0)
+  int v0;     // V: row 2*tig, block 0, the EB bytes of this thread (pv_e4m3)
+};
+// V: row 2*tig + 1, same bytes: the swizzle of rows 2m and 2m + 1 differs in bit 2 of the chunk.
+template <int D>
+__device__ __forceinline__ int e4m3_v1(const E4m3Frags& f) { return (f.v0 ^ 64) + (D >= 128 ? D : 0); }
+template <int D>
+__device__ __forceinline__ E4m3Frags e4m3_frags(int grp, int tig) {
+  constexpr int EB = D < 128 ? D / 8 : 16;
+  E4m3Frags f;
+  f.k = e4m3_swizzle<D>(grp * D + 16 * tig);
+  f.v0 = e4m3_swizzle<D>(2 * tig * D + EB * grp);
+  return f;
+}
+
+// Q as A fragments in the e4m3 head-dim order above: qa[4*kb + s] holds
+// d = 64*kb + 16*tig + 4*s + {0,1} / {2,3} of row grp (zero for rows >= G).
 template <typename T, int D, int G>
+__device__ __forceinline__ void q_frags_e4m3(unsigned (&qa)[D / 16][2], const T* qh, int grp,
+                                             int tig) {
+#pragma unroll
+  for (int kb = 0; kb < D / 64; ++kb) {
+    uint4 x0 = make_uint4(0u, 0u, 0u, 0u), x1 = x0;
+    if (grp < G) {
+      const T* src = qh + 64 * kb + 16 * tig;
+      x0 = *reinterpret_cast<const uint4*>(src);      // d + 0 .. 7
+      x1 = *reinterpret_cast<const uint4*>(src + 8);  // d + 8 .. 15
+    }
+    qa[4 * kb][0] = x0.x;     qa[4 * kb][1] = x0.y;      // s = 0: d + {0,1}, {2,3}
+    qa[4 * kb + 1][0] = x0.z; qa[4 * kb + 1][1] = x0.w;  // s = 1: d + {4,5}, {6,7}
+    qa[4 * kb + 2][0] = x1.x; qa[4 * kb + 2][1] = x1.y;
+    qa[4 * kb + 3][0] = x1.z; qa[4 * kb + 3][1] = x1.w;
+  }
+}
+
+// S = Q K^T over one e4m3 K tile: s[nt] covers tokens nt*8 .. nt*8+7 (thread: token grp + 8nt).
+template <typename T, int D>
+__device__ __forceinline__ void qk_e4m3(float (&s)[2][4], const unsigned (&qa)[D / 16][2],
+                                        const unsigned char* ks, const E4m3Frags& f) {
+#pragma unroll
+  for (int kb = 0; kb < D / 64; ++kb) {
+    unsigned w[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const uint4 v = *reinterpret_cast<const uint4*>(ks + (f.k ^ (64 * (kb & 1))) + 128 * (kb >> 1) +
+                                                      8 * D * nt);
+      w[nt][0] = v.x; w[nt][1] = v.y; w[nt][2] = v.z; w[nt][3] = v.w;
+    }
+#pragma unroll
+    for (int st = 0; st < 4; ++st)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        mma16816(s[nt], qa[4 * kb + st][0], qa[4 * kb + st][1],
+                 e4m3x2_to(w[nt][st] & 0xFFFFu, T()), e4m3x2_to(w[nt][st] >> 16, T()), T());
+  }
+}
+
+// m16n8k16 with all four A registers (rows 0..15): d += A(16x16) * B(16x8), fp16 in.
+__device__ __forceinline__ void mma16816_full(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                              unsigned a3, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// O^T += V^T P^T over one e4m3 V tile (fp16 mma: P in [0, 1] and e4m3 V are exact in fp16).
+// pb0, pb1: P of head grp at tokens 2*tig, 2*tig + 1 and 2*tig + 8, 2*tig + 9 (f16x2).
+template <int D>
+__device__ __forceinline__ void pv_e4m3(float (&o)[D / 16][4], unsigned pb0, unsigned pb1,
+                                        const unsigned char* vs, const E4m3Frags& f) {
+  constexpr int BLK = D < 128 ? D : 128;  // bytes of a row block
+  constexpr int EB = BLK / 8;             // bytes per thread and block: 8 or 16
+  constexpr int W = EB / 4;               // 32-bit words per load (8- or 16-byte loads)
+#pragma unroll
+  for (int c = 0; c < D / BLK; ++c) {
+    unsigned w[4][W];                     // rows 2tig, 2tig+1, 2tig+8, 2tig+9
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const unsigned char* src = vs + (r & 1 ? e4m3_v1<D>(f) : f.v0) + 8 * D * (r >> 1) + BLK * c;
+      if constexpr (W == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        w[r][0] = v.x; w[r][1] = v.y; w[r][2] = v.z; w[r][3] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(src);
+        w[r][0] = v.x; w[r][1] = v.y;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      // Bytes p = 4i .. 4i+3 of the run: m16 tiles mt = EB/2*c + 2i (p = 4i, 4i+1: rows grp,
+      // grp + 8) and mt + 1 (p = 4i+2, 4i+3).
+      const int mt = EB / 2 * c + 2 * i;
+      const unsigned k01 = __byte_perm(w[0][i], w[1][i], 0x5140);  // tokens 2tig, 2tig+1: p, p+1
+      const unsigned k23 = __byte_perm(w[0][i], w[1][i], 0x7362);  //                      p+2, p+3
+      const unsigned h01 = __byte_perm(w[2][i], w[3][i], 0x5140);  // tokens 2tig+8, 2tig+9
+      const unsigned h23 = __byte_perm(w[2][i], w[3][i], 0x7362);
+      mma16816_full(o[mt], e4m3x2_to_f16x2(k01 & 0xFFFFu), e4m3x2_to_f16x2(k01 >> 16),
+                    e4m3x2_to_f16x2(h01 & 0xFFFFu), e4m3x2_to_f16x2(h01 >> 16), pb0, pb1);
+      mma16816_full(o[mt + 1], e4m3x2_to_f16x2(k23 & 0xFFFFu), e4m3x2_to_f16x2(k23 >> 16),
+                    e4m3x2_to_f16x2(h23 & 0xFFFFu), e4m3x2_to_f16x2(h23 >> 16), pb0, pb1);
+    }
+  }
+}
+
+// Head-dim element of row r (0..15) of m16 tile mt of O^T (pv_e4m3's d(mt, r)).
+template <int D>
+__device__ __forceinline__ int e4m3_o_elem(int mt, int r) {
+  constexpr int BLK = D < 128 ? D : 128, EB = BLK / 8;
+  return BLK * (mt / (EB / 2)) + EB * (r & 7) + 2 * (mt % (EB / 2)) + (r >> 3);
+}
+
+template <typename T, typename KV, int D, int G>
 __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, int kvh,
                                                 int tok_begin, int tok_end, Sink sink,
                                                 unsigned char* smem) {
-  constexpr int STAGES = tc_stages<D>();
-  constexpr int CHUNKS = D / kVec;              // 16-byte chunks per token row
+  constexpr bool kFp8 = is_fp8<KV>();
+  constexpr int STAGES = tc_stages<D, KV>();
+  constexpr int CVEC = 16 / (int)sizeof(KV);   // elements per 16-byte copy: 8, or 16 of e4m3
+  constexpr int CHUNKS = D / CVEC;              // 16-byte chunks per token row
   constexpr int KSTEPS = D / 16;                // mma k-steps over the head dim (S = Q K^T)
-  constexpr int NT = D / 8;                     // n8 tiles of O
+  constexpr int NT = D / 8;                     // n8 tiles of O (e4m3: D/16 m16 tiles of O^T)
+  constexpr int NO = kFp8 ? D / 16 : NT;
   constexpr int TILE_ELEMS = kTcTile * D;       // one K (or V) tile
   static_assert(G <= 8, "heads beyond 8 would need A rows 8..15");
-  static_assert(kWarps * G * (D + 2) * 4 <= smem_bytes<D, G>(), "warp merge must fit in smem");
+  static_assert(kWarps * G * (D + 2) * 4 <= smem_bytes<D, G, KV>(), "warp merge must fit in smem");
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grp = lane / 4, tig = lane % 4;     // mma fragment coordinates
   const int h0 = kvh * G;
 
-  const T* kc = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride;
-  const T* vc = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride;
+  const KV* kc = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride;
+  const KV* vc = static_cast<const KV*>(p.v_cache) + kvh * p.v_head_stride;
   const int* bt = p.block_tables + (long long)row * p.bt_stride;
   const int pmask = (1 << p.page_size_log2) - 1;
   const int num_tiles = (tok_end - tok_begin + kTcTile - 1) / kTcTile;
   const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
-  T* wbase = reinterpret_cast<T*>(smem) + warp * STAGES * 2 * TILE_ELEMS;
+  KV* wbase = reinterpret_cast<KV*>(smem) + warp * STAGES * 2 * TILE_ELEMS;
 
   // Lane t < 16 looks up the page of token t of a tile, one tile ahead; the copies then take
   // the page by shuffle.
@@ -536,11 +815,12 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     const int tok0 = tok_begin + (warp + i * kWarps) * kTcTile;
     const int page_here = next_page;  // lane t < 16 holds the page of token t of this tile
     if (i + 1 < my_tiles) next_page = page_of(i + 1);
-    T* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
-    T* vs = ks + TILE_ELEMS;
+    KV* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
+    KV* vs = ks + TILE_ELEMS;
     // Chunk-major: consecutive lanes copy consecutive 16-byte chunks of one token row, so a
-    // warp instruction covers whole rows (D=128: 2 rows = 4 lines of 128 B). A lane-per-row
-    // mapping (32 B of 16 rows per instruction) ran at 3.0 TB/s instead of 4.1 (NOTES.md, v3).
+    // warp instruction covers whole rows (D=128: 2 rows = 4 lines of 128 B; e4m3: 4 rows). A
+    // lane-per-row mapping (32 B of 16 rows per instruction) ran at 3.0 TB/s instead of 4.1
+    // (NOTES.md, v3).
 #pragma unroll
     for (int j = 0; j < CHUNKS * kTcTile / 32; ++j) {
       const int idx = lane + 32 * j;
@@ -548,8 +828,8 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
       const int tok = tok0 + t;
       const bool valid = tok < tok_end;
       const long long page = __shfl_sync(0xffffffffu, page_here, t);
-      const long long in_page = (long long)(tok & pmask) * D + c * kVec;
-      const int sc = t * D + (c ^ (t & 7)) * kVec;  // swizzled destination
+      const long long in_page = (long long)(tok & pmask) * D + c * CVEC;
+      const int sc = tile_chunk<KV, D>(t, c);  // swizzled destination
       cp_async16_zfill(ks + sc, valid ? kc + page * p.k_page_stride + in_page : kc, valid);
       cp_async16_zfill(vs + sc, valid ? vc + page * p.v_page_stride + in_page : vc, valid);
     }
@@ -578,19 +858,28 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   }
 
   // Q as A fragments (row = head grp, k = 2*tig..+1 and +8), zero for rows >= G.
+  E4m3Frags frags{};  // e4m3 only
+  if constexpr (kFp8) frags = e4m3_frags<D>(grp, tig);
   unsigned qa[KSTEPS][2];
   {
     const T* qh = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D;
+    if constexpr (kFp8) {
+      q_frags_e4m3<T, D, G>(qa, qh, grp, tig);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      qa[kk][0] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
-      qa[kk][1] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        qa[kk][0] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
+        qa[kk][1] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
+      }
     }
   }
+  // e4m3: the K scale of this KV head joins the softmax scale (read after the PDL wait, like Q).
+  float sm_scale = p.sm_scale_log2;
+  if constexpr (kFp8) sm_scale *= kv_scale(p.k_scale, p.k_scale_per_head, kvh);
 
-  float o[NT][4];
+  float o[NO][4];
 #pragma unroll
-  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m = -INFINITY, l = 0.f;  // row grp of this warp's state (l: this thread's columns)
   for (int i = 0; i < my_tiles; ++i) {
     // The stage refilled below was read (ldmatrix) by every lane in iteration i - 1: order
@@ -601,11 +890,13 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     cp_async_wait<STAGES - 1>();
     __syncwarp();  // every lane's copies of tile i are visible to the whole warp
 
-    const T* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
-    const T* vs = ks + TILE_ELEMS;
+    const KV* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
+    const KV* vs = ks + TILE_ELEMS;
     // S = Q K^T for 16 tokens: s[nt] covers tokens nt*8 .. nt*8+7.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    {
+    if constexpr (kFp8) {
+      qk_e4m3<T, D>(s, qa, reinterpret_cast<const unsigned char*>(ks), frags);
+    } else {
       const int mat = lane / 8, r = lane % 8;
       const int tok = (mat >> 1) * 8 + r;
 #pragma unroll
@@ -625,7 +916,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const bool valid = tile_tok + nt * 8 + 2 * tig + e < tok_end;
-        x[nt * 2 + e] = valid ? s[nt][e] * p.sm_scale_log2 : -INFINITY;
+        x[nt * 2 + e] = valid ? s[nt][e] * (kFp8 ? sm_scale : p.sm_scale_log2) : -INFINITY;
       }
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -638,15 +929,30 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     for (int e = 0; e < 4; ++e) pr[e] = fast_exp2(x[e] - m_use);
     l = l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
     m = m_new;
+    if constexpr (kFp8) {  // o[mt][c] belongs to head 2*tig + (c & 1), whose alpha lane 4*head has
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * tig);
+      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * tig + 4);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      o[n][0] *= alpha;
-      o[n][1] *= alpha;
+      for (int n = 0; n < NO; ++n) {
+        o[n][0] *= alpha0;
+        o[n][1] *= alpha1;
+        o[n][2] *= alpha0;
+        o[n][3] *= alpha1;
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        o[n][0] *= alpha;
+        o[n][1] *= alpha;
+      }
     }
     // O += P V: P (row grp, tokens 2*tig.. and +8) is the A operand straight from registers.
-    const unsigned pa0 = pack2(pr[0], pr[1], T());
-    const unsigned pa2 = pack2(pr[2], pr[3], T());
-    {
+    if constexpr (kFp8) {
+      pv_e4m3<D>(o, pack2(pr[0], pr[1], __half()), pack2(pr[2], pr[3], __half()),
+                 reinterpret_cast<const unsigned char*>(vs), frags);
+    } else {
+      const unsigned pa0 = pack2(pr[0], pr[1], T());
+      const unsigned pa2 = pack2(pr[2], pr[3], T());
       const int mat = lane / 8, r = lane % 8;
       const int tok = (mat & 1) * 8 + r;
 #pragma unroll
@@ -666,29 +972,44 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 
   float* sm_acc = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
   float* sm_ml = sm_acc + kWarps * G * D;          // [kWarps][G][2]
-  if (grp < G) {
-    float* dst = sm_acc + (warp * G + grp) * D + 2 * tig;
+  if constexpr (kFp8) {  // o[mt][c]: head 2*tig + (c & 1), elements d(mt, grp), d(mt, grp + 8) = +1
 #pragma unroll
-    for (int n = 0; n < NT; ++n) *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][0], o[n][1]);
+    for (int c = 0; c < 2; ++c) {
+      if (2 * tig + c < G) {
+        float* dst = sm_acc + (warp * G + 2 * tig + c) * D;
+#pragma unroll
+        for (int mt = 0; mt < NO; ++mt)
+          *reinterpret_cast<float2*>(dst + e4m3_o_elem<D>(mt, grp)) = make_float2(o[mt][c], o[mt][c + 2]);
+      }
+    }
+  }
+  if (grp < G) {
+    if constexpr (!kFp8) {
+      float* dst = sm_acc + (warp * G + grp) * D + 2 * tig;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][0], o[n][1]);
+    }
     if (tig == 0) {
       sm_ml[(warp * G + grp) * 2] = m;
       sm_ml[(warp * G + grp) * 2 + 1] = l;
     }
   }
   __syncthreads();
-  finish_groups<T, D, G, kWarps>(p, sm_acc, sm_ml, h0, sink);
+  const float v_scale = kFp8 ? kv_scale(p.v_scale, p.v_scale_per_head, kvh) : 1.f;
+  finish_groups<T, D, G, kWarps>(p, sm_acc, sm_ml, h0, sink, v_scale);
 }
 
 // Attention of the G query heads of (row, kvh) over tokens [tok_begin, tok_end) of the row,
-// tok_begin < tok_end <= seq_len. `smem` holds smem_bytes<D, G>() bytes.
-template <typename T, int D, int G>
+// tok_begin < tok_end <= seq_len, q and out in T, K/V in KV (T or e4m3). `smem` holds
+// smem_bytes<D, G, KV>() bytes.
+template <typename T, typename KV, int D, int G>
 __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int kvh,
                                              int tok_begin, int tok_end, Sink sink,
                                              unsigned char* smem) {
   if constexpr (use_tensor_cores<G>())
-    decode_range_tc<T, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
+    decode_range_tc<T, KV, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
   else
-    decode_range_simt<T, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
+    decode_range_simt<T, KV, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
 // Exact merge of the partial states in slots [slot_begin, slot_end) of query head h into
@@ -801,11 +1122,17 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
 
 }  // namespace pkv
 
-// Instantiates an extern "C" entry point per (dtype, head dim, group size) so cubin symbols
-// are stable: NAME_<dtype>_d<D>_g<G>, e.g. pkv_split_decode_f16_d128_g4.
-#define PKV_FOR_GROUPS(M, NAME, TN, T, D) \
-  M(NAME, TN, T, D, 1) M(NAME, TN, T, D, 2) M(NAME, TN, T, D, 4) M(NAME, TN, T, D, 8)
-#define PKV_FOR_DIMS_GROUPS(M, NAME, TN, T) \
-  PKV_FOR_GROUPS(M, NAME, TN, T, 64) PKV_FOR_GROUPS(M, NAME, TN, T, 128) PKV_FOR_GROUPS(M, NAME, TN, T, 256)
-#define PKV_INSTANTIATE_DECODE(M, NAME) \
-  PKV_FOR_DIMS_GROUPS(M, NAME, f16, __half) PKV_FOR_DIMS_GROUPS(M, NAME, bf16, __nv_bfloat16)
+// Instantiates an extern "C" entry point per (q/out dtype, K/V dtype, head dim, group size) so
+// cubin symbols are stable: NAME_<dtype><kv>_d<D>_g<G> (pkvrt/_buildspec.py symbol()), where
+// <kv> is empty for K/V of the q dtype and _e4m3 for FP8 K/V: pkv_split_decode_f16_d128_g4,
+// pkv_split_decode_f16_e4m3_d128_g4. M(NAME, TN, T, KN, KV, D, G) defines one entry.
+#define PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, D) \
+  M(NAME, TN, T, KN, KV, D, 1) M(NAME, TN, T, KN, KV, D, 2) M(NAME, TN, T, KN, KV, D, 4) M(NAME, TN, T, KN, KV, D, 8)
+#define PKV_FOR_DIMS_GROUPS(M, NAME, TN, T, KN, KV) \
+  PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, 64) PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, 128) \
+  PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, 256)
+#define PKV_INSTANTIATE_DECODE(M, NAME)                                   \
+  PKV_FOR_DIMS_GROUPS(M, NAME, f16, __half, , __half)                     \
+  PKV_FOR_DIMS_GROUPS(M, NAME, bf16, __nv_bfloat16, , __nv_bfloat16)      \
+  PKV_FOR_DIMS_GROUPS(M, NAME, f16, __half, _e4m3, pkv::e4m3)             \
+  PKV_FOR_DIMS_GROUPS(M, NAME, bf16, __nv_bfloat16, _e4m3, pkv::e4m3)

@@ -10,6 +10,8 @@
 // Block: 128 threads; warp w merges head 4*blockIdx.x + w (decode_common.cuh, merge_head:
 //        few dependent L2 round trips, the merge is latency-bound); no shared memory.
 // Layout: part_a [slots, H_q, D] f32, part_ml [slots, H_q, 2] f32, out [B, H_q, D] (T).
+//        The states of e4m3 K/V are already dequantized (the decode applied v_scale to a), so
+//        one merge serves every K/V dtype.
 // Bytes: reads (D + 2) * 4 bytes per slot and head, writes D * 2 bytes per row and head.
 // Trace (optional): CTA entry, PDL wait returned, and the last of its warps' ends.
 #include "decode_common.cuh"

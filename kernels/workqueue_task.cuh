@@ -4,6 +4,7 @@
 // (kTailMerge = true: the last CTA of each (row, KV head) merges). One body, so the two kernels
 // differ only in the tail and measure the same decode (benches/NOTES.md, "Merge in the tail").
 //
+// Types: q and out T; K/V KV (T, or e4m3 with the scales in DecodeParams, decode_common.cuh).
 // Task = (row, kvh, split, tok_begin, tok_end) from the planner; grid = task capacity, tasks at
 // or beyond *num_tasks exit at once (a captured graph is replayed with fewer tasks). The state
 // of (row, split) goes to slot split_offsets[row] + split; a row with one split writes O.
@@ -52,7 +53,7 @@ __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh,
   }
 }
 
-template <typename T, int D, int G, bool kTailMerge>
+template <typename T, typename KV, int D, int G, bool kTailMerge>
 __device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
   if (!p.early_kv) pdl_enter();  // else decode_range enters after its first copies
   const int task = blockIdx.x;
@@ -64,7 +65,7 @@ __device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
   const int first = p.split_offsets[row];
   const int nsplit = p.split_offsets[row + 1] - first;
   extern __shared__ uint4 smem[];
-  decode_range<T, D, G>(p, row, kvh, begin, end, Sink{nsplit == 1 ? row : -1, first + split},
+  decode_range<T, KV, D, G>(p, row, kvh, begin, end, Sink{nsplit == 1 ? row : -1, first + split},
                         reinterpret_cast<unsigned char*>(smem));
   if constexpr (kTailMerge) {
     if (nsplit > 1 && arrive_last(p.counters + row * p.num_kv_heads + kvh, nsplit))

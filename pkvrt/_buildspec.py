@@ -13,7 +13,11 @@ PTX_ARCH = "compute_90"
 
 # Template instantiations compiled into every cubin. Page size is a run-time argument
 # (any power of two up to MAX_PAGE_SIZE), so it is not listed here.
-DTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
+DTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}   # q and out (and K/V, unless below)
+# K/V dtypes other than q's that the decode families read: tag -> element type. A decode symbol
+# without a K/V tag reads K/V of its q dtype; with one, K/V of that type (float scales [1] or
+# [H_kv] in DecodeParams). "e4m3": torch.float8_e4m3fn, 1 byte (kernels/decode_common.cuh).
+KV_TAGS = {"e4m3": "pkv::e4m3"}
 HEAD_DIMS = (64, 128, 256)
 GROUP_SIZES = (1, 2, 4, 8)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -33,9 +37,9 @@ TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 
 # One family per kernels/<family>.cu. "variants" says how its symbols are instantiated.
 FAMILIES = {
-    "split_decode": {"source": "kernels/split_decode.cu", "variants": "dtype,head_dim,group"},
-    "workqueue_decode": {"source": "kernels/workqueue_decode.cu", "variants": "dtype,head_dim,group"},
-    "fused_decode": {"source": "kernels/fused_decode.cu", "variants": "dtype,head_dim,group"},
+    "split_decode": {"source": "kernels/split_decode.cu", "variants": "dtype,kv_dtype,head_dim,group"},
+    "workqueue_decode": {"source": "kernels/workqueue_decode.cu", "variants": "dtype,kv_dtype,head_dim,group"},
+    "fused_decode": {"source": "kernels/fused_decode.cu", "variants": "dtype,kv_dtype,head_dim,group"},
     "merge": {"source": "kernels/merge.cu", "variants": "dtype,head_dim"},
     "plan_workqueue": {"source": "kernels/plan_workqueue.cu", "variants": ""},
 }
@@ -45,13 +49,22 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo")
 
 
 def symbol(family: str, dtype: str | None = None, head_dim: int | None = None,
-           group: int | None = None) -> str:
-    """Exported (extern "C") kernel name, e.g. ``pkv_split_decode_f16_d128_g4``."""
+           group: int | None = None, kv_dtype: str | None = None) -> str:
+    """Exported (extern "C") kernel name, e.g. ``pkv_split_decode_f16_d128_g4`` (fp16 q, out and
+    K/V) or, with ``kv_dtype="e4m3"``, ``pkv_split_decode_f16_e4m3_d128_g4`` (fp16 q and out,
+    FP8 K/V). ``kv_dtype``: None (K/V of the q dtype) or a :data:`KV_TAGS` tag."""
     if family not in FAMILIES:
         raise KeyError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
     if not FAMILIES[family]["variants"]:
         return f"pkv_{family}"
-    name = f"pkv_{family}_{dtype}_d{head_dim}"
+    kv = ""
+    if kv_dtype is not None:
+        if "kv_dtype" not in FAMILIES[family]["variants"]:
+            raise ValueError(f"{family} kernels are not instantiated per K/V dtype; pass kv_dtype=None")
+        if kv_dtype not in KV_TAGS:
+            raise KeyError(f"unknown K/V dtype tag {kv_dtype!r}; known: {sorted(KV_TAGS)}")
+        kv = f"_{kv_dtype}"
+    name = f"pkv_{family}_{dtype}{kv}_d{head_dim}"
     if "group" in FAMILIES[family]["variants"]:
         if group is None:
             raise ValueError(f"{family} kernels are instantiated per group size; pass group=")
@@ -64,9 +77,11 @@ def symbols(family: str) -> list[str]:
     if not FAMILIES[family]["variants"]:
         return [symbol(family)]
     grouped = "group" in FAMILIES[family]["variants"]
+    kvs = (None, *KV_TAGS) if "kv_dtype" in FAMILIES[family]["variants"] else (None,)
     out = []
-    for dt in DTYPES:
-        for d in HEAD_DIMS:
-            for g in GROUP_SIZES if grouped else (None,):
-                out.append(symbol(family, dt, d, g))
+    for kv in kvs:
+        for dt in DTYPES:
+            for d in HEAD_DIMS:
+                for g in GROUP_SIZES if grouped else (None,):
+                    out.append(symbol(family, dt, d, g, kv))
     return out

@@ -92,21 +92,24 @@ def xqa_entry(flashinfer):
     return entry
 
 
-def run_xqa(entry, q, k_cache, v_cache, workspace, table, seq_lens, max_len: int, out) -> None:
+def run_xqa(entry, q, k_cache, v_cache, workspace, table, seq_lens, max_len: int, out, *,
+            k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One XQA decode call (capturable: no host sync, no allocation but views).
 
-    q, out : [B, H_q, D], contiguous. k_cache, v_cache : [num_pages, H_kv, page_size, D] (HND).
-    workspace : uint8 device buffer, zeroed before its first use (XQA's multi-block semaphores
-    live in its first 8 MiB and reset themselves after every launch). table : int32 [B, cols]
-    C-contiguous (:func:`pkvrt.pagetable.to_padded`; XQA's max_seq_len is ``cols * page_size``).
-    seq_lens : int32 [B]. max_len : the longest row (``max_seq_len``; XQA reads the width instead).
+    q, out : [B, H_q, D], contiguous. k_cache, v_cache : [num_pages, H_kv, page_size, D] (HND),
+    q's dtype or float8_e4m3fn. workspace : uint8 device buffer, zeroed before its first use
+    (XQA's multi-block semaphores live in its first 8 MiB and reset themselves after every
+    launch). table : int32 [B, cols] C-contiguous (:func:`pkvrt.pagetable.to_padded`; XQA's
+    max_seq_len is ``cols * page_size``). seq_lens : int32 [B]. max_len : the longest row
+    (``max_seq_len``; XQA reads the width instead).
 
-    Scales: ``bmm1_scale`` is the whole scale of q.k (``q_scale * k_scale / sqrt(D)`` for a
-    quantized cache), here ``1/sqrt(D)``; ``bmm2_scale`` that of p.v (``v_scale``), here 1.
+    Scales: ``bmm1_scale`` is the whole scale of q.k, ``k_scale / sqrt(D)``; ``bmm2_scale`` that
+    of p.v, ``v_scale``. k_scale, v_scale: a float8_e4m3fn cache's per-tensor dequantization
+    scales (host floats), 1 otherwise.
     """
     entry(query=q, kv_cache=(k_cache, v_cache), workspace_buffer=workspace, block_tables=table,
-          seq_lens=seq_lens, max_seq_len=max_len, bmm1_scale=1.0 / math.sqrt(q.shape[-1]),
-          bmm2_scale=1.0, out=out, kv_layout="HND", backend="xqa")
+          seq_lens=seq_lens, max_seq_len=max_len, bmm1_scale=k_scale / math.sqrt(q.shape[-1]),
+          bmm2_scale=v_scale, out=out, kv_layout="HND", backend="xqa")
 
 
 class _Counters:

@@ -15,10 +15,10 @@ import math
 import torch
 
 from pkvrt import _buildspec, _driver
-from pkvrt.registry import FP8_NOT_IMPLEMENTED
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 FP8 = torch.float8_e4m3fn
+KV_TAG = {FP8: "e4m3"}   # K/V dtypes other than q's -> _buildspec.KV_TAGS tag
 THREADS = _buildspec.TUNING["PKV_THREADS"]
 LOG2E = 1.4426950408889634
 
@@ -40,7 +40,8 @@ class DecodeParams(ctypes.Structure):
         ("num_qo_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("page_size_log2", ctypes.c_int), ("bt_stride", ctypes.c_int),
         ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
-        ("trace", ctypes.c_void_p),
+        ("trace", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("k_scale_per_head", ctypes.c_int), ("v_scale_per_head", ctypes.c_int),
     ]
 
 
@@ -62,18 +63,19 @@ def _tuning() -> dict:
         return _buildspec.TUNING
 
 
-def decode_smem_bytes(head_dim: int, group: int) -> int:
-    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, G>() (decode_common.cuh).
+def decode_smem_bytes(head_dim: int, group: int, kv_bytes: int = 2) -> int:
+    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, G, KV>() (decode_common.cuh).
 
     G >= PKV_TC_MIN_GROUP (tensor-core body): 4 warps x tc_stages x (K + V) x 16 tokens x D x
-    2 bytes (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB). Below it (SIMT body): as many 32-token
-    K+V stages as fit PKV_SMEM_BYTES, at least 2 (D=128: 4 * 16 KB = 64 KB).
+    kv_bytes (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB; e4m3, kv_bytes 1: twice the stages, the
+    same 96 KB). Below it (SIMT body): as many 32-token K+V stages as fit PKV_SMEM_BYTES, at least
+    2 (D=128: 4 * 16 KB = 64 KB; e4m3 8 * 8 KB).
     """
     t = _tuning()
     if group >= t["PKV_TC_MIN_GROUP"]:
-        stages = 2 if head_dim >= 256 else t["PKV_TC_STAGES"]
-        return stages * (t["PKV_THREADS"] // 32) * 2 * 16 * head_dim * 2
-    stage = 2 * t["PKV_TILE_TOKENS"] * head_dim * 2
+        stages = (2 if head_dim >= 256 else t["PKV_TC_STAGES"]) * (2 if kv_bytes == 1 else 1)
+        return stages * (t["PKV_THREADS"] // 32) * 2 * 16 * head_dim * kv_bytes
+    stage = 2 * t["PKV_TILE_TOKENS"] * head_dim * kv_bytes
     return max(2, t["PKV_SMEM_BYTES"] // stage) * stage
 
 
@@ -89,11 +91,12 @@ def _int32(name: str, t: torch.Tensor, device, ndim: int) -> int:
 
 
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         out: torch.Tensor) -> tuple[str, int, int, int]:
-    """Validate the tensors shared by every decode launch. Returns (dtype tag, D, G, log2 page)."""
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype == FP8:   # before the device checks, so the reason is the first thing said
-            raise KernelArgumentError(f"{name}: {c.dtype}: {FP8_NOT_IMPLEMENTED}")
+                         out: torch.Tensor, k_scale=None, v_scale=None
+                         ) -> tuple[str, str | None, int, int, int]:
+    """Validate the tensors shared by every decode launch, the K/V scales included
+    (:func:`check_kv_scales`, metadata only, first: a scale problem is the first thing said).
+    Returns (q dtype tag, K/V dtype tag or None for K/V of q's dtype, D, G, log2 page)."""
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale, q=q, out=out)
     if q.dtype not in _DTYPES:
         _fail("q", "dtype float16 or bfloat16", q.dtype)
     if not q.is_cuda:
@@ -103,13 +106,15 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _, hq, d = q.shape
     if d not in _buildspec.HEAD_DIMS:
         _fail("q", f"head_dim in {_buildspec.HEAD_DIMS}", d)
+    kv_tag = KV_TAG.get(k_cache.dtype)
+    per16 = 16 // k_cache.element_size()   # elements per 16 bytes
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != q.dtype or c.device != q.device:
-            _fail(name, f"{q.dtype} on {q.device} (like q)", f"{c.dtype} on {c.device}")
+        if (c.dtype != q.dtype and c.dtype not in KV_TAG) or c.device != q.device:
+            _fail(name, f"{q.dtype} (like q) or float8_e4m3fn on {q.device}", f"{c.dtype} on {c.device}")
         if c.dim() != 4 or c.shape[3] != d or c.stride(3) != 1 or c.stride(2) != d:
             _fail(name, f"[num_pages, H_kv, page_size, {d}] with contiguous token rows",
                   f"shape {tuple(c.shape)} strides {c.stride()}")
-        if c.data_ptr() % 16 or c.stride(0) % 8 or c.stride(1) % 8:
+        if c.data_ptr() % 16 or c.stride(0) % per16 or c.stride(1) % per16:
             _fail(name, "16-byte aligned pages and heads", f"strides {c.stride()}")
     if k_cache.shape != v_cache.shape:
         _fail("v_cache", f"the shape of k_cache {tuple(k_cache.shape)}", tuple(v_cache.shape))
@@ -125,7 +130,7 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             or out.shape[1:] != q.shape[1:]:
         _fail("out", f"a contiguous {q.dtype} [*, {hq}, {d}] tensor on {q.device}",
               f"{out.dtype} {tuple(out.shape)} on {out.device}")
-    return _DTYPES[q.dtype], d, g, int(math.log2(page))
+    return _DTYPES[q.dtype], kv_tag, d, g, int(math.log2(page))
 
 
 def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
@@ -140,9 +145,10 @@ def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_sca
     re-capture.
 
     check_values : also require every scale finite and > 0. That reads the scales back (a
-    device sync, one ``.item()``), so it is for validate modes (the Runtime's ``validate=True``
-    once FP8 is wired in), never for a launch wrapper or a captured region; without it only
-    metadata is read. Nothing calls this yet: the launch paths refuse FP8 caches outright.
+    device sync, one ``.item()``), so it is for validate modes (``Runtime(validate=True)``,
+    once per scale tensor and version: :meth:`pkvrt.runtime.Runtime.run`), never for a launch
+    wrapper or a captured region; without it only metadata is read. Every launch wrapper here
+    calls it without values, before it builds any launch.
 
     Raises KernelArgumentError (a ValueError) naming the argument and what was expected.
     """
@@ -157,7 +163,7 @@ def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_sca
     for name, t in (("q", q), ("out", out)):
         if t is not None and t.dtype not in _DTYPES:
             _fail(name, "float16 or bfloat16 with float8_e4m3fn K/V", t.dtype)
-    hkv = k_cache.shape[1]
+    hkv = k_cache.shape[1] if k_cache.dim() == 4 else None   # a bad cache shape is said later
     want = f"a contiguous float32 [1] or [H_kv={hkv}] tensor on {k_cache.device}"
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(s, torch.Tensor):
@@ -173,7 +179,7 @@ def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_sca
 
 
 def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
-                   sm_scale, log2_page) -> DecodeParams:
+                   sm_scale, log2_page, k_scale=None, v_scale=None) -> DecodeParams:
     dev = q.device
     p = DecodeParams()
     p.q, p.k_cache, p.v_cache, p.out = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
@@ -196,36 +202,45 @@ def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_ta
     p.bt_stride = block_tables.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
     p.sm_scale_log2 = scale * LOG2E
+    if k_scale is not None:   # checked by check_kv_scales: float32 [1] or [H_kv] each
+        p.k_scale, p.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        p.k_scale_per_head, p.v_scale_per_head = int(k_scale.shape[0] > 1), int(v_scale.shape[0] > 1)
     return p
 
 
 def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_splits: int, out,
-                 part_a=None, part_ml=None, sm_scale: float | None = None) -> None:
+                 part_a=None, part_ml=None, sm_scale: float | None = None, *, k_scale=None,
+                 v_scale=None) -> None:
     """Sequence-split decode over the rows ``row_ids`` (one bucket), grid (S, H_kv, rows).
 
-    q [B, H_q, D]; k_cache, v_cache [P, H_kv, page, D]; seq_lens [B] int32;
-    block_tables [B, max_pages] int32; row_ids [R] int32 (batch row per grid row, -1 idle);
-    out [B, H_q, D]. With num_splits > 1, partial states go to slots r*S + s of
-    part_a [>= R*S, H_q, D] / part_ml [>= R*S, H_q, 2] and :func:`merge` must follow.
+    q [B, H_q, D] fp16/bf16; k_cache, v_cache [P, H_kv, page, D], q's dtype or float8_e4m3fn;
+    seq_lens [B] int32; block_tables [B, max_pages] int32; row_ids [R] int32 (batch row per grid
+    row, -1 idle); out [B, H_q, D] like q. With num_splits > 1, partial states go to slots r*S + s
+    of part_a [>= R*S, H_q, D] / part_ml [>= R*S, H_q, 2] and :func:`merge` must follow.
+    k_scale, v_scale: FP8 caches only (required then), float32 [1] (per tensor) or [H_kv] (per KV
+    head) device tensors, each independently; read by the kernel at run time (a replayed graph
+    sees new values). The partial states are dequantized (``merge`` is the same for every K/V
+    dtype).
     """
-    tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out)
+    tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_splits < 1:
         _fail("num_splits", ">= 1", num_splits)
     if num_splits > 1 and (part_a is None or part_a.shape[0] < row_ids.shape[0] * num_splits):
         _fail("part_a", f"at least rows*splits = {row_ids.shape[0] * num_splits} slots",
               None if part_a is None else part_a.shape[0])
     p = _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
-                       sm_scale, log2_page)
+                       sm_scale, log2_page, k_scale, v_scale)
     p.row_ids = _int32("row_ids", row_ids, q.device, 1)
     p.num_splits = num_splits
-    k = _driver.get_kernel("split_decode", _buildspec.symbol("split_decode", tag, d, g),
-                           decode_smem_bytes(d, g))
+    k = _driver.get_kernel("split_decode", _buildspec.symbol("split_decode", tag, d, g, kv_tag),
+                           decode_smem_bytes(d, g, k_cache.element_size()))
     _driver.launch(k, (num_splits, k_cache.shape[1], row_ids.shape[0]), THREADS, p)
 
 
 def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
-                     counters=None, early_kv: bool = False, trace=None) -> None:
+                     counters=None, early_kv: bool = False, trace=None, *, k_scale=None,
+                     v_scale=None) -> None:
     """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
@@ -242,12 +257,14 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
 
     trace: None or a zeroed int64 [>= capacity, 3] timeline buffer
     (benches/layer_timeline.py).
+
+    K/V in float8_e4m3fn: k_scale, v_scale as :func:`split_decode`'s.
     """
-    tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out)
+    tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if tasks.dim() != 2 or tasks.shape[1] != 5:
         _fail("tasks", "[capacity, 5] int32", tuple(tasks.shape))
     p = _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
-                       sm_scale, log2_page)
+                       sm_scale, log2_page, k_scale, v_scale)
     p.tasks = _int32("tasks", tasks, q.device, 2)
     p.num_tasks = _int32("num_tasks", num_tasks, q.device, 1)
     p.split_offsets = _int32("split_offsets", split_offsets, q.device, 1)
@@ -257,7 +274,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
         p.counters = _int32("counters", counters, q.device, 2)
     p.early_kv = int(bool(early_kv))
     p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
-    k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g), decode_smem_bytes(d, g))
+    k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g, kv_tag),
+                           decode_smem_bytes(d, g, k_cache.element_size()))
     _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
 
 

@@ -29,7 +29,7 @@ from pkvrt.costmodel import predict_route_us
 from pkvrt.planner import (BucketPlan, FlashInferPlan, WorkqueuePlan, bucket_from_checked, check_seq_lens,
                            flashinfer_counters_from_checked, fused_counters, plan_flashinfer,
                            workqueue_from_checked)
-from pkvrt.registry import FP8_NOT_IMPLEMENTED, KV_DTYPES, PKV_KV_DTYPES, kv_dtype_name
+from pkvrt.registry import KV_DTYPES, kv_dtype_name
 
 
 @attrs.frozen(eq=False)
@@ -85,8 +85,8 @@ class Router:
     num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape.
     kv_dtype : the K/V cache dtype, a torch dtype or its name ("float16" default, "bfloat16",
         "float8_e4m3fn"). Routes whose routes.toml ``kv_dtypes`` lack it are refused every
-        step; the baseline must serve it (ValueError otherwise). FP8 has no PersistentKV
-        kernel yet (issue 14): every PersistentKV route is refused and steps run on FlashInfer.
+        step; the baseline must serve it (ValueError otherwise). Every PersistentKV kernel
+        reads float8_e4m3fn K/V (issue 14).
     dtype_bytes : bytes per K/V element, what the counters and the cost model count (None:
         from ``kv_dtype``, 2 for fp16/bf16, 1 for FP8). Given, it must agree with ``kv_dtype``.
     graphs : the runtime replays CUDA graphs (launch overhead ``lambda_graph_us``); False for
@@ -149,8 +149,6 @@ class Router:
             gaps.append(f"group size {self.group_size} not in {list(GROUP_SIZES)}")
         if self.page_size not in PAGE_SIZES:
             gaps.append(f"page_size {self.page_size} not in {list(PAGE_SIZES)}")
-        if self.kv_dtype not in PKV_KV_DTYPES:
-            gaps.append(f"KV dtype {self.kv_dtype} ({FP8_NOT_IMPLEMENTED})")
         return "no PersistentKV kernel: " + "; ".join(gaps) if gaps else None
 
     # -- per route -----------------------------------------------------------------------

@@ -9,6 +9,12 @@
             q = rt.static_q(B); q.copy_(...)        # or any [B, H_q, D] tensor
             out = rt.run(q, k_cache[layer], v_cache[layer], out=rt.static_out(B))
 
+An FP8 (float8_e4m3fn) KV cache: ``Runtime(..., torch.float16, kv_dtype=torch.float8_e4m3fn)``
+(q and out stay fp16 or bf16) and per layer ``rt.run(q, k_cache, v_cache, out=...,
+k_scale=k_scale, v_scale=v_scale)`` with float32 device tensors [1] or [H_kv] (element value =
+e4m3 * scale of its KV head). The kernels read the scales when they run, so a replayed graph uses
+the values the tensors hold then; a different scale tensor is a different graph.
+
 ``plan`` validates the step, asks the :class:`pkvrt.router.Router` for the route, writes the
 plan into pinned host staging and issues one non-blocking H2D copy per device buffer (two for a
 PersistentKV step: the int32 metadata arena and the block-table rows; FlashInfer's own plan for a
@@ -92,11 +98,12 @@ _NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with use_cuda_g
 # ----------------------------------------------------------------------------- validation
 
 
-def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype) -> int:
+def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype=None) -> int:
     """Check an attention shape against the kernels built (``pkvrt/_buildspec.py``); return G.
 
     Raises ValueError naming the argument: head_dim in (64, 128, 256); page_size a power of
-    two <= 64; num_qo_heads a multiple of num_kv_heads with G in (1, 2, 4, 8); dtype fp16/bf16.
+    two <= 64; num_qo_heads a multiple of num_kv_heads with G in (1, 2, 4, 8); dtype (q and out)
+    fp16/bf16; kv_dtype None (= dtype), dtype or float8_e4m3fn.
     """
     for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim), ("page_size", page_size)):
@@ -116,9 +123,14 @@ def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype) -> int:
         raise ValueError(f"Runtime: num_qo_heads / num_kv_heads = {g}: expected a group size in "
                          f"{_buildspec.GROUP_SIZES}")
     if dtype == ops.FP8:
-        raise ValueError(f"Runtime: dtype={dtype}: {ops.FP8_NOT_IMPLEMENTED}")
+        raise ValueError(f"Runtime: dtype={dtype}: dtype is the dtype of q and out: expected "
+                         "torch.float16 or torch.bfloat16; an FP8 KV cache is "
+                         "kv_dtype=torch.float8_e4m3fn")
     if dtype not in DTYPES:
         raise ValueError(f"Runtime: dtype={dtype}: expected torch.float16 or torch.bfloat16")
+    if kv_dtype is not None and kv_dtype not in (dtype, ops.FP8):
+        raise ValueError(f"Runtime: kv_dtype={kv_dtype}: expected None (the dtype, {dtype}) or "
+                         "torch.float8_e4m3fn")
     return g
 
 
@@ -233,24 +245,29 @@ def check_device_step(seq_lens, block_tables, *, device, max_batch: int):
 
 
 def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, num_kv_heads: int,
-                   head_dim: int, page_size: int, dtype, device, max_page_id: int = -1) -> None:
+                   head_dim: int, page_size: int, dtype, device, max_page_id: int = -1,
+                   kv_dtype=None, k_scale=None, v_scale=None) -> None:
     """Check run()'s tensors against the runtime's shape and the planned batch; raise ValueError
     naming the tensor. Pure metadata checks (no device access): out is never touched here.
 
-    q, out [batch, H_q, D] contiguous; k_cache, v_cache [num_pages, H_kv, page_size, D] with
-    contiguous 16-byte-aligned token rows, same shape; all ``dtype`` on ``device``;
-    ``max_page_id`` (the step's largest page id, -1 = not validated) < num_pages.
+    q, out [batch, H_q, D] contiguous, ``dtype``; k_cache, v_cache [num_pages, H_kv, page_size,
+    D] with contiguous 16-byte-aligned token rows, same shape, ``kv_dtype`` (None: ``dtype``);
+    all on ``device``; ``max_page_id`` (the step's largest page id, -1 = not validated) <
+    num_pages. k_scale, v_scale: float32 [1] or [H_kv] on ``device`` for float8_e4m3fn caches,
+    None otherwise (``ops.check_kv_scales``, metadata only).
     """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if out is not None:
         named.append(("out", out))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"Runtime.run: {name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype == ops.FP8 and name in ("k_cache", "v_cache"):
-            raise ValueError(f"Runtime.run: {name}: {t.dtype}: {ops.FP8_NOT_IMPLEMENTED}")
-        if t.dtype != dtype:
-            raise ValueError(f"Runtime.run: {name}: expected dtype {dtype} (the Runtime's), got {t.dtype}")
+        want_dtype = kv_dtype if name in ("k_cache", "v_cache") else dtype
+        if t.dtype != want_dtype:
+            what = "kv_dtype" if name in ("k_cache", "v_cache") else "dtype"
+            raise ValueError(f"Runtime.run: {name}: expected dtype {want_dtype} (the Runtime's "
+                             f"{what}), got {t.dtype}")
         if t.device != device:
             raise ValueError(f"Runtime.run: {name}: expected a tensor on {device}, got {t.device}")
     want = (batch, num_qo_heads, head_dim)
@@ -259,20 +276,26 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
             raise ValueError(f"Runtime.run: {name}: expected a contiguous [B, H_q, D] = {want} tensor "
                              f"(B = the batch of the last plan()), got shape {tuple(t.shape)}"
                              f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+    per16 = 16 // k_cache.element_size()   # elements per 16 bytes: 8 (fp16/bf16), 16 (FP8)
     for name, c in named[1:3]:
         if c.dim() != 4 or tuple(c.shape[1:]) != (num_kv_heads, page_size, head_dim):
             raise ValueError(f"Runtime.run: {name}: expected [num_pages, H_kv={num_kv_heads}, "
                              f"page_size={page_size}, D={head_dim}] (HND), got shape {tuple(c.shape)}")
-        if c.stride(3) != 1 or c.stride(2) != head_dim or c.stride(0) % 8 or c.stride(1) % 8 \
+        if c.stride(3) != 1 or c.stride(2) != head_dim or c.stride(0) % per16 or c.stride(1) % per16 \
                 or c.data_ptr() % 16:
             raise ValueError(f"Runtime.run: {name}: expected contiguous, 16-byte aligned token rows "
-                             f"and page/head strides that are multiples of 8, got strides {c.stride()}")
+                             f"and page/head strides that are multiples of {per16} elements, got "
+                             f"strides {c.stride()}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"Runtime.run: v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
                          f"got {tuple(v_cache.shape)}")
     if max_page_id >= k_cache.shape[0]:
         raise ValueError(f"Runtime.run: block_tables (last plan) uses page id {max_page_id}: expected "
                          f"page ids < num_pages = k_cache.shape[0] = {k_cache.shape[0]}")
+    try:
+        ops.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    except ops.KernelArgumentError as e:
+        raise ValueError(f"Runtime.run: {e}") from None
 
 
 # ----------------------------------------------------------------------------- route choice
@@ -300,11 +323,12 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
     d = router.decide(seq, force=force, block_tables=block_tables)
     if d.kind != "flashinfer" or flashinfer_unavailable is None:
         return d
-    pkv = [r for r in reg.routes if r.kind != "flashinfer"]
+    pkv = [r for r in reg.routes if r.kind != "flashinfer" and router.kv_dtype in r.kv_dtypes]
     pool = [r for r in pkv if not r.ablation] or pkv
     if not pool:
-        raise ValueError(f"{reg.path}: no PersistentKV route, and the FlashInfer route is "
-                         f"unavailable ({flashinfer_unavailable}): no route can run")
+        raise ValueError(f"{reg.path}: no PersistentKV route serves KV dtype {router.kv_dtype}, and "
+                         f"the FlashInfer route is unavailable ({flashinfer_unavailable}): no route "
+                         "can run")
     seq64 = np.asarray(seq, dtype=np.int64)
 
     def t_us(r) -> float:
@@ -373,7 +397,13 @@ class Runtime:
     Parameters
     ----------
     num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape (module-level checks in
-        :func:`check_shape`). dtype : torch.float16 or torch.bfloat16.
+        :func:`check_shape`). dtype : torch.float16 or torch.bfloat16, the dtype of q and out
+        (and of the KV cache unless ``kv_dtype`` says otherwise).
+    kv_dtype : None (the KV cache is ``dtype``) or torch.float8_e4m3fn: an FP8 KV cache, whose
+        dequantization scales each :meth:`run` takes (``k_scale``, ``v_scale``). The router then
+        counts 1 byte per K/V element. FlashInfer is not used with it (its decode takes the
+        scales as host floats, which a captured graph cannot re-read; ``explain()`` says so):
+        steps the policy sends to FlashInfer run on the fastest PersistentKV route.
     device : the CUDA device of the caches ("cuda" = the current one).
     routes : routes.toml path (None: ``pkvrt.registry.load_routes()``'s default) or a Registry.
     calibration : "auto" (``find_calibration(torch.cuda.get_device_name(device))``), a path or a
@@ -432,13 +462,13 @@ class Runtime:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype=torch.float16, *, device="cuda", routes=None, calibration="auto",
+                 dtype=torch.float16, *, kv_dtype=None, device="cuda", routes=None, calibration="auto",
                  max_batch: int = 256, max_pages_per_row: int = 8192, use_cuda_graph: bool = True,
                  max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
                  flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
                  flashinfer_cuda_graph: bool = False, decision_memo: int = 4096,
                  device_planning: bool = False, num_pages: int | None = None):
-        check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         if device_planning and max_batch > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime: max_batch={max_batch}: device_planning plans at most "
                              f"{ops.PLAN_MAX_ROWS} rows (one planning CTA)")
@@ -456,7 +486,10 @@ class Runtime:
                             h2d_copies=0, regrowths=0, capture_seconds=0.0)
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype = int(head_dim), int(page_size), dtype
-        self._kv_dtype = kv_dtype_name(dtype)   # routes.toml's name of the K/V dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        self._kv_dtype = kv_dtype_name(self.kv_dtype)   # routes.toml's name of the K/V dtype
+        self._fp8 = self.kv_dtype == ops.FP8
+        self._scale_versions: dict[int, int] = {}   # validate: scale data_ptr -> checked _version
         self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
         self.use_cuda_graph, self.validate, self.sm_scale = bool(use_cuda_graph), bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
@@ -470,7 +503,7 @@ class Runtime:
             flashinfer = False  # device planning runs the PersistentKV workqueue routes only
             dp_route = self.registry.route(self._dp_default)
             if self._kv_dtype not in dp_route.kv_dtypes:
-                raise ValueError(f"Runtime: dtype={dtype}: the device-planning route {dp_route.name!r} "
+                raise ValueError(f"Runtime: dtype={self.kv_dtype}: the device-planning route {dp_route.name!r} "
                                  f"does not serve it (kv_dtypes = {list(dp_route.kv_dtypes)} in "
                                  f"{self.registry.path})")
 
@@ -495,6 +528,11 @@ class Runtime:
             self._fi_reason = None if flashinfer else (
                 "disabled: Runtime(device_planning=True)" if self.device_planning
                 else "disabled: Runtime(flashinfer=False)")
+            if flashinfer and self._fp8:
+                flashinfer = False
+                self._fi_reason = ("not used with kv_dtype=float8_e4m3fn (FlashInfer's decode takes "
+                                   "k_scale / v_scale as host floats: a device read per call, and a "
+                                   "captured graph would keep the old values)")
             fi_mod = None
             if flashinfer:
                 fi_mod, self._fi_reason = fi_route.load_flashinfer()
@@ -502,9 +540,11 @@ class Runtime:
                 warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}; "
                               "steps the policy sends to it run on the fastest PersistentKV route",
                               RuntimeWarning, stacklevel=2)
-            if self._fi_reason is not None and not any(r.kind != "flashinfer" for r in self.registry.routes):
-                raise ValueError(f"{self.registry.path}: no PersistentKV route, and the FlashInfer route "
-                                 f"is unavailable ({self._fi_reason}): no route can run")
+            if self._fi_reason is not None and not any(r.kind != "flashinfer" and self._kv_dtype in r.kv_dtypes
+                                                       for r in self.registry.routes):
+                raise ValueError(f"{self.registry.path}: no PersistentKV route serves KV dtype "
+                                 f"{self._kv_dtype}, and the FlashInfer route is unavailable "
+                                 f"({self._fi_reason}): no route can run")
             cap = initial_capacities(self.registry, max_batch=max_batch, num_kv_heads=self.num_kv_heads)
             self._dp_grid: dict[tuple[str, int], int] = {}
             if self.device_planning:
@@ -543,12 +583,14 @@ class Runtime:
             families.add("merge")
         if self.device_planning:
             families.add("plan_workqueue")
+        kv_tag = ops.KV_TAG.get(self.kv_dtype)
         for fam in sorted(families):
             grouped = "group" in _buildspec.FAMILIES[fam]["variants"]
-            sym = _buildspec.symbol(fam, tag, self.head_dim, g if grouped else None)
+            sym = _buildspec.symbol(fam, tag, self.head_dim, g if grouped else None,
+                                    kv_tag if grouped else None)
             # The same dynamic smem ops.py launches with: _driver caches a kernel with the first
             # size it is looked up with.
-            smem = ops.decode_smem_bytes(self.head_dim, g) if grouped else 0
+            smem = ops.decode_smem_bytes(self.head_dim, g, self.kv_dtype.itemsize) if grouped else 0
             try:
                 _driver.get_kernel(fam, sym, smem)
             except Exception as exc:
@@ -859,14 +901,23 @@ class Runtime:
         return self._so[:batch]
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of the planned step for one layer. Call once per layer.
 
         Parameters
         ----------
         q : [B, H_q, D], B = the batch of the last plan(). k_cache, v_cache :
-            [num_pages, H_kv, page_size, D] (HND). out : [B, H_q, D] or None (allocated then:
-            pass ``out`` for an allocation-free call).
+            [num_pages, H_kv, page_size, D] (HND), the Runtime's kv_dtype. out : [B, H_q, D] or
+            None (allocated then: pass ``out`` for an allocation-free call).
+        k_scale, v_scale : FP8 KV cache (``kv_dtype=torch.float8_e4m3fn``) only, and required
+            then: float32 [1] (per tensor) or [H_kv] (per KV head) contiguous tensors on the
+            Runtime's device, this layer's dequantization scales (K = e4m3 * k_scale[head]). The
+            kernels read them when they run: a graph replay uses the values they hold then, so
+            update them in place (``copy_``) to change scales without re-capture; another tensor
+            is another graph key. With ``validate`` their values (finite, > 0) are read back once
+            per tensor and again after each in-place change made through PyTorch (its version
+            counter; one device sync each time, never during capture).
 
         Returns
         -------
@@ -881,8 +932,9 @@ class Runtime:
 
         Raises
         ------
-        ValueError naming the tensor (dtype, device, shape, layout, page ids beyond num_pages);
-        nothing is launched and ``out`` is untouched then. RuntimeError before any plan().
+        ValueError naming the tensor (dtype, device, shape, layout, page ids beyond num_pages, a
+        missing, misshapen or non-finite scale); nothing is launched and ``out`` is untouched
+        then. RuntimeError before any plan().
         """
         st = self._step
         if st is None:
@@ -890,22 +942,30 @@ class Runtime:
                                "per decode step first")
         check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
-                       dtype=self.dtype, device=self.device, max_page_id=st.max_page_id)
+                       dtype=self.dtype, device=self.device, max_page_id=st.max_page_id,
+                       kv_dtype=self.kv_dtype, k_scale=k_scale, v_scale=v_scale)
         if self.device_planning:
             self._check_page_bound(k_cache.shape[0])
+        capturing = self._capturing()
+        if self._fp8 and self.validate and not capturing:
+            self._check_scale_values(k_cache, v_cache, k_scale, v_scale)
         if out is None:
             out = torch.empty_like(q)
-        if self.use_cuda_graph and self._capturing():
+        if self.use_cuda_graph and capturing:
             raise RuntimeError(_NESTED_CAPTURE.format("run"))
+        scales = (k_scale, v_scale)
         if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
-            self._launch(st, q, k_cache, v_cache, out, early_kv=st.runs > 0)
+            self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0)
             st.runs += 1
             self._counts["eager_runs"] += 1
             return out
+        # The scale tensors are baked in by address, like the caches (their values are read at replay).
         kv = (graphs.tensor_key(k_cache), graphs.tensor_key(v_cache))
+        if self._fp8:
+            kv += (graphs.tensor_key(k_scale), graphs.tensor_key(v_scale))
         head = (st.route, st.kind, st.gbatch, st.structure, self._generation, kv)
         if q.data_ptr() == self._sq_ptr and out.data_ptr() == self._so_ptr:
-            self._run_static(st, head, k_cache, v_cache)
+            self._run_static(st, head, k_cache, v_cache, scales)
             return out
         key = head + ((graphs.tensor_key(q), graphs.tensor_key(out)),)
         e = self._graphs.get(key)
@@ -913,15 +973,30 @@ class Runtime:
             e.graph.replay()
             self._counts["replays"] += 1
         elif self._seen.check_and_add(key):
-            self._capture(key, lambda: self._launch(st, q, k_cache, v_cache, out))
+            self._capture(key, lambda: self._launch(st, q, k_cache, v_cache, out, scales))
         else:
             self._sq[:st.batch].copy_(q)
-            self._run_static(st, head, k_cache, v_cache)
+            self._run_static(st, head, k_cache, v_cache, scales)
             out.copy_(self._so[:st.batch])
             self._counts["staging_copies"] += 2
         return out
 
-    def _run_static(self, st: _Step, head: tuple, k_cache, v_cache) -> None:
+    def _check_scale_values(self, k_cache, v_cache, k_scale, v_scale) -> None:
+        """validate: every scale finite and > 0 (``ops.check_kv_scales(check_values=True)``: a
+        device sync), unless both tensors were checked before and not changed in place through
+        PyTorch since (same address, same ``Tensor._version``); ValueError naming the scale."""
+        if all(self._scale_versions.get(s.data_ptr()) == s._version for s in (k_scale, v_scale)):
+            return
+        try:
+            ops.check_kv_scales(k_cache, v_cache, k_scale, v_scale, check_values=True)
+        except ops.KernelArgumentError as e:
+            raise ValueError(f"Runtime.run: {e}") from None
+        if len(self._scale_versions) > 4096:   # bounded: addresses of freed tensors are dropped
+            self._scale_versions.clear()
+        for s in (k_scale, v_scale):
+            self._scale_versions[s.data_ptr()] = s._version
+
+    def _run_static(self, st: _Step, head: tuple, k_cache, v_cache, scales=(None, None)) -> None:
         key = head + (graphs.STATIC,)
         e = self._graphs.get(key)
         if e is not None:
@@ -929,7 +1004,8 @@ class Runtime:
             self._counts["replays"] += 1
             return
         gb = st.gbatch
-        self._capture(key, lambda: self._launch(st, self._sq[:gb], k_cache, v_cache, self._so[:gb]))
+        self._capture(key, lambda: self._launch(st, self._sq[:gb], k_cache, v_cache, self._so[:gb],
+                                                scales))
 
     def _capture(self, key, launch) -> None:
         import time
@@ -955,8 +1031,11 @@ class Runtime:
                 st.views = (tasks, offsets, counters)
         return st.views
 
-    def _launch(self, st: _Step, q, k_cache, v_cache, out, early_kv: bool = False) -> None:
+    def _launch(self, st: _Step, q, k_cache, v_cache, out, scales=(None, None),
+                early_kv: bool = False) -> None:
         """The step's kernel launches on the current stream (what a graph captures).
+
+        ``scales``: (k_scale, v_scale) of an FP8 cache (pointers the kernels read at run time).
 
         ``early_kv``: the workqueue decode may read the plan and copy its first K/V tiles before
         the previous kernel of the stream has finished (``ops.workqueue_decode``). Set by
@@ -970,15 +1049,16 @@ class Runtime:
         views = self._views(st)
         seq = self._d_seq if self.device_planning else self._v_seq
         pa, pm, bt = self._part_a, self._part_ml, self._bt
+        sk = dict(k_scale=scales[0], v_scale=scales[1]) if self._fp8 else {}
         if st.kind == "bucket":
             for rows, s, moffs in views:
-                ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale)
+                ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale, **sk)
                 if moffs is not None:
                     ops.merge(pa, pm, moffs, out, row_ids=rows)
             return
         tasks, offsets, counters = views
         ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
-                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv)
+                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **sk)
         if st.kind == "workqueue":
             ops.merge(pa, pm, offsets, out, skip_single=True)
 
@@ -991,8 +1071,9 @@ class Runtime:
     def explain(self) -> str:
         """The runtime's configuration and the last step's decision, route by route."""
         cal = self.calibration
+        kv = "" if self.kv_dtype == self.dtype else f", KV {self._kv_dtype}"
         lines = [f"pkvrt.Runtime: H_q={self.num_qo_heads} H_kv={self.num_kv_heads} D={self.head_dim} "
-                 f"page={self.page_size} {str(self.dtype).replace('torch.', '')}; "
+                 f"page={self.page_size} {str(self.dtype).replace('torch.', '')}{kv}; "
                  f"{'CUDA graphs' if self.use_cuda_graph else 'eager launches'}; calibration "
                  f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
                  + ("; device planning (split counts built on the GPU)" if self.device_planning else ""),

@@ -1,6 +1,8 @@
-"""FP8 K/V groundwork (issue 14) on the CPU: the FP32 twin over float8_e4m3fn caches, the scale
-checks, routes.toml's kv_dtypes, the router's K/V dtype and the bytes it counts. No kernel reads
-FP8 yet: every launch path must refuse it, saying so."""
+"""FP8 K/V (issue 14) on the CPU: the FP32 twin over float8_e4m3fn caches, the scale checks and
+where the launch paths call them, routes.toml's kv_dtypes, the router's K/V dtype and the bytes
+it counts. (The kernels' e4m3 index math: test_e4m3_layout.py; the kernels themselves and the
+Runtime on the GPU: tests/gpu/test_fp8.py; the Runtime's FP8 path on the emulated device:
+test_runtime_cpu.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from pkvrt import _driver, costmodel, ops, reference, runtime
 from pkvrt.calibration import load_calibration
 from pkvrt.planner import flashinfer_counters, kv_bytes, workqueue_counters
-from pkvrt.registry import FP8_NOT_IMPLEMENTED, RoutesError, kv_dtype_name, load_routes
+from pkvrt.registry import RoutesError, kv_dtype_name, load_routes
 from pkvrt.router import Router
 from paged import make_batch
 from test_registry import edit, write
@@ -178,52 +180,146 @@ def test_scales_with_fp16_caches_are_refused(name):
         ops.check_kv_scales(k, v, **kw)
 
 
-# ----------------------------------------------------------------------------- launch paths refuse FP8
+# ----------------------------------------------------------------------------- launch paths check scales first
 
 
-@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
-def test_launch_wrappers_refuse_fp8_caches_first(which):
-    q = torch.zeros(2, 8, 128, dtype=torch.float16)   # CPU tensors: the FP8 reason comes first
-    kv = dict(k_cache=torch.zeros(4, 2, 16, 128, dtype=torch.float16))
-    kv["v_cache"] = kv["k_cache"].clone()
-    kv[which] = kv[which].to(FP8)
-    msg = rf"{which}: torch.float8_e4m3fn: {FP8_NOT_IMPLEMENTED}"
-    with pytest.raises(ops.KernelArgumentError, match=msg):
-        ops.check_attention_args(q, kv["k_cache"], kv["v_cache"], q)
+def cpu_fp8_args(**change):
+    """CPU launch arguments of an FP8 step: every check up to the device one passes."""
+    q = torch.zeros(2, 8, 128, dtype=torch.float16)
+    k = torch.zeros(4, 2, 16, 128, dtype=FP8)
+    args = dict(q=q, k_cache=k, v_cache=k.clone(), out=torch.full_like(q, math.nan),
+                k_scale=torch.ones(2), v_scale=torch.ones(1))
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(k_scale=None), r"k_scale: expected .* \(float8_e4m3fn caches need scales\), got None"),
+    (dict(v_scale=torch.ones(3)), r"v_scale: expected a contiguous float32 \[1\] or \[H_kv=2\]"),
+    (dict(k_scale=torch.ones(2, dtype=torch.float16)), r"k_scale: .* got torch.float16"),
+    (dict(k_cache=torch.zeros(4, 2, 16, 128, dtype=torch.float16)),
+     r"v_cache: expected the dtype of k_cache \(torch.float16\), got torch.float8_e4m3fn"),
+    (dict(q=torch.zeros(2, 8, 128)), r"q: expected float16 or bfloat16 with float8_e4m3fn K/V"),
+])
+def test_launch_wrappers_check_scales_before_anything(change, match):
+    a = cpu_fp8_args(**change)
     i32 = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(ops.KernelArgumentError, match=msg):
-        ops.split_decode(q, kv["k_cache"], kv["v_cache"], i32, i32[None], i32, 1, q)
-    with pytest.raises(ops.KernelArgumentError, match=msg):
-        ops.workqueue_decode(q, kv["k_cache"], kv["v_cache"], i32, i32[None], i32.view(-1, 1), i32,
-                             i32, q, None, None)
+    launches = [
+        lambda: ops.check_attention_args(a["q"], a["k_cache"], a["v_cache"], a["out"], a["k_scale"], a["v_scale"]),
+        lambda: ops.split_decode(a["q"], a["k_cache"], a["v_cache"], i32, i32[None], i32, 1, a["out"],
+                                 k_scale=a["k_scale"], v_scale=a["v_scale"]),
+        lambda: ops.workqueue_decode(a["q"], a["k_cache"], a["v_cache"], i32, i32[None], i32.view(-1, 1), i32,
+                                     i32, a["out"], None, None, k_scale=a["k_scale"], v_scale=a["v_scale"]),
+    ]
+    for launch in launches:
+        with pytest.raises(ops.KernelArgumentError, match=match):
+            launch()
+    assert torch.isnan(a["out"]).all()   # nothing written
+
+
+def test_launch_wrappers_pass_good_scales_on_to_the_device_check():
+    a = cpu_fp8_args()
+    with pytest.raises(ops.KernelArgumentError, match="q: expected a CUDA tensor"):
+        ops.check_attention_args(a["q"], a["k_cache"], a["v_cache"], a["out"], a["k_scale"], a["v_scale"])
+    # fp16 caches with scales: refused, the scales are for FP8 caches only
+    k16 = torch.zeros(4, 2, 16, 128, dtype=torch.float16)
+    with pytest.raises(ops.KernelArgumentError, match=r"k_scale: expected None \(scales are for float8"):
+        ops.check_attention_args(a["q"], k16, k16, a["out"], a["k_scale"], None)
+
+
+def test_decode_params_carry_the_scale_pointers_and_shapes():
+    a = cpu_fp8_args()
+    i32 = torch.zeros(2, dtype=torch.int32)
+    p = ops._decode_params(a["q"], a["k_cache"], a["v_cache"], a["out"], None, None, i32, i32[None],
+                           None, 4, a["k_scale"], a["v_scale"])
+    assert p.k_scale == a["k_scale"].data_ptr() and p.v_scale == a["v_scale"].data_ptr()
+    assert (p.k_scale_per_head, p.v_scale_per_head) == (1, 0)
+    p16 = ops._decode_params(a["q"], a["k_cache"], a["v_cache"], a["out"], None, None, i32, i32[None],
+                             None, 4)
+    assert not p16.k_scale and not p16.v_scale
+    # the struct mirrors pkv::DecodeParams: the scale fields follow trace, 8-byte aligned
+    names = [f[0] for f in ops.DecodeParams._fields_]
+    assert names[-5:] == ["trace", "k_scale", "v_scale", "k_scale_per_head", "v_scale_per_head"]
+    assert ops.DecodeParams.k_scale.offset == ops.DecodeParams.trace.offset + 8
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp8_decode_smem_equals_fp16(head_dim, group, monkeypatch):
+    """The e4m3 pipelines double their stages: the same bytes per CTA, the same occupancy."""
+    assert ops.decode_smem_bytes(head_dim, group, 1) == ops.decode_smem_bytes(head_dim, group)
+    monkeypatch.setattr(ops, "_tuning", lambda: {**ops._buildspec.TUNING, "PKV_TC_MIN_GROUP": 4})
+    assert ops.decode_smem_bytes(head_dim, group, 1) == ops.decode_smem_bytes(head_dim, group)
+
+
+def test_fp8_symbols():
+    from pkvrt import _buildspec
+    assert _buildspec.symbol("split_decode", "f16", 128, 4) == "pkv_split_decode_f16_d128_g4"
+    assert _buildspec.symbol("fused_decode", "bf16", 64, 8, "e4m3") == "pkv_fused_decode_bf16_e4m3_d64_g8"
+    syms = _buildspec.symbols("workqueue_decode")
+    assert len(syms) == 2 * len(_buildspec.DTYPES) * len(_buildspec.HEAD_DIMS) * len(_buildspec.GROUP_SIZES)
+    assert "pkv_workqueue_decode_f16_e4m3_d256_g1" in syms and "pkv_workqueue_decode_f16_d256_g1" in syms
+    assert _buildspec.symbols("merge") == [_buildspec.symbol("merge", dt, d)
+                                           for dt in _buildspec.DTYPES for d in _buildspec.HEAD_DIMS]
+    with pytest.raises(ValueError, match="not instantiated per K/V dtype"):
+        _buildspec.symbol("merge", "f16", 128, None, "e4m3")
+    with pytest.raises(KeyError, match="unknown K/V dtype tag 'e5m2'"):
+        _buildspec.symbol("split_decode", "f16", 128, 4, "e5m2")
 
 
 @pytest.mark.parametrize("which", ["k_cache", "v_cache"])
-def test_runtime_run_refuses_fp8_caches(which):
+def test_runtime_run_checks_the_kv_dtype_and_scales(which):
     q = torch.randn(3, 32, 128).half()
-    t = dict(q=q, k_cache=torch.randn(10, 8, 16, 128).half(), out=torch.zeros_like(q))
-    t["v_cache"] = t["k_cache"].clone()
-    t[which] = t[which].to(FP8)
-    with pytest.raises(ValueError, match=rf"Runtime.run: {which}: torch.float8_e4m3fn: {FP8_NOT_IMPLEMENTED}"):
-        runtime.check_run_args(**t, batch=3, **SHAPE, dtype=torch.float16, device=torch.device("cpu"))
+    kv = torch.randn(10, 8, 16, 128).half().to(FP8)
+    base = dict(batch=3, **SHAPE, dtype=torch.float16, device=torch.device("cpu"))
+    t = dict(q=q, k_cache=kv, v_cache=kv.clone(), out=torch.zeros_like(q))
+    ok = dict(k_scale=torch.ones(8), v_scale=torch.ones(1))
+    runtime.check_run_args(**t, **base, kv_dtype=FP8, **ok)
+    one = dict(t, **{"k_cache": kv.half(), "v_cache": kv.half()})
+    one[which] = kv
+    with pytest.raises(ValueError, match=rf"Runtime.run: {which}: expected dtype torch.float16 \(the "
+                                         r"Runtime's kv_dtype\), got torch.float8_e4m3fn"):
+        runtime.check_run_args(**one, **base)          # an fp16 Runtime
+    with pytest.raises(ValueError, match=r"Runtime.run: k_scale: expected a contiguous float32 .* got None"):
+        runtime.check_run_args(**t, **base, kv_dtype=FP8)
+    with pytest.raises(ValueError, match=r"Runtime.run: v_scale: expected .* got torch.float32 \(2,\)"):
+        runtime.check_run_args(**t, **base, kv_dtype=FP8, k_scale=ok["k_scale"], v_scale=torch.ones(2))
+    t16 = dict(t, k_cache=torch.randn(10, 8, 16, 128).half())
+    t16["v_cache"] = t16["k_cache"].clone()
+    with pytest.raises(ValueError, match=r"Runtime.run: k_scale: expected None \(scales are for float8"):
+        runtime.check_run_args(**t16, **base, **ok)
+    t[which] = torch.zeros(10, 8, 16, 128, dtype=FP8)[:, :, :, :]   # strides fine
+    runtime.check_run_args(**t, **base, kv_dtype=FP8, **ok)
 
 
-def test_runtime_refuses_an_fp8_dtype_before_the_cuda_check(monkeypatch):
-    with pytest.raises(ValueError, match=f"dtype=torch.float8_e4m3fn: {FP8_NOT_IMPLEMENTED}"):
+def test_runtime_dtype_is_q_and_out_kv_dtype_is_the_cache(monkeypatch):
+    with pytest.raises(ValueError, match=r"dtype=torch.float8_e4m3fn: dtype is the dtype of q and out: "
+                                         r"expected torch.float16 or torch.bfloat16; an FP8 KV cache is "
+                                         r"kv_dtype=torch.float8_e4m3fn"):
         runtime.check_shape(32, 8, 128, 16, FP8)
+    with pytest.raises(ValueError, match=r"kv_dtype=torch.bfloat16: expected None \(the dtype, torch.float16\)"):
+        runtime.check_shape(32, 8, 128, 16, torch.float16, torch.bfloat16)
+    assert runtime.check_shape(32, 8, 128, 16, torch.bfloat16, FP8) == 4
     monkeypatch.setattr(_driver, "available", lambda: "no GPU")
-    with pytest.raises(ValueError, match=FP8_NOT_IMPLEMENTED):
+    with pytest.raises(ValueError, match="dtype is the dtype of q and out"):
         runtime.Runtime(32, 8, 128, 16, dtype=FP8)
+    with pytest.raises(RuntimeError, match="no GPU"):   # FP8 gets past the checks to the CUDA one
+        runtime.Runtime(32, 8, 128, 16, torch.float16, kv_dtype=FP8)
+    with pytest.raises(RuntimeError, match="no GPU"):
+        runtime.Runtime(32, 8, 128, 16, torch.float16, kv_dtype=FP8, device_planning=True)
 
 
 def test_device_planning_refuses_a_dtype_its_route_does_not_serve(monkeypatch, tmp_path):
     monkeypatch.setattr(_driver, "available", lambda: "no GPU")
-    text = (REPO / "routes.toml").read_text().replace(
-        'kind = "fused"\nkernel = "fused_decode"\n', 'kind = "fused"\nkernel = "fused_decode"\nkv_dtypes = ["float16"]\n')
-    reg = load_routes(write(tmp_path, text))
+    fused = 'ablation = true\nkv_dtypes = ["float16", "bfloat16", "float8_e4m3fn"]\n'
+    text = (REPO / "routes.toml").read_text()
+    assert text.count(fused) == 1
+    reg = load_routes(write(tmp_path, text.replace(fused, 'ablation = true\nkv_dtypes = ["float16"]\n')))
     with pytest.raises(ValueError, match=r"dtype=torch.bfloat16: the device-planning route 'pkv_fused' "
                                          r"does not serve it \(kv_dtypes = \['float16'\]"):
         runtime.Runtime(32, 8, 128, 16, dtype=torch.bfloat16, routes=reg, device_planning=True)
+    with pytest.raises(ValueError, match=r"dtype=torch.float8_e4m3fn: the device-planning route 'pkv_fused'"):
+        runtime.Runtime(32, 8, 128, 16, torch.float16, kv_dtype=FP8, routes=reg, device_planning=True)
     with pytest.raises(RuntimeError, match="no GPU"):   # fp16 gets past it, to the CUDA check
         runtime.Runtime(32, 8, 128, 16, dtype=torch.float16, routes=reg, device_planning=True)
 
@@ -235,7 +331,7 @@ def test_shipped_kv_dtypes_defaults():
     reg = load_routes(REPO / "routes.toml")
     assert reg.baseline.kv_dtypes == ("float16", "bfloat16", "float8_e4m3fn")
     for name in ("pkv_bucket", "pkv_workqueue", "pkv_fused"):
-        assert reg.route(name).kv_dtypes == ("float16", "bfloat16")
+        assert reg.route(name).kv_dtypes == ("float16", "bfloat16", "float8_e4m3fn")
 
 
 def test_kv_dtypes_can_be_declared(tmp_path):
@@ -244,7 +340,7 @@ def test_kv_dtypes_can_be_declared(tmp_path):
     reg = load_routes(write(tmp_path, text))
     assert reg.route("pkv_workqueue").kv_dtypes == ("bfloat16",)
     assert reg.baseline.kv_dtypes == ("float16", "bfloat16")
-    assert reg.route("pkv_bucket").kv_dtypes == ("float16", "bfloat16")
+    assert reg.route("pkv_bucket").kv_dtypes == ("float16", "bfloat16", "float8_e4m3fn")   # default
 
 
 @pytest.mark.parametrize("value, problem", [
@@ -268,14 +364,17 @@ def test_bad_kv_dtypes_name_file_table_and_key(tmp_path, value, problem, route):
         '"bfloat16", "float8_e4m3fn"' in msg
 
 
-def test_refusals_name_an_unserved_kv_dtype():
-    reg = load_routes(REPO / "routes.toml")
+def test_refusals_name_an_unserved_kv_dtype(tmp_path):
+    reg = load_routes(write(tmp_path, edit('kind = "workqueue"\n', 'kind = "workqueue"\nkv_dtypes = ["float16", "bfloat16"]\n')))
     ok = dict(group_size=4, max_context=32768, active=8)
     wq = reg.route("pkv_workqueue")
     assert wq.refusals(**ok) == () and wq.refusals(**ok, kv_dtype="bfloat16") == ()
     assert wq.refusals(**ok, kv_dtype="float8_e4m3fn") == (
         "KV dtype float8_e4m3fn is not served (kv_dtypes = ['float16', 'bfloat16'])",)
     assert reg.baseline.refusals(**ok, kv_dtype="float8_e4m3fn") == ()
+    shipped = load_routes(REPO / "routes.toml")
+    assert all(shipped.route(n).refusals(**ok, kv_dtype="float8_e4m3fn") == ()
+               for n in ("pkv_bucket", "pkv_workqueue"))
 
 
 def test_kv_dtype_name():
@@ -305,19 +404,23 @@ def test_fp16_and_bf16_decisions_are_unchanged(cal):
 
 
 @pytest.mark.parametrize("cal", [SEED, H200], ids=["roofline", "measured"])
-def test_fp8_steps_run_on_the_baseline_with_half_the_bytes(cal):
+def test_fp8_steps_are_routed_with_half_the_bytes(cal):
     reg = load_routes(REPO / "routes.toml")
     r16, r8 = Router(reg, cal, **SHAPE), Router(reg, cal, **SHAPE, kv_dtype=FP8)
     assert r8.dtype_bytes == 1 and r8.kv_dtype == "float8_e4m3fn"
     for seq in STEPS:
         d16, d8 = r16.decide(seq), r8.decide(seq)
-        assert d8.route == "flashinfer"
-        assert d8.plan.counters.useful_kv_bytes * 2 == d16.plan.counters.useful_kv_bytes
-        assert d8.predicted_us["flashinfer"] < d16.predicted_us["flashinfer"]
-        for name in ("pkv_bucket", "pkv_workqueue", "pkv_fused"):
-            assert d8.refused[name] == f"no PersistentKV kernel: KV dtype float8_e4m3fn ({FP8_NOT_IMPLEMENTED})"
-    with pytest.raises(ValueError, match=r"force='pkv_workqueue': no PersistentKV kernel: KV dtype float8_e4m3fn"):
-        r8.decide(STEPS[0], force="pkv_workqueue")
+        for name in ("flashinfer", "pkv_bucket", "pkv_workqueue"):   # predicted with half the bytes
+            assert (name in d8.predicted_us) == (name in d16.predicted_us)
+            if name in d8.predicted_us:
+                assert d8.predicted_us[name] < d16.predicted_us[name]
+        assert not any("KV dtype" in why for why in d8.refused.values())
+        if d8.kind == "flashinfer":
+            assert d8.plan.counters.useful_kv_bytes * 2 == r16.decide(seq, force="flashinfer").plan.counters.useful_kv_bytes
+    for force in ("pkv_bucket", "pkv_workqueue", "pkv_fused"):
+        d = r8.decide(STEPS[1], force=force)
+        d16 = r16.decide(STEPS[1], force=force)
+        assert d.route == force and d.plan.counters.useful_kv_bytes * 2 == d16.plan.counters.useful_kv_bytes
 
 
 def test_a_route_without_the_kv_dtype_is_refused_and_cannot_be_forced(tmp_path):
@@ -365,3 +468,27 @@ def test_one_byte_kv_halves_the_counted_bytes_and_the_read_time():
                                        splits=None if kind == "flashinfer" else splits) for n in (1, 2)}
         assert [x.kv_bytes * 2 for x in g[1]] == [x.kv_bytes for x in g[2]]
         assert [x.makespan_tiles for x in g[1]] == [x.makespan_tiles for x in g[2]]   # same splits
+
+
+# ----------------------------------------------------------------------------- benches/isolated.py --kv-dtype fp8
+
+
+def test_isolated_fp8_baseline_accepts_a_path_within_the_fp8_bound():
+    """An FP8 FlashInfer path that misses the fp16 tolerance against the dequantized reference
+    (it rounds q or P to FP8, say) is still a baseline candidate if it is within
+    ``fp8_error_bound`` of the unquantized answer; outside both it is a wrong output."""
+    import importlib.util
+
+    from pkvrt.bench import ISOLATED
+    spec = importlib.util.spec_from_file_location("pkvrt_benches_isolated_fp8", ISOLATED)
+    iso = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(iso)
+    loose = dict(max_err_ref=2e-2, mean_err_ref=2e-3)
+    rows = [dict(case="c", engine="flashinfer-xqa", median_us=34.0, within_fp8_bound=True, **loose),
+            dict(case="c", engine="flashinfer-tc", median_us=30.0, within_fp8_bound=False, **loose),
+            dict(case="c", engine="flashinfer-cuda", median_us=60.0, max_err_ref=1e-3, mean_err_ref=1e-5,
+                 within_fp8_bound=True)]
+    base, status = iso.fi_candidates(rows)
+    assert base == "flashinfer-xqa"
+    assert status["flashinfer-tc"].startswith("wrong output") and status["flashinfer-cuda"] == "ok"
+    assert iso.FP8_CASES == ["B1-32K", "B8-32K"] and all(c in iso.CASES for c in iso.FP8_CASES)
