@@ -50,22 +50,11 @@ import time
 import attrs
 import torch
 
+from pkvrt.model_results import parse_counts
+
 SEED = 20260623
 DEFAULT_ENGINES = "pkvrt,flashinfer-tc,flashinfer-cuda,flashinfer-xqa,no-attention"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def parse_counts(text: str) -> list[int]:
-    """"1,4,8" -> [1, 4, 8]; "8K,32K" -> [8192, 32768] (K = 1024)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        mult = 1024 if part[-1:] in "kK" else 1
-        n = int(part[:-1] if mult > 1 else part) * mult
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected positive counts")
-        out.append(n)
-    return out
 
 
 def check_pass(loop, backend, graph, forced):

@@ -62,23 +62,12 @@ from pathlib import Path
 import attrs
 import torch
 
+from pkvrt.model_results import parse_counts
+
 SEED = 20260623
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECK_BATCH = 2
 ENGINES = ("pkvrt", "flashinfer-tc", "flashinfer-cuda", "flashinfer-xqa")
-
-
-def parse_counts(text: str) -> list[int]:
-    """"1,4,8" -> [1, 4, 8]; "8K,32K" -> [8192, 32768] (K = 1024)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        mult = 1024 if part[-1:] in "kK" else 1
-        n = int(part[:-1] if mult > 1 else part) * mult
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected positive counts")
-        out.append(n)
-    return out
 
 
 def bench_config(args):

@@ -400,7 +400,13 @@ class Model:
 
     def __init__(self, cfg: ModelConfig, weights: Weights):
         self.cfg, self.w = cfg, weights
+        self.hidden = cfg.hidden   # the residual stream's width (a TP rank's cfg.hidden is not)
         self.inv_freq = rope_inv_freq(cfg, weights.embed.device)
+
+    def _add_projected(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x + a @ w^T: the output projection and the MLP's down projection added to the
+        residual stream (pkvrt.model_tp.TPModel sums the ranks' parts here)."""
+        return torch.addmm(x, a, w.t())
 
     def forward(self, tokens, inputs, block_tables, caches: KVCaches, attention, attn_out,
                 logits) -> None:
@@ -426,11 +432,11 @@ class Model:
             q, k, v = self.project(layer, x, rotation)
             append_kv(caches.k[layer], caches.v[layer], k, v, page, slot)
             o = attention.attend(layer, q, caches.k[layer], caches.v[layer], attn_out[layer])
-            x = torch.addmm(x, o.reshape(b, hq * d), lw.o.t())          # x + o @ W_o^T
-            h = F.rms_norm(x, (cfg.hidden,), lw.mlp_norm, cfg.norm_eps)
+            x = self._add_projected(x, o.reshape(b, hq * d), lw.o)      # x + o @ W_o^T
+            h = F.rms_norm(x, (self.hidden,), lw.mlp_norm, cfg.norm_eps)
             g, u = F.linear(h, lw.gate_up).chunk(2, dim=-1)             # [B, inter] each
-            x = torch.addmm(x, F.silu(g) * u, lw.down.t())
-        h = F.rms_norm(x, (cfg.hidden,), w.final_norm, cfg.norm_eps)
+            x = self._add_projected(x, F.silu(g) * u, lw.down)
+        h = F.rms_norm(x, (self.hidden,), w.final_norm, cfg.norm_eps)
         torch.matmul(h, w.lm_head.t(), out=logits)
         tokens.copy_(logits.argmax(dim=-1))
 
@@ -440,7 +446,7 @@ class Model:
         [B, D/2]), and v [B, H_kv, D] (a view), from the residual stream x [B, hidden]."""
         cfg, lw = self.cfg, self.w.layers[layer]
         b, hq, hkv, d = x.shape[0], cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.rms_norm(x, (cfg.hidden,), lw.attn_norm, cfg.norm_eps)
+        h = F.rms_norm(x, (self.hidden,), lw.attn_norm, cfg.norm_eps)
         q, k, v = F.linear(h, lw.qkv).split([hq * d, hkv * d, hkv * d], dim=-1)
         return (apply_rope(q.view(b, hq, d), rotation), apply_rope(k.view(b, hkv, d), rotation),
                 v.view(b, hkv, d))

@@ -22,11 +22,26 @@ A results file has ``meta.kind == "model-decode"`` and rows of four kinds (``row
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
 
 from pkvrt.model import Case
+
+
+def parse_counts(text: str) -> list[int]:
+    """"1,4,8" -> [1, 4, 8]; "8K,32K" -> [8192, 32768] (K = 1024)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        mult = 1024 if part[-1:] in "kK" else 1
+        n = int(part[:-1] if mult > 1 else part) * mult
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected positive counts")
+        out.append(n)
+    return out
+
 
 KIND = "model-decode"
 FLASHINFER_PREFIX = "flashinfer"

@@ -61,11 +61,10 @@ import socket
 import attrs
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pkvrt.model import (HEADROOM_BYTES, Case, DecodeLoop, KVCaches, LayerWeights, Model,
-                         ModelConfig, Weights, append_kv, apply_rope, cache_draws, kv_bytes,
-                         make_caches, make_weights, pages_needed, rope_rotation, weight_draws)
+                         ModelConfig, Weights, cache_draws, kv_bytes, make_caches, make_weights,
+                         pages_needed, weight_draws)
 
 
 # --------------------------------------------------------------------------- the shard
@@ -258,6 +257,7 @@ class TPModel(Model):
 
     def __init__(self, cfg: ModelConfig, shard: Shard, weights: Weights, *, group=None):
         super().__init__(rank_config(cfg, shard.tp), weights)
+        self.hidden = cfg.hidden   # the replicated residual stream (self.cfg.hidden is H_q/TP * D)
         self.full, self.shard, self.group = cfg, shard, group
         self.device = weights.embed.device
         self._check_weights()
@@ -281,49 +281,18 @@ class TPModel(Model):
         if len(self.w.layers) != self.full.layers:
             raise ValueError(f"TPModel: {len(self.w.layers)} layers of weights for {self.full.layers}")
 
-    def _add_reduced(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x + the sum over ranks of a @ w^T (x [B, hidden], a [B, n/TP], w [hidden, n/TP])."""
+    def _add_projected(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x + the sum over ranks of a @ w^T (x [B, hidden], a [B, n/TP], w [hidden, n/TP]):
+        the row-parallel W_o and W_down with their all-reduce; the rest of the step is
+        :meth:`pkvrt.model.Model.forward` with the rank-local shapes (caches ``[layers, pages,
+        H_kv/TP, page_size, D]``, attn_out ``[layers, B, H_q/TP, D]``; logits ``[B, vocab]``,
+        full and the same on every rank)."""
         if self.shard.tp == 1:
             return torch.addmm(x, a, w.t())           # the one-GPU step's kernel
         part = torch.mm(a, w.t())                     # [B, hidden], this rank's partial sum
         if self.communicate:
             dist.all_reduce(part, group=self.group)
         return x + part
-
-    def forward(self, tokens, inputs, block_tables, caches: KVCaches, attention, attn_out,
-                logits) -> None:
-        """One decode step of this rank, capturable; the arguments are those of
-        :meth:`pkvrt.model.Model.forward` with the rank-local shapes: caches
-        ``[layers, pages, H_kv/TP, page_size, D]``, attn_out ``[layers, B, H_q/TP, D]``;
-        logits ``[B, vocab]`` (full, the same on every rank)."""
-        cfg, full, w = self.cfg, self.full, self.w
-        b, hq, d = tokens.shape[0], cfg.num_qo_heads, cfg.head_dim
-        seq_lens = inputs[0]
-        page, slot = inputs[1].long(), inputs[2].long()
-        rotation = rope_rotation(seq_lens - 1, self.inv_freq)           # complex [B, D/2]
-        attention.begin_step(seq_lens, block_tables)
-        x = F.embedding(tokens, w.embed)                                # [B, hidden]
-        for layer, lw in enumerate(w.layers):
-            q, k, v = self.project(layer, x, rotation)
-            append_kv(caches.k[layer], caches.v[layer], k, v, page, slot)
-            o = attention.attend(layer, q, caches.k[layer], caches.v[layer], attn_out[layer])
-            x = self._add_reduced(x, o.reshape(b, hq * d), lw.o)
-            h = F.rms_norm(x, (full.hidden,), lw.mlp_norm, full.norm_eps)
-            g, u = F.linear(h, lw.gate_up).chunk(2, dim=-1)             # [B, inter/TP] each
-            x = self._add_reduced(x, F.silu(g) * u, lw.down)
-        h = F.rms_norm(x, (full.hidden,), w.final_norm, full.norm_eps)
-        torch.matmul(h, w.lm_head.t(), out=logits)
-        tokens.copy_(logits.argmax(dim=-1))
-
-    def project(self, layer: int, x: torch.Tensor, rotation: torch.Tensor):
-        """This rank's q [B, H_q/TP, D] and k [B, H_kv/TP, D] (RoPE applied) and v, from the
-        replicated residual stream x [B, hidden]."""
-        cfg, full, lw = self.cfg, self.full, self.w.layers[layer]
-        b, hq, hkv, d = x.shape[0], cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.rms_norm(x, (full.hidden,), lw.attn_norm, full.norm_eps)
-        q, k, v = F.linear(h, lw.qkv).split([hq * d, hkv * d, hkv * d], dim=-1)
-        return (apply_rope(q.view(b, hq, d), rotation), apply_rope(k.view(b, hkv, d), rotation),
-                v.view(b, hkv, d))
 
 
 def capture_step(loop: DecodeLoop, attention):
