@@ -7,24 +7,39 @@
 # the set over two device calls). Results are written under
 # /tmp/engine-r and OUT/engine.tgz is rewritten after every trace (one file: the device tool
 # returns at most 8), so a call that runs out of time still returns what finished.
-# usage: bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
+# usage: [KV_DTYPE=fp8 [FP8_SCALES=amax]] bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
 #   quick  one held-out seed of bimodal B8, bucketed B1 and the Azure conversation trace
 #   all    every family of issue 12 (held-out seeds 20260623-27; 3 for B4, G = 1 / 8, the Azure
 #          traces and bimodal B8 with the MLP tail)
+# KV_DTYPE=fp8 (issue 14): the same protocol over float8_e4m3fn K/V (`--kv-dtype fp8`, per-tensor
+# scales: unit, or FP8_SCALES=amax) against FlashInfer's FP8-KV paths (XQA, tensor-core,
+# CUDA-core; cuDNN has none with fp16 q and is recorded unavailable); files engine-NAME-BN-fp8.*,
+# tarball OUT/engine-fp8.tgz. Time limits are 1.5x, and the first trace gets 180 s more:
+# FlashInfer JIT-compiles its FP8 decode kernels on first use (about 40 s per family). Issue 14's
+# case: KV_DTYPE=fp8 TRACES=bimodal-B8 bash benches/h200_engine.sh OUT all (expected 4-6 minutes,
+# 2 of them FlashInfer's JIT on a fresh machine; not yet run on a GPU).
 set -u
 out=$1; set_=${2:-quick}; traces=${3:-../shared/traces}
-r=/tmp/engine-r; mkdir -p $r
+kv=${KV_DTYPE:-fp16}
+case $kv in
+  fp16) sfx=; kvargs=; jit=0 ;;
+  fp8) sfx=-fp8; kvargs="--kv-dtype fp8 ${FP8_SCALES:+--fp8-scales $FP8_SCALES}"; jit=180 ;;
+  *) echo "KV_DTYPE=$kv: expected fp16 or fp8" >&2; exit 2 ;;
+esac
+r=/tmp/engine-r$sfx; mkdir -p $r
 export PYTHONUNBUFFERED=1
 engines=${ENGINES:-flashinfer,device-plan,device-plan-step,device-plan-step:pkv_workqueue}
 serve() {  # name max_active limit_s seeds extra-args...
   local name=$1 b=$2 limit=$3 seeds=$4; shift 4
   if [ -n "${TRACES:-}" ] && [[ " $TRACES " != *" $name-B$b "* ]]; then return; fi
-  echo "== $name B$b seeds $seeds ($(date +%T))"
+  local f=engine-$name-B$b$sfx
+  if [ -n "$sfx" ]; then limit=$((limit * 3 / 2 + jit)); jit=0; fi
+  echo "== $name B$b seeds $seeds $kv ($(date +%T), limit ${limit}s)"
   timeout $limit python3 -m pkvrt bench serving --max-active $b --steps-limit 16 --check-steps 2 \
-    --engine-layers 32 --engines $engines --seeds $seeds "$@" \
-    --out $r/engine-$name-B$b.json > $r/engine-$name-B$b.log 2>&1
-  echo "   rc=$?"; grep -E "pkvrt-|flashinfer-|Error|error" $r/engine-$name-B$b.log | grep -v "^  baseline" | tail -9
-  tar czf $out/engine.tgz -C $r .
+    --engine-layers 32 --engines $engines --seeds $seeds $kvargs "$@" \
+    --out $r/$f.json > $r/$f.log 2>&1
+  echo "   rc=$?"; grep -E "pkvrt-|flashinfer-|Error|error" $r/$f.log | grep -v "^  baseline" | tail -9
+  tar czf $out/engine$sfx.tgz -C $r .
 }
 if [ "$set_" = quick ]; then
 serve bimodal 8 150 20260623 --trace bimodal

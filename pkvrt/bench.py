@@ -15,6 +15,13 @@ route per step, counters, cost-model predictions), exit status 0.
 Without a MODE (no arguments, or an option first) it is ``serving``: ``pkvrt bench --trace zipf``
 is ``pkvrt bench serving --trace zipf``; ``pkvrt bench`` alone runs serving with its defaults.
 
+``--kv-dtype fp8`` (issue 14) runs the same protocol over float8_e4m3fn K/V pages with fp16 (or
+bf16) q and out: per-tensor scales (``--fp8-scales unit``, the default: a cast with scales 1;
+``amax``: amax / 448), one scale tensor pair per layer, every pkvrt engine with
+``kv_dtype=torch.float8_e4m3fn``, FlashInfer's FP8-KV paths as the baseline's candidates (cuDNN
+has none with fp16 q: recorded unavailable with its reason), every engine checked against FP32
+attention over the dequantized cache; case names end in ``-fp8`` (pkvrt/harness.py).
+
 ``pkvrt bench isolated -- [ARGS]`` runs benches/isolated.py (the Table 1 kernel benchmark) with
 ARGS, e.g. ``pkvrt bench isolated -- --cases B1-32K,B8-32K``.
 """
@@ -96,7 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--check-steps", type=positive_int, default=4, metavar="N",
                    help="steps checked for correctness before timing (default: 4)")
     shape = add_shape_arguments(s)
-    shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16")
+    shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16",
+                       help="q and out (and a 16-bit KV cache)")
+    shape.add_argument("--kv-dtype", choices=harness.KV_DTYPES, default="fp16",
+                       help="the KV cache: fp16 (in --dtype, the default) or fp8 (float8_e4m3fn "
+                            "with float32 scales, issue 14; case names end in -fp8)")
+    shape.add_argument("--fp8-scales", choices=harness.FP8_SCALES, default=None,
+                       help="with --kv-dtype fp8, the per-tensor scales: unit (a cast, scales 1; "
+                            "the default) or amax (amax / 448)")
     i = sub.add_parser("isolated", help="the isolated kernel benchmark (benches/isolated.py)",
                        description="Run benches/isolated.py; pass its arguments after '--', e.g. "
                                    "pkvrt bench isolated -- --cases B1-32K --out x.json")
@@ -137,11 +151,17 @@ def _config(args, registry) -> harness.ServingConfig:
                           head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype)
     check_shape_arguments(args, harness.DTYPES[args.dtype])   # the shapes the Runtime takes
     engines = harness.parse_engines(args.engines, [r.name for r in registry.routes])
+    if args.fp8_scales is not None and args.kv_dtype != "fp8":
+        raise ValueError(f"--fp8-scales {args.fp8_scales}: scales belong to an FP8 KV cache; "
+                         "add --kv-dtype fp8 (or drop --fp8-scales)")
+    if args.kv_dtype == "fp8":
+        harness.check_fp8_engines(engines, {r.name: r.kv_dtypes for r in registry.routes})
     return harness.ServingConfig(
         trace=args.trace, max_active=args.max_active, seeds=tuple(args.seeds), engines=engines,
         routes=registry.path, calibration=args.calibration, steps_limit=args.steps_limit,
         layers=args.engine_layers, mlp=args.mlp, num_requests=args.num_requests,
-        check_steps=args.check_steps, shape=shape)
+        check_steps=args.check_steps, shape=shape, kv_dtype=args.kv_dtype,
+        fp8_scales=args.fp8_scales or "unit")
 
 
 def run_serving(args: argparse.Namespace) -> int:
@@ -167,8 +187,13 @@ def planner_fallback(args, config: harness.ServingConfig, registry, traces) -> i
     cal = (calib.load_calibration(args.calibration) if args.calibration
            else plan_cmd.seed_calibration())
     sh = config.shape
+    kv = {"kv_dtype": "float8_e4m3fn"} if config.fp8 else {}
+    if config.fp8:
+        print("KV cache float8_e4m3fn: the router counts 1 byte per K/V element; an FP8 Runtime "
+              "does not run the FlashInfer route (steps routed there run on the fastest "
+              "PersistentKV route).")
     router = Router(registry, cal, num_qo_heads=sh.num_qo_heads, num_kv_heads=sh.num_kv_heads,
-                    head_dim=sh.head_dim, page_size=sh.page_size, graphs=True)
+                    head_dim=sh.head_dim, page_size=sh.page_size, graphs=True, **kv)
     rows = []
     for seed, trace in zip(config.seeds, traces):
         summary = plan_cmd.run_planner(trace, max_active=config.max_active, router=router,
@@ -176,14 +201,14 @@ def planner_fallback(args, config: harness.ServingConfig, registry, traces) -> i
         print()
         print(f"== seed {seed}")
         print(plan_cmd.format_summary(summary))
-        case = harness.case_name(trace.name, config.max_active, seed)
+        case = harness.case_name(trace.name, config.max_active, seed, kv_dtype=config.kv_dtype)
         rows += [{**r, "case": case, "seed": seed} for r in plan_cmd.summary_json(summary)["rows"]]
     if args.out:
         meta = results.make_meta(seeds=config.seeds, routes_path=registry.path,
                                  calibration_path=cal.source,
                                  kind="plan (cost-model prediction, no GPU timing)",
                                  trace=config.trace, max_active=config.max_active,
-                                 fallback="no CUDA GPU: planner only")
+                                 fallback="no CUDA GPU: planner only", **_kv_meta(config))
         print(f"wrote {results.write_results(args.out, meta, rows)}")
     return 0
 
@@ -197,15 +222,37 @@ def _calibration_for_gpu(path: str | None):
 
 
 def default_out(config: harness.ServingConfig, gpu: str) -> Path:
-    """benches/results/<gpu slug>/serving-<trace>-B<N>[-L<l>[-mlp]].json"""
+    """benches/results/<gpu slug>/serving-<trace>-B<N>[-L<l>[-mlp]][-fp8].json"""
     name = harness.case_name(Path(config.trace).stem, config.max_active, None,
-                             layers=config.layers, mlp=config.mlp)
+                             layers=config.layers, mlp=config.mlp, kv_dtype=config.kv_dtype)
     return results.ROOT / "benches" / "results" / calib.slugify(gpu) / f"serving-{name}.json"
 
 
 def steps_path(out: Path) -> Path:
     """``x/serving.json`` -> ``x/serving.steps.json``."""
     return out.with_name(out.stem + ".steps.json")
+
+
+def engine_factory(config: harness.ServingConfig, registry, cal, *,
+                   flashinfer=fi_engines.make_engine):
+    """``make_engine(name, wl, fi_route)`` of :func:`pkvrt.harness.run_seed`: a FlashInfer path
+    (``flashinfer(name, wl, max_active=...)``, pkvrt/fi_engines.py), the whole-step graph engine
+    (``device-plan-step[:ROUTE]``) or a Runtime engine (adaptive, ``device-plan[:ROUTE]``,
+    ``flashinfer-graph``, a forced route). The workload ``wl`` carries the KV dtype and scales
+    (harness.Workload), so every engine follows ``--kv-dtype``."""
+    def make_engine(name, wl, fi_route):
+        if name in harness.FI_VARIANTS:
+            return flashinfer(name, wl, max_active=config.max_active)
+        base, _, route = name.partition(":")   # device-plan[-step]:ROUTE
+        if base == harness.STEP_GRAPH:
+            return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
+                                           max_active=config.max_active, force=route or None)
+        force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name,
+                 harness.DEVICE_PLAN: None}.get(base, name) if not route else route
+        return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
+                                     calibration=cal, max_active=config.max_active,
+                                     tensor_cores=fi_route == "flashinfer-tc")
+    return make_engine
 
 
 def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int:
@@ -224,20 +271,7 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
     cal = _calibration_for_gpu(config.calibration)
     clock = harness.CudaClock()
     l2 = env.get("l2_bytes") or 60 * 2**20
-
-    def make_engine(name, wl, fi_route):
-        if name in harness.FI_VARIANTS:
-            return fi_engines.make_engine(name, wl, max_active=config.max_active)
-        base, _, route = name.partition(":")   # device-plan[-step]:ROUTE
-        if base == harness.STEP_GRAPH:
-            return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
-                                           max_active=config.max_active, force=route or None)
-        force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name,
-                 harness.DEVICE_PLAN: None}.get(base, name) if not route else route
-        return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
-                                     calibration=cal, max_active=config.max_active,
-                                     tensor_cores=fi_route == "flashinfer-tc")
-
+    make_engine = engine_factory(config, registry, cal)
     out = Path(args.out) if args.out else default_out(config, env["gpu"])
     rows, steps, per_seed = [], [], {}
     for seed, trace in zip(config.seeds, traces):
@@ -256,6 +290,26 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
         print(f"FAILED correctness: {r['case']} {r['engine']} (max|e| {r['max_err']:.3g}, "
               f"vs FP32 {r['max_err_ref']:.3g})", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _kv_meta(config: harness.ServingConfig) -> dict:
+    """Meta entries of an FP8 run: ``kv_dtype`` (the cache's torch dtype name, as
+    benches/isolated.py writes it) and ``fp8_scales`` (unit / amax, per tensor). A 16-bit run
+    adds nothing: its files stay as they were."""
+    if not config.fp8:
+        return {}
+    return dict(kv_dtype="float8_e4m3fn", fp8_scales=config.fp8_scales, fp8_scale_granularity="tensor")
+
+
+FP8_PROTOCOL = (" FP8 KV cache: the 16-bit caches quantized to float8_e4m3fn with per-tensor "
+                "scales (fp8_scales), one scale tensor pair per layer, q/out 16-bit; pkvrt engines "
+                "get kv_dtype=float8_e4m3fn and the layer's scale tensors, FlashInfer's paths "
+                "their FP8-KV kernels with the scales as host floats (wrappers: kv_data_type, "
+                "k_scale, v_scale; XQA: bmm1_scale = k_scale/sqrt(D), bmm2_scale = v_scale); "
+                "correct = every row of a checked step within the fp16 tolerance of FP32 "
+                "attention over the dequantized cache, or, for a FlashInfer path, within the FP8 "
+                "error bound (reference.fp8_error_bound) of attention over the 16-bit source "
+                "(errors vs the baseline's output recorded only)")
 
 
 def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, steps) -> None:
@@ -277,7 +331,8 @@ def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, step
                   "step; baseline = fastest of those paths that run and match the FP32 reference, "
                   "by device time over probe steps spread over the measured ones "
                   "(baseline_candidates says which could not and why); layers share one KV cache "
-                  "rotated over L2-defeating copies"))
+                  "rotated over L2-defeating copies" + (FP8_PROTOCOL if config.fp8 else "")),
+        **_kv_meta(config))
     results.write_results(out, meta, rows)
     results.write_results(steps_path(out), {**meta, "kind": "serving-steps", "results_file": out.name},
                           steps)

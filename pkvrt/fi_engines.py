@@ -28,6 +28,14 @@ device-planned engines' inputs are (an engine whose scheduler keeps block tables
 A path this FlashInfer lacks raises RuntimeError at construction; one that refuses the shape or
 fails to build (a page size XQA has no kernel for, a missing cuDNN) raises at its first call.
 The harness records either as the path being unavailable, with the reason.
+
+FP8 K/V (a workload whose ``kv_dtype`` is float8_e4m3fn, ``pkvrt bench serving --kv-dtype
+fp8``): the wrappers are planned with ``kv_data_type=torch.float8_e4m3fn`` and run with
+``k_scale``/``v_scale``, XQA with ``bmm1_scale = k_scale / sqrt(D)`` and ``bmm2_scale =
+v_scale``, all host floats taken once from the workload (``scale_floats``): FlashInfer reads
+its scales on the host, and they are fixed for the run. cuDNN has no FP8-KV decode with fp16 q
+(FlashInfer 0.7.2 raises NotImplementedError at ``plan()``): the harness records it unavailable
+with FlashInfer's reason.
 """
 
 from __future__ import annotations
@@ -59,6 +67,18 @@ def make_engine(label: str, wl, *, max_active: int):
     if label not in WRAPPERS:
         raise ValueError(f"unknown FlashInfer path {label!r}; expected one of {', '.join(FI_VARIANTS)}")
     return FlashInferEngine(wl, label=label, max_active=max_active)
+
+
+def kv_format(wl) -> tuple[torch.dtype, dict]:
+    """The K/V dtype of workload ``wl`` and the host-float scale arguments FlashInfer takes for
+    it: ``(torch.float8_e4m3fn, {"k_scale": ks, "v_scale": vs})`` for an FP8 cache
+    (``wl.scale_floats``), ``(q's dtype, {})`` otherwise (also for a ``wl`` without
+    ``kv_dtype``, a stand-in of the tests)."""
+    kv = getattr(wl, "kv_dtype", wl.shape.torch_dtype)
+    if kv != torch.float8_e4m3fn:
+        return kv, {}
+    ks, vs = wl.scale_floats
+    return kv, dict(k_scale=float(ks), v_scale=float(vs))
 
 
 def _version(flashinfer) -> str:
@@ -120,7 +140,7 @@ class _Counters:
         """(route, splits, counters) of the last planned step."""
         sh = self.shape
         c = planner.flashinfer_counters(self._last_info, num_kv_heads=sh.num_kv_heads,
-                                        head_dim=sh.head_dim, dtype_bytes=sh.dtype_bytes)
+                                        head_dim=sh.head_dim, dtype_bytes=self.kv_dtype.itemsize)
         return ROUTE, (), c
 
     def stats(self) -> dict:
@@ -135,7 +155,8 @@ class FlashInferEngine(_Counters):
     ``flashinfer`` route (engine ``flashinfer-graph``).
 
     label : a key of :data:`WRAPPERS` (which kernel; RuntimeError when this FlashInfer's wrapper
-    does not run it, :func:`make_wrapper`).
+    does not run it, :func:`make_wrapper`). FP8 caches: planned with ``kv_data_type`` FP8, run
+    with the workload's host-float scales (:func:`kv_format`).
     """
 
     def __init__(self, wl, *, label: str, max_active: int):
@@ -144,6 +165,7 @@ class FlashInferEngine(_Counters):
         sh = wl.shape
         self.label = label
         self.layout, self.shape = wl.layout, sh
+        self.kv_dtype, self.scales = kv_format(wl)
         ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=wl.device)
         self.wrapper = make_wrapper(flashinfer, label, ws)
         cap = max_active * wl.layout.max_pages
@@ -173,13 +195,15 @@ class FlashInferEngine(_Counters):
         np_last[:b] = last
         self.wrapper.plan(self.indptr[:b + 1], self.indices[:nnz], self.last[:b],
                           sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
-                          q_data_type=sh.torch_dtype, kv_data_type=sh.torch_dtype)
+                          q_data_type=sh.torch_dtype, kv_data_type=self.kv_dtype)
         self._planned.record()
         self._last_info = step.seq_lens
 
-    def attend(self, q, k_cache, v_cache, out) -> None:
-        # q, out: [B, H_q, D]; k_cache, v_cache: [num_pages, H_kv, page_size, D]
-        self.wrapper.run(q, (k_cache, v_cache), out=out)
+    def attend(self, q, k_cache, v_cache, out, k_scale=None, v_scale=None) -> None:
+        # q, out: [B, H_q, D]; k_cache, v_cache: [num_pages, H_kv, page_size, D]. FP8: the
+        # layer's scale tensors are not read (a host read per call); FlashInfer takes the same
+        # values as the host floats of self.scales, fixed for the run.
+        self.wrapper.run(q, (k_cache, v_cache), out=out, **self.scales)
 
 
 class XqaEngine(_Counters):
@@ -187,7 +211,8 @@ class XqaEngine(_Counters):
     ``[B, cols]`` (the step's rows cut to the columns the step uses,
     :func:`pkvrt.pagetable.to_padded`) and int32 lengths ``[B]``, staged once per step (the
     untimed pass) and reused by the timed passes. No host plan. Raises RuntimeError when this
-    FlashInfer has no XQA entry point (:func:`xqa_entry`)."""
+    FlashInfer has no XQA entry point (:func:`xqa_entry`). FP8 caches: the workload's host-float
+    scales in ``bmm1_scale``/``bmm2_scale`` (:func:`run_xqa`, :func:`kv_format`)."""
 
     def __init__(self, wl):
         import flashinfer
@@ -196,6 +221,7 @@ class XqaEngine(_Counters):
         sh = wl.shape
         self.label = XQA
         self.layout, self.shape, self.device = wl.layout, sh, wl.device
+        self.kv_dtype, self.scales = kv_format(wl)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=wl.device)
         self._on_device: dict[int, tuple] = {}
         self._current = None
@@ -213,7 +239,9 @@ class XqaEngine(_Counters):
         self._current = hit
         self._last_info = step.seq_lens
 
-    def attend(self, q, k_cache, v_cache, out) -> None:
-        # q, out: [B, H_q, D]; k_cache, v_cache: [num_pages, H_kv, page_size, D]
+    def attend(self, q, k_cache, v_cache, out, k_scale=None, v_scale=None) -> None:
+        # q, out: [B, H_q, D]; k_cache, v_cache: [num_pages, H_kv, page_size, D]. FP8: the
+        # layer's scale tensors are not read; XQA takes self.scales' host floats (fixed for the run).
         table, seq, max_len, _ = self._current
-        run_xqa(self._entry, q, k_cache, v_cache, self.workspace, table, seq, max_len, out)
+        run_xqa(self._entry, q, k_cache, v_cache, self.workspace, table, seq, max_len, out,
+                **self.scales)

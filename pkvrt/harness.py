@@ -32,6 +32,18 @@ a 32-request 32K trace would need ~140 GB. Every layer still streams its whole K
 (the step's KV exceeds L2, or copies rotate), so the device work equals that of 32 caches. The
 MLP weights are one set shared by all layers (270 MB, far above L2, so equally honest).
 
+FP8 K/V (``kv_dtype="fp8"``, issue 14): the fp16 caches above, drawn from the same generator,
+are quantized to float8_e4m3fn with per-tensor float32 scales (``fp8_scales``: "unit", a plain
+cast with scales 1, the default; "amax", amax / 448 by ``reference.quantize_kv``), one scale
+tensor pair per layer (all holding the same values, as every layer reads the same cache), and q
+and out stay fp16/bf16. pkvrt engines get ``kv_dtype=torch.float8_e4m3fn`` and each layer's
+scale tensors on ``run()``; FlashInfer's paths run their FP8-KV kernels with the scales as host
+floats (fixed for the run). The check of every engine is against FP32 attention over the
+dequantized cache, on every row of a checked step (the FlashInfer output is recorded but not the
+yardstick: its FP8 paths may round q or P to FP8), with the fp16 tolerance; a FlashInfer path
+also passes when its error against attention over the fp16 values the cache was quantized from
+is within ``reference.fp8_error_bound`` (as benches/isolated.py decides its baseline).
+
 Only the engines' ``plan``/``attend`` and :class:`CudaClock` touch CUDA; the loop, the
 correctness bookkeeping and the summaries run on any device (the CPU tests drive them).
 """
@@ -67,6 +79,9 @@ DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
 ROUTE_VARIANTS = ("flashinfer-cuda", "flashinfer-tc")  # the wrappers the Runtime's FlashInfer route runs
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+FP8 = torch.float8_e4m3fn
+KV_DTYPES = ("fp16", "fp8")     # --kv-dtype: the cache in q's 16-bit dtype, or float8_e4m3fn
+FP8_SCALES = ("unit", "amax")   # --fp8-scales: scales 1 (a cast) or amax / 448, per tensor
 
 
 # --------------------------------------------------------------------------- configuration
@@ -118,6 +133,22 @@ class ServingConfig:
     check_steps: int = 4
     probe_steps: int = 8
     shape: Shape = Shape()
+    kv_dtype: str = attrs.field(default="fp16")
+    fp8_scales: str = attrs.field(default="unit")
+
+    @kv_dtype.validator
+    def _check_kv_dtype(self, attribute, value):
+        if value not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={value!r}: expected one of {', '.join(KV_DTYPES)}")
+
+    @fp8_scales.validator
+    def _check_fp8_scales(self, attribute, value):
+        if value not in FP8_SCALES:
+            raise ValueError(f"fp8_scales={value!r}: expected one of {', '.join(FP8_SCALES)}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -191,12 +222,34 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 
 
 def case_name(trace: str, max_active: int, seed: int | None, *, layers: int = 1,
-              mlp: bool = False, group: int = 4) -> str:
-    """``bimodal-B8-seed20260623``; the engine protocol and a group size other than the seed's
-    G = 4 are part of the name: ``bimodal-B8-L32-mlp-seed20260623``, ``bimodal-B8-G8-seed...``."""
+              mlp: bool = False, group: int = 4, kv_dtype: str = "fp16") -> str:
+    """``bimodal-B8-seed20260623``; the engine protocol, a group size other than the seed's
+    G = 4 and an FP8 KV cache are part of the name: ``bimodal-B8-L32-mlp-seed20260623``,
+    ``bimodal-B8-G8-seed...``, ``bimodal-B8-L32-fp8-seed...`` (so the report never merges FP8
+    rows with fp16 ones of the same trace)."""
     proto = "" if layers == 1 and not mlp else f"-L{layers}" + ("-mlp" if mlp else "")
     g = "" if group == 4 else f"-G{group}"
-    return f"{trace}-B{max_active}{g}{proto}" + ("" if seed is None else f"-seed{seed}")
+    kv = "" if kv_dtype == "fp16" else f"-{kv_dtype}"
+    return f"{trace}-B{max_active}{g}{proto}{kv}" + ("" if seed is None else f"-seed{seed}")
+
+
+def check_fp8_engines(engines, route_kv_dtypes: dict[str, tuple[str, ...]]) -> None:
+    """Refuse ``--engines`` entries that cannot run an FP8 KV cache, naming them:
+    ``flashinfer-graph`` (the Runtime does not run FlashInfer over FP8 pages: its decode takes
+    the scales as host floats, which a replayed graph cannot re-read) and a forced route
+    (``pkv_x`` or ``device-plan[-step]:pkv_x``) whose routes.toml ``kv_dtypes`` lack
+    float8_e4m3fn. ``route_kv_dtypes``: route name -> its kv_dtypes."""
+    for name in engines:
+        if name == FI_GRAPH:
+            raise ValueError("--engines flashinfer-graph: with --kv-dtype fp8 the Runtime does not "
+                             "run FlashInfer (its FP8 decode takes the scales as host floats, which "
+                             "a replayed graph cannot re-read); FlashInfer's FP8 paths are measured "
+                             "as the baseline")
+        route = name.partition(":")[2] or name
+        served = route_kv_dtypes.get(route)
+        if served is not None and route != BASELINE and "float8_e4m3fn" not in served:
+            raise ValueError(f"--engines {name}: route {route!r} does not serve an FP8 KV cache "
+                             f"(kv_dtypes = {list(served)} in routes.toml)")
 
 
 def sample_steps(total: int, limit: int) -> np.ndarray:
@@ -466,8 +519,12 @@ def median_us(fn, calls_per_fn: int = 1, repeats: int = 30) -> float:
 class Workload:
     """Everything allocated once per seed: steps, page layout, K/V copies, q, MLP weights.
 
-    k[c], v[c]: [num_pages, H_kv, page_size, D] (identical copies); q: [max_active, H_q, D]
-    (step with B rows uses ``q[:B]``); w_gate_up: [hidden, 2*inter]; w_down: [inter, hidden].
+    k[c], v[c]: [num_pages, H_kv, page_size, D] (identical copies, ``kv_dtype``); q:
+    [max_active, H_q, D] (step with B rows uses ``q[:B]``); w_gate_up: [hidden, 2*inter];
+    w_down: [inter, hidden]. FP8 (``config.kv_dtype == "fp8"``): ``k_scales[l]``,
+    ``v_scales[l]`` float32 [1] device tensors per layer (same values), ``scale_floats`` the
+    same as host floats, and until :meth:`drop_source` the fp16 caches they were quantized from
+    (``k_src``, ``v_src``, for the FP8 error bound of :func:`reference_rows`).
     """
 
     def __init__(self, trace, config: ServingConfig, seed: int, *, device="cuda",
@@ -475,24 +532,40 @@ class Workload:
         sh = config.shape
         self.shape, self.layers, self.mlp, self.device = sh, config.layers, config.mlp, device
         self.trace = trace
+        self.fp8 = config.fp8
+        self.kv_dtype = FP8 if self.fp8 else sh.torch_dtype
+        self.kv_dtype_bytes = self.kv_dtype.itemsize
         all_steps = list(decode_steps(trace, max_active=config.max_active))
         self.steps_total = len(all_steps)
         self.steps: list[Step] = [all_steps[i] for i in sample_steps(len(all_steps), config.steps_limit)]
         self.layout = build_layout(trace, page_size=sh.page_size, hole_fraction=0.0, seed=seed)
         pages = self.layout.num_physical_pages
-        page_bytes = sh.num_kv_heads * sh.page_size * sh.head_dim * sh.dtype_bytes
+        page_bytes = sh.num_kv_heads * sh.page_size * sh.head_dim * self.kv_dtype_bytes
         copy_bytes = 2 * pages * page_bytes
+        # FP8: the fp16 source (2 bytes per element) lives beside the copies until drop_source()
+        src_bytes = copy_bytes * sh.dtype_bytes if self.fp8 else 0   # copy_bytes counts 1 B/element
         mlp_bytes = 3 * sh.hidden * config.mlp_intermediate * sh.dtype_bytes if config.mlp else 0
         if budget_bytes is None:
             budget_bytes = int(0.8 * torch.cuda.mem_get_info()[0]) - mlp_bytes
-        min_kv = min(int(s.seq_lens.astype(np.int64).sum()) for s in self.steps) * sh.kv_bytes_per_token
-        self.copies = cache_copies(min_kv, l2_bytes, copy_bytes, budget_bytes)
+        kv_per_token = 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
+        min_kv = min(int(s.seq_lens.astype(np.int64).sum()) for s in self.steps) * kv_per_token
+        self.copies = cache_copies(min_kv, l2_bytes, copy_bytes, budget_bytes - src_bytes)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         dt = dict(device=device, dtype=sh.torch_dtype)
         shape4 = (pages, sh.num_kv_heads, sh.page_size, sh.head_dim)
         k0 = torch.randn(shape4, generator=gen, **dt)
         v0 = torch.randn(shape4, generator=gen, **dt)
+        self.k_src = self.v_src = self.k_scales = self.v_scales = None
+        self.scale_floats = (1.0, 1.0)
+        if self.fp8:
+            self.k_src, self.v_src = k0, v0
+            k0, ks = quantize_fp8(k0, config.fp8_scales)
+            v0, vs = quantize_fp8(v0, config.fp8_scales)
+            self.scale_floats = (float(ks), float(vs))   # one device read, at set-up
+            # one scale tensor pair per layer, as an engine holds them (each is its own graph input)
+            self.k_scales = [ks] + [ks.clone() for _ in range(self.layers - 1)]
+            self.v_scales = [vs] + [vs.clone() for _ in range(self.layers - 1)]
         self.k = [k0] + [k0.clone() for _ in range(self.copies - 1)]
         self.v = [v0] + [v0.clone() for _ in range(self.copies - 1)]
         self.q = torch.randn((config.max_active, sh.num_qo_heads, sh.head_dim), generator=gen, **dt)
@@ -508,6 +581,17 @@ class Workload:
         c = (pos * self.layers + layer) % self.copies
         return self.k[c], self.v[c]
 
+    def scales(self, layer: int) -> dict:
+        """``run()``'s scale arguments for layer ``layer``: ``k_scale``, ``v_scale`` (float32 [1]
+        device tensors) of an FP8 cache; {} for a 16-bit cache."""
+        if not self.fp8:
+            return {}
+        return dict(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+
+    def drop_source(self) -> None:
+        """Free the fp16 caches an FP8 cache was quantized from (after the references are made)."""
+        self.k_src = self.v_src = None
+
     def mlp_tail(self, out: torch.Tensor) -> torch.Tensor:
         """The seed's gated MLP on the attention output. out: [B, H_q, D] -> [B, hidden]."""
         x = out.view(out.shape[0], -1)                           # [B, hidden]
@@ -515,10 +599,22 @@ class Workload:
         return torch.mm(torch.nn.functional.silu(gate) * up, self.w_down)
 
 
+def quantize_fp8(cache: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 copy of a 16-bit cache and its per-tensor float32 scale [1]: ``"unit"`` casts
+    (scale 1; N(0, 1) data is far inside e4m3's range, 448), ``"amax"`` divides by amax / 448
+    (``reference.quantize_kv``). cache [P, H_kv, page, D]."""
+    if mode == "unit":
+        return cache.to(FP8), torch.ones(1, dtype=torch.float32, device=cache.device)
+    if mode == "amax":
+        return reference.quantize_kv(cache, per_head=False)
+    raise ValueError(f"fp8_scales={mode!r}: expected one of {', '.join(FP8_SCALES)}")
+
+
 def run_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> None:
     """One decode step of ``engine``: plan once, then attention (+ MLP) for every layer.
     out: [max_active, H_q, D], rows ``:B`` receive the last layer's attention output. An engine
-    with its own ``run_step`` (a captured whole step) runs the step itself."""
+    with its own ``run_step`` (a captured whole step) runs the step itself. FP8: ``attend`` also
+    gets the layer's ``k_scale``/``v_scale`` tensors (:meth:`Workload.scales`)."""
     if hasattr(engine, "run_step"):
         engine.run_step(wl, step, pos, out)
         return
@@ -527,7 +623,7 @@ def run_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> N
     q, o = wl.q[:b], out[:b]
     for layer in range(wl.layers):
         k, v = wl.cache(pos, layer)
-        engine.attend(q, k, v, o)
+        engine.attend(q, k, v, o, **wl.scales(layer))
         if wl.mlp:
             wl.mlp_tail(o)
 
@@ -536,7 +632,7 @@ def run_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> N
 # (FlashInfer's decode paths, the baseline's candidates, are in pkvrt/fi_engines.py)
 
 RUNTIME_REQUIRED = ("device", "routes", "calibration", "max_batch", "max_pages_per_row",
-                    "use_cuda_graph")
+                    "use_cuda_graph", "kv_dtype")   # kv_dtype: asked for with FP8 caches only
 RUNTIME_OPTIONAL = ("max_graphs", "validate", "flashinfer_tensor_cores")
 
 
@@ -556,10 +652,19 @@ def runtime_kwargs(signature: inspect.Signature, wanted: dict) -> tuple[dict, tu
     return kept, tuple(k for k in wanted if k not in names)
 
 
+def graphs_per_layer_key(wl: Workload) -> int:
+    """How many distinct (cache copy, scale tensors) inputs the layers of a step read: the copies
+    for a 16-bit cache; with FP8 every layer has its own scale tensors, so up to copies * layers.
+    The Runtime keeps a graph per input (and per plan structure), so its ``max_graphs`` scales
+    with this: 64 per input, else its LRU would evict and re-capture during the timed passes."""
+    return wl.copies * (wl.layers if wl.fp8 else 1)
+
+
 class RuntimeEngine:
     """``pkvrt.Runtime`` with CUDA graphs: ``plan(seq_lens, block_tables)`` once per step
     (host int32 numpy arrays, its fast path), ``run(q, k, v, out=...)`` per layer. ``force``: a
-    route name forced on every step (``Runtime.plan(..., force=name)``), None = adaptive."""
+    route name forced on every step (``Runtime.plan(..., force=name)``), None = adaptive. FP8
+    (``wl.fp8``): ``kv_dtype=torch.float8_e4m3fn`` and each layer's scale tensors on ``run()``."""
 
     def __init__(self, wl: Workload, *, name: str, force: str | None, routes, calibration,
                  max_active: int, tensor_cores: bool):
@@ -576,15 +681,17 @@ class RuntimeEngine:
         sh = wl.shape
         self.label = engine_label(name)
         self.force = force
-        self.layout = wl.layout
+        self.layout, self.kv_dtype_bytes = wl.layout, wl.kv_dtype_bytes
         wanted = dict(device=wl.device, routes=routes, calibration=calibration,
                       max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-                      use_cuda_graph=True, max_graphs=64 * wl.copies, validate=False,
+                      use_cuda_graph=True, max_graphs=64 * graphs_per_layer_key(wl), validate=False,
                       flashinfer_tensor_cores=tensor_cores,
                       # the flashinfer-graph engine is FlashInfer's CUDA-graph mode by definition
                       flashinfer_cuda_graph=name == FI_GRAPH)
         if self.device_planning:
             wanted.update(device_planning=True, num_pages=wl.k[0].shape[0])
+        if wl.fp8:
+            wanted.update(kv_dtype=FP8)
         self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime), wanted)
         if self.force is not None and "force" not in inspect.signature(Runtime.plan).parameters:
             raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
@@ -617,8 +724,9 @@ class RuntimeEngine:
                                     step)   # step kept alive: its id stays unique
         return self._on_device[key][:2]
 
-    def attend(self, q, k_cache, v_cache, out) -> None:
-        self.rt.run(q, k_cache, v_cache, out=out)
+    def attend(self, q, k_cache, v_cache, out, **scales) -> None:
+        # scales: k_scale, v_scale of an FP8 cache (this layer's tensors), else none
+        self.rt.run(q, k_cache, v_cache, out=out, **scales)
 
     def step_info(self):
         d = self.decision
@@ -626,7 +734,8 @@ class RuntimeEngine:
             rt = self.rt          # rule gives its splits and counters (off the timed path)
             p = planner.plan_workqueue(self._last_seq, num_kv_heads=rt.num_kv_heads,
                                        num_qo_heads=rt.num_qo_heads, head_dim=rt.head_dim,
-                                       dtype_bytes=2, splits=rt.registry.route(d.route).splits,
+                                       dtype_bytes=self.kv_dtype_bytes,
+                                       splits=rt.registry.route(d.route).splits,
                                        cal=rt.calibration)
             return d.route, tuple(plan_splits(p)), p.counters
         return d.route, tuple(plan_splits(d.plan)), d.plan.counters
@@ -647,7 +756,8 @@ class StepGraphEngine(RuntimeEngine):
     into static device buffers, then the graph of (plan + every layer's attention, and the MLP
     tail with ``mlp``) for this batch size and cache phase is replayed. A graph is captured the
     first time its (batch, phase) is seen (the untimed pass). The phase is the first cache copy
-    the step reads, ``pos * layers % copies``: the graph bakes in which copy each layer reads."""
+    the step reads, ``pos * layers % copies``: the graph bakes in which copy each layer reads
+    (and, FP8, each layer's scale tensors, whose values the kernels read at replay)."""
 
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
                  force: str | None = None):
@@ -656,12 +766,13 @@ class StepGraphEngine(RuntimeEngine):
         sh = wl.shape
         self.device_planning, self.force, self.label = True, force, engine_label(name)
         self._on_device: dict[int, tuple] = {}
-        self.layout, self.dropped = wl.layout, ()
+        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
+        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
         self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
                           device=wl.device, routes=routes, calibration=calibration,
                           max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
                           use_cuda_graph=False, validate=False, device_planning=True,
-                          num_pages=wl.k[0].shape[0])
+                          num_pages=wl.k[0].shape[0], **fp8)
         i32 = dict(dtype=torch.int32, device=wl.device)
         self.seq = torch.ones(max_active, **i32)
         self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)
@@ -688,7 +799,7 @@ class StepGraphEngine(RuntimeEngine):
             self.rt.plan(self.seq[:b], self.bt[:b], force=self.force)
             for layer in range(wl.layers):
                 c = (phase + layer) % wl.copies
-                self.rt.run(q, wl.k[c], wl.v[c], out=o)
+                self.rt.run(q, wl.k[c], wl.v[c], out=o, **wl.scales(layer))
                 if wl.mlp:
                     wl.mlp_tail(o)
 
@@ -744,16 +855,67 @@ def device_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, cloc
     return times, uncovered
 
 
-def reference_rows(wl: Workload, step: Step) -> tuple[np.ndarray, torch.Tensor]:
-    """FP32 reference output of up to :data:`REF_ROWS` rows of ``step`` (longest, shortest).
-    Returns (rows int [R], out [R, H_q, D] float32)."""
+@attrs.frozen(eq=False)
+class RefRows:
+    """The FP32 answer for some rows of one checked step.
+
+    rows : int [R], the step's rows checked. ref : [R, H_q, D] float32, attention over the cache
+    the engines read (FP8: dequantized with its scales). FP8 only: ``exact`` [R, H_q, D]
+    float64, attention over the fp16 values the cache was quantized from, and ``fp8_bound``,
+    ``reference.fp8_error_bound`` of ``||out[rows] - exact||_F``.
+    """
+
+    rows: np.ndarray
+    ref: torch.Tensor
+    exact: torch.Tensor | None = None
+    fp8_bound: float | None = None
+
+
+def reference_rows(wl: Workload, step: Step) -> RefRows:
+    """FP32 reference output of up to :data:`REF_ROWS` rows of ``step`` (longest, shortest); for
+    an FP8 cache of every row (the FlashInfer output is not the yardstick there, see the module
+    docstring), with the exact answer over the fp16 source and its FP8 error bound."""
     seq = step.seq_lens
-    rows = np.array(list(dict.fromkeys([int(np.argmax(seq)), int(np.argmin(seq))]))[:REF_ROWS])
+    if wl.fp8:
+        rows = np.arange(len(seq))
+    else:
+        rows = np.array(list(dict.fromkeys([int(np.argmax(seq)), int(np.argmin(seq))]))[:REF_ROWS])
     bt = torch.from_numpy(wl.layout.block_table(step.rids[rows])).to(wl.device)
     lens = torch.from_numpy(seq[rows].astype(np.int32)).to(wl.device)
-    ref = reference.decode_attention(wl.q[torch.from_numpy(rows).to(wl.device)], wl.k[0], wl.v[0],
-                                     lens, bt)
-    return rows, ref
+    q = wl.q[torch.from_numpy(rows).to(wl.device)]                       # [R, H_q, D]
+    ref = reference.decode_attention(q, wl.k[0], wl.v[0], lens, bt, **wl.scales(0))
+    if not wl.fp8:
+        return RefRows(rows, ref)
+    if wl.k_src is None:
+        raise RuntimeError("reference_rows: the fp16 source of the FP8 cache was dropped "
+                           "(Workload.drop_source); make the references before")
+    exact = reference.decode_attention(q, wl.k_src, wl.v_src, lens, bt, dtype=torch.float64)
+    bound = reference.fp8_error_bound(q, wl.k_src, wl.v_src, lens, bt, **wl.scales(0))
+    return RefRows(rows, ref, exact, bound)
+
+
+def check_output(o: torch.Tensor, r: RefRows) -> dict:
+    """Errors of an engine's output ``o`` [B, H_q, D] on the rows of ``r``: ``max_err_ref``,
+    ``mean_err_ref`` against ``r.ref``; FP8 also ``err_norm_unquantized`` (``||o[rows] -
+    exact||_F``) and ``fp8_bound``."""
+    got = o[torch.from_numpy(r.rows).to(o.device)]
+    max_e, mean_e = errors(got, r.ref)
+    out = dict(max_err_ref=max_e, mean_err_ref=mean_e)
+    if r.exact is not None:
+        out.update(err_norm_unquantized=float((got.double() - r.exact).norm()), fp8_bound=r.fp8_bound)
+    return out
+
+
+def _bound_use(check: dict) -> float:
+    """``err_norm_unquantized / fp8_bound`` of a :func:`check_output` result (inf for NaN)."""
+    use = check["err_norm_unquantized"] / check["fp8_bound"] if check["fp8_bound"] > 0 else math.inf
+    return math.inf if math.isnan(use) else use
+
+
+def within_fp8_bound(checks: list[dict]) -> bool:
+    """Every check's ``err_norm_unquantized <= fp8_bound`` (false for NaN, or without checks)."""
+    return bool(checks) and all(c.get("err_norm_unquantized", math.nan) <= c.get("fp8_bound", -1.0)
+                                for c in checks)
 
 
 def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs, refs, out,
@@ -761,26 +923,42 @@ def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs
     """Correctness on the checked steps, then the wall and device passes of one engine.
 
     fi_outs : {pos: baseline output [B, H_q, D]} (for the baseline itself: filled here).
-    refs : {pos: (rows, FP32 reference [R, H_q, D])}.
+    refs : {pos: :class:`RefRows`}.
     Returns (results row, per-step rows); an incorrect engine gets a row with ``correct: false``
-    and no timing.
+    and no timing. 16-bit caches: correct = within tolerance of the baseline's output and of the
+    FP32 reference. FP8: within tolerance of the FP32 reference over the dequantized cache (every
+    row), or, for a FlashInfer path, within the FP8 error bound of the unquantized answer; the
+    errors against the baseline's output are recorded only.
     """
     kept = untimed_pass(engine, wl, wl.steps, out, clock, keep=tuple(refs))
-    errs = []                                     # per checked step: fi max, fi mean, ref max, ref mean
+    errs, checks = [], []                          # per checked step: fi max, fi mean, ref max, ref mean
     for pos, o in kept.items():
-        rows, ref = refs[pos]
         if baseline:
             fi_outs[pos] = o
-        errs.append((*errors(o, fi_outs[pos]), *errors(o[torch.from_numpy(rows).to(o.device)], ref)))
+        c = check_output(o, refs[pos])
+        checks.append(c)
+        errs.append((*errors(o, fi_outs[pos]), c["max_err_ref"], c["mean_err_ref"]))
     # worst over the checked steps; np.max keeps a NaN (a failure)
     max_fi, mean_fi, max_ref, mean_ref = (float(x) for x in np.max(errs, axis=0)) if errs else (0.0,) * 4
-    correct = within_tolerance(max_fi, mean_fi) and within_tolerance(max_ref, mean_ref)
+    fp8, flashinfer_path = {}, baseline or engine.label in FI_VARIANTS
+    if wl.fp8:
+        bound_ok = within_fp8_bound(checks)
+        correct = within_tolerance(max_ref, mean_ref) or (flashinfer_path and bound_ok)
+        worst = max(checks, key=_bound_use, default={})   # the step closest to (or past) its bound
+        fp8 = dict(within_fp8_bound=bound_ok, err_norm_unquantized=worst.get("err_norm_unquantized"),
+                   fp8_bound=worst.get("fp8_bound"))
+    else:
+        correct = within_tolerance(max_fi, mean_fi) and within_tolerance(max_ref, mean_ref)
     common = dict(seed=seed, baseline=baseline, correct=correct, max_err=max_fi, mean_err=mean_fi,
-                  max_err_ref=max_ref, mean_err_ref=mean_ref, checked_steps=len(kept))
+                  max_err_ref=max_ref, mean_err_ref=mean_ref, checked_steps=len(kept), **fp8)
     if not correct:
+        bound = (f"; vs unquantized |e| {fp8['err_norm_unquantized']:.3g}, FP8 bound "
+                 f"{fp8['fp8_bound']:.3g}" if wl.fp8 and flashinfer_path and checks else "")
         log(f"  {engine.label}: FAILED correctness (vs FlashInfer max {max_fi:.3g} mean "
-            f"{mean_fi:.3g}; vs FP32 max {max_ref:.3g} mean {mean_ref:.3g}); not timed")
+            f"{mean_fi:.3g}; vs FP32 max {max_ref:.3g} mean {mean_ref:.3g}{bound}); not timed")
         return {"case": case, "engine": engine.label, "row": "measured", **common}, []
+    if wl.fp8:   # every layer has its own scale tensors, so its own graphs: capture all before timing
+        untimed_pass(engine, wl, wl.steps, out, clock)
     before = engine.stats()
     walls, infos = wall_pass(engine, wl, wl.steps, out, clock)
     # the spin before step i covers 1.25x its wall time (an upper bound of its enqueue time) + 50 us
@@ -808,7 +986,8 @@ def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int,
     engine over ``probe_steps`` steps spread over the measured ones (after one warm-up pass over
     them): the baseline is FlashInfer's fastest path by device time. The warm-up pass also checks
     each candidate's output on the first and last probe step against the FP32 reference (the
-    tolerance of :func:`measure_engine`), so that a wrong path cannot become the baseline.
+    tolerance of :func:`measure_engine`; FP8: or the FP8 error bound, :func:`wrong_output`), so
+    that a wrong path cannot become the baseline.
     ``candidates``: label -> engine; one that raises or is wrong is removed from it and the
     reason recorded in ``failures`` (another path can still be the baseline)."""
     steps = [wl.steps[i] for i in sample_steps(len(wl.steps), probe_steps)]
@@ -833,14 +1012,18 @@ def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int,
 
 
 def wrong_output(kept: dict, refs: dict, steps: list[Step]) -> str | None:
-    """Why the outputs ``kept`` ({pos: [B, H_q, D]}) differ from the FP32 references ``refs``
-    ({pos: (rows, [R, H_q, D])}) beyond tolerance, naming the step; None when they agree."""
+    """Why the outputs ``kept`` ({pos: [B, H_q, D]}) of a FlashInfer path differ from the FP32
+    references ``refs`` ({pos: :class:`RefRows`}) beyond tolerance, naming the step; None when
+    they agree. FP8: also None within the FP8 error bound of the unquantized answer (a path that
+    rounds q or P to FP8 still counts, as in benches/isolated.py)."""
     for pos, o in kept.items():
-        rows, ref = refs[pos]
-        max_e, mean_e = errors(o[torch.from_numpy(rows).to(o.device)], ref)
-        if not within_tolerance(max_e, mean_e):
-            return (f"wrong output on step {steps[pos].index}: vs FP32 max|e| {max_e:.3g}, "
-                    f"mean|e| {mean_e:.3g}")
+        c = check_output(o, refs[pos])
+        if not within_tolerance(c["max_err_ref"], c["mean_err_ref"]) and not (
+                "fp8_bound" in c and within_fp8_bound([c])):
+            bound = (f"; vs unquantized |e| {c['err_norm_unquantized']:.3g}, FP8 bound "
+                     f"{c['fp8_bound']:.3g}" if "fp8_bound" in c else "")
+            return (f"wrong output on step {steps[pos].index}: vs FP32 max|e| {c['max_err_ref']:.3g}, "
+                    f"mean|e| {c['mean_err_ref']:.3g}{bound}")
     return None
 
 
@@ -858,12 +1041,15 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
     """
     wl = Workload(trace, config, seed, device=device, l2_bytes=l2_bytes, budget_bytes=budget_bytes)
     case = case_name(trace.name, config.max_active, seed, layers=config.layers, mlp=config.mlp,
-                     group=config.shape.num_qo_heads // config.shape.num_kv_heads)
+                     group=config.shape.num_qo_heads // config.shape.num_kv_heads,
+                     kv_dtype=config.kv_dtype)
     sh = config.shape
     out = torch.full((config.max_active, sh.num_qo_heads, sh.head_dim), float("nan"),
                      dtype=sh.torch_dtype, device=device)
+    kv = (f", KV float8_e4m3fn ({config.fp8_scales} scales {wl.scale_floats[0]:.4g} / "
+          f"{wl.scale_floats[1]:.4g})" if wl.fp8 else "")
     log(f"{case}: {len(wl.steps)} of {wl.steps_total} steps, {wl.layout.num_physical_pages} "
-        f"pages, {wl.copies} cache cop{'y' if wl.copies == 1 else 'ies'}")
+        f"pages, {wl.copies} cache cop{'y' if wl.copies == 1 else 'ies'}{kv}")
     candidates, failures = {}, {}
     for label in FI_VARIANTS:
         try:
@@ -884,6 +1070,7 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
         + ", ".join(f"{k} {v:.0f} us" for k, v in probe.items()) + ")")
     check = check_positions(len(wl.steps), config.check_steps)
     refs = {pos: reference_rows(wl, wl.steps[pos]) for pos in check}
+    wl.drop_source()   # FP8: the fp16 source was needed for the references only
     fi_outs: dict[int, torch.Tensor] = {}
     rows, steps_out = [], []
     engines = [(BASELINE, candidates[base_label])]
@@ -904,9 +1091,10 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
         rows.append(row)
         steps_out.extend(srows)
         if "tok_per_s" in row:
+            err = (f"max|e| vs FP32 {row['max_err_ref']:.2e}" if wl.fp8 else   # FP8: the yardstick
+                   f"max|e| {row['max_err']:.2e}")
             log(f"  {row['engine']:<20} {row['route_mix']:<40} device {row['median_us']:9.1f} us"
-                f"  wall {row['wall_us']:9.1f} us  {row['tok_per_s']:10.0f} tok/s  "
-                f"max|e| {row['max_err']:.2e}")
+                f"  wall {row['wall_us']:9.1f} us  {row['tok_per_s']:10.0f} tok/s  {err}")
     rows.extend(ratio_rows(rows))
     info = {"baseline": base_label, "baseline_probe_device_us": probe,
             "baseline_candidates": status, "baseline_failures": failures,

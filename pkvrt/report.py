@@ -20,8 +20,8 @@ and writes ``DIR/report.md`` with the seed paper's tables:
 - Table 7, split sensitivity: per (case, engine) of a ``calibration-sweeps`` file with more than
   one split value, time per split relative to the group's best split;
 - per-step tables from ``.steps.json`` files, per experiment (the case without its seed: trace,
-  B, G, L) and engine with the baseline named: throughput ratio by context length, and the route
-  map of the adaptive engine over (active rows, context);
+  B, G, L, and ``-fp8`` for an FP8 KV cache) and engine with the baseline named: throughput
+  ratio by context length, and the route map of the adaptive engine over (active rows, context);
 - whole-model decode (``kind: model-decode``, benches/model_decode.py) and tensor-parallel
   decode (``kind: tp-decode``, benches/tp_decode.py): per case ms/step, tokens/s, shares, checks;
 - every other file as a plain table of its rows.
@@ -320,14 +320,24 @@ def _route_text(entries) -> str:
     return text
 
 
+FP8_ERRORS_NOTE = ("Traces ending in -fp8 (an FP8 KV cache, `pkvrt bench serving --kv-dtype fp8`): "
+                   "Max / Mean |e| against FP32 attention over the dequantized cache (the "
+                   "yardstick there; FlashInfer's FP8 output is not).")
+
+
 def serving_table(files) -> str:
-    """Table 2: throughput ratios against the baseline, mean ± std over seeds."""
-    rows = []
+    """Table 2: throughput ratios against the baseline, mean ± std over seeds. Errors are against
+    the baseline's output, for FP8 rows (``within_fp8_bound`` present) against the FP32
+    reference over the dequantized cache, with a note saying so."""
+    rows, fp8 = [], False
     for (key, engine), entries in serving_groups(files).items():
         ok = [e for e in entries if e["wall_ratio"] is not None]
         bad = len(entries) - len(ok)
-        errs = [e.get("max_err") for e in entries if _is_number(e.get("max_err"))]
-        means = [e.get("mean_err") for e in entries if _is_number(e.get("mean_err"))]
+        ref = "within_fp8_bound" in entries[0]
+        fp8 |= ref
+        max_key, mean_key = ("max_err_ref", "mean_err_ref") if ref else ("max_err", "mean_err")
+        errs = [e.get(max_key) for e in entries if _is_number(e.get(max_key))]
+        means = [e.get(mean_key) for e in entries if _is_number(e.get(mean_key))]
         label = engine + (" (baseline)" if entries[0].get("baseline") else "")
         rows.append((key, label, _route_text(entries), len(entries),
                      fmt_pm([e["cuda_ratio"] for e in ok]) + (f" ({bad} FAILED)" if bad else ""),
@@ -336,8 +346,9 @@ def serving_table(files) -> str:
                      fmt_err(sum(means) / len(means) if means else None)))
     if not rows:
         return ""
-    return md_table(("Trace / mode", "Engine", "Selected route", "Seeds", "CUDA tok/s ratio",
-                     "Wall tok/s ratio", "Max |e|", "Mean |e|"), rows, align="lllrrrrr")
+    table = md_table(("Trace / mode", "Engine", "Selected route", "Seeds", "CUDA tok/s ratio",
+                      "Wall tok/s ratio", "Max |e|", "Mean |e|"), rows, align="lllrrrrr")
+    return table + ("\n\n" + FP8_ERRORS_NOTE if fp8 else "")
 
 
 def throughput_table(files) -> str:
@@ -666,11 +677,17 @@ def ratio_by_context(files) -> list[dict]:
             for (x, e, bin_), (n, bw, ew, bc, ec) in sorted(acc.items())]
 
 
+def kv_element_bytes(meta: dict) -> int:
+    """Bytes of one K/V element of a results file: 1 where ``meta.kv_dtype`` is an FP8 dtype
+    (``pkvrt bench serving --kv-dtype fp8``), else 2 (fp16/bf16; files without the key)."""
+    return 1 if str(meta.get("kv_dtype") or "").startswith("float8") else 2
+
+
 def step_floor_us(record: dict, meta: dict) -> float:
     """The read floor of one per-step record: the step's K+V bytes over every layer,
-    ``active * mean_context * 2 * H_kv * D * dtype bytes * layers``, at 4.2 TB/s."""
+    ``active * mean_context * 2 * H_kv * D * KV element bytes * layers``, at 4.2 TB/s."""
     sh = meta.get("shape") or {}
-    per_token = 2 * int(sh.get("num_kv_heads", 8)) * int(sh.get("head_dim", 128)) * 2
+    per_token = 2 * int(sh.get("num_kv_heads", 8)) * int(sh.get("head_dim", 128)) * kv_element_bytes(meta)
     tokens = record["active"] * record["mean_context"]
     return tokens * per_token * int(meta.get("layers") or 1) / FLOOR_BYTES_PER_US
 

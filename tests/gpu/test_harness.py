@@ -1,6 +1,7 @@
 """`pkvrt bench serving` and `pkvrt calibrate` on a GPU (run on the H200): a tiny serving run
-completes, passes the correctness check and writes valid results; the device timing excludes
-host gaps; `calibrate --quick` writes a loadable calibration file."""
+completes (fp16, and with an FP8 KV cache), passes the correctness check and writes valid
+results; the device timing excludes host gaps; `calibrate --quick` writes a loadable calibration
+file."""
 
 from __future__ import annotations
 
@@ -74,6 +75,32 @@ def test_tiny_serving_run(capsys, tmp_path, tiny_trace, extra, case):
     rc, _, err = run(capsys, "report", str(out.parent), "--out", str(tmp_path / "rep"))
     assert rc == 0, err
     assert "pkvrt-adaptive" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_tiny_fp8_serving_run(capsys, tmp_path, tiny_trace):
+    """--kv-dtype fp8 (issue 14): FlashInfer's FP8-KV paths compete for the baseline (cuDNN has
+    none with fp16 q: named unavailable), every pkvrt engine matches FP32 attention over the
+    dequantized cache within the fp16 tolerance, and the names and meta say FP8."""
+    out = tmp_path / "res" / "serving-fp8.json"
+    rc, stdout, err = run(capsys, "bench", "serving", "--trace", str(tiny_trace), "--max-active", "2",
+                          "--seeds", "5", "--steps-limit", "6", "--engine-layers", "2",
+                          "--kv-dtype", "fp8", "--fp8-scales", "amax",
+                          "--engines", "flashinfer,adaptive,device-plan,device-plan-step",
+                          "--out", str(out))
+    assert rc == 0, stdout + err
+    doc = results.read_results(out)
+    meta = doc["meta"]
+    assert meta["kv_dtype"] == "float8_e4m3fn" and meta["fp8_scales"] == "amax"
+    assert meta["per_seed"]["5"]["baseline"] in ("flashinfer-cuda", "flashinfer-tc", "flashinfer-xqa")
+    assert list(meta["baseline_candidates"]) == list(harness.FI_VARIANTS)
+    measured = {r["engine"]: r for r in doc["rows"] if r["row"] == "measured"}
+    assert set(measured) - {meta["per_seed"]["5"]["baseline"]} == {
+        "pkvrt-adaptive", "pkvrt-device-plan", "pkvrt-device-plan-step"}
+    for label, r in measured.items():
+        assert r["case"] == "tiny-B2-L2-fp8-seed5" and r["correct"] and r["within_fp8_bound"], r
+        if label.startswith("pkvrt-"):
+            assert r["max_err_ref"] < 2e-3 and r["mean_err_ref"] < 3e-4, r
+            assert r["median_us"] > 0 and r["steps"] == 6
 
 
 class _HostSlowEngine:
