@@ -43,7 +43,6 @@ from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.calibration import Calibration, RouteTime
 from pkvrt.planner import (PartitionModel, _bucket_groups, balanced_partition, bucket_split_counts, kv_bytes,
                            partition_costs)
-from pkvrt.registry import SplitBounds
 
 
 def launch_us(cal: Calibration, *, graphs: bool) -> float:
@@ -128,10 +127,14 @@ def predict_flashinfer_us(counters, cal: Calibration, *, active: int, num_kv_hea
 # Launch groups: the workqueue and fused routes are one (the balanced partition, makespan
 # ``Partition.cost / (64 * SMs)`` tile-times, splits = its longest row's count); the bucket route
 # is one per bucket (decode + merge launch, its CTAs cut like a partition at the bucket's S);
-# FlashInfer is one, described by the balanced partition of the step at every split count 1..64
-# (FLASHINFER_PROXY_SPLITS): pkvrt cannot see the split FlashInfer chooses, and that partition
-# is the balanced split of the same work. Eager launches (graphs=False) add lambda_us -
-# lambda_graph_us per launch, since fixed_us was measured inside graph replays.
+# FlashInfer is one, described by the form of its own scheduler's split (:func:`flashinfer_group`):
+# the smallest KV chunk whose CTAs (KV heads x chunks of every row) fit FLASHINFER_CTAS_PER_SM
+# per SM, makespan = that chunk times the CTAs per SM. Until session 7 it was described by
+# pkvrt's own balanced partition (a proxy), so its prediction moved with pkvrt's partition
+# constants; on the 2026-12-01 H200 sweeps the proxy's worst error was 7.7 / 4.2 / 11.0 % at
+# G = 4 / 1 / 8, this rule's 3.1 / 3.1 / 3.4 % (C = 4; C = 1, 2, 3: at most 5.6, 4.5, 4.5 %).
+# Eager launches (graphs=False) add lambda_us - lambda_graph_us per launch, since fixed_us was
+# measured inside graph replays.
 #
 # Worked example, B1 32K at G = 4 on the H200 (beta 4404.9 GB/s; fused constants read 0.9811,
 # tail 0.5927, split 0.0900, fixed 3.695 from benches/cost_model_error.py on the 2026-12-01 sweeps):
@@ -140,7 +143,7 @@ def predict_flashinfer_us(counters, cal: Calibration, *, active: int, num_kv_hea
 #     T_fused   = 0.9811*30.47 + 0.5927*sqrt(67) + 0.0900*16 + 3.695 = 29.89 + 4.85 + 1.44 + 3.70
 #               = 39.9 µs (measured 41.1)
 
-FLASHINFER_PROXY_SPLITS = SplitBounds(min=1, max=64, multiple_of=1)
+FLASHINFER_CTAS_PER_SM = 4   # the grid FlashInfer's split fills (fitted offline, see above)
 
 
 @attrs.frozen
@@ -157,11 +160,38 @@ class LaunchGroup:
     launches: int
 
 
+def flashinfer_group(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                     cal: Calibration, tile_tokens: int = TILE_TOKENS,
+                     ctas_per_sm: int = FLASHINFER_CTAS_PER_SM) -> LaunchGroup:
+    """FlashInfer's launch group on ``seq`` (int64 [B], checked): its decode scheduler's form of
+    split, the smallest chunk ``c`` (tiles) with ``H_kv * sum(ceil(tiles_r / c)) <= ctas_per_sm *
+    SMs`` (binary search, as FlashInfer searches its KV chunk size); makespan ``c * ceil(CTAs /
+    SMs)`` tile-times, splits ``ceil(longest / c)``; a batch whose rows alone exceed the grid gets
+    ``c`` = the longest row (no split).
+
+    Example (H200, 132 SMs, H_kv 8): B1 32K, 1024 tiles: c = 16 gives 512 CTAs <= 528, c = 15
+    gives 552; so 64 splits, makespan 16 * 4 = 64. Eight 32K rows: c = 128, 512 CTAs, makespan 512.
+    """
+    t = -(-np.asarray(seq, dtype=np.int64) // tile_tokens)
+    cap = ctas_per_sm * cal.sm_count
+    lo, hi = 1, max(1, int(t.max()))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if num_kv_heads * int((-(-t // mid)).sum()) <= cap:
+            hi = mid
+        else:
+            lo = mid + 1
+    ctas = num_kv_heads * int((-(-t // lo)).sum())
+    return LaunchGroup(kv_bytes=kv_bytes(seq, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
+                       makespan_tiles=float(lo * -(-ctas // cal.sm_count)), splits=int(-(-int(t.max()) // lo)),
+                       launches=1)
+
+
 def partition_group(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_bytes: int, splits,
                     cal: Calibration, launches: int, tile_tokens: int = TILE_TOKENS,
                     longest_splits: int | None = None) -> LaunchGroup:
     """The launch group of the balanced partition of ``seq`` (int64 [B], checked) under the
-    route bounds ``splits``: the workqueue (2 launches) and fused (1) routes, FlashInfer's proxy.
+    route bounds ``splits``: the workqueue (2 launches) and fused (1) routes.
     ``longest_splits`` forces the cut (calibration sweeps)."""
     p = balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens,
                            longest_splits=longest_splits)
@@ -215,7 +245,7 @@ def route_groups(kind: str, seq: np.ndarray, cal: Calibration, *, num_kv_heads: 
     kw = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, cal=cal,
               tile_tokens=tile_tokens)
     if kind == "flashinfer":
-        return (partition_group(seq, splits=FLASHINFER_PROXY_SPLITS, launches=1, **kw),)
+        return (flashinfer_group(seq, **kw),)
     kw["longest_splits"] = longest_splits
     if kind == "bucket":
         return bucket_groups(seq, splits=splits, bucketing=bucketing, coarse_lengths=coarse_lengths, **kw)

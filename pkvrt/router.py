@@ -14,7 +14,7 @@ about 10 µs for the workqueue and 30 µs for exact buckets at B=8; the full pla
 the chosen route alone (workqueue B=8: 30 µs; B=64: 35 µs). A whole ``decide`` on a bimodal
 B=8 step that picks the workqueue costs about 85 µs (``test_bench_decide_b8``); a step the
 gates send to FlashInfer about 20 µs. With a calibration's measured time model the predictions
-come from launch groups instead of counters (FlashInfer's proxy partition, one group per bucket):
+come from launch groups instead of counters (FlashInfer's own split form, one group per bucket):
 bimodal B8 with the H200 constants 195-205 µs against 167 µs with the roofline, measured side by
 side on the (busier) dev box.
 """

@@ -163,7 +163,7 @@ def test_faster_bandwidth_never_slows_a_route():
 # ----------------------------------------------------------------------------- the measured model
 
 from pkvrt.calibration import RouteTime, TIME_KINDS  # noqa: E402
-from pkvrt.costmodel import (FLASHINFER_PROXY_SPLITS, LaunchGroup, fit_route_time, measured_us,  # noqa: E402
+from pkvrt.costmodel import (FLASHINFER_CTAS_PER_SM, LaunchGroup, fit_route_time, measured_us,  # noqa: E402
                              predict_route_us, route_groups)
 from pkvrt.planner import balanced_partition, bucket_counters, workqueue_counters  # noqa: E402
 
@@ -199,11 +199,37 @@ def test_partition_routes_are_one_group_described_by_the_partition():
         assert g == LaunchGroup(kv_bytes=int(seq.sum()) * 8 * 128 * 4, makespan_tiles=p.cost / (64 * 100),
                                 splits=int(p.num_splits.max()), launches=launches)
     (fi,) = route_groups("flashinfer", seq, cal, **SHAPE)
-    proxy = balanced_partition(seq, num_kv_heads=8, splits=FLASHINFER_PROXY_SPLITS, cal=cal)
-    assert (fi.makespan_tiles, fi.splits, fi.launches) == (proxy.cost / 6400, int(proxy.num_splits.max()), 1)
+    assert (fi.makespan_tiles, fi.splits, fi.launches) == _flashinfer_split(seq, cal.sm_count) + (1,)
     forced = balanced_partition(seq, num_kv_heads=8, splits=WQ, cal=cal, longest_splits=8)
     (g8,) = route_groups("fused", seq, cal, splits=WQ, longest_splits=8, **SHAPE)
     assert (g8.makespan_tiles, g8.splits) == (forced.cost / 6400, int(forced.num_splits.max()))
+
+
+def _flashinfer_split(seq, sms, hkv=8):
+    """FlashInfer's split form written out by linear search: the smallest chunk (tiles) whose
+    CTAs fit FLASHINFER_CTAS_PER_SM per SM -> (makespan tiles, longest row's splits)."""
+    tiles = [-(-int(n) // 32) for n in seq]
+    c = next((c for c in range(1, max(tiles) + 1)
+              if hkv * sum(-(-t // c) for t in tiles) <= FLASHINFER_CTAS_PER_SM * sms), max(tiles))
+    ctas = hkv * sum(-(-t // c) for t in tiles)
+    return float(c * -(-ctas // sms)), -(-max(tiles) // c)
+
+
+@pytest.mark.parametrize("seq", [[32768], [32768] * 8, [40000, 1000, 17, 32768], [1], [17] * 256,
+                                 [131072, 300, 300]])
+def test_flashinfer_group_is_the_smallest_chunk_that_fits_its_grid(seq):
+    """Independent of pkvrt's partition constants (it was a proxy through them until session 7)."""
+    cal = make_cal()
+    (fi,) = route_groups("flashinfer", np.array(seq), cal, **SHAPE)
+    assert (fi.makespan_tiles, fi.splits) == _flashinfer_split(seq, cal.sm_count)
+    other = attrs.evolve(cal, splits=attrs.evolve(cal.splits, cta_overhead_tiles=9.0, co_resident_slowdown=1.0))
+    assert route_groups("flashinfer", np.array(seq), other, **SHAPE) == (fi,)
+
+
+def test_flashinfer_group_example_h200():
+    """The docstring's example: 132 SMs, H_kv 8, B1 32K -> 64 splits of 16 tiles, 4 CTAs per SM."""
+    (fi,) = route_groups("flashinfer", np.array([32768]), make_cal(sm_count=132), **SHAPE)
+    assert (fi.makespan_tiles, fi.splits) == (64.0, 64)
 
 
 def test_bucket_route_is_one_group_per_bucket():
