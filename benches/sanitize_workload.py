@@ -15,7 +15,9 @@ seconds on a GPU and a minute or two under a sanitizer (50-100x slower). What ru
 * plan_workqueue_device, checked against the host planner, then decode + merge on its plan;
 * one CUDA graph of (device plan, workqueue decode, merge) captured once and replayed twice
   with other seq_lens;
-* one pkvrt.Runtime step per PersistentKV route of routes.toml (forced), CUDA graphs on.
+* one pkvrt.Runtime step per PersistentKV route of routes.toml (forced), CUDA graphs on;
+* FP8 (e4m3) K/V: split_decode, workqueue + merge and fused over 4 shapes (every D, G 1/2/4/8,
+  pages 1/16/64, per-tensor and per-KV-head scales), and an FP8 Runtime with device planning.
 
 Inputs come from tests/paged.py's make_batch: pages no row owns and slots past seq_len hold NaN,
 block-table padding holds an out-of-range page id. Every output is compared on the host with
@@ -157,8 +159,9 @@ def i32(values) -> torch.Tensor:
 # ----------------------------------------------------------------------------- decode sweep
 
 
-def split_case(t: Tally, name: str, b, dev, ref, splits: int, buf: Buffers) -> None:
-    """split_decode over the rows in reverse order plus one idle grid row (-1); merge if S > 1."""
+def split_case(t: Tally, name: str, b, dev, ref, splits: int, buf: Buffers, sk=None) -> None:
+    """split_decode over the rows in reverse order plus one idle grid row (-1); merge if S > 1.
+    ``sk``: dict(k_scale=, v_scale=) of an FP8 cache (:func:`fp8_batch`)."""
     rows, hq, d = b.q.shape
     row_ids = i32(list(reversed(range(rows))) + [-1])
     slots = row_ids.shape[0] * splits
@@ -166,7 +169,7 @@ def split_case(t: Tally, name: str, b, dev, ref, splits: int, buf: Buffers) -> N
     part_a = buf.out(slots, hq, d) if splits > 1 else None
     part_ml = buf.out(slots, hq, 2) if splits > 1 else None
     ops.split_decode(dev.q, dev.k_cache, dev.v_cache, dev.seq_lens, dev.block_tables, row_ids, splits,
-                     out, part_a, part_ml)
+                     out, part_a, part_ml, **(sk or {}))
     if splits > 1:
         offsets = torch.arange(row_ids.shape[0] + 1, dtype=torch.int32, device=DEV) * splits
         ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
@@ -187,8 +190,10 @@ def workqueue_tasks(lens, splits: int):
     return tasks, offsets
 
 
-def workqueue_case(t: Tally, name: str, b, dev, ref, splits: int, fused: bool, buf: Buffers) -> None:
-    """workqueue_decode + merge(skip_single), or the fused kernel (counters=); 7 idle task slots."""
+def workqueue_case(t: Tally, name: str, b, dev, ref, splits: int, fused: bool, buf: Buffers,
+                   sk=None) -> None:
+    """workqueue_decode + merge(skip_single), or the fused kernel (counters=); 7 idle task slots.
+    ``sk`` as in :func:`split_case`."""
     rows, hq, d = b.q.shape
     lens = b.seq_lens.tolist()
     tasks, offsets = workqueue_tasks(lens, splits)
@@ -198,7 +203,8 @@ def workqueue_case(t: Tally, name: str, b, dev, ref, splits: int, fused: bool, b
     part_a, part_ml = buf.out(slots, hq, d), buf.out(slots, hq, 2)
     counters = torch.zeros(rows, H_KV, dtype=torch.int32, device=DEV) if fused else None
     ops.workqueue_decode(dev.q, dev.k_cache, dev.v_cache, dev.seq_lens, dev.block_tables, i32(padded),
-                         i32([len(tasks)]), i32(offsets), out, part_a, part_ml, counters=counters)
+                         i32([len(tasks)]), i32(offsets), out, part_a, part_ml, counters=counters,
+                         **(sk or {}))
     note = f"{len(tasks)} tasks"
     if fused:
         left = int(counters.abs().sum())
@@ -224,6 +230,38 @@ def decode_sweep(t: Tally, shapes, quick: bool, buf: Buffers) -> None:
         t.guarded(f"split_decode S={s} + merge {tag}", split_case, b, dev, ref, s, buf)
         t.guarded(f"workqueue S<={w} + merge {tag}", workqueue_case, b, dev, ref, w, False, buf)
         t.guarded(f"fused S<={w} {tag}", workqueue_case, b, dev, ref, w, True, buf)
+
+
+# FP8 (e4m3) K/V: (head_dim, G, q dtype, page, per-KV-head scales). Every D, both bodies' group
+# sizes, both q dtypes, pages 1, 16 and 64, both scale layouts.
+FP8_SHAPES = [(64, 1, F16, 16, False), (128, 4, BF16, 1, True), (128, 8, F16, 64, False),
+              (256, 2, BF16, 16, True)]
+
+
+def fp8_batch(lens, d, g, dtype, page, per_head, seed):
+    """host_batch with e4m3 K/V (reference.quantize_kv: NaN poison stays NaN) and float32 scales
+    [H_kv] or [1]; the reference runs over the dequantized caches. Returns (b, dev, sk, ref)."""
+    b, _ = host_batch(lens, d, g, dtype, page, seed)
+    k, ks = reference.quantize_kv(b.k_cache, per_head=per_head)
+    v, vs = reference.quantize_kv(b.v_cache, per_head=per_head)
+    b = attrs.evolve(b, k_cache=k, v_cache=v)
+    dev = attrs.evolve(b, **{f.name: getattr(b, f.name).to(DEV) for f in attrs.fields(type(b))})
+    ref = reference.decode_attention(b.q, k, v, b.seq_lens, b.block_tables, k_scale=ks, v_scale=vs)
+    return b, dev, dict(k_scale=ks.to(DEV), v_scale=vs.to(DEV)), ref
+
+
+def fp8_sweep(t: Tally, quick: bool, buf: Buffers) -> None:
+    for i, (d, g, dtype, page, per_head) in enumerate(FP8_SHAPES[:2] if quick else FP8_SHAPES):
+        lens = LENS[i % len(LENS)]
+        if quick:
+            lens = [min(n, QUICK_MAX_LEN) for n in lens]
+        b, dev, sk, ref = fp8_batch(lens, d, g, dtype, page, per_head, seed=SEED + 500 + i)
+        tag = f"e4m3 D{d} G{g} {str(dtype)[6:]} p{page} {'per-head' if per_head else 'per-tensor'} lens={lens}"
+        s, w = BUCKET_SPLITS[i % len(BUCKET_SPLITS)], WORKQUEUE_SPLITS[i % len(WORKQUEUE_SPLITS)]
+        t.guarded(f"split_decode S=1 {tag}", split_case, b, dev, ref, 1, buf, sk)
+        t.guarded(f"split_decode S={s} + merge {tag}", split_case, b, dev, ref, s, buf, sk)
+        t.guarded(f"workqueue S<={w} + merge {tag}", workqueue_case, b, dev, ref, w, False, buf, sk)
+        t.guarded(f"fused S<={w} {tag}", workqueue_case, b, dev, ref, w, True, buf, sk)
 
 
 # ----------------------------------------------------------------------------- merge alone
@@ -396,6 +434,27 @@ def runtime_layers_case(t: Tally, name: str, buf: Buffers) -> None:
         t.check(f"{name} layer {i + 1}", out, ref_out(b, RUNTIME_LENS), TOL[F16])
 
 
+def runtime_fp8_case(t: Tally, name: str, buf: Buffers) -> None:
+    """An FP8 Runtime with device planning (planning kernel + e4m3 fused decode), graphs on,
+    per-KV-head scales, two steps (the second with shorter rows: a replay of both graphs)."""
+    b, dev, sk, _ = fp8_batch(RUNTIME_LENS, 128, 4, F16, 16, True, seed=SEED + 600)
+    rows, hq, d = b.q.shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rt = Runtime(hq, H_KV, d, 16, F16, kv_dtype=torch.float8_e4m3fn, max_batch=4,
+                     max_pages_per_row=256, device_planning=True, num_pages=b.k_cache.shape[0])
+    for i, lens in enumerate([RUNTIME_LENS, [n - 3 if n > 3 else n for n in RUNTIME_LENS]]):
+        rt.plan(i32(lens), dev.block_tables.to(torch.int32))
+        out = buf.out(rows, hq, d, dtype=F16)
+        rt.run(dev.q, dev.k_cache, dev.v_cache, out=out, **sk)
+        ref = reference.decode_attention(b.q, b.k_cache, b.v_cache, torch.tensor(lens, dtype=torch.int32),
+                                         b.block_tables, k_scale=sk["k_scale"].cpu(),
+                                         v_scale=sk["v_scale"].cpu())
+        s = rt.stats()
+        t.check(f"{name} step {i + 1} lens={lens}", out, ref, TOL[F16],
+                f"route {rt.last_decision.route}, captures {s['captures']}, replays {s['replays']}")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -408,6 +467,7 @@ def main(argv=None) -> int:
     print(f"sanitize_workload: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'quick' if args.quick else 'full'}, poison {args.poison}", flush=True)
     decode_sweep(t, QUICK_SHAPES if args.quick else SHAPES, args.quick, buf)
+    fp8_sweep(t, args.quick, buf)
     for d, dtype in [(64, BF16), (128, F16), (256, BF16)][:1 if args.quick else 3]:
         t.guarded(f"merge alone D{d} {str(dtype)[6:]}", merge_case, d, dtype, buf)
     t.guarded("plan_workqueue_device", device_plan_case, buf)
@@ -417,6 +477,7 @@ def main(argv=None) -> int:
             if r.kind != "flashinfer" and r.enabled:
                 t.guarded(f"Runtime force={r.name}", runtime_case, r.name, buf)
         t.guarded("Runtime device planning, eager layers", runtime_layers_case, buf)
+        t.guarded("Runtime FP8 device planning", runtime_fp8_case, buf)
     torch.cuda.synchronize()
     print(f"sanitize_workload: {t.cases} cases, {t.bad} mismatches "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
