@@ -12,6 +12,8 @@
 # cudaMalloc, so memcheck flags an access just past a tensor (inside a caching-allocator segment
 # it would be a valid address) and initcheck flags a read of memory nothing wrote; initcheck
 # also runs the workload with --poison none (outputs and partial states left as torch.empty).
+# The commit recorded is PKVRT_SOURCE_COMMIT when set (a device checkout's git metadata can be
+# stale), else git's.
 # Env: SANITIZE_TOOLS (default "plain memcheck initcheck synccheck racecheck"),
 #      SANITIZE_CACHING=1 (keep the caching allocator), SANITIZE_FLAGS (more flags for every
 #      tool, e.g. "--report-api-errors no" should torch's own API errors flood memcheck: every
@@ -77,7 +79,7 @@ done
 
 SAN="$san" SAN_VERSION="$([ -n "$san" ] && { "$san" --version 2>&1 | grep -m1 -i version || "$san" --version 2>&1 | head -1; })" \
 GPU="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)" \
-COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (dirty)')" \
+COMMIT="${PKVRT_SOURCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (dirty)')}" \
 COMMON="$common" INITCHECK_FLAGS="${TOOL_FLAGS[initcheck]}" python3 - "$out" <<'EOF'
 import json, os, re, sys
 from pathlib import Path
