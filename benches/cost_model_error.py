@@ -14,6 +14,11 @@ with what was refitted (partition constants, time model; every measured constant
 sentence in its ``source`` saying so: how a planner-model change is carried into a calibration
 file without re-timing the GPU (the sweeps time every cut, whatever rule picks among them).
 
+The rows of the sweeps' KV dtype are read (``meta.kv_dtype``; absent: float16). Sweeps of
+``pkvrt calibrate --kv-dtype fp8`` refit the file's ``by_kv_dtype.float8_e4m3fn`` section
+instead (created if absent; the fp16 constants untouched), with the e4m3 kernel's occupancy the
+sweeps recorded (``meta.occupancy``), and print pkvrt's routes only (no FlashInfer, no gates).
+
 usage: python benches/cost_model_error.py SWEEPS.json [--calibration PATH] [--routes PATH]
            [--keep-partition | --file-constants] [--suggest-routes PATH] [--write PATH]
 e.g.   python benches/cost_model_error.py benches/results/h200/calibrate-sweeps.json
@@ -60,19 +65,29 @@ def main(argv=None) -> int:
         print(f"cost_model_error.py: {e}", file=sys.stderr)
         return 2
     seed = (meta.get("seeds") or [cal.seed])[0]
-    timed = sweeps.read_rows(rows, seed)
-    print(f"{args.sweeps}: {len(rows)} rows, {len(timed)} timed (route kind, step, G); "
+    kv = meta.get("kv_dtype", "float16")
+    fp16 = kv in calib.TOP_KV_DTYPES
+    if not fp16 and args.suggest_routes:
+        ap.error(f"--suggest-routes: {kv} sweeps have no FlashInfer times to judge gates against")
+    try:
+        timed = sweeps.read_rows(rows, seed, kv)
+    except ValueError as e:
+        print(f"cost_model_error.py: {args.sweeps}: meta.kv_dtype: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.sweeps}: {len(rows)} rows, {len(timed)} timed (route kind, step, G) with {kv} K/V; "
           f"GPU {meta.get('gpu')}, pkvrt {meta.get('pkvrt_commit')}; calibration {cal.source}")
 
     fits = None
     if args.file_constants:
-        if not cal.time_model:
-            print(f"cost_model_error.py: {cal.source} has no time_model to evaluate", file=sys.stderr)
+        if not cal.for_kv_dtype(kv).time_model or cal.for_kv_dtype(kv).kv_dtype_fallback:
+            print(f"cost_model_error.py: {cal.source} has no {'' if fp16 else kv + ' '}time_model to evaluate",
+                  file=sys.stderr)
             return 2
     else:
         if not args.keep_partition:
-            points, regrets = sweeps.fit_partitions(timed, cal, reg)
-            cal = sweeps.with_partitions(cal, points)
+            occupancy = {int(g): n for g, n in (meta.get("occupancy") or {}).items()}
+            points, regrets = sweeps.fit_partitions(timed, cal, reg, resident=occupancy)
+            cal = sweeps.with_partitions(cal, points, kv)
             print("\nbalanced partition, refitted (calibration.fit_partition on "
                   f"{reg.device_planning_route().name}):")
             print("(no sweeps of that route here: the calibration's constants are kept)" if not points else format_rows(("G", "slowdown", "overhead tiles", "min split", "worst regret"),
@@ -86,8 +101,9 @@ def main(argv=None) -> int:
     print("\nmeasured vs predicted at the cut each planner picks (roofline: the calibration's c_min "
           "and flashinfer.ctas_per_sm):")
     print(sweeps.format_errors(sweeps.error_rows(timed, cal, reg, fits)))
-    gates = sweeps.suggest_gates(timed, cal, reg, header=f"{meta.get('gpu')}, {Path(args.sweeps).name}")
-    print("\n" + gates)
+    gates = sweeps.suggest_gates(timed, cal, reg, header=f"{meta.get('gpu')}, {Path(args.sweeps).name}") \
+        if fp16 else ""
+    print("\n" + gates if gates else "")
     if args.suggest_routes:
         Path(args.suggest_routes).write_text(gates, encoding="utf-8")
         print(f"wrote {args.suggest_routes} (routes.toml is unchanged)")
@@ -101,7 +117,15 @@ def main(argv=None) -> int:
                 f"benches/cost_model_error.py --write from {Path(args.sweeps).name} (the sweeps of "
                 f"pkvrt {meta.get('pkvrt_commit')}) under this checkout's planner; every other constant "
                 f"as measured.")
-        out = attrs.evolve(sweeps.with_time_model(cal, fits), provenance=cal.provenance + note)
+        out = sweeps.with_time_model(cal, fits, kv)
+        if fp16:
+            out = attrs.evolve(out, provenance=out.provenance + note)
+        else:   # the section's own provenance (a new section: these sweeps' command)
+            sec = dict(out.by_kv_dtype)[kv]
+            out = calib.with_kv_dtype_section(out, kv, attrs.evolve(
+                sec, command=sec.command or str(meta.get("command") or "pkvrt calibrate --kv-dtype fp8"),
+                provenance=(sec.provenance or f"Fitted from the {kv} sweeps {Path(args.sweeps).name}; "
+                            "nothing else measured with these caches.") + note))
         calib.save_calibration(calib.calibration_from_dict(calib.calibration_to_dict(out)), args.write)
         print(f"wrote {args.write}")
     return 0

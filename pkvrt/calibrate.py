@@ -35,13 +35,27 @@ router uses to predict the FlashInfer baseline's time before it promotes a Persi
 be measured without FlashInfer, but a calibration file needs all of them (schema 1), so without
 FlashInfer calibrate stops before measuring anything.
 
+FP8 K/V (``--kv-dtype fp8``, issue 14): the same bucket and partition sweeps with
+float8_e4m3fn caches (``harness.quantize_fp8`` "unit", scales as float32 [1] device tensors,
+outputs checked against the FP32 reference over the dequantized caches), fitted into the
+``by_kv_dtype.float8_e4m3fn`` section of this GPU's file (``--base``, default the ``--out``
+file): splits.bucket_ctas_per_sm, the partition constants per G (with the occupancy of the
+e4m3 kernel) and the time model of pkvrt's route kinds per G. FlashInfer is not timed (an FP8
+Runtime does not run it: its decode takes the scales as host floats) and need not be installed;
+beta, lambda, c_min, FlashInfer's constants and max_waves stay the file's, as every other
+constant does. An FP8 Runtime or Router sees the file through ``Calibration.for_kv_dtype``.
+``--raw`` rows carry ``kv_dtype``; ``benches/cost_model_error.py`` refits the section offline.
+A 16-bit run writes a whole file and drops the section of the file it replaces (its time model
+was fitted against the old beta), saying so.
+
 It prints a table of the constants and the sweeps, then measured against predicted µs per route
 and step at the cut each planner picks (the time model and the roofline, ``sweeps.format_errors``),
 then the gates the steps measured (group sizes, minimum context, active rows where each route beat
 FlashInfer by its margin) as a routes.toml snippet: printed, written to ``--suggest-routes PATH``
-when asked, never applied. It takes roughly five minutes on an H200 (an estimate) with the three
-group sizes and the 64 + 17 cuts of the shipped bounds; ``--quick`` measures fewer points.
-Without a CUDA GPU or without FlashInfer it says so and exits with status 2.
+when asked, never applied (not with FP8: no FlashInfer times). It takes about 2.5 minutes on an
+H200 with the three group sizes and the 64 + 17 cuts of the shipped bounds (an FP8 run at G 4
+only, an estimate: about 50 s); ``--quick`` measures fewer points. Without a CUDA GPU, or
+without FlashInfer for a 16-bit run, it says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -61,7 +75,7 @@ from pkvrt.cli import positive_int
 from pkvrt import results, sweeps
 from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.costmodel import route_time_us
-from pkvrt.registry import SplitBounds, load_routes
+from pkvrt.registry import KV_DTYPES, SplitBounds, load_routes
 from pkvrt.traces import Request, Trace, decode_steps, synthetic
 
 SEED = 20260622
@@ -217,16 +231,23 @@ def format_rows(header, rows) -> str:
 
 # --------------------------------------------------------------------------- GPU measurements
 
-def _workload(seq_lens, l2_bytes: int, shape: dict = SHAPE):
-    """K/V copies, q, seq_lens and block tables of one calibration step (hole fraction 0)."""
+def _workload(seq_lens, l2_bytes: int, shape: dict = SHAPE, kv_dtype: str = "float16"):
+    """K/V copies, q, seq_lens and block tables of one calibration step (hole fraction 0).
+    ``kv_dtype`` "float8_e4m3fn": the caches quantized by ``harness.quantize_fp8(.., "unit")``
+    (a cast, scale 1), their scales float32 [1] device tensors (``wl.scales(0)``); the fp16
+    source is freed (outputs are checked against the reference over the dequantized caches)."""
     from pkvrt import harness
 
     reqs = tuple(Request(i, 0, int(n) - 1, 1) for i, n in enumerate(seq_lens))
     trace = Trace(name="calibration", requests=reqs, seed=SEED, source="pkvrt calibrate")
     config = harness.ServingConfig(trace="calibration", max_active=len(reqs), seeds=(SEED,),
                                    engines=(harness.BASELINE,), steps_limit=1,
-                                   shape=harness.Shape(**shape))
-    return harness.Workload(trace, config, SEED, l2_bytes=l2_bytes)
+                                   shape=harness.Shape(**shape),
+                                   kv_dtype="fp16" if kv_dtype in calib.TOP_KV_DTYPES else "fp8",
+                                   fp8_scales="unit")
+    wl = harness.Workload(trace, config, SEED, l2_bytes=l2_bytes)
+    wl.drop_source()
+    return wl
 
 
 def _device_tables(wl):
@@ -263,7 +284,7 @@ def time_bucket(wl, splits: int, ref, repeats: int) -> float:
 
     def fn():
         for k, v in zip(wl.k, wl.v):
-            ops.split_decode(q, k, v, seq, bt, row_ids, splits, out, part_a, part_ml)
+            ops.split_decode(q, k, v, seq, bt, row_ids, splits, out, part_a, part_ml, **wl.scales(0))
             if splits > 1:
                 ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
     us = harness.median_us(fn, wl.copies, repeats)
@@ -300,7 +321,7 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
         for i in range(calls):
             k, v = wl.k[i % wl.copies], wl.v[i % wl.copies]
             ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml,
-                                 counters=counters, early_kv=i > 0)
+                                 counters=counters, early_kv=i > 0, **wl.scales(0))
             if not fused:
                 ops.merge(part_a, part_ml, offsets, out, skip_single=True)
     us = harness.median_us(fn, calls, repeats)
@@ -342,8 +363,8 @@ def time_partition(case: str, seq, group: int, route, base: calib.Calibration, w
     partition (the longest row's allowed split counts whose chunk is at least one tile; every
     third with ``quick``), at ``group`` query heads per KV head. ``wl``, ``ref``: the step's
     workload at that shape (``_workload(seq, l2, group_shape(group))``) and its FP32 reference,
-    shared with the other engines timed on the step. One record per cut: case, route, group,
-    rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes."""
+    shared with the other engines timed on the step (its K/V dtype is the sweep's). One record
+    per cut: case, route, group, rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes."""
     from pkvrt import planner
 
     shape = group_shape(group)
@@ -353,12 +374,13 @@ def time_partition(case: str, seq, group: int, route, base: calib.Calibration, w
     fused = route.kind == "fused"
     out = []
     for s in dict.fromkeys(cands):
-        plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d, dtype_bytes=2,
-                                      splits=route.splits, cal=base, longest_splits=s)
+        plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
+                                      dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=base,
+                                      longest_splits=s)
         us = time_workqueue(wl, plan, ref, repeats, fused=fused)
         out.append(dict(case=case, route=route.kind, group=group, rows=len(seq),
                         context=int(seq.max()), splits=int(s), us=float(us),
-                        kv_bytes=int(seq.sum()) * 2 * hkv * d * 2, ctas=plan.counters.decode_ctas,
+                        kv_bytes=int(seq.sum()) * 2 * hkv * d * wl.kv_dtype_bytes, ctas=plan.counters.decode_ctas,
                         launches=1 if fused else 2, merge_bytes=plan.counters.merge_bytes))
     return out
 
@@ -367,7 +389,7 @@ def _reference(wl):
     from pkvrt import reference
 
     step, bt, seq = _device_tables(wl)
-    return reference.decode_attention(wl.q[:len(step.rids)], wl.k[0], wl.v[0], seq, bt)
+    return reference.decode_attention(wl.q[:len(step.rids)], wl.k[0], wl.v[0], seq, bt, **wl.scales(0))
 
 
 def measure_launch(repeats: int) -> dict[str, float]:
@@ -406,14 +428,18 @@ def measure_launch(repeats: int) -> dict[str, float]:
     return res
 
 
-def decode_occupancy(family: str = "workqueue_decode", group: int = 4) -> int:
+def decode_occupancy(family: str = "workqueue_decode", group: int = 4, kv_dtype: str = "float16") -> int:
     """Resident CTAs per SM of a workqueue-kind decode kernel (``workqueue_decode`` or
-    ``fused_decode``) at the seed shape with ``group`` query heads per KV head (the driver's
-    occupancy query with its block size and dynamic shared memory): the partition's waves."""
+    ``fused_decode``) at the seed shape with ``group`` query heads per KV head and ``kv_dtype``
+    K/V (its ``_e4m3`` variant for float8_e4m3fn) (the driver's occupancy query with its block
+    size and dynamic shared memory): the partition's waves."""
+    import torch
+
     from pkvrt import _buildspec, _driver, ops
 
-    sym = _buildspec.symbol(family, "f16", SHAPE["head_dim"], group)
-    smem = ops.decode_smem_bytes(SHAPE["head_dim"], group)
+    kv = getattr(torch, kv_dtype)
+    sym = _buildspec.symbol(family, "f16", SHAPE["head_dim"], group, ops.KV_TAG.get(kv))
+    smem = ops.decode_smem_bytes(SHAPE["head_dim"], group, kv.itemsize)
     return _driver.occupancy(_driver.get_kernel(family, sym, smem), ops.THREADS)
 
 
@@ -432,6 +458,10 @@ def measure_torch_read(gib: int, repeats: int) -> float:
 
 
 # --------------------------------------------------------------------------- the command
+
+# --kv-dtype spellings -> routes.toml names (bfloat16 caches use the fp16 constants: same bytes)
+KV_DTYPE_ARGS = {"fp16": "float16", "float16": "float16", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``pkvrt calibrate``."""
@@ -455,13 +485,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="splits.max_waves, the resident waves of CTAs the balanced partition may "
                              "plan; not fitted (the calibration steps are G = 4, where it rarely binds). "
                              "Default: the value of the calibration file being replaced, else "
-                             f"{calib.DEFAULT_MAX_WAVES}")
+                             f"{calib.DEFAULT_MAX_WAVES} (fp8: the --base file's, which the FP8 section "
+                             "then leaves to it; given, it is written to the section)")
+    parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_ARGS), default="fp16",
+                        help="K/V cache dtype to measure with. fp16 (default): the whole file. fp8 "
+                             "(float8_e4m3fn): pkvrt's routes with FP8 caches (no FlashInfer), fitted "
+                             "into the by_kv_dtype.float8_e4m3fn section of --base, which is written "
+                             "to --out with every other constant kept")
+    parser.add_argument("--base", metavar="PATH",
+                        help="with --kv-dtype fp8: this GPU's calibration file the FP8 section is "
+                             "added to or replaced in (default: the --out file)")
+
+
+def check_arguments(args) -> str:
+    """The routes.toml name of ``--kv-dtype``, after refusing combinations that do not apply to
+    it (ValueError naming the option): ``--base`` without FP8, ``--suggest-routes`` with FP8."""
+    kv = KV_DTYPE_ARGS[args.kv_dtype]
+    if kv in calib.TOP_KV_DTYPES and args.base:
+        raise ValueError("--base: only with --kv-dtype fp8 (an fp16 run measures and writes a whole file)")
+    if kv not in calib.TOP_KV_DTYPES and args.suggest_routes:
+        raise ValueError("--suggest-routes: not with --kv-dtype fp8 (gates are judged against FlashInfer's "
+                         "times, which an FP8 run does not measure: an FP8 Runtime does not run FlashInfer)")
+    return kv
+
+
+def out_path(args, slug: str) -> Path:
+    """``--out``, else ``calibration/<slug>.json`` (the checkout's, else the installed copy's)."""
+    return Path(args.out) if args.out else calib.calibration_dirs()[-1] / f"{slug}.json"
+
+
+def load_base(path: Path, device_name: str) -> calib.Calibration:
+    """The file an FP8 run adds its section to: it must exist and be this GPU's (its slug is
+    ``slugify(device_name)``): the section's time model is fitted against its beta, and its
+    constants are laid over the file's on the GPU that measured them. ValueError otherwise
+    (a malformed file: CalibrationError)."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no calibration file to add the FP8 section to; run `pkvrt calibrate` "
+                         "(fp16) on this GPU first, or name this GPU's file with --base PATH")
+    base = calib.load_calibration(path)
+    want = calib.slugify(device_name)
+    if base.slug != want:
+        raise ValueError(f"{path}: the calibration of {base.gpu!r} (slug {base.slug!r}), not of this GPU "
+                         f"{device_name!r} ({want!r}); an FP8 section extends its own GPU's file")
+    return base
 
 
 def run(args: argparse.Namespace) -> int:
     """``pkvrt calibrate``: measure, fit, print, write; 2 without a GPU, 1 on a wrong result."""
     import torch
 
+    kv_dtype = check_arguments(args)
+    fp8 = kv_dtype not in calib.TOP_KV_DTYPES
     if not torch.cuda.is_available():
         print("pkvrt calibrate: no CUDA GPU here. Calibration measures the GPU it runs on "
               "(bandwidth, launch overhead, split sweeps, FlashInfer times); run it on the GPU "
@@ -474,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"pkvrt calibrate: cannot measure here: {why}", file=sys.stderr)
         return 2
-    if str(env.get("flashinfer", "")).startswith("unavailable"):
+    if not fp8 and str(env.get("flashinfer", "")).startswith("unavailable"):
         print(f"pkvrt calibrate: FlashInfer is {env['flashinfer']}. Calibration needs it: it times "
               "FlashInfer's decode to fit flashinfer.ctas_per_sm, the cost model the router uses "
               "to predict the FlashInfer baseline before promoting a PersistentKV route. Install "
@@ -482,28 +556,48 @@ def run(args: argparse.Namespace) -> int:
               "`pkvrt doctor` says why it does not import. Nothing was measured or written.",
               file=sys.stderr)
         return 2
+    device = torch.cuda.get_device_name(0)
+    out = out_path(args, calib.slugify(device))
     try:
-        cal, raw = measure(args, env)
+        if fp8:
+            cal, raw, meta = measure_kv_dtype(args, load_base(Path(args.base) if args.base else out, device),
+                                              kv_dtype)
+        else:
+            dropped = replaced_sections(out)
+            cal, raw, meta = measure(args, env)
+            if dropped:
+                print(f"pkvrt calibrate: the {', '.join(dropped)} section of {out} is not kept (its time "
+                      f"model was fitted against that file's beta): run pkvrt calibrate --kv-dtype fp8 "
+                      "again", file=sys.stderr)
     except RuntimeError as e:
         print(f"pkvrt calibrate: {e}", file=sys.stderr)
         return 1
-    out = Path(args.out) if args.out else calib.calibration_dirs()[-1] / f"{cal.slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     calib.save_calibration(cal, out)
     if args.raw:
-        meta = results.make_meta(seeds=[SEED], routes_path=args.routes or None,
-                                 calibration_path=out, kind="calibration-sweeps")
+        meta = results.make_meta(seeds=[SEED], routes_path=args.routes or None, calibration_path=out,
+                                 kind="calibration-sweeps", **meta)
         results.write_results(args.raw, meta, raw)
         print(f"wrote {args.raw}")
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (f" (its by_kv_dtype.{kv_dtype} section; every other constant as in "
+                            f"{args.base or 'the file before'})" if fp8 else ""))
     if cal.time_model:
-        errors, gates = report(raw, cal, load_routes(args.routes), header=f"{cal.gpu}, {cal.date}, seed {SEED}")
+        errors, gates = report(raw, cal, load_routes(args.routes), header=f"{cal.gpu}, {cal.date}, seed {SEED}",
+                               kv_dtype=kv_dtype)
         print("\nmeasured vs predicted at the cut each planner picks (time_model; roofline: c_min and "
-              "flashinfer.ctas_per_sm)\n" + errors + "\n\n" + gates)
+              "flashinfer.ctas_per_sm)\n" + errors + ("\n\n" + gates if gates else ""))
         if args.suggest_routes:
             Path(args.suggest_routes).write_text(gates, encoding="utf-8")
             print(f"wrote {args.suggest_routes} (suggested gates; routes.toml is unchanged)")
     return 0
+
+
+def replaced_sections(out: Path) -> list[str]:
+    """The ``by_kv_dtype`` sections of the file a 16-bit run replaces (it writes none)."""
+    try:
+        return [name for name, _ in calib.load_calibration(out).by_kv_dtype] if out.is_file() else []
+    except calib.CalibrationError:
+        return []
 
 
 def kept_max_waves(args, slug: str) -> int:
@@ -511,7 +605,7 @@ def kept_max_waves(args, slug: str) -> int:
     hand: re-calibrating must not reset it silently), else the default."""
     if getattr(args, "max_waves", None):
         return args.max_waves
-    out = Path(args.out) if args.out else calib.calibration_dirs()[-1] / f"{slug}.json"
+    out = out_path(args, slug)
     if out.is_file():
         try:
             return calib.load_calibration(out).splits.max_waves
@@ -520,26 +614,113 @@ def kept_max_waves(args, slug: str) -> int:
     return calib.DEFAULT_MAX_WAVES
 
 
-def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
-    """Every measurement and fit; returns the calibration and the raw timed rows."""
+def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: int,
+               t_start: float) -> tuple[list[dict], list[dict], dict[int, dict]]:
+    """Every calibration step timed with ``kv_dtype`` caches: the bucket route at each candidate
+    S (G 4), the workqueue-or-fused routes of routes.toml at every cut (the device-planning
+    route first) at each G of ``--groups``, and beside them FlashInfer's two paths (16-bit
+    caches only: an FP8 Runtime does not run FlashInfer). ``base``: the calibration the timed
+    cuts are planned with (SMs; partition constants that leave every cut allowed).
+
+    Returns (fit records: the bucket sweeps and the device-planning route at G 4; the raw rows of
+    ``--raw``, each with its ``kv_dtype``; {G: {case: (seq_lens, {cut: us})}} of the
+    device-planning route, for ``fit_partition``).
+    """
     import torch
 
     from pkvrt import planner
+
+    quick, sm, l2 = args.quick, base.sm_count, base.l2_bytes
+    bucket_bounds = next(r.splits for r in reg.routes if r.kind == "bucket")
+    dp_route = reg.device_planning_route()   # the partition is fitted on what device planning runs
+    # every workqueue-or-fused kind is timed at every cut (its time model); dp_route first
+    partition_routes = [dp_route] + [r for k in ("workqueue", "fused") if k != dp_route.kind
+                                     for r in [sweeps.route_of_kind(reg, k)] if r is not None]
+    hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], SHAPE["head_dim"]
+    kv_tok = 2 * hkv * d * KV_DTYPES[kv_dtype]
+    flashinfer = kv_dtype in calib.TOP_KV_DTYPES
+    raw, fit_recs = [], []
+    partition_cases: dict[int, dict] = {g: {} for g in args.groups}
+    for case, kind, seq in calibration_steps():
+        kv = int(seq.sum()) * kv_tok
+        if kind == "bucket":
+            wl = _workload(seq, l2, kv_dtype=kv_dtype)
+            ref = _reference(wl)
+            for s in split_candidates(bucket_bounds, quick):
+                us = time_bucket(wl, s, ref, repeats)
+                merge = planner.state_bytes(len(seq) * s if s > 1 else 0, num_qo_heads=hq, head_dim=d)
+                fit_recs.append(dict(case=case, route=kind, rows=len(seq), context=int(seq.max()),
+                                     splits=int(s), us=float(us), kv_bytes=kv, ctas=len(seq) * hkv * s,
+                                     launches=2 if s > 1 else 1, merge_bytes=int(merge)))
+                raw.append(dict(case=case, engine="pkvrt-bucket", kv_dtype=kv_dtype, splits=int(s),
+                                median_us=float(us), gbps=kv / (us * 1e3), cta_work_per_sm=len(seq) * hkv * s / sm,
+                                ctas=len(seq) * hkv * s, rows=len(seq), kv_mb=round(kv / 1e6, 3)))
+            del wl
+            torch.cuda.empty_cache()
+            continue
+        for g in args.groups:   # the partition routes at every cut, then FlashInfer, per group size
+            name = case if g == 4 else f"{case}-G{g}"
+            wl = _workload(seq, l2, group_shape(g), kv_dtype)   # one workload and reference for every engine
+            ref = _reference(wl)
+            for route in partition_routes:
+                records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick)
+                best = min(records, key=lambda r: r["us"])
+                print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "
+                      f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
+                raw += [dict(case=name, engine=f"pkvrt-{route.kind}", kv_dtype=kv_dtype, group=g,
+                             splits=r["splits"], median_us=r["us"], gbps=r["kv_bytes"] / (r["us"] * 1e3),
+                             cta_work_per_sm=r["ctas"] / sm, ctas=r["ctas"], rows=len(seq),
+                             kv_mb=round(r["kv_bytes"] / 1e6, 3)) for r in records]
+                if route is dp_route:
+                    partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
+                    if g == 4:
+                        fit_recs += records
+            kv_g = kv * group_shape(g)["num_kv_heads"] // hkv
+            for tc in (False, True) if flashinfer else ():
+                us = time_flashinfer(wl, tc, ref, repeats)
+                raw.append(dict(case=name, engine="flashinfer-tc" if tc else "flashinfer-cuda",
+                                kv_dtype=kv_dtype, group=g, median_us=float(us), gbps=kv_g / (us * 1e3),
+                                rows=len(seq), kv_mb=round(kv_g / 1e6, 3)))
+            del wl
+            torch.cuda.empty_cache()
+    return fit_recs, raw, partition_cases
+
+
+def fit_groups(partition_cases: dict, reg, *, sm_count: int, kv_dtype: str,
+               max_waves: int) -> tuple[dict, dict, dict]:
+    """``calibration.fit_partition`` per G of :func:`time_steps`' device-planning sweeps, with
+    the occupancy of that route's kernel (``kv_dtype`` variant) at each G from the driver:
+    ({G: points}, {G: {case: regret}}, {G: resident CTAs per SM})."""
+    dp_route = reg.device_planning_route()
+    fitted, regrets, resident = {}, {}, {}
+    for g, cases in partition_cases.items():
+        resident[g] = decode_occupancy(dp_route.kernel, g, kv_dtype)
+        fitted[g], regrets[g] = calib.fit_partition(
+            cases, sm_count=sm_count, resident=resident[g], num_kv_heads=group_shape(g)["num_kv_heads"],
+            splits=dp_route.splits, max_waves=max_waves)
+    return fitted, regrets, resident
+
+
+def _regret_text(regrets: dict) -> str:
+    return "; ".join(f"G {g}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()) for g, r in regrets.items())
+
+
+def measure(args, env) -> tuple[calib.Calibration, list[dict], dict]:
+    """Every measurement and fit of a 16-bit calibration; returns the calibration, the raw timed
+    rows and what ``--raw``'s meta records beside them (``kv_dtype``, ``occupancy`` per G)."""
+    import torch
+
     from pkvrt.plan_cmd import seed_calibration
 
     t_start = time.perf_counter()
     quick = args.quick
     repeats = 10 if quick else 30
     reg = load_routes(args.routes)
-    bucket_bounds = next(r.splits for r in reg.routes if r.kind == "bucket")
-    dp_route = reg.device_planning_route()   # the partition is fitted on what device planning runs
-    # every workqueue-or-fused kind is timed at every cut (its time model); dp_route first
-    partition_routes = [dp_route] + [r for k in ("workqueue", "fused") if k != dp_route.kind
-                                     for r in [sweeps.route_of_kind(reg, k)] if r is not None]
+    dp_route = reg.device_planning_route()
     props = torch.cuda.get_device_properties(0)
     sm, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 0) or 60 * 2**20
-    hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], SHAPE["head_dim"]
-    kv_tok = 2 * hkv * d * 2
+    hkv = SHAPE["num_kv_heads"]
+    kv_tok = 2 * hkv * SHAPE["head_dim"] * 2
 
     launch = measure_launch(repeats)
     torch_read = measure_torch_read(1 if quick else 2, repeats)
@@ -555,60 +736,13 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
                         lambda_graph_us=launch["pkvrt_graph"],
                         splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS))
 
-    raw, fit_recs = [], []
-    partition_cases: dict[int, dict] = {g: {} for g in args.groups}
-    for case, kind, seq in calibration_steps():
-        kv = int(seq.sum()) * kv_tok
-        if kind == "bucket":
-            wl = _workload(seq, l2)
-            ref = _reference(wl)
-            for s in split_candidates(bucket_bounds, quick):
-                us = time_bucket(wl, s, ref, repeats)
-                merge = planner.state_bytes(len(seq) * s if s > 1 else 0, num_qo_heads=hq, head_dim=d)
-                fit_recs.append(dict(case=case, route=kind, rows=len(seq), context=int(seq.max()),
-                                     splits=int(s), us=float(us), kv_bytes=kv, ctas=len(seq) * hkv * s,
-                                     launches=2 if s > 1 else 1, merge_bytes=int(merge)))
-                raw.append(dict(case=case, engine="pkvrt-bucket", splits=int(s), median_us=float(us),
-                                gbps=kv / (us * 1e3), cta_work_per_sm=len(seq) * hkv * s / sm,
-                                ctas=len(seq) * hkv * s, rows=len(seq), kv_mb=round(kv / 1e6, 3)))
-            del wl
-            torch.cuda.empty_cache()
-            continue
-        for g in args.groups:   # the partition routes at every cut, then FlashInfer, per group size
-            name = case if g == 4 else f"{case}-G{g}"
-            wl = _workload(seq, l2, group_shape(g))   # one workload and reference for every engine
-            ref = _reference(wl)
-            for route in partition_routes:
-                records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick)
-                best = min(records, key=lambda r: r["us"])
-                print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "
-                      f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
-                raw += [dict(case=name, engine=f"pkvrt-{route.kind}", group=g, splits=r["splits"],
-                             median_us=r["us"], gbps=r["kv_bytes"] / (r["us"] * 1e3),
-                             cta_work_per_sm=r["ctas"] / sm, ctas=r["ctas"], rows=len(seq),
-                             kv_mb=round(r["kv_bytes"] / 1e6, 3)) for r in records]
-                if route is dp_route:
-                    partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
-                    if g == 4:
-                        fit_recs += records
-            kv_g = kv * group_shape(g)["num_kv_heads"] // hkv
-            for tc in (False, True):
-                us = time_flashinfer(wl, tc, ref, repeats)
-                raw.append(dict(case=name, engine="flashinfer-tc" if tc else "flashinfer-cuda", group=g,
-                                median_us=float(us), gbps=kv_g / (us * 1e3), rows=len(seq),
-                                kv_mb=round(kv_g / 1e6, 3)))
-            del wl
-            torch.cuda.empty_cache()
+    fit_recs, raw, partition_cases = time_steps(args, reg, base, kv_dtype="float16", repeats=repeats,
+                                                t_start=t_start)
     splits = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"],
                                     sm_count=sm, num_kv_heads=hkv)
     max_waves = kept_max_waves(args, calib.slugify(props.name))
-    family = dp_route.kernel
-    fitted, regrets = {}, {}
-    for g in args.groups:
-        hkv_g = group_shape(g)["num_kv_heads"]
-        fitted[g], regrets[g] = calib.fit_partition(
-            partition_cases[g], sm_count=sm, resident=decode_occupancy(family, g),
-            num_kv_heads=hkv_g, splits=dp_route.splits, max_waves=max_waves)
+    fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=sm, kv_dtype="float16",
+                                           max_waves=max_waves)
     splits.update(fitted[4], max_waves=max_waves)
     by_group = {g: pts for g, pts in fitted.items() if g != 4}
     c_min = fit_c_min(fit_recs, base)
@@ -621,13 +755,14 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
         t = {tc: time_flashinfer(wl, tc, ref, repeats) for tc in (False, True)}
         tc = min(t, key=t.get)
         fi_times[a], fi_variant[a] = t[tc], "tc" if tc else "cuda"
-        raw += [dict(case=f"B{a}-32K", engine="flashinfer-tc" if k else "flashinfer-cuda",
+        raw += [dict(case=f"B{a}-32K", engine="flashinfer-tc" if k else "flashinfer-cuda", kv_dtype="float16",
                      median_us=float(v), gbps=a * FI_CONTEXT * kv_tok / (v * 1e3)) for k, v in t.items()]
         if wl is not wl_big:
             del wl
             torch.cuda.empty_cache()
     fi = fit_flashinfer_ctas(fi_times, context=FI_CONTEXT, cal=base, kv_bytes_per_token=kv_tok)
 
+    family = dp_route.kernel
     which = "split_decode kernel" if kernel_read >= torch_read else "torch sum"
     provenance = (
         f"Measured by pkvrt calibrate{' --quick' if quick else ''} on {props.name}. beta: the faster "
@@ -640,9 +775,7 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
         f"with route {dp_route.name} ({dp_route.kind}, the device-planning route) timed at every cut "
         f"of the balanced partition at G = 4 (H_q 32, H_kv 8); splits.by_group: the same fit at "
         f"G = {', '.join(str(g) for g in by_group) or '(none)'} (H_kv = 32 / G). Regret of the "
-        f"fitted rule (its pick over the fastest cut): " + "; ".join(
-            f"G {g}: " + ", ".join(f"{k} {v:.3f}" for k, v in regrets[g].items()) for g in args.groups)
-        + ". "
+        f"fitted rule (its pick over the fastest cut): " + _regret_text(regrets) + ". "
         f"lambda_us / lambda_graph_us:"
         f" a 1-token pkvrt split decode launched eagerly from Python (median of {repeats} loops of "
         f"100) / as one node of a 200-node CUDA graph (torch 1-element add: "
@@ -659,52 +792,130 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict]]:
         lambda_graph_us=launch["pkvrt_graph"], c_min=c_min, splits=splits, flashinfer=fi,
         versions={"torch": torch.__version__, "cuda": torch.version.cuda,
                   "flashinfer": env.get("flashinfer"), "driver": env.get("driver")},
-        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), provenance=provenance,
-        by_group=by_group)
+        command=_command(), provenance=provenance, by_group=by_group)
     try:
         cal = add_time_model(cal, raw, reg)
     except ValueError as e:   # keep the measurements: the file gets the roofline, --raw the rows
         print(f"pkvrt calibrate: no time model written ({e}); the router will use the roofline. "
               "benches/cost_model_error.py fits and prints it from the --raw rows.", file=sys.stderr)
-    _print(cal, launch, torch_read, float(kernel_read), fit_recs, fi_times, fi_variant,
-           time.perf_counter() - t_start, regrets)
-    return cal, raw
+    _print(cal, launch, torch_read, float(kernel_read), fit_recs, fi_times, fi_variant)
+    _print_sweeps(cal, fit_recs, regrets, time.perf_counter() - t_start)
+    return cal, raw, {"kv_dtype": "float16", "occupancy": {str(g): n for g, n in resident.items()}}
 
 
-def add_time_model(cal: calib.Calibration, raw: list[dict], reg) -> calib.Calibration:
+def measure_kv_dtype(args, base: calib.Calibration, kv_dtype: str) -> tuple[calib.Calibration, list[dict], dict]:
+    """The ``by_kv_dtype`` section of ``kv_dtype`` (FP8), measured and fitted as :func:`measure`
+    fits the 16-bit constants, and ``base`` (this GPU's file, :func:`load_base`) with it added
+    or replaced; every other constant of ``base`` is kept.
+
+    Timed: the calibration steps of :func:`time_steps` with FP8 caches (no FlashInfer). Fitted:
+    splits.bucket_ctas_per_sm (``fit_split_points``), the partition constants per G
+    (``fit_partition``, with the occupancy of the device-planning kernel's e4m3 variant) and the
+    time model of pkvrt's route kinds per G (``sweeps.fit_time_model``, against ``base``'s beta).
+    Not measured, so the file's: beta, lambda, c_min, FlashInfer's constants and time model, and
+    max_waves (unless ``--max-waves``). Returns as :func:`measure`.
+    """
+    import torch
+
+    t_start = time.perf_counter()
+    repeats = 10 if args.quick else 30
+    reg = load_routes(args.routes)
+    dp_route = reg.device_planning_route()
+    props = torch.cuda.get_device_properties(0)   # the K/V copies rotate past this GPU's L2
+    timing = attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
+                          splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), time_model=(),
+                          time_model_by_group=())
+    fit_recs, raw, partition_cases = time_steps(args, reg, timing, kv_dtype=kv_dtype, repeats=repeats,
+                                                t_start=t_start)
+    bucket = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"], sm_count=base.sm_count,
+                                    num_kv_heads=SHAPE["num_kv_heads"])["bucket_ctas_per_sm"]
+    max_waves = args.max_waves or base.splits.max_waves
+    fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=base.sm_count, kv_dtype=kv_dtype,
+                                           max_waves=max_waves)
+    others = ", ".join(str(g) for g in fitted if g != 4)
+    waves = f"set by --max-waves: {max_waves}" if args.max_waves else f"the file's {max_waves}"
+    provenance = (
+        f"Measured by pkvrt calibrate --kv-dtype {kv_dtype}{' --quick' if args.quick else ''} on "
+        f"{torch.cuda.get_device_name(0)}: every calibration step with {kv_dtype} K/V caches "
+        f"(harness.quantize_fp8 'unit': a cast, scale 1.0, passed to the kernels as float32 [1] "
+        f"device tensors; fp16 q and out), outputs checked against the FP32 reference over the "
+        f"dequantized caches. splits.bucket_ctas_per_sm: fit_split_points over bucket B1 "
+        f"{'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)}; splits.workqueue_ctas_per_sm: the "
+        f"{dp_route.kernel} e4m3 kernel's occupancy (driver query, {resident[4]} CTAs per SM at G 4); "
+        f"co_resident_slowdown / cta_overhead_tiles / min_split_tokens: fit_partition over "
+        f"{len(partition_cases[4])} steps with route {dp_route.name} timed at every cut at G = 4"
+        f"{f'; splits.by_group: the same at G = {others}' if others else ''}. Regret of the fitted rule: "
+        f"{_regret_text(regrets)}. Not measured with {kv_dtype} caches, so the file's: beta_gbps, "
+        f"lambda_us, lambda_graph_us, c_min, flashinfer.ctas_per_sm and time_model.flashinfer "
+        f"(FlashInfer is not timed: an FP8 Runtime does not run it), splits.max_waves "
+        f"({waves}).")
+    section = calib.KvDtypeSection(
+        splits=(("bucket_ctas_per_sm", round(bucket, 3)),) + ((("max_waves", max_waves),) if args.max_waves else ()),
+        date=datetime.date.today().isoformat(), command=_command(), provenance=provenance)
+    cal = sweeps.with_partitions(calib.with_kv_dtype_section(base, kv_dtype, section), fitted, kv_dtype)
+    try:
+        cal = add_time_model(cal, raw, reg, kv_dtype)
+    except ValueError as e:
+        print(f"pkvrt calibrate: no {kv_dtype} time model written ({e}); the router will use the file's. "
+              "benches/cost_model_error.py fits and prints it from the --raw rows.", file=sys.stderr)
+    _print_section(cal, kv_dtype)
+    _print_sweeps(cal.for_kv_dtype(kv_dtype), fit_recs, regrets, time.perf_counter() - t_start)
+    return cal, raw, {"kv_dtype": kv_dtype, "fp8_scales": "unit",
+                      "occupancy": {str(g): n for g, n in resident.items()}}
+
+
+def _command() -> str:
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+def add_time_model(cal: calib.Calibration, raw: list[dict], reg, kv_dtype: str = "float16") -> calib.Calibration:
     """``cal`` (its partition constants fitted) with the measured time model that
-    ``sweeps.fit_time_model`` fits on the timed rows ``raw``, and a sentence on it in ``source``.
-    A workqueue or fused kind that was not timed (routes.toml has no such route) takes the
-    other's constants, and ``source`` says so. Raises ValueError when G 4 still lacks a kind."""
-    fits = sweeps.fit_time_model(sweeps.read_rows(raw, SEED), cal, reg)
+    ``sweeps.fit_time_model`` fits on the timed rows of ``kv_dtype`` in ``raw``, and a sentence
+    on it in ``source``: the file's top level for a 16-bit ``kv_dtype``, its ``by_kv_dtype``
+    section (and that section's source) for FP8. A workqueue or fused kind that was not timed
+    (routes.toml has no such route) takes the other's constants, and ``source`` says so. Raises
+    ValueError when a 16-bit G 4 still lacks a kind."""
+    fits = sweeps.fit_time_model(sweeps.read_rows(raw, SEED, kv_dtype), cal, reg)
     top, notes = fits.setdefault(4, {}), []
     for kind, other in (("workqueue", "fused"), ("fused", "workqueue")):
         if kind not in top and other in top:
             top[kind] = top[other]
             notes.append(f" No {kind} route was timed: time_model.{kind} is {other}'s.")
-    cal = sweeps.with_time_model(cal, fits)
+    cal = sweeps.with_time_model(cal, fits, kv_dtype)
     dp = reg.device_planning_route()
+    fp16 = kv_dtype in calib.TOP_KV_DTYPES
+    view = cal.for_kv_dtype(kv_dtype)
+    groups = dict(cal.time_model_by_group) if fp16 else dict(dict(cal.by_kv_dtype)[kv_dtype].time_model_by_group)
     text = (f" time_model: sweeps.fit_time_model per route kind and group size (G 4 top level, "
-            f"by_group: G = {', '.join(str(g) for g, _ in cal.time_model_by_group) or '(none)'}) on "
+            f"by_group: G = {', '.join(str(g) for g in groups) or '(none)'}) on "
             f"every calibration step at the cut its planner picks plus every cut within "
-            f"{100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest, FlashInfer at its faster path "
-            f"on the same steps and B1..B16 at 32K; bucket: read_scale and fixed_us only, tail_us and "
-            f"split_us from {dp.name} ({dp.kind}).") + "".join(notes)
-    cal = attrs.evolve(cal, provenance=cal.provenance + text)
+            f"{100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest, "
+            + ("FlashInfer at its faster path on the same steps and B1..B16 at 32K; " if fp16 else
+               f"against the file's beta_gbps {view.beta_gbps:g}; FlashInfer not timed (the file's "
+               "time_model.flashinfer, bytes counted at 1 per element); ")
+            + f"bucket: read_scale and fixed_us only, tail_us and split_us from {dp.name} ({dp.kind}).") \
+        + "".join(notes)
+    if fp16:
+        cal = attrs.evolve(cal, provenance=cal.provenance + text)
+    else:
+        sec = dict(cal.by_kv_dtype)[kv_dtype]
+        cal = calib.with_kv_dtype_section(cal, kv_dtype, attrs.evolve(sec, provenance=sec.provenance + text))
     return calib.calibration_from_dict(calib.calibration_to_dict(cal))
 
 
-def report(raw: list[dict], cal: calib.Calibration, reg, *, header: str = "") -> tuple[str, str]:
-    """(error table, suggested gates) of the calibration ``cal`` on the timed rows ``raw``:
-    measured vs predicted µs per route and step at the cut the planner picks
-    (``sweeps.format_errors``) and the routes.toml gates they measured (``sweeps.suggest_gates``,
-    text for a person, never applied)."""
-    timed = sweeps.read_rows(raw, SEED)
-    return (sweeps.format_errors(sweeps.error_rows(timed, cal, reg)),
-            sweeps.suggest_gates(timed, cal, reg, header=header))
+def report(raw: list[dict], cal: calib.Calibration, reg, *, header: str = "",
+           kv_dtype: str = "float16") -> tuple[str, str]:
+    """(error table, suggested gates) of the calibration ``cal`` on the timed rows of
+    ``kv_dtype`` in ``raw``: measured vs predicted µs per route and step at the cut the planner
+    picks (``sweeps.format_errors``) and the routes.toml gates they measured
+    (``sweeps.suggest_gates``, text for a person, never applied; "" for FP8 rows, which have no
+    FlashInfer time to judge a route against)."""
+    timed = sweeps.read_rows(raw, SEED, kv_dtype)
+    gates = sweeps.suggest_gates(timed, cal, reg, header=header) if kv_dtype in calib.TOP_KV_DTYPES else ""
+    return sweeps.format_errors(sweeps.error_rows(timed, cal, reg)), gates
 
 
-def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, seconds, regrets) -> None:
+def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant) -> None:
     s = cal.splits
     rows = [
         ("gpu", cal.gpu, f"{cal.sm_count} SMs, L2 {cal.l2_bytes / 2**20:.0f} MiB"),
@@ -714,20 +925,44 @@ def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant, sec
         ("lambda_graph_us", f"{cal.lambda_graph_us:.2f}",
          f"per graph node (torch add {launch['torch_graph']:.2f})"),
         ("c_min", f"{cal.c_min:.2f}", f"cost-model fit over {len(recs)} configurations"),
-        ("splits.bucket_ctas_per_sm", f"{s.bucket_ctas_per_sm:.2f}", "fit_split_points, B1 cases"),
-        ("splits.workqueue_ctas_per_sm", f"{s.workqueue_ctas_per_sm:.2f}", "decode kernel occupancy (driver)"),
-        ("splits.co_resident_slowdown", f"{s.co_resident_slowdown:.2f}", "fit_partition: two CTAs on an SM"),
-        ("splits.cta_overhead_tiles", f"{s.cta_overhead_tiles:.2f}", "fit_partition: a CTA's fixed cost"),
-        ("splits.min_split_tokens", str(s.min_split_tokens), "fit_partition: shortest split"),
+        *_split_rows("splits", s),
         *((f"flashinfer.ctas_per_sm.{a}", f"{c:.2f}", f"{fi_times[a]:.1f} us ({fi_variant[a]})")
           for a, c in cal.flashinfer_ctas_per_sm),
-        *((f"time_model{'' if g == 4 else f'.by_group.{g}'}.{k}",
-           f"{t.read_scale:.3f} {t.tail_us:.3f} {t.split_us:.3f} {t.fixed_us:.2f}",
-           "read_scale tail_us split_us fixed_us (sweeps.fit_time_model)")
-          for g, kinds in ((4, cal.time_model), *cal.time_model_by_group) for k, t in kinds),
+        *_time_rows("time_model", cal.time_model, cal.time_model_by_group),
     ]
     print(format_rows(("constant", "value", "from"), rows))
     print()
+
+
+def _split_rows(prefix: str, s: calib.SplitPoints) -> list[tuple]:
+    return [(f"{prefix}.bucket_ctas_per_sm", f"{s.bucket_ctas_per_sm:.2f}", "fit_split_points, B1 cases"),
+            (f"{prefix}.workqueue_ctas_per_sm", f"{s.workqueue_ctas_per_sm:.2f}", "decode kernel occupancy (driver)"),
+            (f"{prefix}.co_resident_slowdown", f"{s.co_resident_slowdown:.2f}", "fit_partition: two CTAs on an SM"),
+            (f"{prefix}.cta_overhead_tiles", f"{s.cta_overhead_tiles:.2f}", "fit_partition: a CTA's fixed cost"),
+            (f"{prefix}.min_split_tokens", str(s.min_split_tokens), "fit_partition: shortest split")]
+
+
+def _time_rows(prefix: str, top, by_group) -> list[tuple]:
+    return [(f"{prefix}{'' if g == 4 else f'.by_group.{g}'}.{k}",
+             f"{t.read_scale:.3f} {t.tail_us:.3f} {t.split_us:.3f} {t.fixed_us:.2f}",
+             "read_scale tail_us split_us fixed_us (sweeps.fit_time_model)")
+            for g, kinds in ((4, top), *by_group) for k, t in kinds]
+
+
+def _print_section(cal: calib.Calibration, kv_dtype: str) -> None:
+    """The constants an FP8 run measured: its ``by_kv_dtype`` section at G 4."""
+    sec = dict(cal.by_kv_dtype)[kv_dtype]
+    prefix = f"by_kv_dtype.{kv_dtype}"
+    rows = [("gpu", cal.gpu, f"{cal.sm_count} SMs; beta {cal.beta_gbps:.1f} GB/s from the file"),
+            *_split_rows(f"{prefix}.splits", cal.for_kv_dtype(kv_dtype).splits),
+            *_time_rows(f"{prefix}.time_model", sec.time_model, sec.time_model_by_group)]
+    print(format_rows(("constant", "value", "from"), rows))
+    print()
+
+
+def _print_sweeps(cal, recs, regrets, seconds) -> None:
+    """The bucket and G 4 partition sweeps, and the fitted partition rule per G (``cal``: the
+    file's calibration, or its view of the KV dtype timed)."""
     print(format_rows(("case", "route", "S", "us", "CTAs/SM", "GB/s"),
                       [(r["case"], r["route"], r["splits"], f"{r['us']:.1f}",
                         f"{r['ctas'] / cal.sm_count:.2f}", f"{r['kv_bytes'] / (r['us'] * 1e3):.0f}")

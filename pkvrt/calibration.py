@@ -29,6 +29,13 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        measured time model of every route kind (costmodel.py, "The measured
                        model"); a file without it (the seed, files of an older calibrate) is
                        predicted with the roofline above (c_min, flashinfer.ctas_per_sm)
+    by_kv_dtype       optional: {"float8_e4m3fn": section}: constants measured with K/V caches of
+                       that dtype (``pkvrt calibrate --kv-dtype fp8``), laid over the rest of the
+                       file (measured with fp16 caches) for a Runtime or Router of that KV dtype
+                       (:meth:`Calibration.for_kv_dtype`). A section: {"splits" (optional: some of
+                       _SECTION_SPLIT_KEYS, "by_group" as splits.by_group), "time_model"
+                       (optional: some of the four kinds, "by_group" as time_model.by_group), at
+                       least one of the two; "date", "command", "source": its own provenance}
     versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
     date              ISO date the file was produced, "2026-11-29"
     seed              calibration trace seed, int
@@ -58,7 +65,7 @@ _TOP_KEYS = (
     "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
-_OPTIONAL_TOP_KEYS = ("time_model",)
+_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype")
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
                "co_resident_slowdown", "max_waves", "by_group")
 # splits.by_group.<G>.*: the balanced partition's constants that one group size may override
@@ -71,6 +78,13 @@ _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 # time_model.<kind>: every route kind has one when the section is present
 TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")
 _TIME_KEYS = ("read_scale", "tail_us", "split_us", "fixed_us")
+# KV dtypes (routes.toml names): the top level's, measured with fp16 caches (bf16 moves the same
+# bytes through the same kernels), and those a by_kv_dtype section may be measured for
+TOP_KV_DTYPES = ("float16", "bfloat16")
+SECTION_KV_DTYPES = ("float8_e4m3fn",)
+_SECTION_KEYS = ("splits", "time_model", "date", "command", "source")
+# by_kv_dtype.<name>.splits.*: the split constants a KV dtype may override (SplitPoints order)
+_SECTION_SPLIT_KEYS = ("bucket_ctas_per_sm", *_GROUP_KEYS, "max_waves", "by_group")
 
 
 class CalibrationError(ValueError):
@@ -135,6 +149,70 @@ class RouteTime:
 
 
 @attrs.frozen
+class KvDtypeSection:
+    """Constants measured with K/V caches of one dtype (a file's ``by_kv_dtype.<name>``), which
+    :meth:`Calibration.for_kv_dtype` lays over the file's own (measured with fp16 caches).
+
+    splits : ``((key, value), ...)``, some of ``_SECTION_SPLIT_KEYS`` in that order.
+    splits_by_group : as :attr:`SplitPoints.by_group` (keys of ``_GROUP_KEYS``).
+    time_model : ``((kind, RouteTime), ...)``, some kinds in ``TIME_KINDS`` order.
+    time_model_by_group : as :attr:`Calibration.time_model_by_group`.
+    date, command, provenance : when, by what command line and how the section was measured (the
+        file's "date", "command", "source" keys, for this section alone).
+    """
+
+    splits: tuple[tuple[str, float | int], ...] = ()
+    splits_by_group: tuple[tuple[int, tuple[tuple[str, float | int], ...]], ...] = ()
+    time_model: tuple[tuple[str, RouteTime], ...] = ()
+    time_model_by_group: tuple[tuple[int, tuple[tuple[str, RouteTime], ...]], ...] = ()
+    date: str = ""
+    command: str = ""
+    provenance: str = ""
+
+    def at_group(self, group_size: int) -> "KvDtypeSection":
+        """The section with its ``by_group`` entries of ``group_size`` folded into its top level
+        (and ``by_group`` emptied): :meth:`Calibration.for_group` of a file with sections."""
+        return attrs.evolve(
+            self, splits=_ordered(dict(self.splits) | dict(dict(self.splits_by_group).get(group_size, ())),
+                                  _SECTION_SPLIT_KEYS),
+            time_model=_ordered(dict(self.time_model) | dict(dict(self.time_model_by_group).get(group_size, ())),
+                                TIME_KINDS),
+            splits_by_group=(), time_model_by_group=())
+
+    def to_dict(self) -> dict:
+        """The ``by_kv_dtype.<name>`` object of a file (empty parts left out)."""
+        d = {}
+        if self.splits or self.splits_by_group:
+            d["splits"] = dict(self.splits) | ({"by_group": {str(g): dict(kv) for g, kv in self.splits_by_group}}
+                                               if self.splits_by_group else {})
+        if self.time_model or self.time_model_by_group:
+            d["time_model"] = {k: t.to_dict() for k, t in self.time_model} | (
+                {"by_group": {str(g): {k: t.to_dict() for k, t in kinds} for g, kinds in self.time_model_by_group}}
+                if self.time_model_by_group else {})
+        return d | {"date": self.date, "command": self.command, "source": self.provenance}
+
+
+def _ordered(d: dict, order) -> tuple:
+    """``d``'s items in ``order`` (the file's key order)."""
+    return tuple((k, d[k]) for k in order if k in d)
+
+
+def _overlay(top: dict, by_group: tuple, over: dict, over_by_group: tuple, order) -> tuple[dict, tuple]:
+    """(top, by_group) of one kind of constants (split keys or route kinds) with a KV dtype's
+    laid over: ``over`` over ``top``; per G, ``over_by_group[G]`` over ``by_group[G]`` less the
+    keys ``over`` sets (a constant measured with the KV dtype beats one measured at the G with
+    fp16 caches). Example: top {overhead 1.5}, G 8 {overhead 3.0}; FP8 top {overhead 2.0}, no
+    FP8 G 8 entry -> top {overhead 2.0}, G 8 {} (FP8 at G 8 uses 2.0)."""
+    base, extra = dict(by_group), dict(over_by_group)
+    groups = []
+    for g in sorted(set(base) | set(extra)):
+        entry = {k: v for k, v in base.get(g, ()) if k not in over} | dict(extra.get(g, ()))
+        if entry:
+            groups.append((g, _ordered(entry, order)))
+    return top | over, tuple(groups)
+
+
+@attrs.frozen
 class Calibration:
     """Constants of one GPU (schema 1). ``source`` is the path it was loaded from (not in the file;
     ``"<memory>"`` when built in code).
@@ -145,7 +223,11 @@ class Calibration:
     sorted by active count. ``time_model``: ``((kind, RouteTime), ...)`` in ``TIME_KINDS``
     order, empty when the file has none (then every prediction is the roofline's);
     ``time_model_by_group``: ``((G, ((kind, RouteTime), ...)), ...)`` sorted by G, the kinds
-    fitted at G query heads per KV head (:meth:`for_group`).
+    fitted at G query heads per KV head (:meth:`for_group`). ``by_kv_dtype``: ``((name,
+    KvDtypeSection), ...)`` sorted by name, constants measured with K/V caches of that dtype.
+    ``kv_dtype``: None for a file's calibration; the KV dtype name once :meth:`for_kv_dtype` has
+    resolved it, with ``kv_dtype_fallback`` True when that dtype has no section (its constants
+    are then the fp16-measured ones; the router still counts its bytes per element).
     """
 
     gpu: str
@@ -167,6 +249,9 @@ class Calibration:
     fallback: bool = False
     time_model: tuple[tuple[str, RouteTime], ...] = ()
     time_model_by_group: tuple[tuple[int, tuple[tuple[str, RouteTime], ...]], ...] = ()
+    by_kv_dtype: tuple[tuple[str, KvDtypeSection], ...] = ()
+    kv_dtype: str | None = None
+    kv_dtype_fallback: bool = False
 
     def version(self, name: str) -> str | None:
         """The recorded version of ``name`` ("torch", "cuda", "flashinfer", "driver")."""
@@ -183,17 +268,70 @@ class Calibration:
         ``time_model.by_group`` entry the time constants of the kinds it holds, and both
         ``by_group`` are emptied, so the result is the same whichever G it is asked for again
         (the Runtime and the Router both call it). A G without an entry keeps the top-level
-        constants (fitted at the calibration shape's G, 4 for ``pkvrt calibrate``).
+        constants (fitted at the calibration shape's G, 4 for ``pkvrt calibrate``). Each
+        ``by_kv_dtype`` section's entries of that G are folded into the section the same way,
+        so that :meth:`for_kv_dtype` may come before or after.
         """
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
             raise ValueError(f"for_group: group_size must be a positive int, got {group_size!r}")
-        if not self.splits.by_group and not self.time_model_by_group:
+        sections_grouped = any(s.splits_by_group or s.time_model_by_group for _, s in self.by_kv_dtype)
+        if not self.splits.by_group and not self.time_model_by_group and not sections_grouped:
             return self
         over = dict(dict(self.splits.by_group).get(group_size, ()))
         times = dict(self.time_model) | dict(dict(self.time_model_by_group).get(group_size, ()))
         return attrs.evolve(self, splits=attrs.evolve(self.splits, by_group=(), **over),
-                            time_model=tuple((k, times[k]) for k in TIME_KINDS if k in times),
-                            time_model_by_group=())
+                            time_model=_ordered(times, TIME_KINDS), time_model_by_group=(),
+                            by_kv_dtype=tuple((n, s.at_group(group_size)) for n, s in self.by_kv_dtype))
+
+    def for_kv_dtype(self, kv_dtype) -> "Calibration":
+        """This calibration as seen by a Runtime or Router whose K/V cache is ``kv_dtype`` (a
+        torch dtype or its routes.toml name, "float8_e4m3fn"): the ``by_kv_dtype`` section of
+        that dtype laid over the file's constants, ``kv_dtype`` set and ``by_kv_dtype`` emptied.
+
+        Each split constant and each route kind's time model, at group size G, comes from the
+        first of: the section's G entry, the section's top level, the file's G entry, the file's
+        top level. What was measured with the KV dtype comes first, then what was measured at
+        the G. Composes with :meth:`for_group` in either order, to the same result. Example
+        (H200 file with an FP8 section fitted at G 4 only): an FP8 Runtime at G 8 partitions
+        with the FP8 G 4 constants and predicts pkvrt's routes with the FP8 time model, but
+        FlashInfer (not timed with FP8 caches) with the file's G 8 constants, bytes halved.
+
+        A 16-bit dtype (TOP_KV_DTYPES) sees the file's own constants. An FP8 dtype without a
+        section does too, marked ``kv_dtype_fallback`` (:meth:`kv_dtype_note` says so). Asking
+        a resolved calibration again for its dtype returns it; for another is a ValueError.
+        """
+        from pkvrt.registry import kv_dtype_name   # registry imports nothing of pkvrt's policy
+
+        name = kv_dtype_name(kv_dtype)
+        if self.kv_dtype is not None:
+            if name != self.kv_dtype:
+                raise ValueError(f"for_kv_dtype({name!r}): this calibration is already the "
+                                 f"{self.kv_dtype} view; ask the file's calibration")
+            return self
+        section = dict(self.by_kv_dtype).get(name)
+        view = attrs.evolve(self, by_kv_dtype=(), kv_dtype=name,
+                            kv_dtype_fallback=section is None and name not in TOP_KV_DTYPES)
+        if section is None:
+            return view
+        split_top = {k: v for k, v in attrs.asdict(self.splits, recurse=False).items() if k != "by_group"}
+        split_top, split_groups = _overlay(split_top, self.splits.by_group, dict(section.splits),
+                                           section.splits_by_group, _GROUP_KEYS)
+        times, time_groups = _overlay(dict(self.time_model), self.time_model_by_group,
+                                      dict(section.time_model), section.time_model_by_group, TIME_KINDS)
+        return attrs.evolve(view, splits=SplitPoints(**split_top, by_group=split_groups),
+                            time_model=_ordered(times, TIME_KINDS), time_model_by_group=time_groups,
+                            provenance=f"{self.provenance} by_kv_dtype.{name}: {section.provenance}")
+
+    def kv_dtype_note(self) -> str:
+        """What a resolved FP8 calibration's constants are, for ``explain()``; "" for a 16-bit
+        dtype or a calibration :meth:`for_kv_dtype` has not resolved."""
+        if self.kv_dtype is None or self.kv_dtype in TOP_KV_DTYPES:
+            return ""
+        if self.kv_dtype_fallback:
+            return (f"{self.kv_dtype} K/V: no by_kv_dtype section in {self.slug}, so the constants "
+                    f"measured with fp16 caches, bytes per element counted as 1 "
+                    f"(pkvrt calibrate --kv-dtype fp8 measures them)")
+        return f"{self.kv_dtype} K/V: the by_kv_dtype section's constants (measured with {self.kv_dtype} caches)"
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -247,10 +385,17 @@ def _dict(obj, key, path) -> dict:
     return v
 
 
-def _by_group(v, path) -> tuple:
-    """``splits.by_group`` -> SplitPoints.by_group (validated: G keys are positive integers, each
-    entry a non-empty object of ``_GROUP_KEYS``)."""
-    where = "splits.by_group"
+def _split_value(obj, key, path, where):
+    """One split constant: ``min_split_tokens`` and ``max_waves`` positive integers,
+    ``cta_overhead_tiles`` a number >= 0, the others positive numbers."""
+    if key in ("min_split_tokens", "max_waves"):
+        return _int(obj, key, path, where)
+    return _float(obj, key, path, where, zero_ok=key == "cta_overhead_tiles")
+
+
+def _group_keys(v, path, where: str, allowed: tuple) -> list[tuple[int, dict]]:
+    """A ``by_group`` object: [(G, entry)] with G positive integers and each entry a non-empty
+    object of some of ``allowed``."""
     if not isinstance(v, dict):
         raise _fail(path, where, 'a JSON object {"<G>": {...}}', v)
     out = []
@@ -258,18 +403,20 @@ def _by_group(v, path) -> tuple:
         if not re.fullmatch(r"[1-9][0-9]*", g):
             raise _fail(path, f"{where}.{g}", "keys that are positive integers (query heads per KV head)")
         if not isinstance(entry, dict) or not entry:
-            raise _fail(path, f"{where}.{g}", f"a non-empty object of some of {list(_GROUP_KEYS)}", entry)
-        extra = sorted(set(entry) - set(_GROUP_KEYS))
+            raise _fail(path, f"{where}.{g}", f"a non-empty object of some of {list(allowed)}", entry)
+        extra = sorted(set(entry) - set(allowed))
         if extra:
-            raise _fail(path, f"{where}.{g}.{extra[0]}", f"one of {list(_GROUP_KEYS)} (unknown key)")
-        kv = []
-        for k in _GROUP_KEYS:
-            if k in entry:
-                val = (_int(entry, k, path, f"{where}.{g}.") if k == "min_split_tokens" else
-                       _float(entry, k, path, f"{where}.{g}.", zero_ok=k == "cta_overhead_tiles"))
-                kv.append((k, val))
-        out.append((int(g), tuple(kv)))
-    return tuple(sorted(out))
+            raise _fail(path, f"{where}.{g}.{extra[0]}", f"one of {list(allowed)} (unknown key)")
+        out.append((int(g), entry))
+    return out
+
+
+def _by_group(v, path, where: str = "splits.by_group") -> tuple:
+    """``splits.by_group`` -> SplitPoints.by_group (validated: G keys are positive integers, each
+    entry a non-empty object of ``_GROUP_KEYS``)."""
+    return tuple(sorted((g, tuple((k, _split_value(entry, k, path, f"{where}.{g}.")) for k in _GROUP_KEYS
+                                  if k in entry))
+                        for g, entry in _group_keys(v, path, where, _GROUP_KEYS)))
 
 
 def _route_time(entry, path, where: str) -> RouteTime:
@@ -281,30 +428,68 @@ def _route_time(entry, path, where: str) -> RouteTime:
                         for k in _TIME_KEYS})
 
 
-def _time_model(v, path) -> tuple[tuple, tuple]:
+def _time_model(v, path, where: str = "time_model", every_kind: bool = True) -> tuple[tuple, tuple]:
     """``time_model`` -> (Calibration.time_model, Calibration.time_model_by_group): every kind of
-    ``TIME_KINDS`` at the top level; ``by_group`` entries hold some of them."""
-    where = "time_model"
-    if not isinstance(v, dict):
-        raise _fail(path, where, f"a JSON object of {list(TIME_KINDS)} (and optional by_group)", v)
-    _take({"by_group": None} | v, TIME_KINDS + ("by_group",), path, where + ".")
-    top = tuple((k, _route_time(v[k], path, f"{where}.{k}")) for k in TIME_KINDS)
-    groups = []
-    by_group = v.get("by_group", {})
-    if not isinstance(by_group, dict):
-        raise _fail(path, f"{where}.by_group", 'a JSON object {"<G>": {...}}', by_group)
-    for g, entry in by_group.items():
-        at = f"{where}.by_group.{g}"
-        if not re.fullmatch(r"[1-9][0-9]*", g):
-            raise _fail(path, at, "keys that are positive integers (query heads per KV head)")
-        if not isinstance(entry, dict) or not entry:
-            raise _fail(path, at, f"a non-empty object of some of {list(TIME_KINDS)}", entry)
-        extra = sorted(set(entry) - set(TIME_KINDS))
+    ``TIME_KINDS`` at the top level (some of them, not none, with ``every_kind`` False: a
+    by_kv_dtype section's); ``by_group`` entries hold some of them."""
+    if not isinstance(v, dict) or not (every_kind or v):
+        raise _fail(path, where, f"a JSON object of {'' if every_kind else 'some of '}{list(TIME_KINDS)} "
+                                 "(and optional by_group)", v)
+    if every_kind:
+        _take({"by_group": None} | v, TIME_KINDS + ("by_group",), path, where + ".")
+    else:
+        extra = sorted(set(v) - set(TIME_KINDS + ("by_group",)))
         if extra:
-            raise _fail(path, f"{at}.{extra[0]}", f"one of {list(TIME_KINDS)} (unknown key)")
-        groups.append((int(g), tuple((k, _route_time(entry[k], path, f"{at}.{k}"))
-                                     for k in TIME_KINDS if k in entry)))
-    return top, tuple(sorted(groups))
+            raise _fail(path, f"{where}.{extra[0]}", f"one of {list(TIME_KINDS + ('by_group',))} (unknown key)")
+    top = tuple((k, _route_time(v[k], path, f"{where}.{k}")) for k in TIME_KINDS if k in v)
+    groups = _group_keys(v.get("by_group", {}), path, f"{where}.by_group", TIME_KINDS)
+    return top, tuple(sorted((g, tuple((k, _route_time(entry[k], path, f"{where}.by_group.{g}.{k}"))
+                                       for k in TIME_KINDS if k in entry)) for g, entry in groups))
+
+
+def _by_kv_dtype(v, path) -> tuple[tuple[str, KvDtypeSection], ...]:
+    """``by_kv_dtype`` -> Calibration.by_kv_dtype: keys of ``SECTION_KV_DTYPES``, each section
+    with its own date, command and source and some splits and/or time_model overrides."""
+    if not isinstance(v, dict):
+        raise _fail(path, "by_kv_dtype", 'a JSON object {"<KV dtype>": {...}}', v)
+    out = []
+    for name, sec in sorted(v.items()):
+        where = f"by_kv_dtype.{name}"
+        if name not in SECTION_KV_DTYPES:
+            raise _fail(path, where, f"keys among {list(SECTION_KV_DTYPES)} (the top level holds "
+                                     f"{' and '.join(TOP_KV_DTYPES)}'s constants)")
+        if not isinstance(sec, dict):
+            raise _fail(path, where, f"a JSON object of {list(_SECTION_KEYS)}", sec)
+        _take({"splits": None, "time_model": None} | sec, _SECTION_KEYS, path, where + ".")
+        if "splits" not in sec and "time_model" not in sec:
+            raise _fail(path, f"{where}.splits", "splits or time_model to be present (the section "
+                                                 "overrides nothing)")
+        splits, split_groups = (), ()
+        if "splits" in sec:
+            sp, at = sec["splits"], f"{where}.splits"
+            if not isinstance(sp, dict) or not sp:
+                raise _fail(path, at, f"a non-empty object of some of {list(_SECTION_SPLIT_KEYS)}", sp)
+            extra = sorted(set(sp) - set(_SECTION_SPLIT_KEYS))
+            if extra:
+                raise _fail(path, f"{at}.{extra[0]}", f"one of {list(_SECTION_SPLIT_KEYS)} (unknown key)")
+            splits = tuple((k, _split_value(sp, k, path, at + ".")) for k in _SECTION_SPLIT_KEYS[:-1] if k in sp)
+            split_groups = _by_group(sp["by_group"], path, f"{at}.by_group") if "by_group" in sp else ()
+        times, time_groups = (_time_model(sec["time_model"], path, f"{where}.time_model", every_kind=False)
+                              if "time_model" in sec else ((), ()))
+        out.append((name, KvDtypeSection(splits=splits, splits_by_group=split_groups, time_model=times,
+                                         time_model_by_group=time_groups, date=_date(sec, path, where + "."),
+                                         command=_str(sec, "command", path, where + "."),
+                                         provenance=_str(sec, "source", path, where + "."))))
+    return tuple(out)
+
+
+def _date(obj, path, where="") -> str:
+    date = _str(obj, "date", path, where)
+    try:
+        datetime.date.fromisoformat(date)
+    except ValueError:
+        raise _fail(path, where + "date", "an ISO date YYYY-MM-DD", date) from None
+    return date
 
 
 def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration:
@@ -355,11 +540,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
     _take(ver, _VERSION_KEYS, path, "versions.")
     versions = tuple((k, _str(ver, k, path, "versions.", nullable=True)) for k in _VERSION_KEYS)
 
-    date = _str(doc, "date", path)
-    try:
-        datetime.date.fromisoformat(date)
-    except ValueError:
-        raise _fail(path, "date", "an ISO date YYYY-MM-DD", date) from None
+    date = _date(doc, path)
     slug = _str(doc, "slug", path)
     if slugify(slug) != slug:
         raise _fail(path, "slug", f"a slug (lower-case words joined by '-'), e.g. {slugify(slug)!r}", slug)
@@ -384,12 +565,18 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         source=str(source),
         time_model=time_model,
         time_model_by_group=time_by_group,
+        by_kv_dtype=_by_kv_dtype(doc["by_kv_dtype"], path) if "by_kv_dtype" in doc else (),
     )
 
 
 def calibration_to_dict(cal: Calibration) -> dict:
     """The schema-1 document of ``cal`` (``source`` and ``fallback`` are not part of a file;
-    ``time_model`` only when the calibration has one, so older files round-trip unchanged)."""
+    ``time_model`` and ``by_kv_dtype`` only when the calibration has them, so older files
+    round-trip unchanged). A :meth:`Calibration.for_kv_dtype` view is refused (ValueError): it
+    has lost its file's other sections."""
+    if cal.kv_dtype is not None:
+        raise ValueError(f"calibration_to_dict: this is the {cal.kv_dtype} view of {cal.source} "
+                         "(Calibration.for_kv_dtype), not a file's calibration")
     return {
         "schema": SCHEMA,
         "gpu": cal.gpu,
@@ -407,7 +594,18 @@ def calibration_to_dict(cal: Calibration) -> dict:
         "seed": cal.seed,
         "command": cal.command,
         "source": cal.provenance,
-    } | ({"time_model": _time_model_dict(cal)} if cal.time_model else {})
+    } | ({"time_model": _time_model_dict(cal)} if cal.time_model else {}) | (
+        {"by_kv_dtype": {n: sec.to_dict() for n, sec in cal.by_kv_dtype}} if cal.by_kv_dtype else {})
+
+
+def with_kv_dtype_section(cal: Calibration, name: str, section: KvDtypeSection) -> Calibration:
+    """``cal`` (a file's calibration) with its ``by_kv_dtype`` section of ``name`` added or
+    replaced; every other constant, the other sections included, unchanged."""
+    if name not in SECTION_KV_DTYPES:
+        raise ValueError(f"with_kv_dtype_section: {name!r}: expected one of {list(SECTION_KV_DTYPES)}")
+    if cal.kv_dtype is not None:
+        raise ValueError(f"with_kv_dtype_section: this is the {cal.kv_dtype} view, not a file's calibration")
+    return attrs.evolve(cal, by_kv_dtype=tuple(sorted({**dict(cal.by_kv_dtype), name: section}.items())))
 
 
 def _time_model_dict(cal: Calibration) -> dict:

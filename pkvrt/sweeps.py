@@ -5,20 +5,27 @@
 "pkvrt-fused", "flashinfer-tc", "flashinfer-cuda"), ``case`` (a :func:`pkvrt.calibrate.
 calibration_steps` name, ``B<a>-32K`` for FlashInfer's active sweep, ``-G1`` / ``-G8`` appended
 at other group sizes than 4), ``splits`` (the bucket's S, or the partition's cut: the longest
-row's split count) and ``median_us``. Everything here is a pure function of those rows, a
-calibration and routes.toml, so it runs on a CPU: ``pkvrt calibrate`` calls it on the rows it
-just measured, ``benches/cost_model_error.py`` on a file.
+row's split count), ``median_us`` and ``kv_dtype`` (the K/V cache's routes.toml name; absent
+in files written before FP8 calibration: "float16"). Everything here is a pure function of those
+rows, a calibration and routes.toml, so it runs on a CPU: ``pkvrt calibrate`` calls it on the
+rows it just measured, ``benches/cost_model_error.py`` on a file.
 
-- :func:`read_rows`: rows -> :class:`Timed` (one route kind on one step at one G);
+- :func:`read_rows`: rows of one KV dtype -> :class:`Timed` (one route kind on one step at one G);
 - :func:`fit_partitions`: the balanced partition's constants per G (``fit_partition``);
 - :func:`fit_time_model`: the measured model's constants per G and route kind;
 - :func:`error_rows` / :func:`format_errors`: measured vs predicted at the cut the planner picks;
 - :func:`suggest_gates`: where each route beat FlashInfer, as a routes.toml snippet that is
   printed or written, never applied.
+
+Every function takes a file's calibration and reads each step with the view of its KV dtype and
+group size (``cal.for_kv_dtype(t.kv_dtype).for_group(t.group)``); :func:`with_partitions` and
+:func:`with_time_model` write a 16-bit fit to the top level, an FP8 fit to its ``by_kv_dtype``
+section.
 """
 
 from __future__ import annotations
 
+import datetime
 import re
 import textwrap
 
@@ -30,8 +37,9 @@ from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.costmodel import fit_route_time, measured_us, predict_route_us, route_groups
 from pkvrt.planner import (balanced_partition, bucket_from_checked, flashinfer_counters_from_checked,
                            fused_counters, workqueue_from_checked)
+from pkvrt.registry import KV_DTYPES
 
-SHAPE = dict(num_qo_heads=32, head_dim=128, dtype_bytes=2)   # pkvrt calibrate's: H_kv = 32 / G
+SHAPE = dict(num_qo_heads=32, head_dim=128)   # pkvrt calibrate's: H_kv = 32 / G, fp16 q
 ENGINE_KIND = {"pkvrt-bucket": "bucket", "pkvrt-workqueue": "workqueue", "pkvrt-fused": "fused",
                "flashinfer-tc": "flashinfer", "flashinfer-cuda": "flashinfer"}
 NEAR_BEST = 1.03   # a cut within 3 % of its step's fastest is fitted beside the planned one
@@ -45,6 +53,7 @@ class Timed:
     times : {cut: µs}; the cut is the bucket's S or the partition's longest-row split count;
         FlashInfer has one entry, cut 0 (its faster path: tensor-core or CUDA-core, each the
         median of its measurements).
+    kv_dtype : the K/V cache's dtype (routes.toml name).
     """
 
     kind: str
@@ -52,6 +61,15 @@ class Timed:
     group: int
     seq: np.ndarray
     times: dict
+    kv_dtype: str = "float16"
+
+    def view(self, cal: calib.Calibration) -> calib.Calibration:
+        """``cal`` (a file's calibration) as a Router of this step's KV dtype and G sees it."""
+        return cal.for_kv_dtype(self.kv_dtype).for_group(self.group)
+
+    @property
+    def shape(self) -> dict:
+        return group_shape(self.group, self.kv_dtype)
 
 
 def case_group(case: str) -> tuple[str, int]:
@@ -76,15 +94,20 @@ def step_lengths(case: str, kind: str, seed: int) -> np.ndarray | None:
     return None
 
 
-def read_rows(rows, seed: int = 20260622) -> list[Timed]:
-    """Group the timed rows of a calibrate-sweeps file by (route kind, step, G).
+def read_rows(rows, seed: int = 20260622, kv_dtype: str = "float16") -> list[Timed]:
+    """Group the timed rows of ``kv_dtype`` caches in a calibrate-sweeps file by (route kind,
+    step, G).
 
-    Rows of other engines, and cases that are no calibration step of ``seed``, are skipped.
+    Rows of other engines or another KV dtype, and cases that are no calibration step of
+    ``seed``, are skipped.
     """
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"read_rows: kv_dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
     acc: dict = {}
     for r in rows:
         kind = ENGINE_KIND.get(r.get("engine"))
-        if kind is None or not isinstance(r.get("median_us"), (int, float)):
+        if (kind is None or not isinstance(r.get("median_us"), (int, float))
+                or r.get("kv_dtype", "float16") != kv_dtype):
             continue
         base, g = case_group(r["case"])
         g = int(r.get("group", g))
@@ -97,14 +120,15 @@ def read_rows(rows, seed: int = 20260622) -> list[Timed]:
             continue
         med = {c: float(np.median(v)) for c, v in by_cut.items()}
         times = {0: min(med.values())} if kind == "flashinfer" else med
-        out.append(Timed(kind=kind, case=base, group=g, seq=seq, times=times))
+        out.append(Timed(kind=kind, case=base, group=g, seq=seq, times=times, kv_dtype=kv_dtype))
     return out
 
 
-def group_shape(group: int) -> dict:
-    """The timed shape at ``group`` query heads per KV head: H_q 32, H_kv 32 / G, D 128, fp16."""
+def group_shape(group: int, kv_dtype: str = "float16") -> dict:
+    """The timed shape at ``group`` query heads per KV head: H_q 32, H_kv 32 / G, D 128, and
+    the bytes of one K/V element of ``kv_dtype`` (2 for fp16, 1 for FP8)."""
     return dict(num_kv_heads=SHAPE["num_qo_heads"] // group, head_dim=SHAPE["head_dim"],
-                dtype_bytes=SHAPE["dtype_bytes"])
+                dtype_bytes=KV_DTYPES[kv_dtype])
 
 
 def route_of_kind(registry, kind: str):
@@ -123,73 +147,90 @@ def route_of_kind(registry, kind: str):
 
 
 def planned_cut(t: Timed, route, cal: calib.Calibration) -> int:
-    """The cut the planner picks for ``t``'s step with ``cal`` (already ``for_group``): the
-    bucket's S (the largest, with several buckets) or the balanced partition's longest-row
-    split count; 0 for FlashInfer."""
+    """The cut the planner picks for ``t``'s step with ``cal`` (a file's calibration, or
+    ``t.view`` of it): the bucket's S (the largest, with several buckets) or the balanced
+    partition's longest-row split count; 0 for FlashInfer."""
     if t.kind == "flashinfer":
         return 0
-    shape = group_shape(t.group)
+    cal = t.view(cal)
     if t.kind == "bucket":
         groups = route_groups("bucket", t.seq, cal, splits=route.splits, bucketing=route.bucketing,
-                              coarse_lengths=route.coarse_lengths, **shape)
+                              coarse_lengths=route.coarse_lengths, **t.shape)
         return max(g.splits for g in groups)
-    return balanced_partition(t.seq, num_kv_heads=shape["num_kv_heads"], splits=route.splits,
+    return balanced_partition(t.seq, num_kv_heads=t.shape["num_kv_heads"], splits=route.splits,
                               cal=cal).longest_splits
 
 
 def _record(t: Timed, route, cal, cut: int) -> dict:
-    """A fit record (``costmodel.fit_route_time``) of ``t`` at ``cut``."""
+    """A fit record (``costmodel.fit_route_time``) of ``t`` at ``cut`` (``cal``: ``t.view``)."""
     kw = dict(splits=route.splits, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths) \
         if t.kind != "flashinfer" else {}
-    (g,) = route_groups(t.kind, t.seq, cal, longest_splits=cut or None, **kw, **group_shape(t.group))
+    (g,) = route_groups(t.kind, t.seq, cal, longest_splits=cut or None, **kw, **t.shape)
     return dict(kv_bytes=g.kv_bytes, makespan_tiles=g.makespan_tiles, splits=g.splits, us=t.times[cut])
 
 
 # ----------------------------------------------------------------------------- fitting
 
 
-def fit_partitions(timed, cal: calib.Calibration, registry) -> tuple[dict, dict]:
-    """``calibration.fit_partition`` per G on the device-planning route's sweeps, with ``cal``'s
-    resident CTAs per SM and max_waves: ({G: points}, {G: {case: regret}})."""
+def fit_partitions(timed, cal: calib.Calibration, registry, resident: dict | None = None) -> tuple[dict, dict]:
+    """``calibration.fit_partition`` per G on the device-planning route's sweeps (``timed``: of
+    one KV dtype, :func:`read_rows`), with the resident CTAs per SM of ``resident`` ({G: the
+    kernel's occupancy}, as ``pkvrt calibrate --raw`` records it), else of ``cal``'s view of
+    that KV dtype, and its max_waves: ({G: points}, {G: {case: regret}})."""
     dp = registry.device_planning_route()
     points, regrets = {}, {}
     for g in sorted({t.group for t in timed if t.kind == dp.kind}):
-        cases = {t.case: (t.seq, t.times) for t in timed if t.kind == dp.kind and t.group == g}
+        steps = [t for t in timed if t.kind == dp.kind and t.group == g]
+        splits = cal.for_kv_dtype(steps[0].kv_dtype).splits
         points[g], regrets[g] = calib.fit_partition(
-            cases, sm_count=cal.sm_count, resident=max(1, round(cal.splits.workqueue_ctas_per_sm)),
-            num_kv_heads=group_shape(g)["num_kv_heads"], splits=dp.splits, max_waves=cal.splits.max_waves)
+            {t.case: (t.seq, t.times) for t in steps}, sm_count=cal.sm_count,
+            resident=(resident or {}).get(g) or max(1, round(splits.workqueue_ctas_per_sm)),
+            num_kv_heads=steps[0].shape["num_kv_heads"], splits=dp.splits, max_waves=splits.max_waves)
     return points, regrets
 
 
-def with_partitions(cal: calib.Calibration, points: dict) -> calib.Calibration:
-    """``cal`` with ``fit_partitions``' points: G 4 at the top level, the others in by_group."""
+def kv_dtype_section(cal: calib.Calibration, kv_dtype: str) -> calib.KvDtypeSection:
+    """``cal``'s ``by_kv_dtype`` section of ``kv_dtype``, or a new empty one dated today (its
+    command and source to be filled in before it is saved)."""
+    return dict(cal.by_kv_dtype).get(kv_dtype) or calib.KvDtypeSection(date=datetime.date.today().isoformat())
+
+
+def with_partitions(cal: calib.Calibration, points: dict, kv_dtype: str = "float16") -> calib.Calibration:
+    """``cal`` with ``fit_partitions``' points: G 4 at the top level, the others in by_group;
+    those of the ``by_kv_dtype`` section of an FP8 ``kv_dtype`` (its other keys kept)."""
     top = points.get(4, {})
     order = [a.name for a in attrs.fields(calib.SplitPoints)]   # the file's key order
     by_group = tuple(sorted((g, tuple((k, p[k]) for k in order if k in p)) for g, p in points.items() if g != 4))
-    return attrs.evolve(cal, splits=attrs.evolve(cal.splits, by_group=by_group, **top))
+    if kv_dtype in calib.TOP_KV_DTYPES:
+        return attrs.evolve(cal, splits=attrs.evolve(cal.splits, by_group=by_group, **top))
+    sec = kv_dtype_section(cal, kv_dtype)
+    merged = dict(sec.splits) | top
+    return calib.with_kv_dtype_section(cal, kv_dtype, attrs.evolve(
+        sec, splits=tuple((k, merged[k]) for k in order if k in merged), splits_by_group=by_group))
 
 
 def fit_records(timed, cal: calib.Calibration, registry, kind: str, group: int) -> list[dict]:
     """What :func:`fit_time_model` fits for ``kind`` at ``group``: every step's planned cut
     (when it was timed) and every cut within NEAR_BEST of that step's fastest."""
     route = route_of_kind(registry, kind)
-    cal_g = cal.for_group(group)
     out = []
     for t in timed:
         if t.kind != kind or t.group != group:
             continue
         best = min(t.times.values())
         cuts = {c for c, us in t.times.items() if us <= NEAR_BEST * best}
-        p = planned_cut(t, route, cal_g)
+        view = t.view(cal)
+        p = planned_cut(t, route, view)
         if p in t.times:
             cuts.add(p)
-        out += [_record(t, route, cal_g, c) for c in sorted(cuts)]
+        out += [_record(t, route, view, c) for c in sorted(cuts)]
     return out
 
 
 def fit_time_model(timed, cal: calib.Calibration, registry) -> dict[int, dict[str, calib.RouteTime]]:
-    """The measured model's constants per G and route kind, from the sweeps (``cal``: beta, SMs
-    and the partition constants the planner picks cuts with).
+    """The measured model's constants per G and route kind, from the sweeps (``cal``: a file's
+    calibration, whose view of each step's KV dtype and G gives beta, SMs and the partition
+    constants the planner picks cuts with).
 
     Per G: the device-planning route's kind (timed at every cut) gets all four constants; a
     workqueue or fused kind also timed at every cut, and FlashInfer, all four too; the bucket
@@ -224,20 +265,24 @@ def fit_time_model(timed, cal: calib.Calibration, registry) -> dict[int, dict[st
     return out
 
 
-def with_time_model(cal: calib.Calibration, fits: dict) -> calib.Calibration:
+def with_time_model(cal: calib.Calibration, fits: dict, kv_dtype: str = "float16") -> calib.Calibration:
     """``cal`` with :func:`fit_time_model`'s constants, rounded: G 4 at the top level (every kind
-    of ``TIME_KINDS`` required), the others in ``time_model.by_group`` (what they have)."""
-    def rounded(rt):
-        return calib.RouteTime(read_scale=round(rt.read_scale, 4), tail_us=round(rt.tail_us, 4),
-                               split_us=round(rt.split_us, 4), fixed_us=round(rt.fixed_us, 3))
-    top = fits.get(4, {})
-    missing = [k for k in calib.TIME_KINDS if k not in top]
+    of ``TIME_KINDS`` required), the others in ``time_model.by_group`` (what they have); for an
+    FP8 ``kv_dtype``, the time model of its ``by_kv_dtype`` section instead, replaced by the kinds
+    fitted (FlashInfer is not timed with FP8 caches: its kind is the file's)."""
+    def rounded(kinds):
+        return tuple((k, calib.RouteTime(read_scale=round(rt.read_scale, 4), tail_us=round(rt.tail_us, 4),
+                                         split_us=round(rt.split_us, 4), fixed_us=round(rt.fixed_us, 3)))
+                     for k, rt in ((k, kinds[k]) for k in calib.TIME_KINDS if k in kinds))
+    top = rounded(fits.get(4, {}))
+    by_group = tuple(sorted((g, rounded(f)) for g, f in fits.items() if g != 4 and f))
+    if kv_dtype not in calib.TOP_KV_DTYPES:
+        sec = attrs.evolve(kv_dtype_section(cal, kv_dtype), time_model=top, time_model_by_group=by_group)
+        return calib.with_kv_dtype_section(cal, kv_dtype, sec)
+    missing = [k for k in calib.TIME_KINDS if k not in dict(top)]
     if missing:
         raise ValueError(f"time model at G 4 lacks {missing}: every route kind must be timed")
-    return attrs.evolve(
-        cal, time_model=tuple((k, rounded(top[k])) for k in calib.TIME_KINDS),
-        time_model_by_group=tuple(sorted((g, tuple((k, rounded(f[k])) for k in calib.TIME_KINDS if k in f))
-                                         for g, f in fits.items() if g != 4)))
+    return attrs.evolve(cal, time_model=top, time_model_by_group=by_group)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -270,13 +315,13 @@ def error_rows(timed, cal: calib.Calibration, registry, fits: dict | None = None
         route = route_of_kind(registry, t.kind)
         if route is None:
             continue
-        cal_g = cal.for_group(t.group)
+        cal_g = t.view(cal)
         rt = (fits.get(t.group, {}).get(t.kind) or fits.get(4, {}).get(t.kind)) if fits is not None \
             else cal_g.route_time(t.kind)
         if rt is None:
             continue
         cut = planned_cut(t, route, cal_g)
-        shape = group_shape(t.group)
+        shape = t.shape
         kw = dict(splits=route.splits, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths) \
             if t.kind != "flashinfer" else {}
         groups = route_groups(t.kind, t.seq, cal_g, **kw, **shape)
@@ -360,7 +405,7 @@ def suggest_gates(timed, cal: calib.Calibration, registry, *, header: str = "") 
         for t in timed:
             if route_of_kind(registry, t.kind) is not route:
                 continue
-            cut = planned_cut(t, route, cal.for_group(t.group))
+            cut = planned_cut(t, route, cal)
             if (t.case, t.group) in fi and cut in t.times:
                 verdicts.append((t.group, t.case, int(t.seq.size), int(t.seq.max()), fi[t.case, t.group] / t.times[cut]))
             else:

@@ -72,6 +72,29 @@ def time_models(draw) -> dict:
 
 
 @st.composite
+def sections(draw) -> tuple:
+    """Calibration keywords: no by_kv_dtype (every file before FP8 calibration), or an FP8
+    section with some split keys and/or route kinds, each maybe with by_group entries."""
+    if not draw(st.booleans()):
+        return {}
+    split_vals = {"bucket_ctas_per_sm": pos, "workqueue_ctas_per_sm": pos, "min_split_tokens": st.integers(1, 4096),
+                  "cta_overhead_tiles": non_neg, "co_resident_slowdown": pos, "max_waves": st.integers(1, 8)}
+    keys = draw(st.lists(st.sampled_from(list(split_vals)), unique=True))
+    kinds = draw(st.lists(st.sampled_from(C.TIME_KINDS), unique=True, min_size=0 if keys else 1))
+    group_keys = draw(st.lists(st.sampled_from(C._GROUP_KEYS), unique=True)) if keys else []
+    group_kinds = draw(st.lists(st.sampled_from(C.TIME_KINDS), unique=True)) if kinds else []
+    g = draw(st.integers(1, 8))
+    return dict(by_kv_dtype=(("float8_e4m3fn", C.KvDtypeSection(
+        splits=tuple((k, draw(split_vals[k])) for k in C._SECTION_SPLIT_KEYS if k in keys),
+        splits_by_group=((g, tuple((k, draw(split_vals[k])) for k in C._GROUP_KEYS if k in group_keys)),)
+        if group_keys else (),
+        time_model=tuple((k, draw(route_times)) for k in C.TIME_KINDS if k in kinds),
+        time_model_by_group=((g, tuple((k, draw(route_times)) for k in C.TIME_KINDS if k in group_kinds)),)
+        if group_kinds else (),
+        date=draw(st.dates()).isoformat(), command=draw(names), provenance=draw(names))),))
+
+
+@st.composite
 def calibrations(draw) -> Calibration:
     table = draw(st.dictionaries(st.integers(1, 4096), pos, min_size=1, max_size=6))
     return Calibration(
@@ -82,7 +105,7 @@ def calibrations(draw) -> Calibration:
         flashinfer_ctas_per_sm=tuple(sorted(table.items())),
         versions=tuple((k, draw(st.none() | names)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=draw(st.dates()).isoformat(), seed=draw(st.integers(0, 2**40)), command=draw(names),
-        provenance=draw(names), **draw(time_models()))
+        provenance=draw(names), **draw(time_models()), **draw(sections()))
 
 
 @settings(max_examples=60, deadline=None)
@@ -500,3 +523,182 @@ def test_time_model_must_be_an_object(tmp_path):
     doc["time_model"] = [1]
     with pytest.raises(CalibrationError, match=r"key 'time_model': expected a JSON object"):
         load_calibration(write(tmp_path, doc))
+
+
+# ----------------------------------------------------------------------------- by_kv_dtype
+
+FP8 = "float8_e4m3fn"
+H200 = REPO / "calibration" / "nvidia-h200.json"
+
+
+def fp8_section(**over) -> dict:
+    """An FP8 section: G 4 partition constants and pkvrt's kinds, a G 8 entry of each."""
+    return {"splits": {"bucket_ctas_per_sm": 1.5, "workqueue_ctas_per_sm": 3.0, "min_split_tokens": 64,
+                       "cta_overhead_tiles": 2.5, "co_resident_slowdown": 1.25,
+                       "by_group": {"8": {"cta_overhead_tiles": 6.0}}},
+            "time_model": {"fused": route_time(read=0.7, fixed=1.5), "bucket": route_time(read=0.8),
+                           "by_group": {"8": {"fused": route_time(read=0.6, fixed=1.0)}}},
+            "date": "2026-12-08", "command": "pkvrt calibrate --kv-dtype fp8", "source": "test"} | over
+
+
+def fp8_doc(section=None) -> dict:
+    """The H200 file (time model and by_group at G 1 and 8) with an FP8 section."""
+    doc = json.loads(H200.read_text())
+    doc["by_kv_dtype"] = {FP8: fp8_section() if section is None else section}
+    return doc
+
+
+def test_fp8_section_round_trips(tmp_path):
+    doc = fp8_doc()
+    cal = load_calibration(write(tmp_path, doc))
+    (name, sec), = cal.by_kv_dtype
+    assert name == FP8 and sec.date == "2026-12-08" and sec.provenance == "test"
+    assert sec.splits[0] == ("bucket_ctas_per_sm", 1.5) and sec.splits_by_group == ((8, (("cta_overhead_tiles", 6.0),)),)
+    assert [k for k, _ in sec.time_model] == ["bucket", "fused"]   # TIME_KINDS order, some kinds
+    again = tmp_path / "again.json"
+    save_calibration(cal, again)
+    assert json.loads(again.read_text()) == doc
+    assert load_calibration(again) == attrs.evolve(cal, source=str(again))
+
+
+def test_the_shipped_files_have_no_fp8_section_until_one_is_measured():
+    for path in (SEED, H200):
+        assert load_calibration(path).by_kv_dtype == ()
+        assert "by_kv_dtype" not in json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("edit, key, expected", [
+    (lambda d: d.update(by_kv_dtype=[1]), "by_kv_dtype", "a JSON object"),
+    (lambda d: d.update(by_kv_dtype={"fp8": fp8_section()}), "by_kv_dtype.fp8", r"keys among \['float8_e4m3fn'\]"),
+    (lambda d: d.update(by_kv_dtype={"float16": fp8_section()}), "by_kv_dtype.float16", "keys among"),
+    (lambda d: d.update(by_kv_dtype={FP8: "x"}), f"by_kv_dtype.{FP8}", "a JSON object of"),
+    (lambda d: d["by_kv_dtype"][FP8].update(beta_gbps=1.0), f"by_kv_dtype.{FP8}.beta_gbps",
+     "one of the schema-1 keys"),
+    (lambda d: d["by_kv_dtype"][FP8].pop("source"), f"by_kv_dtype.{FP8}.source", "it to be present"),
+    (lambda d: d["by_kv_dtype"][FP8].pop("command"), f"by_kv_dtype.{FP8}.command", "it to be present"),
+    (lambda d: d["by_kv_dtype"][FP8].update(date="08/12/2026"), f"by_kv_dtype.{FP8}.date", "an ISO date"),
+    (lambda d: d["by_kv_dtype"][FP8].update(source=""), f"by_kv_dtype.{FP8}.source", "a non-empty string"),
+    (lambda d: [d["by_kv_dtype"][FP8].pop(k) for k in ("splits", "time_model")], f"by_kv_dtype.{FP8}.splits",
+     "splits or time_model to be present"),
+    (lambda d: d["by_kv_dtype"][FP8].update(splits={}), f"by_kv_dtype.{FP8}.splits", "a non-empty object"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(c_min=2.0), f"by_kv_dtype.{FP8}.splits.c_min",
+     "one of .* \\(unknown key\\)"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(min_split_tokens=6.5),
+     f"by_kv_dtype.{FP8}.splits.min_split_tokens", "an integer"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(max_waves=0), f"by_kv_dtype.{FP8}.splits.max_waves",
+     "a positive integer"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(co_resident_slowdown=0),
+     f"by_kv_dtype.{FP8}.splits.co_resident_slowdown", "a finite positive"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(cta_overhead_tiles=-1),
+     f"by_kv_dtype.{FP8}.splits.cta_overhead_tiles", "a finite number >= 0"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(bucket_ctas_per_sm="1"),
+     f"by_kv_dtype.{FP8}.splits.bucket_ctas_per_sm", "a number"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(by_group={"8": {"bucket_ctas_per_sm": 1.0}}),
+     f"by_kv_dtype.{FP8}.splits.by_group.8.bucket_ctas_per_sm", "one of"),
+    (lambda d: d["by_kv_dtype"][FP8]["splits"].update(by_group={"G8": {"min_split_tokens": 64}}),
+     f"by_kv_dtype.{FP8}.splits.by_group.G8", "keys that are positive integers"),
+    (lambda d: d["by_kv_dtype"][FP8].update(time_model={}), f"by_kv_dtype.{FP8}.time_model", "a JSON object of some of"),
+    (lambda d: d["by_kv_dtype"][FP8]["time_model"].update(fuse=route_time()), f"by_kv_dtype.{FP8}.time_model.fuse",
+     "one of"),
+    (lambda d: d["by_kv_dtype"][FP8]["time_model"]["fused"].pop("tail_us"),
+     f"by_kv_dtype.{FP8}.time_model.fused.tail_us", "it to be present"),
+    (lambda d: d["by_kv_dtype"][FP8]["time_model"]["fused"].update(read_scale=0),
+     f"by_kv_dtype.{FP8}.time_model.fused.read_scale", "a finite positive"),
+    (lambda d: d["by_kv_dtype"][FP8]["time_model"].update(by_group={"8": {}}),
+     f"by_kv_dtype.{FP8}.time_model.by_group.8", "a non-empty object"),
+    (lambda d: d["by_kv_dtype"][FP8]["time_model"].update(by_group={"8": {"fused": route_time(split=-1)}}),
+     f"by_kv_dtype.{FP8}.time_model.by_group.8.fused.split_us", "a finite number >= 0"),
+])
+def test_bad_fp8_section_is_named(tmp_path, edit, key, expected):
+    doc = fp8_doc()
+    edit(doc)
+    p = write(tmp_path, doc)
+    with pytest.raises(CalibrationError, match=rf"{re.escape(str(p))}: key '{re.escape(key)}': expected {expected}"):
+        load_calibration(p)
+
+
+def test_a_section_of_splits_only_or_time_model_only_is_valid(tmp_path):
+    for drop in ("splits", "time_model"):
+        sec = fp8_section()
+        del sec[drop]
+        cal = load_calibration(write(tmp_path, fp8_doc(sec)))
+        assert bool(cal.by_kv_dtype[0][1].splits) == (drop != "splits")
+
+
+def test_without_a_section_fp8_sees_the_fp16_constants_marked_as_a_fallback():
+    h200 = load_calibration(H200)
+    fp8 = h200.for_kv_dtype(FP8)
+    assert fp8.kv_dtype_fallback and fp8.kv_dtype == FP8
+    assert attrs.evolve(fp8, kv_dtype=None, kv_dtype_fallback=False) == h200
+    assert "no by_kv_dtype section in nvidia-h200" in fp8.kv_dtype_note()
+    for name in ("float16", "bfloat16"):
+        view = h200.for_kv_dtype(name)
+        assert not view.kv_dtype_fallback and view.kv_dtype_note() == "" and view.splits == h200.splits
+    assert h200.kv_dtype_note() == ""
+
+
+def test_the_fp8_view_takes_the_section_first_then_the_group():
+    """Per constant at G: the section's G entry, the section's top, the file's G entry, the
+    file's top."""
+    cal = calibration_from_fp8_doc()
+    h200 = load_calibration(H200)
+    g4, g8, g1 = (cal.for_kv_dtype(FP8).for_group(g) for g in (4, 8, 1))
+    assert not g4.kv_dtype_fallback and "section's constants" in g4.kv_dtype_note()
+    assert (g4.splits.cta_overhead_tiles, g4.splits.min_split_tokens, g4.splits.bucket_ctas_per_sm) == (2.5, 64, 1.5)
+    assert g8.splits.cta_overhead_tiles == 6.0                     # the section's G 8 entry
+    assert g8.splits.co_resident_slowdown == 1.25                  # the section's top, over the file's G 8 (1.875)
+    assert g1.splits.min_split_tokens == 64                        # over the file's G 1 (256)
+    assert g4.splits.max_waves == h200.splits.max_waves == 3       # not in the section: the file's
+    assert g8.route_time("fused") == C.RouteTime(0.6, 0.5, 0.1, 1.0)
+    assert g1.route_time("fused") == C.RouteTime(0.7, 0.5, 0.1, 1.5)
+    # not timed with FP8 caches: the file's own kinds at that G
+    assert g8.route_time("flashinfer") == h200.for_group(8).route_time("flashinfer")
+    assert g1.route_time("workqueue") == h200.for_group(1).route_time("workqueue")
+    assert h200.for_group(8).splits.cta_overhead_tiles == 3.0      # the fp16 view is untouched
+    assert cal.for_kv_dtype("float16").for_group(8) == attrs.evolve(h200.for_group(8), by_kv_dtype=(),
+                                                                    kv_dtype="float16", source=cal.source)
+
+
+def calibration_from_fp8_doc() -> Calibration:
+    return C.calibration_from_dict(fp8_doc())
+
+
+@pytest.mark.parametrize("g", [1, 2, 4, 8])
+def test_for_kv_dtype_and_for_group_compose_in_either_order(g):
+    cal = calibration_from_fp8_doc()
+    one = cal.for_kv_dtype(FP8).for_group(g)
+    assert one == cal.for_group(g).for_kv_dtype(FP8)
+    assert one.for_kv_dtype(FP8) is one and one.for_group(g) == one   # asking again changes nothing
+    assert one.by_kv_dtype == () and one.splits.by_group == () and one.time_model_by_group == ()
+
+
+def test_for_kv_dtype_takes_a_torch_dtype_and_refuses_another_dtype_or_an_unknown_one():
+    import torch
+
+    cal = calibration_from_fp8_doc()
+    assert cal.for_kv_dtype(torch.float8_e4m3fn) == cal.for_kv_dtype(FP8)
+    with pytest.raises(ValueError, match="already the float8_e4m3fn view"):
+        cal.for_kv_dtype(FP8).for_kv_dtype("float16")
+    with pytest.raises(ValueError, match="KV dtype 'fp8': expected one of"):
+        cal.for_kv_dtype("fp8")
+
+
+def test_a_view_is_not_saved_and_a_section_is_added_without_touching_the_rest():
+    h200 = load_calibration(H200)
+    with pytest.raises(ValueError, match="view"):
+        C.calibration_to_dict(h200.for_kv_dtype(FP8))
+    sec = calibration_from_fp8_doc().by_kv_dtype[0][1]
+    cal = C.with_kv_dtype_section(h200, FP8, sec)
+    doc, base = C.calibration_to_dict(cal), C.calibration_to_dict(h200)
+    assert doc.pop("by_kv_dtype") == {FP8: fp8_section()} and doc == base
+    again = C.with_kv_dtype_section(cal, FP8, attrs.evolve(sec, provenance="again"))   # replaced, not added
+    assert [(n, s.provenance) for n, s in again.by_kv_dtype] == [(FP8, "again")]
+    with pytest.raises(ValueError, match="expected one of"):
+        C.with_kv_dtype_section(h200, "float16", sec)
+
+
+def test_calibration_knows_every_kv_dtype_of_routes_toml():
+    from pkvrt.registry import KV_DTYPES
+
+    assert set(C.TOP_KV_DTYPES) | set(C.SECTION_KV_DTYPES) == set(KV_DTYPES)
+    assert {KV_DTYPES[n] for n in C.TOP_KV_DTYPES} == {2} and {KV_DTYPES[n] for n in C.SECTION_KV_DTYPES} == {1}

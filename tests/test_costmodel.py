@@ -284,6 +284,27 @@ def test_worked_example_of_the_measured_model():
     assert round(t, 1) == 39.9
 
 
+def test_an_fp8_prediction_reads_one_byte_per_element_with_the_sections_constants():
+    """B1 32K fused at G = 4 with an FP8 section: half the bytes at the section's read_scale,
+    the partition cut with the section's constants; without a section, the fp16 constants."""
+    from pkvrt.calibration import KvDtypeSection, with_kv_dtype_section
+
+    cal = make_cal(sm_count=132, beta_gbps=4404.9, splits=SplitPoints(0.97, 2.0, 128, 3.0, 2.0, 3),
+                   time_model=tuple((k, RouteTime(0.9811, 0.5927, 0.0900, 3.695)) for k in TIME_KINDS))
+    fp8_rt = RouteTime(0.75, 0.5, 0.1, 3.0)
+    sec = KvDtypeSection(splits=(("cta_overhead_tiles", 1.0),), time_model=(("fused", fp8_rt),),
+                         date="2026-12-08", command="test", provenance="test")
+    view = with_kv_dtype_section(cal, "float8_e4m3fn", sec).for_kv_dtype("float8_e4m3fn")
+    seq, bounds = np.array([32768]), SplitBounds(1, 64, 1)
+    fp8 = dict(SHAPE, dtype_bytes=1)
+    (g,) = route_groups("fused", seq, view, splits=bounds, **fp8)
+    assert (g.kv_bytes, g.makespan_tiles, g.splits) == (67_108_864, 65.0, 16)   # overhead 1 tile, not 3
+    expected = 0.75 * 67_108_864 / 4404.9e3 + 0.5 * math.sqrt(65) + 0.1 * 16 + 3.0
+    assert predict_route_us("fused", seq, None, view, graphs=True, splits=bounds, **fp8) == pytest.approx(expected)
+    fallback = cal.for_kv_dtype("float8_e4m3fn")
+    assert fallback.kv_dtype_fallback and fallback.route_time("fused") == cal.route_time("fused")
+
+
 # ----------------------------------------------------------------------------- fitting the measured model
 
 

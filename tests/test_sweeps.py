@@ -7,6 +7,7 @@ import argparse
 import json
 import pathlib
 import sys
+import types
 
 import attrs
 import numpy as np
@@ -18,6 +19,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from pkvrt import calibrate, sweeps
+from pkvrt import calibration as calib
 from pkvrt.calibration import RouteTime, TIME_KINDS, calibration_from_dict, calibration_to_dict, load_calibration
 from pkvrt.costmodel import measured_us, route_groups
 from pkvrt.registry import load_routes
@@ -34,27 +36,32 @@ TRUTH = {4: {"fused": FUSED, "workqueue": RouteTime(0.95, 0.9, 0.07, 2.1),
          8: {"fused": RouteTime(0.89, 1.46, 0.08, 2.8), "flashinfer": RouteTime(1.0, 1.0, 0.1, 6.0)}}
 
 
-def model_us(kind, seq, group, rt, cut=None):
+def model_us(kind, seq, group, rt, cut=None, cal=CAL, kv_dtype="float16"):
     route = sweeps.route_of_kind(REG, kind)
     kw = dict(splits=route.splits, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths) \
         if kind != "flashinfer" else {}
-    cal = CAL.for_group(group)
-    groups = route_groups(kind, seq, cal, longest_splits=cut, **kw, **sweeps.group_shape(group))
+    cal = cal.for_kv_dtype(kv_dtype).for_group(group)
+    groups = route_groups(kind, seq, cal, longest_splits=cut, **kw, **sweeps.group_shape(group, kv_dtype))
     return measured_us(groups, rt, cal, graphs=True)
 
 
-def synthetic_rows(truth=TRUTH, cuts_every=5, kinds=("fused", "workqueue")) -> list[dict]:
-    """Rows of a calibrate-sweeps file whose times are the measured model's with ``truth``:
-    bucket sweeps at G 4, the partition kinds at every ``cuts_every``-th cut (and the planned
-    one) at each G of ``truth``, FlashInfer (tensor-core; CUDA-core 30 % slower) on the same
-    steps and at B1..B16 32K."""
+def synthetic_rows(truth=TRUTH, cuts_every=5, kinds=("fused", "workqueue"), cal=CAL,
+                   kv_dtype="float16") -> list[dict]:
+    """Rows of a calibrate-sweeps file whose times are the measured model's with ``truth``
+    (and the partition constants of ``cal``'s view of ``kv_dtype``): bucket sweeps at G 4, the
+    partition kinds at every ``cuts_every``-th cut (and the planned one) at each G of
+    ``truth``, FlashInfer (tensor-core; CUDA-core 30 % slower) on the same steps and at B1..B16
+    32K. FP8 rows carry their ``kv_dtype`` and have no FlashInfer (as ``pkvrt calibrate
+    --kv-dtype fp8`` writes them); fp16 rows have no kv_dtype (as older files)."""
+    fp8 = {"kv_dtype": kv_dtype} if kv_dtype != "float16" else {}
     rows = []
     for case, kind, seq in calibrate.calibration_steps():
         seq = seq.astype(np.int64)
         if kind == "bucket":
             bounds = sweeps.route_of_kind(REG, "bucket").splits
-            rows += [dict(case=case, engine="pkvrt-bucket", splits=s,
-                          median_us=model_us("bucket", seq, 4, truth[4]["bucket"], s)) for s in bounds.candidates()]
+            rows += [dict(case=case, engine="pkvrt-bucket", splits=s, **fp8,
+                          median_us=model_us("bucket", seq, 4, truth[4]["bucket"], s, cal, kv_dtype))
+                     for s in bounds.candidates()]
             continue
         for g, fits in truth.items():
             name = case if g == 4 else f"{case}-G{g}"
@@ -62,14 +69,16 @@ def synthetic_rows(truth=TRUTH, cuts_every=5, kinds=("fused", "workqueue")) -> l
                 if k not in fits:
                     continue
                 route = sweeps.route_of_kind(REG, k)
-                t = sweeps.Timed(kind=k, case=case, group=g, seq=seq, times={})
-                cuts = set(route.splits.candidates()[::cuts_every]) | {sweeps.planned_cut(t, route, CAL.for_group(g))}
-                rows += [dict(case=name, engine=f"pkvrt-{k}", group=g, splits=int(s),
-                              median_us=model_us(k, seq, g, fits[k], int(s))) for s in sorted(cuts)]
+                t = sweeps.Timed(kind=k, case=case, group=g, seq=seq, times={}, kv_dtype=kv_dtype)
+                cuts = set(route.splits.candidates()[::cuts_every]) | {sweeps.planned_cut(t, route, cal)}
+                rows += [dict(case=name, engine=f"pkvrt-{k}", group=g, splits=int(s), **fp8,
+                              median_us=model_us(k, seq, g, fits[k], int(s), cal, kv_dtype)) for s in sorted(cuts)]
+            if fp8:
+                continue
             fi = model_us("flashinfer", seq, g, fits["flashinfer"])
             rows += [dict(case=name, engine="flashinfer-tc", group=g, median_us=fi),
                      dict(case=name, engine="flashinfer-cuda", group=g, median_us=1.3 * fi)]
-    for a in (1, 2, 4, 8, 16):
+    for a in (1, 2, 4, 8, 16) if not fp8 else ():
         fi = model_us("flashinfer", np.full(a, 32768, dtype=np.int64), 4, truth[4]["flashinfer"])
         rows += [dict(case=f"B{a}-32K", engine="flashinfer-tc", median_us=fi)]
     return rows
@@ -177,11 +186,7 @@ def test_calibrate_has_the_suggest_routes_option():
 
 
 def test_bench_script_refits_and_prints_the_errors(rows, tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "benches"))
-    try:
-        import cost_model_error
-    finally:
-        sys.path.pop(0)
+    cost_model_error = _bench_script()
     f = tmp_path / "sweeps.json"
     f.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200", "seeds": [calibrate.SEED]}, "rows": rows}))
     cal_path = tmp_path / "cal.json"
@@ -194,3 +199,204 @@ def test_bench_script_refits_and_prints_the_errors(rows, tmp_path, capsys):
     assert out.read_text().startswith("# Suggested")
     assert cost_model_error.main([str(f), "--calibration", str(cal_path), "--file-constants"]) == 2
     assert "has no time_model" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- FP8 sweeps
+
+FP8 = "float8_e4m3fn"
+FP8_TRUTH = {4: {"fused": RouteTime(0.71, 0.45, 0.12, 2.2), "workqueue": RouteTime(0.74, 0.8, 0.06, 1.9),
+                 "bucket": RouteTime(0.81, 0.45, 0.12, 1.7)},   # bucket: the fused kind's shape
+             8: {"fused": RouteTime(0.66, 1.2, 0.05, 2.5)}}
+FP8_SECTION = calib.KvDtypeSection(
+    splits=(("bucket_ctas_per_sm", 1.5), ("workqueue_ctas_per_sm", 3.0), ("min_split_tokens", 64),
+            ("cta_overhead_tiles", 2.5), ("co_resident_slowdown", 1.25)),
+    date="2026-12-08", command="pkvrt calibrate --kv-dtype fp8", provenance="Measured (test).")
+CAL_FP8 = calib.with_kv_dtype_section(CAL, FP8, FP8_SECTION)   # the H200 file + FP8 partition constants
+
+
+@pytest.fixture(scope="module")
+def fp8_rows():
+    return synthetic_rows(FP8_TRUTH, cal=CAL_FP8, kv_dtype=FP8)
+
+
+def test_rows_are_read_by_kv_dtype(rows, fp8_rows):
+    both = rows + fp8_rows
+    fp16, fp8 = sweeps.read_rows(both), sweeps.read_rows(both, kv_dtype=FP8)
+    assert len(fp16) == len(sweeps.read_rows(rows)) and {t.kv_dtype for t in fp16} == {"float16"}
+    assert len(fp8) == len(sweeps.read_rows(fp8_rows, kv_dtype=FP8)) and {t.kind for t in fp8} == {
+        "bucket", "fused", "workqueue"} and {t.kv_dtype for t in fp8} == {FP8}
+    assert sweeps.group_shape(4, FP8)["dtype_bytes"] == 1 and sweeps.group_shape(4)["dtype_bytes"] == 2
+    b1 = [t for t in fp8 if t.kind == "fused" and t.case == "B1-32K" and t.group == 4]
+    assert {r["kv_bytes"] for r in sweeps.fit_records(b1, CAL_FP8, REG, "fused", 4)} == {32768 * 2 * 8 * 128 * 1}
+    with pytest.raises(ValueError, match="kv_dtype 'fp8'"):
+        sweeps.read_rows(both, kv_dtype="fp8")
+
+
+def test_fp8_fit_goes_to_the_section_and_leaves_the_fp16_file_alone(fp8_rows):
+    """What `pkvrt calibrate --kv-dtype fp8` does after timing: the partition constants into the
+    section of the base file, then the time model (1 byte per K/V element) beside them."""
+    cal = calibrate.add_time_model(CAL_FP8, fp8_rows, REG, FP8)
+    sec = dict(cal.by_kv_dtype)[FP8]
+    assert dict(sec.time_model) == FP8_TRUTH[4] and dict(sec.time_model_by_group) == {8: (("fused", FP8_TRUTH[8]["fused"]),)}
+    assert sec.splits == FP8_SECTION.splits and "FlashInfer not timed" in sec.provenance
+    doc = calibration_to_dict(cal)
+    del doc["by_kv_dtype"]
+    assert doc == calibration_to_dict(CAL)                      # the fp16 constants untouched
+    view = cal.for_kv_dtype(FP8)
+    assert view.route_time("flashinfer") == CAL.route_time("flashinfer") and view.route_time("fused") == FP8_TRUTH[4]["fused"]
+    errors, gates = calibrate.report(fp8_rows, cal, REG, kv_dtype=FP8)
+    assert "G 4 pkv_fused: max |error| 0.0 %" in errors and "G 8 pkv_fused: max |error| 0.0 %" in errors
+    assert "flashinfer" not in errors and gates == ""
+
+
+def test_fp8_partition_fit_goes_to_the_section():
+    points = {4: {"workqueue_ctas_per_sm": 3.0, "co_resident_slowdown": 1.5, "cta_overhead_tiles": 1.0,
+                  "min_split_tokens": 128},
+              8: {"workqueue_ctas_per_sm": 3.0, "co_resident_slowdown": 2.0, "cta_overhead_tiles": 4.0,
+                  "min_split_tokens": 32}}
+    cal = sweeps.with_partitions(CAL_FP8, points, FP8)
+    sec = dict(cal.by_kv_dtype)[FP8]
+    assert dict(sec.splits) == {"bucket_ctas_per_sm": 1.5, **points[4]}     # bucket kept
+    assert dict(dict(sec.splits_by_group)[8]) == points[8]
+    assert cal.splits == CAL.splits
+    assert cal.for_kv_dtype(FP8).for_group(8).splits.cta_overhead_tiles == 4.0
+
+
+def _bench_script():
+    sys.path.insert(0, str(REPO / "benches"))
+    try:
+        import cost_model_error
+    finally:
+        sys.path.pop(0)
+    return cost_model_error
+
+
+def _fp8_sweeps(tmp_path, rows, occupancy=None) -> pathlib.Path:
+    f = tmp_path / "sweeps-fp8.json"
+    meta = {"gpu": "NVIDIA H200", "seeds": [calibrate.SEED], "kv_dtype": FP8, "command": "pkvrt calibrate --kv-dtype fp8"}
+    f.write_text(json.dumps({"meta": meta | ({"occupancy": occupancy} if occupancy else {}), "rows": rows}))
+    return f
+
+
+def _saved(tmp_path, cal, name="cal.json") -> pathlib.Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(calibration_to_dict(cal)))
+    return path
+
+
+def test_bench_script_refits_the_fp8_section_offline(fp8_rows, tmp_path, capsys):
+    """benches/cost_model_error.py on FP8 sweeps: the section's time model (a file with FP8
+    partition constants, kept), every fp16 constant as it was."""
+    script = _bench_script()
+    sweeps_path = _fp8_sweeps(tmp_path, fp8_rows)
+    out = tmp_path / "out.json"
+    assert script.main([str(sweeps_path), "--calibration", str(_saved(tmp_path, CAL_FP8)), "--keep-partition",
+                        "--write", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "with float8_e4m3fn K/V" in text and "G 4 pkv_fused: max |error| 0.0 %" in text
+    assert "# Suggested" not in text and not any(line.split()[1:2] == ["flashinfer"] for line in text.splitlines())
+    got = load_calibration(out)
+    sec = dict(got.by_kv_dtype)[FP8]
+    assert dict(sec.time_model) == FP8_TRUTH[4] and sec.splits == FP8_SECTION.splits
+    assert "from sweeps-fp8.json" in sec.provenance and got.provenance == CAL.provenance
+    assert calibration_to_dict(attrs.evolve(got, by_kv_dtype=())) == calibration_to_dict(CAL)
+
+
+def test_bench_script_creates_an_fp8_section_and_takes_the_recorded_occupancy(tmp_path, capsys):
+    """A file without an FP8 section: the time model fitted under the fallback view goes to a
+    new section (valid: command from the sweeps); the partition refit uses the e4m3 kernel's
+    occupancy that the sweeps recorded (3 here, not the file's 2)."""
+    script = _bench_script()
+    rows = synthetic_rows(FP8_TRUTH, cuts_every=9, cal=CAL, kv_dtype=FP8)   # the fallback view: fp16 constants
+    base = _saved(tmp_path, CAL)
+    out = tmp_path / "out.json"
+    assert script.main([str(_fp8_sweeps(tmp_path, rows)), "--calibration", str(base), "--keep-partition",
+                        "--write", str(out)]) == 0
+    sec = dict(load_calibration(out).by_kv_dtype)[FP8]
+    assert dict(sec.time_model)["fused"] == FP8_TRUTH[4]["fused"] and sec.splits == ()
+    assert sec.command == "pkvrt calibrate --kv-dtype fp8" and "Fitted from the float8_e4m3fn sweeps" in sec.provenance
+    assert script.main([str(_fp8_sweeps(tmp_path, rows, occupancy={"4": 3, "8": 3})), "--calibration", str(base),
+                        "--write", str(out)]) == 0
+    sec = dict(load_calibration(out).by_kv_dtype)[FP8]
+    assert dict(sec.splits)["workqueue_ctas_per_sm"] == 3.0 and dict(sec.splits_by_group)[8][0] == (
+        "workqueue_ctas_per_sm", 3.0)
+    assert load_calibration(out).splits == CAL.splits
+    capsys.readouterr()
+    assert script.main([str(_fp8_sweeps(tmp_path, rows)), "--calibration", str(base), "--file-constants"]) == 2
+    assert "has no float8_e4m3fn time_model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main([str(_fp8_sweeps(tmp_path, rows)), "--calibration", str(base), "--suggest-routes", "x.toml"])
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, fp8_rows):
+    """`pkvrt calibrate --kv-dtype fp8` on a CPU: an H200 that is available, whose timed steps
+    are ``fp8_rows`` and whose e4m3 decode kernel runs 3 CTAs per SM. Yields the calls of
+    time_steps (kv_dtype, the planning base)."""
+    import torch
+
+    from pkvrt import _driver, results
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
+        name="NVIDIA H200", multi_processor_count=132, L2_cache_size=50 * 2**20))
+    monkeypatch.setattr(_driver, "available", lambda: None)
+    monkeypatch.setattr(results, "environment", lambda: {"gpu": "NVIDIA H200", "flashinfer": "unavailable: test"})
+    monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv: 3)
+    calls = []
+
+    def time_steps(args, reg, base, *, kv_dtype, repeats, t_start):
+        calls.append((kv_dtype, base))
+        timed = sweeps.read_rows(fp8_rows, kv_dtype=kv_dtype)
+        fit_recs = [dict(case=t.case, route="bucket", rows=1, context=int(t.seq.max()), splits=s, us=us,
+                         kv_bytes=int(t.seq.sum()) * 2048, ctas=8 * s) for t in timed if t.kind == "bucket"
+                    for s, us in t.times.items()]
+        cases = {g: {t.case: (t.seq, t.times) for t in timed if t.kind == "fused" and t.group == g}
+                 for g in args.groups}
+        return fit_recs, fp8_rows, cases
+    monkeypatch.setattr(calibrate, "time_steps", time_steps)
+    return calls
+
+
+def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, capsys):
+    """The whole FP8 command with the timing faked: the base file's fp16 constants are written
+    unchanged beside the new section (FP8 bucket split point, partition constants at G 4 and 8
+    with the e4m3 occupancy, time model of pkvrt's kinds), --raw records the KV dtype, and a
+    second run replaces the section."""
+    from pkvrt import cli
+
+    out, raw = tmp_path / "nvidia-h200.json", tmp_path / "sweeps.json"
+    argv = ["calibrate", "--kv-dtype", "fp8", "--groups", "4,8", "--base", str(REPO / "calibration" / "nvidia-h200.json"),
+            "--out", str(out), "--raw", str(raw)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out} (its by_kv_dtype.float8_e4m3fn section" in text and "G 4 pkv_fused: max |error|" in text
+    (kv, base), = fake_gpu
+    assert kv == FP8 and base.time_model == () and base.by_kv_dtype == () and base.beta_gbps == CAL.beta_gbps
+    assert base.l2_bytes == 50 * 2**20      # the K/V copies rotate past the device's L2
+    got = load_calibration(out)
+    assert calibration_to_dict(attrs.evolve(got, by_kv_dtype=())) == calibration_to_dict(CAL)
+    sec = dict(got.by_kv_dtype)[FP8]
+    assert [k for k, _ in sec.splits] == ["bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
+                                          "cta_overhead_tiles", "co_resident_slowdown"]   # no max_waves: the file's
+    assert dict(sec.splits)["workqueue_ctas_per_sm"] == 3.0 and [g for g, _ in sec.splits_by_group] == [8]
+    assert [k for k, _ in sec.time_model] == ["bucket", "workqueue", "fused"]
+    assert [(g, [k for k, _ in kinds]) for g, kinds in sec.time_model_by_group] == [(8, ["fused"])]
+    assert "float8_e4m3fn K/V caches" in sec.provenance and "FlashInfer is not timed" in sec.provenance
+    meta = json.loads(raw.read_text())["meta"]
+    assert (meta["kv_dtype"], meta["occupancy"], meta["fp8_scales"]) == (FP8, {"4": 3, "8": 3}, "unit")
+    assert cli.main([*argv[:-4], "--out", str(out), "--max-waves", "2"]) == 0     # base: the --out file now
+    again = dict(load_calibration(out).by_kv_dtype)[FP8]
+    assert dict(again.splits)["max_waves"] == 2 and len(load_calibration(out).by_kv_dtype) == 1
+    assert load_calibration(out).splits == CAL.splits
+
+
+def test_calibrate_fp8_refuses_another_gpus_base_before_timing(fake_gpu, tmp_path, capsys):
+    from pkvrt import cli
+
+    out = tmp_path / "x.json"
+    rc = cli.main(["calibrate", "--kv-dtype", "fp8", "--base", str(REPO / "calibration" / "rtx3060-seed.json"),
+                   "--out", str(out)])
+    assert rc == 2 and "not of this GPU 'NVIDIA H200'" in capsys.readouterr().err
+    assert fake_gpu == [] and not out.exists()
