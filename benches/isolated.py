@@ -395,7 +395,7 @@ def main(argv=None) -> int:
                 rows.append(dict(case=name, engine=label, splits=None,
                                  unavailable=f"unavailable: {type(exc).__name__}: {exc}"))
         # The planner's automatic split choice (calibration of this GPU at this G), as the runtime runs it.
-        gcal = cal.for_group(hq // hkv)
+        gcal = cal.for_kv_dtype("float8_e4m3fn" if fp8 else "float16").for_group(hq // hkv)
         bplan = planner.plan_bucket(lens, splits=registry.route("pkv_bucket").splits, cal=gcal, **shape(hq, hkv))
         wplan = planner.plan_workqueue(lens, splits=registry.route("pkv_workqueue").splits, cal=gcal, **shape(hq, hkv))
         if len(bplan.buckets) == 1:

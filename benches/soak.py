@@ -226,17 +226,21 @@ def array_bytes(obj) -> int:
     return 0
 
 
-def graph_shape(d) -> tuple | None:
-    """(route, padded batch, structure) a PersistentKV decision's graph is keyed by (dry run)."""
-    from pkvrt import graphs
+def graph_shape(d, router) -> tuple | None:
+    """(route, padded batch, structure) a PersistentKV decision's graph is keyed by (dry run):
+    a bucket plan's buckets; for workqueue/fused, planned on the GPU, the planning kernel's grid
+    of the padded batch (``planner.device_grid_ctas``, what Runtime._device_grid_tasks keys)."""
+    from pkvrt import graphs, planner
 
     if d.kind == "flashinfer":
         return None
+    gb = graphs.padded_batch(d.active)
     if d.kind == "bucket":
         structure = tuple((graphs.padded_batch(b.rows.size), int(b.num_splits)) for b in d.plan.buckets)
     else:
-        structure = graphs.task_bucket(d.plan.tasks.shape[0])
-    return d.route, graphs.padded_batch(d.active), structure
+        structure = planner.device_grid_ctas(gb, num_kv_heads=router.num_kv_heads,
+                                             splits=router.registry.route(d.route).splits, cal=router.cal)
+    return d.route, gb, structure
 
 
 def q_tensor(shape, b: int, seed: int, device, dtype):
@@ -258,7 +262,7 @@ def dry_run(args) -> int:
            else calib.find_calibration("NVIDIA H200"))   # the GPU this soak is for
     router = Router(registry, cal, num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
                     head_dim=args.head_dim, page_size=args.page_size, graphs=True,
-                    memo_size=args.decision_memo)
+                    memo_size=args.decision_memo, device_plan_kinds=("workqueue", "fused"))   # as the Runtime's
     n_req = len(draw_trace(args, args.seed))
     capacity = cache_pages(n_req, args)
     restarts: list = []
@@ -277,7 +281,7 @@ def dry_run(args) -> int:
         longest = max(longest, int(seq.max()))
         if memo_full is None and router.memo_size and len(router._memo) >= router.memo_size:
             memo_full = i + 1
-        if (s := graph_shape(d)) is not None:
+        if (s := graph_shape(d, router)) is not None:
             shapes[s] += 1
     wall = time.perf_counter() - t_start
     g_seq, g_bt, g_pages = golden_inputs(args, args.max_context)

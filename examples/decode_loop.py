@@ -2,8 +2,15 @@
 
 32 layers, each a view of one big K and V cache ``[layers, num_pages, H_kv, page, D]`` (HND);
 a few decode steps whose lengths grow by one token a step, with one request joining and one
-leaving. Each step prints the route the runtime chose and checks the last layer's output
-against the FP32 reference; at the end it prints ``explain()`` and ``stats()``.
+leaving. Each step prints the route the runtime chose, the CUDA graphs it captured and replayed
+and checks the last layer's output against the FP32 reference; at the end it prints
+``explain()`` and ``stats()``.
+
+Where the policy picks a PersistentKV workqueue route, the step's plan is built on the GPU by
+the planning kernel and its grid depends only on the padded batch, so the first such step
+captures (one planning graph and one graph per layer) and the next steps of that padded batch
+replay them while the lengths grow: ``+0 captures, +33 replays`` at 32 layers. FlashInfer steps
+run FlashInfer's own plan and launch it eagerly.
 
 The cache is filled with random values up front (a real engine appends the step's new K/V
 before ``plan``/``run``). q is written straight into ``rt.static_q(B)`` and the output read from
@@ -68,8 +75,11 @@ def main(argv=None) -> int:
     print(f"{args.layers} layers, {num_pages} pages of {PAGE} tokens, "
           f"{2 * k_all.numel() * 2 / 2**30:.1f} GiB of KV")
 
+    # A graph per layer (each layer's cache is another tensor) and padded batch, plus the
+    # planning graph: room for two padded batches' worth without evicting.
     rt = pkvrt.Runtime(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16, max_batch=16,
-                       max_pages_per_row=width, use_cuda_graph=not args.eager)
+                       max_pages_per_row=width, use_cuda_graph=not args.eager,
+                       max_graphs=max(64, 2 * (args.layers + 1)))
     active = dict(REQUESTS)  # request -> current length
     ok = True
     for step in range(args.steps):
@@ -84,6 +94,7 @@ def main(argv=None) -> int:
         for i, r in enumerate(rids):
             block_tables[i, :len(pages[r])] = pages[r]
 
+        before = rt.stats()
         decision = rt.plan(seq_lens, block_tables)          # once per step
         b = len(rids)
         q, out = rt.static_q(b), rt.static_out(b)
@@ -94,8 +105,10 @@ def main(argv=None) -> int:
                                          torch.as_tensor(block_tables, device="cuda"))
         err = ((out.float() - ref).norm() / ref.norm()).item()
         ok &= err < 2e-3
+        after = rt.stats()
+        graphs = ", ".join(f"+{after[k] - before[k]} {k}" for k in ("captures", "replays", "eager_runs"))
         print(f"step {step}: B={b} longest={int(seq_lens.max())} route={decision.route} "
-              f"({decision.kind}, predicted {decision.speedup:.2f}x over FlashInfer) "
+              f"({decision.kind}, predicted {decision.speedup:.2f}x over FlashInfer; {graphs}) "
               f"last-layer rel err {err:.1e} {'ok' if err < 2e-3 else 'FAIL'}")
         for r in rids:
             active[r] += 1                                  # the token decoded this step

@@ -11,8 +11,11 @@ therefore holds exactly what changes those (DESIGN.md "CUDA graphs")::
   empty ``split_offsets`` range and exit at once); the exact B for FlashInfer, whose CUDA-graph
   wrappers are built for one batch size.
 * structure: bucket route, one ``(padded rows, splits)`` pair per bucket in launch order;
-  workqueue and fused routes, the task capacity :func:`task_bucket` (the 1-D grid size);
-  FlashInfer, the serial number of the wrapper it was planned on.
+  workqueue and fused routes, the grid of the planning kernel for the padded batch (the most
+  tasks the balanced partition plans for that many rows, ``planner.device_grid_ctas``; slots
+  past a step's tasks exit at once), the same for every step of that padded batch, so their
+  graphs replay while the lengths change; FlashInfer, the serial number of the wrapper it was
+  planned on.
 * buffer generation: bumped when a static buffer is reallocated to grow (the cache is cleared
   then, too; the number keeps an old key from ever matching a new buffer).
 * tensors: :func:`tensor_key` ``(data_ptr, shape, strides, dtype)``; the runtime's own static
@@ -20,8 +23,10 @@ therefore holds exactly what changes those (DESIGN.md "CUDA graphs")::
 
 It also sizes and lays out the static buffers graphs read: :func:`initial_capacities`,
 :func:`needed_capacities` and :func:`grow` (partial-state slots, workqueue tasks), and the int32
-metadata arena (:func:`arena_layout`) with its writers :func:`stage_bucket` and
-:func:`stage_workqueue`, which copy a step's plan into pinned staging.
+metadata arena (:func:`arena_layout`) with its writer :func:`stage_bucket`, which copies a
+bucket plan into pinned staging. :func:`stage_workqueue` writes a host workqueue plan the way
+the planning kernel (kernels/plan_workqueue.cu) writes it on the GPU: the Runtime no longer
+stages workqueue plans from the host, the function stays as the kernel's reference twin.
 
 Everything here but :func:`capture` is plain Python and NumPy and runs without CUDA.
 """
@@ -49,8 +54,9 @@ def padded_batch(batch: int) -> int:
 
 
 def task_bucket(tasks: int, steps_per_octave: int = 4) -> int:
-    """Task capacity (1-D grid size) a workqueue graph is captured for: ``tasks`` rounded up to
-    one of ``steps_per_octave`` evenly spaced sizes per power of two.
+    """Task capacity (1-D grid size) of a host-staged workqueue plan (:func:`stage_workqueue`,
+    the reference twin; the Runtime's graphs use the planning kernel's grid): ``tasks`` rounded
+    up to one of ``steps_per_octave`` evenly spaced sizes per power of two.
 
     Every idle grid slot is a CTA that is scheduled and exits, so the capacity must stay close to
     the real count: with 4 steps per octave at most 25 % of the grid idles. Example: 1280 tasks
@@ -267,9 +273,10 @@ def stage_bucket(arena: np.ndarray, layout: ArenaLayout, plan) -> tuple[tuple, i
 
 
 def stage_workqueue(arena: np.ndarray, layout: ArenaLayout, plan, batch: int) -> tuple[int, int]:
-    """Write a workqueue plan: split_offsets over the padded batch (padded rows repeat the last
-    offset: zero slots, the merge skips them), num_tasks, tasks. Returns (task capacity of the
-    graph, elements of the arena used)."""
+    """Write a workqueue plan as the planning kernel writes it on the GPU (the reference twin;
+    the Runtime does not call it): split_offsets over the padded batch (padded rows repeat the
+    last offset: zero slots, the merge skips them), num_tasks, tasks. Returns (task capacity of
+    the graph, elements of the arena used)."""
     gb = padded_batch(batch)
     t = plan.tasks.shape[0]
     cap = task_bucket(t)

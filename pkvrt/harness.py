@@ -701,9 +701,9 @@ class RuntimeEngine:
         self.decision = None
 
     def plan(self, step: Step) -> None:
+        self._last_seq = step.seq_lens
         if self.device_planning:
             self.decision = self.rt.plan(*self._device_inputs(step), force=self.force)
-            self._last_seq = step.seq_lens
             return
         bt = self.layout.block_table(step.rids)
         if self.force is None:
@@ -730,13 +730,13 @@ class RuntimeEngine:
 
     def step_info(self):
         d = self.decision
-        if self.device_planning:  # the plan lives on the GPU: the host planner's identical
-            rt = self.rt          # rule gives its splits and counters (off the timed path)
-            p = planner.plan_workqueue(self._last_seq, num_kv_heads=rt.num_kv_heads,
-                                       num_qo_heads=rt.num_qo_heads, head_dim=rt.head_dim,
-                                       dtype_bytes=self.kv_dtype_bytes,
-                                       splits=rt.registry.route(d.route).splits,
-                                       cal=rt.calibration)
+        if d.plan is None:   # a workqueue/fused plan lives on the GPU (device planning, or host
+            rt = self.rt     # lengths): the host planner's identical rule gives its splits and
+            # counters (off the timed path); the fused route's merge runs in the decode kernel
+            make = planner.plan_fused if d.kind == "fused" else planner.plan_workqueue
+            p = make(self._last_seq, num_kv_heads=rt.num_kv_heads, num_qo_heads=rt.num_qo_heads,
+                     head_dim=rt.head_dim, dtype_bytes=self.kv_dtype_bytes,
+                     splits=rt.registry.route(d.route).splits, cal=rt.calibration)
             return d.route, tuple(plan_splits(p)), p.counters
         return d.route, tuple(plan_splits(d.plan)), d.plan.counters
 

@@ -154,11 +154,17 @@ class Registry:
     routes: tuple[Route, ...]  # file order
     boundary: BoundaryRule
     device_route: str | None = None  # [device_planning] route: what device planning runs
+    # [device_planning] small_rows / small_route: steps of at most small_rows rows run small_route
+    device_small: tuple[int, str] | None = None
 
-    def device_planning_route(self) -> Route:
-        """The route ``Runtime(device_planning=True)`` runs when none is forced: ``[device_planning]
-        route`` if the file names one, else the first non-ablation workqueue or fused route (else
-        the first of either kind). Raises KeyError when the file has no such route."""
+    def device_planning_route(self, rows: int | None = None) -> Route:
+        """The route ``Runtime(device_planning=True)`` runs when none is forced: for a step of
+        ``rows`` rows at most ``[device_planning] small_rows``, ``small_route``; otherwise
+        ``[device_planning] route`` if the file names one, else the first non-ablation workqueue or
+        fused route (else the first of either kind). ``rows=None``: the main route (what the
+        calibration fits the partition on). Raises KeyError when the file has no such route."""
+        if rows is not None and self.device_small is not None and rows <= self.device_small[0]:
+            return self.route(self.device_small[1])
         if self.device_route is not None:
             return self.route(self.device_route)
         dp = [r for r in self.routes if r.kind in ("workqueue", "fused")]
@@ -227,9 +233,10 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
         raise RoutesError(f"{p}: byte {e.start} is not UTF-8; expected a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
-    routes, boundary, device_route = _parse(str(p), doc)
+    routes, boundary, device_route, device_small = _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
-                    routes=routes, boundary=boundary, device_route=device_route)
+                    routes=routes, boundary=boundary, device_route=device_route,
+                    device_small=device_small)
 
 
 def _syntax_error(path: str, text: str, msg: str) -> RoutesError:
@@ -422,7 +429,8 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
                  bucketing=bucketing, coarse_lengths=coarse, kv_dtypes=_kv_dtypes(t, PKV_KV_DTYPES))
 
 
-def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None]:
+def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None,
+                                         tuple[int, str] | None]:
     top = _Table(path, "top level", doc, ("gates", "promotion", "device_planning", "routes"))
     gates = _gates(top.table("gates", GATE_KEYS), None)
     promo = top.table("promotion", ("margin", "boundary"))
@@ -438,10 +446,21 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
     if len(baselines) != 1:
         table.fail("kind", f'{len(baselines) or "no"} routes have kind "flashinfer" '
                    f'{baselines or ""}'.rstrip(), "exactly one baseline route")
-    device_route = None
-    if (dp := top.table("device_planning", ("route",), required=False)) is not None:
+    device_route = device_small = None
+    if (dp := top.table("device_planning", ("route", "small_rows", "small_route"), required=False)) is not None:
         names = [r.name for r in routes if r.kind in ("workqueue", "fused")]
-        device_route = dp.get("route", f"the name of a workqueue or fused route ({', '.join(names) or 'none here'})",
-                              lambda v: None if v in names else "is not a workqueue or fused route of this file"
-                              if isinstance(v, str) else "is not a string")
-    return routes, boundary, device_route
+        expected = f"the name of a workqueue or fused route ({', '.join(names) or 'none here'})"
+
+        def problem(v):
+            if not isinstance(v, str):
+                return "is not a string"
+            return None if v in names else "is not a workqueue or fused route of this file"
+
+        device_route = dp.get("route", expected, problem)
+        small = [k for k in ("small_rows", "small_route") if k in dp.data]
+        if len(small) == 1:
+            missing = ({"small_rows", "small_route"} - set(small)).pop()
+            dp.fail(missing, "missing", f"{missing} next to {small[0]} (the two go together)")
+        if small:
+            device_small = (dp.integer("small_rows"), dp.get("small_route", expected, problem))
+    return routes, boundary, device_route, device_small

@@ -11,12 +11,27 @@ step stays on FlashInfer. Every route not taken gets a reason, so ``explain()`` 
 Cost per step (measured on the 2-core CPU of the dev box, numpy 2, pytest-benchmark medians):
 predictions use closed-form counters (split counts and bucket sizes only, no task arrays),
 about 10 µs for the workqueue and 30 µs for exact buckets at B=8; the full plan is built for
-the chosen route alone (workqueue B=8: 30 µs; B=64: 35 µs). A whole ``decide`` on a bimodal
+the chosen route alone (workqueue B=8: 30 µs; B=64: 35 µs), and not at all for the route kinds
+the caller plans on the GPU (``device_plan_kinds``: the Runtime's workqueue and fused routes,
+whose plans the planning kernel builds from the exact lengths). A whole ``decide`` on a bimodal
 B=8 step that picks the workqueue costs about 85 µs (``test_bench_decide_b8``); a step the
 gates send to FlashInfer about 20 µs. With a calibration's measured time model the predictions
 come from launch groups instead of counters (FlashInfer's own split form, one group per bucket):
 bimodal B8 with the H200 constants 195-205 µs against 167 µs with the roofline, measured side by
 side on the (busier) dev box.
+
+Why a memo, not O(1) summaries of the step (active rows, longest and total length): the
+predictions read the whole length vector. The balanced partition's makespan counts every row's
+splits at each candidate chunk and which rows are "big", and the bucket route groups rows by
+length. Two H200 B8 steps with the same summaries (longest 32768, total 47104) are cut and
+predicted differently: ``[32768] + [2048] * 7`` into splits ``[43, 3 x 7]`` (bucket 59.8 µs),
+``[32768, 12800] + [256] * 6`` into ``[47, 19, 1 x 6]`` (bucket 65.1 µs). So the memo keys the
+whole vector at split granularity instead, and a hit costs no planner call for the routes
+planned on the GPU. Measured on the (shared, noisy) 2-core dev box, H200 calibration, B8 steps
+[32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584] growing one token a step, 2000 steps, 16
+misses: ``decide`` median 85-155 µs before (a hit rebuilt the workqueue plan) and 18-30 µs after
+with ``device_plan_kinds``; forced pkv_workqueue / pkv_fused 330-635 µs before (never
+memoized) and 23-39 µs after. A miss predicts every route: 350-390 µs (470-530 before).
 """
 
 from __future__ import annotations
@@ -36,6 +51,9 @@ from pkvrt.registry import KV_DTYPES, kv_dtype_name
 class RouteDecision:
     """The route of one step, its plan, and why every other route was not taken.
 
+    plan : the chosen route's full plan, or None when its kind is one of the router's
+        ``device_plan_kinds`` (the caller builds it on the GPU; :meth:`Router.full_plan` gives
+        its host twin on demand).
     predicted_us : every evaluated route -> predicted µs (the baseline always).
     refused : every route not evaluated or not promoted -> reason.
     speedup : predicted ``T_flashinfer / T_chosen`` (1.0 on the baseline).
@@ -43,14 +61,14 @@ class RouteDecision:
 
     route: str
     kind: str
-    plan: BucketPlan | WorkqueuePlan | FlashInferPlan
+    plan: BucketPlan | WorkqueuePlan | FlashInferPlan | None
     predicted_us: dict[str, float]
     refused: dict[str, str]
     speedup: float
     active: int = 0
     max_context: int = 0
     forced: bool = False
-    reused: bool = False   # route taken from the memo (see Router's memo_size); plan still exact
+    reused: bool = False   # route taken from the memo (see Router's memo_size); plan exact or None
 
     def explain(self) -> str:
         """An aligned table: one line per route with its predicted µs and verdict or reason."""
@@ -92,19 +110,24 @@ class Router:
     graphs : the runtime replays CUDA graphs (launch overhead ``lambda_graph_us``); False for
         the seed's eager protocol (``lambda_us``).
     memo_size : 0 (default): every step is predicted from scratch. N > 0: remember up to N
-        decisions keyed by (active rows, distinct lengths, each row's length // q) with
-        q = max(TILE_TOKENS, calibration min_split_tokens), and reuse the route of the first
-        step with that key; the chosen route's plan is still built from the exact lengths. The
-        key holds everything the split rules see at split granularity, so a reused route can
-        differ from a fresh one only where predictions sit within a quantum of a margin.
-        Why: the prediction of every route is most of ``decide``'s host time (NumPy per-call
-        overhead over tiny arrays: B1 81 -> ~30 us on the dev box, ~250 us on the H200 host
-        before, benches/NOTES.md).
+        decisions keyed by (force, active rows, distinct lengths, each row's length // q) with
+        q = max(TILE_TOKENS, calibration min_split_tokens), and reuse the route and predictions
+        of the first step with that key; the chosen route's plan is still built from the exact
+        lengths (for ``device_plan_kinds``: not built). The key holds everything the split
+        rules see at split granularity, so a reused route can differ from a fresh one only where
+        predictions sit within a quantum of a margin (a forced route never differs). Why: the
+        prediction of every route is most of ``decide``'s host time (NumPy per-call overhead
+        over tiny arrays: B1 81 -> ~30 us on the dev box, ~250 us on the H200 host before,
+        benches/NOTES.md); the module docstring says why it cannot come from O(1) summaries.
+    device_plan_kinds : route kinds whose plans the caller builds on the GPU (the Runtime
+        passes ``("workqueue", "fused")``): ``decide`` returns ``plan=None`` for them and runs
+        no planner beyond the predictions, memo hit or not. Default (): every decision carries
+        its host plan (``pkvrt plan``, the benches' dry runs).
     """
 
     def __init__(self, registry, calibration: Calibration, *, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, kv_dtype="float16", dtype_bytes: int | None = None,
-                 graphs: bool = True, memo_size: int = 0):
+                 graphs: bool = True, memo_size: int = 0, device_plan_kinds=()):
         kv_dtype = kv_dtype_name(kv_dtype)
         if dtype_bytes is None:
             dtype_bytes = KV_DTYPES[kv_dtype]
@@ -124,7 +147,8 @@ class Router:
             raise ValueError(f"Router: num_qo_heads={num_qo_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}; expected H_q = G * H_kv")
         self.registry = registry
-        self.cal = calibration.for_group(num_qo_heads // num_kv_heads)   # splits.by_group, if any
+        # by_kv_dtype (an FP8 section), then splits/time_model by_group, where the file has them
+        self.cal = calibration.for_kv_dtype(kv_dtype).for_group(num_qo_heads // num_kv_heads)
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype_bytes = head_dim, page_size, dtype_bytes
         self.kv_dtype = kv_dtype
@@ -136,8 +160,13 @@ class Router:
         if isinstance(memo_size, bool) or not isinstance(memo_size, int) or memo_size < 0:
             raise ValueError(f"Router: memo_size={memo_size!r}: expected an integer >= 0")
         self.memo_size = memo_size
+        kinds = ("bucket", "workqueue", "fused")
+        if isinstance(device_plan_kinds, str) or not set(device_plan_kinds) <= set(kinds):
+            raise ValueError(f"Router: device_plan_kinds={device_plan_kinds!r}: expected a subset of "
+                             f"{kinds} (FlashInfer's plan is always built on the host)")
+        self.device_plan_kinds = frozenset(device_plan_kinds)
         self._memo: dict = {}   # insertion-ordered: the oldest key is evicted first
-        self._quantum = max(TILE_TOKENS, calibration.splits.min_split_tokens)
+        self._quantum = max(TILE_TOKENS, self.cal.splits.min_split_tokens)
         self.memo_hits = 0
 
     def _kernel_gap(self) -> str | None:
@@ -182,7 +211,7 @@ class Router:
     # -- the decision --------------------------------------------------------------------
 
     def decide(self, seq_lens, *, force: str | None = None, block_tables=None) -> RouteDecision:
-        """Pick this step's route and build its plan.
+        """Pick this step's route and build its plan (None for ``device_plan_kinds``).
 
         Parameters
         ----------
@@ -199,10 +228,8 @@ class Router:
         """
         seq = check_seq_lens(seq_lens)
         active, max_ctx = int(seq.size), int(seq.max())
-        key = None
-        if force is None and self.memo_size:
-            lens = seq.tolist()
-            key = (active, len(set(lens)), tuple(n // self._quantum for n in lens))
+        key = self.memo_key(seq, force)
+        if key is not None:
             hit = self._memo.get(key)
             if hit is not None:
                 self.memo_hits += 1
@@ -279,8 +306,28 @@ class Router:
             self._memo[key] = attrs.evolve(d, plan=None)  # a hit re-plans: keep no arrays
         return d
 
+    def memo_key(self, seq, force: str | None = None) -> tuple | None:
+        """The memo's key of a step (``seq``: int [B], checked): (force, active rows, distinct
+        lengths, each length // quantum); None with the memo off."""
+        if not self.memo_size:
+            return None
+        lens = seq.tolist()
+        return (force, len(lens), len(set(lens)), tuple(n // self._quantum for n in lens))
+
+    def full_plan(self, route: str, seq_lens, block_tables=None):
+        """The full host plan of the route named ``route`` for ``seq_lens`` (int [B]), whatever
+        ``device_plan_kinds`` says: the host twin of a plan the caller built on the GPU (the
+        planning kernel builds the same tasks in the same order; benches and tests read it)."""
+        return self._host_plan(self.registry.route(route), check_seq_lens(seq_lens), block_tables)
+
     def _plan_for(self, route, seq, block_tables):
-        """The full plan of ``route`` for the exact lengths ``seq``."""
+        """The full plan of ``route`` for the exact lengths ``seq``; None for a kind the caller
+        plans on the GPU (``device_plan_kinds``)."""
+        if route.kind in self.device_plan_kinds:
+            return None
+        return self._host_plan(route, seq, block_tables)
+
+    def _host_plan(self, route, seq, block_tables):
         if route.kind == "flashinfer":
             return plan_flashinfer(seq, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                    dtype_bytes=self.dtype_bytes, page_size=self.page_size,

@@ -15,11 +15,31 @@ k_scale=k_scale, v_scale=v_scale)`` with float32 device tensors [1] or [H_kv] (e
 e4m3 * scale of its KV head). The kernels read the scales when they run, so a replayed graph uses
 the values the tensors hold then; a different scale tensor is a different graph.
 
-``plan`` validates the step, asks the :class:`pkvrt.router.Router` for the route, writes the
-plan into pinned host staging and issues one non-blocking H2D copy per device buffer (two for a
-PersistentKV step: the int32 metadata arena and the block-table rows; FlashInfer's own plan for a
-FlashInfer step). ``run`` checks the tensors and replays the CUDA graph of this (route, batch,
-structure, tensors) key, capturing it on a miss (:mod:`pkvrt.graphs` says what a key holds).
+One way to build a PersistentKV workqueue or fused plan: on the GPU, by the planning kernel
+(kernels/plan_workqueue.cu, ``ops.plan_workqueue_device``: the balanced partition, the tasks in
+the host planner's order, a status word), from lengths the host copied there or lengths already
+on the device. Its grid is fixed per padded batch, so ``run`` replays one set of per-layer
+graphs for every step of that padded batch while the lengths change. Two ways to give a step:
+
+* host lengths (the default ``Runtime(...)``): ``plan`` checks the step (O(B), and with
+  ``validate`` the page ids it uses) and the :class:`pkvrt.router.Router` picks the route from
+  its gates, predictions and margins, memoized at split granularity (it builds no plan for these
+  routes). A workqueue/fused step then issues one non-blocking H2D copy from pinned staging
+  (row count, longest valid length, lengths and block-table rows: the planning head and the
+  block tables are one allocation) and replays the captured planning graph of (route, padded
+  batch). A bucket step stages its
+  plan on the host (row ids and merge offsets into the int32 arena, plus the block-table rows:
+  two copies), because its buckets are the launch structure of its graph, which the host must
+  know to pick the graph (:meth:`Runtime._stage_bucket`). A FlashInfer step runs FlashInfer's
+  own host plan. The Python plan of a workqueue step (``planner.plan_workqueue``,
+  ``graphs.stage_workqueue``) is now only the planning kernel's reference twin in the tests.
+* device lengths (``device_planning=True``): no host routing, every step runs routes.toml's
+  ``[device_planning] route`` (``small_route`` on steps of at most ``small_rows`` rows: the row
+  count is known on the host); two device copies and the planning graph, nothing synchronizes,
+  and plan()/run() can be captured in an engine's own graph.
+
+``run`` checks the tensors and replays the CUDA graph of this (route, batch, structure, tensors)
+key, capturing it on a miss (:mod:`pkvrt.graphs` says what a key holds).
 
 Static buffers (allocated once; sizes at the seed shape H_q 32, H_kv 8, D 128, fp16, with the
 defaults max_batch 256, max_pages_per_row 8192 and the seed routes.toml):
@@ -31,38 +51,51 @@ metadata arena         int32: seq_lens [max_batch], split_offsets       ~90 KB
                        [pow2(max_batch)+1], num_tasks [1], row_ids
                        [2*max_batch], merge offsets [2*max_batch],
                        tasks [task_capacity, 5]
-block_tables           int32 [max_batch, max_pages_per_row]             8 MiB
+planning buffers       int32: a head in front of block_tables (rows,    ~3 KB
+                       longest length, lengths) [16 + pow2(max_batch)];
+                       split counts [pow2(max_batch)]; status [1];
+                       allowed split counts per workqueue/fused route
+block_tables           int32 [pow2(max_batch), max_pages_per_row]       8 MiB
 part_a / part_ml       f32 [slot_capacity, H_q, D] / [.., H_q, 2]       8 MiB / 128 KiB
 fused counters         int32 [pow2(max_batch), H_kv], zero              8 KiB
 static q / out         dtype [pow2(max_batch), H_q, D] each              2 MiB each
 FlashInfer indices     int32 [max_batch * max_pages_per_row]            8 MiB (+128 MiB workspace)
-pinned staging         2 ring slots x (arena + block tables + CSR)      ~32 MiB host
+pinned staging         2 ring slots x (arena + planning head and block  ~32 MiB host
+                       tables + CSR)
 =====================  ==============================================  =====================
 
 Capacities (:func:`pkvrt.graphs.initial_capacities`): PersistentKV routes run only up to the gates'
 ``max_active`` rows (unless forced), so partial-state slots are sized for
 ``pow2(min(max_batch, max max_active)) * max splits`` (seed: 8 rows * 64 = 512 slots) and tasks
-for ``task_bucket(slots * H_kv)`` (4096). A plan that needs more (a forced route at B = 32, say)
-grows the buffer between steps to ``max(need, 2 * old)``; growing reallocates, so every graph
-is dropped (``stats()['invalidations']``). Row ids never grow: the padded rows of all buckets
-sum to < 2 * B (each bucket pads r rows to pow2(r) <= 2r - 1).
+for ``task_bucket(slots * H_kv)`` (4096), and at least for the planning kernel's largest grid
+of every padded batch up to max_batch (:meth:`Runtime._device_capacities`; H200 calibration,
+seed shape: 792 tasks at 2..64 rows, 2048 at 256), so workqueue/fused steps never grow them. A
+bucket plan that needs more (a forced bucket route at B = 32, say) grows the buffer between
+steps to ``max(need, 2 * old)``; growing reallocates, so every graph is dropped
+(``stats()['invalidations']``). Row ids never grow: the padded rows of all buckets sum to
+< 2 * B (each bucket pads r rows to pow2(r) <= 2r - 1).
 
-Host cost: ``plan`` adds, to the router's own 20-85 us, the O(B * pages) validation
-(``validate=True``: 16 us at B8 with 2048-page rows on the 2-core dev box,
-``test_bench_check_step_b8_32k``; ``validate=False`` skips it), the numpy staging writes (2 us
-for a B8 workqueue plan, ``test_bench_stage_workqueue_b8``), 2 tensor copies and one event
-record; it allocates no device or pinned memory. The block-table copy moves rows 0..B-1 at the
-buffer's row stride, ``((B-1) * max_pages_per_row + pages) * 4`` bytes (B8 at the default 8192:
-256 KB, asynchronous): size ``max_pages_per_row`` to the longest context served. ``run`` on a
-graph hit is the tensor checks, one dict lookup and ``graph.replay()``. The staging ring has 2
-slots: a slot's pinned memory is rewritten only after the event recorded behind its last copies
-has completed (``Event.synchronize``, a no-op unless the host runs more than a whole step ahead
-of the GPU).
+Host cost of a host-lengths ``plan``: the router (a memo hit: 15-35 us on the 2-core dev box
+at B8, no planner call for a workqueue/fused step; a miss, about once per ``quantum / B`` steps
+of a decode loop, 100-600 us), the O(B * pages) validation (``validate=True``: 16 us at B8 with
+2048-page rows on the dev box, ``test_bench_check_step_b8_32k``; ``validate=False`` skips it),
+a few numpy writes, one tensor copy and one planning-graph replay (a bucket step: two
+copies), and one event record; it
+allocates no device or pinned memory. The block-table copy moves rows 0..B-1 at the buffer's
+row stride, ``((B-1) * max_pages_per_row + pages) * 4`` bytes (B8 at the default 8192: 256 KB,
+asynchronous): size ``max_pages_per_row`` to the longest context served. ``run`` on a graph hit
+is the tensor checks, one dict lookup and ``graph.replay()``. The staging ring has 2 slots: a
+slot's pinned memory is rewritten only after the event recorded behind its last copies has
+completed (``Event.synchronize``, a no-op unless the host runs more than a whole step ahead of
+the GPU).
 
 Measured on the H200's host (benches/host_cost.py -> benches/results/h200/host-cost.json, one
-layer): host-planned plan() 250-740 us, a graph-hit run() 16-40 us; with device_planning
-plan() 48-71 us and run() 20-31 us; an engine that captures plan() + 32 layers in its own graph
-(examples/engine_graph.py) spends 3-6 us of host time per replayed step on the H200.
+layer), before workqueue/fused plans moved to the GPU for host lengths too: host-planned
+plan() 250-740 us (the Python plan of every workqueue step), a graph-hit run() 16-40 us; with
+device_planning plan() 48-71 us and run() 20-31 us; an engine that captures plan() + 32 layers
+in its own graph (examples/engine_graph.py) spends 3-6 us of host time per replayed step. The
+host-lengths workqueue/fused path is now device planning's copies and replay plus the checks
+and a memoized route choice (target <= 60 us; re-measure with benches/host_cost.py).
 
 The runtime must be used from the thread, CUDA device and stream it plans on: ``plan``'s copies,
 the launches and the replays all go to the current stream, which must be the same one for
@@ -81,13 +114,14 @@ import torch
 from pkvrt import _buildspec, _driver, fi_route, graphs, ops
 from pkvrt.calibration import Calibration, find_calibration, load_calibration
 from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
-                          needed_capacities, stage_bucket, stage_workqueue)
+                          needed_capacities, stage_bucket)
 from pkvrt.planner import check_seq_lens, device_grid_ctas, device_plan_targets
 from pkvrt.registry import KIND_KERNELS, Registry, kv_dtype_name, load_routes
 from pkvrt.router import RouteDecision, Router
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 RING = 2    # pinned staging slots
+DEVICE_PLANNED = ("workqueue", "fused")   # route kinds whose plans the planning kernel builds
 MAX_SEQ_LEN = ops.MAX_SEQ_LEN   # longest row in tokens: int32 lengths, tile arithmetic included
 _NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with use_cuda_graph=True; the Runtime "
                    "would replay or capture its own graphs inside yours. Build it with "
@@ -308,10 +342,15 @@ def predict_route_us(router: Router, route, seq: np.ndarray) -> float:
 
 
 def decide(router: Router, seq, block_tables, *, force: str | None = None,
-           flashinfer_unavailable: str | None = None) -> RouteDecision:
+           flashinfer_unavailable: str | None = None, fallback_memo: dict | None = None) -> RouteDecision:
     """``router.decide``, except that when FlashInfer is unavailable (the reason given) a step
     the policy sends to FlashInfer runs on the fastest predicted PersistentKV route instead
     (non-ablation routes first), and ``explain()`` says so in the FlashInfer line.
+
+    ``fallback_memo``: a dict that remembers that fallback route per router memo key (as the
+    router remembers its decisions; bounded by ``router.memo_size``), so a step of a known key
+    predicts nothing (an FP8 Runtime, which never uses FlashInfer, took 280 us per short B8
+    step on the dev box predicting the PersistentKV routes every step).
 
     Raises ValueError when ``force`` names the FlashInfer route and it is unavailable.
     """
@@ -335,7 +374,14 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
         t = d.predicted_us.get(r.name)
         return predict_route_us(router, r, seq64) if t is None else t
 
-    best = min(pool, key=t_us)
+    key = router.memo_key(seq64, force) if fallback_memo is not None else None
+    best = fallback_memo.get(key) if key is not None else None
+    if best is None:
+        best = min(pool, key=t_us)
+        if key is not None:
+            if len(fallback_memo) >= router.memo_size:
+                del fallback_memo[next(iter(fallback_memo))]
+            fallback_memo[key] = best
     forced = router.decide(seq, force=best.name, block_tables=block_tables)
     refused = dict(forced.refused)
     refused[base] = (f"FlashInfer unavailable ({flashinfer_unavailable}); the policy chose it, so the "
@@ -352,8 +398,10 @@ class _Staging:
 
     arena: torch.Tensor
     arena_np: np.ndarray
-    bt: torch.Tensor            # [max_batch * max_pages_per_row] flat
+    store: torch.Tensor         # twin of Runtime._bt_store: [planning head | block tables]
+    bt: torch.Tensor            # [max_batch * max_pages_per_row] flat view of store
     bt_np: np.ndarray           # [max_batch, max_pages_per_row] view
+    meta_np: np.ndarray | None  # the planning head: rows, max_seq_len, pad, seq_lens
     fi_indptr: torch.Tensor | None
     fi_lpl: torch.Tensor | None
     fi_indices: torch.Tensor | None
@@ -394,6 +442,12 @@ def _pinned(n: int, dtype=torch.int32) -> torch.Tensor:
 class Runtime:
     """Paged-KV decode attention with a per-step route choice, replayed as CUDA graphs.
 
+    Per step, :meth:`plan` chooses the route (host lengths: the router; ``device_planning``:
+    routes.toml's device-planning route) and every workqueue/fused plan is built on the GPU by
+    the planning kernel into static buffers; per layer, :meth:`run` replays the graph of the
+    step's (route, padded batch, grid) key. A bucket step is planned on the host (its buckets
+    are its graph's launch structure), a FlashInfer step by FlashInfer's plan (module docstring).
+
     Parameters
     ----------
     num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape (module-level checks in
@@ -419,26 +473,32 @@ class Runtime:
         makes it unavailable: steps the policy sends to it run on the fastest PersistentKV route.
     flashinfer_tensor_cores : FlashInfer's tensor-core decode (H200, G=4: 44 vs 52 us at B1 32K).
     decision_memo : decisions the router remembers and reuses (``Router(memo_size=...)``: keyed by
-        active rows, distinct lengths and each length at split granularity; plans stay exact).
-        Cuts ``plan()``'s router time 2.5-6x; 0 predicts every step from scratch.
+        force, active rows, distinct lengths and each length at split granularity; plans stay
+        exact: a workqueue/fused plan is built on the GPU from the exact lengths, a bucket or
+        FlashInfer plan on the host). Cuts ``plan()``'s router time 5-20x (B8, dev box); 0
+        predicts every step from scratch.
     flashinfer_cuda_graph : run the FlashInfer route in FlashInfer's CUDA-graph mode inside the
         runtime's graphs. Off by default: it does not remove the larger host cost, FlashInfer's
         plan() on the host (H200: 210-470 us per step, host-cost.json), and adds one wrapper
         per batch size. (The "illegal memory access" once seen with it was a race on pinned buffers,
         FlashInfer's own and the serving harness's, both guarded now: see
         fi_route.FlashInferRoute.plan and tests/gpu/test_runtime.py.)
-    num_pages : device planning: the pages of the KV cache that run() will be given
-        (``k_cache.shape[0]``); page ids are checked against it on the GPU, and run() refuses a
-        cache with fewer pages. None: taken from the first run()'s cache, so the ids of a step
-        planned before any run() are not checked. Host planning checks ids on the host.
-    device_planning : build each step's workqueue plan on the GPU (kernels/plan_workqueue.cu)
-        from device-resident seq_lens, instead of routing and planning on the host. ``plan()``
-        then does no work proportional to the batch and never synchronizes: two device copies
+    num_pages : the pages of the KV cache that run() will be given (``k_cache.shape[0]``); the
+        planning kernel checks the page ids of every workqueue/fused step against it on the GPU.
+        Device planning: run() refuses a cache with fewer pages; None: taken from the first
+        run()'s cache, so the ids of a step planned before any run() are not checked. Host
+        lengths: the bound is lowered to the smallest cache run() is given (never an error),
+        on top of the host checks (``validate``).
+    device_planning : take each step's lengths and block tables as device tensors and skip host
+        routing (both modes build every workqueue/fused plan with the planning kernel,
+        kernels/plan_workqueue.cu; this one has no host part). ``plan()`` then does no work
+        proportional to the batch and never synchronizes: two device copies
         (lengths, block tables), one fill and one replay of a captured planning graph (an eager
         launch with graphs off). Every step runs routes.toml's ``[device_planning] route``
         (pkv_fused, the merge in the decode tail, as shipped; without that table the first
-        non-ablation workqueue or fused route); ``force=`` may name another workqueue or fused
-        route. FlashInfer and the bucket route are not used. Lengths and page ids are checked
+        non-ablation workqueue or fused route), except steps of at most ``small_rows`` rows,
+        which run ``small_route`` (shipped: pkv_workqueue on one-row steps, where the tail
+        merge is exposed); ``force=`` may name another workqueue or fused route. FlashInfer and the bucket route are not used. Lengths and page ids are checked
         on the GPU by the planning kernel: a row whose seq_len is outside [1, block-table columns
         * page_size], or whose block table holds a page id outside [0, num_pages) among the
         pages its length uses, gets no work (its output row is not computed) and sets a flag
@@ -494,18 +554,21 @@ class Runtime:
         self.use_cuda_graph, self.validate, self.sm_scale = bool(use_cuda_graph), bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
         self.device_planning = bool(device_planning)
-        self._dp_routes = {r.name: r for r in self.registry.routes if r.kind in ("workqueue", "fused")}
+        # every workqueue/fused step is planned on the GPU, host-routed or not
+        self._dp_routes = {r.name: r for r in self.registry.routes if r.kind in DEVICE_PLANNED}
         if self.device_planning:
             try:
                 self._dp_default = self.registry.device_planning_route().name
             except KeyError as e:
                 raise ValueError(e.args[0]) from None
             flashinfer = False  # device planning runs the PersistentKV workqueue routes only
-            dp_route = self.registry.route(self._dp_default)
-            if self._kv_dtype not in dp_route.kv_dtypes:
-                raise ValueError(f"Runtime: dtype={self.kv_dtype}: the device-planning route {dp_route.name!r} "
-                                 f"does not serve it (kv_dtypes = {list(dp_route.kv_dtypes)} in "
-                                 f"{self.registry.path})")
+            small = self.registry.device_small
+            for dp_route in map(self.registry.route, dict.fromkeys(filter(None, (self._dp_default,
+                                                                                small and small[1])))):
+                if self._kv_dtype not in dp_route.kv_dtypes:
+                    raise ValueError(f"Runtime: dtype={self.kv_dtype}: the device-planning route "
+                                     f"{dp_route.name!r} does not serve it (kv_dtypes = "
+                                     f"{list(dp_route.kv_dtypes)} in {self.registry.path})")
 
         self.device = _resolve_device(device)
         self._cuda = self.device.type == "cuda"
@@ -518,12 +581,13 @@ class Runtime:
             else:
                 self.calibration = load_calibration(pathlib.Path(calibration))
             # the partition constants fitted at this group size (splits.by_group), if any
-            self.calibration = self.calibration.for_group(self.num_qo_heads // self.num_kv_heads)
+            self.calibration = self.calibration.for_kv_dtype(self._kv_dtype).for_group(
+                self.num_qo_heads // self.num_kv_heads)
             self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                  page_size=self.page_size, kv_dtype=self._kv_dtype,
-                                 graphs=self.use_cuda_graph,
-                                 memo_size=decision_memo)
+                                 graphs=self.use_cuda_graph, memo_size=decision_memo,
+                                 device_plan_kinds=DEVICE_PLANNED)
             self._load_kernels()
             self._fi_reason = None if flashinfer else (
                 "disabled: Runtime(device_planning=True)" if self.device_planning
@@ -547,7 +611,7 @@ class Runtime:
                                  f"({self._fi_reason}): no route can run")
             cap = initial_capacities(self.registry, max_batch=max_batch, num_kv_heads=self.num_kv_heads)
             self._dp_grid: dict[tuple[str, int], int] = {}
-            if self.device_planning:
+            if self._dp_routes:
                 dp = self._device_capacities()
                 cap = Capacities(slots=max(cap.slots, dp.slots), tasks=max(cap.tasks, dp.tasks))
             self._alloc(cap)
@@ -566,9 +630,10 @@ class Runtime:
                                   RuntimeWarning, stacklevel=2)
             self._side = torch.cuda.Stream(self.device)
             self._pool = torch.cuda.graph_pool_handle()
-            if self.device_planning:
+            if self._dp_routes:
                 self._alloc_device_planning()
         self._seen = graphs.SeenKeys(4 * max_graphs)
+        self._fallback_memo: dict = {}   # decide(): FlashInfer unavailable, route per memo key
         self._ring_next = 0
         self._step: _Step | None = None
         self.last_decision: RouteDecision | None = None
@@ -581,7 +646,7 @@ class Runtime:
         families = {KIND_KERNELS[r.kind] for r in self.registry.routes if r.kind != "flashinfer"}
         if families & {"split_decode", "workqueue_decode"}:
             families.add("merge")
-        if self.device_planning:
+        if self._dp_routes:
             families.add("plan_workqueue")
         kv_tag = ops.KV_TAG.get(self.kv_dtype)
         for fam in sorted(families):
@@ -612,9 +677,13 @@ class Runtime:
             nb, npg, gmax = self.max_batch, self.max_pages_per_row, graphs.padded_batch(self.max_batch)
             fi = self._fi_reason is None
             # gmax rows: device planning passes the graph batch's rows (padded_batch(b) may exceed
-            # max_batch, e.g. 4 for max_batch 3); rows past the step's are never read.
-            self._bt = torch.zeros(gmax, npg, dtype=torch.int32, device=dev)
-            self._bt_flat = self._bt.view(-1)
+            # max_batch, e.g. 4 for max_batch 3); rows past the step's are never read. The
+            # planning head (_alloc_device_planning) sits right before the block tables, so a
+            # host-lengths step uploads its lengths and block tables in one copy.
+            self._head = head = self._plan_head()
+            self._bt_store = torch.zeros(head + gmax * npg, dtype=torch.int32, device=dev)
+            self._bt_flat = self._bt_store[head:]
+            self._bt = self._bt_flat.view(gmax, npg)
             self._counters = torch.zeros(gmax, self.num_kv_heads, dtype=torch.int32, device=dev)
             self._sq = torch.zeros(gmax, hq, d, dtype=self.dtype, device=dev)
             self._so = torch.zeros(gmax, hq, d, dtype=self.dtype, device=dev)
@@ -622,9 +691,11 @@ class Runtime:
             self._fi_indices = torch.zeros(nb * npg, dtype=torch.int32, device=dev) if fi else None
             self._ring = []
             for _ in range(RING):
-                bt = _pinned(nb * npg)
+                store = _pinned(head + nb * npg)
                 self._ring.append(_Staging(
-                    arena=None, arena_np=None, bt=bt, bt_np=bt.numpy().reshape(nb, npg),
+                    arena=None, arena_np=None, store=store, bt=store[head:],
+                    bt_np=store.numpy()[head:].reshape(nb, npg),
+                    meta_np=store.numpy()[:head] if head else None,
                     fi_indptr=_pinned(nb + 1) if fi else None, fi_lpl=_pinned(nb) if fi else None,
                     fi_indices=_pinned(nb * npg) if fi else None))
             self._generation = 0
@@ -643,14 +714,31 @@ class Runtime:
             self._graphs.clear()
             self._counts["regrowths"] += 1
 
+    def _plan_rows(self) -> int:
+        """Rows of the planning buffers: the padded max_batch, at most what one planning CTA
+        plans (ops.PLAN_MAX_ROWS)."""
+        return graphs.padded_batch(min(self.max_batch, ops.PLAN_MAX_ROWS))
+
+    def _plan_head(self) -> int:
+        """int32 elements of the planning head ``[rows, max_seq_len, pad to ALIGN | seq_lens
+        [plan rows], pad to ALIGN]`` in front of the block tables; 0 without workqueue/fused
+        routes."""
+        if not self._dp_routes:
+            return 0
+        return graphs.ALIGN + -(-self._plan_rows() // graphs.ALIGN) * graphs.ALIGN
+
     def _alloc_device_planning(self) -> None:
-        """Buffers of device-side planning: lengths over the padded batch, active rows, the
-        planner's split counts and status word, and each workqueue route's allowed split counts."""
-        dev, gmax = self.device, graphs.padded_batch(self.max_batch)
+        """Buffers of device-side planning: the planning head ``_d_meta`` (the active row count,
+        the longest valid length and the lengths over the padded batch; a view of the front of
+        the block-table allocation, so a host-lengths step uploads it with the block tables in
+        one copy), the planner's split counts and status word, and each workqueue/fused route's
+        allowed split counts."""
+        dev, gmax = self.device, self._plan_rows()
         i32 = dict(dtype=torch.int32, device=dev)
-        self._d_seq = torch.zeros(gmax, **i32)
-        self._d_rows = torch.zeros(1, **i32)
-        self._d_max_seq = torch.zeros(1, **i32)
+        self._d_meta = self._bt_store[:self._head]
+        self._d_rows = self._d_meta[0:1]
+        self._d_max_seq = self._d_meta[1:2]
+        self._d_seq = self._d_meta[graphs.ALIGN:graphs.ALIGN + gmax]   # 64-byte aligned
         self._d_scalars = (0, 0)   # host copy of (_d_rows, _d_max_seq) ...
         self._d_scalars_cached = True   # ... valid until an engine captures a plan()
         self._d_num_splits = torch.zeros(gmax, **i32)
@@ -666,7 +754,7 @@ class Runtime:
         has H_kv tasks, so slots = tasks / H_kv). Allocated at construction, so the buffers never
         grow afterwards and a graph an engine captured around plan()/run() never points at
         freed memory."""
-        batches = [1 << i for i in range(graphs.padded_batch(self.max_batch).bit_length())]
+        batches = [1 << i for i in range(self._plan_rows().bit_length())]
         tasks = max(self._device_grid_tasks(r, gb) for r in self._dp_routes.values() for gb in batches)
         return Capacities(slots=tasks // self.num_kv_heads, tasks=tasks)
 
@@ -687,7 +775,13 @@ class Runtime:
         return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def plan(self, seq_lens, block_tables, *, force: str | None = None) -> RouteDecision:
-        """Choose this step's route and upload its metadata. Call once per decode step.
+        """Choose this step's route and enqueue its plan. Call once per decode step.
+
+        Host lengths (the default): check the step, let the router choose the route, then for a
+        workqueue/fused route copy the lengths and block-table rows into the planning buffers
+        (one H2D copy from pinned staging) and replay the planning graph, which builds the
+        tasks on the GPU; a bucket route stages its host plan (two copies); FlashInfer plans
+        itself. Nothing synchronizes (unless the host runs two steps ahead of the GPU).
 
         Parameters
         ----------
@@ -702,19 +796,22 @@ class Runtime:
 
         Returns
         -------
-        RouteDecision (also ``self.last_decision``); ``explain()`` says why.
+        RouteDecision (also ``self.last_decision``); ``explain()`` says why. Its ``plan`` is None
+        for a workqueue/fused route (built on the GPU; ``self.router.full_plan(route, seq_lens)``
+        gives the identical host twin).
 
         Raises
         ------
-        ValueError naming the argument (seq_lens, block_tables, force); the runtime's state is
-        unchanged then (the previous plan stays in effect).
+        ValueError naming the argument (seq_lens, block_tables, force; a batch of more than
+        ``ops.PLAN_MAX_ROWS`` = 1024 rows on a workqueue/fused route); the runtime's state is
+        unchanged then (the previous plan stays in effect). If plan() raises after its checks (a
+        failed copy or launch), no step is planned until the next successful plan().
 
         With ``device_planning``: seq_lens [B] and block_tables [B, W] are int32 tensors on the
         Runtime's device (CPU int32 tensors work outside graph capture, as a host-to-device copy
         that a pageable source makes synchronous); only their shapes, dtypes and devices are
         checked on the host, the lengths and the page ids each length uses on the GPU, against
-        ``num_pages`` (:meth:`device_status`). If plan() raises after its
-        checks (a failed launch), no step is planned until the next successful plan().
+        ``num_pages`` (:meth:`device_status`).
         """
         capturing = self._capturing()
         if capturing:
@@ -730,9 +827,15 @@ class Runtime:
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
         d = decide(self.router, step.seq, step.block_tables, force=force,
-                   flashinfer_unavailable=self._fi_reason)
+                   flashinfer_unavailable=self._fi_reason, fallback_memo=self._fallback_memo)
         b = step.seq.size
-        if d.kind != "flashinfer":
+        on_gpu = d.kind in DEVICE_PLANNED
+        if on_gpu and b > ops.PLAN_MAX_ROWS:
+            raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows on route {d.route!r}: its plan "
+                             f"is built by the planning kernel, which plans at most "
+                             f"{ops.PLAN_MAX_ROWS} rows (one CTA); force the bucket or FlashInfer "
+                             "route for larger batches")
+        if d.kind == "bucket":
             need = needed_capacities(d.kind, d.plan)
             if need.slots > self._cap.slots or need.tasks > self._cap.tasks:
                 self._alloc(Capacities(slots=grow(self._cap.slots, need.slots),
@@ -743,10 +846,13 @@ class Runtime:
             s.event.synchronize()  # its last copies are done (a no-op unless the host is a step ahead)
         else:
             s.event = torch.cuda.Event()
+        self._step = None   # until this step is fully enqueued: a failure below leaves no plan
         if d.kind == "flashinfer":
             structure, gb = self._stage_flashinfer(s, d.plan, b), b
+        elif on_gpu:
+            structure, gb = self._stage_device_plan(s, self._dp_routes[d.route], step), graphs.padded_batch(b)
         else:
-            structure, gb = self._stage_persistentkv(s, d, step), graphs.padded_batch(b)
+            structure, gb = self._stage_bucket(s, d, step), graphs.padded_batch(b)
         s.event.record()
         self._step = _Step(route=d.route, kind=d.kind, batch=b, gbatch=gb, structure=structure,
                            max_page_id=step.max_page_id)
@@ -757,7 +863,11 @@ class Runtime:
     def _plan_on_device(self, seq_lens, block_tables, force: str | None,
                         capturing: bool) -> RouteDecision:
         """plan() with device-side planning (see the constructor's ``device_planning``)."""
-        name = self._dp_default if force is None else force
+        seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
+                                    max_batch=self.max_batch)
+        b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
+        # routes.toml [device_planning]: `route`, or `small_route` for steps of <= small_rows rows
+        name = self.registry.device_planning_route(b).name if force is None else force
         route = self._dp_routes.get(name)
         if route is None:
             raise ValueError(f"Runtime.plan: force={force!r}: with device_planning expected one of "
@@ -765,10 +875,6 @@ class Runtime:
         if self._kv_dtype not in route.kv_dtypes:
             raise ValueError(f"Runtime.plan: force={force!r}: route {name!r} does not serve KV dtype "
                              f"{self._kv_dtype} (kv_dtypes = {list(route.kv_dtypes)} in routes.toml)")
-        seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
-                                    max_batch=self.max_batch)
-        b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
-        grid = self._device_grid_tasks(route, gb)   # <= the capacity sized at construction
         w = min(bt.shape[1], self.max_pages_per_row)
         if capturing and (seq.device != self.device or bt.device != self.device):
             raise ValueError("Runtime.plan: seq_lens/block_tables on the CPU during CUDA-graph "
@@ -786,8 +892,45 @@ class Runtime:
         if not self._d_scalars_cached or max_seq != self._d_scalars[1]:
             self._d_max_seq.fill_(max_seq)
         self._d_scalars = (rows, max_seq)
-        key = ("device-plan", route.name, gb, grid, self._generation)
-        launch = lambda: self._launch_device_plan(route, gb, grid)  # noqa: E731
+        grid = self._enqueue_device_plan(route, gb)
+        self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
+                           max_page_id=-1)
+        others = self._dp_refused.get(route.name)
+        if others is None:   # built once per route, not every step
+            others = self._dp_refused[route.name] = {
+                r.name: f"device_planning runs {route.name} on this step's row count (routes.toml "
+                        "[device_planning]; no host routing)"
+                for r in self.registry.routes if r.name != route.name}
+        self.last_decision = RouteDecision(route=route.name, kind=route.kind, plan=None,
+                                           predicted_us={}, refused=others, speedup=1.0, active=b,
+                                           max_context=-1, forced=force is not None)
+        self._counts["plans"] += 1
+        return self.last_decision
+
+    def _stage_device_plan(self, s: _Staging, route, step: StepInput) -> int:
+        """A host-routed workqueue/fused step: its row count, the longest length the block-table
+        buffer holds (the host checked the lengths already), the lengths and the block-table
+        rows go to the planning head and the block tables in one copy from pinned staging (they
+        are one allocation); then the planning kernel builds the tasks on the GPU
+        (:meth:`_enqueue_device_plan`). Returns the graph structure: the planning grid."""
+        b, a = step.seq.size, graphs.ALIGN
+        m = s.meta_np
+        m[0], m[1] = b, self.max_pages_per_row * self.page_size
+        m[a:a + b] = step.seq
+        n = self._head + self._stage_block_tables(s, step)
+        self._bt_store[:n].copy_(s.store[:n], non_blocking=True)
+        self._counts["h2d_copies"] += 1
+        return self._enqueue_device_plan(route, graphs.padded_batch(b))
+
+    def _enqueue_device_plan(self, route, gbatch: int) -> int:
+        """Plan ``route`` on the GPU for the lengths, row count and block tables already enqueued
+        into the planning buffers: replay the captured planning graph of (route, gbatch) (capture
+        it on a miss; an eager launch with graphs off). Returns the grid: the task slots of the
+        padded batch (:meth:`_device_grid_tasks`), the same for every step of that batch, so the
+        decode graphs keyed by it replay while the lengths change."""
+        grid = self._device_grid_tasks(route, gbatch)   # <= the capacity sized at construction
+        key = ("device-plan", route.name, gbatch, grid, self._generation)
+        launch = lambda: self._launch_device_plan(route, gbatch, grid)  # noqa: E731
         if not self.use_cuda_graph:
             launch()
         elif (e := self._graphs.get(key)) is not None:
@@ -795,18 +938,7 @@ class Runtime:
             self._counts["replays"] += 1
         else:
             self._capture(key, launch)
-        self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
-                           max_page_id=-1)
-        others = self._dp_refused.get(route.name)
-        if others is None:   # built once per route, not every step
-            others = self._dp_refused[route.name] = {
-                r.name: f"device_planning runs {route.name} every step (no host routing)"
-                for r in self.registry.routes if r.name != route.name}
-        self.last_decision = RouteDecision(route=route.name, kind=route.kind, plan=None,
-                                           predicted_us={}, refused=others, speedup=1.0, active=b,
-                                           max_context=-1, forced=force is not None)
-        self._counts["plans"] += 1
-        return self.last_decision
+        return grid
 
     def _launch_device_plan(self, route, gbatch: int, grid: int) -> None:
         L, cal = self._layout, self.calibration
@@ -821,9 +953,16 @@ class Runtime:
             page_size=self.page_size, **device_plan_targets(cal))
 
     def _check_page_bound(self, cache_pages: int) -> None:
-        """Device planning checks page ids against ``num_pages``: a cache with fewer pages would
-        let an unchecked id through, so it is refused. Without ``num_pages`` the first cache
-        sets the bound (from the next plan() on: the first step's ids were not checked)."""
+        """The planning kernel checks page ids against ``num_pages``. Device planning: a cache
+        with fewer pages would let an unchecked id through, so it is refused; without
+        ``num_pages`` the first cache sets the bound (from the next plan() on: the first step's
+        ids were not checked). Host routing (ids >= 0 checked at plan() and < the cache's pages at
+        run() with ``validate``): the bound is the smallest cache given so far, never an error."""
+        if not self.device_planning:
+            if self._num_pages is None or cache_pages < self._num_pages:
+                self._num_pages = int(cache_pages)
+                self._d_num_pages.fill_(self._num_pages)
+            return
         if self._num_pages is None:
             self._num_pages = int(cache_pages)
             self._d_num_pages.fill_(self._num_pages)
@@ -839,10 +978,15 @@ class Runtime:
         bit 1 = a row's seq_len was outside [1, block-table columns * page_size]; bit 2 = a row's
         block table held a page id outside [0, num_pages) among the pages its length uses
         (either way that row got no work and its output row was not computed). Raises
-        RuntimeError on a nonzero word unless ``raise_on_error`` is False. Only meaningful with
-        ``device_planning``."""
-        if not self.device_planning:
-            raise RuntimeError("Runtime.device_status: only with Runtime(device_planning=True)")
+        RuntimeError on a nonzero word unless ``raise_on_error`` is False. Host routing: the
+        word of the last step if it was a workqueue/fused step (its ids checked on the GPU
+        against the smallest cache run() was given, or ``num_pages``); 0 without a sync after a
+        bucket or FlashInfer step (planned on the host)."""
+        if not self._dp_routes:
+            raise RuntimeError("Runtime.device_status: nothing is planned on the GPU (routes.toml "
+                               "has no workqueue or fused route)")
+        if self._step is not None and self._step.kind not in DEVICE_PLANNED:
+            return 0
         word = int(self._d_status.item())
         if word and raise_on_error:
             what = []
@@ -858,22 +1002,28 @@ class Runtime:
             raise RuntimeError("Runtime.device_status: " + "; ".join(what))
         return word
 
-    def _stage_persistentkv(self, s: _Staging, d: RouteDecision, step: StepInput):
+    def _stage_bucket(self, s: _Staging, d: RouteDecision, step: StepInput):
+        """A bucket step: lengths, row ids and merge offsets into the pinned arena, one copy, and
+        the block tables. Planned on the host: its structure (one decode launch per bucket, grid
+        padded rows x H_kv x S, and a merge where S > 1) is the graph's shape, which the host must
+        know to pick the graph to replay; a device-built bucket plan would need a device-to-host
+        sync per step or a graph of the worst-case bucket count."""
         L, a, b = self._layout, s.arena_np, step.seq.size
         a[L.seq_lens:L.seq_lens + b] = step.seq
-        if d.kind == "bucket":
-            structure, used = stage_bucket(a, L, d.plan)
-        else:
-            structure, used = stage_workqueue(a, L, d.plan, b)
+        structure, used = stage_bucket(a, L, d.plan)
         self._arena[:used].copy_(s.arena[:used], non_blocking=True)
-        # Block tables: write the B x max_pages the kernels may read, copy one contiguous range of
-        # rows 0..B-1 (row stride max_pages_per_row, the graph's bt_stride; tails are never read).
-        w = step.max_pages
-        s.bt_np[:b, :w] = step.block_tables[:, :w]
-        n = (b - 1) * self.max_pages_per_row + w
+        n = self._stage_block_tables(s, step)
         self._bt_flat[:n].copy_(s.bt[:n], non_blocking=True)
         self._counts["h2d_copies"] += 2
         return structure
+
+    def _stage_block_tables(self, s: _Staging, step: StepInput) -> int:
+        """Write the B x max_pages entries the kernels may read into pinned staging; return the
+        elements to copy: one contiguous range of rows 0..B-1 (row stride max_pages_per_row,
+        the kernels' bt_stride; the tails are never read)."""
+        b, w = step.seq.size, step.max_pages
+        s.bt_np[:b, :w] = step.block_tables[:, :w]
+        return (b - 1) * self.max_pages_per_row + w
 
     def _stage_flashinfer(self, s: _Staging, plan, b: int) -> int:
         nnz = plan.indices.size
@@ -944,7 +1094,7 @@ class Runtime:
                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
                        dtype=self.dtype, device=self.device, max_page_id=st.max_page_id,
                        kv_dtype=self.kv_dtype, k_scale=k_scale, v_scale=v_scale)
-        if self.device_planning:
+        if self._dp_routes:
             self._check_page_bound(k_cache.shape[0])
         capturing = self._capturing()
         if self._fp8 and self.validate and not capturing:
@@ -1047,7 +1197,7 @@ class Runtime:
             self._fi.run(q, k_cache, v_cache, out)
             return
         views = self._views(st)
-        seq = self._d_seq if self.device_planning else self._v_seq
+        seq = self._d_seq if st.kind in DEVICE_PLANNED else self._v_seq
         pa, pm, bt = self._part_a, self._part_ml, self._bt
         sk = dict(k_scale=scales[0], v_scale=scales[1]) if self._fp8 else {}
         if st.kind == "bucket":
@@ -1076,7 +1226,9 @@ class Runtime:
                  f"page={self.page_size} {str(self.dtype).replace('torch.', '')}{kv}; "
                  f"{'CUDA graphs' if self.use_cuda_graph else 'eager launches'}; calibration "
                  f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
-                 + ("; device planning (split counts built on the GPU)" if self.device_planning else ""),
+                 + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
+                 + ("; device planning (no host routing)" if self.device_planning else "")
+                 + ("; workqueue/fused plans built on the GPU" if self._dp_routes else ""),
                  "flashinfer: " + ("available" + (" (tensor cores)" if self._fi.tensor_cores else " (CUDA cores)")
                                    if self._fi is not None else
                                    f"unavailable ({self._fi_reason}); steps the policy sends to it run "

@@ -1,8 +1,12 @@
 """Runtime(device_planning=True) on the fake device (CPU): the planning kernel is emulated by an
 independent write-out of its rule (test_runtime_cpu.Emu.plan_workqueue_device), so these tests
 check the Runtime's side: buffers, graph keys, checks, status word, and that its outputs equal
-the host-planned workqueue route's. The kernel itself is checked against the host planner on
-the H200 (tests/gpu/test_device_plan.py, tests/gpu/test_runtime.py)."""
+the host-lengths Runtime's (which plans its workqueue/fused steps with the same kernel;
+test_runtime_cpu checks that plan against the host planner's, task for task). The kernel itself
+is checked against the host planner on the H200 (tests/gpu/test_device_plan.py,
+tests/gpu/test_runtime.py)."""
+
+import pathlib
 
 import numpy as np
 import pytest
@@ -298,18 +302,27 @@ def test_page_ids_are_checked_against_num_pages(fake_device, pool):  # noqa: F81
         fake_runtime(device_planning=True, num_pages=0)
 
 
-def test_the_planning_kernel_is_loaded_at_construction(fake_device, monkeypatch):  # noqa: F811
+def test_the_planning_kernel_is_loaded_at_construction(fake_device, monkeypatch, tmp_path):  # noqa: F811
     """A missing planning cubin must fail Runtime(...), not the first plan() (maybe inside an
-    engine's capture)."""
+    engine's capture). Host routing plans its workqueue/fused steps with it too; a routes.toml
+    without such routes does not need it."""
     from pkvrt import _driver
+    from pkvrt.registry import load_routes
 
     loaded = []
     monkeypatch.setattr(_driver, "get_kernel", lambda fam, sym, smem=0: loaded.append((fam, sym, smem)))
-    fake_runtime(device_planning=True)
-    assert ("plan_workqueue", "pkv_plan_workqueue", 0) in loaded
+    for kw in (dict(device_planning=True), {}):
+        loaded.clear()
+        fake_runtime(**kw)
+        assert ("plan_workqueue", "pkv_plan_workqueue", 0) in loaded, kw
+    text = (pathlib.Path(__file__).parents[1] / "routes.toml").read_text()
+    dp = text.index("\n[device_planning]") + 1
+    (tmp_path / "routes.toml").write_text(text[:dp] + text[text.index("\n\n", dp):text.index("[routes.pkv_workqueue]")])
     loaded.clear()
-    fake_runtime()
+    rt = fake_runtime(routes=load_routes(tmp_path / "routes.toml"))
     assert not any(f == "plan_workqueue" for f, _, _ in loaded)
+    with pytest.raises(RuntimeError, match="nothing is planned on the GPU"):
+        rt.device_status()
 
 
 @pytest.mark.slow
@@ -328,3 +341,31 @@ def test_only_later_launches_of_a_step_read_the_plan_early(fake_device, pool):  
             for _ in range(3):
                 rt.run(q, *cache, out=torch.empty_like(q))
         assert fake_device.early == want if want else fake_device.early and not any(fake_device.early)
+
+
+def test_device_planning_runs_the_small_route_on_one_row_steps(fake_device, pool, tmp_path):  # noqa: F811
+    """routes.toml [device_planning] small_rows / small_route: the shipped file runs
+    pkv_workqueue on one-row steps and pkv_fused on the others; a file without the pair runs
+    its route on every step. Outputs are exact either way."""
+    from pkvrt.registry import load_routes
+
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    shipped = load_routes()
+    assert shipped.device_small == (1, "pkv_workqueue")
+    rt = fake_runtime(routes=shipped, device_planning=True)
+    text = pathlib.Path(shipped.path).read_text()
+    plain_path = tmp_path / "routes.toml"
+    plain_path.write_text(text.replace("small_rows = 1\n", "").replace('small_route = "pkv_workqueue"\n', ""))
+    plain = fake_runtime(routes=load_routes(plain_path), device_planning=True)
+    for rows, want in (([2], "pkv_workqueue"), ([0, 2], "pkv_fused"), ([4], "pkv_workqueue"),
+                       ([0, 1, 2, 3], "pkv_fused")):
+        seq, bt, q = step_inputs(b, rows, 0, seed=len(rows))
+        for runtime, route in ((rt, want), (plain, "pkv_fused")):
+            d = runtime.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+            assert d.route == route and not d.forced, (rows, d.route)
+            out = runtime.run(q, *cache, out=torch.full_like(q, float("nan")))
+            assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3 and runtime.device_status() == 0
+    # force= still wins over the row rule
+    seq, bt, q = step_inputs(b, [2], 0, seed=9)
+    assert rt.plan(torch.as_tensor(seq), torch.as_tensor(bt), force="pkv_fused").route == "pkv_fused"

@@ -90,6 +90,30 @@ def test_device_planning_route_is_declared_or_the_first_non_ablation_one(tmp_pat
         load_routes(write(tmp_path, named.replace('route = "pkv_fused"', 'rout = "pkv_fused"')))
 
 
+def test_device_planning_small_route_serves_steps_of_few_rows(tmp_path):
+    fused = BASE + '\n[routes.pkv_fused]\nkind = "fused"\nkernel = "fused_decode"\n' \
+                   '\n[routes.pkv_fused.splits]\nmin = 1\nmax = 64\nmultiple_of = 4\n'
+    table = '[device_planning]\nroute = "pkv_fused"\nsmall_rows = 2\nsmall_route = "pkv_workqueue"\n'
+    named = fused.replace("[routes.flashinfer]", table + "\n[routes.flashinfer]")
+    reg = load_routes(write(tmp_path, named))
+    assert reg.device_small == (2, "pkv_workqueue")
+    assert [reg.device_planning_route(rows).name for rows in (1, 2, 3, 8)] == \
+        ["pkv_workqueue", "pkv_workqueue", "pkv_fused", "pkv_fused"]
+    assert reg.device_planning_route().name == "pkv_fused"      # rows unknown: the main route
+    shipped = load_routes(SHIPPED)
+    assert shipped.device_planning_route(1).name == "pkv_workqueue"
+    assert shipped.device_planning_route(2).name == "pkv_fused"
+    # the pair goes together; the route must be a workqueue/fused route; rows an integer >= 1
+    for edit_from, edit_to, msg in (
+            ("small_rows = 2\n", "", r"\[device_planning\] small_rows: missing; expected small_rows next to small_route"),
+            ('small_route = "pkv_workqueue"\n', "", r"\[device_planning\] small_route: missing; expected small_route next to small_rows"),
+            ('small_route = "pkv_workqueue"', 'small_route = "pkv_bucket"', r"\[device_planning\] small_route: .*is not a workqueue or fused route"),
+            ("small_rows = 2", "small_rows = 0", r"\[device_planning\] small_rows: 0"),
+            ("small_rows = 2", "small_rows = true", r"\[device_planning\] small_rows: true is not an integer")):
+        with pytest.raises(RoutesError, match=msg):
+            load_routes(write(tmp_path, named.replace(edit_from, edit_to)))
+
+
 def test_shipped_routes_have_the_seed_values():
     reg = load_routes(SHIPPED)
     assert [r.name for r in reg.routes] == ["flashinfer", "pkv_bucket", "pkv_workqueue", "pkv_fused"]

@@ -413,3 +413,114 @@ def test_seed_profile_is_still_predicted_by_the_roofline(tmp_path):
     d = router(reg).decide(bimodal_b8())
     assert SEED.time_model == () and d.route == "pkv_workqueue"
     assert d.predicted_us["pkv_workqueue"] == pytest.approx(predict_us(d.plan.counters, SEED, graphs=False))
+
+
+# --------------------------------------------------------------------------- plans built on the GPU
+
+DEVICE_KINDS = ("workqueue", "fused")
+
+
+def _count_planner_calls(monkeypatch):
+    """Calls of the router's planner entry points, as (function, building the full plan?)."""
+    import pkvrt.router as router_mod
+
+    calls = []
+    for name, full in (("workqueue_from_checked", "tasks"), ("bucket_from_checked", "rows")):
+        real = getattr(router_mod, name)
+
+        def spy(*a, _real=real, _name=name, _full=full, **kw):
+            calls.append((_name, kw[_full]))
+            return _real(*a, **kw)
+        monkeypatch.setattr(router_mod, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["roofline", "time-model"])
+@pytest.mark.parametrize("force", [None, "pkv_workqueue", "pkv_fused"])
+def test_device_planned_routes_get_no_host_plan_and_memo_hits_call_no_planner(monkeypatch, timed, force):
+    """The Runtime's router (device_plan_kinds = workqueue, fused): no task arrays on a miss,
+    no planner call at all on a memo hit, forced or not; B8 lengths growing one token a step."""
+    r = _h200_router(h200_timed() if timed else None, memo_size=64, device_plan_kinds=DEVICE_KINDS)
+    calls = _count_planner_calls(monkeypatch)
+    seq0 = np.array([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], dtype=np.int32)
+    hits = 0
+    for i in range(40):
+        calls.clear()
+        d = r.decide(seq0 + i, force=force)
+        assert d.kind in DEVICE_KINDS and d.plan is None
+        assert not any(full for _, full in calls), calls      # never a full host plan
+        if d.reused:
+            hits += 1
+            assert calls == [], calls                         # a hit predicts nothing either
+        assert d.forced == (force is not None) and (force is None or d.route == force)
+    assert hits >= 30 and r.memo_hits == hits
+
+
+def test_device_plan_kinds_keep_bucket_and_flashinfer_plans():
+    r = _h200_router(memo_size=8, device_plan_kinds=DEVICE_KINDS)
+    seq = np.array([20000, 17000], dtype=np.int32)
+    bt = np.arange(2 * 1260, dtype=np.int32).reshape(2, 1260)
+    for force, kind in (("pkv_bucket", BucketPlan), ("flashinfer", FlashInferPlan)):
+        for step in range(2):                                 # a miss, then a memo hit
+            d = r.decide(seq + step, force=force, block_tables=bt)
+            assert isinstance(d.plan, kind) and d.reused == (step == 1)
+
+
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_full_plan_is_the_host_twin(route):
+    """``full_plan`` builds the plan a device_plan_kinds router leaves out, identical to the plan
+    of a router that builds plans (the planning kernel's reference)."""
+    seq = np.array([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], dtype=np.int32)
+    dev = _h200_router(device_plan_kinds=DEVICE_KINDS)
+    host = _h200_router().decide(seq, force=route).plan
+    twin = dev.full_plan(route, seq)
+    assert dev.decide(seq, force=route).plan is None
+    assert isinstance(twin, WorkqueuePlan) and np.array_equal(twin.tasks, host.tasks)
+    assert np.array_equal(twin.split_offsets, host.split_offsets) and twin.counters == host.counters
+
+
+def test_explain_without_a_plan():
+    r = _h200_router(memo_size=8, device_plan_kinds=DEVICE_KINDS)
+    d = r.decide(np.array([32768], dtype=np.int32), force="pkv_fused")
+    assert d.plan is None
+    text = d.explain()
+    assert "pkv_fused" in text and "chosen" in text and "(forced)" in text
+
+
+def test_forced_decisions_are_memoized_per_route():
+    r = _h200_router(memo_size=8)
+    a = r.decide([32768, 20000], force="pkv_bucket")
+    b = r.decide([32769, 20001], force="pkv_bucket")
+    c = r.decide([32769, 20001], force="pkv_workqueue")      # another force: another key
+    d = r.decide([32769, 20001])                             # unforced: another key
+    assert (a.reused, b.reused, c.reused, d.reused) == (False, True, False, False)
+    assert b.route == "pkv_bucket" and b.forced and b.predicted_us == a.predicted_us
+    assert c.route == "pkv_workqueue" and not d.forced
+
+
+@pytest.mark.parametrize("bad", ["workqueue", ("flashinfer",), ("nope",)])
+def test_device_plan_kinds_validated(bad):
+    with pytest.raises(ValueError, match="device_plan_kinds"):
+        _h200_router(device_plan_kinds=bad)
+
+
+def test_an_fp8_router_plans_with_the_fp8_section():
+    """Router(kv_dtype=float8_e4m3fn) reads the calibration's by_kv_dtype section (then by_group);
+    an fp16 Router of the same file does not; without a section FP8 falls back, marked."""
+    import json
+
+    from pkvrt import calibration as C
+
+    doc = json.loads((pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json").read_text())
+    doc.pop("by_kv_dtype", None)
+    plain_doc = dict(doc)
+    doc["by_kv_dtype"] = {"float8_e4m3fn": {"splits": {"min_split_tokens": 64, "cta_overhead_tiles": 2.5},
+                                            "date": "2026-12-08", "command": "c", "source": "s"}}
+    cal = C.calibration_from_dict(doc)
+    shape = dict(num_qo_heads=32, num_kv_heads=4, head_dim=128, page_size=16)
+    fp8 = Router(load_routes(None), cal, kv_dtype="float8_e4m3fn", **shape)
+    fp16 = Router(load_routes(None), cal, **shape)
+    assert (fp8.cal.splits.cta_overhead_tiles, fp8.cal.splits.min_split_tokens) == (2.5, 64)
+    assert fp16.cal.splits == cal.for_group(8).splits and fp16.cal.splits.cta_overhead_tiles == 3.0
+    plain = Router(load_routes(None), C.calibration_from_dict(plain_doc), kv_dtype="float8_e4m3fn", **shape)
+    assert plain.cal.kv_dtype_fallback and plain.cal.splits == fp16.cal.splits

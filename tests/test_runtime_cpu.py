@@ -413,6 +413,22 @@ def test_route_choice_without_flashinfer_takes_the_best_persistentkv_route():
     assert "FlashInfer unavailable" in d.explain()
 
 
+def test_route_choice_without_flashinfer_remembers_its_fallback(monkeypatch):
+    """With a fallback memo, a step whose router memo key was seen predicts nothing: the route
+    of the first step with that key is taken again (as the router's own memo does)."""
+    r = Router(ROUTES, SEED, **SHAPE, memo_size=16, device_plan_kinds=("workqueue", "fused"))
+    memo, calls = {}, []
+    real = runtime.predict_route_us
+    monkeypatch.setattr(runtime, "predict_route_us", lambda *a: calls.append(a[1].name) or real(*a))
+    seq = np.array([1000, 2000, 500])
+    first = decide(r, seq, table(seq), flashinfer_unavailable="not installed", fallback_memo=memo)
+    assert calls and len(memo) == 1
+    calls.clear()
+    again = decide(r, seq + 1, table(seq + 1), flashinfer_unavailable="not installed", fallback_memo=memo)
+    assert calls == [] and again.route == first.route and again.reused
+    assert "FlashInfer unavailable" in again.refused["flashinfer"]
+
+
 def test_route_choice_with_flashinfer_is_the_routers():
     r = router()
     seq = np.array([1000, 2000])
@@ -721,10 +737,13 @@ def test_fake_device_decode_loop_matches_reference(fake_device, pool, route, use
     b, layer1 = pool
     rt = fake_runtime(use_cuda_graph=use_graphs)
     caches = [(b.k_cache, b.v_cache), layer1]
+    copies = 0
     for i, (rows, short) in enumerate(STEPS):
         seq, bt, q = step_inputs(b, rows, short, seed=i)
         d = rt.plan(seq, bt, force=route)
         assert d.kind != "flashinfer"  # unavailable: the auto policy falls back to PersistentKV
+        # workqueue/fused: planning head + block tables in one copy; bucket: arena + block tables
+        copies += 1 if d.kind in ("workqueue", "fused") else 2
         for layer, cache in enumerate(caches):
             if layer == 0:   # a fresh q/out every call
                 out = rt.run(q.clone(), *cache, out=torch.full_like(q, float("nan")))
@@ -739,21 +758,26 @@ def test_fake_device_decode_loop_matches_reference(fake_device, pool, route, use
         assert s["graphs"] <= s["max_graphs"] and s["min_graph_nodes"] >= 1
     else:
         assert s["captures"] == 0 and s["eager_runs"] == 2 * len(STEPS)
-    assert s["plans"] == len(STEPS) and s["h2d_copies"] == 2 * len(STEPS)
+    assert s["plans"] == len(STEPS) and s["h2d_copies"] == copies
 
 
-def test_fake_device_replay_reads_the_new_metadata(fake_device, pool):
+@pytest.mark.parametrize("route", ["pkv_bucket", "pkv_workqueue", "pkv_fused"])
+def test_fake_device_replay_reads_the_new_metadata(fake_device, pool, route):
     b, _ = pool
     rt = fake_runtime()
     cache = (b.k_cache, b.v_cache)
     for i, short in enumerate([9, 5, 0]):  # same rows and splits, new lengths and q
         seq, bt, q = step_inputs(b, [0, 1, 2], short, seed=100 + i)
-        rt.plan(seq, bt, force="pkv_workqueue")
+        rt.plan(seq, bt, force=route)
         rt.static_q(3).copy_(q)
         out = rt.run(rt.static_q(3), *cache, out=rt.static_out(3))
         assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
     s = rt.stats()
-    assert s["captures"] == 1 and s["replays"] == 2 and s["staging_copies"] == 0
+    # workqueue/fused: the planning graph of the padded batch and the decode graph, each
+    # captured once and replayed on the two later steps
+    graphs_per_step = 1 if route == "pkv_bucket" else 2
+    assert s["captures"] == graphs_per_step and s["replays"] == 2 * graphs_per_step
+    assert s["staging_copies"] == 0
 
 
 def test_fake_device_caller_tensors_go_through_staging_then_get_their_own_graph(fake_device, pool):
@@ -772,40 +796,188 @@ def test_fake_device_caller_tensors_go_through_staging_then_get_their_own_graph(
     assert s["staging_copies"] == 2 and s["captures"] == 2 and s["replays"] == 1
 
 
-def test_fake_device_padded_batch_shares_a_graph(fake_device, pool):
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_fake_device_padded_batch_shares_a_graph(fake_device, pool, route):
+    """3 and 4 rows pad to 4: one planning graph and one decode graph serve both steps, however
+    the partition cuts them (the graph's grid is the padded batch's, not the step's tasks)."""
     b, _ = pool
     rt = fake_runtime()
     cache = (b.k_cache, b.v_cache)
-    buckets = []
-    for rows in ([0, 1, 3], [0, 1, 3, 5]):   # 3 and 4 rows pad to 4; row 5 adds one 1-split row
+    structures = []
+    for rows in ([0, 1, 3], [0, 1, 3, 5]):
         seq, bt, q = step_inputs(b, rows, 0, seed=len(rows))
-        # pkv_workqueue: split counts 1, 4, 8, ... keep the first three rows' cut (pkv_fused's
-        # 1..64 re-cuts them when row 5 joins, a different task bucket)
-        d = rt.plan(seq, bt, force="pkv_workqueue")
-        buckets.append(graphs.task_bucket(d.plan.tasks.shape[0]))
+        d = rt.plan(seq, bt, force=route)
+        assert d.plan is None                   # built on the GPU, not on the host
+        structures.append(rt._step.structure)
         rt.static_q(len(rows)).copy_(q)
         out = rt.run(rt.static_q(len(rows)), *cache, out=rt.static_out(len(rows)))
         assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
-    assert buckets[0] == buckets[1] and rt._step.gbatch == 4
-    assert rt.stats()["captures"] == 1 and rt.stats()["replays"] == 1
+    grid = rt._device_grid_tasks(rt.registry.route(route), 4)
+    assert structures == [grid, grid] and rt._step.gbatch == 4
+    assert rt.stats()["captures"] == 2 and rt.stats()["replays"] == 2
 
 
 def test_fake_device_capacity_growth_drops_graphs(fake_device, pool, tmp_path):
+    """Only host-planned bucket steps can outgrow the buffers (workqueue/fused ones are sized
+    for every padded batch at construction): a bucket of two equal rows needs 2 x 16 slots."""
     text = (REPO / "routes.toml").read_text().replace("max_active = 8", "max_active = 1")
     (tmp_path / "routes.toml").write_text(text.replace("max = 64", "max = 16"))
     b, _ = pool
-    wide = attrs.evolve(SEED, splits=attrs.evolve(SEED.splits, workqueue_ctas_per_sm=8.0))  # many small CTAs
-    rt = fake_runtime(routes=tmp_path / "routes.toml", calibration=wide)
+    # one resident wave of one CTA per SM: a device grid of 28 tasks, 14 slots at H_kv 2
+    narrow = attrs.evolve(SEED, splits=attrs.evolve(SEED.splits, workqueue_ctas_per_sm=1.0, max_waves=1))
+    rt = fake_runtime(routes=tmp_path / "routes.toml", calibration=narrow)
     assert rt.stats()["capacities"]["slots"] == 16          # 1 row * 16 splits
     cache = (b.k_cache, b.v_cache)
-    for rows in ([0], [0, 1, 2, 4]):
+    for rows, equal in (([0], None), ([0, 1], 2500)):
         seq, bt, q = step_inputs(b, rows, 0, seed=7)
-        d = rt.plan(seq, bt, force="pkv_workqueue")
+        if equal:
+            seq[:] = equal                                  # one exact bucket of two rows
+        d = rt.plan(seq, bt, force="pkv_bucket")
         out = rt.run(q, *cache, out=torch.empty_like(q))
         assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
     s = rt.stats()
-    assert d.plan.split_offsets[-1] > 16 and s["capacities"]["slots"] >= d.plan.split_offsets[-1]
+    need = needed_capacities(d.kind, d.plan).slots
+    assert need == 32 and s["capacities"]["slots"] >= need
     assert s["regrowths"] == 1 and s["invalidations"] == 1 and s["graphs"] == 1
+
+
+# ----------------------------------------------------------------------------- host lengths, plans on the GPU
+
+
+def _no_host_workqueue_plan(monkeypatch):
+    """Fail if anything builds or stages a Python workqueue plan (the router's predictions may
+    still compute split counts: ``tasks=False``)."""
+    import pkvrt.router as router_mod
+
+    real = router_mod.workqueue_from_checked
+
+    def counters_only(*a, **kw):
+        assert not kw["tasks"], "a Python workqueue plan was built for a host-lengths step"
+        return real(*a, **kw)
+    monkeypatch.setattr(router_mod, "workqueue_from_checked", counters_only)
+    monkeypatch.setattr(graphs, "stage_workqueue", lambda *a, **k: pytest.fail("staged on the host"))
+
+
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_fake_device_host_lengths_plan_on_the_gpu_equals_the_host_twin(fake_device, pool, monkeypatch, route):
+    """A host-routed workqueue/fused step builds no Python plan: the lengths and block tables
+    go to the planning buffers (one copy) and the planning kernel (emulated) writes tasks and
+    split offsets equal, task for task, to the host planner's (``Router.full_plan``)."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime()
+    steps = [step_inputs(b, rows, short, seed=i) for i, (rows, short) in enumerate(STEPS)]
+    twins = [rt.router.full_plan(route, seq) for seq, _, _ in steps]   # before the guard below
+    _no_host_workqueue_plan(monkeypatch)
+    L = rt._layout
+    for i, ((seq, bt, q), twin) in enumerate(zip(steps, twins)):
+        rows = seq.tolist()
+        d = rt.plan(seq, bt, force=route)
+        assert d.route == route and d.plan is None
+        gb = graphs.padded_batch(len(rows))
+        assert rt._step.structure == rt._device_grid_tasks(rt.registry.route(route), gb)
+        t = int(rt._v_num_tasks[0])
+        assert np.array_equal(rt._arena[L.tasks:L.tasks + 5 * t].view(t, 5).numpy(), twin.tasks), i
+        off = rt._arena[L.split_offsets:L.split_offsets + len(rows) + 1].numpy()
+        assert np.array_equal(off, twin.split_offsets), i
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, i
+        assert rt.device_status() == 0
+    s = rt.stats()
+    assert s["h2d_copies"] == len(STEPS) and s["regrowths"] == 0
+    assert "workqueue/fused plans built on the GPU" in rt.explain() and "chosen" in rt.explain()
+
+
+def test_fake_device_planning_head_sits_before_the_block_tables(fake_device):
+    """One H2D copy uploads a host-lengths step: the planning head [rows, max_seq_len, pad |
+    seq_lens] is the front of the block-table allocation; both 64-byte aligned."""
+    for max_batch, rows in ((8, 8), (3, 4), (40, 64)):
+        rt = fake_runtime(max_batch=max_batch)
+        head = rt._plan_head()
+        assert head % graphs.ALIGN == 0 and head >= graphs.ALIGN + rows
+        assert rt._bt.data_ptr() - rt._bt_store.data_ptr() == 4 * head
+        assert rt._d_seq.data_ptr() - rt._d_meta.data_ptr() == 4 * graphs.ALIGN
+        assert rt._d_seq.numel() == rows and rt._d_rows.data_ptr() == rt._bt_store.data_ptr()
+        assert rt._ring[0].bt.data_ptr() - rt._ring[0].store.data_ptr() == 4 * head
+
+
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_fake_device_host_lengths_replay_while_lengths_grow_and_batches_change(fake_device, pool, route):
+    """20 steps of 3 rows whose lengths grow one token a step: one planning graph and one decode
+    graph, replayed 19 times each; 5 rows (padded batch 8) adds one pair, and 3 rows again
+    replays the first pair."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime()
+
+    def step(rows, short, seed):
+        seq, bt, q = step_inputs(b, rows, short, seed=seed)
+        rt.plan(seq, bt, force=route)
+        rt.static_q(len(rows)).copy_(q)
+        out = rt.run(rt.static_q(len(rows)), *cache, out=rt.static_out(len(rows)))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, (rows, short)
+
+    for i in range(20):
+        step([0, 1, 2], 30 - i, seed=i)
+    s = rt.stats()
+    assert s["captures"] == 2 and s["replays"] == 2 * 19
+    step([0, 1, 2, 4, 5], 3, seed=20)
+    step([0, 1, 2], 5, seed=21)
+    s = rt.stats()
+    assert s["captures"] == 4 and s["replays"] == 2 * 20 and s["graphs"] == 4
+
+
+def test_fake_device_host_lengths_page_ids(fake_device, pool):
+    """validate=True: a negative page id is refused at plan(), one past the cache at run(),
+    before any launch. validate=False: the planning kernel checks the ids against the smallest
+    cache run() was given; the row gets no work and device_status() names the cause."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    pages = b.k_cache.shape[0]
+    seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=5)
+    used = (int(seq[1]) - 1) // 16                       # row 1's last used page
+    rt = fake_runtime()
+    rt.plan(seq, bt, force="pkv_fused")
+    launches = fake_device.launches
+    neg = bt.clone()
+    neg[1, used] = -3
+    with pytest.raises(ValueError, match=rf"block_tables\[1, {used}\] = -3"):
+        rt.plan(seq, neg, force="pkv_fused")
+    past = bt.clone()
+    past[1, used] = pages
+    rt.plan(seq, past, force="pkv_fused")
+    launches = fake_device.launches
+    out = torch.full_like(q, 5.0)
+    with pytest.raises(ValueError, match="page id .* num_pages"):
+        rt.run(q, *cache, out=out)
+    assert fake_device.launches == launches and torch.all(out == 5.0)
+
+    loose = fake_runtime(validate=False)
+    loose.plan(seq, bt, force="pkv_fused")
+    loose.run(q, *cache)                                  # sets the GPU's bound: the cache's pages
+    loose.plan(seq, past, force="pkv_fused")
+    loose.static_q(3).copy_(q)
+    loose.static_out(3).fill_(7.0)
+    out = loose.run(loose.static_q(3), *cache, out=loose.static_out(3))
+    assert torch.all(out[1] == 7.0) and rel_err(out[[0, 2]], ref(q, cache, seq, bt)[[0, 2]]) < 2e-3
+    assert loose.device_status(raise_on_error=False) == 4
+    with pytest.raises(RuntimeError, match="page id outside"):
+        loose.device_status()
+    loose.plan(seq, bt, force="pkv_bucket")               # planned on the host: no GPU word
+    assert loose.device_status() == 0
+
+
+def test_fake_device_workqueue_batches_beyond_one_planning_cta(fake_device, pool, monkeypatch):
+    b, _ = pool
+    monkeypatch.setattr(ops, "PLAN_MAX_ROWS", 2)
+    rt = fake_runtime()
+    seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=6)
+    with pytest.raises(ValueError, match="batch of 3 rows on route 'pkv_workqueue'.* at most 2 rows"):
+        rt.plan(seq, bt, force="pkv_workqueue")
+    assert rt._step is None
+    rt.plan(seq, bt, force="pkv_bucket")                  # other routes are not limited
+    out = rt.run(q, b.k_cache, b.v_cache)
+    assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
 
 
 def test_fake_device_graph_count_stays_bounded(fake_device, pool):

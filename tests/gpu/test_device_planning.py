@@ -1,7 +1,9 @@
 """Runtime(device_planning=True) on the GPU: split counts and tasks built by the planning kernel
-from device-resident lengths give the host-planned workqueue route's output bit for bit, over
-steps whose rows join and leave; a whole multi-layer step captured in an engine's own CUDA graph
-replays correctly with new lengths; bad lengths are flagged, not read."""
+from device-resident lengths give the host-lengths Runtime's output bit for bit (the same
+kernel plans its workqueue/fused steps from lengths it uploads; test_runtime.py checks that plan
+against the host planner task for task), over steps whose rows join and leave; a whole
+multi-layer step captured in an engine's own CUDA graph replays correctly with new lengths; bad
+lengths are flagged, not read."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """pkvrt.Runtime on the GPU: every route, graphs on and off, against the FP32 reference and
-FlashInfer, over decode steps whose lengths grow and whose rows join and leave.
+FlashInfer, over decode steps whose lengths grow and whose rows join and leave. Host-routed
+workqueue/fused steps are planned on the GPU by the planning kernel: their plan equals the host
+planner's task for task, and their graphs replay while the lengths grow.
 
 Data comes from ``tests/paged.py::make_batch``: pages no row owns hold NaN and block-table
 padding holds an out-of-range page id, so reading what must not be read fails the test.
@@ -130,7 +132,100 @@ def test_replay_after_inplace_metadata_change(pool, route):
         out = rt.run(rt.static_q(3), *caches[0], out=rt.static_out(3))
         check(out, q, caches[0], seq, bt, f"replay {i}")
     s = rt.stats()
-    assert s["captures"] == 1 and s["replays"] == 3 and s["staging_copies"] == 0
+    # workqueue/fused: the planning graph of the padded batch and the decode graph
+    graphs_per_step = 2 if route in ("pkv_workqueue", "pkv_fused") else 1
+    assert s["captures"] == graphs_per_step and s["replays"] == 3 * graphs_per_step
+    assert s["staging_copies"] == 0
+
+
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_host_lengths_plan_is_built_on_the_gpu_task_for_task(pool, route):
+    """Host lengths, a workqueue/fused route: no Python plan (decision.plan is None); the tasks,
+    split offsets and task count the planning kernel wrote equal the host planner's
+    (Router.full_plan), on ragged steps whose batch changes size; outputs exact."""
+    b, caches = pool
+    rt = runtime()
+    L = rt._layout
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=200 + i)
+        d = rt.plan(seq, bt, force=route)
+        assert d.route == route and d.plan is None
+        twin = rt.router.full_plan(route, seq)
+        torch.cuda.synchronize()
+        t = int(rt._v_num_tasks[0])
+        tasks = rt._arena[L.tasks:L.tasks + 5 * t].view(t, 5).cpu().numpy()
+        offsets = rt._arena[L.split_offsets:L.split_offsets + len(rows) + 1].cpu().numpy()
+        assert np.array_equal(tasks, twin.tasks), f"step {i}: tasks differ from the host planner's"
+        assert np.array_equal(offsets, twin.split_offsets), f"step {i}: split offsets differ"
+        assert rt._step.structure == rt._device_grid_tasks(rt.registry.route(route), graphs.padded_batch(len(rows)))
+        out = rt.run(q, *caches[0], out=torch.full_like(q, float("nan")))
+        check(out, q, caches[0], seq, bt, f"step {i} route {route}")
+        assert rt.device_status() == 0
+    assert rt.stats()["h2d_copies"] == len(STEPS)   # planning head + block tables: one copy
+
+
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused", None], ids=lambda r: r or "auto")
+def test_host_lengths_replay_while_lengths_grow(pool, route):
+    """20 steps of 3 rows whose lengths grow one token a step (2 layers, static q/out): a
+    workqueue/fused step replays one planning graph and one graph per layer, so captures stay
+    at 3 while replays grow by 3 a step; outputs exact at every step. auto: whatever the policy
+    picks for these lengths (FlashInfer steps launch eagerly)."""
+    b, caches = pool
+    rt = runtime()
+    decided = set()
+    for i in range(20):
+        seq, bt, q = step_inputs(b, [0, 1, 2], 40 - 2 * i, seed=300 + i)   # grows 2 a step
+        decided.add(rt.plan(seq, bt, force=route).kind)
+        rt.static_q(3).copy_(q)
+        for layer, cache in enumerate(caches):
+            rt.static_out(3).fill_(float("nan"))
+            out = rt.run(rt.static_q(3), *cache, out=rt.static_out(3))
+            check(out, q, cache, seq, bt, f"step {i} layer {layer}")
+    s = rt.stats()
+    if decided <= {"workqueue", "fused"}:
+        assert s["captures"] == 3 * len(decided) and s["replays"] >= 3 * (20 - len(decided))
+    assert s["graphs"] <= s["max_graphs"]
+
+
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_host_lengths_bad_page_ids(pool, route):
+    """validate=True: a negative page id among the pages a row uses is refused at plan(), one
+    past the cache at run(), both before any launch (out untouched, the previous plan stays).
+    validate=False: the planning kernel checks the ids against the cache run() was given: the row
+    gets no work, the others are exact, device_status() names it."""
+    b, caches = pool
+    pages = caches[0][0].shape[0]
+    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=11)
+    used = (int(seq[1]) - 1) // SHAPE["page_size"]
+    rt = runtime()
+    rt.plan(seq, bt, force=route)
+    neg = bt.copy()
+    neg[1, used] = -1
+    with pytest.raises(ValueError, match=rf"block_tables\[1, {used}\] = -1"):
+        rt.plan(seq, neg, force=route)
+    out = rt.run(q, *caches[0], out=torch.full_like(q, float("nan")))   # the previous plan
+    check(out, q, caches[0], seq, bt, "the plan before the refused one")
+    past = bt.copy()
+    past[1, used] = pages
+    rt.plan(seq, past, force=route)
+    out = torch.full_like(q, 5.0)
+    with pytest.raises(ValueError, match="page id .* num_pages"):
+        rt.run(q, *caches[0], out=out)
+    torch.cuda.synchronize()
+    assert (out == 5.0).all()
+
+    loose = runtime(validate=False)
+    loose.plan(seq, bt, force=route)
+    loose.run(q, *caches[0], out=torch.empty_like(q))   # the GPU's bound: this cache's pages
+    loose.plan(seq, past, force=route)
+    loose.static_q(3).copy_(q)
+    loose.static_out(3).fill_(7.0)
+    out = loose.run(loose.static_q(3), *caches[0], out=loose.static_out(3))
+    torch.cuda.synchronize()
+    assert torch.all(out[1] == 7.0)
+    check(out[[0, 2]].contiguous(), q[[0, 2]].contiguous(), caches[0], seq[[0, 2]], bt[[0, 2]],
+          "rows around a row with a page id past the cache")
+    assert loose.device_status(raise_on_error=False) == 4
 
 
 def test_default_flashinfer_route_runs_eagerly_inside_a_graph_runtime(pool):
