@@ -90,8 +90,11 @@ def test_out_and_base_default_to_the_gpus_file(tmp_path, monkeypatch):
 
 
 def test_an_fp16_run_names_the_sections_it_drops(tmp_path):
-    h200 = calib.load_calibration(H200)
-    assert calibrate.replaced_sections(H200) == [] and calibrate.replaced_sections(tmp_path / "none.json") == []
+    h200 = attrs.evolve(calib.load_calibration(H200), by_kv_dtype=())   # as before its FP8 run
+    plain = tmp_path / "plain.json"
+    calib.save_calibration(h200, plain)
+    assert calibrate.replaced_sections(plain) == [] and calibrate.replaced_sections(tmp_path / "none.json") == []
+    assert calibrate.replaced_sections(H200) == [FP8]   # the shipped file has its measured section
     sec = calib.KvDtypeSection(splits=(("min_split_tokens", 64),), date="2026-12-08", command="c", provenance="p")
     path = tmp_path / "with.json"
     calib.save_calibration(calib.with_kv_dtype_section(attrs.evolve(h200), FP8, sec), path)

@@ -561,10 +561,18 @@ def test_fp8_section_round_trips(tmp_path):
     assert load_calibration(again) == attrs.evolve(cal, source=str(again))
 
 
-def test_the_shipped_files_have_no_fp8_section_until_one_is_measured():
-    for path in (SEED, H200):
-        assert load_calibration(path).by_kv_dtype == ()
-        assert "by_kv_dtype" not in json.loads(path.read_text())
+def h200_without_fp8():
+    """The shipped H200 file as it was before its FP8 section was measured."""
+    return attrs.evolve(load_calibration(H200), by_kv_dtype=())
+
+
+def test_the_seed_file_has_no_fp8_section_and_the_h200_file_a_measured_one():
+    assert load_calibration(SEED).by_kv_dtype == ()
+    assert "by_kv_dtype" not in json.loads(SEED.read_text())
+    ((name, sec),) = load_calibration(H200).by_kv_dtype
+    assert name == FP8 and "Measured by pkvrt calibrate --kv-dtype float8_e4m3fn" in sec.provenance
+    assert "--kv-dtype fp8" in sec.command and dict(sec.splits)["workqueue_ctas_per_sm"] == 2.0
+    assert [k for k, _ in sec.time_model] == ["bucket", "workqueue", "fused"]
 
 
 @pytest.mark.parametrize("edit, key, expected", [
@@ -626,7 +634,7 @@ def test_a_section_of_splits_only_or_time_model_only_is_valid(tmp_path):
 
 
 def test_without_a_section_fp8_sees_the_fp16_constants_marked_as_a_fallback():
-    h200 = load_calibration(H200)
+    h200 = h200_without_fp8()
     fp8 = h200.for_kv_dtype(FP8)
     assert fp8.kv_dtype_fallback and fp8.kv_dtype == FP8
     assert attrs.evolve(fp8, kv_dtype=None, kv_dtype_fallback=False) == h200
@@ -684,7 +692,7 @@ def test_for_kv_dtype_takes_a_torch_dtype_and_refuses_another_dtype_or_an_unknow
 
 
 def test_a_view_is_not_saved_and_a_section_is_added_without_touching_the_rest():
-    h200 = load_calibration(H200)
+    h200 = h200_without_fp8()
     with pytest.raises(ValueError, match="view"):
         C.calibration_to_dict(h200.for_kv_dtype(FP8))
     sec = calibration_from_fp8_doc().by_kv_dtype[0][1]
