@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import bench, cli, fi_engines, harness, ops, reference, report, results
+from pkvrt import bench, fi_engines, harness, ops, reference, report, results
 from pkvrt.plan_cmd import seed_calibration
 from pkvrt.registry import load_routes
 from pkvrt.traces import Request, Trace
+from test_bench_cpu import no_cuda, run  # noqa: F401
 from test_runtime_cpu import fake_device  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
@@ -35,17 +36,6 @@ FP16_ROW_KEYS = {"case", "engine", "row", "seed", "baseline", "correct", "max_er
                  "wall_us", "mean_wall_us", "tok_per_s", "cuda_tok_per_s", "route", "route_mix",
                  "splits", "split_main", "launches_per_step", "cta_work_per_sm", "useful_kv_mb",
                  "merge_mb", "merge_launches", "mean_active"}
-
-
-def run(capsys, *argv):
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-@pytest.fixture
-def no_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def _trace():

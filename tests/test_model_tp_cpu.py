@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import time
 import types
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from pkvrt import model_attention as A
 from pkvrt import model_tp as T
 from pkvrt import planner
 from pkvrt import tp_results as R
+from test_model_cpu import FakeEvent
 from test_runtime_cpu import ROUTES, SEED, fake_device  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -362,22 +362,6 @@ def test_the_bench_shard_only_on_the_cpu(monkeypatch):
     m = rows[0]
     assert m["comm_share"] is None and m["allreduce_us"] is None and len(m["rank_ms"]) == 1
     assert m["ref_ok"] and "ranks_agree" not in m and m["attention_share"] is not None
-
-
-class FakeEvent:
-    """torch.cuda.Event on the host clock."""
-
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, end):
-        return (end.t - self.t) * 1e3
 
 
 def fake_cuda(set_attr) -> None:
