@@ -154,19 +154,27 @@ def test_check_step_accepts_host_inputs(kind):
     assert s.max_page_id == int(max(bt[i, :p].max() for i, p in enumerate([2, 1, 19])))
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 600), min_size=1, max_size=8), st.integers(0, 5), st.data())
-def test_check_step_property(seq, extra, data):
-    bt = table(seq, width=max(-(-n // 16) for n in seq) + extra, seed=len(seq))
-    s = check_step(seq, bt, **STEP)
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=8), st.integers(0, 5),
+       st.sampled_from([np.int32, np.int64, np.int16, np.uint32]), st.data())
+def test_check_step_property(seq, extra, dtype, data):
+    bt = table(seq, width=max(-(-n // 16) for n in seq) + extra, seed=len(seq)).astype(dtype)
     pages = [-(-n // 16) for n in seq]
+    info = np.iinfo(dtype)  # padding may hold anything, the extremes included: it is never read
+    for r, p in enumerate(pages):
+        bt[r, p:] = data.draw(st.lists(st.sampled_from([info.min, info.max, max(info.min, -1), 0, 7]),
+                                       min_size=bt.shape[1] - p, max_size=bt.shape[1] - p))
+    s = check_step(seq, bt, **STEP)
     assert s.pages.tolist() == pages and s.max_pages == max(pages)
     assert s.max_page_id == max(int(bt[i, :p].max()) for i, p in enumerate(pages))
-    r = data.draw(st.integers(0, len(seq) - 1))
-    c = data.draw(st.integers(0, pages[r] - 1))
+    if info.min == 0:
+        return
     bad = bt.copy()
-    bad[r, c] = -3
-    with pytest.raises(ValueError, match=r"block_tables\[\d+, \d+\] = -3"):
+    for _ in range(data.draw(st.integers(1, 3))):
+        r = data.draw(st.integers(0, len(seq) - 1))
+        bad[r, data.draw(st.integers(0, pages[r] - 1))] = data.draw(st.sampled_from([-3, info.min]))
+    r, c = min((r, c) for r, p in enumerate(pages) for c in range(p) if bad[r, c] < 0)  # the first
+    with pytest.raises(ValueError, match=rf"block_tables\[{r}, {c}\] = {bad[r, c]}: expected"):
         check_step(seq, bad, **STEP)
 
 
