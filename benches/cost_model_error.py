@@ -2,7 +2,7 @@
 
 Reads the rows ``pkvrt calibrate --raw`` wrote, fits what ``pkvrt calibrate`` fits from them (the
 balanced partition's constants per G, then the measured time model per G and route kind:
-pkvrt.sweeps), and prints the constants, measured vs predicted µs of every route on every
+pkvrt.tools.sweeps), and prints the constants, measured vs predicted µs of every route on every
 calibration step at the cut its planner picks (beside the roofline's prediction), the worst error
 per route and G, and the routes.toml gates the steps measured (a suggestion, never applied).
 
@@ -33,10 +33,10 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from pkvrt import calibration as calib
-    from pkvrt import sweeps
-    from pkvrt.calibrate import format_rows
-    from pkvrt.registry import load_routes
+    from pkvrt.policy import calibration as calib
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.tools import sweeps
+    from pkvrt.tools.calibrate import format_rows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweeps", help="a calibrate-sweeps results file (pkvrt calibrate --raw)")

@@ -77,7 +77,7 @@ class RawFlashInfer:
     def plan(self, seq, bt, force=None):
         import torch
 
-        from pkvrt.pagetable import to_csr
+        from pkvrt.policy.blocktables import to_csr
 
         indptr, indices, last = to_csr(seq, bt, 16)
         b, nnz = len(last), len(indices)
@@ -174,8 +174,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from paged import make_batch
 
-    from pkvrt import fi_route, results
-    from pkvrt.harness import CudaClock
+    from pkvrt.measure import results
+    from pkvrt.measure.harness import CudaClock
+    from pkvrt.runtime import fi_route
     from pkvrt.runtime import Runtime
 
     fi_mod, fi_reason = fi_route.load_flashinfer()

@@ -6,7 +6,7 @@ per cache copy (copies rotate so that no case is an L2 number), replayed many ti
 median per call. Correctness is checked before timing against FlashInfer (seed tolerance) and
 the FP32 reference. Also measured in the same run: streaming-read bandwidth (the floor's beta).
 
-FlashInfer's decode paths (pkvrt/fi_engines.py: the CUDA-core, tensor-core and cuDNN wrappers and
+FlashInfer's decode paths (pkvrt/measure/fi_engines.py: the CUDA-core, tensor-core and cuDNN wrappers and
 XQA) each get a row; the baseline of a case is the fastest of them that matches the FP32
 reference, named in every row of the case (``baseline_engine``, ``ratio_vs_fi`` = its time over
 the row's). A path that cannot run here is printed and recorded in the meta with the reason
@@ -32,6 +32,7 @@ usage: python benches/isolated.py [--out benches/results/h200/isolated.json] [--
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 from pathlib import Path
@@ -42,12 +43,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch  # noqa: E402
 
-from pkvrt import _driver, fi_engines, ops, planner, reference, results  # noqa: E402
-from pkvrt.harness import median_us  # noqa: E402  (graph-replay CUDA-event median per call)
-from pkvrt.harness import within_tolerance  # noqa: E402  (the serving bench's FP32 tolerance)
-from pkvrt.pagetable import to_padded  # noqa: E402
-from pkvrt.calibration import find_calibration  # noqa: E402
-from pkvrt.registry import load_routes  # noqa: E402
+from pkvrt import reference  # noqa: E402
+from pkvrt.launch import _driver, ops  # noqa: E402
+from pkvrt.measure import fi_engines, results  # noqa: E402
+from pkvrt.measure.harness import median_us  # noqa: E402  (graph-replay CUDA-event median per call)
+from pkvrt.measure.harness import within_tolerance  # noqa: E402  (the serving bench's FP32 tolerance)
+from pkvrt.policy import planner  # noqa: E402
+from pkvrt.policy.blocktables import to_padded  # noqa: E402
+from pkvrt.policy.calibration import find_calibration  # noqa: E402
+from pkvrt.policy.registry import load_routes  # noqa: E402
 
 SEED = 20260623
 CASES = {  # name -> (seq_lens, H_q, H_kv)
@@ -107,7 +111,7 @@ class Case:
         self.scales, self.scale_floats = (None, None), (1.0, 1.0)
         if fp8:
             src = b0
-            from pkvrt.harness import quantize_fp8   # "unit" (a cast) or "amax" / 448, per tensor
+            from pkvrt.measure.harness import quantize_fp8   # "unit" (a cast) or "amax" / 448, per tensor
             kq, ks = quantize_fp8(src.k_cache, fp8)
             vq, vs = quantize_fp8(src.v_cache, fp8)
             self.scales, self.scale_floats = (ks, vs), (float(ks), float(vs))
@@ -123,6 +127,13 @@ class Case:
         self.b0 = b0
         self.ref = reference.decode_attention(b0.q, b0.k_cache, b0.v_cache, b0.seq_lens, b0.block_tables,
                                               k_scale=self.scales[0], v_scale=self.scales[1])
+
+    def single(self, i: int) -> "Case":
+        """This case reduced to its i-th cache copy (``batches`` of one): the input of an engine
+        that makes a single call (``--per-call``); everything else is shared, not copied."""
+        one = copy.copy(self)
+        one.batches = [self.batches[i]]
+        return one
 
     @property
     def kv_scales(self) -> dict:
@@ -264,11 +275,7 @@ def per_call_rows(case: Case, bplan, registry, args) -> list[dict]:
     if len(bplan.buckets) != 1:
         return rows
     s = bplan.buckets[0].num_splits
-    singles = []
-    for i in range(case.copies):  # one engine per cache copy, each a single call
-        sub_case = Case.__new__(Case)
-        sub_case.__dict__.update(case.__dict__, batches=[case.batches[i]])
-        singles.append(sub_case)
+    singles = [case.single(i) for i in range(case.copies)]   # one engine per cache copy
     engines = [("per-call-pkvrt-bucket-graph", s, [engine_split(c, s)[0] for c in singles], True),
                ("per-call-pkvrt-bucket-eager", s, [engine_split(c, s)[0] for c in singles], False)]
     try:

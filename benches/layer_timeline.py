@@ -30,9 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch, rel_err  # noqa: E402
 
-from pkvrt import ops, planner, reference, results  # noqa: E402
-from pkvrt.calibration import find_calibration  # noqa: E402
-from pkvrt.registry import load_routes  # noqa: E402
+from pkvrt import reference  # noqa: E402
+from pkvrt.launch import ops  # noqa: E402
+from pkvrt.measure import results  # noqa: E402
+from pkvrt.policy import planner  # noqa: E402
+from pkvrt.policy.calibration import find_calibration  # noqa: E402
+from pkvrt.policy.registry import load_routes  # noqa: E402
 
 CASES = {  # name -> seq_lens (H_q 32, H_kv 8, D 128, fp16, page 16)
     "B1-1.6K": [1600],

@@ -1,12 +1,12 @@
 """Whole-model decode (issue #15, section 2): a Llama-3-8B-shaped decoder's step, captured in one
 CUDA graph per batch size, with pkvrt's attention against FlashInfer's fastest decode path.
 
-Protocol (``pkvrt/model.py`` says what a step computes, ``pkvrt/model_attention.py`` what each
+Protocol (``pkvrt/measure/model.py`` says what a step computes, ``pkvrt/measure/model_attention.py`` what each
 engine runs):
 
 1. The cases: every batch x context (default B 1, 4, 8, 32 x 8K, 32K, 128K); one whose weights +
    KV + 4 GiB of headroom exceed the GPU's memory is recorded as skipped with the bytes
-   (``pkvrt.model.plan_cases``; on a 139.8 GiB H200 that is B8 x 128K, B32 x 32K, B32 x 128K).
+   (``pkvrt.measure.model.plan_cases``; on a 139.8 GiB H200 that is B8 x 128K, B32 x 32K, B32 x 128K).
 2. The weights once (16.1 GB, random on the GPU, seed 20260623); per case the 32 layers' paged
    caches (random K/V for the context, each row's pages scattered by a seeded free list),
    allocated before the case and freed after it.
@@ -26,7 +26,7 @@ engine runs):
 4. Per case: every engine's layer-0 attention is checked against FP32; FlashInfer's baseline is
    its fastest path (by ``ms_per_step``) among those that pass; every engine's logits and layer-0
    attention outputs are compared with the baseline's (the baseline with the next FlashInfer
-   path) within fp16 tolerances (``pkvrt.model_results``); the attention share is
+   path) within fp16 tolerances (``pkvrt.measure.model_results``); the attention share is
    1 - (no-attention step) / (step), the step with attention's output replaced by q (the append
    and everything else still run); a ratio row gives pkvrt against the baseline.
 
@@ -50,7 +50,7 @@ import time
 import attrs
 import torch
 
-from pkvrt.model_results import parse_counts
+from pkvrt.measure.model_results import parse_counts
 
 SEED = 20260623
 DEFAULT_ENGINES = "pkvrt,flashinfer-tc,flashinfer-cuda,flashinfer-xqa,no-attention"
@@ -110,7 +110,7 @@ def add_checks(rows: list[dict], checks: dict, ref0, dtype) -> None:
     then its agreement with the case's baseline (FlashInfer's fastest correct path; the
     baseline's with the next FlashInfer path, else with pkvrt); the no-attention row gets
     ``attention_signal``: how far its logits are from the baseline's, the size of a failure."""
-    from pkvrt.model_results import FLASHINFER_PREFIX, NO_ATTENTION, PKVRT, agreement, \
+    from pkvrt.measure.model_results import FLASHINFER_PREFIX, NO_ATTENTION, PKVRT, agreement, \
         baseline_engine, reference_check, rel_err
 
     measured = [r for r in rows if r["row"] == "measured" and r["engine"] in checks]
@@ -133,9 +133,9 @@ def add_checks(rows: list[dict], checks: dict, ref0, dtype) -> None:
 
 def run_case(case, model, engines, args, log) -> list[dict]:
     """Every engine on one case (see the module docstring); the case's rows."""
-    from pkvrt.model import DecodeLoop, make_caches, pages_needed
-    from pkvrt.model_attention import make_backend
-    from pkvrt.model_results import check_failed, finish_case, measured_row, unavailable_row
+    from pkvrt.measure.model import DecodeLoop, make_caches, pages_needed
+    from pkvrt.measure.model_attention import make_backend
+    from pkvrt.measure.model_results import check_failed, finish_case, measured_row, unavailable_row
 
     cfg, device = model.cfg, model.w.embed.device
     max_steps = 1 + max(args.check_steps, args.warmup + args.steps)  # +1: the capture's warm-up
@@ -205,12 +205,12 @@ def main(argv=None) -> int:
         print("model_decode.py: needs a CUDA GPU (torch.cuda.is_available() is False); nothing was run",
               file=sys.stderr)
         return 2
-    from pkvrt import results
-    from pkvrt.calibration import find_calibration
-    from pkvrt.model import LLAMA3_8B, Model, make_weights, plan_cases
-    from pkvrt.model_attention import GPU_ENGINES
-    from pkvrt.model_results import KIND, check_failed, model_decode_table, skipped_row
-    from pkvrt.registry import load_routes
+    from pkvrt.measure import results
+    from pkvrt.measure.model import LLAMA3_8B, Model, make_weights, plan_cases
+    from pkvrt.measure.model_attention import GPU_ENGINES
+    from pkvrt.measure.model_results import KIND, check_failed, model_decode_table, skipped_row
+    from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in GPU_ENGINES]

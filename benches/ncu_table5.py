@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--case", default="b8-bimodal", help="the profiled batch (benches/ncu_table5.sh CASE)")
     args = ap.parse_args(argv)
-    from pkvrt import report, results
+    from pkvrt.measure import results
+    from pkvrt.tools import report
 
     rows = parse(args.csv)
     engine = None

@@ -33,10 +33,13 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from paged import make_batch, rel_err
 
-    from pkvrt import fi_route, ops, planner, reference
-    from pkvrt.calibration import find_calibration
-    from pkvrt.pagetable import to_csr
-    from pkvrt.registry import load_routes
+    from pkvrt import reference
+    from pkvrt.launch import ops
+    from pkvrt.policy import planner
+    from pkvrt.policy.blocktables import to_csr
+    from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.runtime import fi_route
 
     b = make_batch(lens, seed=20260623)
     ref = reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)

@@ -19,9 +19,11 @@ CASES = [(1, 1600), (1, 32768), (8, 1500), (8, 32768), (8, 131072), (64, 32768),
 def main(argv=None) -> int:
     import torch
 
-    from pkvrt import ops, planner, results
-    from pkvrt.calibration import find_calibration
-    from pkvrt.registry import load_routes
+    from pkvrt.launch import ops
+    from pkvrt.measure import results
+    from pkvrt.policy import planner
+    from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")

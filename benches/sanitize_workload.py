@@ -51,9 +51,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.append(str(ROOT))  # an installed pkvrt first, else this checkout's
 from paged import make_batch, rel_err  # noqa: E402
 
-from pkvrt import _buildspec, _driver, ops, planner, reference  # noqa: E402
-from pkvrt.calibration import find_calibration  # noqa: E402
-from pkvrt.registry import load_routes  # noqa: E402
+from pkvrt import _buildspec, reference  # noqa: E402
+from pkvrt.launch import _driver, ops  # noqa: E402
+from pkvrt.policy import planner  # noqa: E402
+from pkvrt.policy.calibration import find_calibration  # noqa: E402
+from pkvrt.policy.registry import load_routes  # noqa: E402
 from pkvrt.runtime import Runtime  # noqa: E402
 
 F16, BF16 = torch.float16, torch.bfloat16

@@ -5,7 +5,7 @@ rows join and leave and the batch size moves over 1..max_active) go through one 
 layer per step, CUDA graphs on. Lengths grow by one token a step (``traces.decode_steps``); when
 a trace is done the next one is drawn with the next seed (trace r: seed ``--seed + r``, its page
 layout too), until the step count is reached. Page tables come from ``pagetable.build_layout`` and
-``PageLayout.block_table(rids)`` as in the serving harness (pkvrt/harness.py: hole fraction 0,
+``PageLayout.block_table(rids)`` as in the serving harness (pkvrt/measure/harness.py: hole fraction 0,
 host int32 arrays, caller-owned q/out views ``q[:B]``, ``out[:B]``).
 
 Unlike the harness, the K/V cache is allocated once for the whole soak (like an engine's cache,
@@ -59,9 +59,9 @@ try:
     import pkvrt  # noqa: F401  (the installed package: pip install -e .)
 except ModuleNotFoundError:  # a bare checkout: its own pkvrt (planner, --help, --dry-run)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pkvrt import traces  # noqa: E402
-from pkvrt.cli import add_shape_arguments, positive_int  # noqa: E402
-from pkvrt.pagetable import build_layout  # noqa: E402
+from pkvrt.measure import traces  # noqa: E402
+from pkvrt.measure.pagetable import build_layout  # noqa: E402
+from pkvrt.tools.cli import add_shape_arguments, positive_int  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benches" / "results" / "h200" / "soak.json"
@@ -230,7 +230,8 @@ def graph_shape(d, router) -> tuple | None:
     """(route, padded batch, structure) a PersistentKV decision's graph is keyed by (dry run):
     a bucket plan's buckets; for workqueue/fused, planned on the GPU, the planning kernel's grid
     of the padded batch (``planner.device_grid_ctas``, what Runtime._device_grid_tasks keys)."""
-    from pkvrt import graphs, planner
+    from pkvrt.policy import planner
+    from pkvrt.runtime import graphs
 
     if d.kind == "flashinfer":
         return None
@@ -253,9 +254,9 @@ def q_tensor(shape, b: int, seed: int, device, dtype):
 # --------------------------------------------------------------------------- dry run
 
 def dry_run(args) -> int:
-    from pkvrt import calibration as calib
-    from pkvrt.registry import load_routes
-    from pkvrt.router import Router
+    from pkvrt.policy import calibration as calib
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.policy.router import Router
 
     registry = load_routes(args.routes)
     cal = (calib.load_calibration(args.calibration) if args.calibration
@@ -308,9 +309,9 @@ class Soak:
     def __init__(self, args):
         import torch
 
-        from pkvrt import calibration as calib
-        from pkvrt.harness import ADAPTIVE, Shape, engine_label
-        from pkvrt.registry import load_routes
+        from pkvrt.measure.harness import ADAPTIVE, Shape, engine_label
+        from pkvrt.policy import calibration as calib
+        from pkvrt.policy.registry import load_routes
         from pkvrt.runtime import Runtime
 
         self.args, self.torch = args, torch
@@ -369,7 +370,7 @@ class Soak:
     def check_golden(self, at: int) -> None:
         """Run the golden step on every golden route; compare with the first outputs."""
         from pkvrt import reference
-        from pkvrt.harness import errors, within_tolerance
+        from pkvrt.measure.harness import errors, within_tolerance
 
         torch = self.torch
         for name in self.golden_routes:
@@ -567,7 +568,7 @@ class Soak:
         return why
 
     def write(self, done: int, wall: float, host: np.ndarray, *, complete: bool) -> dict:
-        from pkvrt import results
+        from pkvrt.measure import results
 
         args, sh = self.args, self.shape
         summ = self.summary(done, wall, host)
@@ -599,7 +600,7 @@ class Soak:
 
 
 def print_table(summ: dict, failures: list[str], out: str) -> None:
-    from pkvrt.report import md_table
+    from pkvrt.tools.report import md_table
 
     mib = lambda v: "-" if v is None else f"{v} B ({v / 2**20:+.1f} MiB)"  # noqa: E731
     rows = [("steps", f"{summ['steps']} of {summ['steps_requested']} ({summ['traces']} traces)"),
@@ -641,7 +642,7 @@ def main(argv=None) -> int:
     try:
         soak = Soak(args)
     except Exception as exc:  # noqa: BLE001 - recorded in a results file, then re-raised
-        from pkvrt import results
+        from pkvrt.measure import results
 
         meta = results.make_meta(kind="soak", complete=True, passed=False,
                                  failures=[f"setup: {type(exc).__name__}: {exc}"],

@@ -34,9 +34,10 @@ def _sync(fn):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("variant", ["two-kernel", "fused"])
 def test_fused_merge_ablation(benchmark, case, variant):
-    from pkvrt import ops, planner
-    from pkvrt.calibration import find_calibration
-    from pkvrt.registry import load_routes
+    from pkvrt.launch import ops
+    from pkvrt.policy import planner
+    from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
 
     b = make_batch(CASES[case], hole_fraction=0.0, seed=20260623)
     cal = find_calibration(torch.cuda.get_device_name())

@@ -2,11 +2,11 @@
 attention on each rank's heads, the whole step (both all-reduces of every layer included) in one
 CUDA graph per rank; step time, tokens/s and scaling efficiency per TP.
 
-Protocol (``pkvrt/model_tp.py`` says what a rank holds and computes):
+Protocol (``pkvrt/measure/model_tp.py`` says what a rank holds and computes):
 
 1. One command runs every TP of ``--tp`` (default 1, 2, 4, 8; a TP with more ranks than this
    machine has GPUs is recorded as skipped): per TP it starts TP fresh processes
-   (``pkvrt.model_tp.spawn_ranks``: torch.multiprocessing, one GPU each, NCCL), which exit
+   (``pkvrt.measure.model_tp.spawn_ranks``: torch.multiprocessing, one GPU each, NCCL), which exit
    before the next TP starts, so every TP begins with empty GPUs.
 2. Per TP, the cases: every batch x context (default B8 x 32K, 128K); one whose rank needs more
    than a GPU holds (its weight shard + its KV heads' caches + the scratch layer the caches are
@@ -16,7 +16,7 @@ Protocol (``pkvrt/model_tp.py`` says what a rank holds and computes):
 3. Per TP, first the check (``--check-context``, B2, ``--check-steps`` steps crossing a page
    boundary): the TP step against the same step computed on one GPU by rank 0 with the full
    model (``model_tp.check_against_one_gpu``; logits and layer 0's attention within the fp16
-   tolerances of ``pkvrt.model_results``, every rank's logits identical).
+   tolerances of ``pkvrt.measure.model_results``, every rank's logits identical).
 4. Per case: the rank's caches (its KV heads of the one-GPU caches), the step captured in one
    graph (``model_tp.capture_step``); ``--check-steps`` steps checked (layer 0's attention of
    each rank against FP32; every rank's logits identical); then three passes of ``--warmup`` +
@@ -36,7 +36,7 @@ no communication at all: the per-rank cost of TP 2/4/8 measured on one GPU (mode
 Environment: NVLink multicast (NCCL_NVLS_ENABLE) is left as the machine sets it; nothing here
 uses symmetric memory or multicast objects.
 
-Results (``--out``): one JSON (``meta.kind`` "tp-decode", ``pkvrt.tp_results`` says the rows),
+Results (``--out``): one JSON (``meta.kind`` "tp-decode", ``pkvrt.measure.tp_results`` says the rows),
 rewritten after every TP; the table is printed last. Estimated time on an H200 pair with the
 defaults (TP 1, 2): about 3-5 minutes, most of it drawing 137 GB of caches per rank for 128K.
 
@@ -62,7 +62,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from pkvrt.model_results import parse_counts
+from pkvrt.measure.model_results import parse_counts
 
 SEED = 20260623
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -71,7 +71,7 @@ ENGINES = ("pkvrt", "flashinfer-tc", "flashinfer-cuda", "flashinfer-xqa")
 
 
 def bench_config(args):
-    from pkvrt.model import LLAMA3_8B
+    from pkvrt.measure.model import LLAMA3_8B
 
     name = LLAMA3_8B.name if args.layers == LLAMA3_8B.layers else f"{LLAMA3_8B.name}-L{args.layers}"
     return attrs.evolve(LLAMA3_8B, layers=args.layers, dtype=DTYPES[args.dtype], name=name)
@@ -136,7 +136,7 @@ def allreduce_alone_us(model, batch: int, calls: int, warmup: int, steps: int) -
     graph of ``calls`` of them replayed ``warmup + steps`` times (zeros: the sums stay 0)."""
     import torch.distributed as dist
 
-    from pkvrt import graphs
+    from pkvrt.runtime import graphs
 
     device = model.device
     buf = torch.zeros(batch, model.full.hidden, dtype=model.full.dtype, device=device)
@@ -160,12 +160,12 @@ def allreduce_alone_us(model, batch: int, calls: int, warmup: int, steps: int) -
 
 
 def rank_case(case, model, args, log) -> dict | None:
-    """This rank's record of one case (``pkvrt.tp_results.measured_row``'s ``ranks`` entry), or
+    """This rank's record of one case (``pkvrt.measure.tp_results.measured_row``'s ``ranks`` entry), or
     None when some rank could not allocate the case's caches (every rank then skips it)."""
-    from pkvrt import model_tp
-    from pkvrt.model import DecodeLoop, pages_needed
-    from pkvrt.model_attention import NoAttention, make_backend
-    from pkvrt.model_results import rel_err
+    from pkvrt.measure import model_tp
+    from pkvrt.measure.model import DecodeLoop, pages_needed
+    from pkvrt.measure.model_attention import NoAttention, make_backend
+    from pkvrt.measure.model_results import rel_err
 
     cfg, device, group = model.full, model.device, model.group
     max_steps = max_steps_of(args)
@@ -232,8 +232,8 @@ def run_tp(tp: int, rank: int, device, group, args, log, cfg=None) -> list[dict]
     ``cfg``: the model (default: the 8B shape with ``args.layers`` and ``args.dtype``)."""
     import torch.distributed as dist
 
-    from pkvrt import model_tp
-    from pkvrt import tp_results as R
+    from pkvrt.measure import model_tp
+    from pkvrt.measure import tp_results as R
 
     cfg = cfg or bench_config(args)
     mode = "shard-only" if group is None else str(dist.get_backend(group))
@@ -283,7 +283,7 @@ def _worker(tp: int, args, out_path: str) -> None:
     ``out_path``."""
     import torch.distributed as dist
 
-    from pkvrt import model_tp
+    from pkvrt.measure import model_tp
 
     rank, world, device = model_tp.init_distributed()
     try:
@@ -326,10 +326,10 @@ def main(argv=None) -> int:
         print("tp_decode.py: needs CUDA GPUs (torch.cuda.is_available() is False); nothing was run",
               file=sys.stderr)
         return 2
-    from pkvrt import model_tp, results
-    from pkvrt import tp_results as R
-    from pkvrt.calibration import find_calibration
-    from pkvrt.registry import load_routes
+    from pkvrt.measure import model_tp, results
+    from pkvrt.measure import tp_results as R
+    from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
 
     cfg = bench_config(args)
     tps = [args.shard_only] if args.shard_only else args.tp

@@ -37,6 +37,7 @@ def main(argv=None) -> int:
 
     import pkvrt
     from pkvrt import reference
+    from pkvrt.runtime.graphs import capture
 
     b = len(LENGTHS)
     width = -(-(max(LENGTHS) + args.steps) // PAGE)
@@ -60,14 +61,8 @@ def main(argv=None) -> int:
         for layer in range(args.layers):
             rt.run(q, k_all[layer], v_all[layer], out=outs[layer])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                   # warm-up: kernels loaded, buffers sized
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    # one warm-up run on a side stream (kernels loaded, buffers sized), then the capture
+    graph = capture(step).graph
     print(f"captured one graph for plan + {args.layers} layers: B={b}, "
           f"{2 * k_all.numel() * 2 / 2**30:.1f} GiB of KV")
 

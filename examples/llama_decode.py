@@ -1,5 +1,5 @@
 """A Llama-3-8B-shaped decoder's decode steps with pkvrt's attention, the whole step in one CUDA
-graph (pkvrt/model.py): what pkvrt does to a model's decode step.
+graph (pkvrt/measure/model.py): what pkvrt does to a model's decode step.
 
 Makes the model (random fp16 weights drawn on the GPU, 16 GB, nothing downloaded) and its 32
 layers' paged KV caches for ``--batch`` rows of ``--context`` random tokens, captures one decode
@@ -37,9 +37,9 @@ def main(argv=None) -> int:
         print("examples/llama_decode.py needs a CUDA GPU (torch sees none); nothing to run here.")
         return 0
 
-    from pkvrt.model import LLAMA3_8B, DecodeLoop, Model, kv_bytes, make_caches, make_weights, \
+    from pkvrt.measure.model import LLAMA3_8B, DecodeLoop, Model, kv_bytes, make_caches, make_weights, \
         pages_needed
-    from pkvrt.model_attention import PkvrtAttention
+    from pkvrt.measure.model_attention import PkvrtAttention
 
     name = LLAMA3_8B.name if args.layers == LLAMA3_8B.layers else f"{LLAMA3_8B.name}-L{args.layers}"
     cfg = attrs.evolve(LLAMA3_8B, layers=args.layers, name=name)

@@ -1,5 +1,5 @@
 """Tensor-parallel decode steps of a Llama-3-8B-shaped decoder over N GPUs, pkvrt's attention on
-each rank's heads, the whole step in one CUDA graph per rank (pkvrt/model_tp.py).
+each rank's heads, the whole step in one CUDA graph per rank (pkvrt/measure/model_tp.py).
 
 Each of the N ranks draws its shard of the one-GPU model's random weights on its GPU (H_q/N and
 H_kv/N heads, 1/N of every projection's and the MLP's columns, the embedding and LM head
@@ -8,7 +8,7 @@ replicated) and its KV heads of the caches for ``--batch`` rows of ``--context``
 1. the check: ``--check-steps`` steps at B2 x ``--check-context`` tokens (crossing a page
    boundary), each captured in one graph, against the same steps computed on one GPU by rank 0
    with the full model (logits and layer 0's attention within the fp16 tolerances of
-   ``pkvrt.model_results``; every rank's logits identical);
+   ``pkvrt.measure.model_results``; every rank's logits identical);
 2. the run: one decode step captured in one CUDA graph per rank (per layer RMSNorm, the rank's
    QKV, RoPE, the new token's K/V appended into its page, pkvrt's decode attention with device
    planning over the rank's heads, the rank's part of the output projection, an all-reduce,
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from pkvrt import model_tp
-    from pkvrt.model import LLAMA3_8B, DecodeLoop, pages_needed
-    from pkvrt.model_attention import make_backend
+    from pkvrt.measure import model_tp
+    from pkvrt.measure.model import LLAMA3_8B, DecodeLoop, pages_needed
+    from pkvrt.measure.model_attention import make_backend
 
     if "RANK" not in os.environ:   # plain `python examples/tp_decode.py`: one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

@@ -11,10 +11,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Runtime": "pkvrt.runtime",
-    "load_routes": "pkvrt.registry",
-    "load_calibration": "pkvrt.calibration",
-    "find_calibration": "pkvrt.calibration",
-    "Router": "pkvrt.router",
+    "load_routes": "pkvrt.policy.registry",
+    "load_calibration": "pkvrt.policy.calibration",
+    "find_calibration": "pkvrt.policy.calibration",
+    "Router": "pkvrt.policy.router",
 }
 
 

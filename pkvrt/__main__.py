@@ -2,6 +2,6 @@
 
 import sys
 
-from pkvrt.cli import main
+from pkvrt.tools.cli import main
 
 sys.exit(main())

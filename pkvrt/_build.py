@@ -2,7 +2,7 @@
 
 Run by ``setup.py`` during ``pip install`` (loaded by file path: this module imports only the
 standard library and ``_buildspec``), and by ``python -m pkvrt._build OUT_DIR`` by hand. The
-runtime never compiles; it only reads the manifest written here (``pkvrt/manifest.py``).
+runtime never compiles; it only reads the manifest written here (``pkvrt/launch/manifest.py``).
 
 Environment:
   PKVRT_NVCC           path of nvcc (else $CUDA_HOME/bin/nvcc, else nvcc on PATH)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import attrs
 import numpy as np
@@ -15,11 +14,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pkvrt import bench, calibrate, calibration, cli, harness, planner, reference, results
-from pkvrt.plan_cmd import seed_calibration
-from pkvrt.registry import load_routes
-from pkvrt.router import Router
-from pkvrt.traces import Request, Trace
+from pkvrt import reference
+from pkvrt._paths import CHECKOUT
+from pkvrt.measure import harness, results
+from pkvrt.measure.traces import Request, Trace
+from pkvrt.policy import calibration, planner
+from pkvrt.policy.registry import load_routes
+from pkvrt.policy.router import Router
+from pkvrt.tools import bench, calibrate, cli
+from pkvrt.tools.plan_cmd import seed_calibration
 
 ROUTES = [r.name for r in load_routes(None).routes]
 
@@ -154,9 +157,8 @@ def test_calibrate_without_gpu(capsys, tmp_path, no_cuda):
 
 def test_calibration_script_is_the_same_command():
     import runpy
-    from pathlib import Path
 
-    script = Path(calibrate.__file__).resolve().parents[1] / "calibration" / "calibrate.py"
+    script = CHECKOUT / "calibration" / "calibrate.py"
     ns = runpy.run_path(str(script), run_name="not_main")
     assert ns["main"] is calibrate.main
 
@@ -179,7 +181,7 @@ def _records(c_min: float, noise=()):
         slots = rows * splits if (rows > 1 or splits > 1) else 0
         merge = planner.state_bytes(slots, num_qo_heads=32, head_dim=128)
         launches = 2 if slots else 1
-        from pkvrt.costmodel import route_time_us
+        from pkvrt.policy.costmodel import route_time_us
         us = route_time_us(kv_bytes=kv, cta_work_per_sm=ctas / 132, launches=launches,
                            merge_bytes=merge, cal=cal, graphs=True)
         recs.append(dict(kv_bytes=kv, ctas=ctas, launches=launches, merge_bytes=merge, us=us))
@@ -251,7 +253,7 @@ def test_max_waves_is_kept_across_a_recalibration(tmp_path):
     import argparse
 
     old = tmp_path / "nvidia-h200.json"
-    h200 = calibration.load_calibration(Path(calibrate.__file__).parents[1] / "calibration" / "nvidia-h200.json")
+    h200 = calibration.load_calibration(CHECKOUT / "calibration" / "nvidia-h200.json")
     calibration.save_calibration(attrs.evolve(h200, splits=attrs.evolve(h200.splits, max_waves=3)), old)
     args = argparse.Namespace(out=str(old), max_waves=None)
     assert calibrate.kept_max_waves(args, "nvidia-h200") == 3

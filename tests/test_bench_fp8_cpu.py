@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import bench, fi_engines, harness, ops, reference, report, results
-from pkvrt.plan_cmd import seed_calibration
-from pkvrt.registry import load_routes
-from pkvrt.traces import Request, Trace
+from pkvrt import reference
+from pkvrt.launch import ops
+from pkvrt.measure import fi_engines, harness, results
+from pkvrt.measure.traces import Request, Trace
+from pkvrt.policy.registry import load_routes
+from pkvrt.tools import bench, report
+from pkvrt.tools.plan_cmd import seed_calibration
 from test_bench_cpu import no_cuda, run  # noqa: F401
 from test_runtime_cpu import fake_device  # noqa: F401
 

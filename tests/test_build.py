@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from pkvrt import _build, _buildspec
-from pkvrt.manifest import ManifestError, check_complete, load_manifest
+from pkvrt.launch.manifest import ManifestError, check_complete, load_manifest
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import attrs
 import pytest
 import torch
 
-from pkvrt import calibrate, cli
-from pkvrt import calibration as calib
+from pkvrt.policy import calibration as calib
+from pkvrt.tools import calibrate, cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 H200 = REPO / "calibration" / "nvidia-h200.json"

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkvrt import calibration as C
-from pkvrt.calibration import (Calibration, CalibrationError, SplitPoints, calibration_dirs, find_calibration,
+from pkvrt.policy import calibration as C
+from pkvrt.policy.calibration import (Calibration, CalibrationError, SplitPoints, calibration_dirs, find_calibration,
                                fit_split_points, load_calibration, save_calibration, slugify)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -372,9 +372,9 @@ def test_fit_partition_recovers_the_constants_that_made_the_times():
     import attrs
     import numpy as np
 
-    from pkvrt import planner
-    from pkvrt.calibration import SplitPoints, fit_partition
-    from pkvrt.registry import SplitBounds
+    from pkvrt.policy import planner
+    from pkvrt.policy.calibration import SplitPoints, fit_partition
+    from pkvrt.policy.registry import SplitBounds
 
     bounds = SplitBounds(1, 64, 4)
     truth = attrs.evolve(load_calibration(SEED), sm_count=132,
@@ -394,8 +394,8 @@ def test_fit_partition_recovers_the_constants_that_made_the_times():
 
 
 def test_fit_partition_refuses_empty_or_bad_times():
-    from pkvrt.calibration import fit_partition
-    from pkvrt.registry import SplitBounds
+    from pkvrt.policy.calibration import fit_partition
+    from pkvrt.policy.registry import SplitBounds
 
     with pytest.raises(ValueError, match="no cases"):
         fit_partition({}, sm_count=132, resident=2, num_kv_heads=8, splits=SplitBounds(1, 64, 4))
@@ -706,7 +706,7 @@ def test_a_view_is_not_saved_and_a_section_is_added_without_touching_the_rest():
 
 
 def test_calibration_knows_every_kv_dtype_of_routes_toml():
-    from pkvrt.registry import KV_DTYPES
+    from pkvrt.policy.registry import KV_DTYPES
 
     assert set(C.TOP_KV_DTYPES) | set(C.SECTION_KV_DTYPES) == set(KV_DTYPES)
     assert {KV_DTYPES[n] for n in C.TOP_KV_DTYPES} == {2} and {KV_DTYPES[n] for n in C.SECTION_KV_DTYPES} == {1}

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from pkvrt import cli, doctor
-from pkvrt.registry import load_routes
+from pkvrt.policy.registry import load_routes
+from pkvrt.tools import cli, doctor
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "routes.toml"
@@ -236,5 +236,5 @@ def test_doctor_does_not_import_cuda_bindings():
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     names += [n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
               and getattr(n.func, "attr", "") == "import_module"]
-    assert "pkvrt.manifest" in names and "flashinfer" in names  # the walk sees lazy imports
+    assert "pkvrt.launch.manifest" in names and "flashinfer" in names  # the walk sees lazy imports
     assert not [m for m in names if m and (m == "cuda" or m.startswith("cuda."))]

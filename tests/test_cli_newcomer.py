@@ -14,7 +14,8 @@ import warnings
 import pytest
 import torch
 
-from pkvrt import cli, harness
+from pkvrt.measure import harness
+from pkvrt.tools import cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pkvrt.calibration import Calibration, SplitPoints, load_calibration
-from pkvrt.costmodel import (flashinfer_ctas_per_sm, launch_us, predict_flashinfer_us, predict_us, read_us,
+from pkvrt.policy.calibration import Calibration, SplitPoints, load_calibration
+from pkvrt.policy.costmodel import (flashinfer_ctas_per_sm, launch_us, predict_flashinfer_us, predict_us, read_us,
                              route_time_us)
-from pkvrt.planner import Counters, flashinfer_counters, plan_bucket, plan_workqueue, state_bytes
-from pkvrt.registry import SplitBounds
+from pkvrt.policy.planner import Counters, flashinfer_counters, plan_bucket, plan_workqueue, state_bytes
+from pkvrt.policy.registry import SplitBounds
 
 SEED = pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json"
 
@@ -162,10 +162,10 @@ def test_faster_bandwidth_never_slows_a_route():
 
 # ----------------------------------------------------------------------------- the measured model
 
-from pkvrt.calibration import RouteTime, TIME_KINDS  # noqa: E402
-from pkvrt.costmodel import (FLASHINFER_CTAS_PER_SM, LaunchGroup, fit_route_time, measured_us,  # noqa: E402
+from pkvrt.policy.calibration import RouteTime, TIME_KINDS  # noqa: E402
+from pkvrt.policy.costmodel import (FLASHINFER_CTAS_PER_SM, LaunchGroup, fit_route_time, measured_us,  # noqa: E402
                              predict_route_us, route_groups)
-from pkvrt.planner import balanced_partition, bucket_counters, workqueue_counters  # noqa: E402
+from pkvrt.policy.planner import balanced_partition, bucket_counters, workqueue_counters  # noqa: E402
 
 SHAPE = dict(num_kv_heads=8, head_dim=128, dtype_bytes=2)
 WQ, BUCKET = SplitBounds(1, 64, 4), SplitBounds(4, 64, 4)
@@ -287,7 +287,7 @@ def test_worked_example_of_the_measured_model():
 def test_an_fp8_prediction_reads_one_byte_per_element_with_the_sections_constants():
     """B1 32K fused at G = 4 with an FP8 section: half the bytes at the section's read_scale,
     the partition cut with the section's constants; without a section, the fp16 constants."""
-    from pkvrt.calibration import KvDtypeSection, with_kv_dtype_section
+    from pkvrt.policy.calibration import KvDtypeSection, with_kv_dtype_section
 
     cal = make_cal(sm_count=132, beta_gbps=4404.9, splits=SplitPoints(0.97, 2.0, 128, 3.0, 2.0, 3),
                    time_model=tuple((k, RouteTime(0.9811, 0.5927, 0.0900, 3.695)) for k in TIME_KINDS))

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import graphs, ops, planner
+from pkvrt.launch import ops
+from pkvrt.policy import planner
+from pkvrt.runtime import graphs
 from pkvrt.runtime import check_device_step
 from test_runtime_cpu import (STEPS, fake_device, fake_runtime, pool, ref, rel_err,  # noqa: F401
                               step_inputs)
@@ -146,7 +148,7 @@ def test_device_planning_construction(fake_device, tmp_path):  # noqa: F811
     start = text.index("[routes.pkv_workqueue]")
     dp = text.index("\n[device_planning]") + 1
     only_bucket.write_text(text[:dp] + text[text.index("\n\n", dp):start])
-    from pkvrt.registry import load_routes
+    from pkvrt.policy.registry import load_routes
     reg = load_routes(only_bucket)
     if any(r.kind in ("workqueue", "fused") for r in reg.routes):
         pytest.skip("routes.toml order changed: workqueue routes are not last")
@@ -306,8 +308,8 @@ def test_the_planning_kernel_is_loaded_at_construction(fake_device, monkeypatch,
     """A missing planning cubin must fail Runtime(...), not the first plan() (maybe inside an
     engine's capture). Host routing plans its workqueue/fused steps with it too; a routes.toml
     without such routes does not need it."""
-    from pkvrt import _driver
-    from pkvrt.registry import load_routes
+    from pkvrt.launch import _driver
+    from pkvrt.policy.registry import load_routes
 
     loaded = []
     monkeypatch.setattr(_driver, "get_kernel", lambda fam, sym, smem=0: loaded.append((fam, sym, smem)))
@@ -347,7 +349,7 @@ def test_device_planning_runs_the_small_route_on_one_row_steps(fake_device, pool
     """routes.toml [device_planning] small_rows / small_route: the shipped file runs
     pkv_workqueue on one-row steps and pkv_fused on the others; a file without the pair runs
     its route on every step. Outputs are exact either way."""
-    from pkvrt.registry import load_routes
+    from pkvrt.policy.registry import load_routes
 
     b, _ = pool
     cache = (b.k_cache, b.v_cache)

@@ -12,8 +12,9 @@ import types
 
 import pytest
 
-from pkvrt import _driver, cli, doctor
 from pkvrt._buildspec import FAMILIES
+from pkvrt.launch import _driver
+from pkvrt.tools import cli, doctor
 
 
 @pytest.fixture
@@ -122,7 +123,7 @@ def test_doctor_row(capsys, manifest_dir, monkeypatch, drv, problem):
         assert rc == 1
 
 
-# ---- the helper in pkvrt._driver ---------------------------------------------------------------
+# ---- the helper in pkvrt.launch._driver ---------------------------------------------------------------
 
 def fake_cu(answer):
     def get_version():

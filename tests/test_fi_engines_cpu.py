@@ -1,4 +1,4 @@
-"""FlashInfer's decode paths as bench engines (pkvrt/fi_engines.py) without a GPU: which
+"""FlashInfer's decode paths as bench engines (pkvrt/measure/fi_engines.py) without a GPU: which
 FlashInfer call each path makes, the refusals that make a path unavailable, and XQA's staged
 block table and lengths, checked against the FP32 reference through a stand-in FlashInfer."""
 
@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import fi_engines, harness, reference
-from pkvrt.pagetable import build_layout, to_padded
-from pkvrt.traces import Request, Trace, decode_steps
+from pkvrt import reference
+from pkvrt.measure import fi_engines, harness
+from pkvrt.measure.pagetable import build_layout
+from pkvrt.measure.traces import Request, Trace, decode_steps
+from pkvrt.policy.blocktables import to_padded
 
 
 class Wrapper053:
@@ -152,7 +154,7 @@ def _isolated():
     """benches/isolated.py as a module (as ``pkvrt bench isolated`` loads it)."""
     import importlib.util
 
-    from pkvrt.bench import ISOLATED
+    from pkvrt.tools.bench import ISOLATED
 
     spec = importlib.util.spec_from_file_location("pkvrt_benches_isolated_test", ISOLATED)
     module = importlib.util.module_from_spec(spec)

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import _driver, costmodel, ops, reference, runtime
-from pkvrt.calibration import load_calibration
-from pkvrt.planner import flashinfer_counters, kv_bytes, workqueue_counters
-from pkvrt.registry import RoutesError, kv_dtype_name, load_routes
-from pkvrt.router import Router
+from pkvrt import reference, runtime
+from pkvrt.launch import _driver, ops
+from pkvrt.policy import costmodel
+from pkvrt.policy.calibration import load_calibration
+from pkvrt.policy.planner import flashinfer_counters, kv_bytes, workqueue_counters
+from pkvrt.policy.registry import RoutesError, kv_dtype_name, load_routes
+from pkvrt.policy.router import Router
 from paged import make_batch
 from test_registry import edit, write
 
@@ -479,7 +481,7 @@ def test_isolated_fp8_baseline_accepts_a_path_within_the_fp8_bound():
     ``fp8_error_bound`` of the unquantized answer; outside both it is a wrong output."""
     import importlib.util
 
-    from pkvrt.bench import ISOLATED
+    from pkvrt.tools.bench import ISOLATED
     spec = importlib.util.spec_from_file_location("pkvrt_benches_isolated_fp8", ISOLATED)
     iso = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(iso)

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from pkvrt import ops, reference
+from pkvrt import reference
+from pkvrt.launch import ops
 from test_runtime_cpu import STEPS, fake_device, fake_runtime, pool, rel_err, step_inputs  # noqa: F401
 
 FP8 = torch.float8_e4m3fn

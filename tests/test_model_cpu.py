@@ -1,4 +1,4 @@
-"""The Llama-shaped decoder of pkvrt/model.py on the CPU: RoPE against the rotation formula, the
+"""The Llama-shaped decoder of pkvrt/measure/model.py on the CPU: RoPE against the rotation formula, the
 page pool and the paged append, a 2-layer decoder with paged FP32 attention against an
 independent dense decoder over steps that cross page boundaries, the logits tolerance against
 fp16 rounding and real faults, the memory plan of the benchmark and its report table."""
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import model as M
-from pkvrt import model_attention as A
-from pkvrt import model_results as R
+from pkvrt.measure import model as M
+from pkvrt.measure import model_attention as A
+from pkvrt.measure import model_results as R
 from pkvrt.reference import gather_kv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -451,7 +451,8 @@ def test_bench_case_on_the_cpu_checks_times_and_ratios(tiny, monkeypatch, tmp_pa
     import argparse
     import types
 
-    from pkvrt import report, results
+    from pkvrt.measure import results
+    from pkvrt.tools import report
 
     bench = _load(ROOT / "benches" / "model_decode.py")
     loop, _ = tiny
@@ -491,7 +492,8 @@ def test_bench_case_on_the_cpu_checks_times_and_ratios(tiny, monkeypatch, tmp_pa
 
 
 def test_rows_pass_the_report_validator(tmp_path):
-    from pkvrt import report, results
+    from pkvrt.measure import results
+    from pkvrt.tools import report
 
     case = M.plan_cases(M.LLAMA3_8B, [1], [8192], steps=24, capacity_bytes=H200_BYTES)[0]
     rows = _case_rows(case, {"pkvrt": (5.0, 4.9), "flashinfer-tc": (5.5, 5.4)})

@@ -1,4 +1,4 @@
-"""Tensor-parallel decode (pkvrt/model_tp.py) on the CPU: each rank's heads, weights and caches
+"""Tensor-parallel decode (pkvrt/measure/model_tp.py) on the CPU: each rank's heads, weights and caches
 are slices of the one-GPU model's; bad TP sizes, ranks and groups are refused by name; every
 rank plans its attention alike from the same lengths; and two gloo processes run the TP step
 whose logits equal the one-process model's over steps that cross page boundaries (and do not
@@ -15,11 +15,11 @@ import attrs
 import pytest
 import torch
 
-from pkvrt import model as M
-from pkvrt import model_attention as A
-from pkvrt import model_tp as T
-from pkvrt import planner
-from pkvrt import tp_results as R
+from pkvrt.measure import model as M
+from pkvrt.measure import model_attention as A
+from pkvrt.measure import model_tp as T
+from pkvrt.measure import tp_results as R
+from pkvrt.policy import planner
 from test_model_cpu import FakeEvent
 from test_runtime_cpu import ROUTES, SEED, fake_device  # noqa: F401
 
@@ -368,7 +368,7 @@ def fake_cuda(set_attr) -> None:
     """CPU stand-ins for what benches/tp_decode.py asks of CUDA (``set_attr``: setattr, or
     monkeypatch.setattr): host-clock events, no-op synchronize, a 16 GiB device, and graphs that
     replay the step eagerly (the capture only prepares it, as DecodeLoop.capture's warm-up does)."""
-    from pkvrt import graphs
+    from pkvrt.runtime import graphs
 
     def capture_step(loop, attention):
         loop.prepare(attention)
@@ -448,7 +448,8 @@ def test_rows_scaling_efficiency_and_shares():
 
 
 def test_report_renders_a_tp_decode_file(tmp_path):
-    from pkvrt import report, results
+    from pkvrt.measure import results
+    from pkvrt.tools import report
 
     results.write_results(tmp_path / "tp-decode.json", {"kind": R.KIND, "date": "2027-01-01"},
                           synthetic_rows())

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pkvrt import pagetable as pt
-from pkvrt import traces
-from pkvrt.traces import Request, Trace
+from pkvrt.measure import pagetable as pt
+from pkvrt.measure import traces
+from pkvrt.measure.traces import Request, Trace
+from pkvrt.policy import blocktables
 
 
 def _trace(lengths) -> Trace:
@@ -127,7 +128,7 @@ def test_to_csr_matches_slow_loop(data, page_size, batch, width):
     bt = rng.integers(0, 10_000, size=(batch, width)).astype(np.int32)
     used = np.arange(width) < (-(-seq // page_size))[:, None]
     bt[~used] = -1                                    # padding must never be read
-    indptr, indices, last = pt.to_csr(seq, bt, page_size)
+    indptr, indices, last = blocktables.to_csr(seq, bt, page_size)
     assert indptr.dtype == indices.dtype == last.dtype == np.int32
     want = _to_csr_slow(seq, bt, page_size)
     assert (indptr.tolist(), indices.tolist(), last.tolist()) == want
@@ -138,14 +139,14 @@ def test_to_csr_on_a_layout_step():
     tr = traces.synthetic("bimodal", num_requests=16, seed=2)
     lay = pt.build_layout(tr, page_size=16, hole_fraction=0.5, seed=2)
     for step in traces.decode_steps(tr, max_active=8):
-        indptr, indices, last = pt.to_csr(step.seq_lens, lay.block_table(step.rids), 16)
+        indptr, indices, last = blocktables.to_csr(step.seq_lens, lay.block_table(step.rids), 16)
         assert indptr[-1] == indices.size and (indices >= 0).all()
         assert (indices < lay.num_physical_pages).all()
         assert ((indptr[1:] - indptr[:-1] - 1) * 16 + last).tolist() == step.seq_lens.tolist()
 
 
 def test_to_csr_worked_example():
-    indptr, indices, last = pt.to_csr([33, 16, 1], [[7, 8, 9], [4, -1, -1], [2, -1, -1]], 16)
+    indptr, indices, last = blocktables.to_csr([33, 16, 1], [[7, 8, 9], [4, -1, -1], [2, -1, -1]], 16)
     assert indptr.tolist() == [0, 3, 4, 5]
     assert indices.tolist() == [7, 8, 9, 4, 2]
     assert last.tolist() == [1, 16, 1]
@@ -159,22 +160,22 @@ def test_to_csr_worked_example():
 ])
 def test_to_csr_errors(seq, bt, words):
     with pytest.raises(ValueError, match=words):
-        pt.to_csr(np.array(seq), np.array(bt), 16)
+        blocktables.to_csr(np.array(seq), np.array(bt), 16)
 
 
 def test_to_csr_rejects_bad_page_size():
     with pytest.raises(ValueError, match="page_size=12"):
-        pt.to_csr([1], [[0]], 12)
+        blocktables.to_csr([1], [[0]], 12)
 
 
 # --------------------------------------------------------------------------- to_padded
 
 def test_to_padded_worked_example():
-    table, seq = pt.to_padded([33, 5], [[7, 8, 9, 10], [4, -1, -1, -1]], 16)
+    table, seq = blocktables.to_padded([33, 5], [[7, 8, 9, 10], [4, -1, -1, -1]], 16)
     assert table.tolist() == [[7, 8, 9], [4, 0, 0]]         # 3 columns: ceil(33 / 16)
     assert seq.tolist() == [33, 5]
     assert table.dtype == seq.dtype == np.int32 and table.flags.c_contiguous
-    table, _ = pt.to_padded([33, 5], [[7, 8, 9, 10], [4, -1, -1, -1]], 16, pad=3)
+    table, _ = blocktables.to_padded([33, 5], [[7, 8, 9, 10], [4, -1, -1, -1]], 16, pad=3)
     assert table[1].tolist() == [4, 3, 3]
 
 
@@ -190,8 +191,8 @@ def test_to_padded_holds_the_csr_pages(data, page_size, batch, width):
     bt = rng.integers(1, 10_000, size=(batch, width)).astype(np.int32)
     pages = -(-seq // page_size)
     bt[np.arange(width) >= pages[:, None]] = -1       # padding must never be copied
-    table, seq_out = pt.to_padded(seq, bt, page_size)
-    indptr, indices, _ = pt.to_csr(seq, bt, page_size)
+    table, seq_out = blocktables.to_padded(seq, bt, page_size)
+    indptr, indices, _ = blocktables.to_csr(seq, bt, page_size)
     assert table.shape == (batch, pages.max()) and table.flags.c_contiguous
     assert seq_out.tolist() == seq.tolist()
     for i in range(batch):
@@ -203,7 +204,7 @@ def test_to_padded_on_a_layout_step():
     tr = traces.synthetic("bimodal", num_requests=16, seed=2)
     lay = pt.build_layout(tr, page_size=16, hole_fraction=0.5, seed=2)
     for step in list(traces.decode_steps(tr, max_active=8))[::7]:
-        table, seq = pt.to_padded(step.seq_lens, lay.block_table(step.rids), 16)
+        table, seq = blocktables.to_padded(step.seq_lens, lay.block_table(step.rids), 16)
         assert table.shape[1] * 16 >= seq.max() > (table.shape[1] - 1) * 16
         assert ((table >= 0) & (table < lay.num_physical_pages)).all()
 
@@ -215,4 +216,4 @@ def test_to_padded_on_a_layout_step():
 ])
 def test_to_padded_errors(seq, bt, words):
     with pytest.raises(ValueError, match=words):
-        pt.to_padded(np.array(seq), np.array(bt), 16)
+        blocktables.to_padded(np.array(seq), np.array(bt), 16)

@@ -5,19 +5,20 @@ from __future__ import annotations
 import argparse
 import io
 import json
-from pathlib import Path
 
 import attrs
 import numpy as np
 import pytest
 
-from pkvrt import calibration as calib
-from pkvrt import plan_cmd, traces
-from pkvrt.registry import load_routes
-from pkvrt.router import Router
+from pkvrt._paths import CHECKOUT
+from pkvrt.measure import traces
+from pkvrt.policy import calibration as calib
+from pkvrt.policy.registry import load_routes
+from pkvrt.policy.router import Router
+from pkvrt.tools import plan_cmd
 
 TABLE4 = ("Launches/step", "Decode CTA work/SM", "Useful KV MB", "Merge MB", "Merge launches")
-SHARED_TRACES = Path(traces.__file__).resolve().parents[2] / "shared" / "traces"
+SHARED_TRACES = CHECKOUT.parent / "shared" / "traces"
 
 
 def parse(*argv) -> argparse.Namespace:
@@ -102,7 +103,7 @@ def test_b8_bimodal_workqueue_two_launches_buckets_many(capsys, tmp_path):
 
 
 def test_plan_through_the_cli(capsys):
-    cli = pytest.importorskip("pkvrt.cli")
+    cli = pytest.importorskip("pkvrt.tools.cli")
     rc = cli.main(["plan", "--trace", "mixed", "--num-requests", "6"])
     out, err = capsys.readouterr()
     assert rc == 0 and "6 requests" in out and "Merge launches" in out
@@ -114,14 +115,14 @@ def test_plan_through_the_cli(capsys):
     (("--routes", "/nonexistent/routes.toml"), "/nonexistent/routes.toml"),
 ])
 def test_plan_errors_name_the_argument(capsys, argv, words):
-    cli = pytest.importorskip("pkvrt.cli")
+    cli = pytest.importorskip("pkvrt.tools.cli")
     rc = cli.main(["plan", *argv])
     _, err = capsys.readouterr()
     assert rc == 2 and words in err
 
 
 def test_plan_bad_trace_file_names_line(capsys, tmp_path):
-    cli = pytest.importorskip("pkvrt.cli")
+    cli = pytest.importorskip("pkvrt.tools.cli")
     bad = tmp_path / "bad.csv"
     bad.write_text("prompt_len,decode_len\n100,4\n100,x\n")
     rc = cli.main(["plan", "--trace", str(bad)])

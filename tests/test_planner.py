@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pkvrt._buildspec import TILE_TOKENS
-from pkvrt.calibration import SplitPoints, load_calibration
-from pkvrt.pagetable import to_csr
-from pkvrt.planner import (BucketPlan, WorkqueuePlan, bucket_counters, check_seq_lens, clamp_splits,
+from pkvrt.policy import planner
+from pkvrt.policy.blocktables import to_csr
+from pkvrt.policy.calibration import SplitPoints, load_calibration
+from pkvrt.policy.planner import (BucketPlan, WorkqueuePlan, bucket_counters, check_seq_lens, clamp_splits,
                            plan_bucket, plan_flashinfer, plan_fused, plan_workqueue, split_capacity,
                            split_tile_range, workqueue_counters)
-from pkvrt import planner
-from pkvrt.registry import SplitBounds
+from pkvrt.policy.registry import SplitBounds
 
 SEED = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json")
 SHAPE = dict(num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2)
@@ -286,7 +286,7 @@ def test_counters_by_hand():
 
 
 def bimodal_b8(seed: int) -> np.ndarray:
-    """1 long (~32K) : 3 short (1K-4K) rows, 8 distinct lengths (pkvrt.traces' bimodal ranges)."""
+    """1 long (~32K) : 3 short (1K-4K) rows, 8 distinct lengths (pkvrt.measure.traces' bimodal ranges)."""
     rng = np.random.default_rng(seed)
     while True:
         seq = np.concatenate([rng.integers(30720, 34817, 2), rng.integers(1024, 4097, 6)]).astype(np.int32)
@@ -399,8 +399,8 @@ def test_max_waves_caps_the_partition_from_the_calibration():
     """calibration splits.max_waves bounds the CTAs of a cut (here H_kv 32, three 33K rows among
     short ones, split counts 1, 4, 8, ...: one split per row at 2 waves (256 CTAs), 4 splits of
     the long rows at 3 waves)."""
-    from pkvrt.planner import PartitionModel, balanced_partition
-    from pkvrt.registry import SplitBounds
+    from pkvrt.policy.planner import PartitionModel, balanced_partition
+    from pkvrt.policy.registry import SplitBounds
 
     h200 = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
     seq = np.array([33323, 33000, 32500, 2000, 3000, 2500, 1500, 2227])

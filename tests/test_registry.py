@@ -1,4 +1,4 @@
-"""routes.toml and pkvrt/registry.py: seed values, every validation error, gates, splits, margins."""
+"""routes.toml and pkvrt/policy/registry.py: seed values, every validation error, gates, splits, margins."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import attrs
 import pytest
 from hypothesis import given, strategies as st
 
-from pkvrt import registry
-from pkvrt.registry import Registry, RoutesError, SplitBounds, load_routes
+from pkvrt.policy import registry
+from pkvrt.policy.registry import Registry, RoutesError, SplitBounds, load_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "routes.toml"

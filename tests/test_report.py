@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from pkvrt import cli, report, results
+from pkvrt.measure import results
+from pkvrt.tools import cli, report
 
 
 def run(capsys, *argv):
@@ -541,7 +542,7 @@ def test_trace_key():
 def test_declared_source_commit_overrides_stale_git_metadata(monkeypatch):
     """A work tree copied to the GPU machine can carry an older .git: the sender declares the
     commit it copied, and the results' meta records that."""
-    from pkvrt import results
+    from pkvrt.measure import results
 
     monkeypatch.setenv("PKVRT_SOURCE_COMMIT", "abc123")
     assert results.make_meta()["pkvrt_commit"] == "abc123"
@@ -550,7 +551,8 @@ def test_declared_source_commit_overrides_stale_git_metadata(monkeypatch):
 
 
 def test_ncu_rows_render_as_table_5_with_engines_per_kernel(tmp_path):
-    from pkvrt import report, results
+    from pkvrt.measure import results
+    from pkvrt.tools import report
 
     rows = [{"kernel": "pkv_workqueue_decode_f16_d128_g4", "duration_us": 82.0, "dram_pct_of_peak": 85.0},
             {"kernel": "pkv_merge_f16_d128", "duration_us": 4.5},
@@ -569,7 +571,7 @@ def test_ncu_rows_render_as_table_5_with_engines_per_kernel(tmp_path):
 def test_a_seed_measured_in_two_files_counts_once_newest_wins(tmp_path):
     """A later run that adds an engine re-times the others on the same seeds: each (case, engine)
     enters the mean once, from the newest file, never twice."""
-    from pkvrt import report
+    from pkvrt.tools import report
 
     d = tmp_path / "res"
     write(d / "a.json", "serving", serving_rows(1, base_tok=1000.0, base_cuda=2000.0, eng_tok=1200.0,

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pkvrt.calibration import load_calibration
-from pkvrt.costmodel import predict_us
-from pkvrt.planner import BucketPlan, FlashInferPlan, WorkqueuePlan
-from pkvrt.registry import load_routes
-from pkvrt.router import Router
+from pkvrt.policy.calibration import load_calibration
+from pkvrt.policy.costmodel import predict_us
+from pkvrt.policy.planner import BucketPlan, FlashInferPlan, WorkqueuePlan
+from pkvrt.policy.registry import load_routes
+from pkvrt.policy.router import Router
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = load_calibration(REPO / "calibration" / "rtx3060-seed.json")
@@ -308,7 +308,7 @@ def test_bench_decide_b8(benchmark, tmp_path):
 # --------------------------------------------------------------------------- decision memo
 
 def _h200_router(cal=None, **kw):
-    from pkvrt.calibration import load_calibration
+    from pkvrt.policy.calibration import load_calibration
     cal = cal or load_calibration(REPO / "calibration" / "nvidia-h200.json")
     return Router(load_routes(), cal, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, **kw)
 
@@ -345,7 +345,7 @@ def test_memo_key_separates_distinct_length_counts_and_evicts_oldest():
 @pytest.mark.parametrize("timed", [False, True], ids=["roofline", "time-model"])
 @pytest.mark.parametrize("family, b", [("bimodal", 8), ("uniform", 8), ("zipf", 8), ("bucketed", 1)])
 def test_memo_routes_agree_with_exact_decisions_on_traces(family, b, timed):
-    from pkvrt.traces import decode_steps, synthetic
+    from pkvrt.measure.traces import decode_steps, synthetic
     cal = h200_timed() if timed else None
     exact, memo = _h200_router(cal), _h200_router(cal, memo_size=4096)
     steps = list(decode_steps(synthetic(family, num_requests=32, seed=20260623), max_active=b))
@@ -384,7 +384,7 @@ def h200_timed():
 @pytest.mark.parametrize("seq", [B1, B4, bimodal_b8(), np.array([131072, 900], dtype=np.int32)])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_a_time_model_calibration_predicts_every_route_with_it(tmp_path, seq, graphs):
-    from pkvrt.costmodel import measured_us, route_groups
+    from pkvrt.policy.costmodel import measured_us, route_groups
     reg = registry(tmp_path, allow="true")
     cal = h200_timed()
     d = router(reg, cal=cal, graphs=graphs).decide(seq)
@@ -422,7 +422,7 @@ DEVICE_KINDS = ("workqueue", "fused")
 
 def _count_planner_calls(monkeypatch):
     """Calls of the router's planner entry points, as (function, building the full plan?)."""
-    import pkvrt.router as router_mod
+    import pkvrt.policy.router as router_mod
 
     calls = []
     for name, full in (("workqueue_from_checked", "tasks"), ("bucket_from_checked", "rows")):
@@ -509,7 +509,7 @@ def test_an_fp8_router_plans_with_the_fp8_section():
     an fp16 Router of the same file does not; without a section FP8 falls back, marked."""
     import json
 
-    from pkvrt import calibration as C
+    from pkvrt.policy import calibration as C
 
     doc = json.loads((pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json").read_text())
     doc.pop("by_kv_dtype", None)

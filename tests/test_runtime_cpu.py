@@ -16,13 +16,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkvrt import _driver, fi_route, graphs, runtime
-from pkvrt.calibration import load_calibration
-from pkvrt.registry import load_routes
-from pkvrt.router import Router
-from pkvrt.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
+from pkvrt import runtime
+from pkvrt.launch import _driver
+from pkvrt.policy import fallback
+from pkvrt.policy.calibration import load_calibration
+from pkvrt.policy.fallback import decide, predict_route_us
+from pkvrt.policy.registry import load_routes
+from pkvrt.policy.router import Router
+from pkvrt.runtime import fi_route, graphs
+from pkvrt.runtime import Runtime, check_run_args, check_shape, check_step
+from pkvrt.runtime.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
                           needed_capacities, stage_bucket, stage_workqueue)
-from pkvrt.runtime import Runtime, check_run_args, check_shape, check_step, decide, predict_route_us
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = load_calibration(REPO / "calibration" / "rtx3060-seed.json")
@@ -426,8 +430,8 @@ def test_route_choice_without_flashinfer_remembers_its_fallback(monkeypatch):
     of the first step with that key is taken again (as the router's own memo does)."""
     r = Router(ROUTES, SEED, **SHAPE, memo_size=16, device_plan_kinds=("workqueue", "fused"))
     memo, calls = {}, []
-    real = runtime.predict_route_us
-    monkeypatch.setattr(runtime, "predict_route_us", lambda *a: calls.append(a[1].name) or real(*a))
+    real = fallback.predict_route_us
+    monkeypatch.setattr(fallback, "predict_route_us", lambda *a: calls.append(a[1].name) or real(*a))
     seq = np.array([1000, 2000, 500])
     first = decide(r, seq, table(seq), flashinfer_unavailable="not installed", fallback_memo=memo)
     assert calls and len(memo) == 1
@@ -518,7 +522,8 @@ import math  # noqa: E402
 
 from paged import make_batch, rel_err  # noqa: E402
 
-from pkvrt import ops, reference  # noqa: E402
+from pkvrt import reference  # noqa: E402
+from pkvrt.launch import ops  # noqa: E402
 
 TILE = 32
 
@@ -610,7 +615,7 @@ class Emu:
         self.launches += 1
         max_rows = seq_lens.shape[0]
         if block_tables is not None and block_tables.shape[0] < max_rows:
-            raise runtime.ops.KernelArgumentError(f"block_tables: expected [>= {max_rows}, W], got "
+            raise ops.KernelArgumentError(f"block_tables: expected [>= {max_rows}, W], got "
                                           f"{tuple(block_tables.shape)}")
         rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
         bound = int(num_pages[0]) if block_tables is not None else 0
@@ -687,8 +692,8 @@ class FakeEvent:
 @pytest.fixture
 def fake_device(monkeypatch):
     emu = Emu()
-    monkeypatch.setattr(runtime, "_resolve_device", lambda device: torch.device("cpu"))
-    monkeypatch.setattr(runtime, "_pinned", lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype))
+    monkeypatch.setattr(runtime.core, "_resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(runtime.buffers, "_pinned", lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype))
     monkeypatch.setattr(_driver, "get_kernel", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: object())
@@ -855,7 +860,7 @@ def test_fake_device_capacity_growth_drops_graphs(fake_device, pool, tmp_path):
 def _no_host_workqueue_plan(monkeypatch):
     """Fail if anything builds or stages a Python workqueue plan (the router's predictions may
     still compute split counts: ``tasks=False``)."""
-    import pkvrt.router as router_mod
+    import pkvrt.policy.router as router_mod
 
     real = router_mod.workqueue_from_checked
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import costmodel, ops, planner
+from pkvrt.launch import ops
+from pkvrt.policy import costmodel, planner
 from test_runtime_cpu import fake_device, fake_runtime, pool, rel_err, ref, step_inputs  # noqa: F401
 
 STEPS, WARMUP = 30_000, 15_000

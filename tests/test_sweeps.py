@@ -18,11 +18,11 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from pkvrt import calibrate, sweeps
-from pkvrt import calibration as calib
-from pkvrt.calibration import RouteTime, TIME_KINDS, calibration_from_dict, calibration_to_dict, load_calibration
-from pkvrt.costmodel import measured_us, route_groups
-from pkvrt.registry import load_routes
+from pkvrt.policy import calibration as calib
+from pkvrt.policy.calibration import RouteTime, TIME_KINDS, calibration_from_dict, calibration_to_dict, load_calibration
+from pkvrt.policy.costmodel import measured_us, route_groups
+from pkvrt.policy.registry import load_routes
+from pkvrt.tools import calibrate, sweeps
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The shipped H200 file as it was before its FP8 section was measured (the tests add their own).
@@ -336,7 +336,8 @@ def fake_gpu(monkeypatch, fp8_rows):
     time_steps (kv_dtype, the planning base)."""
     import torch
 
-    from pkvrt import _driver, results
+    from pkvrt.launch import _driver
+    from pkvrt.measure import results
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
@@ -365,7 +366,7 @@ def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, cap
     unchanged beside the new section (FP8 bucket split point, partition constants at G 4 and 8
     with the e4m3 occupancy, time model of pkvrt's kinds), --raw records the KV dtype, and a
     second run replaces the section."""
-    from pkvrt import cli
+    from pkvrt.tools import cli
 
     out, raw = tmp_path / "nvidia-h200.json", tmp_path / "sweeps.json"
     argv = ["calibrate", "--kv-dtype", "fp8", "--groups", "4,8", "--base", str(_saved(tmp_path, CAL, "base.json")),
@@ -394,7 +395,7 @@ def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, cap
 
 
 def test_calibrate_fp8_refuses_another_gpus_base_before_timing(fake_gpu, tmp_path, capsys):
-    from pkvrt import cli
+    from pkvrt.tools import cli
 
     out = tmp_path / "x.json"
     rc = cli.main(["calibrate", "--kv-dtype", "fp8", "--base", str(REPO / "calibration" / "rtx3060-seed.json"),

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import pkvrt.traces as traces
-from pkvrt.traces import Request, Trace, TraceError
+from pkvrt._paths import CHECKOUT
+import pkvrt.measure.traces as traces
+from pkvrt.measure.traces import Request, Trace, TraceError
 
-SHARED_TRACES = Path(traces.__file__).resolve().parents[2] / "shared" / "traces"
+SHARED_TRACES = CHECKOUT.parent / "shared" / "traces"
 SEEDS = [20260622, 20260623, 20260627]
 
 

@@ -9,8 +9,9 @@ import attrs
 import pytest
 import torch
 
-from pkvrt import calibration, cli, report
-from pkvrt.plan_cmd import seed_calibration
+from pkvrt.policy import calibration
+from pkvrt.tools import cli, report
+from pkvrt.tools.plan_cmd import seed_calibration
 
 pytestmark = pytest.mark.gpu
 FP8 = "float8_e4m3fn"

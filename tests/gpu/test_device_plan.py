@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from pkvrt import ops, planner, reference
-from pkvrt.calibration import find_calibration
-from pkvrt.registry import load_routes
+from pkvrt import reference
+from pkvrt.launch import ops
+from pkvrt.policy import planner
+from pkvrt.policy.calibration import find_calibration
+from pkvrt.policy.registry import load_routes
 from paged import make_batch, rel_err
 
 pytestmark = pytest.mark.gpu

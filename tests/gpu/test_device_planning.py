@@ -12,7 +12,7 @@ import torch
 import pytest
 from test_runtime import POOL_LENS, SHAPE, STEPS, check, pool, step_inputs  # noqa: F401
 
-from pkvrt.runtime import Runtime
+from pkvrt.runtime import Runtime, graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -62,14 +62,7 @@ def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool, forc
         for cache, out in zip(layers, outs):
             rt.run(q, *cache, out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                      # warm-up: loads kernels, sizes buffers
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = graphs.capture(step).graph   # warm-up (loads kernels, sizes buffers), then capture
     for short in (40, 17, 3, 0):     # no host planning between replays: only the lengths move
         seq = [max(1, POOL_LENS[r] - short) for r in rows]
         seq_dev.copy_(torch.tensor(seq, dtype=seq_dev.dtype))

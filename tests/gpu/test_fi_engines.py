@@ -1,4 +1,4 @@
-"""FlashInfer's decode paths (pkvrt/fi_engines.py) on the GPU: every path gives the FP32
+"""FlashInfer's decode paths (pkvrt/measure/fi_engines.py) on the GPU: every path gives the FP32
 reference's attention on ragged decode steps, as the serving bench runs it (planned per step,
 eager) and as benches/isolated.py runs it (planned once, replayed as a CUDA graph over pages
 with holes and NaN-poisoned padding). A path this FlashInfer does not have (cuDNN before 0.6)
@@ -11,9 +11,10 @@ import importlib.util
 import pytest
 import torch
 
-from pkvrt import fi_engines, fi_route, harness
-from pkvrt.bench import ISOLATED
-from pkvrt.traces import Request, Trace
+from pkvrt.measure import fi_engines, harness
+from pkvrt.measure.traces import Request, Trace
+from pkvrt.runtime import fi_route
+from pkvrt.tools.bench import ISOLATED
 
 pytestmark = pytest.mark.gpu
 

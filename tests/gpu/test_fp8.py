@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from paged import make_batch, rel_err
-from pkvrt import _driver, ops, reference
-from pkvrt.runtime import Runtime
+from pkvrt import reference
+from pkvrt.launch import _driver, ops
+from pkvrt.runtime import Runtime, graphs
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -341,14 +342,7 @@ def test_fp8_engine_step_graph_replays_with_new_lengths_and_scales(fp8_pool):
         for layer, (ks, vs), out in zip(layers, scales, outs):
             rt.run(q, layer[0], layer[1], out=out, k_scale=ks, v_scale=vs)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = graphs.capture(step).graph
     for i, (short, v_mul) in enumerate([(40, 1.0), (7, 2.0), (0, 0.25)]):
         seq = np.array([max(1, POOL_LENS[r] - short) for r in rows], dtype=np.int32)
         seq_dev.copy_(torch.as_tensor(seq))

@@ -10,7 +10,9 @@ import time
 import pytest
 import torch
 
-from pkvrt import calibration, cli, harness, report, results
+from pkvrt.measure import harness, results
+from pkvrt.policy import calibration
+from pkvrt.tools import cli, report
 
 pytestmark = pytest.mark.gpu
 
@@ -125,7 +127,7 @@ class _HostSlowEngine:
 
 
 def test_device_time_excludes_host_gaps():
-    from pkvrt.traces import Request, Trace
+    from pkvrt.measure.traces import Request, Trace
 
     trace = Trace(name="t", requests=(Request(0, 0, 40, 3),), seed=None, source="test")
     config = harness.ServingConfig(trace="t", max_active=1, seeds=(1,), engines=("flashinfer",),

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from pkvrt import _driver, ops, reference
+from pkvrt import reference
+from pkvrt.launch import _driver, ops
 from paged import make_batch, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -234,9 +235,9 @@ def test_timeline_marks_are_ordered_and_change_no_bit():
     """trace buffers (benches/layer_timeline.py): every working CTA writes entry <= wait <= done,
     idle grid slots write nothing, and the outputs are the untraced ones bit for bit; two
     layers, the second with early K/V copies."""
-    from pkvrt import planner
-    from pkvrt.calibration import find_calibration
-    from pkvrt.registry import load_routes
+    from pkvrt.policy import planner
+    from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
 
     b = make_batch([5000, 33, 20000], seed=23)
     lens = b.seq_lens.tolist()

@@ -16,8 +16,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pkvrt import fi_route, reference
-from pkvrt.pagetable import to_csr
+from pkvrt import reference
+from pkvrt.policy.blocktables import to_csr
+from pkvrt.runtime import fi_route
 from paged import make_batch, rel_err
 from test_kernels import TOL, run_split, run_workqueue
 

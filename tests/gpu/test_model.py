@@ -1,4 +1,4 @@
-"""The Llama-shaped decoder (pkvrt/model.py) on the GPU: a 2-layer model's whole step captured in
+"""The Llama-shaped decoder (pkvrt/measure/model.py) on the GPU: a 2-layer model's whole step captured in
 one CUDA graph, with pkvrt's attention and with each FlashInfer path, gives the logits and every
 layer's attention output of the same model run eagerly with the FP32 reference attention, step
 after step while the rows grow across page boundaries (new pages, new block tables, one graph);
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkvrt import model as M
-from pkvrt import model_results as R
-from pkvrt.model_attention import ReferenceAttention, make_backend
+from pkvrt.measure import model as M
+from pkvrt.measure import model_results as R
+from pkvrt.measure.model_attention import ReferenceAttention, make_backend
 
 pytestmark = pytest.mark.gpu
 

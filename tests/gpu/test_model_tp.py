@@ -1,4 +1,4 @@
-"""Tensor-parallel decode (pkvrt/model_tp.py) on GPUs: a TP 1 shard is the one-GPU model bit for
+"""Tensor-parallel decode (pkvrt/measure/model_tp.py) on GPUs: a TP 1 shard is the one-GPU model bit for
 bit (both steps captured in one CUDA graph, pkvrt's attention); shards drawn on the GPU equal the
 slices of the one-GPU weights and caches; with two GPUs, two NCCL ranks with the whole step
 (both all-reduces of every layer) captured in one graph each give the one-GPU step's logits
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkvrt import model as M
-from pkvrt import model_results as R
-from pkvrt import model_tp as T
+from pkvrt.measure import model as M
+from pkvrt.measure import model_results as R
+from pkvrt.measure import model_tp as T
 
 pytestmark = pytest.mark.gpu
 

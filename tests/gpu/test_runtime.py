@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from paged import make_batch, rel_err
-from pkvrt import _driver, fi_route, graphs, reference
+from pkvrt import reference
+from pkvrt.launch import _driver
+from pkvrt.runtime import fi_route, graphs
 from pkvrt.runtime import Runtime
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,424 @@
+"""Thin launch wrappers, one per kernel family (kernels/*.cu).
+
+Each checks what is cheap to check (device, dtype, shape, contiguity, supported head dim /
+group size / page size), packs pointers and int32s into the kernel's parameter struct and
+launches on the current stream. They never allocate, synchronize or read device values: they
+are what a captured CUDA graph records. O(batch * pages) checks (page ids in range) belong to
+the Runtime's validate mode, not here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from pkvrt import _buildspec
+from pkvrt.launch import _driver
+
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+FP8 = torch.float8_e4m3fn
+KV_TAG = {FP8: "e4m3"}   # K/V dtypes other than q's -> _buildspec.KV_TAGS tag
+THREADS = _buildspec.TUNING["PKV_THREADS"]
+LOG2E = 1.4426950408889634
+
+
+class KernelArgumentError(ValueError):
+    """A kernel argument has the wrong dtype, shape, device or layout."""
+
+
+class DecodeParams(ctypes.Structure):
+    """Mirror of pkv::DecodeParams in kernels/decode_common.cuh (same order and types)."""
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("part_a", ctypes.c_void_p), ("part_ml", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
+        ("row_ids", ctypes.c_void_p), ("tasks", ctypes.c_void_p), ("num_tasks", ctypes.c_void_p),
+        ("split_offsets", ctypes.c_void_p), ("counters", ctypes.c_void_p),
+        ("k_page_stride", ctypes.c_longlong), ("k_head_stride", ctypes.c_longlong),
+        ("v_page_stride", ctypes.c_longlong), ("v_head_stride", ctypes.c_longlong),
+        ("num_qo_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("page_size_log2", ctypes.c_int), ("bt_stride", ctypes.c_int),
+        ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
+        ("trace", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("k_scale_per_head", ctypes.c_int), ("v_scale_per_head", ctypes.c_int),
+    ]
+
+
+class MergeParams(ctypes.Structure):
+    """Mirror of MergeParams in kernels/merge.cu."""
+    _fields_ = [
+        ("part_a", ctypes.c_void_p), ("part_ml", ctypes.c_void_p),
+        ("split_offsets", ctypes.c_void_p), ("row_ids", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("num_qo_heads", ctypes.c_int), ("skip_single", ctypes.c_int), ("trace", ctypes.c_void_p),
+    ]
+
+
+def _tuning() -> dict:
+    """The tuning constants the loaded cubins were built with (their manifest: a PKVRT_TUNE
+    variant in PKVRT_CUBIN_DIR may differ from the shipped ones), else _buildspec.TUNING."""
+    try:
+        return {**_buildspec.TUNING, **_driver.manifest().tuning}
+    except Exception:  # noqa: BLE001 - no cubins here (CPU-only package): the shipped constants
+        return _buildspec.TUNING
+
+
+def decode_smem_bytes(head_dim: int, group: int, kv_bytes: int = 2) -> int:
+    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, G, KV>() (decode_common.cuh).
+
+    G >= PKV_TC_MIN_GROUP (tensor-core body): 4 warps x tc_stages x (K + V) x 16 tokens x D x
+    kv_bytes (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB; e4m3, kv_bytes 1: twice the stages, the
+    same 96 KB). Below it (SIMT body): as many 32-token K+V stages as fit PKV_SMEM_BYTES, at least
+    2 (D=128: 4 * 16 KB = 64 KB; e4m3 8 * 8 KB).
+    """
+    t = _tuning()
+    if group >= t["PKV_TC_MIN_GROUP"]:
+        stages = (2 if head_dim >= 256 else t["PKV_TC_STAGES"]) * (2 if kv_bytes == 1 else 1)
+        return stages * (t["PKV_THREADS"] // 32) * 2 * 16 * head_dim * kv_bytes
+    stage = 2 * t["PKV_TILE_TOKENS"] * head_dim * kv_bytes
+    return max(2, t["PKV_SMEM_BYTES"] // stage) * stage
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise KernelArgumentError(f"{name}: expected {expected}, got {got}")
+
+
+def _int32(name: str, t: torch.Tensor, device, ndim: int) -> int:
+    if t.dtype != torch.int32 or t.device != device or t.dim() != ndim or not t.is_contiguous():
+        _fail(name, f"a contiguous int32 tensor with {ndim} dims on {device}",
+              f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (strided)'}")
+    return t.data_ptr()
+
+
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         out: torch.Tensor, k_scale=None, v_scale=None
+                         ) -> tuple[str, str | None, int, int, int]:
+    """Validate the tensors shared by every decode launch, the K/V scales included
+    (:func:`check_kv_scales`, metadata only, first: a scale problem is the first thing said).
+    Returns (q dtype tag, K/V dtype tag or None for K/V of q's dtype, D, G, log2 page)."""
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale, q=q, out=out)
+    if q.dtype not in _DTYPES:
+        _fail("q", "dtype float16 or bfloat16", q.dtype)
+    if not q.is_cuda:
+        _fail("q", "a CUDA tensor", q.device)
+    if q.dim() != 3 or not q.is_contiguous():
+        _fail("q", "a contiguous [B, H_q, D] tensor", f"shape {tuple(q.shape)}")
+    _, hq, d = q.shape
+    if d not in _buildspec.HEAD_DIMS:
+        _fail("q", f"head_dim in {_buildspec.HEAD_DIMS}", d)
+    kv_tag = KV_TAG.get(k_cache.dtype)
+    per16 = 16 // k_cache.element_size()   # elements per 16 bytes
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (c.dtype != q.dtype and c.dtype not in KV_TAG) or c.device != q.device:
+            _fail(name, f"{q.dtype} (like q) or float8_e4m3fn on {q.device}", f"{c.dtype} on {c.device}")
+        if c.dim() != 4 or c.shape[3] != d or c.stride(3) != 1 or c.stride(2) != d:
+            _fail(name, f"[num_pages, H_kv, page_size, {d}] with contiguous token rows",
+                  f"shape {tuple(c.shape)} strides {c.stride()}")
+        if c.data_ptr() % 16 or c.stride(0) % per16 or c.stride(1) % per16:
+            _fail(name, "16-byte aligned pages and heads", f"strides {c.stride()}")
+    if k_cache.shape != v_cache.shape:
+        _fail("v_cache", f"the shape of k_cache {tuple(k_cache.shape)}", tuple(v_cache.shape))
+    hkv, page = k_cache.shape[1], k_cache.shape[2]
+    if hq % hkv:
+        _fail("q", f"H_q a multiple of H_kv={hkv}", hq)
+    g = hq // hkv
+    if g not in _buildspec.GROUP_SIZES:
+        _fail("q", f"H_q / H_kv in {_buildspec.GROUP_SIZES}", g)
+    if page not in _buildspec.PAGE_SIZES:
+        _fail("k_cache", f"page_size in {_buildspec.PAGE_SIZES}", page)
+    if out.dtype != q.dtype or out.device != q.device or not out.is_contiguous() or out.dim() != 3 \
+            or out.shape[1:] != q.shape[1:]:
+        _fail("out", f"a contiguous {q.dtype} [*, {hq}, {d}] tensor on {q.device}",
+              f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return _DTYPES[q.dtype], kv_tag, d, g, int(math.log2(page))
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
+                    q: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    check_values: bool = False) -> bool:
+    """Validate the KV dtype and its dequantization scales (issue 14); returns True for FP8 K/V.
+
+    k_cache, v_cache [P, H_kv, page, D], one dtype: float16 / bfloat16 (``k_scale`` and
+    ``v_scale`` must be None) or float8_e4m3fn (both required: contiguous float32 [1] (per
+    tensor) or [H_kv] (per KV head) on the caches' device; q and out, when given, float16 or
+    bfloat16). Scales are device tensors so that a replayed CUDA graph reads new values without
+    re-capture.
+
+    check_values : also require every scale finite and > 0. That reads the scales back (a
+    device sync, one ``.item()``), so it is for validate modes (``Runtime(validate=True)``,
+    once per scale tensor and version: :meth:`pkvrt.runtime.Runtime.run`), never for a launch
+    wrapper or a captured region; without it only metadata is read. Every launch wrapper here
+    calls it without values, before it builds any launch.
+
+    Raises KernelArgumentError (a ValueError) naming the argument and what was expected.
+    """
+    if v_cache.dtype != k_cache.dtype:
+        _fail("v_cache", f"the dtype of k_cache ({k_cache.dtype})", v_cache.dtype)
+    if k_cache.dtype != FP8:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is not None:
+                _fail(name, f"None (scales are for float8_e4m3fn caches; these are {k_cache.dtype})",
+                      f"a {type(s).__name__}")
+        return False
+    for name, t in (("q", q), ("out", out)):
+        if t is not None and t.dtype not in _DTYPES:
+            _fail(name, "float16 or bfloat16 with float8_e4m3fn K/V", t.dtype)
+    hkv = k_cache.shape[1] if k_cache.dim() == 4 else None   # a bad cache shape is said later
+    want = f"a contiguous float32 [1] or [H_kv={hkv}] tensor on {k_cache.device}"
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor):
+            _fail(name, want + " (float8_e4m3fn caches need scales)",
+                  "None" if s is None else type(s).__name__)
+        if s.dtype != torch.float32 or s.device != k_cache.device or s.dim() != 1 \
+                or s.shape[0] not in (1, hkv) or not s.is_contiguous():
+            _fail(name, want, f"{s.dtype} {tuple(s.shape)} on {s.device}"
+                  f"{'' if s.is_contiguous() else ' (strided)'}")
+        if check_values and not bool((torch.isfinite(s) & (s > 0)).all().item()):
+            _fail(name, "finite scales > 0", s.tolist())
+    return True
+
+
+def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
+                   sm_scale, log2_page, k_scale=None, v_scale=None) -> DecodeParams:
+    dev = q.device
+    p = DecodeParams()
+    p.q, p.k_cache, p.v_cache, p.out = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+    if part_a is not None:
+        if part_a.dtype != torch.float32 or part_a.device != dev or not part_a.is_contiguous() \
+                or part_a.dim() != 3 or part_a.shape[1:] != q.shape[1:]:
+            _fail("part_a", f"contiguous float32 [slots, {q.shape[1]}, {q.shape[2]}] on {dev}",
+                  f"{part_a.dtype} {tuple(part_a.shape)}")
+        if part_ml.dtype != torch.float32 or part_ml.device != dev or not part_ml.is_contiguous() \
+                or tuple(part_ml.shape) != (part_a.shape[0], q.shape[1], 2):
+            _fail("part_ml", f"contiguous float32 [{part_a.shape[0]}, {q.shape[1]}, 2] on {dev}",
+                  f"{part_ml.dtype} {tuple(part_ml.shape)}")
+        p.part_a, p.part_ml = part_a.data_ptr(), part_ml.data_ptr()
+    p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
+    p.block_tables = _int32("block_tables", block_tables, dev, 2)
+    p.k_page_stride, p.k_head_stride = k_cache.stride(0), k_cache.stride(1)
+    p.v_page_stride, p.v_head_stride = v_cache.stride(0), v_cache.stride(1)
+    p.num_qo_heads, p.num_kv_heads = q.shape[1], k_cache.shape[1]
+    p.page_size_log2 = log2_page
+    p.bt_stride = block_tables.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    p.sm_scale_log2 = scale * LOG2E
+    if k_scale is not None:   # checked by check_kv_scales: float32 [1] or [H_kv] each
+        p.k_scale, p.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        p.k_scale_per_head, p.v_scale_per_head = int(k_scale.shape[0] > 1), int(v_scale.shape[0] > 1)
+    return p
+
+
+def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_splits: int, out,
+                 part_a=None, part_ml=None, sm_scale: float | None = None, *, k_scale=None,
+                 v_scale=None) -> None:
+    """Sequence-split decode over the rows ``row_ids`` (one bucket), grid (S, H_kv, rows).
+
+    q [B, H_q, D] fp16/bf16; k_cache, v_cache [P, H_kv, page, D], q's dtype or float8_e4m3fn;
+    seq_lens [B] int32; block_tables [B, max_pages] int32; row_ids [R] int32 (batch row per grid
+    row, -1 idle); out [B, H_q, D] like q. With num_splits > 1, partial states go to slots r*S + s
+    of part_a [>= R*S, H_q, D] / part_ml [>= R*S, H_q, 2] and :func:`merge` must follow.
+    k_scale, v_scale: FP8 caches only (required then), float32 [1] (per tensor) or [H_kv] (per KV
+    head) device tensors, each independently; read by the kernel at run time (a replayed graph
+    sees new values). The partial states are dequantized (``merge`` is the same for every K/V
+    dtype).
+    """
+    tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
+    if num_splits < 1:
+        _fail("num_splits", ">= 1", num_splits)
+    if num_splits > 1 and (part_a is None or part_a.shape[0] < row_ids.shape[0] * num_splits):
+        _fail("part_a", f"at least rows*splits = {row_ids.shape[0] * num_splits} slots",
+              None if part_a is None else part_a.shape[0])
+    p = _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
+                       sm_scale, log2_page, k_scale, v_scale)
+    p.row_ids = _int32("row_ids", row_ids, q.device, 1)
+    p.num_splits = num_splits
+    k = _driver.get_kernel("split_decode", _buildspec.symbol("split_decode", tag, d, g, kv_tag),
+                           decode_smem_bytes(d, g, k_cache.element_size()))
+    _driver.launch(k, (num_splits, k_cache.shape[1], row_ids.shape[0]), THREADS, p)
+
+
+def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
+                     split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
+                     counters=None, early_kv: bool = False, trace=None, *, k_scale=None,
+                     v_scale=None) -> None:
+    """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
+
+    tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
+    device (tasks at or beyond it exit); split_offsets [B+1] int32; partial slots
+    split_offsets[row] + split. Rows with one split write O directly. Without ``counters``,
+    :func:`merge` with skip_single=True must follow; with counters [B, H_kv] int32 (zeroed
+    once, left zero by the kernel) the last CTA of each (row, kvh) merges in-kernel.
+
+    early_kv (sm_90+, PDL): read the plan and start the first K/V copies before
+    waiting for the previous kernel of the stream, which may still be running. Only valid when
+    that kernel is not the one writing this plan (tasks, num_tasks, split_offsets, seq_lens,
+    block tables): the Runtime sets it for the second and later layers of a step. K/V of a row's
+    last token, Q and every output are touched after the wait.
+
+    trace: None or a zeroed int64 [>= capacity, 3] timeline buffer
+    (benches/layer_timeline.py).
+
+    K/V in float8_e4m3fn: k_scale, v_scale as :func:`split_decode`'s.
+    """
+    tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
+    if tasks.dim() != 2 or tasks.shape[1] != 5:
+        _fail("tasks", "[capacity, 5] int32", tuple(tasks.shape))
+    p = _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
+                       sm_scale, log2_page, k_scale, v_scale)
+    p.tasks = _int32("tasks", tasks, q.device, 2)
+    p.num_tasks = _int32("num_tasks", num_tasks, q.device, 1)
+    p.split_offsets = _int32("split_offsets", split_offsets, q.device, 1)
+    family = "workqueue_decode"
+    if counters is not None:
+        family = "fused_decode"
+        p.counters = _int32("counters", counters, q.device, 2)
+    p.early_kv = int(bool(early_kv))
+    p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
+    k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g, kv_tag),
+                           decode_smem_bytes(d, g, k_cache.element_size()))
+    _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
+
+
+def _trace(trace, grid_ctas: int, device) -> int:
+    """Pointer of a timeline buffer (int64 [>= grid_ctas, 3], zeroed; see trace_mark in
+    kernels/decode_common.cuh), or 0 for none."""
+    if trace is None:
+        return 0
+    if trace.dtype != torch.int64 or trace.device != device or not trace.is_contiguous() \
+            or trace.dim() != 2 or trace.shape[1] != 3 or trace.shape[0] < grid_ctas:
+        _fail("trace", f"a contiguous int64 [>= {grid_ctas}, 3] tensor on {device}",
+              f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")
+    return trace.data_ptr()
+
+
+def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: bool = False,
+          trace=None) -> None:
+    """Segmented exact merge, grid (head blocks, rows); rows = split_offsets.numel() - 1.
+
+    part_a [slots, H_q, D] f32; part_ml [slots, H_q, 2] f32; split_offsets [rows+1] int32;
+    row_ids [rows] int32 output row per merge row (None: identity; -1: idle); out [B, H_q, D].
+    trace: None or a zeroed int64 [>= grid CTAs, 3] timeline buffer (benches/layer_timeline.py).
+    """
+    if out.dtype not in _DTYPES or not out.is_cuda or not out.is_contiguous() or out.dim() != 3:
+        _fail("out", "a contiguous CUDA float16/bfloat16 [B, H_q, D] tensor",
+              f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    _, hq, d = out.shape
+    if part_a.dtype != torch.float32 or part_a.shape[1:] != out.shape[1:] or not part_a.is_contiguous():
+        _fail("part_a", f"contiguous float32 [slots, {hq}, {d}]", f"{part_a.dtype} {tuple(part_a.shape)}")
+    if part_ml.dtype != torch.float32 or tuple(part_ml.shape) != (part_a.shape[0], hq, 2):
+        _fail("part_ml", f"float32 [{part_a.shape[0]}, {hq}, 2]", f"{part_ml.dtype} {tuple(part_ml.shape)}")
+    p = MergeParams()
+    p.part_a, p.part_ml, p.out = part_a.data_ptr(), part_ml.data_ptr(), out.data_ptr()
+    p.split_offsets = _int32("split_offsets", split_offsets, out.device, 1)
+    rows = split_offsets.shape[0] - 1
+    if row_ids is not None:
+        p.row_ids = _int32("row_ids", row_ids, out.device, 1)
+        if row_ids.shape[0] != rows:
+            _fail("row_ids", f"{rows} entries (split_offsets has {rows + 1})", row_ids.shape[0])
+    if rows <= 0:
+        return
+    p.num_qo_heads, p.skip_single = hq, int(skip_single)
+    heads_per_cta = THREADS // 32  # one warp per head (kernels/merge.cu)
+    grid = ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1)
+    p.trace = _trace(trace, grid[0] * grid[1], out.device)
+    k = _driver.get_kernel("merge", _buildspec.symbol("merge", _DTYPES[out.dtype], d))
+    _driver.launch(k, grid, THREADS, p)
+
+
+def workqueue_tensors(plan, *, num_qo_heads: int, head_dim: int, device="cuda"):
+    """A host WorkqueuePlan as the device tensors :func:`workqueue_decode` and :func:`merge`
+    take: ``(tasks [T, 5], num_tasks [1], split_offsets [B+1])`` int32 and the partial-state
+    buffers ``(part_a [slots, H_q, D], part_ml [slots, H_q, 2])`` float32 (uninitialised)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    slots = int(plan.split_offsets[-1])
+    return (torch.as_tensor(plan.tasks, **i32), torch.tensor([len(plan.tasks)], **i32),
+            torch.as_tensor(plan.split_offsets, **i32),
+            torch.empty(slots, num_qo_heads, head_dim, device=device),
+            torch.empty(slots, num_qo_heads, 2, device=device))
+
+
+class PlanParams(ctypes.Structure):
+    """Mirror of PlanParams in kernels/plan_workqueue.cu."""
+    _fields_ = [
+        ("seq_lens", ctypes.c_void_p), ("num_rows", ctypes.c_void_p),
+        ("max_seq_len", ctypes.c_void_p), ("tasks", ctypes.c_void_p),
+        ("num_tasks", ctypes.c_void_p), ("split_offsets", ctypes.c_void_p),
+        ("num_splits", ctypes.c_void_p), ("status", ctypes.c_void_p),
+        ("candidates", ctypes.c_void_p), ("num_candidates", ctypes.c_int),
+        ("max_rows", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("min_split_tiles", ctypes.c_int), ("tile_tokens", ctypes.c_int),
+        ("task_capacity", ctypes.c_int), ("sms", ctypes.c_int), ("resident", ctypes.c_int),
+        ("slowdown8", ctypes.c_int), ("overhead8", ctypes.c_int), ("max_ctas", ctypes.c_int),
+        ("block_tables", ctypes.c_void_p), ("num_pages", ctypes.c_void_p),
+        ("bt_stride", ctypes.c_int), ("page_size_log2", ctypes.c_int),
+    ]
+
+
+PLAN_MAX_ROWS = 1024
+MAX_SEQ_LEN = 2**31 - 1 - _buildspec.TILE_TOKENS   # int32 lengths; len + tile - 1 must not overflow
+
+
+def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
+                          status, candidates, *, num_kv_heads: int, min_split_tiles: int,
+                          sms: int, resident: int, slowdown8: int, overhead8: int, max_ctas: int,
+                          max_seq_len=None, block_tables=None, num_pages=None,
+                          page_size: int | None = None) -> None:
+    """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
+
+    seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
+    [1] int32 (device; None: MAX_SEQ_LEN, through a temporary tensor);
+    tasks [capacity, 5]; num_tasks [1]; split_offsets [max_rows+1]; num_splits [max_rows];
+    status [1] int32, written every launch: bit 0 = the plan needs more than capacity tasks
+    (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len], bit 2 =
+    an active row's block table holds a page id outside [0, num_pages) among the entries its
+    length uses (either way that row gets no split: nothing reads its block table or the cache
+    for it, nor writes its output). Page ids are checked when ``block_tables`` [>= max_rows,
+    W] int32 (device, row-contiguous), ``num_pages`` [1] int32 (device; 0 = unchecked) and
+    ``page_size`` are given. candidates [n] int32,
+    the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
+    pkvrt.policy.planner.balanced_partition; sms, resident, slowdown8, overhead8 and max_ctas are
+    ``planner.device_plan_targets(cal)``.
+    """
+    dev = seq_lens.device
+    max_rows = seq_lens.shape[0]
+    if max_rows > PLAN_MAX_ROWS:
+        _fail("seq_lens", f"at most {PLAN_MAX_ROWS} rows (one planning CTA)", max_rows)
+    if split_offsets.shape != (max_rows + 1,) or num_splits.shape != (max_rows,):
+        _fail("split_offsets/num_splits", f"[{max_rows + 1}] / [{max_rows}]",
+              f"{tuple(split_offsets.shape)} / {tuple(num_splits.shape)}")
+    if not 1 <= candidates.shape[0] <= 64:
+        _fail("candidates", "1 to 64 allowed split counts", candidates.shape[0])
+    if max_seq_len is None:  # a temporary: pass a persistent tensor when capturing a graph
+        max_seq_len = torch.full((1,), MAX_SEQ_LEN, dtype=torch.int32, device=dev)
+    p = PlanParams()
+    p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
+    p.num_rows = _int32("num_rows", num_rows, dev, 1)
+    p.max_seq_len = _int32("max_seq_len", max_seq_len, dev, 1)
+    p.tasks = _int32("tasks", tasks, dev, 2)
+    p.num_tasks = _int32("num_tasks", num_tasks, dev, 1)
+    p.split_offsets = _int32("split_offsets", split_offsets, dev, 1)
+    p.num_splits = _int32("num_splits", num_splits, dev, 1)
+    p.status = _int32("status", status, dev, 1)
+    p.candidates = _int32("candidates", candidates, dev, 1)
+    p.num_candidates, p.max_rows, p.num_kv_heads = candidates.shape[0], max_rows, num_kv_heads
+    p.min_split_tiles, p.tile_tokens = min_split_tiles, _buildspec.TILE_TOKENS
+    for name, v, least in (("sms", sms, 1), ("resident", resident, 1), ("slowdown8", slowdown8, 0),
+                           ("overhead8", overhead8, 0), ("max_ctas", max_ctas, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            _fail(name, f"an integer >= {least}", v)
+    p.task_capacity, p.sms, p.resident, p.slowdown8 = tasks.shape[0], sms, resident, slowdown8
+    p.overhead8, p.max_ctas = overhead8, max_ctas
+    if block_tables is not None:
+        if num_pages is None or page_size is None:
+            _fail("num_pages/page_size", "both given with block_tables", (num_pages, page_size))
+        if block_tables.dim() != 2 or block_tables.shape[0] < max_rows or block_tables.stride(1) != 1:
+            _fail("block_tables", f"a row-contiguous int32 [>= {max_rows}, W] tensor",
+                  tuple(block_tables.shape))
+        if isinstance(page_size, bool) or page_size < 1 or page_size & (page_size - 1):
+            _fail("page_size", "a power of two", page_size)
+        p.block_tables = _int32("block_tables", block_tables, dev, 2)
+        p.num_pages = _int32("num_pages", num_pages, dev, 1)
+        p.bt_stride, p.page_size_log2 = block_tables.stride(0), page_size.bit_length() - 1
+    k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
+    _driver.launch(k, (1, 1, 1), 1024, p)

@@ -1,0 +1,14 @@
+"""Measure: workloads and the timing harness around the library (benches, never the runtime's path).
+
+- :mod:`~pkvrt.measure.traces`: request traces (synthetic families, CSV files) into decode steps.
+- :mod:`~pkvrt.measure.pagetable`: paged KV caches and block tables for a trace.
+- :mod:`~pkvrt.measure.harness`: the serving and engine protocols (CUDA events, graphs per step).
+- :mod:`~pkvrt.measure.fi_engines`: FlashInfer's decode paths (tensor-core, CUDA-core, XQA,
+  cuDNN) as baseline engines.
+- :mod:`~pkvrt.measure.model`, :mod:`~pkvrt.measure.model_attention`,
+  :mod:`~pkvrt.measure.model_tp`: a Llama-shaped model step (one GPU and tensor-parallel).
+- :mod:`~pkvrt.measure.results`, :mod:`~pkvrt.measure.model_results`,
+  :mod:`~pkvrt.measure.tp_results`: results files with the GPU, versions, seeds and hashes.
+
+May import: the runtime, the policy, the launch layer. Never the tools (the commands import it).
+"""

@@ -1,0 +1,116 @@
+"""Seeded physical page assignment for a trace (paper section 3.7).
+
+Every engine sees the same physical pages: the PersistentKV routes read a native block table
+(``PageLayout.block_table(rids)``), FlashInfer's decode wrappers read the same pages as CSR
+(:func:`pkvrt.policy.blocktables.to_csr`), its XQA decode as a dense table cut to the batch's
+columns (:func:`pkvrt.policy.blocktables.to_padded`).
+
+Layout rule, worked for page_size 16, hole_fraction 0.5 and two requests of (prompt, decode)
+(100, 20) and (30, 2): reserved lengths 120 and 32 round up to 8 and 2 pages, L = 10 logical
+pages, the physical universe has ceil(10 / (1 - 0.5)) = 20 page ids, a seeded permutation of
+0..19 is drawn, and request 0 owns its first 8 ids (logical page j -> perm[j]), request 1 the
+next 2. Logical order is kept inside a row; physical ids are scattered; 10 of the 20 ids are
+holes that no request owns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from pkvrt.measure.traces import Trace
+from pkvrt.policy.blocktables import check_page_size
+
+_INT32_MAX = 2**31 - 1
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+@attrs.frozen(eq=False)
+class PageLayout:
+    """Physical pages of every request of a trace.
+
+    Attributes
+    ----------
+    page_size : tokens per page.
+    num_physical_pages : size of the physical page-id universe, ``ceil(L / (1 - hole_fraction))``
+        for ``L`` reserved logical pages in all; a KV cache for this layout needs this many pages.
+    hole_fraction : requested fraction of page ids that no request owns.
+    seed : seed of the permutation.
+    table : int32 [num_requests, max_pages], logical page -> physical page id of request ``rid``
+        (row ``rid``), ``-1`` past the request's ``reserved_pages``. Read-only.
+    reserved_pages : int32 [num_requests], pages reserved per request (prompt + decode tokens,
+        rounded up to the page or to ``bucket_len``). Read-only.
+    """
+
+    page_size: int
+    num_physical_pages: int
+    hole_fraction: float
+    seed: int
+    table: np.ndarray
+    reserved_pages: np.ndarray
+
+    @property
+    def max_pages(self) -> int:
+        return self.table.shape[1]
+
+    def block_table(self, rids) -> np.ndarray:
+        """int32 [B, max_pages]: the block-table rows of requests ``rids`` (int [B]), a copy."""
+        return self.table[np.asarray(rids, dtype=np.intp)]
+
+
+def build_layout(trace: Trace, *, page_size: int, hole_fraction: float = 0.0, seed: int,
+                 bucket_len: int | None = None) -> PageLayout:
+    """Assign physical pages to every request of ``trace`` (paper section 3.7).
+
+    Parameters
+    ----------
+    trace : the requests; row ``rid`` of the table belongs to request ``rid``.
+    page_size : tokens per page, a power of two in 1..64.
+    hole_fraction : rho in [0, 1); the universe has ``ceil(L / (1 - rho))`` page ids, so about a
+        fraction rho of them are unowned (rho = 0.5 doubles the address space).
+    seed : seeds the permutation of the universe (``np.random.default_rng(seed)``).
+    bucket_len : if given, reserved lengths round up to a multiple of it instead of the page
+        (bucketed experiments); must be a positive multiple of ``page_size``.
+    """
+    page_size = check_page_size(page_size, "build_layout")
+    rho = float(hole_fraction)
+    if not 0.0 <= rho < 1.0:
+        raise ValueError(f"build_layout: hole_fraction={hole_fraction!r}: expected 0 <= "
+                         "hole_fraction < 1")
+    granule = page_size
+    if bucket_len is not None:
+        if isinstance(bucket_len, bool) or not isinstance(bucket_len, (int, np.integer)) \
+                or bucket_len < page_size or bucket_len % page_size:
+            raise ValueError(f"build_layout: bucket_len={bucket_len!r}: expected a positive "
+                             f"multiple of page_size={page_size}")
+        granule = int(bucket_len)
+    exact = trace.column("prompt_len") + trace.column("decode_len")      # int64 [n]
+    reserved = -(-exact // granule) * granule // page_size                 # pages per request
+    total = int(reserved.sum())
+    # 1e-9 keeps float noise from adding a page: L=9, rho=0.1 must give 10 ids, not 11.
+    universe = max(total, math.ceil(total / (1.0 - rho) - 1e-9))
+    if universe > _INT32_MAX:
+        raise ValueError(f"build_layout: {universe} physical pages do not fit int32 page ids; "
+                         "use a larger page_size or fewer requests")
+    perm = np.random.default_rng(seed).permutation(universe).astype(np.int32)
+    width = int(reserved.max())
+    owned = np.arange(width) < reserved[:, None]                           # bool [n, width]
+    table = np.full((len(exact), width), -1, dtype=np.int32)
+    table[owned] = perm[:total]        # row-major fill: consecutive slices, logical order kept
+    return PageLayout(page_size=page_size, num_physical_pages=universe, hole_fraction=rho,
+                      seed=int(seed), table=_readonly(table),
+                      reserved_pages=_readonly(reserved.astype(np.int32)))
+
+
+def owned_pages_mask(layout: PageLayout) -> np.ndarray:
+    """bool [num_physical_pages]: True where some request owns the page id."""
+    mask = np.zeros(layout.num_physical_pages, dtype=bool)
+    ids = layout.table[layout.table >= 0]
+    mask[ids] = True
+    return mask

@@ -1,0 +1,109 @@
+"""A step's block tables in the page formats other decode kernels read (numpy, no GPU).
+
+PersistentKV reads a native block table ``[B, max_pages]`` (logical -> physical page id; entries
+past a row's ``ceil(seq_len / page_size)`` pages are never read). FlashInfer's paged decode reads
+the same pages as CSR (:func:`to_csr`), its XQA decode and vLLM's kernels as a dense table cut to
+the batch's columns (:func:`to_padded`). The planner builds FlashInfer's plan with
+:func:`to_csr`; the benches build their baselines' inputs with both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pkvrt._buildspec import MAX_PAGE_SIZE
+
+
+def check_page_size(page_size, where: str) -> int:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) \
+            or not 1 <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(f"{where}: page_size={page_size!r}: expected a power of two in "
+                         f"1..{MAX_PAGE_SIZE}")
+    return int(page_size)
+
+
+def _used_pages(seq_lens, block_tables, page_size: int, where: str):
+    """Checked (seq int64 [B], pages int64 [B], block_tables [B, max_pages], used bool
+    [B, max_pages]) of a block-table batch: ``used[i, j]`` when page j of row i holds tokens."""
+    page_size = check_page_size(page_size, where)
+    seq = np.asarray(seq_lens)
+    bt = np.asarray(block_tables)
+    if seq.ndim != 1 or bt.ndim != 2 or bt.shape[0] != seq.shape[0]:
+        raise ValueError(f"{where}: expected seq_lens [B] and block_tables [B, max_pages], got "
+                         f"shapes {seq.shape} and {bt.shape}")
+    seq = seq.astype(np.int64)
+    if seq.size and seq.min() < 1:
+        row = int(np.argmin(seq))
+        raise ValueError(f"{where}: seq_lens[{row}] = {seq[row]}: expected >= 1")
+    pages = -(-seq // page_size)
+    if pages.size and pages.max() > bt.shape[1]:
+        row = int(np.argmax(pages))
+        raise ValueError(f"{where}: row {row} has seq_len {seq[row]} = {pages[row]} pages of "
+                         f"{page_size}, but block_tables has only {bt.shape[1]} columns")
+    used = np.arange(bt.shape[1]) < pages[:, None]                        # bool [B, max_pages]
+    return seq, pages, bt, used
+
+
+def _negative_page(bt, used, pages, where: str) -> ValueError:
+    """The error for a negative (padding) page id among the pages a row uses (``used``: bool
+    [B, columns] over the first columns of ``bt``)."""
+    row = int(np.nonzero((bt[:, :used.shape[1]] < 0) & used)[0][0])
+    return ValueError(f"{where}: block_tables row {row} has a negative (padding) page id "
+                      f"within its first {pages[row]} pages")
+
+
+def to_csr(seq_lens, block_tables, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pages of a block-table batch as FlashInfer's CSR arrays.
+
+    Parameters
+    ----------
+    seq_lens : int [B], tokens per row (new token included), each >= 1.
+    block_tables : int [B, max_pages], logical -> physical page; only the first
+        ``ceil(seq_len / page_size)`` entries of a row are read.
+    page_size : tokens per page.
+
+    Returns
+    -------
+    indptr : int32 [B+1], ``indptr[i+1] - indptr[i] = ceil(seq_lens[i] / page_size)``.
+    indices : int32 [indptr[-1]], the rows' pages in logical order, row after row.
+    last_page_len : int32 [B], tokens in each row's last page, in 1..page_size
+        (seq_len 33, page 16 -> 3 pages, last_page_len 1).
+    """
+    seq, pages, bt, used = _used_pages(seq_lens, block_tables, page_size, "to_csr")
+    indices = bt[used].astype(np.int32)
+    if indices.size and indices.min() < 0:
+        raise _negative_page(bt, used, pages, "to_csr")
+    indptr = np.zeros(len(seq) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    last_page_len = (seq - (pages - 1) * int(page_size)).astype(np.int32)
+    return indptr, indices, last_page_len
+
+
+def to_padded(seq_lens, block_tables, page_size: int, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The pages of a block-table batch as a dense table cut to the columns the batch uses: the
+    page table of kernels that take one (FlashInfer's XQA decode, vLLM's block tables).
+
+    XQA sizes its grid from the table's width (``columns * page_size`` is its max_seq_len), so
+    the table is exactly as wide as the longest row needs, and C-contiguous (XQA reads it as
+    ``[B, columns]`` by raw pointer). Entries past a row's pages are ``pad``, a page id every
+    cache has, so a kernel that fetched one would still read inside the cache. Example: seq_lens
+    [33, 5], page 16 -> 3 columns; row 0 = its pages 0..2, row 1 = [its page 0, pad, pad].
+
+    Parameters
+    ----------
+    seq_lens : int [B], tokens per row, each >= 1.
+    block_tables : int [B, max_pages], logical -> physical page (as :func:`to_csr` reads it).
+    page_size : tokens per page. pad : the page id of unused entries.
+
+    Returns
+    -------
+    table : int32 [B, ceil(max(seq_lens) / page_size)], C-contiguous.
+    seq_lens : int32 [B].
+    """
+    seq, pages, bt, used = _used_pages(seq_lens, block_tables, page_size, "to_padded")
+    cols = int(pages.max()) if pages.size else 0
+    used = used[:, :cols]
+    table = np.where(used, bt[:, :cols], pad).astype(np.int32)          # C-contiguous, new
+    if table.size and np.where(used, table, 0).min() < 0:
+        raise _negative_page(bt, used, pages, "to_padded")
+    return table, seq.astype(np.int32)

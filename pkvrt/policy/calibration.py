@@ -1,0 +1,863 @@
+"""Calibration files: the measured constants of one GPU, as a versioned JSON document.
+
+One file per GPU lives in ``calibration/<slug>.json`` (a checkout) or ``pkvrt/_data/calibration``
+(an install). The runtime picks the file whose ``slug`` matches ``slugify(device name)``; with no
+match it warns and falls back to the seed's RTX 3060 profile (``rtx3060-seed.json``), marked as a
+fallback. ``calibration/README.md`` explains every field and how ``pkvrt calibrate`` produces one.
+
+Schema 1 (every key required unless marked optional; no others allowed)::
+
+    schema            1
+    gpu               device name as CUDA reports it, "NVIDIA H200"
+    slug              file key, slugify(gpu) for measured files, "rtx3060-seed" for the seed
+    sm_count          int > 0
+    l2_bytes          int > 0
+    beta_gbps         streaming-read bandwidth, GB/s (1e9 bytes/s)
+    lambda_us         launch overhead of one eager launch, µs
+    lambda_graph_us   launch overhead of one launch inside a CUDA-graph replay, µs
+    c_min             occupancy target of the cost model, decode CTAs per SM
+    splits            {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
+                       "cta_overhead_tiles", "co_resident_slowdown" (these two optional: 4.0 and
+                       1.5 when absent, in files written before 2026-12-01), "max_waves"
+                       (optional, int >= 1, default 2), "by_group" (optional: {"<G>": {some
+                       of _GROUP_KEYS}}, the balanced partition's constants fitted at query
+                       heads per KV head G; a group size without an entry uses the keys above)}
+    flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
+    time_model        optional: {"flashinfer", "bucket", "workqueue", "fused": each
+                       {"read_scale" > 0, "tail_us" >= 0, "split_us" >= 0, "fixed_us" >= 0},
+                       "by_group" (optional: {"<G>": {some of those four kinds}})}: the
+                       measured time model of every route kind (costmodel.py, "The measured
+                       model"); a file without it (the seed, files of an older calibrate) is
+                       predicted with the roofline above (c_min, flashinfer.ctas_per_sm)
+    by_kv_dtype       optional: {"float8_e4m3fn": section}: constants measured with K/V caches of
+                       that dtype (``pkvrt calibrate --kv-dtype fp8``), laid over the rest of the
+                       file (measured with fp16 caches) for a Runtime or Router of that KV dtype
+                       (:meth:`Calibration.for_kv_dtype`). A section: {"splits" (optional: some of
+                       _SECTION_SPLIT_KEYS, "by_group" as splits.by_group), "time_model"
+                       (optional: some of the four kinds, "by_group" as time_model.by_group), at
+                       least one of the two; "date", "command", "source": its own provenance}
+    versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
+    date              ISO date the file was produced, "2026-11-29"
+    seed              calibration trace seed, int
+    command           the command line that produced the file
+    source            provenance in words (measured / transcribed from where)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+
+import attrs
+import numpy as np
+
+from pkvrt._paths import CHECKOUT, PACKAGE
+
+SCHEMA = 1
+DEFAULT_SLUG = "rtx3060-seed"
+ENV_DIR = "PKVRT_CALIBRATION_DIR"  # an extra directory searched first (tests, experiments)
+
+_TOP_KEYS = (
+    "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
+    "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
+)
+_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype")
+_SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
+               "co_resident_slowdown", "max_waves", "by_group")
+# splits.by_group.<G>.*: the balanced partition's constants that one group size may override
+_GROUP_KEYS = ("workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles", "co_resident_slowdown")
+# splits.* of a file written before they existed (2026-12-01): the balanced partition's defaults
+DEFAULT_CTA_OVERHEAD_TILES = 4.0
+DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
+DEFAULT_MAX_WAVES = 2   # resident waves of CTAs the balanced partition may plan (planner.MAX_WAVES)
+_VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
+# time_model.<kind>: every route kind has one when the section is present
+TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")
+_TIME_KEYS = ("read_scale", "tail_us", "split_us", "fixed_us")
+# KV dtypes (routes.toml names): the top level's, measured with fp16 caches (bf16 moves the same
+# bytes through the same kernels), and those a by_kv_dtype section may be measured for
+TOP_KV_DTYPES = ("float16", "bfloat16")
+SECTION_KV_DTYPES = ("float8_e4m3fn",)
+_SECTION_KEYS = ("splits", "time_model", "date", "command", "source")
+# by_kv_dtype.<name>.splits.*: the split constants a KV dtype may override (SplitPoints order)
+_SECTION_SPLIT_KEYS = ("bucket_ctas_per_sm", *_GROUP_KEYS, "max_waves", "by_group")
+
+
+class CalibrationError(ValueError):
+    """A calibration file is unreadable or breaks the schema; the message names file and key."""
+
+
+@attrs.frozen
+class SplitPoints:
+    """Operating points of the split choice (see ``pkvrt.policy.planner``).
+
+    bucket_ctas_per_sm: CTA work per SM the bucket route's split count aims for.
+    workqueue_ctas_per_sm: decode CTAs resident per SM (the kernel's occupancy): the
+        balanced partition's waves (``planner.PartitionModel``).
+    min_split_tokens: no split is planned shorter than this many tokens (row-local cap).
+    cta_overhead_tiles: fixed cost of one decode CTA in the balanced partition's makespan model,
+        in 32-token tiles of streaming (``planner.partition_costs``).
+    co_resident_slowdown: how much longer an SM takes with two resident CTAs than with one
+        (1.0: a second CTA is free, 2.0: it runs after the first).
+    max_waves: the balanced partition plans at most this many resident waves of decode CTAs
+        (``workqueue_ctas_per_sm * sm_count`` each); larger cuts are not considered.
+    by_group: ``((G, ((key, value), ...)), ...)`` sorted by G: partition constants
+        (``_GROUP_KEYS``) fitted at G query heads per KV head, which replace the ones above for
+        that group size (:meth:`Calibration.for_group`). Empty: one set for every G.
+    """
+
+    bucket_ctas_per_sm: float
+    workqueue_ctas_per_sm: float
+    min_split_tokens: int
+    cta_overhead_tiles: float = DEFAULT_CTA_OVERHEAD_TILES
+    co_resident_slowdown: float = DEFAULT_CO_RESIDENT_SLOWDOWN
+    max_waves: int = DEFAULT_MAX_WAVES
+    by_group: tuple[tuple[int, tuple[tuple[str, float | int], ...]], ...] = ()
+
+    def to_dict(self) -> dict:
+        """The ``splits`` object of a file (``by_group`` only when it has entries)."""
+        d = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k != "by_group"}
+        if self.by_group:
+            d["by_group"] = {str(g): dict(kv) for g, kv in self.by_group}
+        return d
+
+
+@attrs.frozen
+class RouteTime:
+    """Constants of the measured time model of one route kind (``pkvrt.policy.costmodel.measured_us``):
+
+        T = read_scale * KVBytes/beta + tail_us * sqrt(makespan) + split_us * splits + fixed_us
+
+    per launch group of a step; makespan in tile-times of the balanced partition's model,
+    splits the longest row's split count. read_scale: the step's streaming read in units of
+    ``beta``; tail_us: µs per square root of the makespan (the CTAs that finish last);
+    split_us: µs per split of the longest row (its merge); fixed_us: µs per launch group
+    (launches, prologue), inside a CUDA-graph replay.
+    """
+
+    read_scale: float
+    tail_us: float
+    split_us: float
+    fixed_us: float
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in _TIME_KEYS}
+
+
+@attrs.frozen
+class KvDtypeSection:
+    """Constants measured with K/V caches of one dtype (a file's ``by_kv_dtype.<name>``), which
+    :meth:`Calibration.for_kv_dtype` lays over the file's own (measured with fp16 caches).
+
+    splits : ``((key, value), ...)``, some of ``_SECTION_SPLIT_KEYS`` in that order.
+    splits_by_group : as :attr:`SplitPoints.by_group` (keys of ``_GROUP_KEYS``).
+    time_model : ``((kind, RouteTime), ...)``, some kinds in ``TIME_KINDS`` order.
+    time_model_by_group : as :attr:`Calibration.time_model_by_group`.
+    date, command, provenance : when, by what command line and how the section was measured (the
+        file's "date", "command", "source" keys, for this section alone).
+    """
+
+    splits: tuple[tuple[str, float | int], ...] = ()
+    splits_by_group: tuple[tuple[int, tuple[tuple[str, float | int], ...]], ...] = ()
+    time_model: tuple[tuple[str, RouteTime], ...] = ()
+    time_model_by_group: tuple[tuple[int, tuple[tuple[str, RouteTime], ...]], ...] = ()
+    date: str = ""
+    command: str = ""
+    provenance: str = ""
+
+    def at_group(self, group_size: int) -> "KvDtypeSection":
+        """The section with its ``by_group`` entries of ``group_size`` folded into its top level
+        (and ``by_group`` emptied): :meth:`Calibration.for_group` of a file with sections."""
+        return attrs.evolve(
+            self, splits=_ordered(dict(self.splits) | dict(dict(self.splits_by_group).get(group_size, ())),
+                                  _SECTION_SPLIT_KEYS),
+            time_model=_ordered(dict(self.time_model) | dict(dict(self.time_model_by_group).get(group_size, ())),
+                                TIME_KINDS),
+            splits_by_group=(), time_model_by_group=())
+
+    def to_dict(self) -> dict:
+        """The ``by_kv_dtype.<name>`` object of a file (empty parts left out)."""
+        d = {}
+        if self.splits or self.splits_by_group:
+            d["splits"] = dict(self.splits) | ({"by_group": {str(g): dict(kv) for g, kv in self.splits_by_group}}
+                                               if self.splits_by_group else {})
+        if self.time_model or self.time_model_by_group:
+            d["time_model"] = {k: t.to_dict() for k, t in self.time_model} | (
+                {"by_group": {str(g): {k: t.to_dict() for k, t in kinds} for g, kinds in self.time_model_by_group}}
+                if self.time_model_by_group else {})
+        return d | {"date": self.date, "command": self.command, "source": self.provenance}
+
+
+def _ordered(d: dict, order) -> tuple:
+    """``d``'s items in ``order`` (the file's key order)."""
+    return tuple((k, d[k]) for k in order if k in d)
+
+
+def _overlay(top: dict, by_group: tuple, over: dict, over_by_group: tuple, order) -> tuple[dict, tuple]:
+    """(top, by_group) of one kind of constants (split keys or route kinds) with a KV dtype's
+    laid over: ``over`` over ``top``; per G, ``over_by_group[G]`` over ``by_group[G]`` less the
+    keys ``over`` sets (a constant measured with the KV dtype beats one measured at the G with
+    fp16 caches). Example: top {overhead 1.5}, G 8 {overhead 3.0}; FP8 top {overhead 2.0}, no
+    FP8 G 8 entry -> top {overhead 2.0}, G 8 {} (FP8 at G 8 uses 2.0)."""
+    base, extra = dict(by_group), dict(over_by_group)
+    groups = []
+    for g in sorted(set(base) | set(extra)):
+        entry = {k: v for k, v in base.get(g, ()) if k not in over} | dict(extra.get(g, ()))
+        if entry:
+            groups.append((g, _ordered(entry, order)))
+    return top | over, tuple(groups)
+
+
+@attrs.frozen
+class Calibration:
+    """Constants of one GPU (schema 1). ``source`` is the path it was loaded from (not in the file;
+    ``"<memory>"`` when built in code).
+
+    ``provenance`` holds the file's own ``"source"`` text (how the numbers were obtained);
+    ``fallback`` is True when ``find_calibration`` found no file for the device at hand.
+    ``flashinfer_ctas_per_sm`` is a tuple of ``(active_count, fitted_ctas_per_sm)`` pairs,
+    sorted by active count. ``time_model``: ``((kind, RouteTime), ...)`` in ``TIME_KINDS``
+    order, empty when the file has none (then every prediction is the roofline's);
+    ``time_model_by_group``: ``((G, ((kind, RouteTime), ...)), ...)`` sorted by G, the kinds
+    fitted at G query heads per KV head (:meth:`for_group`). ``by_kv_dtype``: ``((name,
+    KvDtypeSection), ...)`` sorted by name, constants measured with K/V caches of that dtype.
+    ``kv_dtype``: None for a file's calibration; the KV dtype name once :meth:`for_kv_dtype` has
+    resolved it, with ``kv_dtype_fallback`` True when that dtype has no section (its constants
+    are then the fp16-measured ones; the router still counts its bytes per element).
+    """
+
+    gpu: str
+    slug: str
+    sm_count: int
+    l2_bytes: int
+    beta_gbps: float
+    lambda_us: float
+    lambda_graph_us: float
+    c_min: float
+    splits: SplitPoints
+    flashinfer_ctas_per_sm: tuple[tuple[int, float], ...]
+    versions: tuple[tuple[str, str | None], ...]
+    date: str
+    seed: int
+    command: str
+    provenance: str
+    source: str = "<memory>"
+    fallback: bool = False
+    time_model: tuple[tuple[str, RouteTime], ...] = ()
+    time_model_by_group: tuple[tuple[int, tuple[tuple[str, RouteTime], ...]], ...] = ()
+    by_kv_dtype: tuple[tuple[str, KvDtypeSection], ...] = ()
+    kv_dtype: str | None = None
+    kv_dtype_fallback: bool = False
+
+    def version(self, name: str) -> str | None:
+        """The recorded version of ``name`` ("torch", "cuda", "flashinfer", "driver")."""
+        return dict(self.versions)[name]
+
+    def route_time(self, kind: str) -> RouteTime | None:
+        """The measured time model of route ``kind`` ("flashinfer", "bucket", "workqueue",
+        "fused"), or None when this calibration has none (the roofline predicts)."""
+        return dict(self.time_model).get(kind)
+
+    def for_group(self, group_size: int) -> "Calibration":
+        """This calibration as seen by a shape with ``group_size`` query heads per KV head: the
+        ``splits.by_group`` entry of that size (if any) replaces the partition constants, the
+        ``time_model.by_group`` entry the time constants of the kinds it holds, and both
+        ``by_group`` are emptied, so the result is the same whichever G it is asked for again
+        (the Runtime and the Router both call it). A G without an entry keeps the top-level
+        constants (fitted at the calibration shape's G, 4 for ``pkvrt calibrate``). Each
+        ``by_kv_dtype`` section's entries of that G are folded into the section the same way,
+        so that :meth:`for_kv_dtype` may come before or after.
+        """
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"for_group: group_size must be a positive int, got {group_size!r}")
+        sections_grouped = any(s.splits_by_group or s.time_model_by_group for _, s in self.by_kv_dtype)
+        if not self.splits.by_group and not self.time_model_by_group and not sections_grouped:
+            return self
+        over = dict(dict(self.splits.by_group).get(group_size, ()))
+        times = dict(self.time_model) | dict(dict(self.time_model_by_group).get(group_size, ()))
+        return attrs.evolve(self, splits=attrs.evolve(self.splits, by_group=(), **over),
+                            time_model=_ordered(times, TIME_KINDS), time_model_by_group=(),
+                            by_kv_dtype=tuple((n, s.at_group(group_size)) for n, s in self.by_kv_dtype))
+
+    def for_kv_dtype(self, kv_dtype) -> "Calibration":
+        """This calibration as seen by a Runtime or Router whose K/V cache is ``kv_dtype`` (a
+        torch dtype or its routes.toml name, "float8_e4m3fn"): the ``by_kv_dtype`` section of
+        that dtype laid over the file's constants, ``kv_dtype`` set and ``by_kv_dtype`` emptied.
+
+        Each split constant and each route kind's time model, at group size G, comes from the
+        first of: the section's G entry, the section's top level, the file's G entry, the file's
+        top level. What was measured with the KV dtype comes first, then what was measured at
+        the G. Composes with :meth:`for_group` in either order, to the same result. Example
+        (H200 file with an FP8 section fitted at G 4 only): an FP8 Runtime at G 8 partitions
+        with the FP8 G 4 constants and predicts pkvrt's routes with the FP8 time model, but
+        FlashInfer (not timed with FP8 caches) with the file's G 8 constants, bytes halved.
+
+        A 16-bit dtype (TOP_KV_DTYPES) sees the file's own constants. An FP8 dtype without a
+        section does too, marked ``kv_dtype_fallback`` (:meth:`kv_dtype_note` says so). Asking
+        a resolved calibration again for its dtype returns it; for another is a ValueError.
+        """
+        from pkvrt.policy.registry import kv_dtype_name   # registry imports nothing of pkvrt's policy
+
+        name = kv_dtype_name(kv_dtype)
+        if self.kv_dtype is not None:
+            if name != self.kv_dtype:
+                raise ValueError(f"for_kv_dtype({name!r}): this calibration is already the "
+                                 f"{self.kv_dtype} view; ask the file's calibration")
+            return self
+        section = dict(self.by_kv_dtype).get(name)
+        view = attrs.evolve(self, by_kv_dtype=(), kv_dtype=name,
+                            kv_dtype_fallback=section is None and name not in TOP_KV_DTYPES)
+        if section is None:
+            return view
+        split_top = {k: v for k, v in attrs.asdict(self.splits, recurse=False).items() if k != "by_group"}
+        split_top, split_groups = _overlay(split_top, self.splits.by_group, dict(section.splits),
+                                           section.splits_by_group, _GROUP_KEYS)
+        times, time_groups = _overlay(dict(self.time_model), self.time_model_by_group,
+                                      dict(section.time_model), section.time_model_by_group, TIME_KINDS)
+        return attrs.evolve(view, splits=SplitPoints(**split_top, by_group=split_groups),
+                            time_model=_ordered(times, TIME_KINDS), time_model_by_group=time_groups,
+                            provenance=f"{self.provenance} by_kv_dtype.{name}: {section.provenance}")
+
+    def kv_dtype_note(self) -> str:
+        """What a resolved FP8 calibration's constants are, for ``explain()``; "" for a 16-bit
+        dtype or a calibration :meth:`for_kv_dtype` has not resolved."""
+        if self.kv_dtype is None or self.kv_dtype in TOP_KV_DTYPES:
+            return ""
+        if self.kv_dtype_fallback:
+            return (f"{self.kv_dtype} K/V: no by_kv_dtype section in {self.slug}, so the constants "
+                    f"measured with fp16 caches, bytes per element counted as 1 "
+                    f"(pkvrt calibrate --kv-dtype fp8 measures them)")
+        return f"{self.kv_dtype} K/V: the by_kv_dtype section's constants (measured with {self.kv_dtype} caches)"
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _fail(path, key: str, expected: str, got=None) -> CalibrationError:
+    got_s = "" if got is None else f", got {got!r}"
+    return CalibrationError(f"{path}: key {key!r}: expected {expected}{got_s}")
+
+
+def _take(obj: Mapping, keys: tuple[str, ...], path, where: str) -> None:
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise _fail(path, f"{where}{missing[0]}", "it to be present (missing)")
+    extra = sorted(set(obj) - set(keys))
+    if extra:
+        raise _fail(path, f"{where}{extra[0]}", f"one of the schema-{SCHEMA} keys {list(keys)} (unknown key)")
+
+
+def _int(obj, key, path, where="", positive=True) -> int:
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(path, where + key, "an integer", v)
+    if positive and v <= 0:
+        raise _fail(path, where + key, "a positive integer", v)
+    return v
+
+
+def _float(obj, key, path, where="", zero_ok=False) -> float:
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _fail(path, where + key, "a number", v)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise _fail(path, where + key, "a finite number >= 0" if zero_ok else "a finite positive number", v)
+    return float(v)
+
+
+def _str(obj, key, path, where="", nullable=False) -> str | None:
+    v = obj[key]
+    if v is None and nullable:
+        return None
+    if not isinstance(v, str) or not v:
+        raise _fail(path, where + key, "a non-empty string" + (" or null" if nullable else ""), v)
+    return v
+
+
+def _dict(obj, key, path) -> dict:
+    v = obj[key]
+    if not isinstance(v, dict):
+        raise _fail(path, key, "a JSON object", v)
+    return v
+
+
+def _split_value(obj, key, path, where):
+    """One split constant: ``min_split_tokens`` and ``max_waves`` positive integers,
+    ``cta_overhead_tiles`` a number >= 0, the others positive numbers."""
+    if key in ("min_split_tokens", "max_waves"):
+        return _int(obj, key, path, where)
+    return _float(obj, key, path, where, zero_ok=key == "cta_overhead_tiles")
+
+
+def _group_keys(v, path, where: str, allowed: tuple) -> list[tuple[int, dict]]:
+    """A ``by_group`` object: [(G, entry)] with G positive integers and each entry a non-empty
+    object of some of ``allowed``."""
+    if not isinstance(v, dict):
+        raise _fail(path, where, 'a JSON object {"<G>": {...}}', v)
+    out = []
+    for g, entry in v.items():
+        if not re.fullmatch(r"[1-9][0-9]*", g):
+            raise _fail(path, f"{where}.{g}", "keys that are positive integers (query heads per KV head)")
+        if not isinstance(entry, dict) or not entry:
+            raise _fail(path, f"{where}.{g}", f"a non-empty object of some of {list(allowed)}", entry)
+        extra = sorted(set(entry) - set(allowed))
+        if extra:
+            raise _fail(path, f"{where}.{g}.{extra[0]}", f"one of {list(allowed)} (unknown key)")
+        out.append((int(g), entry))
+    return out
+
+
+def _by_group(v, path, where: str = "splits.by_group") -> tuple:
+    """``splits.by_group`` -> SplitPoints.by_group (validated: G keys are positive integers, each
+    entry a non-empty object of ``_GROUP_KEYS``)."""
+    return tuple(sorted((g, tuple((k, _split_value(entry, k, path, f"{where}.{g}.")) for k in _GROUP_KEYS
+                                  if k in entry))
+                        for g, entry in _group_keys(v, path, where, _GROUP_KEYS)))
+
+
+def _route_time(entry, path, where: str) -> RouteTime:
+    """One ``time_model.<kind>`` object -> RouteTime (every key of ``_TIME_KEYS``, no other)."""
+    if not isinstance(entry, dict):
+        raise _fail(path, where, f"a JSON object of {list(_TIME_KEYS)}", entry)
+    _take(entry, _TIME_KEYS, path, where + ".")
+    return RouteTime(**{k: _float(entry, k, path, where + ".", zero_ok=k != "read_scale")
+                        for k in _TIME_KEYS})
+
+
+def _time_model(v, path, where: str = "time_model", every_kind: bool = True) -> tuple[tuple, tuple]:
+    """``time_model`` -> (Calibration.time_model, Calibration.time_model_by_group): every kind of
+    ``TIME_KINDS`` at the top level (some of them, not none, with ``every_kind`` False: a
+    by_kv_dtype section's); ``by_group`` entries hold some of them."""
+    if not isinstance(v, dict) or not (every_kind or v):
+        raise _fail(path, where, f"a JSON object of {'' if every_kind else 'some of '}{list(TIME_KINDS)} "
+                                 "(and optional by_group)", v)
+    if every_kind:
+        _take({"by_group": None} | v, TIME_KINDS + ("by_group",), path, where + ".")
+    else:
+        extra = sorted(set(v) - set(TIME_KINDS + ("by_group",)))
+        if extra:
+            raise _fail(path, f"{where}.{extra[0]}", f"one of {list(TIME_KINDS + ('by_group',))} (unknown key)")
+    top = tuple((k, _route_time(v[k], path, f"{where}.{k}")) for k in TIME_KINDS if k in v)
+    groups = _group_keys(v.get("by_group", {}), path, f"{where}.by_group", TIME_KINDS)
+    return top, tuple(sorted((g, tuple((k, _route_time(entry[k], path, f"{where}.by_group.{g}.{k}"))
+                                       for k in TIME_KINDS if k in entry)) for g, entry in groups))
+
+
+def _by_kv_dtype(v, path) -> tuple[tuple[str, KvDtypeSection], ...]:
+    """``by_kv_dtype`` -> Calibration.by_kv_dtype: keys of ``SECTION_KV_DTYPES``, each section
+    with its own date, command and source and some splits and/or time_model overrides."""
+    if not isinstance(v, dict):
+        raise _fail(path, "by_kv_dtype", 'a JSON object {"<KV dtype>": {...}}', v)
+    out = []
+    for name, sec in sorted(v.items()):
+        where = f"by_kv_dtype.{name}"
+        if name not in SECTION_KV_DTYPES:
+            raise _fail(path, where, f"keys among {list(SECTION_KV_DTYPES)} (the top level holds "
+                                     f"{' and '.join(TOP_KV_DTYPES)}'s constants)")
+        if not isinstance(sec, dict):
+            raise _fail(path, where, f"a JSON object of {list(_SECTION_KEYS)}", sec)
+        _take({"splits": None, "time_model": None} | sec, _SECTION_KEYS, path, where + ".")
+        if "splits" not in sec and "time_model" not in sec:
+            raise _fail(path, f"{where}.splits", "splits or time_model to be present (the section "
+                                                 "overrides nothing)")
+        splits, split_groups = (), ()
+        if "splits" in sec:
+            sp, at = sec["splits"], f"{where}.splits"
+            if not isinstance(sp, dict) or not sp:
+                raise _fail(path, at, f"a non-empty object of some of {list(_SECTION_SPLIT_KEYS)}", sp)
+            extra = sorted(set(sp) - set(_SECTION_SPLIT_KEYS))
+            if extra:
+                raise _fail(path, f"{at}.{extra[0]}", f"one of {list(_SECTION_SPLIT_KEYS)} (unknown key)")
+            splits = tuple((k, _split_value(sp, k, path, at + ".")) for k in _SECTION_SPLIT_KEYS[:-1] if k in sp)
+            split_groups = _by_group(sp["by_group"], path, f"{at}.by_group") if "by_group" in sp else ()
+        times, time_groups = (_time_model(sec["time_model"], path, f"{where}.time_model", every_kind=False)
+                              if "time_model" in sec else ((), ()))
+        out.append((name, KvDtypeSection(splits=splits, splits_by_group=split_groups, time_model=times,
+                                         time_model_by_group=time_groups, date=_date(sec, path, where + "."),
+                                         command=_str(sec, "command", path, where + "."),
+                                         provenance=_str(sec, "source", path, where + "."))))
+    return tuple(out)
+
+
+def _date(obj, path, where="") -> str:
+    date = _str(obj, "date", path, where)
+    try:
+        datetime.date.fromisoformat(date)
+    except ValueError:
+        raise _fail(path, where + "date", "an ISO date YYYY-MM-DD", date) from None
+    return date
+
+
+def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration:
+    """Validate a parsed schema-1 document and build a :class:`Calibration`.
+
+    Raises
+    ------
+    CalibrationError
+        naming ``source`` and the offending key.
+    """
+    path = source
+    if not isinstance(doc, dict):
+        raise CalibrationError(f"{path}: expected a JSON object at top level, got {type(doc).__name__}")
+    if "schema" not in doc:
+        raise _fail(path, "schema", f"it to be present (missing); this reader knows schema {SCHEMA}")
+    if doc["schema"] != SCHEMA or isinstance(doc["schema"], bool):
+        raise _fail(path, "schema", f"{SCHEMA} (unknown schema version)", doc["schema"])
+    _take({k: None for k in _OPTIONAL_TOP_KEYS} | doc, _TOP_KEYS + _OPTIONAL_TOP_KEYS, path, "")
+
+    sp = _dict(doc, "splits", path)
+    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, "by_group": None,
+           **sp},
+          _SPLIT_KEYS, path, "splits.")
+    splits = SplitPoints(
+        bucket_ctas_per_sm=_float(sp, "bucket_ctas_per_sm", path, "splits."),
+        workqueue_ctas_per_sm=_float(sp, "workqueue_ctas_per_sm", path, "splits."),
+        min_split_tokens=_int(sp, "min_split_tokens", path, "splits."),
+        cta_overhead_tiles=(_float(sp, "cta_overhead_tiles", path, "splits.", zero_ok=True)
+                            if "cta_overhead_tiles" in sp else DEFAULT_CTA_OVERHEAD_TILES),
+        co_resident_slowdown=(_float(sp, "co_resident_slowdown", path, "splits.")
+                              if "co_resident_slowdown" in sp else DEFAULT_CO_RESIDENT_SLOWDOWN),
+        max_waves=_int(sp, "max_waves", path, "splits.") if "max_waves" in sp else DEFAULT_MAX_WAVES,
+        by_group=_by_group(sp["by_group"], path) if "by_group" in sp else (),
+    )
+
+    fi = _dict(doc, "flashinfer", path)
+    _take(fi, ("ctas_per_sm",), path, "flashinfer.")
+    table = fi["ctas_per_sm"]
+    if not isinstance(table, dict) or not table:
+        raise _fail(path, "flashinfer.ctas_per_sm", 'a non-empty object {"<active>": ctas_per_sm}', table)
+    pairs = []
+    for k in table:
+        if not re.fullmatch(r"[1-9][0-9]*", k):
+            raise _fail(path, f"flashinfer.ctas_per_sm.{k}", "keys that are positive integers (active counts)")
+        pairs.append((int(k), _float(table, k, path, "flashinfer.ctas_per_sm.")))
+
+    ver = _dict(doc, "versions", path)
+    _take(ver, _VERSION_KEYS, path, "versions.")
+    versions = tuple((k, _str(ver, k, path, "versions.", nullable=True)) for k in _VERSION_KEYS)
+
+    date = _date(doc, path)
+    slug = _str(doc, "slug", path)
+    if slugify(slug) != slug:
+        raise _fail(path, "slug", f"a slug (lower-case words joined by '-'), e.g. {slugify(slug)!r}", slug)
+
+    time_model, time_by_group = _time_model(doc["time_model"], path) if "time_model" in doc else ((), ())
+    return Calibration(
+        gpu=_str(doc, "gpu", path),
+        slug=slug,
+        sm_count=_int(doc, "sm_count", path),
+        l2_bytes=_int(doc, "l2_bytes", path),
+        beta_gbps=_float(doc, "beta_gbps", path),
+        lambda_us=_float(doc, "lambda_us", path),
+        lambda_graph_us=_float(doc, "lambda_graph_us", path),
+        c_min=_float(doc, "c_min", path),
+        splits=splits,
+        flashinfer_ctas_per_sm=tuple(sorted(pairs)),
+        versions=versions,
+        date=date,
+        seed=_int(doc, "seed", path, positive=False),
+        command=_str(doc, "command", path),
+        provenance=_str(doc, "source", path),
+        source=str(source),
+        time_model=time_model,
+        time_model_by_group=time_by_group,
+        by_kv_dtype=_by_kv_dtype(doc["by_kv_dtype"], path) if "by_kv_dtype" in doc else (),
+    )
+
+
+def calibration_to_dict(cal: Calibration) -> dict:
+    """The schema-1 document of ``cal`` (``source`` and ``fallback`` are not part of a file;
+    ``time_model`` and ``by_kv_dtype`` only when the calibration has them, so older files
+    round-trip unchanged). A :meth:`Calibration.for_kv_dtype` view is refused (ValueError): it
+    has lost its file's other sections."""
+    if cal.kv_dtype is not None:
+        raise ValueError(f"calibration_to_dict: this is the {cal.kv_dtype} view of {cal.source} "
+                         "(Calibration.for_kv_dtype), not a file's calibration")
+    return {
+        "schema": SCHEMA,
+        "gpu": cal.gpu,
+        "slug": cal.slug,
+        "sm_count": cal.sm_count,
+        "l2_bytes": cal.l2_bytes,
+        "beta_gbps": cal.beta_gbps,
+        "lambda_us": cal.lambda_us,
+        "lambda_graph_us": cal.lambda_graph_us,
+        "c_min": cal.c_min,
+        "splits": cal.splits.to_dict(),
+        "flashinfer": {"ctas_per_sm": {str(a): c for a, c in cal.flashinfer_ctas_per_sm}},
+        "versions": dict(cal.versions),
+        "date": cal.date,
+        "seed": cal.seed,
+        "command": cal.command,
+        "source": cal.provenance,
+    } | ({"time_model": _time_model_dict(cal)} if cal.time_model else {}) | (
+        {"by_kv_dtype": {n: sec.to_dict() for n, sec in cal.by_kv_dtype}} if cal.by_kv_dtype else {})
+
+
+def with_kv_dtype_section(cal: Calibration, name: str, section: KvDtypeSection) -> Calibration:
+    """``cal`` (a file's calibration) with its ``by_kv_dtype`` section of ``name`` added or
+    replaced; every other constant, the other sections included, unchanged."""
+    if name not in SECTION_KV_DTYPES:
+        raise ValueError(f"with_kv_dtype_section: {name!r}: expected one of {list(SECTION_KV_DTYPES)}")
+    if cal.kv_dtype is not None:
+        raise ValueError(f"with_kv_dtype_section: this is the {cal.kv_dtype} view, not a file's calibration")
+    return attrs.evolve(cal, by_kv_dtype=tuple(sorted({**dict(cal.by_kv_dtype), name: section}.items())))
+
+
+def _time_model_dict(cal: Calibration) -> dict:
+    d = {k: t.to_dict() for k, t in cal.time_model}
+    if cal.time_model_by_group:
+        d["by_group"] = {str(g): {k: t.to_dict() for k, t in kinds} for g, kinds in cal.time_model_by_group}
+    return d
+
+
+def load_calibration(path) -> Calibration:
+    """Read and validate one calibration file.
+
+    Raises
+    ------
+    CalibrationError
+        for unreadable files, invalid JSON (with line and column), and any schema violation.
+    """
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CalibrationError(f"{path}: cannot read calibration file: {e.strerror or e}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    return calibration_from_dict(doc, source=str(path))
+
+
+def save_calibration(cal: Calibration, path) -> None:
+    """Write ``cal`` as schema-1 JSON; ``load_calibration(path)`` gives it back field for field."""
+    text = json.dumps(calibration_to_dict(cal), indent=2) + "\n"
+    pathlib.Path(path).write_text(text, encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- finding a file
+
+
+def slugify(device_name: str) -> str:
+    """File key of a device name: ``"NVIDIA H200"`` -> ``"nvidia-h200"``.
+
+    Lower-case; every run of characters other than ``[a-z0-9]`` becomes one ``-``; no leading or
+    trailing ``-``. ``"NVIDIA GeForce RTX 3060"`` -> ``"nvidia-geforce-rtx-3060"``.
+    """
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    if not slug:
+        raise ValueError(f"slugify: device name {device_name!r} has no letters or digits")
+    return slug
+
+
+def calibration_dirs() -> list[pathlib.Path]:
+    """Directories searched for ``*.json``, first match wins.
+
+    ``$PKVRT_CALIBRATION_DIR`` if set; then ``<repo>/calibration`` when running from a checkout
+    (the directory next to ``pkvrt/`` holding ``pyproject.toml``), else the installed copy
+    ``pkvrt/_data/calibration``. A set ``$PKVRT_CALIBRATION_DIR`` that is not a directory is an
+    error (CalibrationError naming it), not a silent fallback.
+    """
+    dirs = []
+    if os.environ.get(ENV_DIR):
+        env_dir = pathlib.Path(os.environ[ENV_DIR])
+        if not env_dir.is_dir():
+            raise CalibrationError(f"{ENV_DIR}={env_dir}: expected an existing directory of "
+                                   "calibration files; unset it to use the shipped ones")
+        dirs.append(env_dir)
+    pkg, repo = PACKAGE, CHECKOUT
+    if (repo / "calibration").is_dir() and (repo / "pyproject.toml").is_file():
+        dirs.append(repo / "calibration")
+    else:
+        dirs.append(pkg / "_data" / "calibration")
+    return dirs
+
+
+def _files(dirs: Iterable[pathlib.Path]) -> list[pathlib.Path]:
+    return [f for d in dirs if d.is_dir() for f in sorted(d.glob("*.json"))]
+
+
+def find_calibration(device_name: str | None) -> Calibration:
+    """The calibration whose slug is ``slugify(device_name)``, else the seed profile.
+
+    A file that matches by name (``<slug>.json``) or by its ``slug`` field is used. Without one
+    (or with ``device_name=None``: no GPU), warns naming the device and returns the seed RTX 3060
+    profile with ``fallback=True`` (``source`` is the seed file's path, so results files can
+    still record its hash).
+
+    Raises
+    ------
+    CalibrationError
+        if the matching file is malformed, or no seed profile is found for the fallback.
+    """
+    dirs = calibration_dirs()
+    if device_name is not None:
+        want = slugify(device_name)
+        for f in _files(dirs):
+            if f.stem == want:
+                cal = load_calibration(f)
+                if cal.slug != want:
+                    raise _fail(f, "slug", f"{want!r} to match the file name", cal.slug)
+                return cal
+        for f in _files(dirs):
+            try:
+                doc = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue  # a broken file of another GPU must not block this one
+            if isinstance(doc, dict) and doc.get("slug") == want:
+                return load_calibration(f)
+    for d in dirs:
+        seed = d / f"{DEFAULT_SLUG}.json"
+        if seed.is_file():
+            who = "no CUDA device" if device_name is None else f"device {device_name!r} (slug {slugify(device_name)!r})"
+            warnings.warn(
+                f"pkvrt: no calibration file for {who} in {[str(x) for x in dirs]}; using the seed "
+                f"RTX 3060 profile {seed} as a fallback. Run `pkvrt calibrate` on this GPU.",
+                stacklevel=2,
+            )
+            return attrs.evolve(load_calibration(seed), fallback=True)
+    raise CalibrationError(f"no {DEFAULT_SLUG}.json (the default calibration) in {[str(x) for x in dirs]}")
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def fit_split_points(measurements, *, sm_count: int, num_kv_heads: int, tile_tokens: int = 32,
+                     tolerance: float = 0.02) -> dict:
+    """Pick the split operating points from timed candidate splits.
+
+    Parameters
+    ----------
+    measurements : iterable of mappings
+        one record per timed (case, split): ``case`` (str), ``rows`` (active rows), ``context``
+        (tokens per row), ``splits`` (S), ``us`` (median time); optional ``route``
+        ("bucket" | "workqueue"; absent: rows == 1 -> bucket, rows > 1 -> workqueue, the paper's
+        operating points B1 bucket, B8 workqueue).
+    sm_count, num_kv_heads : int
+        the GPU's SMs and the KV heads of the timed shape (CTAs = rows * num_kv_heads * S).
+    tile_tokens : int
+        ``min_split_tokens`` is a multiple of it.
+    tolerance : float
+        a split within this fraction of a case's best time counts as optimal.
+
+    Returns
+    -------
+    dict
+        ``{"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens"}`` (a ``splits``
+        object for the calibration file); a route with no records is left out.
+
+    Rule. Per case, the chosen split is the *smallest* S whose time is within ``tolerance`` of
+    the case's best (fewer splits = less merge traffic; timings closer than 2% are noise). It
+    becomes CTA work per SM ``rows*num_kv_heads*S/sm_count``; a route's operating point is the
+    median over its cases. ``min_split_tokens`` is the shortest split (context/S) any chosen
+    point uses, rounded down to a tile multiple: the planner never cuts shorter splits than
+    were measured to pay off. Example (RTX 3060, 28 SMs, 8 KV heads): B1 32K times
+    {28: 452, 32: 441, 36: 447} µs -> best 441, within 2% (449.8) are 32 and 36 -> S=32 ->
+    1*8*32/28 = 9.14 CTAs/SM; 32768/32 = 1024 tokens per split.
+    """
+    cases: dict[str, list[Mapping]] = {}
+    for i, rec in enumerate(measurements):
+        for key, kind in (("case", str), ("rows", int), ("context", int), ("splits", int), ("us", (int, float))):
+            if key not in rec or not isinstance(rec[key], kind) or isinstance(rec[key], bool):
+                raise ValueError(f"fit_split_points: measurements[{i}][{key!r}]: expected {kind}, got {rec.get(key)!r}")
+        if rec["rows"] < 1 or rec["context"] < 1 or rec["splits"] < 1 or not rec["us"] > 0:
+            raise ValueError(f"fit_split_points: measurements[{i}]: rows, context, splits, us must be positive: {dict(rec)}")
+        cases.setdefault(rec["case"], []).append(rec)
+    if not cases:
+        raise ValueError("fit_split_points: measurements is empty")
+
+    per_route: dict[str, list[float]] = {}
+    tokens_per_split = []
+    for name, recs in cases.items():
+        shape = {(r["rows"], r["context"], r.get("route")) for r in recs}
+        if len(shape) != 1:
+            raise ValueError(f"fit_split_points: case {name!r} mixes rows/context/route: {sorted(shape, key=str)}")
+        rows, context, route = shape.pop()
+        route = route or ("bucket" if rows == 1 else "workqueue")
+        if route not in ("bucket", "workqueue"):
+            raise ValueError(f"fit_split_points: case {name!r}: route must be 'bucket' or 'workqueue', got {route!r}")
+        best = min(r["us"] for r in recs)
+        s = min(r["splits"] for r in recs if r["us"] <= best * (1 + tolerance))
+        per_route.setdefault(route, []).append(rows * num_kv_heads * s / sm_count)
+        tokens_per_split.append(context // s)
+
+    out: dict = {f"{r}_ctas_per_sm": float(_median(v)) for r, v in sorted(per_route.items())}
+    out["min_split_tokens"] = max(tile_tokens, min(tokens_per_split) // tile_tokens * tile_tokens)
+    return out
+
+
+PARTITION_SLOWDOWNS = tuple(i / 8 for i in range(8, 17))    # co_resident_slowdown tried: 1 .. 2 by 1/8
+PARTITION_OVERHEADS = tuple(i / 2 for i in range(17))        # cta_overhead_tiles tried: 0 .. 8 by 1/2
+PARTITION_MIN_TOKENS = (32, 64, 128, 256)                    # min_split_tokens tried
+
+
+def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, splits,
+                  tile_tokens: int = 32, slowdowns=PARTITION_SLOWDOWNS, overheads=PARTITION_OVERHEADS,
+                  min_tokens=PARTITION_MIN_TOKENS, max_waves: int = DEFAULT_MAX_WAVES) -> tuple[dict, dict]:
+    """Fit the balanced partition's constants to timed partitions of calibration steps.
+
+    Parameters
+    ----------
+    cases : mapping case name -> ``(seq_lens, {s: us})``, the step's lengths and the measured
+        time of the partition cut at every candidate ``s`` (``planner.plan_workqueue(...,
+        longest_splits=s)``).
+    sm_count, resident : the GPU's SMs and the decode kernel's resident CTAs per SM (measured
+        with the driver's occupancy query). max_waves : the partition's CTA cap (not fitted).
+    num_kv_heads : the timed shape's KV heads. splits : the workqueue route's SplitBounds.
+
+    Returns
+    -------
+    (points, regret) : points ``{"workqueue_ctas_per_sm", "co_resident_slowdown",
+        "cta_overhead_tiles", "min_split_tokens"}`` (a ``splits`` update); regret ``{case: us of
+        the rule's pick / best us}`` at those points.
+
+    Rule: every combination of the grids is scored by the geometric mean over the cases of how
+    much slower the partition it picks is than the fastest partition measured, then by the
+    worst case; the best wins, ties to the smallest overhead, then slowdown, then the largest
+    minimum split (the simpler rule). A pick that was not timed scores as the slowest time of
+    its case.
+    """
+    from pkvrt.policy import planner  # planner imports this module: late import keeps them acyclic
+
+    if not cases:
+        raise ValueError("fit_partition: no cases")
+    base = Calibration(gpu="fit", slug="fit", sm_count=sm_count, l2_bytes=1, beta_gbps=1.0,
+                       lambda_us=1.0, lambda_graph_us=1.0, c_min=1.0,
+                       splits=SplitPoints(1.0, float(resident), tile_tokens), flashinfer_ctas_per_sm=((1, 1.0),),
+                       versions=(), date="2026-12-01", seed=0, command="", provenance="")
+    seqs = {}
+    for name, (seq, times) in cases.items():
+        if not times or not all(isinstance(t, (int, float)) and t > 0 for t in times.values()):
+            raise ValueError(f"fit_partition: case {name!r}: expected positive times per candidate, got {times!r}")
+        seqs[name] = (np.asarray(seq, dtype=np.int64), times, min(times.values()), max(times.values()))
+    best_key, best = None, None
+    for k in slowdowns:
+        for f in overheads:
+            for m in min_tokens:
+                cal = attrs.evolve(base, splits=SplitPoints(1.0, float(resident), m, f, k, max_waves))
+                regret = {}
+                for name, (seq, times, fastest, slowest) in seqs.items():
+                    s = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits,
+                                                   cal=cal, tile_tokens=tile_tokens).longest_splits
+                    regret[name] = times.get(s, slowest) / fastest
+                score = float(np.exp(np.mean(np.log(list(regret.values())))))
+                key = (round(score, 6), round(max(regret.values()), 6), f, k, -m)
+                if best_key is None or key < best_key:
+                    best_key, best = key, ({"workqueue_ctas_per_sm": float(resident),
+                                            "co_resident_slowdown": k, "cta_overhead_tiles": f,
+                                            "min_split_tokens": m}, regret)
+    return best
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])

@@ -1,0 +1,335 @@
+"""Per-step route choice: gates -> cost-model predictions -> promotion margin -> one plan.
+
+Each decode step :meth:`Router.decide` looks at the step (active rows, longest context, the
+GQA group size), drops the PersistentKV routes whose gates refuse it (``Route.refusals``;
+ablation routes unless forced by name), predicts ``T_r`` for the FlashInfer baseline and every
+remaining route (:meth:`Router.predict`: the calibration's measured time model, else the seed's
+roofline, :mod:`pkvrt.policy.costmodel`), and promotes the fastest PersistentKV route whose
+predicted speedup ``T_fi / T_r`` clears ``Registry.margin_for(route, active)``; otherwise the
+step stays on FlashInfer. Every route not taken gets a reason, so ``explain()`` can say why.
+
+Cost per step (measured on the 2-core CPU of the dev box, numpy 2, pytest-benchmark medians):
+predictions use closed-form counters (split counts and bucket sizes only, no task arrays),
+about 10 µs for the workqueue and 30 µs for exact buckets at B=8; the full plan is built for
+the chosen route alone (workqueue B=8: 30 µs; B=64: 35 µs), and not at all for the route kinds
+the caller plans on the GPU (``device_plan_kinds``: the Runtime's workqueue and fused routes,
+whose plans the planning kernel builds from the exact lengths). A whole ``decide`` on a bimodal
+B=8 step that picks the workqueue costs about 85 µs (``test_bench_decide_b8``); a step the
+gates send to FlashInfer about 20 µs. With a calibration's measured time model the predictions
+come from launch groups instead of counters (FlashInfer's own split form, one group per bucket):
+bimodal B8 with the H200 constants 195-205 µs against 167 µs with the roofline, measured side by
+side on the (busier) dev box.
+
+Why a memo, not O(1) summaries of the step (active rows, longest and total length): the
+predictions read the whole length vector. The balanced partition's makespan counts every row's
+splits at each candidate chunk and which rows are "big", and the bucket route groups rows by
+length. Two H200 B8 steps with the same summaries (longest 32768, total 47104) are cut and
+predicted differently: ``[32768] + [2048] * 7`` into splits ``[43, 3 x 7]`` (bucket 59.8 µs),
+``[32768, 12800] + [256] * 6`` into ``[47, 19, 1 x 6]`` (bucket 65.1 µs). So the memo keys the
+whole vector at split granularity instead, and a hit costs no planner call for the routes
+planned on the GPU. Measured on the (shared, noisy) 2-core dev box, H200 calibration, B8 steps
+[32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584] growing one token a step, 2000 steps, 16
+misses: ``decide`` median 85-155 µs before (a hit rebuilt the workqueue plan) and 18-30 µs after
+with ``device_plan_kinds``; forced pkv_workqueue / pkv_fused 330-635 µs before (never
+memoized) and 23-39 µs after. A miss predicts every route: 350-390 µs (470-530 before).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pkvrt._buildspec import GROUP_SIZES, HEAD_DIMS, PAGE_SIZES, TILE_TOKENS
+from pkvrt.policy.calibration import Calibration
+from pkvrt.policy.costmodel import predict_route_us
+from pkvrt.policy.planner import (BucketPlan, FlashInferPlan, WorkqueuePlan, bucket_from_checked, check_seq_lens,
+                           flashinfer_counters_from_checked, fused_counters, plan_flashinfer,
+                           workqueue_from_checked)
+from pkvrt.policy.registry import KV_DTYPES, kv_dtype_name
+
+
+@attrs.frozen(eq=False)
+class RouteDecision:
+    """The route of one step, its plan, and why every other route was not taken.
+
+    plan : the chosen route's full plan, or None when its kind is one of the router's
+        ``device_plan_kinds`` (the caller builds it on the GPU; :meth:`Router.full_plan` gives
+        its host twin on demand).
+    predicted_us : every evaluated route -> predicted µs (the baseline always).
+    refused : every route not evaluated or not promoted -> reason.
+    speedup : predicted ``T_flashinfer / T_chosen`` (1.0 on the baseline).
+    """
+
+    route: str
+    kind: str
+    plan: BucketPlan | WorkqueuePlan | FlashInferPlan | None
+    predicted_us: dict[str, float]
+    refused: dict[str, str]
+    speedup: float
+    active: int = 0
+    max_context: int = 0
+    forced: bool = False
+    reused: bool = False   # route taken from the memo (see Router's memo_size); plan exact or None
+
+    def explain(self) -> str:
+        """An aligned table: one line per route with its predicted µs and verdict or reason."""
+        names = list(self.predicted_us) + [n for n in self.refused if n not in self.predicted_us]
+        if self.route not in names:
+            names.insert(0, self.route)
+        w = max(len("route"), *(len(n) for n in names))
+        ctx = (f"longest context {self.max_context} tokens" if self.max_context >= 0 else
+               "lengths on the GPU (device planning)")
+        lines = [f"step: {self.active} active rows, {ctx}"
+                 + (" (forced)" if self.forced else "")
+                 + (" (route reused from an earlier step with the same memo key; predictions "
+                    "below are that step's)" if self.reused else ""),
+                 f"{'route':<{w}}  {'predicted us':>12}  verdict"]
+        for n in names:
+            t = self.predicted_us.get(n)
+            ts = f"{t:12.1f}" if t is not None else f"{'-':>12}"
+            if n == self.route:
+                verdict = "chosen" + ("" if self.speedup == 1.0 else f" ({self.speedup:.3f}x over baseline)")
+            else:
+                verdict = "refused: " + self.refused.get(n, "")
+            lines.append(f"{n:<{w}}  {ts}  {verdict}")
+        return "\n".join(lines)
+
+
+class Router:
+    """Chooses a route per step from a registry (routes.toml) and a calibration.
+
+    Parameters
+    ----------
+    registry : pkvrt.policy.registry.Registry. calibration : pkvrt.policy.calibration.Calibration.
+    num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape.
+    kv_dtype : the K/V cache dtype, a torch dtype or its name ("float16" default, "bfloat16",
+        "float8_e4m3fn"). Routes whose routes.toml ``kv_dtypes`` lack it are refused every
+        step; the baseline must serve it (ValueError otherwise). Every PersistentKV kernel
+        reads float8_e4m3fn K/V (issue 14).
+    dtype_bytes : bytes per K/V element, what the counters and the cost model count (None:
+        from ``kv_dtype``, 2 for fp16/bf16, 1 for FP8). Given, it must agree with ``kv_dtype``.
+    graphs : the runtime replays CUDA graphs (launch overhead ``lambda_graph_us``); False for
+        the seed's eager protocol (``lambda_us``).
+    memo_size : 0 (default): every step is predicted from scratch. N > 0: remember up to N
+        decisions keyed by (force, active rows, distinct lengths, each row's length // q) with
+        q = max(TILE_TOKENS, calibration min_split_tokens), and reuse the route and predictions
+        of the first step with that key; the chosen route's plan is still built from the exact
+        lengths (for ``device_plan_kinds``: not built). The key holds everything the split
+        rules see at split granularity, so a reused route can differ from a fresh one only where
+        predictions sit within a quantum of a margin (a forced route never differs). Why: the
+        prediction of every route is most of ``decide``'s host time (NumPy per-call overhead
+        over tiny arrays: B1 81 -> ~30 us on the dev box, ~250 us on the H200 host before,
+        benches/NOTES.md); the module docstring says why it cannot come from O(1) summaries.
+    device_plan_kinds : route kinds whose plans the caller builds on the GPU (the Runtime
+        passes ``("workqueue", "fused")``): ``decide`` returns ``plan=None`` for them and runs
+        no planner beyond the predictions, memo hit or not. Default (): every decision carries
+        its host plan (``pkvrt plan``, the benches' dry runs).
+    """
+
+    def __init__(self, registry, calibration: Calibration, *, num_qo_heads: int, num_kv_heads: int,
+                 head_dim: int, page_size: int, kv_dtype="float16", dtype_bytes: int | None = None,
+                 graphs: bool = True, memo_size: int = 0, device_plan_kinds=()):
+        kv_dtype = kv_dtype_name(kv_dtype)
+        if dtype_bytes is None:
+            dtype_bytes = KV_DTYPES[kv_dtype]
+        elif dtype_bytes != KV_DTYPES[kv_dtype]:
+            raise ValueError(f"Router: dtype_bytes={dtype_bytes!r}: expected {KV_DTYPES[kv_dtype]}, "
+                             f"the element size of kv_dtype {kv_dtype} (or None)")
+        if kv_dtype not in registry.baseline.kv_dtypes:
+            raise ValueError(f"Router: kv_dtype={kv_dtype}: the baseline route {registry.baseline.name!r} "
+                             f"does not serve it (kv_dtypes = {list(registry.baseline.kv_dtypes)} in "
+                             f"{registry.path}); expected a K/V dtype the baseline serves (it is every "
+                             f"step's fallback)")
+        for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("page_size", page_size), ("dtype_bytes", dtype_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Router: {name}={v!r}: expected a positive integer")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"Router: num_qo_heads={num_qo_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}; expected H_q = G * H_kv")
+        self.registry = registry
+        # by_kv_dtype (an FP8 section), then splits/time_model by_group, where the file has them
+        self.cal = calibration.for_kv_dtype(kv_dtype).for_group(num_qo_heads // num_kv_heads)
+        self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.head_dim, self.page_size, self.dtype_bytes = head_dim, page_size, dtype_bytes
+        self.kv_dtype = kv_dtype
+        self.group_size = num_qo_heads // num_kv_heads
+        self.graphs = graphs
+        self._invalid = self._kernel_gap()
+        self._shape = dict(num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads, head_dim=head_dim,
+                           dtype_bytes=dtype_bytes)
+        if isinstance(memo_size, bool) or not isinstance(memo_size, int) or memo_size < 0:
+            raise ValueError(f"Router: memo_size={memo_size!r}: expected an integer >= 0")
+        self.memo_size = memo_size
+        kinds = ("bucket", "workqueue", "fused")
+        if isinstance(device_plan_kinds, str) or not set(device_plan_kinds) <= set(kinds):
+            raise ValueError(f"Router: device_plan_kinds={device_plan_kinds!r}: expected a subset of "
+                             f"{kinds} (FlashInfer's plan is always built on the host)")
+        self.device_plan_kinds = frozenset(device_plan_kinds)
+        self._memo: dict = {}   # insertion-ordered: the oldest key is evicted first
+        self._quantum = max(TILE_TOKENS, self.cal.splits.min_split_tokens)
+        self.memo_hits = 0
+
+    def _kernel_gap(self) -> str | None:
+        """Why no PersistentKV kernel exists for this shape (None: one does)."""
+        gaps = []
+        if self.head_dim not in HEAD_DIMS:
+            gaps.append(f"head_dim {self.head_dim} not in {list(HEAD_DIMS)}")
+        if self.group_size not in GROUP_SIZES:
+            gaps.append(f"group size {self.group_size} not in {list(GROUP_SIZES)}")
+        if self.page_size not in PAGE_SIZES:
+            gaps.append(f"page_size {self.page_size} not in {list(PAGE_SIZES)}")
+        return "no PersistentKV kernel: " + "; ".join(gaps) if gaps else None
+
+    # -- per route -----------------------------------------------------------------------
+
+    def _route_plan(self, route, seq, *, full: bool):
+        """Counters of ``route`` (``full=False``, closed form) or its whole plan (``full=True``).
+        ``seq`` is already validated (int64 [B])."""
+        kw = dict(self._shape, splits=route.splits, cal=self.cal, tile_tokens=TILE_TOKENS)
+        if route.kind == "bucket":
+            return bucket_from_checked(seq, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths,
+                                       rows=full, **kw)
+        out = workqueue_from_checked(seq, tasks=full, **kw)
+        if route.kind != "fused":
+            return out
+        return attrs.evolve(out, counters=fused_counters(out.counters)) if full else fused_counters(out)
+
+    def predict(self, route, seq) -> float:
+        """Predicted µs of ``route`` on ``seq`` (int64 [B], checked): the calibration's measured
+        time model when it has one (from the step's launch groups), else the roofline (from the
+        route's closed-form counters, built only then): ``costmodel.predict_route_us``."""
+        counters = None
+        if self.cal.route_time(route.kind) is None:
+            counters = (flashinfer_counters_from_checked(seq, num_kv_heads=self.num_kv_heads,
+                                                         head_dim=self.head_dim, dtype_bytes=self.dtype_bytes)
+                        if route.kind == "flashinfer" else self._route_plan(route, seq, full=False))
+        return predict_route_us(route.kind, seq, counters, self.cal, graphs=self.graphs,
+                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                dtype_bytes=self.dtype_bytes, splits=route.splits, bucketing=route.bucketing,
+                                coarse_lengths=route.coarse_lengths)
+
+    # -- the decision --------------------------------------------------------------------
+
+    def decide(self, seq_lens, *, force: str | None = None, block_tables=None) -> RouteDecision:
+        """Pick this step's route and build its plan (None for ``device_plan_kinds``).
+
+        Parameters
+        ----------
+        seq_lens : int [B], tokens per row including the new one (>= 1).
+        force : a route name: take it regardless of its gates (``enabled = false`` included),
+            ablation flag and margin, for ablations; it must still have a kernel for this shape.
+            It is predicted like the others. None: the policy decides.
+        block_tables : int32 [B, max_pages] or None; only used for the FlashInfer plan's CSR.
+
+        Raises
+        ------
+        ValueError
+            bad ``seq_lens``; ``force`` naming an unknown route or one with no kernel.
+        """
+        seq = check_seq_lens(seq_lens)
+        active, max_ctx = int(seq.size), int(seq.max())
+        key = self.memo_key(seq, force)
+        if key is not None:
+            hit = self._memo.get(key)
+            if hit is not None:
+                self.memo_hits += 1
+                return attrs.evolve(hit, plan=self._plan_for(self.registry.route(hit.route), seq, block_tables),
+                                    active=active, max_context=max_ctx, reused=True)
+        reg = self.registry
+        base = reg.baseline
+        if force is not None:
+            names = [r.name for r in reg.routes]
+            if force not in names:
+                raise ValueError(f"force={force!r}: no such route in {reg.path}; known: {', '.join(names)}")
+            if reg.route(force).kind != "flashinfer" and self._invalid:
+                raise ValueError(f"force={force!r}: {self._invalid}")
+            if self.kv_dtype not in reg.route(force).kv_dtypes:
+                raise ValueError(f"force={force!r}: the route does not serve KV dtype {self.kv_dtype} "
+                                 f"(kv_dtypes = {list(reg.route(force).kv_dtypes)} in {reg.path})")
+
+        t_fi = self.predict(base, seq)
+        predicted = {base.name: t_fi}
+        refused: dict[str, str] = {}
+        promotable = []  # (T, route)
+        for r in reg.routes:
+            if r.kind == "flashinfer":
+                continue
+            if self._invalid:
+                refused[r.name] = self._invalid
+                continue
+            if r.name != force:
+                if r.ablation:
+                    refused[r.name] = f"ablation route: runs only when forced (force={r.name!r})"
+                    continue
+                why = r.refusals(group_size=self.group_size, max_context=max_ctx, active=active,
+                                 kv_dtype=self.kv_dtype)
+                if why:
+                    refused[r.name] = "; ".join(why)
+                    continue
+            t = self.predict(r, seq)
+            predicted[r.name] = t
+            if r.name == force:
+                continue
+            margin = reg.margin_for(r, active)
+            speedup = t_fi / t
+            if margin is None:
+                refused[r.name] = (f"boundary rule: no PersistentKV at {active} active rows "
+                                   f"(promotion.boundary margin = inf, allow = false)")
+            elif speedup < margin:
+                b = reg.boundary
+                rule = " (boundary rule)" if active == b.active and not b.allow and margin > r.margin else ""
+                refused[r.name] = f"predicted speedup {speedup:.3f}x < margin {margin:.2f}{rule}"
+            else:
+                promotable.append((t, r))
+
+        if force is not None:
+            chosen = reg.route(force)
+            for t, r in promotable:
+                refused[r.name] = f"not chosen: route {force!r} forced"
+            if chosen.kind != "flashinfer":
+                refused.setdefault(base.name, f"not chosen: route {force!r} forced")
+        elif promotable:
+            t_best, chosen = min(promotable, key=lambda x: x[0])
+            for t, r in promotable:
+                if r is not chosen:
+                    refused[r.name] = f"slower than {chosen.name} ({t:.1f} vs {t_best:.1f} us)"
+            refused[base.name] = f"{chosen.name} predicted {t_fi / t_best:.3f}x faster"
+        else:
+            chosen = base
+        t_chosen = predicted[chosen.name]
+        d = RouteDecision(route=chosen.name, kind=chosen.kind, plan=self._plan_for(chosen, seq, block_tables),
+                          predicted_us=predicted, refused=refused, speedup=t_fi / t_chosen,
+                          active=active, max_context=max_ctx, forced=force is not None)
+        if key is not None:
+            if len(self._memo) >= self.memo_size:
+                del self._memo[next(iter(self._memo))]
+            self._memo[key] = attrs.evolve(d, plan=None)  # a hit re-plans: keep no arrays
+        return d
+
+    def memo_key(self, seq, force: str | None = None) -> tuple | None:
+        """The memo's key of a step (``seq``: int [B], checked): (force, active rows, distinct
+        lengths, each length // quantum); None with the memo off."""
+        if not self.memo_size:
+            return None
+        lens = seq.tolist()
+        return (force, len(lens), len(set(lens)), tuple(n // self._quantum for n in lens))
+
+    def full_plan(self, route: str, seq_lens, block_tables=None):
+        """The full host plan of the route named ``route`` for ``seq_lens`` (int [B]), whatever
+        ``device_plan_kinds`` says: the host twin of a plan the caller built on the GPU (the
+        planning kernel builds the same tasks in the same order; benches and tests read it)."""
+        return self._host_plan(self.registry.route(route), check_seq_lens(seq_lens), block_tables)
+
+    def _plan_for(self, route, seq, block_tables):
+        """The full plan of ``route`` for the exact lengths ``seq``; None for a kind the caller
+        plans on the GPU (``device_plan_kinds``)."""
+        if route.kind in self.device_plan_kinds:
+            return None
+        return self._host_plan(route, seq, block_tables)
+
+    def _host_plan(self, route, seq, block_tables):
+        if route.kind == "flashinfer":
+            return plan_flashinfer(seq, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                   dtype_bytes=self.dtype_bytes, page_size=self.page_size,
+                                   block_tables=block_tables)
+        return self._route_plan(route, seq, full=True)

@@ -1,0 +1,150 @@
+"""The FlashInfer route: FlashInfer's paged decode kernel behind the Runtime's plan/run.
+
+FlashInfer is optional (``pip install pkvrt[flashinfer]``). :func:`load_flashinfer` imports it
+and says why it cannot be used; the Runtime then reports the route unavailable and never takes
+it. When it can, :class:`FlashInferRoute` drives ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
+over the same HND pages the PersistentKV kernels read (CSR from ``pkvrt.policy.blocktables.to_csr``):
+
+* CUDA-graph mode (``Runtime(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
+  (``use_cuda_graph=True`` with fixed ``paged_kv_*_buffer`` tensors). Such a wrapper is built for
+  one batch size, so there is one wrapper per batch size, in an LRU of ``max_wrappers``
+  (8 MiB device + 8 MiB pinned int workspace each, FlashInfer's own). ``plan`` runs on the host
+  every step with pinned CPU ``indptr`` / ``last_page_len`` (FlashInfer's fastest documented host
+  path: its scheduler reads them on the host, and the copies into its buffers are asynchronous)
+  and ``indices`` already on the device; the Runtime captures ``run`` into its own graph like
+  any other route. In graph mode FlashInfer fixes its grid per batch size (``split_kv`` and the
+  padded batch depend only on B), which is what makes replaying a graph after a re-plan valid.
+* eager mode (``use_cuda_graph=False``, the ablation): one plain wrapper, planned every step.
+
+The ``indices`` every wrapper shares is one device buffer owned by the Runtime, passed both as
+``paged_kv_indices_buffer`` and (a prefix view of it) as the ``indices`` argument of ``plan``:
+FlashInfer's ``buf[:n].copy_(indices)`` is then a copy of a view onto itself, which
+``torch.Tensor.copy_`` skips (same storage, offset, sizes and strides), so the indices cross
+PCIe once, in the Runtime's own staging copy. (A CPU ``indices`` tensor would make that copy
+blocking: FlashInfer passes ``non_blocking`` only for same-device indices.)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented example size; shared by every wrapper
+
+
+def load_flashinfer():
+    """``(module, None)`` if FlashInfer imports and has the wrapper we drive, else
+    ``(None, reason)``."""
+    try:
+        import flashinfer
+    except Exception as exc:  # noqa: BLE001 - any import failure makes the route unavailable
+        return None, f"flashinfer failed to import ({type(exc).__name__}: {exc})"
+    if not hasattr(flashinfer, "BatchDecodeWithPagedKVCacheWrapper"):
+        version = getattr(flashinfer, "__version__", "?")
+        return None, (f"flashinfer {version} has no BatchDecodeWithPagedKVCacheWrapper; "
+                      "expected flashinfer-python >= 0.5.3")
+    return flashinfer, None
+
+
+class FlashInferRoute:
+    """FlashInfer decode over HND pages, planned per step, run per layer.
+
+    Parameters
+    ----------
+    flashinfer : the imported module (:func:`load_flashinfer`).
+    num_qo_heads, num_kv_heads, head_dim, page_size, dtype : the attention shape.
+    device : torch.device of the cache. sm_scale : softmax scale (None: 1/sqrt(head_dim)).
+    tensor_cores : FlashInfer's tensor-core decode path (``use_tensor_cores``) or its CUDA-core
+        one. On the H200 at G=4 the tensor-core path measured faster (B1 32K: 44 vs 52 us).
+    cuda_graph : FlashInfer's CUDA-graph mode (one wrapper per batch size) or eager.
+    indices_buffer : int32 [capacity] device buffer every wrapper reads its page ids from.
+    max_wrappers : wrappers kept in graph mode (least recently used dropped first).
+    """
+
+    def __init__(self, flashinfer, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 page_size: int, dtype, device, sm_scale: float | None, tensor_cores: bool,
+                 cuda_graph: bool, indices_buffer, max_wrappers: int = 16):
+        import torch
+
+        self._fi = flashinfer
+        self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.head_dim, self.page_size, self.dtype = head_dim, page_size, dtype
+        self.device, self.sm_scale = device, sm_scale
+        self.tensor_cores, self.cuda_graph = tensor_cores, cuda_graph
+        self.max_wrappers = max_wrappers
+        self._indices = indices_buffer
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrappers: OrderedDict[int, tuple[int, object]] = OrderedDict()  # B -> (serial, wrapper)
+        self._serial = 0
+        self._current = None
+        self._plan_events: dict[int, object] = {}   # wrapper serial -> event after its last plan
+        self.wrappers_built = 0
+        if not cuda_graph:
+            self._eager = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "HND", use_tensor_cores=tensor_cores)
+
+    def _wrapper(self, batch: int) -> tuple[int, object]:
+        """The graph-mode wrapper for ``batch`` rows and its serial number (built on first use)."""
+        import torch
+
+        hit = self._wrappers.get(batch)
+        if hit is not None:
+            self._wrappers.move_to_end(batch)
+            return hit
+        self._serial += 1
+        w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=self._indices,
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device))
+        self.wrappers_built += 1
+        self._wrappers[batch] = (self._serial, w)
+        while len(self._wrappers) > self.max_wrappers:
+            _, (old, _) = self._wrappers.popitem(last=False)  # its graphs keep their key (serial)
+            ev = self._plan_events.pop(old, None)             # and never hit again; its pinned
+            if ev is not None:                                # buffer may be reused by the next
+                ev.synchronize()                              # wrapper: its last copy must be done
+        return self._serial, w
+
+    def plan(self, indptr, indices, last_page_len) -> int:
+        """Plan this step. Returns the serial number of the wrapper planned (0 in eager mode);
+        a graph captured on one wrapper must be keyed by it.
+
+        indptr : int32 [B+1] pinned CPU tensor; last_page_len : int32 [B] pinned CPU tensor;
+        indices : int32 [nnz] view of ``indices_buffer`` (already on the device).
+
+        FlashInfer's plan() writes its schedule into a pinned host buffer of the wrapper and
+        copies it to the device asynchronously, with no guard against the next plan() of the same
+        wrapper rewriting that buffer before the copy has run. A host running ahead of the GPU
+        (graph replays make that easy) then hands a step another step's schedule: wrong output,
+        or an illegal memory access in FlashInfer's merge. So an event recorded after each
+        plan() is waited on before that wrapper plans again (a no-op unless the host is a whole
+        step ahead).
+        """
+        import torch
+
+        batch = last_page_len.shape[0]
+        if self.cuda_graph:
+            serial, w = self._wrapper(batch)
+        else:
+            serial, w = 0, self._eager
+        ev = self._plan_events.get(serial)
+        if ev is not None:
+            ev.synchronize()  # this wrapper's last plan copy has run: its pinned buffer is free
+        else:
+            ev = self._plan_events[serial] = torch.cuda.Event()
+        w.plan(indptr, indices, last_page_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+               self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+               sm_scale=self.sm_scale, non_blocking=True)
+        ev.record()
+        self._current = w
+        return serial
+
+    def run(self, q, k_cache, v_cache, out) -> None:
+        """Launch FlashInfer's decode on the current stream (capturable). q, out [B, H_q, D];
+        k_cache, v_cache [num_pages, H_kv, page_size, D] (HND)."""
+        self._current.run(q, (k_cache, v_cache), out=out)
+
+    def stats(self) -> dict:
+        return {"wrappers_alive": len(self._wrappers) if self.cuda_graph else 1,
+                "wrappers_built": self.wrappers_built if self.cuda_graph else 1,
+                "tensor_cores": self.tensor_cores}

@@ -1,0 +1,291 @@
+"""``Runtime.plan()``: the step's route, its plan staged or built on the GPU, nothing synchronized.
+
+Host lengths: check the step (:mod:`pkvrt.runtime.checks`), let the router choose, then stage it:
+a workqueue/fused step copies lengths and block-table rows to the planning buffers (one copy
+from pinned staging) and replays the planning graph; a bucket step stages its host plan; a
+FlashInfer step runs FlashInfer's plan. Device lengths (``device_planning``): two device copies
+and the planning graph, capturable in an engine's own graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pkvrt import _buildspec
+from pkvrt.launch import ops
+from pkvrt.policy import fallback
+from pkvrt.policy.planner import device_plan_targets
+from pkvrt.policy.router import RouteDecision
+from pkvrt.runtime import graphs
+from pkvrt.runtime.buffers import DEVICE_PLANNED, RING, _Staging, _Step
+from pkvrt.runtime.checks import NESTED_CAPTURE, StepInput, check_device_step, check_step
+from pkvrt.runtime.graphs import Capacities, grow, needed_capacities, stage_bucket
+
+
+class Planning:
+    """``plan()`` and the staging behind it (a piece of :class:`pkvrt.runtime.Runtime`)."""
+
+    def _capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (an engine's)."""
+        return self._cuda and torch.cuda.is_current_stream_capturing()
+
+    def plan(self, seq_lens, block_tables, *, force: str | None = None) -> RouteDecision:
+        """Choose this step's route and enqueue its plan. Call once per decode step.
+
+        Host lengths (the default): check the step, let the router choose the route, then for a
+        workqueue/fused route copy the lengths and block-table rows into the planning buffers
+        (one H2D copy from pinned staging) and replay the planning graph, which builds the
+        tasks on the GPU; a bucket route stages its host plan (two copies); FlashInfer plans
+        itself. Nothing synchronizes (unless the host runs two steps ahead of the GPU).
+
+        Parameters
+        ----------
+        seq_lens : int [B], tokens per row including the new one (>= 1). Fastest: a CPU int32
+            numpy array or (pinned) CPU tensor. A CUDA tensor works but costs one synchronizing
+            D2H copy (the router runs on the host).
+        block_tables : int [B, max_pages], logical -> physical page; entries past a row's
+            ceil(seq_len / page_size) pages are never read (padding, e.g. -1). Same host/device
+            advice as seq_lens.
+        force : a route name of routes.toml to run regardless of gates and margins (ablations,
+            tests); None: the policy decides.
+
+        Returns
+        -------
+        RouteDecision (also ``self.last_decision``); ``explain()`` says why. Its ``plan`` is None
+        for a workqueue/fused route (built on the GPU; ``self.router.full_plan(route, seq_lens)``
+        gives the identical host twin).
+
+        Raises
+        ------
+        ValueError naming the argument (seq_lens, block_tables, force; a batch of more than
+        ``ops.PLAN_MAX_ROWS`` = 1024 rows on a workqueue/fused route); the runtime's state is
+        unchanged then (the previous plan stays in effect). If plan() raises after its checks (a
+        failed copy or launch), no step is planned until the next successful plan().
+
+        With ``device_planning``: seq_lens [B] and block_tables [B, W] are int32 tensors on the
+        Runtime's device (CPU int32 tensors work outside graph capture, as a host-to-device copy
+        that a pageable source makes synchronous); only their shapes, dtypes and devices are
+        checked on the host, the lengths and the page ids each length uses on the GPU, against
+        ``num_pages`` (:meth:`device_status`).
+        """
+        capturing = self._capturing()
+        if capturing:
+            if not self.device_planning:
+                raise RuntimeError("Runtime.plan: called during CUDA-graph capture; host planning "
+                                   "stages the plan in host memory and cannot be captured. Build the "
+                                   "Runtime with device_planning=True, use_cuda_graph=False to "
+                                   "capture whole steps in your own graph")
+            if self.use_cuda_graph:
+                raise RuntimeError(NESTED_CAPTURE.format("plan"))
+        if self.device_planning:
+            return self._plan_on_device(seq_lens, block_tables, force, capturing)
+        step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
+                          max_pages_per_row=self.max_pages_per_row, validate=self.validate)
+        d = fallback.decide(self.router, step.seq, step.block_tables, force=force,
+                   flashinfer_unavailable=self._fi_reason, fallback_memo=self._fallback_memo)
+        b = step.seq.size
+        on_gpu = d.kind in DEVICE_PLANNED
+        if on_gpu and b > ops.PLAN_MAX_ROWS:
+            raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows on route {d.route!r}: its plan "
+                             f"is built by the planning kernel, which plans at most "
+                             f"{ops.PLAN_MAX_ROWS} rows (one CTA); force the bucket or FlashInfer "
+                             "route for larger batches")
+        if d.kind == "bucket":
+            need = needed_capacities(d.kind, d.plan)
+            if need.slots > self._cap.slots or need.tasks > self._cap.tasks:
+                self._alloc(Capacities(slots=grow(self._cap.slots, need.slots),
+                                       tasks=grow(self._cap.tasks, need.tasks)))
+        s = self._ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) % RING
+        if s.event is not None:
+            s.event.synchronize()  # its last copies are done (a no-op unless the host is a step ahead)
+        else:
+            s.event = torch.cuda.Event()
+        self._step = None   # until this step is fully enqueued: a failure below leaves no plan
+        if d.kind == "flashinfer":
+            structure, gb = self._stage_flashinfer(s, d.plan, b), b
+        elif on_gpu:
+            structure, gb = self._stage_device_plan(s, self._dp_routes[d.route], step), graphs.padded_batch(b)
+        else:
+            structure, gb = self._stage_bucket(s, d, step), graphs.padded_batch(b)
+        s.event.record()
+        self._step = _Step(route=d.route, kind=d.kind, batch=b, gbatch=gb, structure=structure,
+                           max_page_id=step.max_page_id)
+        self.last_decision = d
+        self._counts["plans"] += 1
+        return d
+
+    def _plan_on_device(self, seq_lens, block_tables, force: str | None,
+                        capturing: bool) -> RouteDecision:
+        """plan() with device-side planning (see the constructor's ``device_planning``)."""
+        seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
+                                    max_batch=self.max_batch)
+        b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
+        # routes.toml [device_planning]: `route`, or `small_route` for steps of <= small_rows rows
+        name = self.registry.device_planning_route(b).name if force is None else force
+        route = self._dp_routes.get(name)
+        if route is None:
+            raise ValueError(f"Runtime.plan: force={force!r}: with device_planning expected one of "
+                             f"the workqueue/fused routes {sorted(self._dp_routes)}")
+        if self._kv_dtype not in route.kv_dtypes:
+            raise ValueError(f"Runtime.plan: force={force!r}: route {name!r} does not serve KV dtype "
+                             f"{self._kv_dtype} (kv_dtypes = {list(route.kv_dtypes)} in routes.toml)")
+        w = min(bt.shape[1], self.max_pages_per_row)
+        if capturing and (seq.device != self.device or bt.device != self.device):
+            raise ValueError("Runtime.plan: seq_lens/block_tables on the CPU during CUDA-graph "
+                             "capture: the graph would read host memory captured by address; "
+                             f"pass int32 tensors on {self.device}")
+        self._step = None   # until this step is fully enqueued: a failure below leaves no plan
+        self._d_seq[:b].copy_(seq, non_blocking=True)
+        self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
+        # The device scalars are rewritten only when they change, until an engine captures a
+        # plan(): its replays then rewrite them behind the host's back, so from then on always.
+        self._d_scalars_cached &= not capturing
+        rows, max_seq = b, w * self.page_size
+        if not self._d_scalars_cached or rows != self._d_scalars[0]:
+            self._d_rows.fill_(rows)
+        if not self._d_scalars_cached or max_seq != self._d_scalars[1]:
+            self._d_max_seq.fill_(max_seq)
+        self._d_scalars = (rows, max_seq)
+        grid = self._enqueue_device_plan(route, gb)
+        self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
+                           max_page_id=-1)
+        others = self._dp_refused.get(route.name)
+        if others is None:   # built once per route, not every step
+            others = self._dp_refused[route.name] = {
+                r.name: f"device_planning runs {route.name} on this step's row count (routes.toml "
+                        "[device_planning]; no host routing)"
+                for r in self.registry.routes if r.name != route.name}
+        self.last_decision = RouteDecision(route=route.name, kind=route.kind, plan=None,
+                                           predicted_us={}, refused=others, speedup=1.0, active=b,
+                                           max_context=-1, forced=force is not None)
+        self._counts["plans"] += 1
+        return self.last_decision
+
+    def _stage_device_plan(self, s: _Staging, route, step: StepInput) -> int:
+        """A host-routed workqueue/fused step: its row count, the longest length the block-table
+        buffer holds (the host checked the lengths already), the lengths and the block-table
+        rows go to the planning head and the block tables in one copy from pinned staging (they
+        are one allocation); then the planning kernel builds the tasks on the GPU
+        (:meth:`_enqueue_device_plan`). Returns the graph structure: the planning grid."""
+        b, a = step.seq.size, graphs.ALIGN
+        m = s.meta_np
+        m[0], m[1] = b, self.max_pages_per_row * self.page_size
+        m[a:a + b] = step.seq
+        n = self._head + self._stage_block_tables(s, step)
+        self._bt_store[:n].copy_(s.store[:n], non_blocking=True)
+        self._counts["h2d_copies"] += 1
+        return self._enqueue_device_plan(route, graphs.padded_batch(b))
+
+    def _enqueue_device_plan(self, route, gbatch: int) -> int:
+        """Plan ``route`` on the GPU for the lengths, row count and block tables already enqueued
+        into the planning buffers: replay the captured planning graph of (route, gbatch) (capture
+        it on a miss; an eager launch with graphs off). Returns the grid: the task slots of the
+        padded batch (:meth:`_device_grid_tasks`), the same for every step of that batch, so the
+        decode graphs keyed by it replay while the lengths change."""
+        grid = self._device_grid_tasks(route, gbatch)   # <= the capacity sized at construction
+        key = ("device-plan", route.name, gbatch, grid, self._generation)
+        launch = lambda: self._launch_device_plan(route, gbatch, grid)  # noqa: E731
+        if not self.use_cuda_graph:
+            launch()
+        elif (e := self._graphs.get(key)) is not None:
+            e.graph.replay()
+            self._counts["replays"] += 1
+        else:
+            self._capture(key, launch)
+        return grid
+
+    def _launch_device_plan(self, route, gbatch: int, grid: int) -> None:
+        L, cal = self._layout, self.calibration
+        ops.plan_workqueue_device(
+            self._d_seq[:gbatch], self._d_rows,
+            self._arena[L.tasks:L.tasks + 5 * grid].view(grid, 5),
+            self._v_num_tasks, self._arena[L.split_offsets:L.split_offsets + gbatch + 1],
+            self._d_num_splits[:gbatch], self._d_status, self._d_cands[route.name],
+            num_kv_heads=self.num_kv_heads,
+            min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
+            max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch], num_pages=self._d_num_pages,
+            page_size=self.page_size, **device_plan_targets(cal))
+
+    def _check_page_bound(self, cache_pages: int) -> None:
+        """The planning kernel checks page ids against ``num_pages``. Device planning: a cache
+        with fewer pages would let an unchecked id through, so it is refused; without
+        ``num_pages`` the first cache sets the bound (from the next plan() on: the first step's
+        ids were not checked). Host routing (ids >= 0 checked at plan() and < the cache's pages at
+        run() with ``validate``): the bound is the smallest cache given so far, never an error."""
+        if not self.device_planning:
+            if self._num_pages is None or cache_pages < self._num_pages:
+                self._num_pages = int(cache_pages)
+                self._d_num_pages.fill_(self._num_pages)
+            return
+        if self._num_pages is None:
+            self._num_pages = int(cache_pages)
+            self._d_num_pages.fill_(self._num_pages)
+        elif cache_pages < self._num_pages:
+            raise ValueError(f"Runtime.run: k_cache has {cache_pages} pages but device planning "
+                             f"checks page ids against num_pages={self._num_pages}; pass a cache "
+                             f"of at least that many pages (or construct with num_pages="
+                             f"{cache_pages})")
+
+    def device_status(self, *, raise_on_error: bool = True) -> int:
+        """The device planner's status word of the last planned step (synchronizes the stream):
+        0 = fine; bit 0 = task capacity exceeded (cannot happen with the runtime's own sizing);
+        bit 1 = a row's seq_len was outside [1, block-table columns * page_size]; bit 2 = a row's
+        block table held a page id outside [0, num_pages) among the pages its length uses
+        (either way that row got no work and its output row was not computed). Raises
+        RuntimeError on a nonzero word unless ``raise_on_error`` is False. Host routing: the
+        word of the last step if it was a workqueue/fused step (its ids checked on the GPU
+        against the smallest cache run() was given, or ``num_pages``); 0 without a sync after a
+        bucket or FlashInfer step (planned on the host)."""
+        if not self._dp_routes:
+            raise RuntimeError("Runtime.device_status: nothing is planned on the GPU (routes.toml "
+                               "has no workqueue or fused route)")
+        if self._step is not None and self._step.kind not in DEVICE_PLANNED:
+            return 0
+        word = int(self._d_status.item())
+        if word and raise_on_error:
+            what = []
+            if word & 2:
+                what.append("a row's seq_len was outside [1, block_tables columns * page_size]: "
+                            "that row got no work and its output row was not computed")
+            if word & 4:
+                what.append(f"a row's block table held a page id outside [0, num_pages = "
+                            f"{self._num_pages}): that row got no work and its output row was not "
+                            "computed")
+            if word & 1:
+                what.append("the plan needed more tasks than the grid holds")
+            raise RuntimeError("Runtime.device_status: " + "; ".join(what))
+        return word
+
+    def _stage_bucket(self, s: _Staging, d: RouteDecision, step: StepInput):
+        """A bucket step: lengths, row ids and merge offsets into the pinned arena, one copy, and
+        the block tables. Planned on the host: its structure (one decode launch per bucket, grid
+        padded rows x H_kv x S, and a merge where S > 1) is the graph's shape, which the host must
+        know to pick the graph to replay; a device-built bucket plan would need a device-to-host
+        sync per step or a graph of the worst-case bucket count."""
+        L, a, b = self._layout, s.arena_np, step.seq.size
+        a[L.seq_lens:L.seq_lens + b] = step.seq
+        structure, used = stage_bucket(a, L, d.plan)
+        self._arena[:used].copy_(s.arena[:used], non_blocking=True)
+        n = self._stage_block_tables(s, step)
+        self._bt_flat[:n].copy_(s.bt[:n], non_blocking=True)
+        self._counts["h2d_copies"] += 2
+        return structure
+
+    def _stage_block_tables(self, s: _Staging, step: StepInput) -> int:
+        """Write the B x max_pages entries the kernels may read into pinned staging; return the
+        elements to copy: one contiguous range of rows 0..B-1 (row stride max_pages_per_row,
+        the kernels' bt_stride; the tails are never read)."""
+        b, w = step.seq.size, step.max_pages
+        s.bt_np[:b, :w] = step.block_tables[:, :w]
+        return (b - 1) * self.max_pages_per_row + w
+
+    def _stage_flashinfer(self, s: _Staging, plan, b: int) -> int:
+        nnz = plan.indices.size
+        s.fi_indptr.numpy()[:b + 1] = plan.indptr
+        s.fi_lpl.numpy()[:b] = plan.last_page_len
+        s.fi_indices.numpy()[:nnz] = plan.indices
+        idx = self._fi_indices[:nnz]
+        idx.copy_(s.fi_indices[:nnz], non_blocking=True)
+        self._counts["h2d_copies"] += 1
+        return self._fi.plan(s.fi_indptr[:b + 1], idx, s.fi_lpl[:b])

@@ -1,0 +1,195 @@
+"""``Runtime.run()``: one layer of the planned step, as a replay of the graph of its key.
+
+The key (route, padded batch, structure, tensors: :func:`pkvrt.runtime.graphs.graph_key`) is
+captured on its first use and replayed after; eager launches with ``use_cuda_graph=False``.
+q/out that are the static buffers are read and written in place; others are copied through them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pkvrt.launch import ops
+from pkvrt.runtime import graphs
+from pkvrt.runtime.buffers import DEVICE_PLANNED, _Step
+from pkvrt.runtime.checks import NESTED_CAPTURE, check_run_args
+from pkvrt.runtime.graphs import bucket_sections
+
+
+class Running:
+    """``run()`` and the launches a graph captures (a piece of :class:`pkvrt.runtime.Runtime`)."""
+
+    def static_q(self, batch: int) -> torch.Tensor:
+        """The static q buffer as [batch, H_q, D]. Write q here and pass it to run() (with
+        ``out=static_out(batch)``): graphs then read it in place, no staging copies."""
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"Runtime.static_q: batch={batch}: expected 1..max_batch={self.max_batch}")
+        return self._sq[:batch]
+
+    def static_out(self, batch: int) -> torch.Tensor:
+        """The static out buffer as [batch, H_q, D] (see :meth:`static_q`)."""
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"Runtime.static_out: batch={batch}: expected 1..max_batch={self.max_batch}")
+        return self._so[:batch]
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of the planned step for one layer. Call once per layer.
+
+        Parameters
+        ----------
+        q : [B, H_q, D], B = the batch of the last plan(). k_cache, v_cache :
+            [num_pages, H_kv, page_size, D] (HND), the Runtime's kv_dtype. out : [B, H_q, D] or
+            None (allocated then: pass ``out`` for an allocation-free call).
+        k_scale, v_scale : FP8 KV cache (``kv_dtype=torch.float8_e4m3fn``) only, and required
+            then: float32 [1] (per tensor) or [H_kv] (per KV head) contiguous tensors on the
+            Runtime's device, this layer's dequantization scales (K = e4m3 * k_scale[head]). The
+            kernels read them when they run: a graph replay uses the values they hold then, so
+            update them in place (``copy_``) to change scales without re-capture; another tensor
+            is another graph key. With ``validate`` their values (finite, > 0) are read back once
+            per tensor and again after each in-place change made through PyTorch (its version
+            counter; one device sync each time, never during capture).
+
+        Returns
+        -------
+        out : [B, H_q, D].
+
+        With graphs, a call replays the graph keyed by the step and these tensors
+        (:mod:`pkvrt.runtime.graphs`). q/out that are :meth:`static_q`/:meth:`static_out` are read and
+        written in place. Other q/out tensors: the first time a key is seen, q is copied into the
+        static buffer, the static graph replayed and the static out copied to ``out`` (2 device
+        copies, ``stats()['staging_copies']``); a key seen again gets its own graph, reading q
+        and writing out in place. A miss captures (a device sync and ~ms, ``stats()``).
+
+        Raises
+        ------
+        ValueError naming the tensor (dtype, device, shape, layout, page ids beyond num_pages, a
+        missing, misshapen or non-finite scale); nothing is launched and ``out`` is untouched
+        then. RuntimeError before any plan().
+        """
+        st = self._step
+        if st is None:
+            raise RuntimeError("Runtime.run: no step planned; call plan(seq_lens, block_tables) once "
+                               "per decode step first")
+        check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
+                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
+                       dtype=self.dtype, device=self.device, max_page_id=st.max_page_id,
+                       kv_dtype=self.kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        if self._dp_routes:
+            self._check_page_bound(k_cache.shape[0])
+        capturing = self._capturing()
+        if self._fp8 and self.validate and not capturing:
+            self._check_scale_values(k_cache, v_cache, k_scale, v_scale)
+        if out is None:
+            out = torch.empty_like(q)
+        if self.use_cuda_graph and capturing:
+            raise RuntimeError(NESTED_CAPTURE.format("run"))
+        scales = (k_scale, v_scale)
+        if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
+            self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0)
+            st.runs += 1
+            self._counts["eager_runs"] += 1
+            return out
+        # The scale tensors are baked in by address, like the caches (their values are read at replay).
+        kv = (graphs.tensor_key(k_cache), graphs.tensor_key(v_cache))
+        if self._fp8:
+            kv += (graphs.tensor_key(k_scale), graphs.tensor_key(v_scale))
+        head = (st.route, st.kind, st.gbatch, st.structure, self._generation, kv)
+        if q.data_ptr() == self._sq_ptr and out.data_ptr() == self._so_ptr:
+            self._run_static(st, head, k_cache, v_cache, scales)
+            return out
+        key = head + ((graphs.tensor_key(q), graphs.tensor_key(out)),)
+        e = self._graphs.get(key)
+        if e is not None:
+            e.graph.replay()
+            self._counts["replays"] += 1
+        elif self._seen.check_and_add(key):
+            self._capture(key, lambda: self._launch(st, q, k_cache, v_cache, out, scales))
+        else:
+            self._sq[:st.batch].copy_(q)
+            self._run_static(st, head, k_cache, v_cache, scales)
+            out.copy_(self._so[:st.batch])
+            self._counts["staging_copies"] += 2
+        return out
+
+    def _check_scale_values(self, k_cache, v_cache, k_scale, v_scale) -> None:
+        """validate: every scale finite and > 0 (``ops.check_kv_scales(check_values=True)``: a
+        device sync), unless both tensors were checked before and not changed in place through
+        PyTorch since (same address, same ``Tensor._version``); ValueError naming the scale."""
+        if all(self._scale_versions.get(s.data_ptr()) == s._version for s in (k_scale, v_scale)):
+            return
+        try:
+            ops.check_kv_scales(k_cache, v_cache, k_scale, v_scale, check_values=True)
+        except ops.KernelArgumentError as e:
+            raise ValueError(f"Runtime.run: {e}") from None
+        if len(self._scale_versions) > 4096:   # bounded: addresses of freed tensors are dropped
+            self._scale_versions.clear()
+        for s in (k_scale, v_scale):
+            self._scale_versions[s.data_ptr()] = s._version
+
+    def _run_static(self, st: _Step, head: tuple, k_cache, v_cache, scales=(None, None)) -> None:
+        key = head + (graphs.STATIC,)
+        e = self._graphs.get(key)
+        if e is not None:
+            e.graph.replay()
+            self._counts["replays"] += 1
+            return
+        gb = st.gbatch
+        self._capture(key, lambda: self._launch(st, self._sq[:gb], k_cache, v_cache, self._so[:gb],
+                                                scales))
+
+    def _capture(self, key, launch) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        entry = graphs.capture(launch, side_stream=self._side, pool=self._pool, device=self.device)
+        self._graphs.put(key, entry)
+        self._counts["captures"] += 1
+        self._counts["capture_seconds"] += time.perf_counter() - t0
+
+    def _views(self, st: _Step):
+        """Launch views of the static buffers for this step (built once per step)."""
+        if st.views is None:
+            if st.kind == "bucket":
+                a = self._arena
+                st.views = [(a[r:r + pad], s, None if m is None else a[m:m + pad + 1])
+                            for r, pad, s, m in bucket_sections(self._layout, st.structure)]
+            elif st.kind in ("workqueue", "fused"):
+                L, cap, gb = self._layout, st.structure, st.gbatch
+                tasks = self._arena[L.tasks:L.tasks + 5 * cap].view(cap, 5)
+                offsets = self._arena[L.split_offsets:L.split_offsets + gb + 1]
+                counters = self._counters[:gb] if st.kind == "fused" else None
+                st.views = (tasks, offsets, counters)
+        return st.views
+
+    def _launch(self, st: _Step, q, k_cache, v_cache, out, scales=(None, None),
+                early_kv: bool = False) -> None:
+        """The step's kernel launches on the current stream (what a graph captures).
+
+        ``scales``: (k_scale, v_scale) of an FP8 cache (pointers the kernels read at run time).
+
+        ``early_kv``: the workqueue decode may read the plan and copy its first K/V tiles before
+        the previous kernel of the stream has finished (``ops.workqueue_decode``). Set by
+        :meth:`run` for every launch of a step but the first when the runtime launches eagerly
+        (or inside an engine's captured step): the kernel before it is then the previous
+        layer's, never the plan's. The runtime's own per-layer graphs start with a graph
+        boundary, where nothing overlaps, so they never set it."""
+        if st.kind == "flashinfer":
+            self._fi.run(q, k_cache, v_cache, out)
+            return
+        views = self._views(st)
+        seq = self._d_seq if st.kind in DEVICE_PLANNED else self._v_seq
+        pa, pm, bt = self._part_a, self._part_ml, self._bt
+        sk = dict(k_scale=scales[0], v_scale=scales[1]) if self._fp8 else {}
+        if st.kind == "bucket":
+            for rows, s, moffs in views:
+                ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale, **sk)
+                if moffs is not None:
+                    ops.merge(pa, pm, moffs, out, row_ids=rows)
+            return
+        tasks, offsets, counters = views
+        ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
+                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **sk)
+        if st.kind == "workqueue":
+            ops.merge(pa, pm, offsets, out, skip_single=True)

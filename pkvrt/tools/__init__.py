@@ -1,0 +1,12 @@
+"""Tools: the ``pkvrt`` command and what only it runs.
+
+- :mod:`~pkvrt.tools.cli`: ``pkvrt routes`` and the subcommand table (``python -m pkvrt``).
+- :mod:`~pkvrt.tools.plan_cmd`: ``pkvrt plan``, the router's decisions over a trace (no GPU).
+- :mod:`~pkvrt.tools.bench`: ``pkvrt bench``, the isolated and serving benches.
+- :mod:`~pkvrt.tools.calibrate`, :mod:`~pkvrt.tools.sweeps`: ``pkvrt calibrate``, the sweeps
+  that measure a GPU's constants and the fit of the time model.
+- :mod:`~pkvrt.tools.report`: ``pkvrt report``, results files into Markdown tables and plots.
+- :mod:`~pkvrt.tools.doctor`: ``pkvrt doctor``, what this machine can run and why not.
+
+May import everything in pkvrt; nothing in pkvrt imports it (but ``pkvrt/__main__.py``).
+"""

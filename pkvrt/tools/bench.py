@@ -1,0 +1,338 @@
+"""Time pkvrt against FlashInfer on a serving trace (``serving``) or isolated kernels (``isolated``).
+
+``pkvrt bench serving`` replays continuous decode over a trace (a synthetic family, the shipped
+``mixed`` fixture or a CSV/JSON file) on the GPU, once per seed: FlashInfer (the fastest of its
+decode paths on probe steps: the CUDA-core, tensor-core and cuDNN wrappers, planned every step,
+and XQA; pkvrt/measure/fi_engines.py) against the pkvrt Runtime (adaptive routing, CUDA graphs) and any
+forced route. Correctness is checked before timing; every engine gets CUDA-event and
+synchronized wall times per step. It writes a results JSON (one row per case and engine, plus
+ratio rows) and a ``.steps.json`` of per-step records next to it; ``pkvrt report`` turns a
+directory of them into tables and plots. The protocol is described in pkvrt/measure/harness.py.
+
+Without a CUDA GPU it says so and runs the planner instead (``pkvrt plan`` on the same trace:
+route per step, counters, cost-model predictions), exit status 0.
+
+Without a MODE (no arguments, or an option first) it is ``serving``: ``pkvrt bench --trace zipf``
+is ``pkvrt bench serving --trace zipf``; ``pkvrt bench`` alone runs serving with its defaults.
+
+``--kv-dtype fp8`` (issue 14) runs the same protocol over float8_e4m3fn K/V pages with fp16 (or
+bf16) q and out: per-tensor scales (``--fp8-scales unit``, the default: a cast with scales 1;
+``amax``: amax / 448), one scale tensor pair per layer, every pkvrt engine with
+``kv_dtype=torch.float8_e4m3fn``, FlashInfer's FP8-KV paths as the baseline's candidates (cuDNN
+has none with fp16 q: recorded unavailable with its reason), every engine checked against FP32
+attention over the dequantized cache; case names end in ``-fp8`` (pkvrt/measure/harness.py).
+
+``pkvrt bench isolated -- [ARGS]`` runs benches/isolated.py (the Table 1 kernel benchmark) with
+ARGS, e.g. ``pkvrt bench isolated -- --cases B1-32K,B8-32K``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import attrs
+
+from pkvrt.measure import fi_engines, harness, results
+from pkvrt.measure.traces import FAMILIES, resolve_trace
+from pkvrt.policy import calibration as calib
+from pkvrt.policy import registry as reg_mod
+from pkvrt.tools.cli import add_shape_arguments, check_shape_arguments, positive_int
+
+HELD_OUT_SEEDS = "20260623,20260624,20260625,20260626,20260627"
+ISOLATED = results.ROOT / "benches" / "isolated.py"
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        return harness.parse_seeds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def default_mode(argv: list[str]) -> list[str]:
+    """The arguments after ``bench``, with ``serving`` put first where they name no MODE (none at
+    all, or an option other than -h/--help first): ``--trace zipf`` -> ``serving --trace zipf``.
+    pkvrt/tools/cli.py applies it before parsing."""
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        return ["serving", *argv]
+    return argv
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pkvrt bench``: the ``serving`` and ``isolated`` modes."""
+    sub = parser.add_subparsers(dest="mode", metavar="MODE", required=True,
+                                help="serving (the default when no MODE is given) or isolated")
+    s = sub.add_parser("serving", help="continuous decode over a trace, FlashInfer vs pkvrt",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--trace", default="bimodal", metavar="SPEC",
+                   help=f"a family ({', '.join(FAMILIES)}), 'mixed' or a .csv/.json trace file "
+                        "(default: bimodal)")
+    s.add_argument("--max-active", type=positive_int, default=8, metavar="N",
+                   help="decode slots, the batch size B (default: 8)")
+    s.add_argument("--seeds", type=_seeds, default=harness.parse_seeds(HELD_OUT_SEEDS),
+                   metavar="S[,S|A-B]", help="seeds (trace draw, page layout, data); default: the "
+                                             "held-out seeds 20260623-20260627")
+    s.add_argument("--num-requests", type=positive_int, metavar="N",
+                   help="requests of a family (default 32); for a file, keep the first N")
+    s.add_argument("--engines", default="flashinfer,adaptive", metavar="LIST",
+                   help="comma-separated: flashinfer (baseline: the fastest of FlashInfer's decode "
+                        "paths, always run), flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
+                        "flashinfer-xqa (one path for the whole run), flashinfer-graph "
+                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, device-plan "
+                        "(device planning, a graph per layer), device-plan-step (device planning, "
+                        "the whole step in one graph), or a routes.toml route name forced on every "
+                        "step, e.g. pkv_workqueue (default: flashinfer,adaptive)")
+    s.add_argument("--routes", metavar="PATH",
+                   help=f"routes.toml (default: {reg_mod.default_routes_path()})")
+    s.add_argument("--calibration", metavar="PATH",
+                   help="calibration JSON (default: the file of this GPU, see calibration/README.md)")
+    s.add_argument("--out", metavar="FILE",
+                   help="results JSON (default: benches/results/<gpu>/serving-<case>.json; the "
+                        "per-step records go to FILE with suffix .steps.json)")
+    s.add_argument("--steps-limit", type=positive_int, default=200, metavar="N",
+                   help="measure at most N steps per seed, spread evenly over the trace "
+                        "(default: 200)")
+    s.add_argument("--engine-layers", type=positive_int, default=1, metavar="L",
+                   help="attention calls per step, planned once (engine protocol; default: 1)")
+    s.add_argument("--mlp", action="store_true",
+                   help="follow every layer's attention with the seed's gated MLP tail "
+                        f"(intermediate {harness.MLP_INTERMEDIATE}, hidden H_q*D)")
+    s.add_argument("--check-steps", type=positive_int, default=4, metavar="N",
+                   help="steps checked for correctness before timing (default: 4)")
+    shape = add_shape_arguments(s)
+    shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16",
+                       help="q and out (and a 16-bit KV cache)")
+    shape.add_argument("--kv-dtype", choices=harness.KV_DTYPES, default="fp16",
+                       help="the KV cache: fp16 (in --dtype, the default) or fp8 (float8_e4m3fn "
+                            "with float32 scales, issue 14; case names end in -fp8)")
+    shape.add_argument("--fp8-scales", choices=harness.FP8_SCALES, default=None,
+                       help="with --kv-dtype fp8, the per-tensor scales: unit (a cast, scales 1; "
+                            "the default) or amax (amax / 448)")
+    i = sub.add_parser("isolated", help="the isolated kernel benchmark (benches/isolated.py)",
+                       description="Run benches/isolated.py; pass its arguments after '--', e.g. "
+                                   "pkvrt bench isolated -- --cases B1-32K --out x.json")
+    i.add_argument("isolated_args", nargs=argparse.REMAINDER, metavar="-- ARGS")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.mode == "isolated":
+        return run_isolated(args.isolated_args)
+    return run_serving(args)
+
+
+# --------------------------------------------------------------------------- isolated
+
+def run_isolated(argv: list[str]) -> int:
+    """Import benches/isolated.py from the checkout and call its ``main(argv)``."""
+    import torch
+
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    if not ISOLATED.is_file():
+        print(f"pkvrt bench isolated: {ISOLATED} is not here (an installed pkvrt has no benches/); "
+              "run it from a checkout: python benches/isolated.py --help", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"pkvrt bench isolated: no CUDA GPU here; {ISOLATED} times kernels on a GPU. "
+              "Nothing was run.", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("pkvrt_benches_isolated", ISOLATED)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(argv) or 0)
+
+
+# --------------------------------------------------------------------------- serving
+
+def _config(args, registry) -> harness.ServingConfig:
+    shape = harness.Shape(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
+                          head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype)
+    check_shape_arguments(args, harness.DTYPES[args.dtype])   # the shapes the Runtime takes
+    engines = harness.parse_engines(args.engines, [r.name for r in registry.routes])
+    if args.fp8_scales is not None and args.kv_dtype != "fp8":
+        raise ValueError(f"--fp8-scales {args.fp8_scales}: scales belong to an FP8 KV cache; "
+                         "add --kv-dtype fp8 (or drop --fp8-scales)")
+    if args.kv_dtype == "fp8":
+        harness.check_fp8_engines(engines, {r.name: r.kv_dtypes for r in registry.routes})
+    return harness.ServingConfig(
+        trace=args.trace, max_active=args.max_active, seeds=tuple(args.seeds), engines=engines,
+        routes=registry.path, calibration=args.calibration, steps_limit=args.steps_limit,
+        layers=args.engine_layers, mlp=args.mlp, num_requests=args.num_requests,
+        check_steps=args.check_steps, shape=shape, kv_dtype=args.kv_dtype,
+        fp8_scales=args.fp8_scales or "unit")
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    """``pkvrt bench serving``: the GPU run, or the planner fallback without CUDA."""
+    import torch
+
+    registry = reg_mod.load_routes(args.routes)
+    config = _config(args, registry)
+    traces = [resolve_trace(config.trace, num_requests=config.num_requests, seed=s)
+              for s in config.seeds]                 # fail on a bad --trace before any GPU work
+    if not torch.cuda.is_available():
+        return planner_fallback(args, config, registry, traces)
+    return serving_on_gpu(args, config, registry, traces)
+
+
+def planner_fallback(args, config: harness.ServingConfig, registry, traces) -> int:
+    """No CUDA: run ``plan_cmd.run_planner`` over every seed's trace and print its summary."""
+    from pkvrt.policy.router import Router
+    from pkvrt.tools import plan_cmd
+
+    print("pkvrt bench: no CUDA GPU here, so nothing can be timed; falling back to the planner "
+          "(routes, counters and COST-MODEL PREDICTIONS, not measurements).")
+    cal = (calib.load_calibration(args.calibration) if args.calibration
+           else plan_cmd.seed_calibration())
+    sh = config.shape
+    kv = {"kv_dtype": "float8_e4m3fn"} if config.fp8 else {}
+    if config.fp8:
+        print("KV cache float8_e4m3fn: the router counts 1 byte per K/V element; an FP8 Runtime "
+              "does not run the FlashInfer route (steps routed there run on the fastest "
+              "PersistentKV route).")
+    router = Router(registry, cal, num_qo_heads=sh.num_qo_heads, num_kv_heads=sh.num_kv_heads,
+                    head_dim=sh.head_dim, page_size=sh.page_size, graphs=True, **kv)
+    rows = []
+    for seed, trace in zip(config.seeds, traces):
+        summary = plan_cmd.run_planner(trace, max_active=config.max_active, router=router,
+                                       progress=sys.stderr.isatty())
+        print()
+        print(f"== seed {seed}")
+        print(plan_cmd.format_summary(summary))
+        case = harness.case_name(trace.name, config.max_active, seed, kv_dtype=config.kv_dtype)
+        rows += [{**r, "case": case, "seed": seed} for r in plan_cmd.summary_json(summary)["rows"]]
+    if args.out:
+        meta = results.make_meta(seeds=config.seeds, routes_path=registry.path,
+                                 calibration_path=cal.source,
+                                 kind="plan (cost-model prediction, no GPU timing)",
+                                 trace=config.trace, max_active=config.max_active,
+                                 fallback="no CUDA GPU: planner only", **_kv_meta(config))
+        print(f"wrote {results.write_results(args.out, meta, rows)}")
+    return 0
+
+
+def _calibration_for_gpu(path: str | None):
+    import torch
+
+    if path:
+        return calib.load_calibration(path)
+    return calib.find_calibration(torch.cuda.get_device_name())
+
+
+def default_out(config: harness.ServingConfig, gpu: str) -> Path:
+    """benches/results/<gpu slug>/serving-<trace>-B<N>[-L<l>[-mlp]][-fp8].json"""
+    name = harness.case_name(Path(config.trace).stem, config.max_active, None,
+                             layers=config.layers, mlp=config.mlp, kv_dtype=config.kv_dtype)
+    return results.ROOT / "benches" / "results" / calib.slugify(gpu) / f"serving-{name}.json"
+
+
+def steps_path(out: Path) -> Path:
+    """``x/serving.json`` -> ``x/serving.steps.json``."""
+    return out.with_name(out.stem + ".steps.json")
+
+
+def engine_factory(config: harness.ServingConfig, registry, cal, *,
+                   flashinfer=fi_engines.make_engine):
+    """``make_engine(name, wl, fi_route)`` of :func:`pkvrt.measure.harness.run_seed`: a FlashInfer path
+    (``flashinfer(name, wl, max_active=...)``, pkvrt/measure/fi_engines.py), the whole-step graph engine
+    (``device-plan-step[:ROUTE]``) or a Runtime engine (adaptive, ``device-plan[:ROUTE]``,
+    ``flashinfer-graph``, a forced route). The workload ``wl`` carries the KV dtype and scales
+    (harness.Workload), so every engine follows ``--kv-dtype``."""
+    def make_engine(name, wl, fi_route):
+        if name in harness.FI_VARIANTS:
+            return flashinfer(name, wl, max_active=config.max_active)
+        base, _, route = name.partition(":")   # device-plan[-step]:ROUTE
+        if base == harness.STEP_GRAPH:
+            return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
+                                           max_active=config.max_active, force=route or None)
+        force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name,
+                 harness.DEVICE_PLAN: None}.get(base, name) if not route else route
+        return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
+                                     calibration=cal, max_active=config.max_active,
+                                     tensor_cores=fi_route == "flashinfer-tc")
+    return make_engine
+
+
+def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int:
+    """Run every seed on the GPU; write the results and per-step files; 1 if an engine failed."""
+    import torch
+
+    from pkvrt.launch import _driver
+
+    why = _driver.available()
+    if why and any(e not in (harness.BASELINE, *harness.FI_VARIANTS) for e in config.engines):
+        raise ValueError(f"pkvrt kernels cannot run here: {why}")
+    env = results.environment()
+    if str(env.get("flashinfer", "")).startswith("unavailable"):
+        raise ValueError(f"FlashInfer is the serving baseline and it is {env['flashinfer']}; "
+                         "install flashinfer-python (pip install 'pkvrt[flashinfer]')")
+    cal = _calibration_for_gpu(config.calibration)
+    clock = harness.CudaClock()
+    l2 = env.get("l2_bytes") or 60 * 2**20
+    make_engine = engine_factory(config, registry, cal)
+    out = Path(args.out) if args.out else default_out(config, env["gpu"])
+    rows, steps, per_seed = [], [], {}
+    for seed, trace in zip(config.seeds, traces):
+        r, s, info = harness.run_seed(config, seed, trace, make_engine, clock=clock,
+                                      l2_bytes=l2, log=lambda m: print(m, flush=True))
+        rows += r
+        steps += s
+        per_seed[str(seed)] = info
+        torch.cuda.empty_cache()
+        _write(out, config, registry, cal, clock, traces, per_seed, rows, steps)  # after every seed
+    print(f"wrote {out} and {steps_path(out).name}")
+    from pkvrt.tools.report import serving_table
+    print(serving_table([(str(out), results.read_results(out))]))
+    failed = [r for r in rows if r.get("row") == "measured" and not r.get("correct", True)]
+    for r in failed:
+        print(f"FAILED correctness: {r['case']} {r['engine']} (max|e| {r['max_err']:.3g}, "
+              f"vs FP32 {r['max_err_ref']:.3g})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _kv_meta(config: harness.ServingConfig) -> dict:
+    """Meta entries of an FP8 run: ``kv_dtype`` (the cache's torch dtype name, as
+    benches/isolated.py writes it) and ``fp8_scales`` (unit / amax, per tensor). A 16-bit run
+    adds nothing: its files stay as they were."""
+    if not config.fp8:
+        return {}
+    return dict(kv_dtype="float8_e4m3fn", fp8_scales=config.fp8_scales, fp8_scale_granularity="tensor")
+
+
+FP8_PROTOCOL = (" FP8 KV cache: the 16-bit caches quantized to float8_e4m3fn with per-tensor "
+                "scales (fp8_scales), one scale tensor pair per layer, q/out 16-bit; pkvrt engines "
+                "get kv_dtype=float8_e4m3fn and the layer's scale tensors, FlashInfer's paths "
+                "their FP8-KV kernels with the scales as host floats (wrappers: kv_data_type, "
+                "k_scale, v_scale; XQA: bmm1_scale = k_scale/sqrt(D), bmm2_scale = v_scale); "
+                "correct = every row of a checked step within the fp16 tolerance of FP32 "
+                "attention over the dequantized cache, or, for a FlashInfer path, within the FP8 "
+                "error bound (reference.fp8_error_bound) of attention over the 16-bit source "
+                "(errors vs the baseline's output recorded only)")
+
+
+def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, steps) -> None:
+    """The results file and its .steps.json (atomic writes; a later seed rewrites both)."""
+    meta = results.make_meta(
+        seeds=[int(s) for s in per_seed], routes_path=registry.path, calibration_path=cal.source,
+        kind="serving", trace=config.trace, trace_source=traces[0].source,
+        max_active=config.max_active, engines=list(config.engines), layers=config.layers,
+        mlp=config.mlp, mlp_intermediate=config.mlp_intermediate if config.mlp else None,
+        steps_limit=config.steps_limit, shape=attrs.asdict(config.shape),
+        calibration_slug=cal.slug, calibration_fallback=cal.fallback, per_seed=per_seed,
+        spin_cycles_per_us=round(clock.cycles_per_us, 1),
+        baseline_candidates=harness.merge_candidates(per_seed),
+        protocol=("continuous decode, hole fraction 0; per engine: untimed pass with correctness "
+                  "check, wall pass (synchronized host clock per step incl. planning and metadata),"
+                  " device pass (CUDA events behind a host-covering spin kernel); FlashInfer's "
+                  "CUDA-core, tensor-core and cuDNN decode wrappers planned every step from pinned "
+                  "host CSR, its XQA decode given device block tables and lengths staged once per "
+                  "step; baseline = fastest of those paths that run and match the FP32 reference, "
+                  "by device time over probe steps spread over the measured ones "
+                  "(baseline_candidates says which could not and why); layers share one KV cache "
+                  "rotated over L2-defeating copies" + (FP8_PROTOCOL if config.fp8 else "")),
+        **_kv_meta(config))
+    results.write_results(out, meta, rows)
+    results.write_results(steps_path(out), {**meta, "kind": "serving-steps", "results_file": out.name},
+                          steps)

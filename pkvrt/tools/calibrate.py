@@ -1,0 +1,994 @@
+"""Measure this GPU's cost-model constants, write calibration/<gpu>.json (needs a GPU and FlashInfer).
+
+What is measured, at the seed shape (H_q 32, H_kv 8, D 128, page 16, fp16), every time a CUDA-
+event median of CUDA-graph replays (the benches/isolated.py protocol), every kernel output
+checked against the FP32 reference first:
+
+- beta_gbps: the faster of two streaming reads, a torch float32-accumulating sum over 2 GiB of
+  fp16 and the PersistentKV split-decode kernel over a B16 x 32K step (2 GiB of K+V, 8 splits;
+  its merge launch is included, ~2 MB of partial states against 2 GiB, so beta errs low);
+- lambda_us: one eager launch of a tiny pkvrt kernel (split decode of a 1-token row) from
+  Python, median over 20 loops of 100 launches; lambda_graph_us: the same kernel as one node of
+  a graph of 200 (torch's 1-element add is measured too and printed, for comparison);
+- splits.bucket_ctas_per_sm: candidate split counts of the bucket route (B1 at 8K, 32K, 64K),
+  fitted by ``calibration.fit_split_points``;
+- the balanced partition's constants (splits.workqueue_ctas_per_sm, co_resident_slowdown,
+  cta_overhead_tiles, min_split_tokens): the device-planning route of routes.toml (``[device_planning]
+  route``, the fused kernel as shipped) timed at every cut its split bounds allow on ten steps
+  (:func:`calibration_steps`), fitted by ``calibration.fit_partition``; once per group size of
+  ``--groups`` (H_q 32 over H_kv 32 / G): the first (4) gives the top-level keys, the others a
+  ``splits.by_group`` entry each, which the Runtime uses for that G;
+- c_min: the occupancy target that makes the cost model best fit every timed split
+  configuration (least squares in log time, :func:`fit_c_min`);
+- flashinfer.ctas_per_sm: FlashInfer's best (CUDA-core or tensor-core) time at 32K for 1, 2, 4,
+  8, 16 active rows, turned into the C that reproduces it (:func:`fit_flashinfer_ctas`);
+- time_model (what the router predicts with; :mod:`pkvrt.policy.costmodel`, "The measured model"):
+  per route kind and group size, fitted by ``sweeps.fit_time_model`` on the timed rows: the
+  bucket sweeps, the device-planning route and the other workqueue-or-fused route of routes.toml
+  (``pkv_workqueue`` as shipped) each timed at every cut of the ten partition steps at every G of
+  ``--groups``, and FlashInfer (both paths) on those steps at every G and at B1..B16 32K.
+
+FlashInfer is required (``pip install -e ".[flashinfer]"``): it is timed to fit FlashInfer's cost
+model (``time_model.flashinfer``, and ``flashinfer.ctas_per_sm`` for the roofline), which the host
+router uses to predict the FlashInfer baseline's time before it promotes a PersistentKV route
+(the promotion margin). Every other constant comes from pkvrt's own kernels and torch and could
+be measured without FlashInfer, but a calibration file needs all of them (schema 1), so without
+FlashInfer calibrate stops before measuring anything.
+
+FP8 K/V (``--kv-dtype fp8``, issue 14): the same bucket and partition sweeps with
+float8_e4m3fn caches (``harness.quantize_fp8`` "unit", scales as float32 [1] device tensors,
+outputs checked against the FP32 reference over the dequantized caches), fitted into the
+``by_kv_dtype.float8_e4m3fn`` section of this GPU's file (``--base``, default the ``--out``
+file): splits.bucket_ctas_per_sm, the partition constants per G (with the occupancy of the
+e4m3 kernel) and the time model of pkvrt's route kinds per G. FlashInfer is not timed (an FP8
+Runtime does not run it: its decode takes the scales as host floats) and need not be installed;
+beta, lambda, c_min, FlashInfer's constants and max_waves stay the file's, as every other
+constant does. An FP8 Runtime or Router sees the file through ``Calibration.for_kv_dtype``.
+``--raw`` rows carry ``kv_dtype``; ``benches/cost_model_error.py`` refits the section offline.
+A 16-bit run writes a whole file and drops the section of the file it replaces (its time model
+was fitted against the old beta), saying so.
+
+It prints a table of the constants and the sweeps, then measured against predicted µs per route
+and step at the cut each planner picks (the time model and the roofline, ``sweeps.format_errors``),
+then the gates the steps measured (group sizes, minimum context, active rows where each route beat
+FlashInfer by its margin) as a routes.toml snippet: printed, written to ``--suggest-routes PATH``
+when asked, never applied (not with FP8: no FlashInfer times). It takes about 2.5 minutes on an
+H200 with the three group sizes and the 64 + 17 cuts of the shipped bounds (an FP8 run at G 4
+only, an estimate: about 50 s); ``--quick`` measures fewer points. Without a CUDA GPU, or
+without FlashInfer for a 16-bit run, it says so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from pkvrt._buildspec import TILE_TOKENS
+from pkvrt.measure import results
+from pkvrt.measure.traces import Request, Trace, decode_steps, synthetic
+from pkvrt.policy import calibration as calib
+from pkvrt.policy.costmodel import route_time_us
+from pkvrt.policy.registry import KV_DTYPES, SplitBounds, load_routes
+from pkvrt.tools import sweeps
+from pkvrt.tools.cli import positive_int
+
+SEED = 20260622
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+GROUPS = (4, 1, 8)   # group sizes whose partition constants are fitted; 4 gives the top level
+
+
+def group_shape(group: int) -> dict:
+    """SHAPE with ``group`` query heads per KV head (H_q fixed at 32): G 1 -> H_kv 32."""
+    hq = SHAPE["num_qo_heads"]
+    if group <= 0 or hq % group:
+        raise ValueError(f"--groups: group size {group} does not divide H_q = {hq}")
+    return {**SHAPE, "num_kv_heads": hq // group}
+
+
+def parse_groups(text: str) -> tuple[int, ...]:
+    """``--groups`` as a tuple of distinct group sizes, e.g. "4,1,8" -> (4, 1, 8). It must hold 4
+    (the seed shape): that fit becomes the file's top-level partition keys, the others
+    ``splits.by_group``."""
+    try:
+        groups = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--groups: expected comma-separated positive integers, e.g. 4,1,8; got {text!r}") from None
+    if not groups or len(set(groups)) != len(groups):
+        raise ValueError(f"--groups: expected distinct group sizes, got {text!r}")
+    if 4 not in groups:
+        raise ValueError(f"--groups: must include 4 (the seed shape, whose fit gives the file's "
+                         f"top-level partition keys), got {text!r}")
+    for g in groups:
+        group_shape(g)
+    return groups
+B1_CONTEXTS = (8192, 32768, 65536)
+FI_CONTEXT = 32768
+FI_ACTIVE = (1, 2, 4, 8, 16)
+C_GRID = tuple(0.5 * 1.01 ** i for i in range(int(math.log(128) / math.log(1.01)) + 1))  # 0.5..64
+
+
+# --------------------------------------------------------------------------- pure parts
+
+def calibration_steps(seed: int = SEED) -> list[tuple[str, str, np.ndarray]]:
+    """The timed steps: (case, route kind, seq_lens int32 [B]).
+
+    Bucket route: B1 rows of 8K, 32K and 64K tokens (its split target). Workqueue route (the
+    balanced partition, timed at every candidate cut): one row of 1.6K, 8K, 32K and 128K tokens; a
+    32K row beside a 1.4K one; eight 32K rows; eight 1K rows; eight short rows drawn with
+    ``seed`` (log-normal around 900 tokens); the first decode step of a B4 and a B8
+    continuous-decode run over ``synthetic("bimodal", seed=seed)`` (one ~32K row and three
+    1K-4K rows per four; seq_len = prompt + 1).
+    """
+    i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+    out = [(f"B1-{n // 1024}K", "bucket", i32([n])) for n in B1_CONTEXTS]
+    out += [("B1-1.6K", "workqueue", i32([1600])), ("B1-8K", "workqueue", i32([8192])),
+            ("B1-32K", "workqueue", i32([32768])), ("B1-128K", "workqueue", i32([131072])),
+            ("B2-32K+1.4K", "workqueue", i32([32768, 1400])),
+            ("B8-32K", "workqueue", i32([32768] * 8)), ("B8-1K", "workqueue", i32([1024] * 8))]
+    rng = np.random.default_rng(seed)
+    short = np.clip(np.round(rng.lognormal(np.log(900), 0.9, 8)), 16, 8000)
+    out.append((f"short-B8-seed{seed}", "workqueue", i32(short)))
+    for b in (4, 8):
+        trace = synthetic("bimodal", num_requests=b, seed=seed)
+        step = next(decode_steps(trace, max_active=b))
+        out.append((f"bimodal-B{b}-seed{seed}", "workqueue", step.seq_lens.astype(np.int32)))
+    return out
+
+
+def split_candidates(bounds: SplitBounds, quick: bool) -> tuple[int, ...]:
+    """The counts to time: every allowed count, or every fourth (plus the last) with --quick.
+    Bounds 4..64 by 4 -> quick: 4, 20, 36, 52, 64."""
+    c = bounds.candidates()
+    return tuple(dict.fromkeys(c[::4] + c[-1:])) if quick else c
+
+
+def fit_c_min(records, cal: calib.Calibration, grid=C_GRID) -> float:
+    """The C_min of the cost model that best reproduces the timed configurations.
+
+    records : mappings with ``kv_bytes``, ``ctas``, ``launches``, ``merge_bytes``, ``us``.
+    cal : supplies beta, lambda_graph_us and sm_count (``c_min`` is what is fitted).
+
+    Minimises ``sum (log T_model(C_min) - log T_measured)^2`` over ``grid``; where several values
+    fit equally well (every point already above the knee) the largest is taken: the data only
+    says C_min is at most that. Example (beta 4120 GB/s, lambda 1.1 µs, 132 SMs): B1 32K, one
+    row of 134 MB = 32.6 µs of read, timed at S = 4, 8, 16, 32 (0.24, 0.48, 0.97, 1.94 CTAs/SM)
+    as 272, 137, 70, 37 µs -> the model with C_min 2 gives 271.0, 136.6, 69.5, 36.1 µs: C_min ~2.
+    """
+    recs = list(records)
+    if not recs:
+        raise ValueError("fit_c_min: no timed configurations")
+    logs = np.log([r["us"] for r in recs])
+    best, best_loss = None, math.inf
+    for c in grid:
+        trial = attrs.evolve(cal, c_min=c)
+        pred = [route_time_us(kv_bytes=r["kv_bytes"], cta_work_per_sm=r["ctas"] / cal.sm_count,
+                              launches=r["launches"], merge_bytes=r["merge_bytes"], cal=trial,
+                              graphs=True) for r in recs]
+        loss = float(np.sum((np.log(pred) - logs) ** 2))
+        if loss <= best_loss * (1 + 1e-9) + 1e-12:
+            best, best_loss = c, min(loss, best_loss)
+    return best
+
+
+def fit_flashinfer_ctas(times_us: dict[int, float], *, context: int, cal: calib.Calibration,
+                        kv_bytes_per_token: int) -> dict[int, float]:
+    """FlashInfer's fitted CTA work per SM per active count (calibration/README.md):
+    ``C = C_min * (KVBytes / beta) / (T - lambda_graph)``.
+
+    Example (README's H200 anchor): B8 32K, 1_073_741_824 B at 4120 GB/s = 260.6 µs, T = 290 µs,
+    lambda 1.1, C_min 4 -> 4 * 260.6 / 288.9 = 3.61.
+    """
+    out = {}
+    for active, t in sorted(times_us.items()):
+        read = active * context * kv_bytes_per_token / (cal.beta_gbps * 1e3)
+        if not t > cal.lambda_graph_us:
+            raise ValueError(f"fit_flashinfer_ctas: active {active}: time {t} us is not above the "
+                             f"launch overhead {cal.lambda_graph_us} us")
+        out[active] = cal.c_min * read / (t - cal.lambda_graph_us)
+    return out
+
+
+def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float, lambda_us: float,
+                     lambda_graph_us: float, c_min: float, splits: dict, flashinfer: dict,
+                     versions: dict, command: str, provenance: str, by_group: dict | None = None,
+                     date: str | None = None) -> calib.Calibration:
+    """A schema-1 :class:`~pkvrt.policy.calibration.Calibration` (rounded; validated by a round trip).
+    ``by_group``: {G: fit_partition points} for ``splits.by_group``."""
+    rounded = {"workqueue_ctas_per_sm": lambda v: round(float(v), 3), "min_split_tokens": int,
+               "cta_overhead_tiles": lambda v: round(float(v), 3),
+               "co_resident_slowdown": lambda v: round(float(v), 3)}
+    groups = tuple(sorted((int(g), tuple((k, rounded[k](pts[k])) for k in rounded if k in pts))
+                          for g, pts in (by_group or {}).items()))
+    cal = calib.Calibration(
+        gpu=gpu, slug=calib.slugify(gpu), sm_count=int(sm_count), l2_bytes=int(l2_bytes),
+        beta_gbps=round(beta_gbps, 1), lambda_us=round(lambda_us, 3),
+        lambda_graph_us=round(lambda_graph_us, 3), c_min=round(c_min, 3),
+        splits=calib.SplitPoints(bucket_ctas_per_sm=round(splits["bucket_ctas_per_sm"], 3),
+                                 workqueue_ctas_per_sm=round(splits["workqueue_ctas_per_sm"], 3),
+                                 min_split_tokens=int(splits["min_split_tokens"]),
+                                 cta_overhead_tiles=round(float(splits["cta_overhead_tiles"]), 3),
+                                 co_resident_slowdown=round(float(splits["co_resident_slowdown"]), 3),
+                                 max_waves=int(splits.get("max_waves", calib.DEFAULT_MAX_WAVES)),
+                                 by_group=groups),
+        flashinfer_ctas_per_sm=tuple((int(a), round(c, 3)) for a, c in sorted(flashinfer.items())),
+        versions=tuple((k, versions.get(k)) for k in ("torch", "cuda", "flashinfer", "driver")),
+        date=date or datetime.date.today().isoformat(), seed=SEED, command=command,
+        provenance=provenance)
+    return calib.calibration_from_dict(calib.calibration_to_dict(cal))
+
+
+def format_rows(header, rows) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header, *rows])
+
+
+# --------------------------------------------------------------------------- GPU measurements
+
+def _workload(seq_lens, l2_bytes: int, shape: dict = SHAPE, kv_dtype: str = "float16"):
+    """K/V copies, q, seq_lens and block tables of one calibration step (hole fraction 0).
+    ``kv_dtype`` "float8_e4m3fn": the caches quantized by ``harness.quantize_fp8(.., "unit")``
+    (a cast, scale 1), their scales float32 [1] device tensors (``wl.scales(0)``); the fp16
+    source is freed (outputs are checked against the reference over the dequantized caches)."""
+    from pkvrt.measure import harness
+
+    reqs = tuple(Request(i, 0, int(n) - 1, 1) for i, n in enumerate(seq_lens))
+    trace = Trace(name="calibration", requests=reqs, seed=SEED, source="pkvrt calibrate")
+    config = harness.ServingConfig(trace="calibration", max_active=len(reqs), seeds=(SEED,),
+                                   engines=(harness.BASELINE,), steps_limit=1,
+                                   shape=harness.Shape(**shape),
+                                   kv_dtype="fp16" if kv_dtype in calib.TOP_KV_DTYPES else "fp8",
+                                   fp8_scales="unit")
+    wl = harness.Workload(trace, config, SEED, l2_bytes=l2_bytes)
+    wl.drop_source()
+    return wl
+
+
+def _device_tables(wl):
+    import torch
+
+    step = wl.steps[0]
+    bt = torch.from_numpy(wl.layout.block_table(step.rids)).cuda()
+    seq = torch.from_numpy(step.seq_lens.astype(np.int32)).cuda()
+    return step, bt, seq
+
+
+def _checked(name: str, out, ref) -> None:
+    from pkvrt.measure import harness
+
+    max_e, mean_e = harness.errors(out, ref)
+    if not harness.within_tolerance(max_e, mean_e):
+        raise RuntimeError(f"{name}: wrong output (max|e| {max_e:.3g}, mean|e| {mean_e:.3g} vs the "
+                           "FP32 reference); the kernels are broken on this GPU, nothing written")
+
+
+def time_bucket(wl, splits: int, ref, repeats: int) -> float:
+    """split_decode (+ merge when S > 1) over every row of ``wl``'s step, µs per call."""
+    import torch
+
+    from pkvrt.launch import ops
+    from pkvrt.measure import harness
+
+    step, bt, seq = _device_tables(wl)
+    b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
+    q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
+    row_ids = torch.arange(b, dtype=torch.int32, device="cuda")
+    part_a = torch.empty((b * splits, hq, d), device="cuda")
+    part_ml = torch.empty((b * splits, hq, 2), device="cuda")
+    offsets = torch.arange(b + 1, dtype=torch.int32, device="cuda") * splits
+
+    def fn():
+        for k, v in zip(wl.k, wl.v):
+            ops.split_decode(q, k, v, seq, bt, row_ids, splits, out, part_a, part_ml, **wl.scales(0))
+            if splits > 1:
+                ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
+    us = harness.median_us(fn, wl.copies, repeats)
+    _checked(f"bucket S={splits}", out, ref)
+    return us
+
+
+LAYERS = 8   # back-to-back calls per timed graph of the workqueue-kind routes
+
+
+def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
+    """workqueue_decode + merge of ``plan`` (a WorkqueuePlan of ``wl``'s step), or with ``fused``
+    the fused decode (merge in the tail, one launch), µs per call.
+
+    Timed as a step's layers run (the Runtime's device planning): at least ``LAYERS`` calls back
+    to back in one graph over the rotating K/V copies, with programmatic dependent launch and
+    early K/V copies from the second call on. One call alone, as first done, mis-ranks cuts:
+    at B1 64K the 32-layer engine protocol measured 32 splits 21 % faster than 16, which a
+    single-call graph timed as equal (benches/NOTES.md, "Session 6")."""
+    import torch
+
+    from pkvrt.launch import ops
+    from pkvrt.measure import harness
+
+    step, bt, seq = _device_tables(wl)
+    b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
+    q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
+    tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
+    counters = (torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
+                if fused else None)
+
+    calls = max(LAYERS, wl.copies)
+
+    def fn():
+        for i in range(calls):
+            k, v = wl.k[i % wl.copies], wl.v[i % wl.copies]
+            ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml,
+                                 counters=counters, early_kv=i > 0, **wl.scales(0))
+            if not fused:
+                ops.merge(part_a, part_ml, offsets, out, skip_single=True)
+    us = harness.median_us(fn, calls, repeats)
+    _checked(f"{'fused' if fused else 'workqueue'} S={int(plan.num_splits.max())}", out, ref)
+    return us
+
+
+def time_flashinfer(wl, tensor_cores: bool, ref, repeats: int) -> float:
+    """FlashInfer decode over ``wl``'s step, planned once, graph-replayed, µs per call."""
+    import flashinfer
+    import torch
+
+    from pkvrt.measure import harness
+    from pkvrt.policy.blocktables import to_csr
+
+    sh = wl.shape
+    step = wl.steps[0]
+    indptr, indices, last = (torch.from_numpy(a) for a in
+                             to_csr(step.seq_lens, wl.layout.block_table(step.rids), sh.page_size))
+    ws = torch.zeros(harness.FI_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores)
+    w.plan(indptr, indices, last, sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
+           q_data_type=sh.torch_dtype, kv_data_type=sh.torch_dtype)
+    b = len(step.rids)
+    q, out = wl.q[:b], torch.full((b, sh.num_qo_heads, sh.head_dim), float("nan"),
+                                  dtype=wl.q.dtype, device="cuda")
+
+    def fn():
+        for k, v in zip(wl.k, wl.v):
+            w.run(q, (k, v), out=out)
+    us = harness.median_us(fn, wl.copies, repeats)
+    _checked(f"flashinfer{'-tc' if tensor_cores else '-cuda'} B{b}", out, ref)
+    return us
+
+
+def time_partition(case: str, seq, group: int, route, base: calib.Calibration, wl, ref,
+                   repeats: int, quick: bool) -> list[dict]:
+    """Time ``route`` (a workqueue or fused route) over one step at every cut of the balanced
+    partition (the longest row's allowed split counts whose chunk is at least one tile; every
+    third with ``quick``), at ``group`` query heads per KV head. ``wl``, ``ref``: the step's
+    workload at that shape (``_workload(seq, l2, group_shape(group))``) and its FP32 reference,
+    shared with the other engines timed on the step (its K/V dtype is the sweep's). One record
+    per cut: case, route, group, rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes."""
+    from pkvrt.policy import planner
+
+    shape = group_shape(group)
+    hq, hkv, d = shape["num_qo_heads"], shape["num_kv_heads"], shape["head_dim"]
+    cands = planner.partition_candidates(int(-(-seq.max() // TILE_TOKENS)), route.splits, 1).tolist()
+    cands = cands[::3] + cands[-1:] if quick else cands
+    fused = route.kind == "fused"
+    out = []
+    for s in dict.fromkeys(cands):
+        plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
+                                      dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=base,
+                                      longest_splits=s)
+        us = time_workqueue(wl, plan, ref, repeats, fused=fused)
+        out.append(dict(case=case, route=route.kind, group=group, rows=len(seq),
+                        context=int(seq.max()), splits=int(s), us=float(us),
+                        kv_bytes=int(seq.sum()) * 2 * hkv * d * wl.kv_dtype_bytes, ctas=plan.counters.decode_ctas,
+                        launches=1 if fused else 2, merge_bytes=plan.counters.merge_bytes))
+    return out
+
+
+def _reference(wl):
+    from pkvrt import reference
+
+    step, bt, seq = _device_tables(wl)
+    return reference.decode_attention(wl.q[:len(step.rids)], wl.k[0], wl.v[0], seq, bt, **wl.scales(0))
+
+
+def measure_launch(repeats: int) -> dict[str, float]:
+    """Eager and in-graph per-launch µs of a 1-token pkvrt split decode and of torch's 1-element add."""
+    import torch
+
+    from pkvrt.launch import ops
+    from pkvrt.measure import harness
+
+    sh = SHAPE
+    k = torch.randn((1, sh["num_kv_heads"], sh["page_size"], sh["head_dim"]), device="cuda",
+                    dtype=torch.float16)
+    q = torch.randn((1, sh["num_qo_heads"], sh["head_dim"]), device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    bt = torch.zeros((1, 1), dtype=torch.int32, device="cuda")
+    seq = torch.ones(1, dtype=torch.int32, device="cuda")
+    rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.zeros(1, device="cuda")
+    kernels = {"pkvrt": lambda: ops.split_decode(q, k, k, seq, bt, rows, 1, out),
+               "torch": lambda: x.add_(1.0)}
+    res = {}
+    for name, launch in kernels.items():
+        n, per = 100, []
+        for _ in range(repeats + 2):            # two warm-up loops
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                launch()
+            torch.cuda.synchronize()
+            per.append((time.perf_counter() - t0) * 1e6 / n)
+        res[f"{name}_eager"] = float(np.median(per[2:]))
+
+        def graph_body(launch=launch):
+            for _ in range(200):
+                launch()
+        res[f"{name}_graph"] = harness.median_us(graph_body, 200, repeats)
+    return res
+
+
+def decode_occupancy(family: str = "workqueue_decode", group: int = 4, kv_dtype: str = "float16") -> int:
+    """Resident CTAs per SM of a workqueue-kind decode kernel (``workqueue_decode`` or
+    ``fused_decode``) at the seed shape with ``group`` query heads per KV head and ``kv_dtype``
+    K/V (its ``_e4m3`` variant for float8_e4m3fn) (the driver's occupancy query with its block
+    size and dynamic shared memory): the partition's waves."""
+    import torch
+
+    from pkvrt import _buildspec
+    from pkvrt.launch import _driver, ops
+
+    kv = getattr(torch, kv_dtype)
+    sym = _buildspec.symbol(family, "f16", SHAPE["head_dim"], group, ops.KV_TAG.get(kv))
+    smem = ops.decode_smem_bytes(SHAPE["head_dim"], group, kv.itemsize)
+    return _driver.occupancy(_driver.get_kernel(family, sym, smem), ops.THREADS)
+
+
+def measure_torch_read(gib: int, repeats: int) -> float:
+    """GB/s of ``sum(x, dim=1, dtype=float32)`` over ``gib`` GiB of fp16 (reads each byte once)."""
+    import torch
+
+    from pkvrt.measure import harness
+
+    x = torch.randn((gib * 2**16, 2**13), device="cuda", dtype=torch.float16)   # gib GiB
+    out = torch.empty(x.shape[0], device="cuda", dtype=torch.float32)
+    us = harness.median_us(lambda: torch.sum(x, dim=1, dtype=torch.float32, out=out), 1, repeats)
+    nbytes = x.numel() * x.element_size()
+    del x
+    return nbytes / (us * 1e3)
+
+
+# --------------------------------------------------------------------------- the command
+
+# --kv-dtype spellings -> routes.toml names (bfloat16 caches use the fp16 constants: same bytes)
+KV_DTYPE_ARGS = {"fp16": "float16", "float16": "float16", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pkvrt calibrate``."""
+    parser.add_argument("--out", metavar="PATH",
+                        help="calibration file to write (default: calibration/<gpu slug>.json)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer split candidates, active counts and repeats (seconds; for tests)")
+    parser.add_argument("--routes", metavar="PATH",
+                        help="routes.toml whose split bounds give the candidates (default: the shipped one)")
+    parser.add_argument("--raw", metavar="PATH",
+                        help="also write every timed configuration as a results JSON (pkvrt report)")
+    parser.add_argument("--groups", type=parse_groups, default=GROUPS, metavar="LIST",
+                        help="group sizes (query heads per KV head, H_q 32) whose partition constants "
+                             "are fitted; must include 4, which gives the top-level keys, the others "
+                             "go to splits.by_group (default: 4,1,8)")
+    parser.add_argument("--suggest-routes", metavar="PATH",
+                        help="also write the gates the calibration steps measured (group sizes, "
+                             "minimum context and active rows where each route beat FlashInfer) as a "
+                             "routes.toml snippet to PATH; it is printed either way and never applied")
+    parser.add_argument("--max-waves", type=positive_int, metavar="N",
+                        help="splits.max_waves, the resident waves of CTAs the balanced partition may "
+                             "plan; not fitted (the calibration steps are G = 4, where it rarely binds). "
+                             "Default: the value of the calibration file being replaced, else "
+                             f"{calib.DEFAULT_MAX_WAVES} (fp8: the --base file's, which the FP8 section "
+                             "then leaves to it; given, it is written to the section)")
+    parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_ARGS), default="fp16",
+                        help="K/V cache dtype to measure with. fp16 (default): the whole file. fp8 "
+                             "(float8_e4m3fn): pkvrt's routes with FP8 caches (no FlashInfer), fitted "
+                             "into the by_kv_dtype.float8_e4m3fn section of --base, which is written "
+                             "to --out with every other constant kept")
+    parser.add_argument("--base", metavar="PATH",
+                        help="with --kv-dtype fp8: this GPU's calibration file the FP8 section is "
+                             "added to or replaced in (default: the --out file)")
+
+
+def check_arguments(args) -> str:
+    """The routes.toml name of ``--kv-dtype``, after refusing combinations that do not apply to
+    it (ValueError naming the option): ``--base`` without FP8, ``--suggest-routes`` with FP8."""
+    kv = KV_DTYPE_ARGS[args.kv_dtype]
+    if kv in calib.TOP_KV_DTYPES and args.base:
+        raise ValueError("--base: only with --kv-dtype fp8 (an fp16 run measures and writes a whole file)")
+    if kv not in calib.TOP_KV_DTYPES and args.suggest_routes:
+        raise ValueError("--suggest-routes: not with --kv-dtype fp8 (gates are judged against FlashInfer's "
+                         "times, which an FP8 run does not measure: an FP8 Runtime does not run FlashInfer)")
+    return kv
+
+
+def out_path(args, slug: str) -> Path:
+    """``--out``, else ``calibration/<slug>.json`` (the checkout's, else the installed copy's)."""
+    return Path(args.out) if args.out else calib.calibration_dirs()[-1] / f"{slug}.json"
+
+
+def load_base(path: Path, device_name: str) -> calib.Calibration:
+    """The file an FP8 run adds its section to: it must exist and be this GPU's (its slug is
+    ``slugify(device_name)``): the section's time model is fitted against its beta, and its
+    constants are laid over the file's on the GPU that measured them. ValueError otherwise
+    (a malformed file: CalibrationError)."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no calibration file to add the FP8 section to; run `pkvrt calibrate` "
+                         "(fp16) on this GPU first, or name this GPU's file with --base PATH")
+    base = calib.load_calibration(path)
+    want = calib.slugify(device_name)
+    if base.slug != want:
+        raise ValueError(f"{path}: the calibration of {base.gpu!r} (slug {base.slug!r}), not of this GPU "
+                         f"{device_name!r} ({want!r}); an FP8 section extends its own GPU's file")
+    return base
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pkvrt calibrate``: measure, fit, print, write; 2 without a GPU, 1 on a wrong result."""
+    import torch
+
+    kv_dtype = check_arguments(args)
+    fp8 = kv_dtype not in calib.TOP_KV_DTYPES
+    if not torch.cuda.is_available():
+        print("pkvrt calibrate: no CUDA GPU here. Calibration measures the GPU it runs on "
+              "(bandwidth, launch overhead, split sweeps, FlashInfer times); run it on the GPU "
+              "to calibrate. Nothing was written.", file=sys.stderr)
+        return 2
+    from pkvrt.launch import _driver
+
+    why = _driver.available()
+    env = results.environment()
+    if why:
+        print(f"pkvrt calibrate: cannot measure here: {why}", file=sys.stderr)
+        return 2
+    if not fp8 and str(env.get("flashinfer", "")).startswith("unavailable"):
+        print(f"pkvrt calibrate: FlashInfer is {env['flashinfer']}. Calibration needs it: it times "
+              "FlashInfer's decode to fit flashinfer.ctas_per_sm, the cost model the router uses "
+              "to predict the FlashInfer baseline before promoting a PersistentKV route. Install "
+              "it (pip install -e \".[flashinfer]\", flashinfer-python 0.5.3 to 0.7.x) and run again; "
+              "`pkvrt doctor` says why it does not import. Nothing was measured or written.",
+              file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(0)
+    out = out_path(args, calib.slugify(device))
+    try:
+        if fp8:
+            cal, raw, meta = measure_kv_dtype(args, load_base(Path(args.base) if args.base else out, device),
+                                              kv_dtype)
+        else:
+            dropped = replaced_sections(out)
+            cal, raw, meta = measure(args, env)
+            if dropped:
+                print(f"pkvrt calibrate: the {', '.join(dropped)} section of {out} is not kept (its time "
+                      f"model was fitted against that file's beta): run pkvrt calibrate --kv-dtype fp8 "
+                      "again", file=sys.stderr)
+    except RuntimeError as e:
+        print(f"pkvrt calibrate: {e}", file=sys.stderr)
+        return 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    calib.save_calibration(cal, out)
+    if args.raw:
+        meta = results.make_meta(seeds=[SEED], routes_path=args.routes or None, calibration_path=out,
+                                 kind="calibration-sweeps", **meta)
+        results.write_results(args.raw, meta, raw)
+        print(f"wrote {args.raw}")
+    print(f"wrote {out}" + (f" (its by_kv_dtype.{kv_dtype} section; every other constant as in "
+                            f"{args.base or 'the file before'})" if fp8 else ""))
+    if cal.time_model:
+        errors, gates = report(raw, cal, load_routes(args.routes), header=f"{cal.gpu}, {cal.date}, seed {SEED}",
+                               kv_dtype=kv_dtype)
+        print("\nmeasured vs predicted at the cut each planner picks (time_model; roofline: c_min and "
+              "flashinfer.ctas_per_sm)\n" + errors + ("\n\n" + gates if gates else ""))
+        if args.suggest_routes:
+            Path(args.suggest_routes).write_text(gates, encoding="utf-8")
+            print(f"wrote {args.suggest_routes} (suggested gates; routes.toml is unchanged)")
+    return 0
+
+
+def replaced_sections(out: Path) -> list[str]:
+    """The ``by_kv_dtype`` sections of the file a 16-bit run replaces (it writes none)."""
+    try:
+        return [name for name, _ in calib.load_calibration(out).by_kv_dtype] if out.is_file() else []
+    except calib.CalibrationError:
+        return []
+
+
+def kept_max_waves(args, slug: str) -> int:
+    """``--max-waves``, else the value in the calibration file this run replaces (it is set by
+    hand: re-calibrating must not reset it silently), else the default."""
+    if getattr(args, "max_waves", None):
+        return args.max_waves
+    out = out_path(args, slug)
+    if out.is_file():
+        try:
+            return calib.load_calibration(out).splits.max_waves
+        except calib.CalibrationError:
+            pass   # a broken file is replaced; its value is not worth keeping
+    return calib.DEFAULT_MAX_WAVES
+
+
+def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: int,
+               t_start: float) -> tuple[list[dict], list[dict], dict[int, dict]]:
+    """Every calibration step timed with ``kv_dtype`` caches: the bucket route at each candidate
+    S (G 4), the workqueue-or-fused routes of routes.toml at every cut (the device-planning
+    route first) at each G of ``--groups``, and beside them FlashInfer's two paths (16-bit
+    caches only: an FP8 Runtime does not run FlashInfer). ``base``: the calibration the timed
+    cuts are planned with (SMs; partition constants that leave every cut allowed).
+
+    Returns (fit records: the bucket sweeps and the device-planning route at G 4; the raw rows of
+    ``--raw``, each with its ``kv_dtype``; {G: {case: (seq_lens, {cut: us})}} of the
+    device-planning route, for ``fit_partition``).
+    """
+    import torch
+
+    from pkvrt.policy import planner
+
+    quick, sm, l2 = args.quick, base.sm_count, base.l2_bytes
+    bucket_bounds = next(r.splits for r in reg.routes if r.kind == "bucket")
+    dp_route = reg.device_planning_route()   # the partition is fitted on what device planning runs
+    # every workqueue-or-fused kind is timed at every cut (its time model); dp_route first
+    partition_routes = [dp_route] + [r for k in ("workqueue", "fused") if k != dp_route.kind
+                                     for r in [sweeps.route_of_kind(reg, k)] if r is not None]
+    hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], SHAPE["head_dim"]
+    kv_tok = 2 * hkv * d * KV_DTYPES[kv_dtype]
+    flashinfer = kv_dtype in calib.TOP_KV_DTYPES
+    raw, fit_recs = [], []
+    partition_cases: dict[int, dict] = {g: {} for g in args.groups}
+    for case, kind, seq in calibration_steps():
+        kv = int(seq.sum()) * kv_tok
+        if kind == "bucket":
+            wl = _workload(seq, l2, kv_dtype=kv_dtype)
+            ref = _reference(wl)
+            for s in split_candidates(bucket_bounds, quick):
+                us = time_bucket(wl, s, ref, repeats)
+                merge = planner.state_bytes(len(seq) * s if s > 1 else 0, num_qo_heads=hq, head_dim=d)
+                fit_recs.append(dict(case=case, route=kind, rows=len(seq), context=int(seq.max()),
+                                     splits=int(s), us=float(us), kv_bytes=kv, ctas=len(seq) * hkv * s,
+                                     launches=2 if s > 1 else 1, merge_bytes=int(merge)))
+                raw.append(dict(case=case, engine="pkvrt-bucket", kv_dtype=kv_dtype, splits=int(s),
+                                median_us=float(us), gbps=kv / (us * 1e3), cta_work_per_sm=len(seq) * hkv * s / sm,
+                                ctas=len(seq) * hkv * s, rows=len(seq), kv_mb=round(kv / 1e6, 3)))
+            del wl
+            torch.cuda.empty_cache()
+            continue
+        for g in args.groups:   # the partition routes at every cut, then FlashInfer, per group size
+            name = case if g == 4 else f"{case}-G{g}"
+            wl = _workload(seq, l2, group_shape(g), kv_dtype)   # one workload and reference for every engine
+            ref = _reference(wl)
+            for route in partition_routes:
+                records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick)
+                best = min(records, key=lambda r: r["us"])
+                print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "
+                      f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
+                raw += [dict(case=name, engine=f"pkvrt-{route.kind}", kv_dtype=kv_dtype, group=g,
+                             splits=r["splits"], median_us=r["us"], gbps=r["kv_bytes"] / (r["us"] * 1e3),
+                             cta_work_per_sm=r["ctas"] / sm, ctas=r["ctas"], rows=len(seq),
+                             kv_mb=round(r["kv_bytes"] / 1e6, 3)) for r in records]
+                if route is dp_route:
+                    partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
+                    if g == 4:
+                        fit_recs += records
+            kv_g = kv * group_shape(g)["num_kv_heads"] // hkv
+            for tc in (False, True) if flashinfer else ():
+                us = time_flashinfer(wl, tc, ref, repeats)
+                raw.append(dict(case=name, engine="flashinfer-tc" if tc else "flashinfer-cuda",
+                                kv_dtype=kv_dtype, group=g, median_us=float(us), gbps=kv_g / (us * 1e3),
+                                rows=len(seq), kv_mb=round(kv_g / 1e6, 3)))
+            del wl
+            torch.cuda.empty_cache()
+    return fit_recs, raw, partition_cases
+
+
+def fit_groups(partition_cases: dict, reg, *, sm_count: int, kv_dtype: str,
+               max_waves: int) -> tuple[dict, dict, dict]:
+    """``calibration.fit_partition`` per G of :func:`time_steps`' device-planning sweeps, with
+    the occupancy of that route's kernel (``kv_dtype`` variant) at each G from the driver:
+    ({G: points}, {G: {case: regret}}, {G: resident CTAs per SM})."""
+    dp_route = reg.device_planning_route()
+    fitted, regrets, resident = {}, {}, {}
+    for g, cases in partition_cases.items():
+        resident[g] = decode_occupancy(dp_route.kernel, g, kv_dtype)
+        fitted[g], regrets[g] = calib.fit_partition(
+            cases, sm_count=sm_count, resident=resident[g], num_kv_heads=group_shape(g)["num_kv_heads"],
+            splits=dp_route.splits, max_waves=max_waves)
+    return fitted, regrets, resident
+
+
+def _regret_text(regrets: dict) -> str:
+    return "; ".join(f"G {g}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()) for g, r in regrets.items())
+
+
+def measure(args, env) -> tuple[calib.Calibration, list[dict], dict]:
+    """Every measurement and fit of a 16-bit calibration; returns the calibration, the raw timed
+    rows and what ``--raw``'s meta records beside them (``kv_dtype``, ``occupancy`` per G)."""
+    import torch
+
+    from pkvrt.tools.plan_cmd import seed_calibration
+
+    t_start = time.perf_counter()
+    quick = args.quick
+    repeats = 10 if quick else 30
+    reg = load_routes(args.routes)
+    dp_route = reg.device_planning_route()
+    props = torch.cuda.get_device_properties(0)
+    sm, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 0) or 60 * 2**20
+    hkv = SHAPE["num_kv_heads"]
+    kv_tok = 2 * hkv * SHAPE["head_dim"] * 2
+
+    launch = measure_launch(repeats)
+    torch_read = measure_torch_read(1 if quick else 2, repeats)
+    # the split kernel as a streaming read: B16 x 32K = 2 GiB of K+V (B8 = 1 GiB with --quick)
+    rows16 = 8 if quick else 16
+    wl_big = _workload([FI_CONTEXT] * rows16, l2)
+    ref_big = _reference(wl_big)
+    big_bytes = int(wl_big.steps[0].seq_lens.sum()) * kv_tok
+    kernel_read = big_bytes / (time_bucket(wl_big, 8, ref_big, repeats) * 1e3)
+    beta = max(torch_read, float(kernel_read))
+    base = attrs.evolve(seed_calibration(), gpu=props.name, sm_count=sm, l2_bytes=l2,
+                        beta_gbps=beta, lambda_us=launch["pkvrt_eager"],
+                        lambda_graph_us=launch["pkvrt_graph"],
+                        splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS))
+
+    fit_recs, raw, partition_cases = time_steps(args, reg, base, kv_dtype="float16", repeats=repeats,
+                                                t_start=t_start)
+    splits = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"],
+                                    sm_count=sm, num_kv_heads=hkv)
+    max_waves = kept_max_waves(args, calib.slugify(props.name))
+    fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=sm, kv_dtype="float16",
+                                           max_waves=max_waves)
+    splits.update(fitted[4], max_waves=max_waves)
+    by_group = {g: pts for g, pts in fitted.items() if g != 4}
+    c_min = fit_c_min(fit_recs, base)
+    base = attrs.evolve(base, c_min=c_min)
+
+    fi_times, fi_variant = {}, {}
+    for a in ((1, 8) if quick else FI_ACTIVE):
+        wl = wl_big if a == rows16 else _workload([FI_CONTEXT] * a, l2)
+        ref = ref_big if a == rows16 else _reference(wl)
+        t = {tc: time_flashinfer(wl, tc, ref, repeats) for tc in (False, True)}
+        tc = min(t, key=t.get)
+        fi_times[a], fi_variant[a] = t[tc], "tc" if tc else "cuda"
+        raw += [dict(case=f"B{a}-32K", engine="flashinfer-tc" if k else "flashinfer-cuda", kv_dtype="float16",
+                     median_us=float(v), gbps=a * FI_CONTEXT * kv_tok / (v * 1e3)) for k, v in t.items()]
+        if wl is not wl_big:
+            del wl
+            torch.cuda.empty_cache()
+    fi = fit_flashinfer_ctas(fi_times, context=FI_CONTEXT, cal=base, kv_bytes_per_token=kv_tok)
+
+    family = dp_route.kernel
+    which = "split_decode kernel" if kernel_read >= torch_read else "torch sum"
+    provenance = (
+        f"Measured by pkvrt calibrate{' --quick' if quick else ''} on {props.name}. beta: the faster "
+        f"streaming read, here the {which}: torch float32-accumulating sum over "
+        f"{1 if quick else 2} GiB fp16 {torch_read:.0f} GB/s, PersistentKV split_decode over a "
+        f"B{rows16} x 32K step (8 splits, incl. merge) {float(kernel_read):.0f} GB/s. "
+        f"splits.workqueue_ctas_per_sm: the {family} kernel's occupancy (driver query, "
+        f"{fitted[4]['workqueue_ctas_per_sm']:g} CTAs per SM); co_resident_slowdown / "
+        f"cta_overhead_tiles / min_split_tokens: fit_partition over {len(partition_cases[4])} steps "
+        f"with route {dp_route.name} ({dp_route.kind}, the device-planning route) timed at every cut "
+        f"of the balanced partition at G = 4 (H_q 32, H_kv 8); splits.by_group: the same fit at "
+        f"G = {', '.join(str(g) for g in by_group) or '(none)'} (H_kv = 32 / G). Regret of the "
+        f"fitted rule (its pick over the fastest cut): " + _regret_text(regrets) + ". "
+        f"lambda_us / lambda_graph_us:"
+        f" a 1-token pkvrt split decode launched eagerly from Python (median of {repeats} loops of "
+        f"100) / as one node of a 200-node CUDA graph (torch 1-element add: "
+        f"{launch['torch_eager']:.2f} / {launch['torch_graph']:.2f} us). splits.bucket_ctas_per_sm: fit_split_points "
+        f"over bucket B1 {'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)} (seed {SEED}); c_min: "
+        f"least-squares fit of the cost model (log time) to the same configurations. "
+        f"flashinfer.ctas_per_sm: FlashInfer "
+        f"{env.get('flashinfer')} best of CUDA-core/tensor-core at 32K "
+        f"({', '.join(f'B{a} {fi_times[a]:.1f} us ({fi_variant[a]})' for a in fi_times)}), "
+        f"C = c_min * (KVBytes/beta) / (T - lambda_graph_us). All times: CUDA-event medians of "
+        f"graph replays, outputs checked against the FP32 reference.")
+    cal = make_calibration(
+        gpu=props.name, sm_count=sm, l2_bytes=l2, beta_gbps=beta, lambda_us=launch["pkvrt_eager"],
+        lambda_graph_us=launch["pkvrt_graph"], c_min=c_min, splits=splits, flashinfer=fi,
+        versions={"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "flashinfer": env.get("flashinfer"), "driver": env.get("driver")},
+        command=_command(), provenance=provenance, by_group=by_group)
+    try:
+        cal = add_time_model(cal, raw, reg)
+    except ValueError as e:   # keep the measurements: the file gets the roofline, --raw the rows
+        print(f"pkvrt calibrate: no time model written ({e}); the router will use the roofline. "
+              "benches/cost_model_error.py fits and prints it from the --raw rows.", file=sys.stderr)
+    _print(cal, launch, torch_read, float(kernel_read), fit_recs, fi_times, fi_variant)
+    _print_sweeps(cal, fit_recs, regrets, time.perf_counter() - t_start)
+    return cal, raw, {"kv_dtype": "float16", "occupancy": {str(g): n for g, n in resident.items()}}
+
+
+def measure_kv_dtype(args, base: calib.Calibration, kv_dtype: str) -> tuple[calib.Calibration, list[dict], dict]:
+    """The ``by_kv_dtype`` section of ``kv_dtype`` (FP8), measured and fitted as :func:`measure`
+    fits the 16-bit constants, and ``base`` (this GPU's file, :func:`load_base`) with it added
+    or replaced; every other constant of ``base`` is kept.
+
+    Timed: the calibration steps of :func:`time_steps` with FP8 caches (no FlashInfer). Fitted:
+    splits.bucket_ctas_per_sm (``fit_split_points``), the partition constants per G
+    (``fit_partition``, with the occupancy of the device-planning kernel's e4m3 variant) and the
+    time model of pkvrt's route kinds per G (``sweeps.fit_time_model``, against ``base``'s beta).
+    Not measured, so the file's: beta, lambda, c_min, FlashInfer's constants and time model, and
+    max_waves (unless ``--max-waves``). Returns as :func:`measure`.
+    """
+    import torch
+
+    t_start = time.perf_counter()
+    repeats = 10 if args.quick else 30
+    reg = load_routes(args.routes)
+    dp_route = reg.device_planning_route()
+    props = torch.cuda.get_device_properties(0)   # the K/V copies rotate past this GPU's L2
+    timing = attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
+                          splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), time_model=(),
+                          time_model_by_group=())
+    fit_recs, raw, partition_cases = time_steps(args, reg, timing, kv_dtype=kv_dtype, repeats=repeats,
+                                                t_start=t_start)
+    bucket = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"], sm_count=base.sm_count,
+                                    num_kv_heads=SHAPE["num_kv_heads"])["bucket_ctas_per_sm"]
+    max_waves = args.max_waves or base.splits.max_waves
+    fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=base.sm_count, kv_dtype=kv_dtype,
+                                           max_waves=max_waves)
+    others = ", ".join(str(g) for g in fitted if g != 4)
+    waves = f"set by --max-waves: {max_waves}" if args.max_waves else f"the file's {max_waves}"
+    provenance = (
+        f"Measured by pkvrt calibrate --kv-dtype {kv_dtype}{' --quick' if args.quick else ''} on "
+        f"{torch.cuda.get_device_name(0)}: every calibration step with {kv_dtype} K/V caches "
+        f"(harness.quantize_fp8 'unit': a cast, scale 1.0, passed to the kernels as float32 [1] "
+        f"device tensors; fp16 q and out), outputs checked against the FP32 reference over the "
+        f"dequantized caches. splits.bucket_ctas_per_sm: fit_split_points over bucket B1 "
+        f"{'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)}; splits.workqueue_ctas_per_sm: the "
+        f"{dp_route.kernel} e4m3 kernel's occupancy (driver query, {resident[4]} CTAs per SM at G 4); "
+        f"co_resident_slowdown / cta_overhead_tiles / min_split_tokens: fit_partition over "
+        f"{len(partition_cases[4])} steps with route {dp_route.name} timed at every cut at G = 4"
+        f"{f'; splits.by_group: the same at G = {others}' if others else ''}. Regret of the fitted rule: "
+        f"{_regret_text(regrets)}. Not measured with {kv_dtype} caches, so the file's: beta_gbps, "
+        f"lambda_us, lambda_graph_us, c_min, flashinfer.ctas_per_sm and time_model.flashinfer "
+        f"(FlashInfer is not timed: an FP8 Runtime does not run it), splits.max_waves "
+        f"({waves}).")
+    section = calib.KvDtypeSection(
+        splits=(("bucket_ctas_per_sm", round(bucket, 3)),) + ((("max_waves", max_waves),) if args.max_waves else ()),
+        date=datetime.date.today().isoformat(), command=_command(), provenance=provenance)
+    cal = sweeps.with_partitions(calib.with_kv_dtype_section(base, kv_dtype, section), fitted, kv_dtype)
+    try:
+        cal = add_time_model(cal, raw, reg, kv_dtype)
+    except ValueError as e:
+        print(f"pkvrt calibrate: no {kv_dtype} time model written ({e}); the router will use the file's. "
+              "benches/cost_model_error.py fits and prints it from the --raw rows.", file=sys.stderr)
+    _print_section(cal, kv_dtype)
+    _print_sweeps(cal.for_kv_dtype(kv_dtype), fit_recs, regrets, time.perf_counter() - t_start)
+    return cal, raw, {"kv_dtype": kv_dtype, "fp8_scales": "unit",
+                      "occupancy": {str(g): n for g, n in resident.items()}}
+
+
+def _command() -> str:
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+def add_time_model(cal: calib.Calibration, raw: list[dict], reg, kv_dtype: str = "float16") -> calib.Calibration:
+    """``cal`` (its partition constants fitted) with the measured time model that
+    ``sweeps.fit_time_model`` fits on the timed rows of ``kv_dtype`` in ``raw``, and a sentence
+    on it in ``source``: the file's top level for a 16-bit ``kv_dtype``, its ``by_kv_dtype``
+    section (and that section's source) for FP8. A workqueue or fused kind that was not timed
+    (routes.toml has no such route) takes the other's constants, and ``source`` says so. Raises
+    ValueError when a 16-bit G 4 still lacks a kind."""
+    fits = sweeps.fit_time_model(sweeps.read_rows(raw, SEED, kv_dtype), cal, reg)
+    top, notes = fits.setdefault(4, {}), []
+    for kind, other in (("workqueue", "fused"), ("fused", "workqueue")):
+        if kind not in top and other in top:
+            top[kind] = top[other]
+            notes.append(f" No {kind} route was timed: time_model.{kind} is {other}'s.")
+    cal = sweeps.with_time_model(cal, fits, kv_dtype)
+    dp = reg.device_planning_route()
+    fp16 = kv_dtype in calib.TOP_KV_DTYPES
+    view = cal.for_kv_dtype(kv_dtype)
+    groups = dict(cal.time_model_by_group) if fp16 else dict(dict(cal.by_kv_dtype)[kv_dtype].time_model_by_group)
+    text = (f" time_model: sweeps.fit_time_model per route kind and group size (G 4 top level, "
+            f"by_group: G = {', '.join(str(g) for g in groups) or '(none)'}) on "
+            f"every calibration step at the cut its planner picks plus every cut within "
+            f"{100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest, "
+            + ("FlashInfer at its faster path on the same steps and B1..B16 at 32K; " if fp16 else
+               f"against the file's beta_gbps {view.beta_gbps:g}; FlashInfer not timed (the file's "
+               "time_model.flashinfer, bytes counted at 1 per element); ")
+            + f"bucket: read_scale and fixed_us only, tail_us and split_us from {dp.name} ({dp.kind}).") \
+        + "".join(notes)
+    if fp16:
+        cal = attrs.evolve(cal, provenance=cal.provenance + text)
+    else:
+        sec = dict(cal.by_kv_dtype)[kv_dtype]
+        cal = calib.with_kv_dtype_section(cal, kv_dtype, attrs.evolve(sec, provenance=sec.provenance + text))
+    return calib.calibration_from_dict(calib.calibration_to_dict(cal))
+
+
+def report(raw: list[dict], cal: calib.Calibration, reg, *, header: str = "",
+           kv_dtype: str = "float16") -> tuple[str, str]:
+    """(error table, suggested gates) of the calibration ``cal`` on the timed rows of
+    ``kv_dtype`` in ``raw``: measured vs predicted µs per route and step at the cut the planner
+    picks (``sweeps.format_errors``) and the routes.toml gates they measured
+    (``sweeps.suggest_gates``, text for a person, never applied; "" for FP8 rows, which have no
+    FlashInfer time to judge a route against)."""
+    timed = sweeps.read_rows(raw, SEED, kv_dtype)
+    gates = sweeps.suggest_gates(timed, cal, reg, header=header) if kv_dtype in calib.TOP_KV_DTYPES else ""
+    return sweeps.format_errors(sweeps.error_rows(timed, cal, reg)), gates
+
+
+def _print(cal, launch, torch_read, kernel_read, recs, fi_times, fi_variant) -> None:
+    s = cal.splits
+    rows = [
+        ("gpu", cal.gpu, f"{cal.sm_count} SMs, L2 {cal.l2_bytes / 2**20:.0f} MiB"),
+        ("beta_gbps", f"{cal.beta_gbps:.1f}",
+         f"max(torch sum {torch_read:.0f}, split_decode {kernel_read:.0f})"),
+        ("lambda_us", f"{cal.lambda_us:.2f}", f"eager pkvrt launch (torch add {launch['torch_eager']:.2f})"),
+        ("lambda_graph_us", f"{cal.lambda_graph_us:.2f}",
+         f"per graph node (torch add {launch['torch_graph']:.2f})"),
+        ("c_min", f"{cal.c_min:.2f}", f"cost-model fit over {len(recs)} configurations"),
+        *_split_rows("splits", s),
+        *((f"flashinfer.ctas_per_sm.{a}", f"{c:.2f}", f"{fi_times[a]:.1f} us ({fi_variant[a]})")
+          for a, c in cal.flashinfer_ctas_per_sm),
+        *_time_rows("time_model", cal.time_model, cal.time_model_by_group),
+    ]
+    print(format_rows(("constant", "value", "from"), rows))
+    print()
+
+
+def _split_rows(prefix: str, s: calib.SplitPoints) -> list[tuple]:
+    return [(f"{prefix}.bucket_ctas_per_sm", f"{s.bucket_ctas_per_sm:.2f}", "fit_split_points, B1 cases"),
+            (f"{prefix}.workqueue_ctas_per_sm", f"{s.workqueue_ctas_per_sm:.2f}", "decode kernel occupancy (driver)"),
+            (f"{prefix}.co_resident_slowdown", f"{s.co_resident_slowdown:.2f}", "fit_partition: two CTAs on an SM"),
+            (f"{prefix}.cta_overhead_tiles", f"{s.cta_overhead_tiles:.2f}", "fit_partition: a CTA's fixed cost"),
+            (f"{prefix}.min_split_tokens", str(s.min_split_tokens), "fit_partition: shortest split")]
+
+
+def _time_rows(prefix: str, top, by_group) -> list[tuple]:
+    return [(f"{prefix}{'' if g == 4 else f'.by_group.{g}'}.{k}",
+             f"{t.read_scale:.3f} {t.tail_us:.3f} {t.split_us:.3f} {t.fixed_us:.2f}",
+             "read_scale tail_us split_us fixed_us (sweeps.fit_time_model)")
+            for g, kinds in ((4, top), *by_group) for k, t in kinds]
+
+
+def _print_section(cal: calib.Calibration, kv_dtype: str) -> None:
+    """The constants an FP8 run measured: its ``by_kv_dtype`` section at G 4."""
+    sec = dict(cal.by_kv_dtype)[kv_dtype]
+    prefix = f"by_kv_dtype.{kv_dtype}"
+    rows = [("gpu", cal.gpu, f"{cal.sm_count} SMs; beta {cal.beta_gbps:.1f} GB/s from the file"),
+            *_split_rows(f"{prefix}.splits", cal.for_kv_dtype(kv_dtype).splits),
+            *_time_rows(f"{prefix}.time_model", sec.time_model, sec.time_model_by_group)]
+    print(format_rows(("constant", "value", "from"), rows))
+    print()
+
+
+def _print_sweeps(cal, recs, regrets, seconds) -> None:
+    """The bucket and G 4 partition sweeps, and the fitted partition rule per G (``cal``: the
+    file's calibration, or its view of the KV dtype timed)."""
+    print(format_rows(("case", "route", "S", "us", "CTAs/SM", "GB/s"),
+                      [(r["case"], r["route"], r["splits"], f"{r['us']:.1f}",
+                        f"{r['ctas'] / cal.sm_count:.2f}", f"{r['kv_bytes'] / (r['us'] * 1e3):.0f}")
+                       for r in recs]))
+    print()
+    print(format_rows(("G", "slowdown", "overhead tiles", "min split", "regret: case (pick / fastest cut)"),
+                      [(g, f"{c.splits.co_resident_slowdown:.2f}", f"{c.splits.cta_overhead_tiles:.2f}",
+                        c.splits.min_split_tokens,
+                        ", ".join(f"{k} {v:.3f}" for k, v in regrets[g].items()))
+                       for g, c in ((g, cal.for_group(g)) for g in regrets)]))
+    print(f"\ncalibrated in {seconds:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python calibration/calibrate.py [--out PATH] [--quick]``: the same as ``pkvrt calibrate``."""
+    parser = argparse.ArgumentParser(prog="calibrate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"calibrate.py: error: {e}", file=sys.stderr)
+        return 2
