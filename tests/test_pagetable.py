@@ -120,8 +120,8 @@ def _to_csr_slow(seq_lens, block_tables, page_size):
 
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), page_size=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
-       batch=st.integers(1, 12), width=st.integers(1, 20))
-def test_to_csr_matches_slow_loop(data, page_size, batch, width):
+       batch=st.integers(1, 40), width=st.integers(1, 20))
+def test_to_csr_matches_slow_loop(data, page_size, batch, width):   # batches on both sides of _LOOP_ROWS
     seq = data.draw(st.lists(st.integers(1, width * page_size), min_size=batch, max_size=batch))
     seq = np.array(seq, np.int32)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
