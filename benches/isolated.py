@@ -41,7 +41,7 @@ import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from paged import make_batch  # noqa: E402
+from paged import make_batch, simple_tasks  # noqa: E402
 
 from pkvrt import reference  # noqa: E402
 from pkvrt.launch import _driver, ops  # noqa: E402
@@ -79,19 +79,6 @@ def read_bandwidth_gbps() -> float:
     out = torch.empty(2**17, device="cuda", dtype=torch.float32)
     us = median_us(lambda: torch.sum(x, dim=1, dtype=torch.float32, out=out), 1, repeats=20)
     return x.numel() * 2 / (us * 1e-6) / 1e9
-
-
-def simple_tasks(lens, hkv, splits, tile=32):
-    tasks, offsets = [], [0]
-    for row, n in enumerate(lens):
-        tiles = math.ceil(n / tile)
-        s = min(splits, tiles)
-        per = math.ceil(tiles / s)
-        rs = [(j * per * tile, min(n, (j + 1) * per * tile)) for j in range(s)]
-        rs = [r for r in rs if r[0] < r[1]]
-        tasks += [(row, h, j, a, e) for j, (a, e) in enumerate(rs) for h in range(hkv)]
-        offsets.append(offsets[-1] + len(rs))
-    return tasks, offsets
 
 
 class Case:

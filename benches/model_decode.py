@@ -57,19 +57,6 @@ DEFAULT_ENGINES = "pkvrt,flashinfer-tc,flashinfer-cuda,flashinfer-xqa,no-attenti
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def check_pass(loop, backend, graph, forced):
-    """Logits [steps, B, V] and layer 0's attention outputs [steps, B, H_q, D] of
-    ``len(forced)`` steps from the initial state, step s fed ``forced[s]``."""
-    loop.reset(forced[0])
-    logits, attn0 = [], []
-    for tokens in forced:
-        loop.tokens.copy_(tokens)
-        loop.step(backend, graph)
-        logits.append(loop.logits.clone())
-        attn0.append(loop.attn_out[0].clone())
-    return torch.stack(logits), torch.stack(attn0)
-
-
 def sync_pass(loop, backend, graph, start, warmup: int, steps: int):
     """Per timed step: ms from an idle GPU through host work + replay (CUDA events), and the host
     work's µs (perf_counter)."""
@@ -133,7 +120,7 @@ def add_checks(rows: list[dict], checks: dict, ref0, dtype) -> None:
 
 def run_case(case, model, engines, args, log) -> list[dict]:
     """Every engine on one case (see the module docstring); the case's rows."""
-    from pkvrt.measure.model import DecodeLoop, make_caches, pages_needed
+    from pkvrt.measure.model import DecodeLoop, make_caches, pages_needed, run_steps
     from pkvrt.measure.model_attention import make_backend
     from pkvrt.measure.model_results import check_failed, finish_case, measured_row, unavailable_row
 
@@ -156,7 +143,7 @@ def run_case(case, model, engines, args, log) -> list[dict]:
             rows.append(unavailable_row(case, name, model=cfg.name, reason=reason))
             log(f"  {name:<16} unavailable: {reason}")
             continue
-        checks[name] = check_pass(loop, backend, graph, forced)
+        checks[name] = run_steps(loop, backend, forced, graph)
         if ref0 is None:   # layer 0's K/V of the pass depend only on the tokens: once per case
             bt = torch.as_tensor(loop.pool.block_tables, device=device)
             ref0 = model.layer0_reference(forced, caches, bt, context=case.context)

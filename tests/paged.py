@@ -62,3 +62,20 @@ def make_batch(seq_lens, *, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def simple_tasks(seq_lens, hkv: int, splits: int, tile: int = 32):
+    """Reference workqueue plan (the kernels' task layout without the planner): row i gets
+    min(splits, its tiles) tile-aligned splits of equal tile counts, one task per (row, KV head,
+    split). Returns (tasks [(row, kv_head, split, start, end)], split offsets [B + 1])."""
+    tasks, offsets = [], [0]
+    for row, n in enumerate(seq_lens):
+        tiles = math.ceil(n / tile)
+        s = min(splits, tiles)
+        per = math.ceil(tiles / s)
+        ranges = [(j * per * tile, min(n, (j + 1) * per * tile)) for j in range(s)]
+        ranges = [r for r in ranges if r[0] < r[1]]
+        tasks += [(row, h, j, a, e) for j, (a, e) in enumerate(ranges) for h in range(hkv)]
+        offsets.append(offsets[-1] + len(ranges))
+    return tasks, offsets
+

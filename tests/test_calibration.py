@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pkvrt.policy import calibration as C
-from pkvrt.policy.calibration import (Calibration, CalibrationError, SplitPoints, calibration_dirs, find_calibration,
-                               fit_split_points, load_calibration, save_calibration, slugify)
+from pkvrt.policy.calibration import (Calibration, CalibrationError, SplitPoints, calibration_dirs,
+                                      find_calibration, fit_split_points, load_calibration,
+                                      save_calibration, slugify)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = REPO / "calibration" / "rtx3060-seed.json"

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pkvrt.policy.calibration import Calibration, SplitPoints, load_calibration
-from pkvrt.policy.costmodel import (flashinfer_ctas_per_sm, launch_us, predict_flashinfer_us, predict_us, read_us,
-                             route_time_us)
+from pkvrt.policy.costmodel import (flashinfer_ctas_per_sm, launch_us, predict_flashinfer_us,
+                                    predict_us, read_us, route_time_us)
 from pkvrt.policy.planner import Counters, flashinfer_counters, plan_bucket, plan_workqueue, state_bytes
 from pkvrt.policy.registry import SplitBounds
 
@@ -163,8 +163,8 @@ def test_faster_bandwidth_never_slows_a_route():
 # ----------------------------------------------------------------------------- the measured model
 
 from pkvrt.policy.calibration import RouteTime, TIME_KINDS  # noqa: E402
-from pkvrt.policy.costmodel import (FLASHINFER_CTAS_PER_SM, LaunchGroup, fit_route_time, measured_us,  # noqa: E402
-                             predict_route_us, route_groups)
+from pkvrt.policy.costmodel import (FLASHINFER_CTAS_PER_SM, LaunchGroup, fit_route_time,  # noqa: E402
+                                    measured_us, predict_route_us, route_groups)
 from pkvrt.policy.planner import balanced_partition, bucket_counters, workqueue_counters  # noqa: E402
 
 SHAPE = dict(num_kv_heads=8, head_dim=128, dtype_bytes=2)

@@ -15,9 +15,10 @@ from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.policy import planner
 from pkvrt.policy.blocktables import to_csr
 from pkvrt.policy.calibration import SplitPoints, load_calibration
-from pkvrt.policy.planner import (BucketPlan, WorkqueuePlan, bucket_counters, check_seq_lens, clamp_splits,
-                           plan_bucket, plan_flashinfer, plan_fused, plan_workqueue, split_capacity,
-                           split_tile_range, workqueue_counters)
+from pkvrt.policy.planner import (BucketPlan, WorkqueuePlan, bucket_counters, check_seq_lens,
+                                  clamp_splits, plan_bucket, plan_flashinfer, plan_fused,
+                                  plan_workqueue, split_capacity, split_tile_range,
+                                  workqueue_counters)
 from pkvrt.policy.registry import SplitBounds
 
 SEED = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json")

@@ -67,3 +67,15 @@ def test_split_ranges_are_row_local_and_cover():
             assert all(a <= b for a, b in rs)
             assert all(rs[i][1] == rs[i + 1][0] for i in range(s - 1))
             assert all(a % 32 == 0 for a, b in rs if a < b)
+
+
+def test_simple_tasks_is_the_kernels_task_layout():
+    """tests/paged.simple_tasks, the GPU tests' and isolated.py's reference workqueue plan: 100
+    tokens = 4 tiles cut in 3 splits of 2 tiles (the last empty split dropped), one task per KV
+    head; a 1-token row keeps one split."""
+    from paged import simple_tasks
+
+    tasks, offsets = simple_tasks([100, 1], 2, 3)
+    assert offsets == [0, 2, 3]
+    assert tasks == [(0, 0, 0, 0, 64), (0, 1, 0, 0, 64), (0, 0, 1, 64, 100), (0, 1, 1, 64, 100),
+                     (1, 0, 0, 0, 1), (1, 1, 0, 0, 1)]

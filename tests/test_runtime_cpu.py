@@ -20,13 +20,14 @@ from pkvrt import runtime
 from pkvrt.launch import _driver
 from pkvrt.policy import fallback
 from pkvrt.policy.calibration import load_calibration
-from pkvrt.policy.fallback import decide, predict_route_us
+from pkvrt.policy.fallback import decide, pkv_route_us
 from pkvrt.policy.registry import load_routes
 from pkvrt.policy.router import Router
 from pkvrt.runtime import fi_route, graphs
 from pkvrt.runtime import Runtime, check_run_args, check_shape, check_step
-from pkvrt.runtime.graphs import (Capacities, arena_layout, bucket_sections, grow, initial_capacities,
-                          needed_capacities, stage_bucket, stage_workqueue)
+from pkvrt.runtime.graphs import (Capacities, arena_layout, bucket_sections, grow,
+                                  initial_capacities, needed_capacities, stage_bucket,
+                                  stage_workqueue)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = load_calibration(REPO / "calibration" / "rtx3060-seed.json")
@@ -419,7 +420,7 @@ def test_route_choice_without_flashinfer_takes_the_best_persistentkv_route():
     d = decide(r, seq, table(seq), flashinfer_unavailable="flashinfer failed to import (ImportError)")
     assert d.kind != "flashinfer"
     non_ablation = [x for x in ROUTES.routes if x.kind != "flashinfer" and not x.ablation]
-    best = min(non_ablation, key=lambda x: predict_route_us(r, x, seq))
+    best = min(non_ablation, key=lambda x: pkv_route_us(r, x, seq))
     assert d.route == best.name and not d.forced
     assert "FlashInfer unavailable (flashinfer failed to import" in d.refused["flashinfer"]
     assert "FlashInfer unavailable" in d.explain()
@@ -430,8 +431,8 @@ def test_route_choice_without_flashinfer_remembers_its_fallback(monkeypatch):
     of the first step with that key is taken again (as the router's own memo does)."""
     r = Router(ROUTES, SEED, **SHAPE, memo_size=16, device_plan_kinds=("workqueue", "fused"))
     memo, calls = {}, []
-    real = fallback.predict_route_us
-    monkeypatch.setattr(fallback, "predict_route_us", lambda *a: calls.append(a[1].name) or real(*a))
+    real = fallback.pkv_route_us
+    monkeypatch.setattr(fallback, "pkv_route_us", lambda *a: calls.append(a[1].name) or real(*a))
     seq = np.array([1000, 2000, 500])
     first = decide(r, seq, table(seq), flashinfer_unavailable="not installed", fallback_memo=memo)
     assert calls and len(memo) == 1

@@ -10,5 +10,6 @@
 - :mod:`~pkvrt.measure.results`, :mod:`~pkvrt.measure.model_results`,
   :mod:`~pkvrt.measure.tp_results`: results files with the GPU, versions, seeds and hashes.
 
-May import: the runtime, the policy, the launch layer. Never the tools (the commands import it).
+May import: the runtime, the policy, the launch layer, ``pkvrt.reference`` (the FP32 answer the
+benches check against). Never the tools (the commands import it).
 """

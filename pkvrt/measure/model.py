@@ -573,3 +573,18 @@ class DecodeLoop:
         device = self.tokens.device
         return graphs.capture(lambda: self.forward(attention), side_stream=torch.cuda.Stream(device),
                               pool=None, device=device).graph
+
+
+def run_steps(loop: DecodeLoop, attention, tokens: torch.Tensor, graph=None):
+    """From the initial state, step s fed ``tokens[s]`` (int64 [steps, B]): logits
+    [steps, B, vocab] and layer 0's attention outputs [steps, B, H_q, D] of the loop's model
+    (graph: a captured step graph, or None for eager steps; the correctness pass of the
+    whole-model and TP benches)."""
+    loop.reset(tokens[0])
+    logits, attn0 = [], []
+    for tok in tokens:
+        loop.tokens.copy_(tok)
+        loop.step(attention, graph)
+        logits.append(loop.logits.clone())
+        attn0.append(loop.attn_out[0].clone())
+    return torch.stack(logits), torch.stack(attn0)

@@ -63,8 +63,8 @@ import torch
 import torch.distributed as dist
 
 from pkvrt.measure.model import (HEADROOM_BYTES, Case, DecodeLoop, KVCaches, LayerWeights, Model,
-                         ModelConfig, Weights, cache_draws, kv_bytes, make_caches, make_weights,
-                         pages_needed, weight_draws)
+                                 ModelConfig, Weights, cache_draws, kv_bytes, make_caches,
+                                 make_weights, pages_needed, run_steps, weight_draws)
 
 
 # --------------------------------------------------------------------------- the shard
@@ -399,20 +399,6 @@ def spawn_ranks(fn, nprocs: int, *args) -> None:
 
 
 # --------------------------------------------------------------------------- checks
-
-def run_steps(loop: DecodeLoop, attention, tokens: torch.Tensor, graph=None):
-    """From the initial state, step s fed ``tokens[s]`` (int64 [steps, B]): logits
-    [steps, B, vocab] and layer 0's attention outputs [steps, B, H_q, D] of the loop's model
-    (graph: a :func:`capture_step` graph, or None for eager steps)."""
-    loop.reset(tokens[0])
-    logits, attn0 = [], []
-    for tok in tokens:
-        loop.tokens.copy_(tok)
-        loop.step(attention, graph)
-        logits.append(loop.logits.clone())
-        attn0.append(loop.attn_out[0].clone())
-    return torch.stack(logits), torch.stack(attn0)
-
 
 def gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape on every rank), in rank order; ``[t]`` without a group."""

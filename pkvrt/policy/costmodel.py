@@ -41,8 +41,8 @@ import numpy as np
 
 from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.policy.calibration import Calibration, RouteTime
-from pkvrt.policy.planner import (PartitionModel, _bucket_groups, balanced_partition, bucket_split_counts, kv_bytes,
-                           partition_costs)
+from pkvrt.policy.planner import (PartitionModel, _bucket_groups, balanced_partition,
+                                  bucket_split_counts, kv_bytes, partition_costs)
 
 
 def launch_us(cal: Calibration, *, graphs: bool) -> float:

@@ -14,7 +14,7 @@ from pkvrt.policy.planner import check_seq_lens
 from pkvrt.policy.router import RouteDecision, Router
 
 
-def predict_route_us(router: Router, route, seq: np.ndarray) -> float:
+def pkv_route_us(router: Router, route, seq: np.ndarray) -> float:
     """The router's predicted T of a PersistentKV ``route`` for ``seq`` (closed-form counters;
     the calibration's measured time model, else the roofline: ``Router.predict``)."""
     return router.predict(route, check_seq_lens(seq))
@@ -51,7 +51,7 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
 
     def t_us(r) -> float:
         t = d.predicted_us.get(r.name)
-        return predict_route_us(router, r, seq64) if t is None else t
+        return pkv_route_us(router, r, seq64) if t is None else t
 
     key = router.memo_key(seq64, force) if fallback_memo is not None else None
     best = fallback_memo.get(key) if key is not None else None

@@ -29,6 +29,7 @@ from pkvrt._paths import CHECKOUT, PACKAGE
 # Route kind -> the kernel family that implements it (None: FlashInfer brings its own kernel).
 KIND_KERNELS = {"flashinfer": None, "bucket": "split_decode",
                 "workqueue": "workqueue_decode", "fused": "fused_decode"}
+DEVICE_PLANNED = ("workqueue", "fused")   # route kinds whose plans the planning kernel builds
 BUCKETINGS = ("exact", "coarse")
 ROUTE_KEYS = ("kind", "kernel", "enabled", "ablation", "margin", "gates", "splits",
               "bucketing", "coarse_lengths", "kv_dtypes")

@@ -41,9 +41,9 @@ import attrs
 from pkvrt._buildspec import GROUP_SIZES, HEAD_DIMS, PAGE_SIZES, TILE_TOKENS
 from pkvrt.policy.calibration import Calibration
 from pkvrt.policy.costmodel import predict_route_us
-from pkvrt.policy.planner import (BucketPlan, FlashInferPlan, WorkqueuePlan, bucket_from_checked, check_seq_lens,
-                           flashinfer_counters_from_checked, fused_counters, plan_flashinfer,
-                           workqueue_from_checked)
+from pkvrt.policy.planner import (BucketPlan, FlashInferPlan, WorkqueuePlan, bucket_from_checked,
+                                  check_seq_lens, flashinfer_counters_from_checked, fused_counters,
+                                  plan_flashinfer, workqueue_from_checked)
 from pkvrt.policy.registry import KV_DTYPES, kv_dtype_name
 
 

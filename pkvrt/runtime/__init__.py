@@ -84,9 +84,9 @@ May import: torch, the policy, the launch layer. Never the tools or ``pkvrt.meas
 import the runtime).
 """
 
+from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime.checks import (DTYPES, MAX_SEQ_LEN, StepInput, check_device_step, check_run_args,
                                   check_shape, check_step, host_int_array, used_page_id_max)
-from pkvrt.runtime.buffers import DEVICE_PLANNED
 from pkvrt.runtime.core import Runtime
 
 __all__ = ["Runtime", "DEVICE_PLANNED", "DTYPES", "MAX_SEQ_LEN", "StepInput", "check_device_step",

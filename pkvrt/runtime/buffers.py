@@ -50,7 +50,6 @@ from pkvrt.runtime import graphs
 from pkvrt.runtime.graphs import Capacities, arena_layout
 
 RING = 2    # pinned staging slots
-DEVICE_PLANNED = ("workqueue", "fused")   # route kinds whose plans the planning kernel builds
 
 
 @attrs.define(eq=False)

@@ -9,6 +9,7 @@ The class is assembled from one piece per seam: :class:`~pkvrt.runtime.buffers.S
 from __future__ import annotations
 
 import pathlib
+import time
 import warnings
 
 import torch
@@ -16,10 +17,10 @@ import torch
 from pkvrt import _buildspec
 from pkvrt.launch import _driver, ops
 from pkvrt.policy.calibration import Calibration, find_calibration, load_calibration
-from pkvrt.policy.registry import KIND_KERNELS, Registry, kv_dtype_name, load_routes
+from pkvrt.policy.registry import DEVICE_PLANNED, KIND_KERNELS, Registry, kv_dtype_name, load_routes
 from pkvrt.policy.router import RouteDecision, Router
 from pkvrt.runtime import fi_route, graphs
-from pkvrt.runtime.buffers import DEVICE_PLANNED, StaticBuffers, _Step
+from pkvrt.runtime.buffers import StaticBuffers, _Step
 from pkvrt.runtime.checks import DTYPES, MAX_SEQ_LEN, check_shape
 from pkvrt.runtime.graphs import Capacities, initial_capacities
 from pkvrt.runtime.planning import Planning
@@ -45,7 +46,8 @@ class Runtime(StaticBuffers, Planning, Running):
     routes.toml's device-planning route) and every workqueue/fused plan is built on the GPU by
     the planning kernel into static buffers; per layer, :meth:`run` replays the graph of the
     step's (route, padded batch, grid) key. A bucket step is planned on the host (its buckets
-    are its graph's launch structure), a FlashInfer step by FlashInfer's plan (module docstring).
+    are its graph's launch structure), a FlashInfer step by FlashInfer's plan (the package
+    docstring, :mod:`pkvrt.runtime`, tells the whole model).
 
     Parameters
     ----------
@@ -260,6 +262,19 @@ class Runtime(StaticBuffers, Planning, Running):
             except Exception as exc:
                 raise RuntimeError(f"pkvrt.Runtime: kernel {sym} (family {fam}) cannot be loaded on "
                                    f"{torch.cuda.get_device_name(self.device)}: {exc}") from exc
+
+    # -- shared by plan() and run() ---------------------------------------------------------
+
+    def _capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (an engine's)."""
+        return self._cuda and torch.cuda.is_current_stream_capturing()
+
+    def _capture(self, key, launch) -> None:
+        t0 = time.perf_counter()
+        entry = graphs.capture(launch, side_stream=self._side, pool=self._pool, device=self.device)
+        self._graphs.put(key, entry)
+        self._counts["captures"] += 1
+        self._counts["capture_seconds"] += time.perf_counter() - t0
 
     # -- reporting -------------------------------------------------------------------------
 

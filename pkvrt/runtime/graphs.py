@@ -178,7 +178,8 @@ class Capacities:
 
 
 def initial_capacities(registry, *, max_batch: int, num_kv_heads: int) -> Capacities:
-    """Capacities allocated at construction (module docstring). Seed routes.toml, H_kv 8:
+    """Capacities allocated at construction (:mod:`pkvrt.runtime.buffers` says why). Seed
+    routes.toml, H_kv 8:
     max_active 8 -> 8 rows * max splits 64 = 512 slots; task_bucket(512 * 8) = 4096 tasks."""
     pkv = [r for r in registry.routes if r.kind != "flashinfer"]
     if not pkv:

@@ -15,19 +15,17 @@ from pkvrt import _buildspec
 from pkvrt.launch import ops
 from pkvrt.policy import fallback
 from pkvrt.policy.planner import device_plan_targets
+from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.policy.router import RouteDecision
 from pkvrt.runtime import graphs
-from pkvrt.runtime.buffers import DEVICE_PLANNED, RING, _Staging, _Step
+from pkvrt.runtime.buffers import RING, _Staging, _Step
 from pkvrt.runtime.checks import NESTED_CAPTURE, StepInput, check_device_step, check_step
 from pkvrt.runtime.graphs import Capacities, grow, needed_capacities, stage_bucket
 
 
 class Planning:
-    """``plan()`` and the staging behind it (a piece of :class:`pkvrt.runtime.Runtime`)."""
-
-    def _capturing(self) -> bool:
-        """Whether the current stream is capturing a CUDA graph (an engine's)."""
-        return self._cuda and torch.cuda.is_current_stream_capturing()
+    """``plan()`` and the staging behind it (a piece of :class:`pkvrt.runtime.Runtime`; it uses
+    ``_capturing`` and ``_capture``, which the Runtime defines for plan() and run() alike)."""
 
     def plan(self, seq_lens, block_tables, *, force: str | None = None) -> RouteDecision:
         """Choose this step's route and enqueue its plan. Call once per decode step.
@@ -82,7 +80,7 @@ class Planning:
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
         d = fallback.decide(self.router, step.seq, step.block_tables, force=force,
-                   flashinfer_unavailable=self._fi_reason, fallback_memo=self._fallback_memo)
+                            flashinfer_unavailable=self._fi_reason, fallback_memo=self._fallback_memo)
         b = step.seq.size
         on_gpu = d.kind in DEVICE_PLANNED
         if on_gpu and b > ops.PLAN_MAX_ROWS:
@@ -206,26 +204,6 @@ class Planning:
             min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
             max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch], num_pages=self._d_num_pages,
             page_size=self.page_size, **device_plan_targets(cal))
-
-    def _check_page_bound(self, cache_pages: int) -> None:
-        """The planning kernel checks page ids against ``num_pages``. Device planning: a cache
-        with fewer pages would let an unchecked id through, so it is refused; without
-        ``num_pages`` the first cache sets the bound (from the next plan() on: the first step's
-        ids were not checked). Host routing (ids >= 0 checked at plan() and < the cache's pages at
-        run() with ``validate``): the bound is the smallest cache given so far, never an error."""
-        if not self.device_planning:
-            if self._num_pages is None or cache_pages < self._num_pages:
-                self._num_pages = int(cache_pages)
-                self._d_num_pages.fill_(self._num_pages)
-            return
-        if self._num_pages is None:
-            self._num_pages = int(cache_pages)
-            self._d_num_pages.fill_(self._num_pages)
-        elif cache_pages < self._num_pages:
-            raise ValueError(f"Runtime.run: k_cache has {cache_pages} pages but device planning "
-                             f"checks page ids against num_pages={self._num_pages}; pass a cache "
-                             f"of at least that many pages (or construct with num_pages="
-                             f"{cache_pages})")
 
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):

@@ -10,14 +10,16 @@ from __future__ import annotations
 import torch
 
 from pkvrt.launch import ops
+from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime import graphs
-from pkvrt.runtime.buffers import DEVICE_PLANNED, _Step
+from pkvrt.runtime.buffers import _Step
 from pkvrt.runtime.checks import NESTED_CAPTURE, check_run_args
 from pkvrt.runtime.graphs import bucket_sections
 
 
 class Running:
-    """``run()`` and the launches a graph captures (a piece of :class:`pkvrt.runtime.Runtime`)."""
+    """``run()`` and the launches a graph captures (a piece of :class:`pkvrt.runtime.Runtime`; it
+    uses ``_capturing`` and ``_capture``, which the Runtime defines for plan() and run() alike)."""
 
     def static_q(self, batch: int) -> torch.Tensor:
         """The static q buffer as [batch, H_q, D]. Write q here and pass it to run() (with
@@ -139,14 +141,25 @@ class Running:
         self._capture(key, lambda: self._launch(st, self._sq[:gb], k_cache, v_cache, self._so[:gb],
                                                 scales))
 
-    def _capture(self, key, launch) -> None:
-        import time
-
-        t0 = time.perf_counter()
-        entry = graphs.capture(launch, side_stream=self._side, pool=self._pool, device=self.device)
-        self._graphs.put(key, entry)
-        self._counts["captures"] += 1
-        self._counts["capture_seconds"] += time.perf_counter() - t0
+    def _check_page_bound(self, cache_pages: int) -> None:
+        """The planning kernel checks page ids against ``num_pages``. Device planning: a cache
+        with fewer pages would let an unchecked id through, so it is refused; without
+        ``num_pages`` the first cache sets the bound (from the next plan() on: the first step's
+        ids were not checked). Host routing (ids >= 0 checked at plan() and < the cache's pages at
+        run() with ``validate``): the bound is the smallest cache given so far, never an error."""
+        if not self.device_planning:
+            if self._num_pages is None or cache_pages < self._num_pages:
+                self._num_pages = int(cache_pages)
+                self._d_num_pages.fill_(self._num_pages)
+            return
+        if self._num_pages is None:
+            self._num_pages = int(cache_pages)
+            self._d_num_pages.fill_(self._num_pages)
+        elif cache_pages < self._num_pages:
+            raise ValueError(f"Runtime.run: k_cache has {cache_pages} pages but device planning "
+                             f"checks page ids against num_pages={self._num_pages}; pass a cache "
+                             f"of at least that many pages (or construct with num_pages="
+                             f"{cache_pages})")
 
     def _views(self, st: _Step):
         """Launch views of the static buffers for this step (built once per step)."""

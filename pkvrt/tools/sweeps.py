@@ -35,8 +35,9 @@ import numpy as np
 from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.policy import calibration as calib
 from pkvrt.policy.costmodel import fit_route_time, measured_us, predict_route_us, route_groups
-from pkvrt.policy.planner import (balanced_partition, bucket_from_checked, flashinfer_counters_from_checked,
-                           fused_counters, workqueue_from_checked)
+from pkvrt.policy.planner import (balanced_partition, bucket_from_checked,
+                                  flashinfer_counters_from_checked, fused_counters,
+                                  workqueue_from_checked)
 from pkvrt.policy.registry import KV_DTYPES
 
 SHAPE = dict(num_qo_heads=32, head_dim=128)   # pkvrt calibrate's: H_kv = 32 / G, fp16 q

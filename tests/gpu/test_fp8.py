@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged import make_batch, rel_err
+from paged import make_batch, rel_err, simple_tasks
 from pkvrt import reference
 from pkvrt.launch import _driver, ops
 from pkvrt.runtime import Runtime, graphs
@@ -60,20 +60,6 @@ def run_split(x: Fp8Batch, splits):
         ops.merge(part_a, part_ml, torch.arange(rows + 1, dtype=torch.int32, device="cuda") * splits,
                   out, row_ids=row_ids)
     return out
-
-
-def simple_tasks(seq_lens, hkv, splits):
-    """Reference workqueue plan: row i gets min(splits, tiles) tile-aligned splits."""
-    tasks, offsets = [], [0]
-    for row, n in enumerate(seq_lens):
-        tiles = math.ceil(n / TILE)
-        s = min(splits, tiles)
-        per = math.ceil(tiles / s)
-        ranges = [(j * per * TILE, min(n, (j + 1) * per * TILE)) for j in range(s)]
-        ranges = [r for r in ranges if r[0] < r[1]]
-        tasks += [(row, h, j, a, e) for j, (a, e) in enumerate(ranges) for h in range(hkv)]
-        offsets.append(offsets[-1] + len(ranges))
-    return tasks, offsets
 
 
 def run_workqueue(x: Fp8Batch, splits, fused=False):

@@ -12,7 +12,7 @@ import torch
 
 from pkvrt import reference
 from pkvrt.launch import _driver, ops
-from paged import make_batch, rel_err
+from paged import make_batch, rel_err, simple_tasks
 
 pytestmark = pytest.mark.gpu
 TILE = 32
@@ -39,22 +39,6 @@ def run_split(b, splits):
         offsets = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * splits
         ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
     return out
-
-
-def simple_tasks(seq_lens, hkv, splits):
-    """Reference workqueue plan: row i gets min(splits, tiles) tile-aligned splits."""
-    tasks, offsets = [], [0]
-    for row, n in enumerate(seq_lens):
-        tiles = math.ceil(n / TILE)
-        s = min(splits, tiles)
-        per = math.ceil(tiles / s)
-        ranges = [(j * per * TILE, min(n, (j + 1) * per * TILE)) for j in range(s)]
-        ranges = [r for r in ranges if r[0] < r[1]]
-        for j, (a, e) in enumerate(ranges):
-            for h in range(hkv):
-                tasks.append((row, h, j, a, e))
-        offsets.append(offsets[-1] + len(ranges))
-    return tasks, offsets
 
 
 def run_workqueue(b, splits, fused=False, capacity_pad=7):
