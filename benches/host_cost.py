@@ -151,6 +151,11 @@ def print_targets(rows) -> None:
                             f"{'ok' if r['plan_us'] <= fi['plan_us'] else 'MISS'}")
         if r["route"] != "flashinfer":
             verdicts.append(f"vs 60 us ({r['route']}): {'ok' if r['plan_us'] <= 60 else 'MISS'}")
+            dp = by.get((case, "runtime-device-plan-graphs", layers))
+            if dp is not None:   # the GPU machine's host speed varies ~2x between runs: this
+                verdicts.append(  # difference is what host routing itself costs
+                    f"host routing adds {r['plan_us'] - dp['plan_us']:.1f} us over device "
+                    f"planning's plan() ({dp['plan_us']:.1f} us)")
         print(f"target {case:11s} L{layers:<3d} adaptive plan {r['plan_us']:6.1f} us  "
               + ("; ".join(verdicts) or "(no FlashInfer row)"))
 

@@ -712,3 +712,20 @@ def test_cpu_loop_engine_protocol_with_mlp(tmp_path, capsys):
     md = (tmp_path / "rep" / "report.md").read_text()
     ratio = next(r for r in rows if r["row"] == "ratio")
     assert f"{ratio['wall_ratio']:.3f}" in md and "tiny-B2-L3-mlp" in md
+
+
+def test_host_cost_targets_name_what_host_routing_adds(capsys):
+    """benches/host_cost.py's verdicts: against FlashInfer's plan, against 60 us, and the part of
+    plan() that host routing adds over device planning's (the host's speed cancels out)."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(CHECKOUT / "benches"))
+    import host_cost
+
+    row = dict(case="B8", layers=1)
+    host_cost.print_targets([dict(row, engine="runtime-adaptive-graphs", plan_us=70.0, route="pkv_fused"),
+                             dict(row, engine="flashinfer-raw", plan_us=300.0, route="flashinfer"),
+                             dict(row, engine="runtime-device-plan-graphs", plan_us=52.5, route="pkv_fused")])
+    out = capsys.readouterr().out
+    assert "vs FlashInfer plan 300.0 us: ok" in out and "vs 60 us (pkv_fused): MISS" in out
+    assert "host routing adds 17.5 us over device planning's plan() (52.5 us)" in out
