@@ -28,8 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+
+import numpy as np
 from pathlib import Path
+
+
+def _without_refits(provenance: str) -> str:
+    """``provenance`` without the sentences of earlier ``--write`` refits (each new one says what
+    it refitted, so only the latest is true)."""
+    return re.sub(r" Refitted offline on [0-9-]+: .*?(?= Refitted offline on |$)", "", provenance, flags=re.S)
 
 
 def main(argv=None) -> int:
@@ -88,11 +97,13 @@ def main(argv=None) -> int:
             occupancy = {int(g): n for g, n in (meta.get("occupancy") or {}).items()}
             points, regrets = sweeps.fit_partitions(timed, cal, reg, resident=occupancy)
             cal = sweeps.with_partitions(cal, points, kv)
-            print("\nbalanced partition, refitted (calibration.fit_partition on "
-                  f"{reg.device_planning_route().name}):")
-            print("(no sweeps of that route here: the calibration's constants are kept)" if not points else format_rows(("G", "slowdown", "overhead tiles", "min split", "worst regret"),
-                              [(g, p["co_resident_slowdown"], p["cta_overhead_tiles"], p["min_split_tokens"],
-                                f"{max(regrets[g].values()):.3f}") for g, p in sorted(points.items())]))
+            print("\nbalanced partition, refitted (calibration.fit_partition on the workqueue and fused sweeps; "
+                  "regret: the rule's pick over the fastest cut):")
+            print("(no partition sweeps here: the calibration's constants are kept)" if not points else format_rows(
+                ("G", "slowdown", "overhead tiles", "min split", "geomean regret", "worst regret", "worst case"),
+                [(g, p["co_resident_slowdown"], p["cta_overhead_tiles"], p["min_split_tokens"],
+                  f"{np.exp(np.mean(np.log(list(regrets[g].values())))):.4f}", f"{max(regrets[g].values()):.3f}",
+                  max(regrets[g], key=regrets[g].get)) for g, p in sorted(points.items())]))
         fits = sweeps.fit_time_model(timed, cal, reg)
         print("\ntime model (sweeps.fit_time_model):")
         print(format_rows(("G", "kind", "read_scale", "tail_us", "split_us", "fixed_us"),
@@ -112,20 +123,23 @@ def main(argv=None) -> int:
 
         import attrs
 
-        what = "the time model" if args.keep_partition else "the balanced partition's constants and the time model"
+        what = ("the time model" if args.keep_partition else
+                "the balanced partition's constants (fit_partition over both partition routes' sweeps, "
+                "the middle of the best plateau) and the time model")
         note = (f" Refitted offline on {datetime.date.today().isoformat()}: {what}, by "
                 f"benches/cost_model_error.py --write from {Path(args.sweeps).name} (the sweeps of "
                 f"pkvrt {meta.get('pkvrt_commit')}) under this checkout's planner; every other constant "
-                f"as measured.")
+                f"as measured; this supersedes what the text above says of the refitted constants.")
         out = sweeps.with_time_model(cal, fits, kv)
         if fp16:
-            out = attrs.evolve(out, provenance=out.provenance + note)
+            out = attrs.evolve(out, provenance=_without_refits(out.provenance) + note)
         else:   # the section's own provenance (a new section: these sweeps' command)
             sec = dict(out.by_kv_dtype)[kv]
             out = calib.with_kv_dtype_section(out, kv, attrs.evolve(
                 sec, command=sec.command or str(meta.get("command") or "pkvrt calibrate --kv-dtype fp8"),
-                provenance=(sec.provenance or f"Fitted from the {kv} sweeps {Path(args.sweeps).name}; "
-                            "nothing else measured with these caches.") + note))
+                provenance=_without_refits(sec.provenance or f"Fitted from the {kv} sweeps "
+                                           f"{Path(args.sweeps).name}; nothing else measured with these caches.")
+                + note))
         calib.save_calibration(calib.calibration_from_dict(calib.calibration_to_dict(out)), args.write)
         print(f"wrote {args.write}")
     return 0

@@ -394,6 +394,71 @@ def test_fit_partition_recovers_the_constants_that_made_the_times():
     assert max(regret.values()) == pytest.approx(1.0)
 
 
+def _partition_cases(truth_splits, bounds_by_kind, seqs):
+    """Times from the partition's own model under ``truth_splits``, one case per (step, route)."""
+    import attrs
+    import numpy as np
+
+    from pkvrt.policy import planner
+
+    model = planner.PartitionModel.of(attrs.evolve(load_calibration(SEED), sm_count=132, splits=truth_splits))
+    cases = {}
+    for kind, bounds in bounds_by_kind.items():
+        for name, seq in seqs.items():
+            seq = np.array(seq)
+            tiles = -(-seq // 32)
+            cands = planner.partition_candidates(int(tiles.max()), bounds, 1)
+            cost, _, _ = planner.partition_costs(tiles, cands, num_kv_heads=8, model=model)
+            cases[f"{name} [{kind}]"] = (seq, {int(s): float(c) for s, c in zip(cands, cost)}, bounds)
+    return cases
+
+
+def test_fit_partition_scores_each_case_with_its_own_route_bounds():
+    """Both partition routes' sweeps fit one set of constants; each case's picks come from its
+    own split bounds (a workqueue case never scores a count its route cannot run)."""
+    from pkvrt.policy.calibration import SplitPoints, fit_partition
+    from pkvrt.policy.registry import SplitBounds
+
+    kinds = {"fused": SplitBounds(1, 64, 1), "workqueue": SplitBounds(1, 64, 4)}
+    seqs = {"one-32K": [32768], "ragged": [28672] + [2048] * 6, "short": [300, 900, 1500, 4000, 200, 700]}
+    cases = _partition_cases(SplitPoints(1.0, 2.0, 64, 6.0, 1.375), kinds, seqs)
+    kw = dict(sm_count=132, resident=2, num_kv_heads=8, splits=kinds["fused"], min_tokens=(64,))
+    points, regret = fit_partition(cases, slowdowns=(1.375,), overheads=(6.0,), **kw)
+    assert set(regret) == set(cases) and max(regret.values()) == pytest.approx(1.0)
+    # the same cases without their bounds: the workqueue steps, timed at multiples of 4 only,
+    # are scored with the fused route's counts (1..64), and some pick a count never timed
+    _, wrong = fit_partition({k: v[:2] for k, v in cases.items()}, slowdowns=(1.375,), overheads=(6.0,), **kw)
+    assert max(wrong[k] for k in wrong if k.endswith("[workqueue]")) > 1.0
+    assert all(wrong[k] == regret[k] for k in wrong if k.endswith("[fused]"))
+
+
+def test_fit_partition_takes_the_middle_of_the_best_plateau():
+    """Two steps whose fastest cuts bound the overhead from both sides (the first is cut 10
+    from overhead 5 tiles up, the second stays at 15 up to overhead 10): every overhead 5..10
+    scores best; the fit takes the one farthest from a worse value (7: 3 steps from 4 and 4
+    from 11; 8 ties and the smaller wins), not the plateau's smallest (5)."""
+    import attrs
+    import numpy as np
+
+    from pkvrt.policy import planner
+    from pkvrt.policy.calibration import SplitPoints, fit_partition
+    from pkvrt.policy.registry import SplitBounds
+
+    bounds = SplitBounds(1, 64, 1)
+    cal = attrs.evolve(load_calibration(H200), sm_count=132)
+    steps = {"a": ([33893, 7191, 3753, 34554, 1079, 21750], 10), "b": ([30606, 37100, 16511, 17727, 19073, 38192], 15)}
+    cases = {}
+    for name, (seq, fastest) in steps.items():
+        seq = np.array(seq)
+        picks = [planner.balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=attrs.evolve(
+            cal, splits=SplitPoints(1.0, 2.0, 64, float(f), 1.25))).longest_splits for f in range(17)]
+        assert fastest in picks and len(set(picks)) == 2          # the step's one threshold
+        cases[name] = (seq, {s: 1.0 if s == fastest else 1.2 for s in range(1, 65)})
+    points, regret = fit_partition(cases, sm_count=132, resident=2, num_kv_heads=8, splits=bounds,
+                                   slowdowns=(1.25,), overheads=tuple(float(f) for f in range(17)), min_tokens=(64,))
+    assert max(regret.values()) == 1.0 and points["cta_overhead_tiles"] == 7.0
+
+
 def test_fit_partition_refuses_empty_or_bad_times():
     from pkvrt.policy.calibration import fit_partition
     from pkvrt.policy.registry import SplitBounds
@@ -655,7 +720,7 @@ def test_the_fp8_view_takes_the_section_first_then_the_group():
     assert not g4.kv_dtype_fallback and "section's constants" in g4.kv_dtype_note()
     assert (g4.splits.cta_overhead_tiles, g4.splits.min_split_tokens, g4.splits.bucket_ctas_per_sm) == (2.5, 64, 1.5)
     assert g8.splits.cta_overhead_tiles == 6.0                     # the section's G 8 entry
-    assert g8.splits.co_resident_slowdown == 1.25                  # the section's top, over the file's G 8 (1.875)
+    assert g8.splits.co_resident_slowdown == 1.25 != h200.for_group(8).splits.co_resident_slowdown   # the section's top
     assert g1.splits.min_split_tokens == 64                        # over the file's G 1 (256)
     assert g4.splits.max_waves == h200.splits.max_waves == 3       # not in the section: the file's
     assert g8.route_time("fused") == C.RouteTime(0.6, 0.5, 0.1, 1.0)
@@ -663,7 +728,8 @@ def test_the_fp8_view_takes_the_section_first_then_the_group():
     # not timed with FP8 caches: the file's own kinds at that G
     assert g8.route_time("flashinfer") == h200.for_group(8).route_time("flashinfer")
     assert g1.route_time("workqueue") == h200.for_group(1).route_time("workqueue")
-    assert h200.for_group(8).splits.cta_overhead_tiles == 3.0      # the fp16 view is untouched
+    file_g8 = json.loads(H200.read_text())["splits"]["by_group"]["8"]
+    assert h200.for_group(8).splits.cta_overhead_tiles == file_g8["cta_overhead_tiles"] != 6.0   # fp16 untouched
     assert cal.for_kv_dtype("float16").for_group(8) == attrs.evolve(h200.for_group(8), by_kv_dtype=(),
                                                                     kv_dtype="float16", source=cal.source)
 

@@ -399,9 +399,9 @@ def test_a_time_model_calibration_predicts_every_route_with_it(tmp_path, seq, gr
 
 
 @pytest.mark.parametrize("seq, route, speedup", [
-    (B1, "pkv_workqueue", 1.194),                 # measured (calibrate.log): 37.8 vs 44.4 us (1.17x)
-    (np.array([131072], dtype=np.int32), "flashinfer", 1.0),    # predicted 1.050x, under the margin
-    (np.full(8, 32768, dtype=np.int32), "flashinfer", 1.0),     # predicted 1.008x
+    (B1, "pkv_workqueue", 1.202),                 # measured (calibrate-sweeps.json): 37.8 vs 44.4 us (1.17x)
+    (np.array([131072], dtype=np.int32), "pkv_workqueue", 1.062),   # measured 127.2 vs 138.5 us (1.09x)
+    (np.full(8, 32768, dtype=np.int32), "flashinfer", 1.0),     # predicted 1.021x, under the margin
 ])
 def test_h200_time_model_decisions(seq, route, speedup):
     d = _h200_router(h200_timed()).decide(seq)
@@ -521,6 +521,8 @@ def test_an_fp8_router_plans_with_the_fp8_section():
     fp8 = Router(load_routes(None), cal, kv_dtype="float8_e4m3fn", **shape)
     fp16 = Router(load_routes(None), cal, **shape)
     assert (fp8.cal.splits.cta_overhead_tiles, fp8.cal.splits.min_split_tokens) == (2.5, 64)
-    assert fp16.cal.splits == cal.for_group(8).splits and fp16.cal.splits.cta_overhead_tiles == 3.0
+    g8 = json.loads(json.dumps(doc["splits"]["by_group"]["8"]))   # the file's own G 8 entry
+    assert fp16.cal.splits == cal.for_group(8).splits
+    assert fp16.cal.splits.cta_overhead_tiles == g8["cta_overhead_tiles"] != 2.5
     plain = Router(load_routes(None), C.calibration_from_dict(plain_doc), kv_dtype="float8_e4m3fn", **shape)
     assert plain.cal.kv_dtype_fallback and plain.cal.splits == fp16.cal.splits

@@ -794,8 +794,8 @@ def fit_split_points(measurements, *, sm_count: int, num_kv_heads: int, tile_tok
     return out
 
 
-PARTITION_SLOWDOWNS = tuple(i / 8 for i in range(8, 17))    # co_resident_slowdown tried: 1 .. 2 by 1/8
-PARTITION_OVERHEADS = tuple(i / 2 for i in range(17))        # cta_overhead_tiles tried: 0 .. 8 by 1/2
+PARTITION_SLOWDOWNS = tuple(i / 8 for i in range(8, 25))    # co_resident_slowdown tried: 1 .. 3 by 1/8
+PARTITION_OVERHEADS = tuple(i / 2 for i in range(33))        # cta_overhead_tiles tried: 0 .. 16 by 1/2
 PARTITION_MIN_TOKENS = (32, 64, 128, 256)                    # min_split_tokens tried
 
 
@@ -806,12 +806,14 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
 
     Parameters
     ----------
-    cases : mapping case name -> ``(seq_lens, {s: us})``, the step's lengths and the measured
-        time of the partition cut at every candidate ``s`` (``planner.plan_workqueue(...,
-        longest_splits=s)``).
+    cases : mapping case name -> ``(seq_lens, {s: us})`` or ``(seq_lens, {s: us}, bounds)``: the
+        step's lengths and the measured time of the partition cut at every candidate ``s``
+        (``planner.plan_workqueue(..., longest_splits=s)``) of a route whose split bounds are
+        ``bounds`` (default ``splits``). The workqueue and fused routes share the constants, so
+        both routes' sweeps are passed, each step once per route.
     sm_count, resident : the GPU's SMs and the decode kernel's resident CTAs per SM (measured
         with the driver's occupancy query). max_waves : the partition's CTA cap (not fitted).
-    num_kv_heads : the timed shape's KV heads. splits : the workqueue route's SplitBounds.
+    num_kv_heads : the timed shape's KV heads. splits : the default SplitBounds.
 
     Returns
     -------
@@ -821,9 +823,12 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
 
     Rule: every combination of the grids is scored by the geometric mean over the cases of how
     much slower the partition it picks is than the fastest partition measured, then by the
-    worst case; the best wins, ties to the smallest overhead, then slowdown, then the largest
-    minimum split (the simpler rule). A pick that was not timed scores as the slowest time of
-    its case.
+    worst case; a pick that was not timed scores as the slowest time of its case. The best
+    score is usually a plateau of combinations that pick the same cuts on every case; of it the
+    combination farthest from any worse one wins (Chebyshev distance in grid steps over the
+    three grids), so that a step the calibration did not time, whose best cut lies between the
+    timed ones, is cut by the plateau's middle rather than by its edge (benches/NOTES.md,
+    "Session 10"). Ties: the smallest overhead, then slowdown, then the largest minimum split.
     """
     from pkvrt.policy import planner  # planner imports this module: late import keeps them acyclic
 
@@ -833,28 +838,37 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
                        lambda_us=1.0, lambda_graph_us=1.0, c_min=1.0,
                        splits=SplitPoints(1.0, float(resident), tile_tokens), flashinfer_ctas_per_sm=((1, 1.0),),
                        versions=(), date="2026-12-01", seed=0, command="", provenance="")
-    seqs = {}
-    for name, (seq, times) in cases.items():
+    steps = {}
+    for name, case in cases.items():
+        if len(case) not in (2, 3):
+            raise ValueError(f"fit_partition: case {name!r}: expected (seq_lens, times[, bounds]), got {len(case)} items")
+        seq, times = case[0], case[1]
         if not times or not all(isinstance(t, (int, float)) and t > 0 for t in times.values()):
             raise ValueError(f"fit_partition: case {name!r}: expected positive times per candidate, got {times!r}")
-        seqs[name] = (np.asarray(seq, dtype=np.int64), times, min(times.values()), max(times.values()))
-    best_key, best = None, None
-    for k in slowdowns:
-        for f in overheads:
-            for m in min_tokens:
+        bounds = case[2] if len(case) == 3 else splits
+        steps[name] = (np.asarray(seq, dtype=np.int64), times, bounds, min(times.values()), max(times.values()))
+    scored = {}   # (slowdown index, overhead index, min-split index) -> (score, worst, regret)
+    for i, k in enumerate(slowdowns):
+        for j, f in enumerate(overheads):
+            for n, m in enumerate(min_tokens):
                 cal = attrs.evolve(base, splits=SplitPoints(1.0, float(resident), m, f, k, max_waves))
                 regret = {}
-                for name, (seq, times, fastest, slowest) in seqs.items():
-                    s = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits,
+                for name, (seq, times, bounds, fastest, slowest) in steps.items():
+                    s = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=bounds,
                                                    cal=cal, tile_tokens=tile_tokens).longest_splits
                     regret[name] = times.get(s, slowest) / fastest
                 score = float(np.exp(np.mean(np.log(list(regret.values())))))
-                key = (round(score, 6), round(max(regret.values()), 6), f, k, -m)
-                if best_key is None or key < best_key:
-                    best_key, best = key, ({"workqueue_ctas_per_sm": float(resident),
-                                            "co_resident_slowdown": k, "cta_overhead_tiles": f,
-                                            "min_split_tokens": m}, regret)
-    return best
+                scored[i, j, n] = (round(score, 6), round(max(regret.values()), 6), regret)
+    best = min(v[:2] for v in scored.values())
+    plateau = [ix for ix, v in scored.items() if v[:2] == best]
+    worse = np.array([ix for ix, v in scored.items() if v[:2] != best]).reshape(-1, 3)
+
+    def margin(ix) -> float:
+        return float(np.abs(worse - np.array(ix)).max(axis=1).min()) if len(worse) else float("inf")
+
+    i, j, n = min(plateau, key=lambda ix: (-margin(ix), overheads[ix[1]], slowdowns[ix[0]], -min_tokens[ix[2]]))
+    return ({"workqueue_ctas_per_sm": float(resident), "co_resident_slowdown": slowdowns[i],
+             "cta_overhead_tiles": overheads[j], "min_split_tokens": min_tokens[n]}, scored[i, j, n][2])
 
 
 def _median(xs: list[float]) -> float:

@@ -676,10 +676,11 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
                              splits=r["splits"], median_us=r["us"], gbps=r["kv_bytes"] / (r["us"] * 1e3),
                              cta_work_per_sm=r["ctas"] / sm, ctas=r["ctas"], rows=len(seq),
                              kv_mb=round(r["kv_bytes"] / 1e6, 3)) for r in records]
-                if route is dp_route:
-                    partition_cases[g][case] = (seq, {r["splits"]: r["us"] for r in records})
-                    if g == 4:
-                        fit_recs += records
+                # both partition routes fit the shared constants (sweeps.partition_cases' names)
+                partition_cases[g][f"{case} [{route.kind}]"] = (seq, {r["splits"]: r["us"] for r in records},
+                                                                route.splits)
+                if route is dp_route and g == 4:
+                    fit_recs += records
             kv_g = kv * group_shape(g)["num_kv_heads"] // hkv
             for tc in (False, True) if flashinfer else ():
                 us = time_flashinfer(wl, tc, ref, repeats)
@@ -693,8 +694,9 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
 
 def fit_groups(partition_cases: dict, reg, *, sm_count: int, kv_dtype: str,
                max_waves: int) -> tuple[dict, dict, dict]:
-    """``calibration.fit_partition`` per G of :func:`time_steps`' device-planning sweeps, with
-    the occupancy of that route's kernel (``kv_dtype`` variant) at each G from the driver:
+    """``calibration.fit_partition`` per G of :func:`time_steps`' partition sweeps (the workqueue
+    and fused routes share the constants), with the occupancy of the device-planning route's
+    kernel (``kv_dtype`` variant) at each G from the driver:
     ({G: points}, {G: {case: regret}}, {G: resident CTAs per SM})."""
     dp_route = reg.device_planning_route()
     fitted, regrets, resident = {}, {}, {}
@@ -704,6 +706,12 @@ def fit_groups(partition_cases: dict, reg, *, sm_count: int, kv_dtype: str,
             cases, sm_count=sm_count, resident=resident[g], num_kv_heads=group_shape(g)["num_kv_heads"],
             splits=dp_route.splits, max_waves=max_waves)
     return fitted, regrets, resident
+
+
+def _routes_text(cases: dict) -> str:
+    """"5 fused, 5 workqueue" for fit_partition's "case [kind]" names."""
+    kinds = [name.rsplit("[", 1)[-1].rstrip("]") for name in cases]
+    return ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
 
 
 def _regret_text(regrets: dict) -> str:
@@ -776,9 +784,9 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict], dict]:
         f"B{rows16} x 32K step (8 splits, incl. merge) {float(kernel_read):.0f} GB/s. "
         f"splits.workqueue_ctas_per_sm: the {family} kernel's occupancy (driver query, "
         f"{fitted[4]['workqueue_ctas_per_sm']:g} CTAs per SM); co_resident_slowdown / "
-        f"cta_overhead_tiles / min_split_tokens: fit_partition over {len(partition_cases[4])} steps "
-        f"with route {dp_route.name} ({dp_route.kind}, the device-planning route) timed at every cut "
-        f"of the balanced partition at G = 4 (H_q 32, H_kv 8); splits.by_group: the same fit at "
+        f"cta_overhead_tiles / min_split_tokens: fit_partition over {len(partition_cases[4])} sweeps "
+        f"({_routes_text(partition_cases[4])}, timed at every cut of the balanced partition; the "
+        f"middle of the best-scoring plateau) at G = 4 (H_q 32, H_kv 8); splits.by_group: the same fit at "
         f"G = {', '.join(str(g) for g in by_group) or '(none)'} (H_kv = 32 / G). Regret of the "
         f"fitted rule (its pick over the fastest cut): " + _regret_text(regrets) + ". "
         f"lambda_us / lambda_graph_us:"
@@ -848,7 +856,7 @@ def measure_kv_dtype(args, base: calib.Calibration, kv_dtype: str) -> tuple[cali
         f"{'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)}; splits.workqueue_ctas_per_sm: the "
         f"{dp_route.kernel} e4m3 kernel's occupancy (driver query, {resident[4]} CTAs per SM at G 4); "
         f"co_resident_slowdown / cta_overhead_tiles / min_split_tokens: fit_partition over "
-        f"{len(partition_cases[4])} steps with route {dp_route.name} timed at every cut at G = 4"
+        f"{len(partition_cases[4])} sweeps ({_routes_text(partition_cases[4])}) timed at every cut at G = 4"
         f"{f'; splits.by_group: the same at G = {others}' if others else ''}. Regret of the fitted rule: "
         f"{_regret_text(regrets)}. Not measured with {kv_dtype} caches, so the file's: beta_gbps, "
         f"lambda_us, lambda_graph_us, c_min, flashinfer.ctas_per_sm and time_model.flashinfer "

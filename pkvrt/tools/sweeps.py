@@ -45,6 +45,7 @@ ENGINE_KIND = {"pkvrt-bucket": "bucket", "pkvrt-workqueue": "workqueue", "pkvrt-
                "flashinfer-tc": "flashinfer", "flashinfer-cuda": "flashinfer"}
 NEAR_BEST = 1.03   # a cut within 3 % of its step's fastest is fitted beside the planned one
 FI_CONTEXT = 32768
+PARTITION_KINDS = ("workqueue", "fused")   # the balanced partition's routes: one set of constants
 
 
 @attrs.frozen(eq=False)
@@ -174,20 +175,29 @@ def _record(t: Timed, route, cal, cut: int) -> dict:
 
 
 def fit_partitions(timed, cal: calib.Calibration, registry, resident: dict | None = None) -> tuple[dict, dict]:
-    """``calibration.fit_partition`` per G on the device-planning route's sweeps (``timed``: of
-    one KV dtype, :func:`read_rows`), with the resident CTAs per SM of ``resident`` ({G: the
-    kernel's occupancy}, as ``pkvrt calibrate --raw`` records it), else of ``cal``'s view of
-    that KV dtype, and its max_waves: ({G: points}, {G: {case: regret}})."""
-    dp = registry.device_planning_route()
+    """``calibration.fit_partition`` per G on the partition routes' sweeps (``timed``: of one KV
+    dtype, :func:`read_rows`): the device-planning route's and the other partition kind's
+    (workqueue or fused) when it was timed, which share the constants; with the resident CTAs per
+    SM of ``resident`` ({G: the kernel's occupancy}, as ``pkvrt calibrate --raw`` records it),
+    else of ``cal``'s view of that KV dtype, and its max_waves: ({G: points}, {G: {"case
+    [kind]": regret}})."""
     points, regrets = {}, {}
-    for g in sorted({t.group for t in timed if t.kind == dp.kind}):
-        steps = [t for t in timed if t.kind == dp.kind and t.group == g]
+    for g in sorted({t.group for t in timed if t.kind in PARTITION_KINDS}):
+        steps = [t for t in timed if t.kind in PARTITION_KINDS and t.group == g]
         splits = cal.for_kv_dtype(steps[0].kv_dtype).splits
         points[g], regrets[g] = calib.fit_partition(
-            {t.case: (t.seq, t.times) for t in steps}, sm_count=cal.sm_count,
+            partition_cases(steps, registry),
+            sm_count=cal.sm_count,
             resident=(resident or {}).get(g) or max(1, round(splits.workqueue_ctas_per_sm)),
-            num_kv_heads=steps[0].shape["num_kv_heads"], splits=dp.splits, max_waves=splits.max_waves)
+            num_kv_heads=steps[0].shape["num_kv_heads"], splits=registry.device_planning_route().splits,
+            max_waves=splits.max_waves)
     return points, regrets
+
+
+def partition_cases(steps, registry) -> dict:
+    """``fit_partition``'s cases from timed partition steps (one G): ``"case [kind]"`` ->
+    (lengths, {cut: us}, the split bounds of the route that was timed)."""
+    return {f"{t.case} [{t.kind}]": (t.seq, t.times, route_of_kind(registry, t.kind).splits) for t in steps}
 
 
 def kv_dtype_section(cal: calib.Calibration, kv_dtype: str) -> calib.KvDtypeSection:
