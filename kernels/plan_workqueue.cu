@@ -1,6 +1,6 @@
 // plan_workqueue.cu — device-side planning of the workqueue route.
 //
-// Builds, from device-resident seq_lens, the same plan as pkvrt/planner.py's plan_workqueue
+// Builds, from device-resident seq_lens, the same plan as pkvrt/policy/planner.py's plan_workqueue
 // (same split counts, split_offsets, tasks and task order), so that a whole decode step — planning, decode, merge — can run inside
 // an engine's own CUDA graph while the lengths change between replays, with no host work
 // proportional to the batch.

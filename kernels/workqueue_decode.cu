@@ -1,6 +1,6 @@
 // workqueue_decode.cu — PersistentKV compact workqueue decode (a merge launch follows).
 //
-// One CTA per task of a compact list built by the planner (pkvrt/planner.py,
+// One CTA per task of a compact list built by the planner (pkvrt/policy/planner.py,
 // kernels/plan_workqueue.cu): task = (row, kvh, split, tok_begin, tok_end), only non-empty
 // ranges exist, so a ragged batch runs as one launch with row-local split counts and no empty
 // split CTAs. The task body is workqueue_task.cuh.

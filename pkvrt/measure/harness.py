@@ -773,6 +773,7 @@ class StepGraphEngine(RuntimeEngine):
         self.seq = torch.ones(max_active, **i32)
         self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.decisions: dict = {}   # batch size -> the RouteDecision its graphs' plan() made
         self.decision = None
 
     def run_step(self, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> None:
@@ -785,8 +786,11 @@ class StepGraphEngine(RuntimeEngine):
         g = self.graphs.get((b, phase))
         if g is None:
             g = self.graphs[(b, phase)] = self._capture(wl, b, phase, out)
+            self.decisions[b] = self.rt.last_decision   # the route the graph's plan() chose
         g.replay()
-        self.decision = self.rt.last_decision
+        # the Runtime's last_decision is of the last graph captured, whatever its batch size: the
+        # route of this step is its own graph's (the route depends on the row count only)
+        self.decision = self.decisions[b]
 
     def _capture(self, wl: Workload, b: int, phase: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
         q, o = wl.q[:b], out[:b]

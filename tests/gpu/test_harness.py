@@ -105,6 +105,28 @@ def test_tiny_fp8_serving_run(capsys, tmp_path, tiny_trace):
             assert r["median_us"] > 0 and r["steps"] == 6
 
 
+def test_step_graph_records_the_route_each_batch_size_ran(capsys, tmp_path):
+    """The step-graph engine replays one graph per batch size; each step's recorded route is its
+    own graph's (routes.toml [device_planning]: one row -> small_route, more -> route), not the
+    route of whichever graph was captured last."""
+    from pkvrt.policy.registry import load_routes
+
+    trace = tmp_path / "two-phases.csv"   # two rows for two steps, then one row alone for three
+    trace.write_text("arrival_step,prompt_len,decode_len\n0,17000,2\n0,900,2\n5,20000,3\n")
+    out = tmp_path / "res" / "serving.json"
+    rc, stdout, err = run(capsys, "bench", "serving", "--trace", str(trace), "--max-active", "2",
+                          "--seeds", "5", "--steps-limit", "5", "--engine-layers", "2",
+                          "--engines", "flashinfer,device-plan-step", "--out", str(out))
+    assert rc == 0, stdout + err
+    reg = load_routes(None)
+    rows = [r for r in results.read_results(out.with_name("serving.steps.json"))["rows"]
+            if r["engine"] == "pkvrt-device-plan-step"]
+    assert sorted({r["active"] for r in rows}) == [1, 2]
+    assert reg.device_planning_route(1).name != reg.device_planning_route(2).name   # the shipped file
+    for r in rows:
+        assert r["route"] == reg.device_planning_route(r["active"]).name, r
+
+
 class _HostSlowEngine:
     """Plans slowly on the host (5 ms sleep), then runs one small device op per layer."""
 

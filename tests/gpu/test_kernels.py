@@ -135,13 +135,15 @@ def test_merge_matches_reference_merge_for_any_slot_count(d, dtype):
         assert rel_err(out[r].cpu(), ref) < TOL[dtype] / 2, (d, counts[r])
 
 
-@pytest.mark.parametrize("d,g", [(256, 8), (64, 2), (128, 4)])
+@pytest.mark.parametrize("d,g", [(256, 8), (128, 8), (64, 8), (64, 2), (128, 4)])
 def test_fused_merge_with_many_splits(d, g):
-    """The fused kernel's in-CTA merge over more than 32 slots (G = 8: two heads per warp)."""
+    """The fused kernel's in-CTA merge around its batch (16 slots) and lane (16 or 32) boundaries
+    and over more than 32 slots: G = 8 at D <= 128 merges a head per half-warp (all 8 at once),
+    at D = 256 two heads per warp in turn (workqueue_task.cuh, tail_merge_lanes)."""
     b = make_batch([40000, 3000, 1], num_qo_heads=2 * g, num_kv_heads=2, head_dim=d, page_size=16,
                    seed=d + g)
     ref = ref_out(b)
-    for splits in (40, 100):
+    for splits in (15, 16, 17, 33, 40, 100):
         out, counters = run_workqueue(b, splits, fused=True)
         assert counters.sum().item() == 0
         assert rel_err(out, ref) < TOL[torch.float16], (d, g, splits)
