@@ -1013,14 +1013,11 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 }
 
 // Exact merge of the partial states in slots [slot_begin, slot_end) of query head h into
-// O[out_row, h, :] (`o` points at that head's D outputs), executed by LANES lanes: a warp
-// (LANES 32), or a half-warp (LANES 16, D <= 128: the two halves of a warp merge two heads with
-// the same slot range, so every branch is uniform over the warp and the shuffles stay within
-// each half by their width); lane (0 .. LANES-1) owns the E = D/LANES consecutive outputs
-// lane*E .. lane*E+E-1. Latency, not bandwidth, is its cost (a few KB per head, in L2), so it is
-// written to have few dependent round trips to L2:
-//  1. lane i loads (m, l) of slots i, i+LANES, ... and folds them online; a butterfly over the
-//     lanes gives (m_all, l_all) on every lane: one round trip for up to LANES slots;
+// O[out_row, h, :] (`o` points at that head's D outputs), executed by one warp; lane owns the
+// E = D/32 consecutive outputs lane*E .. lane*E+E-1. Latency, not bandwidth, is its cost (a few
+// KB per head, in L2), so it is written to have few dependent round trips to L2:
+//  1. lane i loads (m, l) of slots i, i+32, ... and folds them online; a butterfly over the warp
+//     gives (m_all, l_all) on every lane: one round trip for up to 32 slots;
 //  2. lane i turns slot i's m into its weight 2^(m_i - m_all) / l_all; the accumulators then
 //     take batches of BATCH slots whose loads are all issued before the first FMA, the weight
 //     of each broadcast from its lane by shuffle: ceil(n / BATCH) round trips, the first of
@@ -1028,16 +1025,13 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 // The first version looped over the slots three times with one dependent load per iteration:
 // 9 us for 16 slots, 28 us for 64 on the H200 (benches/NOTES.md, "The merge was latency-bound").
 // Loads bypass L1 (__ldcg): in the fused kernel the slots were written by other CTAs.
-template <typename T, int D, int LANES = 32>
+template <typename T, int D>
 __device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
                                            int num_qo_heads, int slot_begin, int slot_end, int h,
                                            T* o, int lane) {
-  static_assert(LANES == 32 || (LANES == 16 && D <= 128), "merge_head: a warp, or a half-warp at D <= 128");
-  constexpr int E = D / LANES;               // outputs per lane: 2, 4 or 8
+  constexpr int E = D / 32;                  // outputs per lane: 2, 4 or 8
   constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
-  // slots in flight per lane: 16 (v: 64 registers; 128 for a half-warp at D = 128, where the
-  // point is one round trip for 16 slots), 8 for a warp at D = 256
-  constexpr int BATCH = (E >= 8 && LANES == 32) ? 8 : 16;
+  constexpr int BATCH = E >= 8 ? 8 : 16;     // slots in flight per lane (<= 64 registers)
   const int n = slot_end - slot_begin;
   auto ml_at = [&](int s) { return part_ml + ((long long)s * num_qo_heads + h) * 2; };
   float v[BATCH][E];
@@ -1068,23 +1062,23 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
   // both when the row has at most BATCH slots (16 at D <= 128), the common case.
   load_batch(slot_begin, min(BATCH, n));
 
-  // 1. (m_all, l_all), with lane's own slot of the first LANES kept for its weight.
+  // 1. (m_all, l_all), with lane's own slot of the first 32 kept for its weight.
   float m_mine = -INFINITY, l_acc = 0.f;
   if (lane < n) {
     m_mine = __ldcg(ml_at(slot_begin + lane));
     l_acc = __ldcg(ml_at(slot_begin + lane) + 1);
   }
   float m_acc = m_mine;
-  for (int s = slot_begin + lane + LANES; s < slot_end; s += LANES) {
+  for (int s = slot_begin + lane + 32; s < slot_end; s += 32) {
     const float ms = __ldcg(ml_at(s)), ls = __ldcg(ml_at(s) + 1);
     const float m_new = fmaxf(m_acc, ms);
     l_acc = l_acc * rescale(m_acc, m_new) + ls * rescale(ms, m_new);
     m_acc = m_new;
   }
 #pragma unroll
-  for (int off = LANES / 2; off > 0; off >>= 1) {
-    const float mo = __shfl_xor_sync(0xffffffffu, m_acc, off, LANES);
-    const float lo = __shfl_xor_sync(0xffffffffu, l_acc, off, LANES);
+  for (int off = 16; off > 0; off >>= 1) {
+    const float mo = __shfl_xor_sync(0xffffffffu, m_acc, off);
+    const float lo = __shfl_xor_sync(0xffffffffu, l_acc, off);
     const float m_new = fmaxf(m_acc, mo);
     l_acc = l_acc * rescale(m_acc, m_new) + lo * rescale(mo, m_new);
     m_acc = m_new;
@@ -1095,7 +1089,7 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
   float acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.f;
-  for (int c0 = 0; c0 < n; c0 += LANES) {
+  for (int c0 = 0; c0 < n; c0 += 32) {
     float w;  // weight of slot slot_begin + c0 + lane
     if (c0 == 0) {
       w = rescale(m_mine, m_all) * inv_l;
@@ -1103,12 +1097,12 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
       const int s = slot_begin + c0 + lane;
       w = s < slot_end ? rescale(__ldcg(ml_at(s)), m_all) * inv_l : 0.f;
     }
-    const int cnt = min(LANES, n - c0);
+    const int cnt = min(32, n - c0);
     for (int j0 = 0; j0 < cnt; j0 += BATCH) {
       if (c0 + j0 > 0) load_batch(slot_begin + c0 + j0, min(BATCH, cnt - j0));
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
-        const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & (LANES - 1), LANES);
+        const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
         if (j0 + j < cnt) {
 #pragma unroll
           for (int e = 0; e < E; ++e) acc[e] = fmaf(wj, v[j][e], acc[e]);

@@ -40,29 +40,16 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
   return __syncthreads_or(last);
 }
 
-#ifndef PKV_MERGE_LANES
-#define PKV_MERGE_LANES 0  // 0: tail_merge_lanes' choice; 32: a warp per head at every G (ablation)
-#endif
-
-// Lanes per head in the tail merge: a warp, or a half-warp when the G heads outnumber the CTA's
-// warps (G = 8 on 4 warps) and D <= 128, so that every head merges at once instead of two per
-// warp in turn (benches/NOTES.md, "Session 10").
-template <int D, int G>
-__host__ __device__ constexpr int tail_merge_lanes() {
-  return (PKV_MERGE_LANES == 0 && G * 32 > kThreads && D <= 128) ? 16 : 32;
-}
-
 // The merge of the G heads of (row, kvh) by the last CTA. Not inlined: inlined, it changed the
 // register allocation of the whole kernel and the decode loop ran ~5 % slower (ncu, B1 32K).
 template <typename T, int D, int G>
 __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first,
                                         int nsplit) {
-  constexpr int L = tail_merge_lanes<D, G>();
-  for (int g = threadIdx.x / L; g < G; g += kThreads / L) {  // L lanes per head
+  for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {  // one warp per head
     const int h = kvh * G + g;
     T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
-    merge_head<T, D, L>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
-                        threadIdx.x % L);
+    merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
+                     threadIdx.x % 32);
   }
 }
 

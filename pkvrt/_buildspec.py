@@ -32,7 +32,6 @@ TUNING = {
     "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one SIMT decode CTA (G < 4)
     "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
     "PKV_TC_MIN_GROUP": 1,      # smallest group size on the tensor-core body (4: SIMT for G < 4)
-    "PKV_MERGE_LANES": 0,       # tail merge: 0 a half-warp per head at G = 8, D <= 128; 32 a warp always
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 
