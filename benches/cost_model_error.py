@@ -35,10 +35,15 @@ import numpy as np
 from pathlib import Path
 
 
+REFIT_NOTE = re.compile(r" Refitted offline on [0-9-]+: .*?every other constant as measured"
+                        r"(?:; this supersedes what the text above says of the refitted constants)?\.", re.S)
+
+
 def _without_refits(provenance: str) -> str:
-    """``provenance`` without the sentences of earlier ``--write`` refits (each new one says what
-    it refitted, so only the latest is true)."""
-    return re.sub(r" Refitted offline on [0-9-]+: .*?(?= Refitted offline on |$)", "", provenance, flags=re.S)
+    """``provenance`` without the notes of earlier ``--write`` refits: used when this refit
+    redoes everything they did (the partition constants and the time model), so only its own
+    note is true. Text after a note is kept."""
+    return REFIT_NOTE.sub("", provenance)
 
 
 def main(argv=None) -> int:
@@ -124,20 +129,21 @@ def main(argv=None) -> int:
         import attrs
 
         what = ("the time model" if args.keep_partition else
-                "the balanced partition's constants (fit_partition over both partition routes' sweeps, "
-                "the middle of the best plateau) and the time model")
+                "the balanced partition's constants (fit_partition over both partition routes' sweeps: "
+                "of the best-scoring plateau, the point farthest from a worse one) and the time model")
+        strip = (lambda text: text) if args.keep_partition else _without_refits   # keep: the partition's note stays
         note = (f" Refitted offline on {datetime.date.today().isoformat()}: {what}, by "
                 f"benches/cost_model_error.py --write from {Path(args.sweeps).name} (the sweeps of "
                 f"pkvrt {meta.get('pkvrt_commit')}) under this checkout's planner; every other constant "
                 f"as measured; this supersedes what the text above says of the refitted constants.")
         out = sweeps.with_time_model(cal, fits, kv)
         if fp16:
-            out = attrs.evolve(out, provenance=_without_refits(out.provenance) + note)
+            out = attrs.evolve(out, provenance=strip(out.provenance) + note)
         else:   # the section's own provenance (a new section: these sweeps' command)
             sec = dict(out.by_kv_dtype)[kv]
             out = calib.with_kv_dtype_section(out, kv, attrs.evolve(
                 sec, command=sec.command or str(meta.get("command") or "pkvrt calibrate --kv-dtype fp8"),
-                provenance=_without_refits(sec.provenance or f"Fitted from the {kv} sweeps "
+                provenance=strip(sec.provenance or f"Fitted from the {kv} sweeps "
                                            f"{Path(args.sweeps).name}; nothing else measured with these caches.")
                 + note))
         calib.save_calibration(calib.calibration_from_dict(calib.calibration_to_dict(out)), args.write)

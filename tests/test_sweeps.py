@@ -202,6 +202,41 @@ def test_bench_script_refits_and_prints_the_errors(rows, tmp_path, capsys):
     assert "has no time_model" in capsys.readouterr().err
 
 
+def test_bench_script_write_keeps_the_notes_that_are_still_true(rows, tmp_path, capsys):
+    """--write appends a note of what it refitted. A full refit (partition + time model) drops
+    the notes of earlier refits (it redid all of it); --keep-partition keeps them (the partition
+    constants it keeps came from them); text after a note survives either way."""
+    cost_model_error = _bench_script()
+    f = tmp_path / "sweeps.json"
+    f.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200", "seeds": [calibrate.SEED]}, "rows": rows}))
+    old = (" Refitted offline on 2026-11-30: the balanced partition's constants and the time model, by x;"
+           " every other constant as measured.")
+    cal_path = tmp_path / "cal.json"
+    cal_path.write_text(json.dumps(calibration_to_dict(attrs.evolve(CAL, provenance="Measured." + old + " Tail."))))
+    for keep, expect_old in ((["--keep-partition"], True), ([], False)):
+        out = tmp_path / f"out{len(keep)}.json"
+        assert cost_model_error.main([str(f), "--calibration", str(cal_path), *keep, "--write", str(out)]) == 0
+        text = load_calibration(out).provenance
+        assert text.startswith("Measured.") and " Tail." in text and (old in text) == expect_old, text
+        assert text.count(" Refitted offline on ") == 1 + expect_old
+    capsys.readouterr()
+
+
+def test_partition_fits_skip_a_kind_routes_toml_lacks(rows, tmp_path):
+    """Sweeps of a partition kind whose route the routes file lacks are left out of the fit
+    (they cannot be planned), not an AttributeError."""
+    text = pathlib.Path(calibrate.__file__).resolve().parents[2].joinpath("routes.toml").read_text()
+    start = text.index("[routes.pkv_workqueue]")
+    end = text.index("[routes.pkv_fused]")
+    no_wq = tmp_path / "routes.toml"
+    no_wq.write_text((text[:start] + text[end:]).replace('small_route = "pkv_workqueue"', 'small_route = "pkv_fused"'))
+    reg = load_routes(no_wq)
+    timed = sweeps.read_rows(rows)
+    assert {t.kind for t in timed} >= {"workqueue", "fused"}
+    points, regrets = sweeps.fit_partitions(timed, CAL, reg)
+    assert points and all(k.endswith("[fused]") for r in regrets.values() for k in r)
+
+
 # ----------------------------------------------------------------------------- FP8 sweeps
 
 FP8 = "float8_e4m3fn"
@@ -329,6 +364,11 @@ def test_bench_script_creates_an_fp8_section_and_takes_the_recorded_occupancy(tm
         script.main([str(_fp8_sweeps(tmp_path, rows)), "--calibration", str(base), "--suggest-routes", "x.toml"])
 
 
+def fp8_rows_of(raw_path) -> list:
+    """The rows a ``--raw`` file of ``pkvrt calibrate`` holds."""
+    return json.loads(pathlib.Path(raw_path).read_text())["rows"]
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch, fp8_rows):
     """`pkvrt calibrate --kv-dtype fp8` on a CPU: an H200 that is available, whose timed steps
@@ -354,8 +394,8 @@ def fake_gpu(monkeypatch, fp8_rows):
         fit_recs = [dict(case=t.case, route="bucket", rows=1, context=int(t.seq.max()), splits=s, us=us,
                          kv_bytes=int(t.seq.sum()) * 2048, ctas=8 * s) for t in timed if t.kind == "bucket"
                     for s, us in t.times.items()]
-        cases = {g: {t.case: (t.seq, t.times) for t in timed if t.kind == "fused" and t.group == g}
-                 for g in args.groups}
+        cases = {g: sweeps.partition_cases([t for t in timed if t.kind in sweeps.PARTITION_KINDS and t.group == g],
+                                           reg) for g in args.groups}
         return fit_recs, fp8_rows, cases
     monkeypatch.setattr(calibrate, "time_steps", time_steps)
     return calls
@@ -386,6 +426,11 @@ def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, cap
     assert [k for k, _ in sec.time_model] == ["bucket", "workqueue", "fused"]
     assert [(g, [k for k, _ in kinds]) for g, kinds in sec.time_model_by_group] == [(8, ["fused"])]
     assert "float8_e4m3fn K/V caches" in sec.provenance and "FlashInfer is not timed" in sec.provenance
+    n = {k: sum(t.kind == k and t.group == 4 for t in sweeps.read_rows(fp8_rows_of(raw), kv_dtype=FP8))
+         for k in ("fused", "workqueue")}
+    assert n["fused"] and n["workqueue"]   # the fit saw both partition routes' sweeps, named by kind
+    assert f"fit_partition over {sum(n.values())} sweeps ({n['fused']} fused, {n['workqueue']} workqueue)" in sec.provenance
+    assert "[workqueue] " in sec.provenance and "[fused] " in sec.provenance   # the regret of each
     meta = json.loads(raw.read_text())["meta"]
     assert (meta["kv_dtype"], meta["occupancy"], meta["fp8_scales"]) == (FP8, {"4": 3, "8": 3}, "unit")
     assert cli.main([*argv[:-4], "--out", str(out), "--max-waves", "2"]) == 0     # base: the --out file now

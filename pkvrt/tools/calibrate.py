@@ -13,9 +13,10 @@ checked against the FP32 reference first:
 - splits.bucket_ctas_per_sm: candidate split counts of the bucket route (B1 at 8K, 32K, 64K),
   fitted by ``calibration.fit_split_points``;
 - the balanced partition's constants (splits.workqueue_ctas_per_sm, co_resident_slowdown,
-  cta_overhead_tiles, min_split_tokens): the device-planning route of routes.toml (``[device_planning]
-  route``, the fused kernel as shipped) timed at every cut its split bounds allow on ten steps
-  (:func:`calibration_steps`), fitted by ``calibration.fit_partition``; once per group size of
+  cta_overhead_tiles, min_split_tokens): the workqueue and fused routes of routes.toml (which
+  share them) timed at every cut their split bounds allow on ten steps (:func:`calibration_steps`),
+  fitted together by ``calibration.fit_partition`` with the device-planning route's kernel
+  occupancy (``[device_planning] route``, the fused kernel as shipped); once per group size of
   ``--groups`` (H_q 32 over H_kv 32 / G): the first (4) gives the top-level keys, the others a
   ``splits.by_group`` entry each, which the Runtime uses for that G;
 - c_min: the occupancy target that makes the cost model best fit every timed split
@@ -628,8 +629,9 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
     cuts are planned with (SMs; partition constants that leave every cut allowed).
 
     Returns (fit records: the bucket sweeps and the device-planning route at G 4; the raw rows of
-    ``--raw``, each with its ``kv_dtype``; {G: {case: (seq_lens, {cut: us})}} of the
-    device-planning route, for ``fit_partition``).
+    ``--raw``, each with its ``kv_dtype``; {G: {"case [kind]": (seq_lens, {cut: us}, the route's
+    split bounds)}} of both partition routes, for ``fit_partition``: the names and tuples of
+    ``sweeps.partition_cases``).
     """
     import torch
 

@@ -182,8 +182,9 @@ def fit_partitions(timed, cal: calib.Calibration, registry, resident: dict | Non
     else of ``cal``'s view of that KV dtype, and its max_waves: ({G: points}, {G: {"case
     [kind]": regret}})."""
     points, regrets = {}, {}
-    for g in sorted({t.group for t in timed if t.kind in PARTITION_KINDS}):
-        steps = [t for t in timed if t.kind in PARTITION_KINDS and t.group == g]
+    kinds = [k for k in PARTITION_KINDS if route_of_kind(registry, k) is not None]
+    for g in sorted({t.group for t in timed if t.kind in kinds}):
+        steps = [t for t in timed if t.kind in kinds and t.group == g]
         splits = cal.for_kv_dtype(steps[0].kv_dtype).splits
         points[g], regrets[g] = calib.fit_partition(
             partition_cases(steps, registry),
@@ -197,7 +198,9 @@ def fit_partitions(timed, cal: calib.Calibration, registry, resident: dict | Non
 def partition_cases(steps, registry) -> dict:
     """``fit_partition``'s cases from timed partition steps (one G): ``"case [kind]"`` ->
     (lengths, {cut: us}, the split bounds of the route that was timed)."""
-    return {f"{t.case} [{t.kind}]": (t.seq, t.times, route_of_kind(registry, t.kind).splits) for t in steps}
+    routes = {k: route_of_kind(registry, k) for k in {t.kind for t in steps}}
+    return {f"{t.case} [{t.kind}]": (t.seq, t.times, routes[t.kind].splits) for t in steps
+            if routes[t.kind] is not None}   # a kind routes.toml has no route for: not fitted
 
 
 def kv_dtype_section(cal: calib.Calibration, kv_dtype: str) -> calib.KvDtypeSection:
