@@ -7,6 +7,7 @@ state stays bounded (graphs, seen keys, router memo), host memory stops growing 
 The GPU side of the soak (device memory, real graph replays) is issue #7's device run.
 """
 
+import gc
 import tracemalloc
 
 import numpy as np
@@ -19,7 +20,7 @@ from test_runtime_cpu import fake_device, fake_runtime, pool, rel_err, ref, step
 
 STEPS, WARMUP = 30_000, 15_000
 
-pytestmark = pytest.mark.slow  # ~50 s alone on 2 cores; `pytest -q --quick` skips it
+pytestmark = pytest.mark.slow  # ~4 min alone on 2 cores (255 s, 2026-12-01); `pytest -q --quick` skips it
 
 
 # Memoizing caches with a fixed bound (functools.lru_cache(maxsize=...)): they may legitimately
@@ -37,6 +38,7 @@ NOT_OURS = (tracemalloc.Filter(False, tracemalloc.__file__),)
 def snapshot():
     for cache in BOUNDED_CACHES:
         cache.cache_clear()
+    gc.collect()   # cycles awaiting the collector are not held memory (their amount varies per run)
     return tracemalloc.take_snapshot().filter_traces(NOT_OURS)
 
 
