@@ -229,15 +229,20 @@ def test_calibration_steps_use_the_calibration_seed_only():
         ("B1-128K", "workqueue", 1),
         ("B2-32K+1.4K", "workqueue", 2), ("B8-32K", "workqueue", 8), ("B8-1K", "workqueue", 8),
         ("short-B8-seed20260622", "workqueue", 8),
-        ("bimodal-B4-seed20260622", "workqueue", 4), ("bimodal-B8-seed20260622", "workqueue", 8)]
-    b8 = steps[-1][2]
+        ("bimodal-B4-seed20260622", "workqueue", 4), ("bimodal-B8-seed20260622", "workqueue", 8),
+        ("long1-B8-seed20260622", "workqueue", 8)]
+    b8 = steps[-2][2]
     assert (b8 > 30720).sum() == 2 and ((b8 >= 1025) & (b8 <= 4097)).sum() == 6
-    short = steps[-3][2]
+    short = steps[-4][2]
     assert short.min() >= 16 and short.max() <= 8000
+    long1 = steps[-1][2]   # one long row first, seven short ones
+    assert 16384 <= long1[0] <= 49152 and long1[1:].min() >= 1024 and long1[1:].max() <= 6144
     again = calibrate.calibration_steps()
-    assert np.array_equal(again[-1][2], b8) and np.array_equal(again[-3][2], short)   # seeded
+    for i in (-1, -2, -4):   # seeded
+        assert np.array_equal(again[i][2], steps[i][2])
     other = calibrate.calibration_steps(seed=20260623)
-    assert not np.array_equal(other[-1][2], b8) and not np.array_equal(other[-3][2], short)
+    for i in (-1, -2, -4):
+        assert not np.array_equal(other[i][2], steps[i][2])
 
 
 @pytest.mark.parametrize("quick, expected", [(True, (4, 20, 36, 52, 64)),

@@ -125,7 +125,7 @@ def test_errors_at_the_planned_cut_vanish_on_the_models_own_times(rows):
                                                    (4, "flashinfer"), (8, "pkv_fused"), (8, "flashinfer")}
     assert max(abs(r.error) for r in errs) < 1e-6
     text = sweeps.format_errors(errs)
-    assert "G 4 pkv_fused: max |error| 0.0 % over 10 steps (roofline" in text
+    assert "G 4 pkv_fused: max |error| 0.0 % over 11 steps (roofline" in text
     assert text.splitlines()[0].split()[:4] == ["G", "route", "case", "cut"]
 
 

@@ -14,7 +14,7 @@ checked against the FP32 reference first:
   fitted by ``calibration.fit_split_points``;
 - the balanced partition's constants (splits.workqueue_ctas_per_sm, co_resident_slowdown,
   cta_overhead_tiles, min_split_tokens): the workqueue and fused routes of routes.toml (which
-  share them) timed at every cut their split bounds allow on ten steps (:func:`calibration_steps`),
+  share them) timed at every cut their split bounds allow on eleven steps (:func:`calibration_steps`),
   fitted together by ``calibration.fit_partition`` with the device-planning route's kernel
   occupancy (``[device_planning] route``, the fused kernel as shipped); once per group size of
   ``--groups`` (H_q 32 over H_kv 32 / G): the first (4) gives the top-level keys, the others a
@@ -26,7 +26,7 @@ checked against the FP32 reference first:
 - time_model (what the router predicts with; :mod:`pkvrt.policy.costmodel`, "The measured model"):
   per route kind and group size, fitted by ``sweeps.fit_time_model`` on the timed rows: the
   bucket sweeps, the device-planning route and the other workqueue-or-fused route of routes.toml
-  (``pkv_workqueue`` as shipped) each timed at every cut of the ten partition steps at every G of
+  (``pkv_workqueue`` as shipped) each timed at every cut of the eleven partition steps at every G of
   ``--groups``, and FlashInfer (both paths) on those steps at every G and at B1..B16 32K.
 
 FlashInfer is required (``pip install -e ".[flashinfer]"``): it is timed to fit FlashInfer's cost
@@ -125,7 +125,12 @@ def calibration_steps(seed: int = SEED) -> list[tuple[str, str, np.ndarray]]:
     32K row beside a 1.4K one; eight 32K rows; eight 1K rows; eight short rows drawn with
     ``seed`` (log-normal around 900 tokens); the first decode step of a B4 and a B8
     continuous-decode run over ``synthetic("bimodal", seed=seed)`` (one ~32K row and three
-    1K-4K rows per four; seq_len = prompt + 1).
+    1K-4K rows per four; seq_len = prompt + 1); one long row (uniform in 16K-48K) among seven
+    short ones (uniform in 1K-6K) drawn with ``seed``: the step of a serving batch with one
+    long-context request, whose cut trades the long row's split count against the short rows'
+    CTAs (the B8 bimodal step has two long rows, the B2 one a single short row; without this
+    step session 10's G = 8 fit cut such steps at 20 where 40 ran 14-24 % faster,
+    benches/NOTES.md).
     """
     i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
     out = [(f"B1-{n // 1024}K", "bucket", i32([n])) for n in B1_CONTEXTS]
@@ -140,6 +145,8 @@ def calibration_steps(seed: int = SEED) -> list[tuple[str, str, np.ndarray]]:
         trace = synthetic("bimodal", num_requests=b, seed=seed)
         step = next(decode_steps(trace, max_active=b))
         out.append((f"bimodal-B{b}-seed{seed}", "workqueue", step.seq_lens.astype(np.int32)))
+    long1 = np.concatenate([rng.integers(16384, 49153, 1), rng.integers(1024, 6145, 7)])
+    out.append((f"long1-B8-seed{seed}", "workqueue", i32(long1)))
     return out
 
 
