@@ -1,0 +1,129 @@
+"""One step's balanced-partition cuts timed under the calibration's protocol and the engine's.
+
+Why: session 11's recalibration (a one-long-row step added) fitted G = 8 constants that the
+calibration sweeps scored within 1 % of the best, yet the 32-layer engine protocol ran them at
+0.87x FlashInfer against 1.06x for the shipped ones: the two protocols rank the same cuts of
+the same step class differently (benches/NOTES.md, "Session 11"). This times one step at a few
+cuts three ways, so the difference can be localized:
+
+- ``calibrate``: ``pkvrt.tools.calibrate.time_workqueue`` (the fused route, a host plan at the
+  cut, a grid of exactly its CTAs), ``--layers`` calls back to back in one graph (calibrate's
+  LAYERS is 8);
+- ``runtime``: ``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` captured as the
+  engine protocol's step graph (plan + ``layers`` runs): the planning kernel, and a decode grid
+  sized for the most CTAs the partition may plan, the slots past the step's tasks exiting at
+  once. The cut is forced by a routes.toml copy whose fused route allows that one split count
+  (which also caps the grid at every row at that count: ``grid`` in the output).
+
+usage (GPU): python benches/cut_protocols.py --lengths 3395,1246,31518,2810,2438,2434,32291,1956 \
+    --group 8 --cuts 12,26 --layers 8,32 --out OUT.json
+Prints one line per (protocol, layers, cut): µs per layer (CUDA-event median of graph replays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def routes_forcing(cut: int) -> pathlib.Path:
+    """A copy of routes.toml whose pkv_fused allows only ``cut`` splits per row."""
+    text = (ROOT / "routes.toml").read_text()
+    new, n = re.subn(r"(\[routes\.pkv_fused\.splits\]\s*\nmin = )1(\s*\nmax = )64",
+                     rf"\g<1>{cut}\g<2>{cut}", text)
+    if n != 1:
+        raise SystemExit("routes.toml: [routes.pkv_fused.splits] min = 1 / max = 64 not found")
+    path = pathlib.Path(tempfile.mkdtemp()) / "routes.toml"
+    path.write_text(new)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", required=True, help="comma-separated seq_lens of the step")
+    ap.add_argument("--group", type=int, default=8, help="query heads per KV head (H_q 32)")
+    ap.add_argument("--cuts", required=True, help="comma-separated split counts of the longest row")
+    ap.add_argument("--layers", default="8,32", help="calls per timed graph")
+    ap.add_argument("--calibrations", default="",
+                    help="comma-separated calibration files: the runtime protocol also runs the "
+                         "shipped routes.toml with each file's constants (the engine's exact path)")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", type=pathlib.Path)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from pkvrt.measure import harness
+    from pkvrt.policy import calibration as calib
+    from pkvrt.policy import planner
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.measure import results
+    from pkvrt.runtime import Runtime
+    from pkvrt.tools import calibrate
+
+    seq = np.array([int(x) for x in args.lengths.split(",")], dtype=np.int64)
+    cuts = [int(x) for x in args.cuts.split(",")]
+    layers = [int(x) for x in args.layers.split(",")]
+    shape = calibrate.group_shape(args.group)
+    hkv, hq, d = shape["num_kv_heads"], shape["num_qo_heads"], shape["head_dim"]
+    file_cal = calib.find_calibration(torch.cuda.get_device_name())
+    cal = file_cal.for_group(args.group)   # what a Runtime at this G plans with
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    wl = calibrate._workload(seq, l2, shape)
+    ref = calibrate._reference(wl)
+    step, bt, dseq = calibrate._device_tables(wl)
+    route = load_routes(None).route("pkv_fused")
+    rows = []
+    for n in layers:
+        calibrate.LAYERS = n
+        for s in cuts:
+            plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
+                                          dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=cal,
+                                          longest_splits=s)
+            us = calibrate.time_workqueue(wl, plan, ref, args.repeats, fused=True)
+            rows.append(dict(protocol="calibrate", layers=max(n, wl.copies), cut=s, us=us,
+                             ctas=plan.counters.decode_ctas, grid=plan.counters.decode_ctas))
+            print(f"calibrate layers {rows[-1]['layers']:3d} cut {s:3d}: {us:7.2f} us/layer "
+                  f"({plan.counters.decode_ctas} CTAs)", flush=True)
+    b = len(seq)
+    q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
+    configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]
+    for path in filter(None, args.calibrations.split(",")):
+        c = calib.load_calibration(pathlib.Path(path))
+        s = planner.balanced_partition(seq, num_kv_heads=hkv, splits=route.splits,
+                                       cal=c.for_group(args.group)).longest_splits
+        configs.append((s, None, c, path))
+    for n in layers:
+        for s, routes, c, how in configs:
+            rt = Runtime(hq, hkv, d, wl.shape.page_size, wl.shape.torch_dtype, routes=routes,
+                         calibration=c, max_batch=b, max_pages_per_row=wl.layout.max_pages,
+                         use_cuda_graph=False, validate=False, device_planning=True,
+                         num_pages=wl.k[0].shape[0])
+
+            def body():
+                rt.plan(dseq, bt)
+                for layer in range(n):
+                    c = layer % wl.copies
+                    rt.run(q, wl.k[c], wl.v[c], out=out)
+
+            us = harness.median_us(body, n, args.repeats)
+            calibrate._checked(f"runtime cut {s}", out, ref)
+            grid = rt._device_grid_tasks(rt.registry.route("pkv_fused"), 1 << (b - 1).bit_length())
+            rows.append(dict(protocol="runtime", layers=n, cut=s, us=us, grid=grid, constants=how))
+            print(f"runtime   layers {n:3d} cut {s:3d}: {us:7.2f} us/layer (grid {grid}, {how})", flush=True)
+    if args.out:
+        meta = results.make_meta(kind="cut-protocols", lengths=seq.tolist(), group=args.group)
+        results.write_results(args.out, meta, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
