@@ -9,6 +9,9 @@ cuts three ways, so the difference can be localized:
 - ``calibrate``: ``pkvrt.tools.calibrate.time_workqueue`` (the fused route, a host plan at the
   cut, a grid of exactly its CTAs), ``--layers`` calls back to back in one graph (calibrate's
   LAYERS is 8);
+- ``padded``: the same with the grid the Runtime launches for the batch
+  (``planner.device_grid_ctas``), the slots past the plan's tasks exiting at once;
+  ``padded-no-early-kv``: and no layer's K/V copies start before the previous layer ends;
 - ``runtime``: ``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` captured as the
   engine protocol's step graph (plan + ``layers`` runs): the planning kernel, and a decode grid
   sized for the most CTAs the partition may plan, the slots past the step's tasks exiting at
@@ -81,6 +84,9 @@ def main(argv=None) -> int:
     ref = calibrate._reference(wl)
     step, bt, dseq = calibrate._device_tables(wl)
     route = load_routes(None).route("pkv_fused")
+    # the grid the Runtime launches for this batch (the most CTAs the partition may plan)
+    runtime_grid = planner.device_grid_ctas(1 << (len(seq) - 1).bit_length(), num_kv_heads=hkv,
+                                            splits=route.splits, cal=cal)
     rows = []
     for n in layers:
         calibrate.LAYERS = n
@@ -88,11 +94,15 @@ def main(argv=None) -> int:
             plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
                                           dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=cal,
                                           longest_splits=s)
-            us = calibrate.time_workqueue(wl, plan, ref, args.repeats, fused=True)
-            rows.append(dict(protocol="calibrate", layers=max(n, wl.copies), cut=s, us=us,
-                             ctas=plan.counters.decode_ctas, grid=plan.counters.decode_ctas))
-            print(f"calibrate layers {rows[-1]['layers']:3d} cut {s:3d}: {us:7.2f} us/layer "
-                  f"({plan.counters.decode_ctas} CTAs)", flush=True)
+            ctas = plan.counters.decode_ctas
+            for proto, grid, early in (("calibrate", None, True), ("padded", runtime_grid, True),
+                                       ("padded-no-early-kv", runtime_grid, False)):
+                us = calibrate.time_workqueue(wl, plan, ref, args.repeats, fused=True, grid=grid,
+                                              early_kv=early)
+                rows.append(dict(protocol=proto, layers=max(n, wl.copies), cut=s, us=us, ctas=ctas,
+                                 grid=grid or ctas))
+                print(f"{proto:18s} layers {rows[-1]['layers']:3d} cut {s:3d}: {us:7.2f} us/layer "
+                      f"({ctas} CTAs, grid {grid or ctas})", flush=True)
     b = len(seq)
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
     configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]
@@ -118,7 +128,7 @@ def main(argv=None) -> int:
             calibrate._checked(f"runtime cut {s}", out, ref)
             grid = rt._device_grid_tasks(rt.registry.route("pkv_fused"), 1 << (b - 1).bit_length())
             rows.append(dict(protocol="runtime", layers=n, cut=s, us=us, grid=grid, constants=how))
-            print(f"runtime   layers {n:3d} cut {s:3d}: {us:7.2f} us/layer (grid {grid}, {how})", flush=True)
+            print(f"{'runtime':18s} layers {n:3d} cut {s:3d}: {us:7.2f} us/layer (grid {grid}, {how})", flush=True)
     if args.out:
         meta = results.make_meta(kind="cut-protocols", lengths=seq.tolist(), group=args.group)
         results.write_results(args.out, meta, rows)

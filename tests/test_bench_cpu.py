@@ -245,6 +245,24 @@ def test_calibration_steps_use_the_calibration_seed_only():
         assert not np.array_equal(other[i][2], steps[i][2])
 
 
+def test_calibration_times_cuts_in_the_runtimes_grid():
+    # the Runtime pads a device-planned step's batch to a power of two and launches the most
+    # CTAs the partition may plan for it: max_waves resident waves, capped by every row at the
+    # largest split count (planner.device_grid_ctas); the sweeps time every cut in that grid
+    fused = load_routes(None).route("pkv_fused").splits   # 1..64
+    base = _cal()
+    grid = lambda rows, hkv: calibrate.runtime_grid(rows, num_kv_heads=hkv, splits=fused,  # noqa: E731
+                                                    base=base, resident=2, max_waves=3)
+    assert grid(8, 4) == 3 * 2 * 132            # G 8 B8: 792 slots, whatever the cut
+    assert grid(1, 4) == 4 * 64                 # one row: every KV head at 64 splits
+    assert grid(3, 8) == grid(4, 8) == 3 * 2 * 132   # 3 rows replay the 4-row graph
+    wq = load_routes(None).route("pkv_workqueue").splits
+    assert calibrate.runtime_grid(1, num_kv_heads=8, splits=wq, base=base, resident=2,
+                                  max_waves=3) == 8 * wq.candidates()[-1]
+    full = attrs.evolve(base, splits=calibration.SplitPoints(1.0, 2.0, 32, max_waves=3))
+    assert grid(8, 4) == planner.device_grid_ctas(8, num_kv_heads=4, splits=fused, cal=full)
+
+
 @pytest.mark.parametrize("quick, expected", [(True, (4, 20, 36, 52, 64)),
                                              (False, tuple(range(4, 65, 4)))])
 def test_split_candidates(quick, expected):

@@ -388,7 +388,7 @@ def fake_gpu(monkeypatch, fp8_rows):
     monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv: 3)
     calls = []
 
-    def time_steps(args, reg, base, *, kv_dtype, repeats, t_start):
+    def time_steps(args, reg, base, *, kv_dtype, repeats, t_start, max_waves):
         calls.append((kv_dtype, base))
         timed = sweeps.read_rows(fp8_rows, kv_dtype=kv_dtype)
         fit_recs = [dict(case=t.case, route="bucket", rows=1, context=int(t.seq.max()), splits=s, us=us,

@@ -305,9 +305,14 @@ def time_bucket(wl, splits: int, ref, repeats: int) -> float:
 LAYERS = 8   # back-to-back calls per timed graph of the workqueue-kind routes
 
 
-def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
+def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False, grid: int | None = None,
+                   early_kv: bool = True) -> float:
     """workqueue_decode + merge of ``plan`` (a WorkqueuePlan of ``wl``'s step), or with ``fused``
     the fused decode (merge in the tail, one launch), µs per call.
+
+    grid: the decode grid (task slots), at least the plan's tasks; the slots past them exit at
+    once. None: exactly the plan's tasks. early_kv False: no layer starts its K/V copies before
+    the previous one ends (an ablation).
 
     Timed as a step's layers run (the Runtime's device planning): at least ``LAYERS`` calls back
     to back in one graph over the rotating K/V copies, with programmatic dependent launch and
@@ -323,6 +328,8 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
     b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
     tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
+    if grid is not None and grid > tasks.shape[0]:
+        tasks = torch.cat([tasks, tasks.new_zeros((grid - tasks.shape[0], 5))])
     counters = (torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
                 if fused else None)
 
@@ -332,7 +339,7 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False) -> float:
         for i in range(calls):
             k, v = wl.k[i % wl.copies], wl.v[i % wl.copies]
             ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml,
-                                 counters=counters, early_kv=i > 0, **wl.scales(0))
+                                 counters=counters, early_kv=early_kv and i > 0, **wl.scales(0))
             if not fused:
                 ops.merge(part_a, part_ml, offsets, out, skip_single=True)
     us = harness.median_us(fn, calls, repeats)
@@ -368,14 +375,32 @@ def time_flashinfer(wl, tensor_cores: bool, ref, repeats: int) -> float:
     return us
 
 
+def runtime_grid(rows: int, *, num_kv_heads: int, splits, base: calib.Calibration, resident: int,
+                 max_waves: int) -> int:
+    """The decode grid the Runtime launches for a device-planned step of ``rows`` rows: the most
+    CTAs the partition may plan for the padded batch (``planner.device_grid_ctas`` with
+    ``resident`` CTAs per SM and ``max_waves``), the slots past a step's tasks exiting at once.
+    The sweeps time every cut in that grid: timed in a grid of exactly its CTAs, a cut of less
+    than one wave ran up to 30 % faster than the Runtime runs it (G = 8, 124 CTAs: 46.8 vs 61.1
+    us per layer, ``benches/cut_protocols.py``), and the fit chose such cuts (benches/NOTES.md,
+    "Session 11")."""
+    from pkvrt.policy import planner
+    from pkvrt.runtime.graphs import padded_batch
+
+    cal = attrs.evolve(base, splits=calib.SplitPoints(1.0, float(resident), TILE_TOKENS, max_waves=max_waves))
+    return planner.device_grid_ctas(padded_batch(rows), num_kv_heads=num_kv_heads, splits=splits, cal=cal)
+
+
 def time_partition(case: str, seq, group: int, route, base: calib.Calibration, wl, ref,
-                   repeats: int, quick: bool) -> list[dict]:
+                   repeats: int, quick: bool, grid: int | None = None) -> list[dict]:
     """Time ``route`` (a workqueue or fused route) over one step at every cut of the balanced
     partition (the longest row's allowed split counts whose chunk is at least one tile; every
     third with ``quick``), at ``group`` query heads per KV head. ``wl``, ``ref``: the step's
     workload at that shape (``_workload(seq, l2, group_shape(group))``) and its FP32 reference,
     shared with the other engines timed on the step (its K/V dtype is the sweep's). One record
-    per cut: case, route, group, rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes."""
+    per cut: case, route, group, rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes.
+    ``grid``: the decode grid every cut is launched with (:func:`runtime_grid`; None: each cut's
+    own CTAs)."""
     from pkvrt.policy import planner
 
     shape = group_shape(group)
@@ -388,7 +413,7 @@ def time_partition(case: str, seq, group: int, route, base: calib.Calibration, w
         plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
                                       dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=base,
                                       longest_splits=s)
-        us = time_workqueue(wl, plan, ref, repeats, fused=fused)
+        us = time_workqueue(wl, plan, ref, repeats, fused=fused, grid=grid)
         out.append(dict(case=case, route=route.kind, group=group, rows=len(seq),
                         context=int(seq.max()), splits=int(s), us=float(us),
                         kv_bytes=int(seq.sum()) * 2 * hkv * d * wl.kv_dtype_bytes, ctas=plan.counters.decode_ctas,
@@ -628,10 +653,12 @@ def kept_max_waves(args, slug: str) -> int:
 
 
 def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: int,
-               t_start: float) -> tuple[list[dict], list[dict], dict[int, dict]]:
+               t_start: float, max_waves: int) -> tuple[list[dict], list[dict], dict[int, dict]]:
     """Every calibration step timed with ``kv_dtype`` caches: the bucket route at each candidate
     S (G 4), the workqueue-or-fused routes of routes.toml at every cut (the device-planning
-    route first) at each G of ``--groups``, and beside them FlashInfer's two paths (16-bit
+    route first; in the grid the Runtime launches, :func:`runtime_grid`, with the device-planning
+    kernel's occupancy at that G and ``max_waves``) at each G of ``--groups``, and beside them
+    FlashInfer's two paths (16-bit
     caches only: an FP8 Runtime does not run FlashInfer). ``base``: the calibration the timed
     cuts are planned with (SMs; partition constants that leave every cut allowed).
 
@@ -676,8 +703,11 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
             name = case if g == 4 else f"{case}-G{g}"
             wl = _workload(seq, l2, group_shape(g), kv_dtype)   # one workload and reference for every engine
             ref = _reference(wl)
+            resident = decode_occupancy(dp_route.kernel, g, kv_dtype)
             for route in partition_routes:
-                records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick)
+                grid = runtime_grid(len(seq), num_kv_heads=group_shape(g)["num_kv_heads"], splits=route.splits,
+                                    base=base, resident=resident, max_waves=max_waves)
+                records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick, grid=grid)
                 best = min(records, key=lambda r: r["us"])
                 print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "
                       f"({best['us']:.1f} us, {time.perf_counter() - t_start:.0f} s)", flush=True)
@@ -758,11 +788,11 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict], dict]:
                         lambda_graph_us=launch["pkvrt_graph"],
                         splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS))
 
+    max_waves = kept_max_waves(args, calib.slugify(props.name))
     fit_recs, raw, partition_cases = time_steps(args, reg, base, kv_dtype="float16", repeats=repeats,
-                                                t_start=t_start)
+                                                t_start=t_start, max_waves=max_waves)
     splits = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"],
                                     sm_count=sm, num_kv_heads=hkv)
-    max_waves = kept_max_waves(args, calib.slugify(props.name))
     fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=sm, kv_dtype="float16",
                                            max_waves=max_waves)
     splits.update(fitted[4], max_waves=max_waves)
@@ -847,11 +877,11 @@ def measure_kv_dtype(args, base: calib.Calibration, kv_dtype: str) -> tuple[cali
     timing = attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
                           splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), time_model=(),
                           time_model_by_group=())
+    max_waves = args.max_waves or base.splits.max_waves
     fit_recs, raw, partition_cases = time_steps(args, reg, timing, kv_dtype=kv_dtype, repeats=repeats,
-                                                t_start=t_start)
+                                                t_start=t_start, max_waves=max_waves)
     bucket = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"], sm_count=base.sm_count,
                                     num_kv_heads=SHAPE["num_kv_heads"])["bucket_ctas_per_sm"]
-    max_waves = args.max_waves or base.splits.max_waves
     fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=base.sm_count, kv_dtype=kv_dtype,
                                            max_waves=max_waves)
     others = ", ".join(str(g) for g in fitted if g != 4)
