@@ -49,6 +49,52 @@ def routes_forcing(cut: int) -> pathlib.Path:
     return path
 
 
+def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
+    """One graph replay of ``layers`` fused-decode calls of ``plan`` (grid: None = its tasks),
+    each layer writing its own trace buffer; per layer 1.. (layer 0 has no predecessor) the
+    working CTAs' durations (done - past the PDL wait, µs) and the spread of their wait-return
+    times; medians
+    over the layers of each statistic."""
+    import torch
+
+    from pkvrt.launch import ops
+    from pkvrt.measure import harness
+    from pkvrt.tools import calibrate
+
+    step, bt, seq = calibrate._device_tables(wl)
+    b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
+    q, out = wl.q[:b], torch.empty((b, hq, d), dtype=wl.q.dtype, device="cuda")
+    tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
+    n = tasks.shape[0]
+    if grid is not None and grid > n:
+        tasks = torch.cat([tasks, tasks.new_zeros((grid - n, 5))])
+    counters = torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
+    traces = [torch.zeros((tasks.shape[0], 3), dtype=torch.int64, device="cuda") for _ in range(layers)]
+
+    def fn():
+        for i in range(layers):
+            c = i % wl.copies
+            ops.workqueue_decode(q, wl.k[c], wl.v[c], seq, bt, tasks, num, offsets, out, part_a, part_ml,
+                                 counters=counters, early_kv=i > 0, trace=traces[i], **wl.scales(0))
+
+    harness.median_us(fn, layers, 3)   # captures, replays: the last replay's marks stay
+    torch.cuda.synchronize()
+    stats = {"span_us": [], "dur_median_us": [], "dur_p90_us": [], "dur_max_us": [], "start_spread_us": [],
+             "slow_fraction": []}
+    for t in traces[1:]:
+        m = t[:n].cpu().numpy().astype(np.float64)
+        dur = (m[:, 2] - m[:, 1]) / 1e3   # done - past the PDL wait: the CTA's own work
+        stats["span_us"].append((m[:, 2].max() - m[:, 1].min()) / 1e3)
+        stats["dur_median_us"].append(float(np.median(dur)))
+        stats["dur_p90_us"].append(float(np.percentile(dur, 90)))
+        stats["dur_max_us"].append(float(dur.max()))
+        # the long row's CTAs have equal chunks: among them, a CTA sharing its SM runs longer
+        long = dur[plan.tasks[:, 0] == int(np.argmax(np.bincount(plan.tasks[:, 0])))]
+        stats["slow_fraction"].append(float((long > 1.3 * np.median(long)).mean()))
+        stats["start_spread_us"].append((m[:, 1].max() - m[:, 1].min()) / 1e3)
+    return {k: float(np.median(v)) for k, v in stats.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", required=True, help="comma-separated seq_lens of the step")
@@ -59,6 +105,11 @@ def main(argv=None) -> int:
                     help="comma-separated calibration files: the runtime protocol also runs the "
                          "shipped routes.toml with each file's constants (the engine's exact path)")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--trace", action="store_true",
+                    help="also record every CTA's %%globaltimer marks over one replay of 32 layers "
+                         "(calibrate vs padded grid) and print the spread of the working CTAs' "
+                         "durations per layer: a light wave packed two CTAs to an SM shows as a "
+                         "second mode near twice the first")
     ap.add_argument("--out", type=pathlib.Path)
     args = ap.parse_args(argv)
 
@@ -103,6 +154,18 @@ def main(argv=None) -> int:
                                  grid=grid or ctas))
                 print(f"{proto:18s} layers {rows[-1]['layers']:3d} cut {s:3d}: {us:7.2f} us/layer "
                       f"({ctas} CTAs, grid {grid or ctas})", flush=True)
+    if args.trace:
+        for s in cuts:
+            plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
+                                          dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=cal,
+                                          longest_splits=s)
+            for proto, grid in (("calibrate", None), ("padded", runtime_grid)):
+                r = trace_layers(wl, plan, grid)
+                rows.append(dict(protocol=f"trace-{proto}", cut=s, grid=grid or plan.counters.decode_ctas, **r))
+                print(f"trace {proto:9s} cut {s:3d}: layer span {r['span_us']:6.2f} us, CTA duration "
+                      f"median {r['dur_median_us']:6.2f} p90 {r['dur_p90_us']:6.2f} max {r['dur_max_us']:6.2f}, "
+                      f"start spread {r['start_spread_us']:6.2f} us, long row's CTAs > 1.3x their median "
+                      f"{100 * r['slow_fraction']:.0f} %", flush=True)
     b = len(seq)
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
     configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]
