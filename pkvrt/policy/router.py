@@ -233,8 +233,11 @@ class Router:
             hit = self._memo.get(key)
             if hit is not None:
                 self.memo_hits += 1
-                return attrs.evolve(hit, plan=self._plan_for(self.registry.route(hit.route), seq, block_tables),
-                                    active=active, max_context=max_ctx, reused=True)
+                # the constructor, not attrs.evolve: 1.7 vs 4.8 us on the dev box, per step
+                return RouteDecision(route=hit.route, kind=hit.kind,
+                                     plan=self._plan_for(self.registry.route(hit.route), seq, block_tables),
+                                     predicted_us=hit.predicted_us, refused=hit.refused, speedup=hit.speedup,
+                                     active=active, max_context=max_ctx, forced=hit.forced, reused=True)
         reg = self.registry
         base = reg.baseline
         if force is not None:
