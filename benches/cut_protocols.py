@@ -6,17 +6,22 @@ calibration sweeps scored within 1 % of the best, yet the 32-layer engine protoc
 the same step class differently (benches/NOTES.md, "Session 11"). This times one step at a few
 cuts three ways, so the difference can be localized:
 
-- ``calibrate``: ``pkvrt.tools.calibrate.time_workqueue`` (the fused route, a host plan at the
-  cut, a grid of exactly its CTAs), ``--layers`` calls back to back in one graph (calibrate's
-  LAYERS is 8);
-- ``padded``: the same with the grid the Runtime launches for the batch
+- ``exact``: ``pkvrt.tools.calibrate.time_workqueue`` (the fused route, a host plan at the
+  cut) in a grid of exactly its CTAs, ``--layers`` calls back to back in one graph (calibrate's
+  LAYERS is 8): how ``pkvrt calibrate`` timed cuts before session 11 (the session-11 result
+  files call this protocol "calibrate");
+- ``padded``: the same with the grid the Runtime launches for the batch (how ``pkvrt
+  calibrate`` times cuts now)
   (``planner.device_grid_ctas``), the slots past the plan's tasks exiting at once;
   ``padded-no-early-kv``: and no layer's K/V copies start before the previous layer ends;
 - ``runtime``: ``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` captured as the
   engine protocol's step graph (plan + ``layers`` runs): the planning kernel, and a decode grid
   sized for the most CTAs the partition may plan, the slots past the step's tasks exiting at
   once. The cut is forced by a routes.toml copy whose fused route allows that one split count
-  (which also caps the grid at every row at that count: ``grid`` in the output).
+  (which also caps the grid at every row at that count: ``grid`` in the output) and by forcing
+  ``pkv_fused`` (routes.toml runs one-row steps on pkv_workqueue: the session-11 B1 rows of
+  ``g4-b1-8k-trace.json`` ran that route at cut 32 whatever the "forced" cut says). With
+  ``--calibrations`` nothing is forced: the engine's path.
 
 usage (GPU): python benches/cut_protocols.py --lengths 3395,1246,31518,2810,2438,2434,32291,1956 \
     --group 8 --cuts 12,26 --layers 8,32 --out OUT.json
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
                                           dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=cal,
                                           longest_splits=s)
             ctas = plan.counters.decode_ctas
-            for proto, grid, early in (("calibrate", None, True), ("padded", runtime_grid, True),
+            for proto, grid, early in (("exact", None, True), ("padded", runtime_grid, True),
                                        ("padded-no-early-kv", runtime_grid, False)):
                 us = calibrate.time_workqueue(wl, plan, ref, args.repeats, fused=True, grid=grid,
                                               early_kv=early)
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
             plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
                                           dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=cal,
                                           longest_splits=s)
-            for proto, grid in (("calibrate", None), ("padded", runtime_grid)):
+            for proto, grid in (("exact", None), ("padded", runtime_grid)):
                 r = trace_layers(wl, plan, grid)
                 rows.append(dict(protocol=f"trace-{proto}", cut=s, grid=grid or plan.counters.decode_ctas, **r))
                 print(f"trace {proto:9s} cut {s:3d}: layer span {r['span_us']:6.2f} us, CTA duration "
@@ -168,7 +173,7 @@ def main(argv=None) -> int:
                       f"{100 * r['slow_fraction']:.0f} %", flush=True)
     b = len(seq)
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
-    configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]
+    configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]   # + force="pkv_fused" below
     for path in filter(None, args.calibrations.split(",")):
         c = calib.load_calibration(pathlib.Path(path))
         s = planner.balanced_partition(seq, num_kv_heads=hkv, splits=route.splits,
@@ -182,15 +187,16 @@ def main(argv=None) -> int:
                          num_pages=wl.k[0].shape[0])
 
             def body():
-                rt.plan(dseq, bt)
+                rt.plan(dseq, bt, force="pkv_fused" if how == "forced" else None)
                 for layer in range(n):
                     c = layer % wl.copies
                     rt.run(q, wl.k[c], wl.v[c], out=out)
 
             us = harness.median_us(body, n, args.repeats)
             calibrate._checked(f"runtime cut {s}", out, ref)
-            grid = rt._device_grid_tasks(rt.registry.route("pkv_fused"), 1 << (b - 1).bit_length())
-            rows.append(dict(protocol="runtime", layers=n, cut=s, us=us, grid=grid, constants=how))
+            grid = rt._device_grid_tasks(rt.registry.route(rt.last_decision.route), 1 << (b - 1).bit_length())
+            rows.append(dict(protocol="runtime", layers=n, cut=s, us=us, grid=grid, constants=how,
+                             route=rt.last_decision.route))
             print(f"{'runtime':18s} layers {n:3d} cut {s:3d}: {us:7.2f} us/layer (grid {grid}, {how})", flush=True)
     if args.out:
         meta = results.make_meta(kind="cut-protocols", lengths=seq.tolist(), group=args.group)

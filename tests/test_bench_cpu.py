@@ -255,7 +255,7 @@ def test_calibration_times_cuts_in_the_runtimes_grid():
                                                     base=base, resident=2, max_waves=3)
     assert grid(8, 4) == 3 * 2 * 132            # G 8 B8: 792 slots, whatever the cut
     assert grid(1, 4) == 4 * 64                 # one row: every KV head at 64 splits
-    assert grid(3, 8) == grid(4, 8) == 3 * 2 * 132   # 3 rows replay the 4-row graph
+    assert grid(3, 4) == grid(4, 4) == 3 * 2 * 132   # 3 rows replay the 4-row graph (unpadded: 4*3*64 = 768)
     wq = load_routes(None).route("pkv_workqueue").splits
     assert calibrate.runtime_grid(1, num_kv_heads=8, splits=wq, base=base, resident=2,
                                   max_waves=3) == 8 * wq.candidates()[-1]

@@ -362,10 +362,12 @@ def test_memo_routes_agree_with_exact_decisions_on_traces(family, b, timed):
         pkv = b if a.route == "flashinfer" else a
         margin = exact.registry.margin_for(exact.registry.route(pkv.route), len(s.seq_lens))
         ratio = a.predicted_us["flashinfer"] / a.predicted_us[pkv.route]
+        flips.append(s.index)
         return "flashinfer" in (a.route, b.route) and margin is not None and abs(ratio / margin - 1) <= 0.005
+    flips = []
     same = sum(agree(s) for s in steps)
     assert memo.memo_hits > len(steps) // 2
-    assert same == len(steps)
+    assert same == len(steps) and len(flips) <= len(steps) // 50   # at most 2 % on the boundary
 
 
 def test_memo_size_validated():
@@ -408,7 +410,8 @@ def test_a_time_model_calibration_predicts_every_route_with_it(tmp_path, seq, gr
 
 
 @pytest.mark.parametrize("seq, route, speedup", [
-    (B1, "pkv_workqueue", 1.198),                 # measured (calibrate-sweeps.json): 37.8 vs 44.2 us (1.17x)
+    (B1, "pkv_workqueue", 1.198),                 # measured (calibrate-sweeps.json): 37.8 vs 44.2 us (1.17x;
+                                                  # FlashInfer's faster path on the step, its B1-32K sweep 44.0)
     (np.array([131072], dtype=np.int32), "pkv_workqueue", 1.053),   # measured 129.9 vs 138.5 us (1.07x)
     (np.full(8, 32768, dtype=np.int32), "flashinfer", 1.0),     # predicted 1.021x, under the margin
 ])

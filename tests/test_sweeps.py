@@ -389,7 +389,7 @@ def fake_gpu(monkeypatch, fp8_rows):
     calls = []
 
     def time_steps(args, reg, base, *, kv_dtype, repeats, t_start, max_waves):
-        calls.append((kv_dtype, base))
+        calls.append((kv_dtype, base, max_waves))
         timed = sweeps.read_rows(fp8_rows, kv_dtype=kv_dtype)
         fit_recs = [dict(case=t.case, route="bucket", rows=1, context=int(t.seq.max()), splits=s, us=us,
                          kv_bytes=int(t.seq.sum()) * 2048, ctas=8 * s) for t in timed if t.kind == "bucket"
@@ -414,7 +414,8 @@ def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, cap
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert f"wrote {out} (its by_kv_dtype.float8_e4m3fn section" in text and "G 4 pkv_fused: max |error|" in text
-    (kv, base), = fake_gpu
+    (kv, base, waves), = fake_gpu
+    assert waves == CAL.splits.max_waves    # the cuts are timed in the grid of the file's max_waves
     assert kv == FP8 and base.time_model == () and base.by_kv_dtype == () and base.beta_gbps == CAL.beta_gbps
     assert base.l2_bytes == 50 * 2**20      # the K/V copies rotate past the device's L2
     got = load_calibration(out)
@@ -435,6 +436,7 @@ def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, cap
     assert (meta["kv_dtype"], meta["occupancy"], meta["fp8_scales"]) == (FP8, {"4": 3, "8": 3}, "unit")
     assert cli.main([*argv[:-4], "--out", str(out), "--max-waves", "2"]) == 0     # base: the --out file now
     again = dict(load_calibration(out).by_kv_dtype)[FP8]
+    assert fake_gpu[-1][2] == 2      # --max-waves sizes the grid the cuts were timed in
     assert dict(again.splits)["max_waves"] == 2 and len(load_calibration(out).by_kv_dtype) == 1
     assert load_calibration(out).splits == CAL.splits
 

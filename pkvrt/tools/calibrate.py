@@ -381,9 +381,9 @@ def runtime_grid(rows: int, *, num_kv_heads: int, splits, base: calib.Calibratio
     CTAs the partition may plan for the padded batch (``planner.device_grid_ctas`` with
     ``resident`` CTAs per SM and ``max_waves``), the slots past a step's tasks exiting at once.
     The sweeps time every cut in that grid: timed in a grid of exactly its CTAs, a cut of less
-    than one wave ran up to 30 % faster than the Runtime runs it (G = 8, 124 CTAs: 46.8 vs 61.1
-    us per layer, ``benches/cut_protocols.py``), and the fit chose such cuts (benches/NOTES.md,
-    "Session 11")."""
+    than one wave ran up to 35 % faster than the Runtime runs it (G = 8, an eight-row step cut at
+    12: 128 CTAs, 46.8 vs 61.1 us per layer; 124 CTAs: 48.7 vs 65.6; ``benches/cut_protocols.py``),
+    and the fit chose such cuts (benches/NOTES.md, "Session 11")."""
     from pkvrt.policy import planner
     from pkvrt.runtime.graphs import padded_batch
 
@@ -824,7 +824,8 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict], dict]:
         f"splits.workqueue_ctas_per_sm: the {family} kernel's occupancy (driver query, "
         f"{fitted[4]['workqueue_ctas_per_sm']:g} CTAs per SM); co_resident_slowdown / "
         f"cta_overhead_tiles / min_split_tokens: fit_partition over {len(partition_cases[4])} sweeps "
-        f"({_routes_text(partition_cases[4])}, timed at every cut of the balanced partition; the "
+        f"({_routes_text(partition_cases[4])}, timed at every cut of the balanced partition in the grid the Runtime launches, "
+        f"max_waves {max_waves}; the "
         f"middle of the best-scoring plateau) at G = 4 (H_q 32, H_kv 8); splits.by_group: the same fit at "
         f"G = {', '.join(str(g) for g in by_group) or '(none)'} (H_kv = 32 / G). Regret of the "
         f"fitted rule (its pick over the fastest cut): " + _regret_text(regrets) + ". "
@@ -895,7 +896,8 @@ def measure_kv_dtype(args, base: calib.Calibration, kv_dtype: str) -> tuple[cali
         f"{'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)}; splits.workqueue_ctas_per_sm: the "
         f"{dp_route.kernel} e4m3 kernel's occupancy (driver query, {resident[4]} CTAs per SM at G 4); "
         f"co_resident_slowdown / cta_overhead_tiles / min_split_tokens: fit_partition over "
-        f"{len(partition_cases[4])} sweeps ({_routes_text(partition_cases[4])}) timed at every cut at G = 4"
+        f"{len(partition_cases[4])} sweeps ({_routes_text(partition_cases[4])}) timed at every cut, in the "
+        f"grid the Runtime launches (max_waves {max_waves}), at G = 4"
         f"{f'; splits.by_group: the same at G = {others}' if others else ''}. Regret of the fitted rule: "
         f"{_regret_text(regrets)}. Not measured with {kv_dtype} caches, so the file's: beta_gbps, "
         f"lambda_us, lambda_graph_us, c_min, flashinfer.ctas_per_sm and time_model.flashinfer "

@@ -366,7 +366,7 @@ def _roofline_us(t: Timed, route, cal, shape) -> float:
 
 def format_errors(rows: list[ErrorRow]) -> str:
     """The error table (one line per route kind, step and G) and a worst-error line per G and
-    route: ``G 4 pkv_fused: max |error| 3.8 % over 10 steps (roofline 18.2 %)``."""
+    route: ``G 4 pkv_fused: max |error| 3.8 % over 11 steps (roofline 18.2 %)``."""
     from pkvrt.tools.calibrate import format_rows
 
     def pct(x):
