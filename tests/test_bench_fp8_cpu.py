@@ -173,20 +173,42 @@ def attention(q, k, v, seq, bt, ks, vs, p_fp8=False):
     return out
 
 
+class VirtualClock(harness.HostClock):
+    """HostClock plus virtual seconds: a fake path's delay advances ``offset`` instead of
+    sleeping, so which path the baseline probe finds fastest does not depend on how busy the CPU
+    is (a real 50 ms sleep per plan lost to CPU noise twice in session 11, the XQA-like path's
+    Python loop being the slowest to compute)."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def start(self, cover_us: float):
+        return time.perf_counter(), self.offset
+
+    def stop(self, token) -> float:
+        t0, offset = token
+        return (time.perf_counter() - t0 + self.offset - offset) * 1e6
+
+
 class FakeFlashInfer(fi_engines._Counters):
     """A FlashInfer path as the harness drives one: its scales are the workload's host floats
     (``fi_engines.kv_format``), the layer's scale tensors it is handed are not read. ``p_fp8``:
     XQA-like rounding of P (beyond the fp16 tolerance on short rows, inside the FP8 bound);
-    ``v_scale_lost``: forgets V's scale (wrong); ``delay_s``: a slower path."""
+    ``v_scale_lost``: forgets V's scale (wrong); ``delay_s``: a slower path (virtual seconds on
+    ``clock``, a :class:`VirtualClock`; slept without one)."""
 
-    def __init__(self, label, wl, *, p_fp8=False, v_scale_lost=False, delay_s=0.0):
+    def __init__(self, label, wl, *, p_fp8=False, v_scale_lost=False, delay_s=0.0, clock=None):
         self.label, self.wl, self.shape = label, wl, wl.shape
         self.kv_dtype, self.scales = fi_engines.kv_format(wl)
         self.p_fp8, self.v_scale_lost, self.delay_s = p_fp8, v_scale_lost, delay_s
+        self.clock = clock
         self.calls = []
 
     def plan(self, step):
-        time.sleep(self.delay_s)
+        if self.clock is not None:
+            self.clock.offset += self.delay_s
+        else:
+            time.sleep(self.delay_s)
         self._last_info = step.seq_lens
         self.seq = torch.from_numpy(step.seq_lens.astype(np.int32))
         self.bt = torch.from_numpy(self.wl.layout.block_table(step.rids))
@@ -205,11 +227,12 @@ def _run(config, *, fast="flashinfer-xqa", fi_kwargs=None):
     """run_seed on the fake device: the real pkvrt engines of ``bench.engine_factory``, FlashInfer
     stand-ins (cuDNN refuses FP8 K/V as FlashInfer 0.7.2 does; every path but ``fast`` slower)."""
     made, fi_kwargs = {}, fi_kwargs or {}
+    clock = VirtualClock()
 
     def flashinfer(name, wl, *, max_active):
         if name == "flashinfer-cudnn" and wl.fp8:
             raise NotImplementedError(CUDNN_FP8)
-        made[name] = FakeFlashInfer(name, wl, delay_s=0.0 if name == fast else 0.05,
+        made[name] = FakeFlashInfer(name, wl, delay_s=0.0 if name == fast else 1.0, clock=clock,
                                     **fi_kwargs.get(name, {}))
         return made[name]
 
@@ -220,7 +243,7 @@ def _run(config, *, fast="flashinfer-xqa", fi_kwargs=None):
         made[name] = made.get(name) or factory(name, wl, fi_route)
         return made[name]
     logs = []
-    rows, steps, info = harness.run_seed(config, 11, _trace(), make_engine, clock=harness.HostClock(),
+    rows, steps, info = harness.run_seed(config, 11, _trace(), make_engine, clock=clock,
                                          device="cpu", budget_bytes=2**30, log=logs.append)
     return rows, steps, info, made, logs
 
