@@ -71,8 +71,7 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
     q, out = wl.q[:b], torch.empty((b, hq, d), dtype=wl.q.dtype, device="cuda")
     tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
     n = tasks.shape[0]
-    if grid is not None and grid > n:
-        tasks = torch.cat([tasks, tasks.new_zeros((grid - n, 5))])
+    tasks = calibrate.padded_tasks(tasks, grid)
     counters = torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
     traces = [torch.zeros((tasks.shape[0], 3), dtype=torch.int64, device="cuda") for _ in range(layers)]
 
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
     from pkvrt.policy import planner
     from pkvrt.policy.registry import load_routes
     from pkvrt.measure import results
-    from pkvrt.runtime import Runtime
+    from pkvrt.runtime import Runtime, graphs
     from pkvrt.tools import calibrate
 
     seq = np.array([int(x) for x in args.lengths.split(",")], dtype=np.int64)
@@ -141,8 +140,9 @@ def main(argv=None) -> int:
     step, bt, dseq = calibrate._device_tables(wl)
     route = load_routes(None).route("pkv_fused")
     # the grid the Runtime launches for this batch (the most CTAs the partition may plan)
-    runtime_grid = planner.device_grid_ctas(1 << (len(seq) - 1).bit_length(), num_kv_heads=hkv,
-                                            splits=route.splits, cal=cal)
+    runtime_grid = calibrate.runtime_grid(len(seq), num_kv_heads=hkv, splits=route.splits, base=cal,
+                                          resident=planner.PartitionModel.of(cal).resident,
+                                          max_waves=cal.splits.max_waves)
     rows = []
     for n in layers:
         calibrate.LAYERS = n
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
 
             us = harness.median_us(body, n, args.repeats)
             calibrate._checked(f"runtime cut {s}", out, ref)
-            grid = rt._device_grid_tasks(rt.registry.route(rt.last_decision.route), 1 << (b - 1).bit_length())
+            grid = rt._device_grid_tasks(rt.registry.route(rt.last_decision.route), graphs.padded_batch(b))
             rows.append(dict(protocol="runtime", layers=n, cut=s, us=us, grid=grid, constants=how,
                              route=rt.last_decision.route))
             print(f"{'runtime':18s} layers {n:3d} cut {s:3d}: {us:7.2f} us/layer (grid {grid}, {how})", flush=True)

@@ -261,6 +261,10 @@ def test_calibration_times_cuts_in_the_runtimes_grid():
                                   max_waves=3) == 8 * wq.candidates()[-1]
     full = attrs.evolve(base, splits=calibration.SplitPoints(1.0, 2.0, 32, max_waves=3))
     assert grid(8, 4) == planner.device_grid_ctas(8, num_kv_heads=4, splits=fused, cal=full)
+    tasks = torch.arange(15, dtype=torch.int32).view(3, 5)   # the slots past the plan's 3 tasks: zeros
+    padded = calibrate.padded_tasks(tasks, 8)
+    assert padded.shape == (8, 5) and torch.equal(padded[:3], tasks) and not padded[3:].any()
+    assert calibrate.padded_tasks(tasks, None) is tasks and calibrate.padded_tasks(tasks, 2) is tasks
 
 
 @pytest.mark.parametrize("quick, expected", [(True, (4, 20, 36, 52, 64)),

@@ -328,8 +328,7 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False, grid: int |
     b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
     tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
-    if grid is not None and grid > tasks.shape[0]:
-        tasks = torch.cat([tasks, tasks.new_zeros((grid - tasks.shape[0], 5))])
+    tasks = padded_tasks(tasks, grid)
     counters = (torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
                 if fused else None)
 
@@ -373,6 +372,17 @@ def time_flashinfer(wl, tensor_cores: bool, ref, repeats: int) -> float:
     us = harness.median_us(fn, wl.copies, repeats)
     _checked(f"flashinfer{'-tc' if tensor_cores else '-cuda'} B{b}", out, ref)
     return us
+
+
+def padded_tasks(tasks, grid: int | None):
+    """``tasks`` [T, 5] (``ops.workqueue_tensors``) grown with zero rows to ``grid`` slots (the
+    decode launches one CTA per row; ``num_tasks`` stays T, so the added ones exit at once);
+    unchanged when ``grid`` is None or not larger."""
+    import torch
+
+    if grid is None or grid <= tasks.shape[0]:
+        return tasks
+    return torch.cat([tasks, tasks.new_zeros((grid - tasks.shape[0], 5))])
 
 
 def runtime_grid(rows: int, *, num_kv_heads: int, splits, base: calib.Calibration, resident: int,
@@ -682,6 +692,8 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
     flashinfer = kv_dtype in calib.TOP_KV_DTYPES
     raw, fit_recs = [], []
     partition_cases: dict[int, dict] = {g: {} for g in args.groups}
+    # the device-planning kernel's occupancy per G: the Runtime's grid (runtime_grid) is sized by it
+    resident = {g: decode_occupancy(dp_route.kernel, g, kv_dtype) for g in args.groups}
     for case, kind, seq in calibration_steps():
         kv = int(seq.sum()) * kv_tok
         if kind == "bucket":
@@ -703,10 +715,9 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
             name = case if g == 4 else f"{case}-G{g}"
             wl = _workload(seq, l2, group_shape(g), kv_dtype)   # one workload and reference for every engine
             ref = _reference(wl)
-            resident = decode_occupancy(dp_route.kernel, g, kv_dtype)
             for route in partition_routes:
                 grid = runtime_grid(len(seq), num_kv_heads=group_shape(g)["num_kv_heads"], splits=route.splits,
-                                    base=base, resident=resident, max_waves=max_waves)
+                                    base=base, resident=resident[g], max_waves=max_waves)
                 records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick, grid=grid)
                 best = min(records, key=lambda r: r["us"])
                 print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "
