@@ -7,7 +7,8 @@
 # the set over two device calls). Results are written under
 # /tmp/engine-r and OUT/engine.tgz is rewritten after every trace (one file: the device tool
 # returns at most 8), so a call that runs out of time still returns what finished.
-# usage: [KV_DTYPE=fp8 [FP8_SCALES=amax]] [CALIBRATION=FILE] bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
+# usage: [KV_DTYPE=fp8 [FP8_SCALES=amax]] [CALIBRATION=FILE] [ROUTES=FILE] bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
+#   ROUTES: a routes.toml instead of the shipped one (an ablation, e.g. grid = "slots")
 #   CALIBRATION: a calibration JSON instead of the GPU's own (an experiment, e.g.
 #   benches/results/h200/exploration/partition-P/calibration-P.json)
 #   quick  one held-out seed of bimodal B8, bucketed B1 and the Azure conversation trace
@@ -38,7 +39,7 @@ serve() {  # name max_active limit_s seeds extra-args...
   if [ -n "$sfx" ]; then limit=$((limit * 3 / 2 + jit)); jit=0; fi
   echo "== $name B$b seeds $seeds $kv ($(date +%T), limit ${limit}s)"
   timeout $limit python3 -m pkvrt bench serving --max-active $b --steps-limit 16 --check-steps 2 \
-    --engine-layers 32 --engines $engines --seeds $seeds $kvargs ${CALIBRATION:+--calibration $CALIBRATION} "$@" \
+    --engine-layers 32 --engines $engines --seeds $seeds $kvargs ${CALIBRATION:+--calibration $CALIBRATION} ${ROUTES:+--routes $ROUTES} "$@" \
     --out $r/$f.json > $r/$f.log 2>&1
   echo "   rc=$?"; grep -E "pkvrt-|flashinfer-|Error|error" $r/$f.log | grep -v "^  baseline" | tail -9
   tar czf $out/engine$sfx.tgz -C $r .
