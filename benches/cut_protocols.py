@@ -4,26 +4,20 @@ Why: session 11's recalibration (a one-long-row step added) fitted G = 8 constan
 calibration sweeps scored within 1 % of the best, yet the 32-layer engine protocol ran them at
 0.87x FlashInfer against 1.06x for the shipped ones: the two protocols rank the same cuts of
 the same step class differently (benches/NOTES.md, "Session 11"). This times one step at a few
-cuts several ways, so the difference can be localized:
+cuts three ways, so the difference can be localized:
 
 - ``exact``: ``pkvrt.tools.calibrate.time_workqueue`` (the fused route, a host plan at the
   cut) in a grid of exactly its CTAs, ``--layers`` calls back to back in one graph (calibrate's
   LAYERS is 8): how ``pkvrt calibrate`` timed cuts before session 11 (the session-11 result
   files call this protocol "calibrate");
-- ``padded``: the same with one CTA per task slot of the padded batch (routes.toml
-  ``grid = "slots-tasks-first"``, the Runtime's grid of sessions 1-11;
-  ``planner.device_grid_ctas``), the slots past the plan's tasks exiting at once; ``padded-no-early-kv``: and no layer's K/V copies
-  start before the previous layer ends;
-- ``resident``: the same slots, launched as at most one resident wave of CTAs looping over the
-  tasks (``grid = "resident"``, ``planner.decode_launch``);
-- ``padded-empties-first``: the padded grid with the CTAs past the tasks first when the step
-  has at most one CTA per SM (``grid = "slots"``, ``ops.workqueue_decode(lead_empties_max=)``):
-  the next layer's empty CTAs then exit through the free slots before its working CTAs need them;
-- ``runtime-slots-tasks-first`` / ``runtime-slots``: ``pkvrt.Runtime(device_planning=True,
-  use_cuda_graph=False)`` captured as the engine protocol's step graph (plan + ``layers`` runs): the planning kernel, and a decode grid
+- ``padded``: the same with the grid the Runtime launches for the batch (how ``pkvrt
+  calibrate`` times cuts now)
+  (``planner.device_grid_ctas``), the slots past the plan's tasks exiting at once;
+  ``padded-no-early-kv``: and no layer's K/V copies start before the previous layer ends;
+- ``runtime``: ``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` captured as the
+  engine protocol's step graph (plan + ``layers`` runs): the planning kernel, and a decode grid
   sized for the most CTAs the partition may plan, the slots past the step's tasks exiting at
-  once (after or before the working CTAs, per the name). The cut is forced by a routes.toml copy
-  whose fused route allows that one split count
+  once. The cut is forced by a routes.toml copy whose fused route allows that one split count
   (which also caps the grid at every row at that count: ``grid`` in the output) and by forcing
   ``pkv_fused`` (routes.toml runs one-row steps on pkv_workqueue: the session-11 B1 rows of
   ``g4-b1-8k-trace.json`` ran that route at cut 32 whatever the "forced" cut says). With
@@ -48,26 +42,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def routes_forcing(cut: int | None, grid: str = "slots") -> pathlib.Path:
-    """A copy of routes.toml whose pkv_fused allows only ``cut`` splits per row (None: as
-    shipped) and whose workqueue and fused routes launch ``grid``."""
-    new = (ROOT / "routes.toml").read_text()
-    if cut is not None:
-        new, n = re.subn(r"(\[routes\.pkv_fused\.splits\]\s*\nmin = )1(\s*\nmax = )64",
-                         rf"\g<1>{cut}\g<2>{cut}", new)
-        if n != 1:
-            raise SystemExit("routes.toml: [routes.pkv_fused.splits] min = 1 / max = 64 not found")
-    new, n = re.subn(r'(kernel = "(?:fused|workqueue)_decode"\n)', rf'\g<1>grid = "{grid}"\n', new)
-    if n != 2:
-        raise SystemExit("routes.toml: the fused and workqueue routes' kernel lines not found")
+def routes_forcing(cut: int) -> pathlib.Path:
+    """A copy of routes.toml whose pkv_fused allows only ``cut`` splits per row."""
+    text = (ROOT / "routes.toml").read_text()
+    new, n = re.subn(r"(\[routes\.pkv_fused\.splits\]\s*\nmin = )1(\s*\nmax = )64",
+                     rf"\g<1>{cut}\g<2>{cut}", text)
+    if n != 1:
+        raise SystemExit("routes.toml: [routes.pkv_fused.splits] min = 1 / max = 64 not found")
     path = pathlib.Path(tempfile.mkdtemp()) / "routes.toml"
     path.write_text(new)
     return path
 
 
 def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
-    """One graph replay of ``layers`` fused-decode calls of ``plan`` (grid: a
-    ``planner.DecodeLaunch``, None = one CTA per task),
+    """One graph replay of ``layers`` fused-decode calls of ``plan`` (grid: None = its tasks),
     each layer writing its own trace buffer; per layer 1.. (layer 0 has no predecessor) the
     working CTAs' durations (done - past the PDL wait, µs) and the spread of their wait-return
     times; medians
@@ -82,9 +70,8 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
     b, hq, d = len(step.rids), wl.shape.num_qo_heads, wl.shape.head_dim
     q, out = wl.q[:b], torch.empty((b, hq, d), dtype=wl.q.dtype, device="cuda")
     tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=d)
-    tasks = calibrate.padded_tasks(tasks, grid and grid.slots)
-    ctas = grid and grid.ctas
-    n = min(ctas or tasks.shape[0], num_tasks := int(num.item()))   # the CTAs that ran tasks
+    n = tasks.shape[0]
+    tasks = calibrate.padded_tasks(tasks, grid)
     counters = torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
     traces = [torch.zeros((tasks.shape[0], 3), dtype=torch.int64, device="cuda") for _ in range(layers)]
 
@@ -92,25 +79,21 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
         for i in range(layers):
             c = i % wl.copies
             ops.workqueue_decode(q, wl.k[c], wl.v[c], seq, bt, tasks, num, offsets, out, part_a, part_ml,
-                                 counters=counters, early_kv=i > 0, trace=traces[i], grid_ctas=ctas,
-                                 lead_empties_max=grid.lead_empties_max if grid else 0, **wl.scales(0))
+                                 counters=counters, early_kv=i > 0, trace=traces[i], **wl.scales(0))
 
     harness.median_us(fn, layers, 3)   # captures, replays: the last replay's marks stay
     torch.cuda.synchronize()
     stats = {"span_us": [], "dur_median_us": [], "dur_p90_us": [], "dur_max_us": [], "start_spread_us": [],
              "slow_fraction": []}
     for t in traces[1:]:
-        m = t.cpu().numpy().astype(np.float64)
-        m = m[m[:, 2] > 0]   # the CTAs that ran tasks (first, or last with ``lead``), in task order
+        m = t[:n].cpu().numpy().astype(np.float64)
         dur = (m[:, 2] - m[:, 1]) / 1e3   # done - past the PDL wait: the CTA's own work
         stats["span_us"].append((m[:, 2].max() - m[:, 1].min()) / 1e3)
         stats["dur_median_us"].append(float(np.median(dur)))
         stats["dur_p90_us"].append(float(np.percentile(dur, 90)))
         stats["dur_max_us"].append(float(dur.max()))
         # the long row's CTAs have equal chunks: among them, a CTA sharing its SM runs longer
-        # (one task per CTA only: a looping CTA's marks span its tasks)
-        rows_of = plan.tasks[:n, 0]
-        long = dur[rows_of == int(np.argmax(np.bincount(rows_of)))] if n == num_tasks else dur
+        long = dur[plan.tasks[:, 0] == int(np.argmax(np.bincount(plan.tasks[:, 0])))]
         stats["slow_fraction"].append(float((long > 1.3 * np.median(long)).mean()))
         stats["start_spread_us"].append((m[:, 1].max() - m[:, 1].min()) / 1e3)
     return {k: float(np.median(v)) for k, v in stats.items()}
@@ -156,12 +139,10 @@ def main(argv=None) -> int:
     ref = calibrate._reference(wl)
     step, bt, dseq = calibrate._device_tables(wl)
     route = load_routes(None).route("pkv_fused")
-    # the Runtime's task slots for this batch (the most CTAs the partition may plan) and the
-    # CTAs it launches over them: one per slot, or one resident wave looping
-    grids = {g: calibrate.runtime_grid(len(seq), num_kv_heads=hkv, splits=route.splits, base=cal,
-                                       resident=planner.PartitionModel.of(cal).resident,
-                                       max_waves=cal.splits.max_waves, grid=g)
-             for g in ("slots", "slots-tasks-first", "resident")}
+    # the grid the Runtime launches for this batch (the most CTAs the partition may plan)
+    runtime_grid = calibrate.runtime_grid(len(seq), num_kv_heads=hkv, splits=route.splits, base=cal,
+                                          resident=planner.PartitionModel.of(cal).resident,
+                                          max_waves=cal.splits.max_waves)
     rows = []
     for n in layers:
         calibrate.LAYERS = n
@@ -170,43 +151,36 @@ def main(argv=None) -> int:
                                           dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=cal,
                                           longest_splits=s)
             ctas = plan.counters.decode_ctas
-            for proto, grid, early in (("exact", None, True), ("padded", grids["slots-tasks-first"], True),
-                                       ("padded-no-early-kv", grids["slots-tasks-first"], False),
-                                       ("resident", grids["resident"], True),
-                                       ("padded-empties-first", grids["slots"], True)):
-                slots, launched = (grid.slots, grid.ctas) if grid else (ctas, ctas)
-                us = calibrate.time_workqueue(wl, plan, ref, args.repeats, fused=True, grid=slots,
-                                              early_kv=early, grid_ctas=launched,
-                                              lead_empties_max=grid.lead_empties_max if grid else 0)
+            for proto, grid, early in (("exact", None, True), ("padded", runtime_grid, True),
+                                       ("padded-no-early-kv", runtime_grid, False)):
+                us = calibrate.time_workqueue(wl, plan, ref, args.repeats, fused=True, grid=grid,
+                                              early_kv=early)
                 rows.append(dict(protocol=proto, layers=max(n, wl.copies), cut=s, us=us, ctas=ctas,
-                                 grid=slots, launched=launched))
+                                 grid=grid or ctas))
                 print(f"{proto:18s} layers {rows[-1]['layers']:3d} cut {s:3d}: {us:7.2f} us/layer "
-                      f"({ctas} tasks, {slots} slots, {launched} CTAs)", flush=True)
+                      f"({ctas} CTAs, grid {grid or ctas})", flush=True)
     if args.trace:
         for s in cuts:
             plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
                                           dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=cal,
                                           longest_splits=s)
-            for proto, grid in (("exact", None), ("padded", grids["slots-tasks-first"]),
-                                ("resident", grids["resident"]), ("empties-first", grids["slots"])):
+            for proto, grid in (("exact", None), ("padded", runtime_grid)):
                 r = trace_layers(wl, plan, grid)
-                rows.append(dict(protocol=f"trace-{proto}", cut=s,
-                                 grid=[grid.slots, grid.ctas] if grid else [plan.counters.decode_ctas] * 2, **r))
+                rows.append(dict(protocol=f"trace-{proto}", cut=s, grid=grid or plan.counters.decode_ctas, **r))
                 print(f"trace {proto:9s} cut {s:3d}: layer span {r['span_us']:6.2f} us, CTA duration "
                       f"median {r['dur_median_us']:6.2f} p90 {r['dur_p90_us']:6.2f} max {r['dur_max_us']:6.2f}, "
                       f"start spread {r['start_spread_us']:6.2f} us, long row's CTAs > 1.3x their median "
                       f"{100 * r['slow_fraction']:.0f} %", flush=True)
     b = len(seq)
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
-    configs = [(s, routes_forcing(s, g), file_cal, "forced", g) for s in cuts
-               for g in ("slots-tasks-first", "slots")]   # + force="pkv_fused" below
+    configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]   # + force="pkv_fused" below
     for path in filter(None, args.calibrations.split(",")):
         c = calib.load_calibration(pathlib.Path(path))
         s = planner.balanced_partition(seq, num_kv_heads=hkv, splits=route.splits,
                                        cal=c.for_group(args.group)).longest_splits
-        configs += [(s, routes_forcing(None, g), c, path, g) for g in ("slots-tasks-first", "slots")]
+        configs.append((s, None, c, path))
     for n in layers:
-        for s, routes, c, how, gname in configs:
+        for s, routes, c, how in configs:
             rt = Runtime(hq, hkv, d, wl.shape.page_size, wl.shape.torch_dtype, routes=routes,
                          calibration=c, max_batch=b, max_pages_per_row=wl.layout.max_pages,
                          use_cuda_graph=False, validate=False, device_planning=True,
@@ -221,10 +195,9 @@ def main(argv=None) -> int:
             us = harness.median_us(body, n, args.repeats)
             calibrate._checked(f"runtime cut {s}", out, ref)
             grid = rt._device_grid_tasks(rt.registry.route(rt.last_decision.route), graphs.padded_batch(b))
-            rows.append(dict(protocol=f"runtime-{gname}", layers=n, cut=s, us=us, grid=grid, constants=how,
+            rows.append(dict(protocol="runtime", layers=n, cut=s, us=us, grid=grid, constants=how,
                              route=rt.last_decision.route))
-            print(f"{'runtime-' + gname:18s} layers {n:3d} cut {s:3d}: {us:7.2f} us/layer (slots {grid}, "
-                  f"{how})", flush=True)
+            print(f"{'runtime':18s} layers {n:3d} cut {s:3d}: {us:7.2f} us/layer (grid {grid}, {how})", flush=True)
     if args.out:
         meta = results.make_meta(kind="cut-protocols", lengths=seq.tolist(), group=args.group)
         results.write_results(args.out, meta, rows)

@@ -146,8 +146,6 @@ struct DecodeParams {
   const float* v_scale;       // [1] or [H_kv]
   int k_scale_per_head;       // e4m3: 1 = k_scale indexed by KV head ([H_kv]), 0 = one scale ([1])
   int v_scale_per_head;       // same for v_scale
-  int lead_empties_max;       // workqueue: with 0 < *num_tasks <= this and more CTAs than tasks,
-                              // the CTAs past the tasks come first (workqueue_task.cuh)
 };
 
 // ---- element types -------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 // (workqueue_task.cuh with kTailMerge): the last CTA of each multi-split (row, KV head) merges
 // its G heads in-kernel, so no merge launch follows.
 //
-// Grid:  as workqueue_decode.cu (CTA c runs tasks c, c + gridDim.x, ... below *num_tasks).
+// Grid:  blockIdx.x = task; tasks at or beyond *num_tasks exit at once.
 // Block: 128 threads; dynamic shared memory pkv::smem_bytes<D, G, KV>() (K/V: T or e4m3).
 // Layout: counters [B, H_kv] int32, all zero before the launch (and left zero after it).
 // Bytes: K/V as workqueue_decode; plus, per multi-split row, the partial states once written

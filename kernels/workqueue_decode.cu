@@ -1,12 +1,11 @@
 // workqueue_decode.cu — PersistentKV compact workqueue decode (a merge launch follows).
 //
-// CTAs over the tasks of a compact list built by the planner (pkvrt/policy/planner.py,
+// One CTA per task of a compact list built by the planner (pkvrt/policy/planner.py,
 // kernels/plan_workqueue.cu): task = (row, kvh, split, tok_begin, tok_end), only non-empty
 // ranges exist, so a ragged batch runs as one launch with row-local split counts and no empty
 // split CTAs. The task body is workqueue_task.cuh.
 //
-// Grid:  CTA c runs tasks c, c + gridDim.x, ... below *num_tasks (workqueue_task.cuh): the task
-//        capacity (CTAs past the tasks exit at once) or fewer (one resident wave looping).
+// Grid:  blockIdx.x = task (0..task_capacity-1); tasks at or beyond *num_tasks exit at once.
 // Block: 128 threads; dynamic shared memory pkv::smem_bytes<D, G, KV>() (K/V: T or e4m3).
 // Layout: tasks [capacity, 5] int32; split_offsets [B+1] int32; the state of (row, split) goes
 //        to slot split_offsets[row] + split. A row with a single split writes O directly and

@@ -5,11 +5,8 @@
 // differ only in the tail and measure the same decode (benches/NOTES.md, "Merge in the tail").
 //
 // Types: q and out T; K/V KV (T, or e4m3 with the scales in DecodeParams, decode_common.cuh).
-// Task = (row, kvh, split, tok_begin, tok_end) from the planner. CTA c runs tasks c, c + grid,
-// ... below *num_tasks: a grid of the task capacity runs one task per CTA, the CTAs past the
-// step's tasks exiting at once (a captured graph is replayed with fewer tasks; the Runtime's
-// default, routes.toml `grid = "slots"`); a grid of one resident wave (`grid = "resident"`, an
-// ablation) has no CTA waiting for a slot, and its CTAs run tasks c, c + grid, ... in turn. The state
+// Task = (row, kvh, split, tok_begin, tok_end) from the planner; grid = task capacity, tasks at
+// or beyond *num_tasks exit at once (a captured graph is replayed with fewer tasks). The state
 // of (row, split) goes to slot split_offsets[row] + split; a row with one split writes O.
 //
 // Tail merge (kTailMerge): after its slot stores the CTA bumps the (row, kvh) completion counter
@@ -57,38 +54,22 @@ __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh,
 }
 
 template <typename T, typename KV, int D, int G, bool kTailMerge>
-__device__ __forceinline__ void run_task(const DecodeParams& p, int task, unsigned char* smem) {
+__device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
+  if (!p.early_kv) pdl_enter();  // else decode_range enters after its first copies
+  const int task = blockIdx.x;
+  if (task >= *p.num_tasks) return;
+  trace_mark(p.trace, kEnter);
+  if (!p.early_kv) trace_mark(p.trace, kWaited);
   const int* t = p.tasks + 5 * task;
   const int row = t[0], kvh = t[1], split = t[2], begin = t[3], end = t[4];
   const int first = p.split_offsets[row];
   const int nsplit = p.split_offsets[row + 1] - first;
+  extern __shared__ uint4 smem[];
   decode_range<T, KV, D, G>(p, row, kvh, begin, end, Sink{nsplit == 1 ? row : -1, first + split},
-                            smem);
+                        reinterpret_cast<unsigned char*>(smem));
   if constexpr (kTailMerge) {
     if (nsplit > 1 && arrive_last(p.counters + row * p.num_kv_heads + kvh, nsplit))
       tail_merge<T, D, G>(p, row, kvh, first, nsplit);
-  }
-}
-
-// Tasks blockIdx.x, blockIdx.x + gridDim.x, ... below *num_tasks: the grid may be smaller than
-// the task list (routes.toml `grid = "resident"`: at most one resident wave), or larger
-// (the CTAs past the tasks exit at once).
-template <typename T, typename KV, int D, int G, bool kTailMerge>
-__device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
-  if (!p.early_kv) pdl_enter();  // else decode_range enters after its first copies
-  const int num_tasks = *p.num_tasks;
-  const int grid = static_cast<int>(gridDim.x);
-  // Empties first (p.lead_empties_max): CTA grid - num_tasks + i runs task i.
-  const int lead = num_tasks <= p.lead_empties_max && num_tasks < grid ? grid - num_tasks : 0;
-  const int first = static_cast<int>(blockIdx.x) - lead;
-  if (first < 0 || first >= num_tasks) return;
-  trace_mark(p.trace, kEnter);
-  if (!p.early_kv) trace_mark(p.trace, kWaited);
-  extern __shared__ uint4 smem[];
-  unsigned char* buf = reinterpret_cast<unsigned char*>(smem);
-  for (int task = first; task < num_tasks; task += grid) {
-    if (task != first) __syncthreads();  // the last task's smem is free
-    run_task<T, KV, D, G, kTailMerge>(p, task, buf);
   }
   trace_mark(p.trace, kDone);
 }

@@ -246,28 +246,21 @@ def test_calibration_steps_use_the_calibration_seed_only():
 
 
 def test_calibration_times_cuts_in_the_runtimes_grid():
-    # the Runtime pads a device-planned step's batch to a power of two and sizes its task slots
-    # for the most CTAs the partition may plan for it: max_waves resident waves, capped by every
-    # row at the largest split count (planner.device_grid_ctas); it launches at most one resident
-    # wave over them (routes.toml grid = "resident") or one CTA per slot ("slots"); the sweeps
-    # time every cut in that launch
+    # the Runtime pads a device-planned step's batch to a power of two and launches the most
+    # CTAs the partition may plan for it: max_waves resident waves, capped by every row at the
+    # largest split count (planner.device_grid_ctas); the sweeps time every cut in that grid
     fused = load_routes(None).route("pkv_fused").splits   # 1..64
     base = _cal()
-    grid = lambda rows, hkv, how="slots": calibrate.runtime_grid(  # noqa: E731
-        rows, num_kv_heads=hkv, splits=fused, base=base, resident=2, max_waves=3, grid=how)
-    DL = planner.DecodeLaunch
-    assert grid(8, 4) == DL(3 * 2 * 132, 792, 132)    # G 8 B8: 792 slots, whatever the cut
-    assert grid(8, 4, "slots-tasks-first") == DL(792, 792, 0)
-    assert grid(8, 4, "resident") == DL(792, 2 * 132, 0)   # one resident wave of 264 CTAs
-    assert grid(1, 4) == DL(4 * 64, 4 * 64, 132)      # one row: every KV head at 64 splits
-    assert grid(3, 4) == grid(4, 4)                   # 3 rows replay the 4-row graph
+    grid = lambda rows, hkv: calibrate.runtime_grid(rows, num_kv_heads=hkv, splits=fused,  # noqa: E731
+                                                    base=base, resident=2, max_waves=3)
+    assert grid(8, 4) == 3 * 2 * 132            # G 8 B8: 792 slots, whatever the cut
+    assert grid(1, 4) == 4 * 64                 # one row: every KV head at 64 splits
+    assert grid(3, 4) == grid(4, 4) == 3 * 2 * 132   # 3 rows replay the 4-row graph (unpadded: 4*3*64 = 768)
     wq = load_routes(None).route("pkv_workqueue").splits
-    assert calibrate.runtime_grid(1, num_kv_heads=8, splits=wq, base=base, resident=2, max_waves=3,
-                                  grid="resident") == DL(8 * wq.candidates()[-1], 264, 0)
+    assert calibrate.runtime_grid(1, num_kv_heads=8, splits=wq, base=base, resident=2,
+                                  max_waves=3) == 8 * wq.candidates()[-1]
     full = attrs.evolve(base, splits=calibration.SplitPoints(1.0, 2.0, 32, max_waves=3))
-    assert grid(8, 4).slots == planner.device_grid_ctas(8, num_kv_heads=4, splits=fused, cal=full)
-    with pytest.raises(ValueError, match="grid='wave'"):
-        grid(8, 4, "wave")
+    assert grid(8, 4) == planner.device_grid_ctas(8, num_kv_heads=4, splits=fused, cal=full)
     tasks = torch.arange(15, dtype=torch.int32).view(3, 5)   # the slots past the plan's 3 tasks: zeros
     padded = calibrate.padded_tasks(tasks, 8)
     assert padded.shape == (8, 5) and torch.equal(padded[:3], tasks) and not padded[3:].any()

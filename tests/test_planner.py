@@ -396,24 +396,6 @@ def test_device_grid_bounds_the_partition():
     assert planner.device_grid_ctas(128, num_kv_heads=8, splits=WQ_BOUNDS, cal=cal) == 128 * 8
 
 
-def test_decode_launch_per_grid():
-    """planner.decode_launch: "slots" launches every slot and puts the empty CTAs first on steps of
-    at most half a resident wave; "slots-tasks-first" never; "resident" launches min(slots,
-    resident x SMs) CTAs (they loop over the tasks); anything else is refused by name."""
-    DL = planner.DecodeLaunch
-    cal = attrs.evolve(SEED, sm_count=132, splits=SplitPoints(0.97, 2.0, 64, 6.0, 1.4))
-    assert planner.decode_launch(528, grid="slots", cal=cal) == DL(528, 528, 132)
-    assert planner.decode_launch(528, grid="slots-tasks-first", cal=cal) == DL(528, 528, 0)
-    assert planner.decode_launch(528, grid="resident", cal=cal) == DL(528, 264, 0)
-    assert planner.decode_launch(100, grid="resident", cal=cal) == DL(100, 100, 0)
-    three = attrs.evolve(cal, splits=SplitPoints(0.97, 3.0, 64, 6.0, 1.4))
-    assert planner.decode_launch(528, grid="resident", cal=three).ctas == 396
-    one = attrs.evolve(cal, splits=SplitPoints(0.97, 1.0, 64, 6.0, 1.4))
-    assert planner.decode_launch(528, grid="slots", cal=one).lead_empties_max == 66
-    with pytest.raises(ValueError, match="grid='wave'"):
-        planner.decode_launch(528, grid="wave", cal=cal)
-
-
 def test_max_waves_caps_the_partition_from_the_calibration():
     """calibration splits.max_waves bounds the CTAs of a cut (here H_kv 32, three 33K rows among
     short ones, split counts 1, 4, 8, ...: one split per row at 2 waves (256 CTAs), 4 splits of

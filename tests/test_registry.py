@@ -243,12 +243,6 @@ ERRORS = [
      ['[routes.pkv_bucket] bucketing: "fuzzy" is unknown', '"exact", "coarse"']),
     ("bucketing-on-workqueue", edit('kernel = "workqueue_decode"', 'kernel = "workqueue_decode"\nbucketing = "exact"'),
      ['[routes.pkv_workqueue] bucketing: not used by kind "workqueue"']),
-    ("grid-on-bucket", edit('kernel = "split_decode"', 'kernel = "split_decode"\ngrid = "slots"'),
-     ['[routes.pkv_bucket] grid: not used by kind "bucket"']),
-    ("unknown-grid", edit('kernel = "workqueue_decode"', 'kernel = "workqueue_decode"\ngrid = "wave"'),
-     ['[routes.pkv_workqueue] grid: "wave" is unknown', '"slots", "slots-tasks-first", "resident"']),
-    ("grid-not-a-string", edit('kernel = "workqueue_decode"', 'kernel = "workqueue_decode"\ngrid = 1'),
-     ['[routes.pkv_workqueue] grid: 1 is not a string']),
     ("splits-on-baseline", edit('kind = "flashinfer"', 'kind = "flashinfer"\nsplits = {min = 1, max = 4, multiple_of = 1}'),
      ['[routes.flashinfer] splits: not used by kind "flashinfer"']),
     ("baseline-disabled", edit('kind = "flashinfer"', 'kind = "flashinfer"\nenabled = false'),
@@ -268,14 +262,6 @@ def test_each_error_names_file_table_and_key(tmp_path, text, substrings):
     assert "; expected " in msg, msg
     for s in substrings:
         assert s in msg, f"{s!r} not in {msg!r}"
-
-
-def test_grid_defaults_to_one_cta_per_slot(tmp_path):
-    assert [(r.name, r.grid) for r in SEED.routes] == [
-        ("flashinfer", "none"), ("pkv_bucket", "none"), ("pkv_workqueue", "slots"), ("pkv_fused", "slots")]
-    resident = load_routes(write(tmp_path, edit('kernel = "workqueue_decode"',
-                                                'kernel = "workqueue_decode"\ngrid = "resident"')))
-    assert resident.route("pkv_workqueue").grid == "resident"
 
 
 def test_missing_file(tmp_path):

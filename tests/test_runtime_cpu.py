@@ -576,8 +576,7 @@ class Emu:
             out[orow] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
 
     def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
-                         sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None,
-                         grid_ctas=None):   # the CTA count does not change what is computed
+                         sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None):
         ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
         self.early.append(bool(early_kv))

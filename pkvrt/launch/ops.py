@@ -43,7 +43,6 @@ class DecodeParams(ctypes.Structure):
         ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
         ("trace", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("k_scale_per_head", ctypes.c_int), ("v_scale_per_head", ctypes.c_int),
-        ("lead_empties_max", ctypes.c_int),
     ]
 
 
@@ -242,16 +241,8 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
 def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
                      counters=None, early_kv: bool = False, trace=None, *, k_scale=None,
-                     v_scale=None, grid_ctas: int | None = None, lead_empties_max: int = 0) -> None:
-    """Compact-workqueue decode; ``counters`` given = fused variant.
-
-    grid_ctas: CTAs launched, None = one per task slot (``tasks.shape[0]``); fewer loop: CTA c
-    runs tasks c, c + grid_ctas, ... below ``num_tasks`` (routes.toml ``grid = "resident"``: at
-    most one resident wave). Capped at the slots.
-
-    lead_empties_max: when the step has at most this many tasks and the grid has more CTAs,
-    the CTAs past the tasks are the grid's first (blockIdx < grid - num_tasks) and exit at once,
-    the working ones last (kernels/workqueue_task.cuh). 0: the working CTAs first.
+                     v_scale=None) -> None:
+    """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
     device (tasks at or beyond it exit); split_offsets [B+1] int32; partial slots
@@ -265,9 +256,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     block tables): the Runtime sets it for the second and later layers of a step. K/V of a row's
     last token, Q and every output are touched after the wait.
 
-    trace: None or a zeroed int64 [>= launched CTAs, 3] timeline buffer
-    (benches/layer_timeline.py); a CTA that runs several tasks marks its first entry, its
-    last wait and its last task's end.
+    trace: None or a zeroed int64 [>= capacity, 3] timeline buffer
+    (benches/layer_timeline.py).
 
     K/V in float8_e4m3fn: k_scale, v_scale as :func:`split_decode`'s.
     """
@@ -284,18 +274,10 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
     p.early_kv = int(bool(early_kv))
-    if isinstance(lead_empties_max, bool) or not isinstance(lead_empties_max, int) or lead_empties_max < 0:
-        _fail("lead_empties_max", "an int >= 0", lead_empties_max)
-    p.lead_empties_max = lead_empties_max
-    ctas = max(1, tasks.shape[0])
-    if grid_ctas is not None:
-        if isinstance(grid_ctas, bool) or not isinstance(grid_ctas, int) or grid_ctas < 1:
-            _fail("grid_ctas", "None or an int >= 1", grid_ctas)
-        ctas = min(ctas, grid_ctas)
-    p.trace = _trace(trace, ctas, q.device)
+    p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
     k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g, kv_tag),
                            decode_smem_bytes(d, g, k_cache.element_size()))
-    _driver.launch(k, (ctas, 1, 1), THREADS, p)
+    _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
 
 
 def _trace(trace, grid_ctas: int, device) -> int:

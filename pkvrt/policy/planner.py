@@ -375,40 +375,6 @@ def device_grid_ctas(gbatch: int, *, num_kv_heads: int, splits, cal: Calibration
     return int(min(per_row * c[-1], max(m.max_waves * m.wave, per_row * c[0])))
 
 
-@attrs.frozen
-class DecodeLaunch:
-    """How a workqueue/fused decode is launched over ``slots`` task slots (``ops.workqueue_decode``):
-    ``ctas`` CTAs (fewer than the slots: they loop over the tasks) and ``lead_empties_max`` (a
-    step of at most that many tasks runs on the grid's last CTAs, the empty ones first)."""
-
-    slots: int
-    ctas: int
-    lead_empties_max: int
-
-
-def decode_launch(slots: int, *, grid: str, cal: Calibration) -> DecodeLaunch:
-    """The launch of a decode over ``slots`` task slots under routes.toml ``grid``:
-
-    - "slots": one CTA per slot; a step of at most half a resident wave of tasks (one CTA per SM
-      at two resident) runs on the last CTAs, so the empty CTAs come first. In a captured step
-      the next layer's decode is launched while this one runs (PDL); with the empty CTAs last,
-      they waited for the few slots that this layer's and the next layer's working CTAs left
-      free, and a sub-wave step ran up to 17 % slower than in a grid of its own CTAs
-      (benches/NOTES.md, "Session 11"); first, they exit through the free slots before the
-      working CTAs are placed ("Session 12").
-    - "slots-tasks-first": one CTA per slot, the working CTAs always first (sessions 1-11).
-    - "resident": at most one resident wave (``PartitionModel.wave``), each CTA running tasks c,
-      c + grid, ... in turn (measured slower past one wave: "Session 12")."""
-    wave = PartitionModel.of(cal).wave
-    if grid == "slots":
-        return DecodeLaunch(int(slots), int(slots), wave // 2)
-    if grid == "slots-tasks-first":
-        return DecodeLaunch(int(slots), int(slots), 0)
-    if grid == "resident":
-        return DecodeLaunch(int(slots), int(min(slots, wave)), 0)
-    raise ValueError(f"grid={grid!r}: expected 'slots', 'slots-tasks-first' or 'resident'")
-
-
 def split_tile_range(split, num_splits, tiles):
     """Tiles ``[begin, end)`` of split ``split`` of ``num_splits`` over ``tiles`` tiles (balanced).
 

@@ -31,13 +31,8 @@ KIND_KERNELS = {"flashinfer": None, "bucket": "split_decode",
                 "workqueue": "workqueue_decode", "fused": "fused_decode"}
 DEVICE_PLANNED = ("workqueue", "fused")   # route kinds whose plans the planning kernel builds
 BUCKETINGS = ("exact", "coarse")
-# Decode grid of a workqueue/fused route (planner.decode_launch): "slots" (the default) = one CTA
-# per task slot of the padded batch, the empty ones first on sub-wave steps; "slots-tasks-first"
-# = the same with the working CTAs always first; "resident" = at most one resident wave of CTAs
-# looping over the tasks. The last two are ablations (benches/NOTES.md, "Session 12").
-GRIDS = ("slots", "slots-tasks-first", "resident")
 ROUTE_KEYS = ("kind", "kernel", "enabled", "ablation", "margin", "gates", "splits",
-              "bucketing", "coarse_lengths", "kv_dtypes", "grid")
+              "bucketing", "coarse_lengths", "kv_dtypes")
 # K/V dtype (torch's name) -> bytes per element. The K/V bytes a step reads scale with it.
 KV_DTYPES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 # kv_dtypes of a route without the key: every kernel family of pkvrt and FlashInfer's decode read
@@ -126,7 +121,6 @@ class Route:
     bucketing: str  # "exact" | "coarse" for bucket routes; "none" for the others
     coarse_lengths: tuple[int, ...]  # bucket lengths (tokens) of the coarse mode
     kv_dtypes: tuple[str, ...] = PKV_KV_DTYPES  # K/V dtypes it serves (KV_DTYPES names)
-    grid: str = "none"  # workqueue/fused: a GRIDS entry (the decode launch's CTAs); "none" otherwise
 
     def refusals(self, *, group_size: int, max_context: int, active: int,
                  kv_dtype: str = "float16") -> tuple[str, ...]:
@@ -406,8 +400,7 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
     want = KIND_KERNELS[kind]
     not_for = {"flashinfer": ("kernel", "ablation", "margin", "gates", "splits"),
                "bucket": ()}.get(kind, ())
-    for key in (not_for + (() if kind == "bucket" else ("bucketing", "coarse_lengths"))
-                + (() if kind in DEVICE_PLANNED else ("grid",))):
+    for key in not_for + (() if kind == "bucket" else ("bucketing", "coarse_lengths")):
         if key in body:
             t.fail(key, f'not used by kind "{kind}"', "no such key in this route")
     if kind == "flashinfer":
@@ -434,8 +427,7 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
                  ablation=t.boolean("ablation", False), margin=t.margin("margin", margin),
                  gates=_gates(over, gates) if over else gates,
                  splits=_splits(t.table("splits", ("min", "max", "multiple_of"))),
-                 bucketing=bucketing, coarse_lengths=coarse, kv_dtypes=_kv_dtypes(t, PKV_KV_DTYPES),
-                 grid=t.choice("grid", GRIDS, "slots") if kind in DEVICE_PLANNED else "none")
+                 bucketing=bucketing, coarse_lengths=coarse, kv_dtypes=_kv_dtypes(t, PKV_KV_DTYPES))
 
 
 def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None,

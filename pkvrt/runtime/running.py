@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from pkvrt.launch import ops
-from pkvrt.policy.planner import decode_launch
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import _Step
@@ -174,8 +173,7 @@ class Running:
                 tasks = self._arena[L.tasks:L.tasks + 5 * cap].view(cap, 5)
                 offsets = self._arena[L.split_offsets:L.split_offsets + gb + 1]
                 counters = self._counters[:gb] if st.kind == "fused" else None
-                grid = self.registry.route(st.route).grid   # routes.toml `grid`
-                st.views = (tasks, offsets, counters, decode_launch(cap, grid=grid, cal=self.calibration))
+                st.views = (tasks, offsets, counters)
         return st.views
 
     def _launch(self, st: _Step, q, k_cache, v_cache, out, scales=(None, None),
@@ -203,9 +201,8 @@ class Running:
                 if moffs is not None:
                     ops.merge(pa, pm, moffs, out, row_ids=rows)
             return
-        tasks, offsets, counters, how = views
+        tasks, offsets, counters = views
         ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
-                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv,
-                             grid_ctas=how.ctas, lead_empties_max=how.lead_empties_max, **sk)
+                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **sk)
         if st.kind == "workqueue":
             ops.merge(pa, pm, offsets, out, skip_single=True)

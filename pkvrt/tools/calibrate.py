@@ -306,14 +306,12 @@ LAYERS = 8   # back-to-back calls per timed graph of the workqueue-kind routes
 
 
 def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False, grid: int | None = None,
-                   early_kv: bool = True, grid_ctas: int | None = None, lead_empties_max: int = 0) -> float:
+                   early_kv: bool = True) -> float:
     """workqueue_decode + merge of ``plan`` (a WorkqueuePlan of ``wl``'s step), or with ``fused``
     the fused decode (merge in the tail, one launch), µs per call.
 
-    grid: the decode's task slots, at least the plan's tasks (the slots past them are empty).
-    None: exactly the plan's tasks. grid_ctas: the CTAs launched over them (``ops.workqueue_decode``;
-    None: one per slot; fewer loop over the tasks). lead_empties_max: ``ops.workqueue_decode``'s.
-    early_kv False: no layer starts its K/V copies before
+    grid: the decode grid (task slots), at least the plan's tasks; the slots past them exit at
+    once. None: exactly the plan's tasks. early_kv False: no layer starts its K/V copies before
     the previous one ends (an ablation).
 
     Timed as a step's layers run (the Runtime's device planning): at least ``LAYERS`` calls back
@@ -340,8 +338,7 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False, grid: int |
         for i in range(calls):
             k, v = wl.k[i % wl.copies], wl.v[i % wl.copies]
             ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml,
-                                 counters=counters, early_kv=early_kv and i > 0, grid_ctas=grid_ctas,
-                                 lead_empties_max=lead_empties_max, **wl.scales(0))
+                                 counters=counters, early_kv=early_kv and i > 0, **wl.scales(0))
             if not fused:
                 ops.merge(part_a, part_ml, offsets, out, skip_single=True)
     us = harness.median_us(fn, calls, repeats)
@@ -389,33 +386,31 @@ def padded_tasks(tasks, grid: int | None):
 
 
 def runtime_grid(rows: int, *, num_kv_heads: int, splits, base: calib.Calibration, resident: int,
-                 max_waves: int, grid: str = "slots"):
-    """The decode launch (``planner.DecodeLaunch``) the Runtime makes for a device-planned step of
-    ``rows`` rows: task slots for the most CTAs the partition may plan for the padded batch
-    (``planner.device_grid_ctas`` with ``resident`` CTAs per SM and ``max_waves``), launched as
-    the route's routes.toml ``grid`` says (``planner.decode_launch``). The sweeps time every cut
-    in that launch: timed in a grid of exactly its CTAs, a cut of less than one wave ran up to
-    35 % faster than the Runtime of session 11 ran it (G = 8, an eight-row step cut at 12: 128
-    CTAs, 46.8 vs 61.1 us per layer; ``benches/cut_protocols.py``), and the fit chose such cuts
-    (benches/NOTES.md, "Session 11")."""
+                 max_waves: int) -> int:
+    """The decode grid the Runtime launches for a device-planned step of ``rows`` rows: the most
+    CTAs the partition may plan for the padded batch (``planner.device_grid_ctas`` with
+    ``resident`` CTAs per SM and ``max_waves``), the slots past a step's tasks exiting at once.
+    The sweeps time every cut in that grid: timed in a grid of exactly its CTAs, a cut of less
+    than one wave ran up to 35 % faster than the Runtime runs it (G = 8, an eight-row step cut at
+    12: 128 CTAs, 46.8 vs 61.1 us per layer; 124 CTAs: 48.7 vs 65.6; ``benches/cut_protocols.py``),
+    and the fit chose such cuts (benches/NOTES.md, "Session 11")."""
     from pkvrt.policy import planner
     from pkvrt.runtime.graphs import padded_batch
 
     cal = attrs.evolve(base, splits=calib.SplitPoints(1.0, float(resident), TILE_TOKENS, max_waves=max_waves))
-    slots = planner.device_grid_ctas(padded_batch(rows), num_kv_heads=num_kv_heads, splits=splits, cal=cal)
-    return planner.decode_launch(slots, grid=grid, cal=cal)
+    return planner.device_grid_ctas(padded_batch(rows), num_kv_heads=num_kv_heads, splits=splits, cal=cal)
 
 
 def time_partition(case: str, seq, group: int, route, base: calib.Calibration, wl, ref,
-                   repeats: int, quick: bool, grid=None) -> list[dict]:
+                   repeats: int, quick: bool, grid: int | None = None) -> list[dict]:
     """Time ``route`` (a workqueue or fused route) over one step at every cut of the balanced
     partition (the longest row's allowed split counts whose chunk is at least one tile; every
     third with ``quick``), at ``group`` query heads per KV head. ``wl``, ``ref``: the step's
     workload at that shape (``_workload(seq, l2, group_shape(group))``) and its FP32 reference,
     shared with the other engines timed on the step (its K/V dtype is the sweep's). One record
     per cut: case, route, group, rows, context, splits, us, kv_bytes, ctas, launches, merge_bytes.
-    ``grid``: the decode launch every cut is timed in (a ``planner.DecodeLaunch``,
-    :func:`runtime_grid`; None: one CTA per task of each cut)."""
+    ``grid``: the decode grid every cut is launched with (:func:`runtime_grid`; None: each cut's
+    own CTAs)."""
     from pkvrt.policy import planner
 
     shape = group_shape(group)
@@ -428,8 +423,7 @@ def time_partition(case: str, seq, group: int, route, base: calib.Calibration, w
         plan = planner.plan_workqueue(seq, num_kv_heads=hkv, num_qo_heads=hq, head_dim=d,
                                       dtype_bytes=wl.kv_dtype_bytes, splits=route.splits, cal=base,
                                       longest_splits=s)
-        us = time_workqueue(wl, plan, ref, repeats, fused=fused, grid=grid and grid.slots,
-                            grid_ctas=grid and grid.ctas, lead_empties_max=grid.lead_empties_max if grid else 0)
+        us = time_workqueue(wl, plan, ref, repeats, fused=fused, grid=grid)
         out.append(dict(case=case, route=route.kind, group=group, rows=len(seq),
                         context=int(seq.max()), splits=int(s), us=float(us),
                         kv_bytes=int(seq.sum()) * 2 * hkv * d * wl.kv_dtype_bytes, ctas=plan.counters.decode_ctas,
@@ -723,7 +717,7 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
             ref = _reference(wl)
             for route in partition_routes:
                 grid = runtime_grid(len(seq), num_kv_heads=group_shape(g)["num_kv_heads"], splits=route.splits,
-                                    base=base, resident=resident[g], max_waves=max_waves, grid=route.grid)
+                                    base=base, resident=resident[g], max_waves=max_waves)
                 records = time_partition(case, seq, g, route, base, wl, ref, repeats, quick, grid=grid)
                 best = min(records, key=lambda r: r["us"])
                 print(f"  {case} G {g} {route.name}: {len(records)} cuts, fastest S = {best['splits']} "

@@ -7,16 +7,11 @@ lengths are flagged, not read."""
 
 from __future__ import annotations
 
-import re
-
-import attrs
 import torch
 
 import pytest
 from test_runtime import POOL_LENS, SHAPE, STEPS, check, pool, step_inputs  # noqa: F401
 
-from pkvrt._paths import CHECKOUT as ROOT
-from pkvrt.policy.calibration import find_calibration
 from pkvrt.runtime import Runtime, graphs
 
 pytestmark = pytest.mark.gpu
@@ -45,48 +40,6 @@ def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa:
         assert rt_dev.device_status() == 0
     if use_graphs:
         assert rt_dev.stats()["replays"] > 0
-
-
-def routes_with_grid(tmp_path, grid: str):
-    """routes.toml with ``grid = GRID`` on its workqueue and fused routes."""
-    text = (ROOT / "routes.toml").read_text()
-    text, n = re.subn(r'(kernel = "(?:fused|workqueue)_decode"\n)', rf'\g<1>grid = "{grid}"\n', text)
-    assert n == 2
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "routes.toml"
-    path.write_text(text)
-    return path
-
-
-@pytest.mark.parametrize("sms", [None, 3], ids=["h200", "3-sms"])
-@pytest.mark.parametrize("force", [None, "pkv_workqueue"])
-def test_every_grid_gives_the_same_output(pool, tmp_path, sms, force):  # noqa: F811
-    """routes.toml grid = "slots" (the default: one CTA per task slot, the empty ones first on
-    sub-wave steps), "slots-tasks-first" and "resident" (at most one resident wave of CTAs
-    looping over the tasks) give the same output bit for bit; with a calibration of 3 SMs (a
-    wave of 6 CTAs) every resident CTA runs several tasks and no step has empty CTAs first."""
-    b, caches = pool
-    cal = find_calibration(torch.cuda.get_device_name())
-    if sms is not None:
-        cal = attrs.evolve(cal, sm_count=sms)
-    kw = dict(max_batch=8, max_pages_per_row=b.block_tables.shape[1], use_cuda_graph=False,
-              device_planning=True, calibration=cal)
-    grids = ("slots", "slots-tasks-first", "resident")
-    rts = {g: Runtime(*SHAPE.values(), torch.float16, routes=None if g == "slots" else
-                      routes_with_grid(tmp_path / g, g), **kw) for g in grids}
-    for i, (rows, short) in enumerate(STEPS):
-        seq, bt, q = step_inputs(b, rows, short, seed=i)
-        outs = {}
-        for g, rt in rts.items():
-            rt.plan(dev(seq), dev(bt), force=force)
-            outs[g] = [rt.run(q, *cache, out=torch.full_like(q, float("nan"))) for cache in caches]
-            assert rt.device_status() == 0
-        for layer, cache in enumerate(caches):
-            check(outs["slots"][layer], q, cache, seq, bt, f"step {i} layer {layer}")
-            for g in grids[1:]:
-                assert torch.equal(outs["slots"][layer], outs[g][layer]), (g, i, layer)
-    for g, rt in rts.items():
-        assert rt.registry.route(rt.last_decision.route).grid == g
 
 
 @pytest.mark.parametrize("force", [None, "pkv_workqueue", "pkv_fused"])

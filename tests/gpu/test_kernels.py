@@ -41,8 +41,7 @@ def run_split(b, splits):
     return out
 
 
-def run_workqueue(b, splits, fused=False, capacity_pad=7, grid_ctas=None, early_kv=False,
-                  lead_empties_max=0):
+def run_workqueue(b, splits, fused=False, capacity_pad=7):
     hkv = b.k_cache.shape[1]
     tasks, offsets = simple_tasks(b.seq_lens.tolist(), hkv, splits)
     cap = len(tasks) + capacity_pad  # idle slots past num_tasks must exit
@@ -57,8 +56,7 @@ def run_workqueue(b, splits, fused=False, capacity_pad=7, grid_ctas=None, early_
     part_ml = torch.full((slots, b.q.shape[1], 2), float("nan"), device="cuda")
     counters = torch.zeros(b.q.shape[0], hkv, dtype=torch.int32, device="cuda") if fused else None
     ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, t, num, off, out,
-                         part_a, part_ml, counters=counters, grid_ctas=grid_ctas, early_kv=early_kv,
-                         lead_empties_max=lead_empties_max)
+                         part_a, part_ml, counters=counters)
     if not fused:
         ops.merge(part_a, part_ml, off, out, skip_single=True)
     return out, counters
@@ -87,46 +85,6 @@ def test_kernels_match_fp32_reference(shape, route):
             assert counters.sum().item() == 0  # reset for graph replay
     assert not torch.isnan(out).any(), "an output element was not written or NaN leaked in"
     assert rel_err(out, ref_out(b)) < TOL[dtype]
-
-
-@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: f"hq{s[1]}-hkv{s[2]}-d{s[3]}-p{s[4]}")
-@pytest.mark.parametrize("fused", [False, True], ids=["workqueue", "fused"])
-@pytest.mark.parametrize("ctas", [1, 5, 37])
-def test_fewer_ctas_than_tasks_loop_over_them(shape, fused, ctas):
-    # routes.toml grid = "resident": at most one resident wave of CTAs, each running tasks c,
-    # c + grid, ...; the output is the one-CTA-per-task launch's, bit for bit (every task computes
-    # the same state whichever CTA runs it; merges read the slots in order), early K/V copies
-    # of a CTA's later tasks included
-    lens, hq, hkv, d, page, dtype = shape
-    b = make_batch(lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
-                   dtype=dtype, seed=hash((tuple(lens), ctas, fused)) % 2**31)
-    one_per_task, _ = run_workqueue(b, 8, fused=fused)
-    for early_kv in (False, True):
-        out, counters = run_workqueue(b, 8, fused=fused, grid_ctas=ctas, early_kv=early_kv)
-        assert not torch.isnan(out).any(), "a task was not run"
-        assert torch.equal(out, one_per_task), (early_kv, (out - one_per_task).abs().max())
-        if counters is not None:
-            assert counters.sum().item() == 0   # reset for graph replay, looping or not
-    assert rel_err(one_per_task, ref_out(b)) < TOL[dtype]
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["workqueue", "fused"])
-def test_empty_ctas_first_run_the_same_tasks(fused):
-    # lead_empties_max: a step of at most that many tasks in a larger grid runs task i on CTA
-    # grid - num_tasks + i (the CTAs before exit at once); the output is the working-CTAs-first
-    # launch's bit for bit; above the bound the order is the default one
-    lens, hq, hkv, d, page, dtype = SHAPES[0]
-    b = make_batch(lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=dtype,
-                   seed=41 + fused)
-    ref, _ = run_workqueue(b, 8, fused=fused, capacity_pad=300)
-    for lead in (1, 10_000):   # below the step's task count (default order), above it (empties first)
-        for early_kv in (False, True):
-            out, counters = run_workqueue(b, 8, fused=fused, capacity_pad=300, early_kv=early_kv,
-                                          lead_empties_max=lead)
-            assert torch.equal(out, ref), (lead, early_kv)
-            if counters is not None:
-                assert counters.sum().item() == 0
-    assert rel_err(ref, ref_out(b)) < TOL[dtype]
 
 
 def test_all_groups_and_dims_compile_and_agree():
