@@ -1,5 +1,7 @@
 """Device time of the planning kernel (kernels/plan_workqueue.cu) with and without the page-id
-check (issue 13, item 5: target <= 1 % of a step's device time).
+check (issue 13, item 5: target <= 1 % of a step's device time), and of a whole device-lengths
+Runtime.plan() in an engine's captured step, with its inputs copied before the kernel or copied
+by the kernel itself (direct mode, session 12).
 
 For each batch (rows x tokens per row, random valid page ids), times 200 graph replays of 20
 planning launches each way with CUDA events and prints us per launch; writes JSON with --out.
@@ -14,6 +16,43 @@ import json
 import sys
 
 CASES = [(1, 1600), (1, 32768), (8, 1500), (8, 32768), (8, 131072), (64, 32768), (256, 8192)]
+
+
+def runtime_plan_us(b, width, seq, bt, num_pages, page) -> dict:
+    """Device µs per ``Runtime.plan()`` with device lengths, captured 20 times in one graph as an
+    engine captures its step (the Runtime's graphs off): ``direct`` = the planning kernel copies
+    the lengths and block-table entries itself (contiguous inputs, the default); ``copied`` =
+    two copy launches and two device-scalar fills before it (what strided inputs still get, and
+    every step before session 12)."""
+    import torch
+
+    from pkvrt.runtime import Runtime
+
+    out = {}
+    for how in ("copied", "direct"):
+        rt = Runtime(32, 8, 128, page, torch.float16, max_batch=b, max_pages_per_row=width,
+                     use_cuda_graph=False, validate=False, device_planning=True, num_pages=num_pages)
+        lens = seq if how == "direct" else torch.stack([seq, seq], 1)[:, 0]   # strided: copied
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            rt.plan(lens, bt)   # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            for _ in range(20):
+                rt.plan(lens, bt)
+        g.replay()
+        torch.cuda.synchronize()
+        assert rt.device_status() == 0, "a valid step was flagged"
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(100):
+            g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        out[how] = e0.elapsed_time(e1) * 1000 / (100 * 20)
+    return out
 
 
 def main(argv=None) -> int:
@@ -67,10 +106,13 @@ def main(argv=None) -> int:
             e1.record()
             torch.cuda.synchronize()
             times[checked] = e0.elapsed_time(e1) * 1000 / (200 * 20)
+        plan = runtime_plan_us(b, width, seq, bt, num_pages, page)
         rows_out.append(dict(rows=b, tokens=tokens, unchecked_us=round(times[False], 2),
-                             checked_us=round(times[True], 2)))
+                             checked_us=round(times[True], 2), runtime_plan_copied_us=round(plan["copied"], 2),
+                             runtime_plan_direct_us=round(plan["direct"], 2)))
         print(f"B{b:<4d} {tokens:>7d} tokens: plan {times[False]:6.2f} us, with page-id check "
-              f"{times[True]:6.2f} us", flush=True)
+              f"{times[True]:6.2f} us; Runtime.plan() in an engine's graph: inputs copied first "
+              f"{plan['copied']:6.2f} us, direct {plan['direct']:6.2f} us", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": results.environment(), "rows": rows_out}, f, indent=1)

@@ -26,7 +26,11 @@
 // short ones started its CTAs in a later wave). Row r's rank is the count of rows before it in
 // that order (each active thread counts over the rows: O(rows) per thread).
 //
-// Grid:  one CTA of PKV_PLAN_THREADS (1024) threads; rows >= *num_rows are idle (0 splits).
+// Direct mode (src_seq_lens / src_block_tables given, rows and max_seq as parameters): the
+// kernel copies the step's lengths and the block-table entries they use into seq_lens and
+// block_tables itself, so an engine's captured step has no copy or fill node before it (each
+// costs a dependent launch); otherwise the Runtime has copied them there.
+// Grid:  one CTA of PKV_PLAN_THREADS (1024) threads; rows >= the active rows are idle (0 splits).
 // Layout: seq_lens [max_rows] int32; tasks [task_capacity, 5] int32 (row, kvh, split,
 //         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
 //         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
@@ -45,7 +49,7 @@
 #define PKV_PLAN_THREADS 1024
 
 struct PlanParams {
-  const int* seq_lens;
+  int* seq_lens;            // read; written in direct mode (src_seq_lens)
   const int* num_rows;
   const int* max_seq_len;  // [1]: longest valid seq_len (block-table columns * page size)
   int* tasks;
@@ -65,10 +69,17 @@ struct PlanParams {
   int slowdown8;     // an SM's time with two resident CTAs over one, eighths
   int overhead8;     // f8: a CTA's fixed cost, eighths of a tile
   int max_ctas;      // candidates planning more CTAs are skipped (calibration splits.max_waves * R)
-  const int* block_tables;  // [rows, bt_stride] or null: page ids not checked
+  int* block_tables;        // [rows, bt_stride] or null: page ids not checked
   const int* num_pages;     // [1]: pages in the cache, valid ids are [0, *num_pages); 0 = unchecked
   int bt_stride;
   int page_size_log2;
+  // Direct mode (an engine's captured step: no copy or fill nodes before the planning kernel):
+  const int* src_seq_lens;      // null, or the step's lengths, copied to seq_lens (active rows)
+  const int* src_block_tables;  // null, or the step's block tables [rows, src_bt_stride]: the
+                                // entries each row's length uses are copied to block_tables
+  int src_bt_stride;
+  int rows;                     // >= 0: the active rows (num_rows is not read); -1: *num_rows
+  int max_seq;                  // > 0: the longest valid seq_len (max_seq_len not read); 0: read it
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -104,11 +115,11 @@ __device__ __forceinline__ int block_exclusive_scan(int x, int* warp_sums, int* 
 
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     pkv_plan_workqueue(const __grid_constant__ PlanParams p) {
-  pkv::pdl_enter();
   __shared__ int cand[64];
   __shared__ int tiles_of[PKV_PLAN_THREADS];
   __shared__ int offs[PKV_PLAN_THREADS + 1];  // first task slot of each rank (task order)
   __shared__ int splits_of[PKV_PLAN_THREADS], key_of[PKV_PLAN_THREADS], rank_row[PKV_PLAN_THREADS];
+  __shared__ int len_of[PKV_PLAN_THREADS];  // valid lengths (0: idle or bad)
   __shared__ int warp_sums[32];
   __shared__ int warp_max[32];
   __shared__ long long warp_tiles[32];
@@ -118,44 +129,56 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   __shared__ long long total_tiles;
   __shared__ int longest;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  __shared__ int cand_all[64];
+  if (tid < p.num_candidates) cand_all[tid] = p.candidates[tid];  // constant: read before the wait
+  pkv::pdl_enter();
   if (tid == 0) bad_rows = 0;
   __syncthreads();
 
   // 1. Tiles of every active row (0: idle or bad), their max L and sum W.
-  const int rows = min(*p.num_rows, p.max_rows);
-  const int max_len = *p.max_seq_len;
+  const int rows = min(p.rows >= 0 ? p.rows : *p.num_rows, p.max_rows);
+  const int max_len = p.max_seq > 0 ? p.max_seq : *p.max_seq_len;
   int len = 0;
   if (tid < rows) {
-    len = p.seq_lens[tid];
+    len = p.src_seq_lens != nullptr ? p.src_seq_lens[tid] : p.seq_lens[tid];
+    if (p.src_seq_lens != nullptr) p.seq_lens[tid] = len;
     if (len < 1 || len > max_len) {
       atomicOr(&bad_rows, 1);
       len = 0;
     }
   }
-  tiles_of[tid] = len;  // the valid length for now; tiles below
   const int num_pages = p.block_tables != nullptr ? *p.num_pages : 0;
-  if (num_pages > 0) {
-    // Page ids: warp w checks rows w, w + 32, ...; its lanes stride over the row's pages.
+  if (num_pages > 0 || p.src_block_tables != nullptr) {
+    // The block-table entries the active rows' lengths use, as one flat range over the rows
+    // (offs: first entry of each row), every thread striding over it: copied to block_tables
+    // in direct mode, checked against num_pages. A row with a bad id is flagged in splits_of.
+    const int n = (len + (1 << p.page_size_log2) - 1) >> p.page_size_log2;
+    int total;
+    offs[tid] = block_exclusive_scan(n, warp_sums, &total);
+    splits_of[tid] = 0;
     __syncthreads();
-    for (int r = warp; r < rows; r += PKV_PLAN_THREADS / 32) {
-      const int n = (tiles_of[r] + (1 << p.page_size_log2) - 1) >> p.page_size_log2;
-      const int* bt = p.block_tables + (long long)r * p.bt_stride;
-      bool bad = false;
-      for (int j = lane; j < n; j += 32) {
-        const int page = bt[j];
-        bad |= page < 0 || page >= num_pages;
+    const int* src = p.src_block_tables != nullptr ? p.src_block_tables : p.block_tables;
+    const int src_stride = p.src_block_tables != nullptr ? p.src_bt_stride : p.bt_stride;
+    for (int k = tid; k < total; k += PKV_PLAN_THREADS) {
+      int lo = 0, hi = rows - 1;  // the row r with offs[r] <= k (the last such: empty rows skipped)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (offs[mid] <= k) lo = mid; else hi = mid - 1;
       }
-      if (__any_sync(0xffffffffu, bad) && lane == 0) {
-        tiles_of[r] = 0;
-        atomicOr(&bad_rows, 2);
-      }
+      const int j = k - offs[lo];
+      const int page = src[(long long)lo * src_stride + j];
+      if (p.src_block_tables != nullptr) p.block_tables[(long long)lo * p.bt_stride + j] = page;
+      if (num_pages > 0 && (page < 0 || page >= num_pages)) splits_of[lo] = 1;
     }
     __syncthreads();
-    len = tiles_of[tid];
+    if (tid < rows && splits_of[tid]) {
+      len = 0;
+      atomicOr(&bad_rows, 2);
+    }
   }
-  int t = len > 0 ? ceil_div(len, p.tile_tokens) : 0;
-  __syncthreads();
+  const int t = len > 0 ? ceil_div(len, p.tile_tokens) : 0;
   tiles_of[tid] = t;
+  len_of[tid] = len;
   int mx = t;
   long long sum = t;
 #pragma unroll
@@ -180,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     // Candidates whose chunk is at least min_split_tiles (else the row cap alone).
     int n = 0;
     for (int i = 0; i < p.num_candidates; ++i)
-      if (m > 0 && ceil_div(m, p.candidates[i]) >= p.min_split_tiles) cand[n++] = p.candidates[i];
+      if (m > 0 && ceil_div(m, cand_all[i]) >= p.min_split_tiles) cand[n++] = cand_all[i];
     if (n == 0) cand[n++] = max(1, m / p.min_split_tiles);
     num_cand = n;
   }
@@ -276,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
       if (offs[mid] <= j) lo = mid; else hi = mid - 1;
     }
     const int r = rank_row[lo], split = j - offs[lo], S = splits_of[r];
-    const int len = p.seq_lens[r];
+    const int len = len_of[r];
     const int tiles = tiles_of[r];
     const int b = split * tiles / S * p.tile_tokens;
     const int e = min(len, (split + 1) * tiles / S * p.tile_tokens);

@@ -46,6 +46,29 @@ def test_device_planning_matches_reference_and_host_planning(fake_device, pool, 
         assert s["replays"] > 0 and s["graphs"] <= s["max_graphs"]
 
 
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
+def test_eager_device_planning_is_one_launch(fake_device, pool, use_graphs):  # noqa: F811
+    """With the Runtime's graphs off (an engine capturing its own step) plan() is one launch: the
+    planning kernel copies the lengths and the block-table entries they use into the runtime's
+    buffers itself (direct mode); with them on, the inputs are copied into the planning graph's
+    fixed buffers first. Same outputs, and the buffers hold the step's lengths and used ids."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(use_cuda_graph=use_graphs, device_planning=True)
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=i)
+        before = fake_device.direct
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+        assert fake_device.direct - before == (0 if use_graphs else 1)
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, i
+        assert torch.equal(rt._d_seq[:len(seq)], torch.as_tensor(seq))
+        for r, n in enumerate(seq):
+            w = -(-int(n) // rt.page_size)
+            assert torch.equal(rt._bt[r, :w], torch.as_tensor(bt[r, :w])), (i, r)
+        assert rt.device_status() == 0
+
+
 @pytest.mark.parametrize("max_batch", [3, 5])
 def test_device_planning_when_max_batch_is_not_a_power_of_two(fake_device, pool, max_batch):  # noqa: F811
     """A step of max_batch rows plans on the graph batch padded_batch(max_batch) > max_batch rows
@@ -225,12 +248,18 @@ def test_device_scalars_are_rewritten_every_step_once_an_engine_captured_a_plan(
     cache = (b.k_cache, b.v_cache)
     rt = fake_runtime(device_planning=True, use_cuda_graph=False)
     seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=4)
-    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    # strided lengths: not the planning kernel's direct mode, so plan() copies them and fills
+    # the device scalars (rows, longest length) before the planning kernel
+    lens = torch.as_tensor(np.stack([seq, seq], 1))[:, 0]
+    assert not lens.is_contiguous()
+    rt.plan(lens, torch.as_tensor(bt))
     rt._capturing = lambda: True            # as if inside an engine's torch.cuda.graph
-    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    rt.plan(lens, torch.as_tensor(bt))
     rt._capturing = lambda: False
     rt._d_rows.fill_(5)                     # what replaying the engine's B=5 graph would leave
-    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))   # same B and width as the cached scalars
+    direct = fake_device.direct
+    rt.plan(lens, torch.as_tensor(bt))      # same B and width as the cached scalars
+    assert fake_device.direct == direct
     assert int(rt._d_rows[0]) == 3
     out = rt.run(q, *cache, out=torch.empty_like(q))
     assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3

@@ -534,6 +534,7 @@ class Emu:
 
     def __init__(self):
         self.launches = 0
+        self.direct = 0   # planning launches in direct mode (they copied the step's inputs)
         self.early = []   # early_kv of every workqueue launch
 
     @staticmethod
@@ -606,7 +607,8 @@ class Emu:
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
                               slowdown8, overhead8, max_ctas, max_seq_len, block_tables=None,
-                              num_pages=None, page_size=None):
+                              num_pages=None, page_size=None, src_seq_lens=None,
+                              src_block_tables=None, rows=None, max_seq=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
         average load at the best throughput)), tasks in the host's order (rows by decreasing
@@ -618,8 +620,18 @@ class Emu:
         if block_tables is not None and block_tables.shape[0] < max_rows:
             raise ops.KernelArgumentError(f"block_tables: expected [>= {max_rows}, W], got "
                                           f"{tuple(block_tables.shape)}")
-        rows, max_len = min(int(num_rows[0]), max_rows), int(max_seq_len[0])
+        rows = min(int(num_rows[0]) if rows is None else rows, max_rows)
+        max_len = int(max_seq_len[0]) if max_seq is None else max_seq
         bound = int(num_pages[0]) if block_tables is not None else 0
+        if src_seq_lens is not None:   # direct mode: the kernel copies what it reads
+            self.direct += 1
+            seq_lens[:rows] = src_seq_lens[:rows]
+        if src_block_tables is not None:
+            for r in range(rows):
+                n = int(seq_lens[r])
+                if 1 <= n <= max_len:
+                    w = -(-n // page_size)
+                    block_tables[r, :w] = src_block_tables[r, :w]
         tiles, bad, bad_page = [0] * max_rows, False, False
         for r in range(rows):
             n = int(seq_lens[r])

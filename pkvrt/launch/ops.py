@@ -352,6 +352,8 @@ class PlanParams(ctypes.Structure):
         ("slowdown8", ctypes.c_int), ("overhead8", ctypes.c_int), ("max_ctas", ctypes.c_int),
         ("block_tables", ctypes.c_void_p), ("num_pages", ctypes.c_void_p),
         ("bt_stride", ctypes.c_int), ("page_size_log2", ctypes.c_int),
+        ("src_seq_lens", ctypes.c_void_p), ("src_block_tables", ctypes.c_void_p),
+        ("src_bt_stride", ctypes.c_int), ("rows", ctypes.c_int), ("max_seq", ctypes.c_int),
     ]
 
 
@@ -363,7 +365,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
                           status, candidates, *, num_kv_heads: int, min_split_tiles: int,
                           sms: int, resident: int, slowdown8: int, overhead8: int, max_ctas: int,
                           max_seq_len=None, block_tables=None, num_pages=None,
-                          page_size: int | None = None) -> None:
+                          page_size: int | None = None, src_seq_lens=None, src_block_tables=None,
+                          rows: int | None = None, max_seq: int | None = None) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
@@ -379,6 +382,13 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
     pkvrt.policy.planner.balanced_partition; sms, resident, slowdown8, overhead8 and max_ctas are
     ``planner.device_plan_targets(cal)``.
+
+    Direct mode (an engine's captured step: no copy or fill launch before the planning kernel):
+    ``rows`` (active rows; num_rows is not read) and ``max_seq`` (the longest valid seq_len;
+    max_seq_len is not read) as integers, ``src_seq_lens`` [>= rows] int32 (device) copied by the
+    kernel into seq_lens, and ``src_block_tables`` [>= rows, >= max_seq / page_size] int32
+    (device, row-contiguous): the entries each valid length uses are copied into block_tables
+    (which must be given).
     """
     dev = seq_lens.device
     max_rows = seq_lens.shape[0]
@@ -420,5 +430,27 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
         p.block_tables = _int32("block_tables", block_tables, dev, 2)
         p.num_pages = _int32("num_pages", num_pages, dev, 1)
         p.bt_stride, p.page_size_log2 = block_tables.stride(0), page_size.bit_length() - 1
+    p.rows, p.max_seq = -1, 0
+    if rows is not None or max_seq is not None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= max_rows:
+            _fail("rows", f"an int in [0, {max_rows}] (with max_seq)", rows)
+        if isinstance(max_seq, bool) or not isinstance(max_seq, int) or not 1 <= max_seq <= MAX_SEQ_LEN:
+            _fail("max_seq", f"an int in [1, {MAX_SEQ_LEN}] (with rows)", max_seq)
+        p.rows, p.max_seq = rows, max_seq
+    if src_seq_lens is not None:
+        if src_seq_lens.dim() != 1 or src_seq_lens.shape[0] < max(1, p.rows):
+            _fail("src_seq_lens", f"an int32 [>= rows = {p.rows}] tensor (with rows)", tuple(src_seq_lens.shape))
+        p.src_seq_lens = _int32("src_seq_lens", src_seq_lens, dev, 1)
+    if src_block_tables is not None:
+        if block_tables is None or p.max_seq <= 0:
+            _fail("src_block_tables", "given with block_tables, rows and max_seq", None)
+        if (src_block_tables.dim() != 2 or src_block_tables.shape[0] < p.rows
+                or src_block_tables.stride(1) != 1
+                or src_block_tables.shape[1] * page_size < p.max_seq
+                or block_tables.shape[1] * page_size < p.max_seq):
+            _fail("src_block_tables", f"a row-contiguous int32 [>= {p.rows}, >= {-(-p.max_seq // page_size)}] "
+                  f"tensor (and block_tables as wide)", tuple(src_block_tables.shape))
+        p.src_block_tables = _int32("src_block_tables", src_block_tables, dev, 2)
+        p.src_bt_stride = src_block_tables.stride(0)
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
     _driver.launch(k, (1, 1, 1), 1024, p)

@@ -134,18 +134,27 @@ class Planning:
                              "capture: the graph would read host memory captured by address; "
                              f"pass int32 tensors on {self.device}")
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
-        self._d_seq[:b].copy_(seq, non_blocking=True)
-        self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
-        # The device scalars are rewritten only when they change, until an engine captures a
-        # plan(): its replays then rewrite them behind the host's back, so from then on always.
-        self._d_scalars_cached &= not capturing
         rows, max_seq = b, w * self.page_size
-        if not self._d_scalars_cached or rows != self._d_scalars[0]:
-            self._d_rows.fill_(rows)
-        if not self._d_scalars_cached or max_seq != self._d_scalars[1]:
-            self._d_max_seq.fill_(max_seq)
-        self._d_scalars = (rows, max_seq)
-        grid = self._enqueue_device_plan(route, gb)
+        if (not self.use_cuda_graph and seq.device == self.device and bt.device == self.device
+                and seq.is_contiguous() and bt.is_contiguous()):
+            # Direct: one launch, the planning kernel copies the lengths and the block-table
+            # entries they use into the runtime's buffers (no copy or fill launch before it;
+            # in an engine's captured step each of those is a dependent node: benches/NOTES.md,
+            # "Session 12")
+            grid = self._device_grid_tasks(route, gb)
+            self._launch_device_plan(route, gb, grid, direct=(seq, bt, rows, max_seq))
+        else:
+            self._d_seq[:b].copy_(seq, non_blocking=True)
+            self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
+            # The device scalars are rewritten only when they change, until an engine captures a
+            # plan(): its replays then rewrite them behind the host's back, so from then on always.
+            self._d_scalars_cached &= not capturing
+            if not self._d_scalars_cached or rows != self._d_scalars[0]:
+                self._d_rows.fill_(rows)
+            if not self._d_scalars_cached or max_seq != self._d_scalars[1]:
+                self._d_max_seq.fill_(max_seq)
+            self._d_scalars = (rows, max_seq)
+            grid = self._enqueue_device_plan(route, gb)
         self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
                            max_page_id=-1)
         others = self._dp_refused.get(route.name)
@@ -193,8 +202,13 @@ class Planning:
             self._capture(key, launch)
         return grid
 
-    def _launch_device_plan(self, route, gbatch: int, grid: int) -> None:
+    def _launch_device_plan(self, route, gbatch: int, grid: int, direct=None) -> None:
+        """The planning kernel over the padded batch's buffers; ``direct`` = (seq_lens,
+        block_tables, rows, max_seq): the kernel copies the step's lengths and block-table
+        entries from those device tensors itself (``ops.plan_workqueue_device``'s direct mode)."""
         L, cal = self._layout, self.calibration
+        src = {} if direct is None else dict(src_seq_lens=direct[0], src_block_tables=direct[1],
+                                             rows=direct[2], max_seq=direct[3])
         ops.plan_workqueue_device(
             self._d_seq[:gbatch], self._d_rows,
             self._arena[L.tasks:L.tasks + 5 * grid].view(grid, 5),
@@ -203,7 +217,7 @@ class Planning:
             num_kv_heads=self.num_kv_heads,
             min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
             max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch], num_pages=self._d_num_pages,
-            page_size=self.page_size, **device_plan_targets(cal))
+            page_size=self.page_size, **device_plan_targets(cal), **src)
 
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):

@@ -144,3 +144,58 @@ def test_device_plan_flags_lengths_outside_the_block_table():
     assert got[1] == 0 and got[3] == 0 and (got[[0, 2, 4]] > 0).all()
     n = bufs["num_tasks"].item()
     assert not np.isin(bufs["tasks"].cpu().numpy()[:n, 0], [1, 3]).any()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_direct_mode_plans_what_the_copied_inputs_plan(seed):
+    """Direct mode (rows, max_seq as integers; the kernel copies the step's lengths and the
+    block-table entries they use from the caller's tensors): the same tasks, offsets and status
+    as planning over inputs copied into the buffers first, the lengths and used entries copied
+    (nothing past a row's last used page written), page ids still checked."""
+    rng = np.random.default_rng(seed)
+    b, page, width = int(rng.integers(1, MAX_ROWS + 1)), 16, 300
+    seq = rng.integers(1, width * page + 1, b).astype(np.int32)
+    if seed % 2:
+        seq[0] = width * page + 7                              # a bad length
+    num_pages = 5000
+    src_bt = torch.as_tensor(rng.integers(0, num_pages, (b, width + 11)), dtype=torch.int32).cuda()
+    if seed % 3 == 0 and b > 1:
+        src_bt[b - 1, 0] = num_pages + 2                       # a bad page id
+    splits = load_routes().route("pkv_workqueue").splits
+    cal = find_calibration(torch.cuda.get_device_name())
+    i32 = dict(dtype=torch.int32, device="cuda")
+    cand = torch.tensor(splits.candidates(), **i32)
+    n_pages = torch.tensor([num_pages], **i32)
+    kw = dict(num_kv_heads=H_KV, min_split_tiles=-(-cal.splits.min_split_tokens // 32),
+              num_pages=n_pages, page_size=page, **planner.device_plan_targets(cal))
+    results = []
+    for direct in (False, True):
+        bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
+        seq_dev = torch.full((MAX_ROWS,), -3, **i32)
+        bt = torch.full((MAX_ROWS, width), -9, **i32)
+        rows = torch.tensor([b], **i32)
+        max_len = torch.tensor([width * page], **i32)
+        if direct:
+            extra = dict(src_seq_lens=torch.as_tensor(seq).cuda(), src_block_tables=src_bt, rows=b,
+                         max_seq=width * page)
+        else:
+            seq_dev[:b] = torch.as_tensor(seq)
+            bt[:b] = src_bt[:, :width]
+            extra = {}
+        ops.plan_workqueue_device(seq_dev, rows if not direct else torch.zeros(1, **i32), bufs["tasks"],
+                                  bufs["num_tasks"], bufs["split_offsets"], bufs["num_splits"],
+                                  bufs["status"], cand, max_seq_len=max_len if not direct else
+                                  torch.zeros(1, **i32), block_tables=bt, **kw, **extra)
+        torch.cuda.synchronize()
+        results.append((bufs, seq_dev.cpu(), bt.cpu()))
+    (copied, seq_c, _), (dbufs, seq_d, bt_d) = results
+    for key in ("status", "num_tasks", "num_splits", "split_offsets"):
+        assert torch.equal(copied[key], dbufs[key]), key
+    n = copied["num_tasks"].item()
+    assert torch.equal(copied["tasks"][:n], dbufs["tasks"][:n])
+    assert copied["status"].item() == (2 if seed % 2 else 0) | (4 if seed % 3 == 0 and b > 1 else 0)
+    assert torch.equal(seq_d[:b], torch.as_tensor(seq)) and (seq_d[b:] == -3).all()
+    for r in range(b):
+        used = -(-int(seq[r]) // page) if seq[r] <= width * page else 0
+        assert torch.equal(bt_d[r, :used], src_bt[r, :used].cpu()), r
+        assert (bt_d[r, used:] == -9).all(), r
