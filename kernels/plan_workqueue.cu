@@ -150,15 +150,16 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   const int num_pages = p.block_tables != nullptr ? *p.num_pages : 0;
   if (num_pages > 0 || p.src_block_tables != nullptr) {
     // The block-table entries each active row's length uses: copied to block_tables in direct
-    // mode, checked against num_pages. Groups of 1024 / (rows rounded up to a power of two)
-    // threads take rows g, g + groups, ...; a group's threads stride over the row's entries
-    // (independent loads, so they pipeline; one warp per row measured 3 us at B1 32K). A row
-    // with a bad id is flagged in splits_of.
+    // mode, checked against num_pages. Groups of max(32, 1024 / (rows rounded up to a power of
+    // two)) threads take rows g, g + groups, ...; a group's threads stride over the row's
+    // entries (independent loads, so they pipeline). One warp per row cost 3 us at B1 32K;
+    // groups below a warp measured slower than a warp per row at B64 32K (49.8 vs 33.7 us,
+    // benches/plan_cost.py). A row with a bad id is flagged in splits_of.
     tiles_of[tid] = len;  // the valid length, for the groups
     splits_of[tid] = 0;
     __syncthreads();
     int group = PKV_PLAN_THREADS;
-    while (group > 1 && group * rows > PKV_PLAN_THREADS) group >>= 1;
+    while (group > 32 && group * rows > PKV_PLAN_THREADS) group >>= 1;
     const int groups = PKV_PLAN_THREADS / group, g = tid / group, gl = tid % group;
     const int* src = p.src_block_tables != nullptr ? p.src_block_tables : p.block_tables;
     const int src_stride = p.src_block_tables != nullptr ? p.src_bt_stride : p.bt_stride;
