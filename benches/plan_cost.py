@@ -33,26 +33,36 @@ def runtime_plan_us(b, width, seq, bt, num_pages, page) -> dict:
         rt = Runtime(32, 8, 128, page, torch.float16, max_batch=b, max_pages_per_row=width,
                      use_cuda_graph=False, validate=False, device_planning=True, num_pages=num_pages)
         lens = seq if how == "direct" else torch.stack([seq, seq], 1)[:, 0]   # strided: copied
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            rt.plan(lens, bt)   # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-            for _ in range(20):
-                rt.plan(lens, bt)
-        g.replay()
+        rt.plan(lens, bt)   # warm-up outside the capture
         torch.cuda.synchronize()
-        assert rt.device_status() == 0, "a valid step was flagged"
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(100):
-            g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        out[how] = e0.elapsed_time(e1) * 1000 / (100 * 20)
+        out[how] = graph_us(lambda: rt.plan(lens, bt), replays=100,
+                            check=lambda: rt.device_status() == 0)
     return out
+
+
+def graph_us(launch, *, replays: int, check, calls: int = 20) -> float:
+    """Device µs per call of ``launch`` captured ``calls`` times in one CUDA graph (on a side
+    stream), replayed ``replays`` times between two CUDA events, after one checked replay
+    (``check()`` must be true: the valid step was not flagged)."""
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for _ in range(calls):
+            launch()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert check(), "a valid step was flagged"
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(replays):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1000 / (replays * calls)
 
 
 def main(argv=None) -> int:
@@ -95,20 +105,7 @@ def main(argv=None) -> int:
             launch()
             torch.cuda.synchronize()
             assert int(bufs[4][0]) == 0, "a valid step was flagged"
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-                for _ in range(20):
-                    launch()
-            g.replay()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(200):
-                g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            times[checked] = e0.elapsed_time(e1) * 1000 / (200 * 20)
+            times[checked] = graph_us(launch, replays=200, check=lambda: int(bufs[4][0]) == 0)
         row = dict(rows=b, tokens=tokens, unchecked_us=round(times[False], 2), checked_us=round(times[True], 2))
         line = (f"B{b:<4d} {tokens:>7d} tokens: plan {times[False]:6.2f} us, with page-id check "
                 f"{times[True]:6.2f} us")
