@@ -35,15 +35,17 @@ def runtime_plan_us(b, width, seq, bt, num_pages, page) -> dict:
         lens = seq if how == "direct" else torch.stack([seq, seq], 1)[:, 0]   # strided: copied
         rt.plan(lens, bt)   # warm-up outside the capture
         torch.cuda.synchronize()
+        rt._d_rows.fill_(-1)   # written by the copied path's fills only: which path ran
         out[how] = graph_us(lambda: rt.plan(lens, bt), replays=100,
-                            check=lambda: rt.device_status() == 0)
+                            check=lambda: rt.device_status() == 0
+                            and (int(rt._d_rows[0]) == -1) == (how == "direct"))
     return out
 
 
 def graph_us(launch, *, replays: int, check, calls: int = 20) -> float:
     """Device µs per call of ``launch`` captured ``calls`` times in one CUDA graph (on a side
     stream), replayed ``replays`` times between two CUDA events, after one checked replay
-    (``check()`` must be true: the valid step was not flagged)."""
+    (``check()`` must be true: the valid step was not flagged, the intended path ran)."""
     import torch
 
     g = torch.cuda.CUDAGraph()
@@ -55,7 +57,7 @@ def graph_us(launch, *, replays: int, check, calls: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(s)
     g.replay()
     torch.cuda.synchronize()
-    assert check(), "a valid step was flagged"
+    assert check(), "a valid step was flagged, or another path than the intended one ran"
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(replays):

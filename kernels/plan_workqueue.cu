@@ -35,13 +35,15 @@
 //         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
 //         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
 // Status (*status, written every launch): bit 0 = the plan needs more than task_capacity tasks
-//         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [1, *max_seq_len];
+//         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [1, *max_seq_len]
+//         (max_seq in direct mode);
 //         bit 2 = some active row's block table holds a page id outside [0, *num_pages) in one
 //         of the ceil(seq_len / page_size) entries the decode would read (checked when
 //         block_tables is given and *num_pages > 0). Such a row gets 0 splits: no task reads its block table or
 //         writes its output. So neither a bad length nor a bad page id can send a decode kernel
 //         outside its block-table row or the cache without a host look at them.
-// Preconditions: max_rows <= 1024, num_candidates <= 64.
+// Preconditions: max_rows <= 1024, num_candidates <= 64; candidates are read before the PDL
+// wait, so the kernel just before this one must not write them.
 #include <stdint.h>
 
 #include "decode_common.cuh"  // pkv::pdl_enter

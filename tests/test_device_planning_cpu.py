@@ -58,8 +58,12 @@ def test_eager_device_planning_is_one_launch(fake_device, pool, use_graphs):  # 
     for i, (rows, short) in enumerate(STEPS):
         seq, bt, q = step_inputs(b, rows, short, seed=i)
         before = fake_device.direct
+        if not use_graphs:
+            rt._d_meta[:2].fill_(-1)   # the device scalars (rows, longest length): not written
         rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
         assert fake_device.direct - before == (0 if use_graphs else 1)
+        if not use_graphs:
+            assert rt._d_meta[:2].tolist() == [-1, -1]
         out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
         assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, i
         assert torch.equal(rt._d_seq[:len(seq)], torch.as_tensor(seq))
@@ -98,10 +102,11 @@ def test_device_planning_grid_covers_every_batch_of_its_padded_size(fake_device)
                 assert p.ctas <= grid, (gb, seq)
 
 
-def test_device_planning_flags_bad_lengths_and_skips_their_rows(fake_device, pool):  # noqa: F811
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "direct"])
+def test_device_planning_flags_bad_lengths_and_skips_their_rows(fake_device, pool, use_graphs):  # noqa: F811
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
-    rt = fake_runtime(device_planning=True)
+    rt = fake_runtime(device_planning=True, use_cuda_graph=use_graphs)
     seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=3)
     bad = seq.copy()
     bad[1] = bt.shape[1] * 16 + 1       # beyond the block table's columns
@@ -275,12 +280,15 @@ def test_cpu_inputs_during_capture_are_refused(fake_device, pool):  # noqa: F811
         rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
 
 
-def test_block_table_width_changes_between_steps(fake_device, pool):  # noqa: F811
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "direct"])
+def test_block_table_width_changes_between_steps(fake_device, pool, use_graphs):  # noqa: F811
     """A narrower table bounds the lengths: rows that fit are exact, a longer one is flagged."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
-    rt = fake_runtime(device_planning=True)
-    seq, bt, q = step_inputs(b, [2, 3, 5], 0, seed=6)      # 2500, 900, 33 tokens
+    rt = fake_runtime(device_planning=True, use_cuda_graph=use_graphs)
+    seq, bt, q = step_inputs(b, [1, 2, 5], 0, seed=6)      # 2500, 900, 33 tokens
+    assert list(seq) == [2500, 900, 33]
+    flagged = 0
     for width in (bt.shape[1], 160, 57):                   # 57 pages = 912 tokens: row 0 too long
         rt.plan(torch.as_tensor(seq), torch.as_tensor(bt[:, :width].contiguous()))
         rt.static_q(3).copy_(q)
@@ -289,18 +297,22 @@ def test_block_table_width_changes_between_steps(fake_device, pool):  # noqa: F8
         fits = [i for i, n in enumerate(seq) if n <= width * 16]
         assert rel_err(out[fits], want[fits]) < 2e-3, width
         assert rt.device_status(raise_on_error=False) == (0 if len(fits) == 3 else 2), width
+        flagged += len(fits) < 3
+    assert flagged == 1   # the 57-page table
 
 
-def test_negative_lengths_are_flagged(fake_device, pool):  # noqa: F811
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "direct"])
+def test_negative_lengths_are_flagged(fake_device, pool, use_graphs):  # noqa: F811
     b, _ = pool
-    rt = fake_runtime(device_planning=True)
+    rt = fake_runtime(device_planning=True, use_cuda_graph=use_graphs)
     seq, bt, _ = step_inputs(b, [0, 1], 0, seed=1)
     seq[0] = -5
     rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
     assert rt.device_status(raise_on_error=False) == 2
 
 
-def test_page_ids_are_checked_against_num_pages(fake_device, pool):  # noqa: F811
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "direct"])
+def test_page_ids_are_checked_against_num_pages(fake_device, pool, use_graphs):  # noqa: F811
     """Device planning checks the page ids a row's length uses against num_pages (the
     constructor's, else the first run()'s cache); a cache smaller than that bound is refused."""
     b, _ = pool
@@ -309,7 +321,7 @@ def test_page_ids_are_checked_against_num_pages(fake_device, pool):  # noqa: F81
     seq, bt, q = step_inputs(b, [0, 1], 0, seed=1)
     bad = bt.clone()
     bad[1, (int(seq[1]) - 1) // b.k_cache.shape[2]] = pages     # the row's last used page
-    rt = fake_runtime(device_planning=True, num_pages=pages)
+    rt = fake_runtime(device_planning=True, num_pages=pages, use_cuda_graph=use_graphs)
     rt.plan(torch.as_tensor(seq), torch.as_tensor(bad))
     assert rt.device_status(raise_on_error=False) == 4
     with pytest.raises(RuntimeError, match=rf"page id outside \[0, num_pages = {pages}\)"):
@@ -319,10 +331,10 @@ def test_page_ids_are_checked_against_num_pages(fake_device, pool):  # noqa: F81
     rt.plan(torch.as_tensor(seq), torch.as_tensor(unused))
     assert rt.device_status() == 0
     with pytest.raises(ValueError, match=f"k_cache has {pages} pages .* num_pages={pages + 1}"):
-        small = fake_runtime(device_planning=True, num_pages=pages + 1)
+        small = fake_runtime(device_planning=True, num_pages=pages + 1, use_cuda_graph=use_graphs)
         small.plan(torch.as_tensor(seq), torch.as_tensor(bt))
         small.run(q, *cache)
-    learn = fake_runtime(device_planning=True)      # no num_pages: the first cache sets it
+    learn = fake_runtime(device_planning=True, use_cuda_graph=use_graphs)      # no num_pages: the first cache sets it
     learn.plan(torch.as_tensor(seq), torch.as_tensor(bad))
     assert learn.device_status() == 0               # a step planned before any run(): unchecked
     learn.plan(torch.as_tensor(seq), torch.as_tensor(bt))
@@ -400,3 +412,33 @@ def test_device_planning_runs_the_small_route_on_one_row_steps(fake_device, pool
     # force= still wins over the row rule
     seq, bt, q = step_inputs(b, [2], 0, seed=9)
     assert rt.plan(torch.as_tensor(seq), torch.as_tensor(bt), force="pkv_fused").route == "pkv_fused"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rows=2), r"max_seq: expected an int in \[1"),
+    (dict(max_seq=64), r"rows: expected an int in \[0, 8\]"),
+    (dict(rows=9, max_seq=64), r"rows: expected an int in \[0, 8\]"),
+    (dict(rows=True, max_seq=64), r"rows: expected an int"),
+    (dict(rows=2, max_seq=0), r"max_seq: expected an int in \[1"),
+    (dict(src_seq_lens=torch.ones(2, **I32)), r"rows/max_seq: expected both given"),
+    (dict(src_block_tables=torch.zeros(2, 4, **I32)), r"rows/max_seq: expected both given"),
+    (dict(rows=3, max_seq=64, src_seq_lens=torch.ones(2, **I32)), r"src_seq_lens: expected \[>= rows = 3\]"),
+    (dict(rows=2, max_seq=64, src_block_tables=torch.zeros(1, 4, **I32)), r"src_block_tables: expected \[>= 2, >= 4\]"),
+    (dict(rows=2, max_seq=65, src_block_tables=torch.zeros(2, 4, **I32)), r"src_block_tables: expected \[>= 2, >= 5\]"),
+    (dict(rows=2, max_seq=64, src_block_tables=torch.zeros(2, 4, **I32), block_tables=None),
+     r"src_block_tables: expected given with block_tables"),
+])
+def test_direct_mode_arguments_are_checked_by_name(kw, match):
+    """ops.check_plan_direct_args (the planning kernel's direct mode; the CPU emulator calls it
+    too): rows and max_seq together and with every src_*, sources at least rows x max_seq/page."""
+    args = dict(block_tables=torch.zeros(8, 16, **I32), page_size=16, src_seq_lens=None,
+                src_block_tables=None, rows=None, max_seq=None)
+    args.update(kw)
+    with pytest.raises(ops.KernelArgumentError, match=match):
+        ops.check_plan_direct_args(8, **args)
+
+
+def test_direct_mode_arguments_accepted():
+    bt = torch.zeros(8, 16, **I32)
+    assert ops.check_plan_direct_args(8, bt, 16, None, None, None, None) is False
+    assert ops.check_plan_direct_args(8, bt, 16, torch.ones(3, **I32), torch.zeros(3, 4, **I32), 3, 64)

@@ -620,6 +620,8 @@ class Emu:
         if block_tables is not None and block_tables.shape[0] < max_rows:
             raise ops.KernelArgumentError(f"block_tables: expected [>= {max_rows}, W], got "
                                           f"{tuple(block_tables.shape)}")
+        ops.check_plan_direct_args(max_rows, block_tables, page_size, src_seq_lens, src_block_tables,
+                                   rows, max_seq)   # what the wrapper refuses, refused here too
         rows = min(int(num_rows[0]) if rows is None else rows, max_rows)
         max_len = int(max_seq_len[0]) if max_seq is None else max_seq
         bound = int(num_pages[0]) if block_tables is not None else 0

@@ -361,6 +361,36 @@ PLAN_MAX_ROWS = 1024
 MAX_SEQ_LEN = 2**31 - 1 - _buildspec.TILE_TOKENS   # int32 lengths; len + tile - 1 must not overflow
 
 
+def check_plan_direct_args(max_rows: int, block_tables, page_size, src_seq_lens, src_block_tables,
+                           rows, max_seq) -> bool:
+    """The direct-mode arguments of :func:`plan_workqueue_device` (shapes and values only; dtype
+    and device are checked with the pointers). Returns True in direct mode (``rows`` and
+    ``max_seq`` given), False when none of the four is given; raises KernelArgumentError naming
+    the argument otherwise: ``rows``/``max_seq`` come together and with every ``src_*``,
+    ``src_seq_lens`` holds at least ``rows`` lengths, ``src_block_tables`` comes with
+    ``block_tables`` and both hold ``rows`` rows of at least ``max_seq / page_size`` entries."""
+    if rows is None and max_seq is None:
+        if src_seq_lens is not None or src_block_tables is not None:
+            _fail("rows/max_seq", "both given with src_seq_lens / src_block_tables (direct mode)",
+                  (rows, max_seq))
+        return False
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= max_rows:
+        _fail("rows", f"an int in [0, {max_rows}] (with max_seq)", rows)
+    if isinstance(max_seq, bool) or not isinstance(max_seq, int) or not 1 <= max_seq <= MAX_SEQ_LEN:
+        _fail("max_seq", f"an int in [1, {MAX_SEQ_LEN}] (with rows)", max_seq)
+    if src_seq_lens is not None and (src_seq_lens.dim() != 1 or src_seq_lens.shape[0] < rows):
+        _fail("src_seq_lens", f"[>= rows = {rows}] int32", tuple(src_seq_lens.shape))
+    if src_block_tables is not None:
+        if block_tables is None or page_size is None:
+            _fail("src_block_tables", "given with block_tables and page_size", None)
+        cols = -(-max_seq // page_size)
+        if (src_block_tables.dim() != 2 or src_block_tables.shape[0] < rows
+                or src_block_tables.shape[1] < cols or block_tables.shape[1] < cols):
+            _fail("src_block_tables", f"[>= {rows}, >= {cols}] int32 (max_seq / page_size columns, "
+                  f"and block_tables [.., {block_tables.shape[1]}] as wide)", tuple(src_block_tables.shape))
+    return True
+
+
 def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                           status, candidates, *, num_kv_heads: int, min_split_tiles: int,
                           sms: int, resident: int, slowdown8: int, overhead8: int, max_ctas: int,
@@ -387,8 +417,9 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     ``rows`` (active rows; num_rows is not read) and ``max_seq`` (the longest valid seq_len;
     max_seq_len is not read) as integers, ``src_seq_lens`` [>= rows] int32 (device) copied by the
     kernel into seq_lens, and ``src_block_tables`` [>= rows, >= max_seq / page_size] int32
-    (device, row-contiguous): the entries each valid length uses are copied into block_tables
-    (which must be given).
+    (device, contiguous): the entries each valid length uses are copied into block_tables
+    (which must be given); :func:`check_plan_direct_args`. ``candidates`` are read before the
+    kernel's PDL wait: they must not be written by the kernel just before it in the stream.
     """
     dev = seq_lens.device
     max_rows = seq_lens.shape[0]
@@ -431,26 +462,13 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
         p.num_pages = _int32("num_pages", num_pages, dev, 1)
         p.bt_stride, p.page_size_log2 = block_tables.stride(0), page_size.bit_length() - 1
     p.rows, p.max_seq = -1, 0
-    if rows is not None or max_seq is not None:
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= max_rows:
-            _fail("rows", f"an int in [0, {max_rows}] (with max_seq)", rows)
-        if isinstance(max_seq, bool) or not isinstance(max_seq, int) or not 1 <= max_seq <= MAX_SEQ_LEN:
-            _fail("max_seq", f"an int in [1, {MAX_SEQ_LEN}] (with rows)", max_seq)
+    if check_plan_direct_args(max_rows, block_tables, page_size, src_seq_lens, src_block_tables,
+                              rows, max_seq):
         p.rows, p.max_seq = rows, max_seq
-    if src_seq_lens is not None:
-        if src_seq_lens.dim() != 1 or src_seq_lens.shape[0] < max(1, p.rows):
-            _fail("src_seq_lens", f"an int32 [>= rows = {p.rows}] tensor (with rows)", tuple(src_seq_lens.shape))
-        p.src_seq_lens = _int32("src_seq_lens", src_seq_lens, dev, 1)
-    if src_block_tables is not None:
-        if block_tables is None or p.max_seq <= 0:
-            _fail("src_block_tables", "given with block_tables, rows and max_seq", None)
-        if (src_block_tables.dim() != 2 or src_block_tables.shape[0] < p.rows
-                or src_block_tables.stride(1) != 1
-                or src_block_tables.shape[1] * page_size < p.max_seq
-                or block_tables.shape[1] * page_size < p.max_seq):
-            _fail("src_block_tables", f"a row-contiguous int32 [>= {p.rows}, >= {-(-p.max_seq // page_size)}] "
-                  f"tensor (and block_tables as wide)", tuple(src_block_tables.shape))
-        p.src_block_tables = _int32("src_block_tables", src_block_tables, dev, 2)
-        p.src_bt_stride = src_block_tables.stride(0)
+        if src_seq_lens is not None:
+            p.src_seq_lens = _int32("src_seq_lens", src_seq_lens, dev, 1)
+        if src_block_tables is not None:
+            p.src_block_tables = _int32("src_block_tables", src_block_tables, dev, 2)
+            p.src_bt_stride = src_block_tables.stride(0)
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
     _driver.launch(k, (1, 1, 1), 1024, p)

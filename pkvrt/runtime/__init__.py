@@ -35,8 +35,10 @@ graphs for every step of that padded batch while the lengths change. Two ways to
   ``graphs.stage_workqueue``) is now only the planning kernel's reference twin in the tests.
 * device lengths (``device_planning=True``): no host routing, every step runs routes.toml's
   ``[device_planning] route`` (``small_route`` on steps of at most ``small_rows`` rows: the row
-  count is known on the host); two device copies and the planning graph, nothing synchronizes,
-  and plan()/run() can be captured in an engine's own graph.
+  count is known on the host); nothing synchronizes, and plan()/run() can be captured in an
+  engine's own graph, where plan() is one launch of the planning kernel (it copies the step's
+  lengths and block-table entries itself); with the Runtime's graphs on, two device copies and
+  the planning graph.
 
 ``run`` checks the tensors and replays the CUDA graph of this (route, batch, structure, tensors)
 key, capturing it on a miss (:mod:`pkvrt.runtime.graphs` says what a key holds).

@@ -93,9 +93,11 @@ class Runtime(StaticBuffers, Planning, Running):
     device_planning : take each step's lengths and block tables as device tensors and skip host
         routing (both modes build every workqueue/fused plan with the planning kernel,
         kernels/plan_workqueue.cu; this one has no host part). ``plan()`` then does no work
-        proportional to the batch and never synchronizes: two device copies
-        (lengths, block tables), one fill and one replay of a captured planning graph (an eager
-        launch with graphs off). Every step runs routes.toml's ``[device_planning] route``
+        proportional to the batch and never synchronizes: with ``use_cuda_graph=False`` (an
+        engine capturing its step) one launch of the planning kernel, which copies the lengths
+        and the block-table entries they use itself (contiguous device tensors); otherwise two
+        device copies (lengths, block tables), the device scalars and one replay of a captured
+        planning graph. Every step runs routes.toml's ``[device_planning] route``
         (pkv_fused, the merge in the decode tail, as shipped; without that table the first
         non-ablation workqueue or fused route), except steps of at most ``small_rows`` rows,
         which run ``small_route`` (shipped: pkv_workqueue on one-row steps, where the tail
