@@ -260,6 +260,14 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// launch_dependents alone: the next kernel's CTAs may become resident now (they still wait for
+// this whole grid at their griddepcontrol.wait).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---- timeline marks (benches/layer_timeline.py) -------------------------------------------
 //
 // With a non-null trace buffer [grid, 3] (uint64), thread 0 of a working CTA writes %globaltimer

@@ -13,6 +13,10 @@
 //        The states of e4m3 K/V are already dequantized (the decode applied v_scale to a), so
 //        one merge serves every K/V dtype.
 // Bytes: reads (D + 2) * 4 bytes per slot and head, writes D * 2 bytes per row and head.
+// PDL: with early_trigger the CTA lets the next kernel's CTAs become resident before its own wait
+//        (they wait for this whole grid at theirs), so a workqueue step's next decode issues its
+//        early K/V copies while this layer's decode still runs instead of after it: bucketed B1
+//        1.110 -> 1.149-1.164x FlashInfer in the engine protocol (benches/NOTES.md, "Session 13").
 // Trace (optional): CTA entry, PDL wait returned, and the last of its warps' ends.
 #include "decode_common.cuh"
 
@@ -25,11 +29,13 @@ struct MergeParams {
   int num_qo_heads;
   int skip_single;
   unsigned long long* trace;  // null, or [grid, 3] %globaltimer marks (pkv::trace_mark)
+  int early_trigger;          // 1: launch_dependents before the PDL wait (above)
 };
 
 template <typename T, int D>
 __device__ __forceinline__ void merge_states(const MergeParams& p) {
   pkv::trace_mark(p.trace, pkv::kEnter);
+  if (p.early_trigger) pkv::pdl_trigger();
   pkv::pdl_enter();
   pkv::trace_mark(p.trace, pkv::kWaited);
   constexpr int HPC = pkv::kThreads / 32;  // heads per CTA, one warp each

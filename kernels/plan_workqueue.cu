@@ -169,10 +169,27 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
       const int n = (tiles_of[r] + (1 << p.page_size_log2) - 1) >> p.page_size_log2;
       const int* row = src + (long long)r * src_stride;
       int* dst = p.block_tables + (long long)r * p.bt_stride;
+      // Batches of 8 independent loads before their checks (and direct mode's stores): the
+      // group's stride is a runtime value, so the compiler did not unroll a plain strided loop
+      // and each entry waited for its load (~14 us more than a warp per row with a constant
+      // stride at >= 32 rows; benches/NOTES.md, "Session 13").
+      constexpr int kBatch = 8;
+      const bool copy = p.src_block_tables != nullptr;
       bool bad = false;
-      for (int j = gl; j < n; j += group) {
+      int j = gl;
+      for (; j + (kBatch - 1) * group < n; j += kBatch * group) {
+        int v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) v[u] = row[j + u * group];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (copy) dst[j + u * group] = v[u];
+          bad |= v[u] < 0 || v[u] >= num_pages;
+        }
+      }
+      for (; j < n; j += group) {
         const int page = row[j];
-        if (p.src_block_tables != nullptr) dst[j] = page;
+        if (copy) dst[j] = page;
         bad |= page < 0 || page >= num_pages;
       }
       if (bad && num_pages > 0) splits_of[r] = 1;

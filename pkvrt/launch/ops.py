@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 
 import torch
 
@@ -52,7 +53,15 @@ class MergeParams(ctypes.Structure):
         ("part_a", ctypes.c_void_p), ("part_ml", ctypes.c_void_p),
         ("split_offsets", ctypes.c_void_p), ("row_ids", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("num_qo_heads", ctypes.c_int), ("skip_single", ctypes.c_int), ("trace", ctypes.c_void_p),
+        ("early_trigger", ctypes.c_int),
     ]
+
+
+# The merge lets the next kernel's CTAs become resident before its own PDL wait (they still
+# wait for the whole merge at theirs): a workqueue step's next decode then issues its early K/V
+# copies while this layer's decode runs (benches/NOTES.md, "Session 13"). PKVRT_MERGE_TRIGGER=0:
+# after the wait, as before (the ablation); read once per process.
+_MERGE_EARLY_TRIGGER = int(os.environ.get("PKVRT_MERGE_TRIGGER", "1") != "0")
 
 
 def _tuning() -> dict:
@@ -319,6 +328,7 @@ def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: boo
     if rows <= 0:
         return
     p.num_qo_heads, p.skip_single = hq, int(skip_single)
+    p.early_trigger = _MERGE_EARLY_TRIGGER
     heads_per_cta = THREADS // 32  # one warp per head (kernels/merge.cu)
     grid = ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1)
     p.trace = _trace(trace, grid[0] * grid[1], out.device)

@@ -30,6 +30,11 @@ class Planning:
     """``plan()`` and the staging behind it (a piece of :class:`pkvrt.runtime.Runtime`; it uses
     ``_capturing`` and ``_capture``, which the Runtime defines for plan() and run() alike)."""
 
+    # Device planning with the Runtime's graphs off plans in one launch when the step's inputs
+    # are contiguous device tensors (direct mode). benches/plan_cost.py clears it to time the
+    # copy path at one row, where no tensor is strided ([1] is always contiguous).
+    _direct_plan = True
+
     def plan(self, seq_lens, block_tables, *, force: str | None = None) -> RouteDecision:
         """Choose this step's route and enqueue its plan. Call once per decode step.
 
@@ -138,14 +143,13 @@ class Planning:
                              f"pass int32 tensors on {self.device}")
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
         rows, max_seq = b, w * self.page_size
-        if (not self.use_cuda_graph and seq.device == self.device and bt.device == self.device
-                and seq.is_contiguous() and bt.is_contiguous()):
+        if (self._direct_plan and not self.use_cuda_graph and seq.device == self.device
+                and bt.device == self.device and seq.is_contiguous() and bt.is_contiguous()):
             # Direct: one launch, the planning kernel copies the lengths and the block-table
             # entries they use into the runtime's buffers (no copy or fill launch before it;
             # in an engine's captured step each of those is a dependent node: benches/NOTES.md,
             # "Session 12")
-            grid = self._device_grid_tasks(route, gb)
-            self._launch_device_plan(route, gb, grid, direct=(seq, bt, rows, max_seq))
+            grid = self._enqueue_device_plan(route, gb, direct=(seq, bt, rows, max_seq))
         else:
             self._d_seq[:b].copy_(seq, non_blocking=True)
             self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
@@ -187,15 +191,17 @@ class Planning:
         self._counts["h2d_copies"] += 1
         return self._enqueue_device_plan(route, graphs.padded_batch(b))
 
-    def _enqueue_device_plan(self, route, gbatch: int) -> int:
+    def _enqueue_device_plan(self, route, gbatch: int, direct=None) -> int:
         """Plan ``route`` on the GPU for the lengths, row count and block tables already enqueued
         into the planning buffers: replay the captured planning graph of (route, gbatch) (capture
-        it on a miss; an eager launch with graphs off). Returns the grid: the task slots of the
-        padded batch (:meth:`_device_grid_tasks`), the same for every step of that batch, so the
-        decode graphs keyed by it replay while the lengths change."""
+        it on a miss; an eager launch with graphs off). ``direct`` (graphs off only): the
+        kernel's direct-mode inputs, see :meth:`_launch_device_plan`. Returns the grid: the task
+        slots of the padded batch (:meth:`_device_grid_tasks`), the same for every step of that
+        batch, so the decode graphs keyed by it replay while the lengths change."""
         grid = self._device_grid_tasks(route, gbatch)   # <= the capacity sized at construction
         key = ("device-plan", route.name, gbatch, grid, self._generation)
-        launch = lambda: self._launch_device_plan(route, gbatch, grid)  # noqa: E731
+        launch = lambda: self._launch_device_plan(route, gbatch, grid, direct)  # noqa: E731
+        assert direct is None or not self.use_cuda_graph, "a direct plan is never captured here"
         if not self.use_cuda_graph:
             launch()
         elif (e := self._graphs.get(key)) is not None:
