@@ -845,10 +845,11 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 
   // Prefill the pipeline. With p.early_kv (workqueue launches after the first of a step, see
   // pkvrt/runtime/running.py) the copies of tiles that hold only tokens before the row's last one are
-  // issued before pdl_enter: they overlap the previous kernel's drain (the previous layer's
-  // merge in an engine's step). The plan (tasks, offsets, lengths, block tables) is at least
-  // two kernels old then, and K/V of those tokens were written before the step; the last token
-  // (appended for this step, possibly by the kernel just before) and Q are read after the wait.
+  // issued before pdl_enter: they overlap the previous kernels' drain (the previous layer's
+  // merge, and its decode too: the merge triggers before its own wait, kernels/merge.cu). The
+  // plan (tasks, offsets, lengths, block tables) is at least two kernels old then, and K/V of
+  // those tokens were written before the step; the last token (appended for this step, possibly
+  // by the kernel just before) and Q are read after the wait.
   int filled = 0;
   if (p.early_kv) {
     const int safe_end = p.seq_lens[row] - 1;

@@ -43,7 +43,8 @@
 //         writes its output. So neither a bad length nor a bad page id can send a decode kernel
 //         outside its block-table row or the cache without a host look at them.
 // Preconditions: max_rows <= 1024, num_candidates <= 64; candidates are read before the PDL
-// wait, so the kernel just before this one must not write them.
+// wait, so no kernel that may still run then (the one before this one, and since the merge's
+// early trigger the decode before that merge) may write them.
 #include <stdint.h>
 
 #include "decode_common.cuh"  // pkv::pdl_enter

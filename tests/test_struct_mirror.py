@@ -10,7 +10,8 @@ import pytest
 from pkvrt import _paths
 from pkvrt.launch import ops
 
-_C_TYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong}
+_C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float,
+            "long long": ctypes.c_longlong, "unsigned long long": ctypes.c_ulonglong}
 
 
 def c_fields(source: str, struct: str) -> list[tuple[str, object]]:
@@ -23,14 +24,16 @@ def c_fields(source: str, struct: str) -> list[tuple[str, object]]:
         decl = line.split("//")[0].strip()
         if not decl:
             continue
-        m = re.fullmatch(r"(?:const\s+)?(long long|unsigned long long|int|float|void|char)\s*(\*?)\s*([\w\s,*]+);",
-                         decl)
+        m = re.fullmatch(r"(?:const\s+)?(unsigned long long|long long|unsigned|int|float|void|char)"
+                         r"((?:\s*\*?\s*\w+\s*,)*\s*\*?\s*\w+)\s*;", decl)
         assert m, f"struct {struct}: cannot read the declaration {decl!r}"
-        base, ptr, names = m.groups()
-        for name in names.split(","):
-            name = name.strip()
-            star = ptr or name.startswith("*")
-            fields.append((name.lstrip("* "), ctypes.c_void_p if star else _C_TYPES[base]))
+        base, names = m.groups()
+        # C binds * to each declarator: in `int* a, b;` only a is a pointer
+        for i, name in enumerate(names.split(",")):
+            star = name.strip().startswith("*")
+            name = name.strip().lstrip("*").strip()
+            assert base in _C_TYPES or star, f"struct {struct}: no ctypes type for {base!r} {name}"
+            fields.append((name, ctypes.c_void_p if star else _C_TYPES[base]))
     return fields
 
 
@@ -45,8 +48,10 @@ def test_ctypes_mirror_matches_the_kernel_struct(struct, source):
 def test_the_reader_refuses_what_it_cannot_read():
     with pytest.raises(AssertionError, match="cannot read"):
         c_fields("struct S {\n  int a[4];\n};", "S")
-    assert c_fields("struct S {\n  const int* a, *b;  // x\n  long long c;\n};", "S") == [
-        ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_longlong)]
+    assert c_fields("struct S {\n  const int* a, *b;  // x\n  long long c;\n  int* d, e;\n"
+                    "  unsigned long long f;\n};", "S") == [
+        ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_longlong),
+        ("d", ctypes.c_void_p), ("e", ctypes.c_int), ("f", ctypes.c_ulonglong)]
 
 
 @pytest.mark.parametrize("env, expected", [(None, 1), ("1", 1), ("0", 0)])
