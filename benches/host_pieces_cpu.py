@@ -1,0 +1,110 @@
+"""Where the host time of an adaptive ``Runtime.plan()`` goes, on a machine without a GPU.
+
+The Runtime runs on tests/test_runtime_cpu.py's fake device (CPU tensors for device buffers, no
+kernels: the planning launch is a no-op), so only Python and numpy are timed: the step checks
+(``check_step``), the route decision (``fallback.decide``, the memoized router) and the staging
+of a workqueue/fused step (``_stage_device_plan``). Each piece is timed in place, inside
+``plan()`` over N calls, next to the whole call: a piece timed alone in a tight loop runs warm
+and measures less than it costs in a step (session 13, dev box, B1 32K: check_step 20 us alone,
+35 in place). The Runtime is built with ``flashinfer=False``; on the default cases the router
+picks a PersistentKV route itself (FlashInfer's refusal line says by how much), so the decision
+is the one an adaptive Runtime with FlashInfer makes. The GPU host's copy and graph-replay calls
+are not in these numbers: ``benches/host_cost.py`` measures the real thing on a GPU.
+
+usage: python benches/host_pieces_cpu.py [--rows 1,8] [--context 32768] [--calls 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_device():
+    """Patch torch and pkvrt for a CPU 'device' the way tests/test_runtime_cpu.py's fake_device
+    fixture does, with every kernel a no-op."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import test_runtime_cpu as fake   # noqa: E402 - the tests' fake device, not a copy of it
+
+    from pkvrt import runtime
+    from pkvrt.launch import _driver, ops
+    from pkvrt.runtime import graphs
+
+    runtime.core._resolve_device = lambda device: torch.device("cpu")
+    runtime.buffers._pinned = lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype)
+    _driver.get_kernel = lambda *a, **k: None
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+    torch.cuda.Stream = lambda *a, **k: object()
+    torch.cuda.Event = fake.FakeEvent
+    torch.cuda.graph_pool_handle = lambda: None
+    graphs.capture = lambda launch, **kw: graphs.GraphEntry(fake.ReplayGraph(lambda: None), nodes=1,
+                                                            mem_bytes=0)
+    for name in ("split_decode", "merge", "workqueue_decode", "plan_workqueue_device"):
+        setattr(ops, name, lambda *a, **k: None)
+
+
+def timed_in_place(pieces: dict[str, tuple[object, str]]) -> dict[str, float]:
+    """Wrap each ``owner.attr`` so that its calls add their seconds to the returned dict."""
+    acc: dict[str, float] = collections.defaultdict(float)
+    for key, (owner, attr) in pieces.items():
+        inner = getattr(owner, attr)
+
+        def wrapped(*a, _inner=inner, _key=key, **k):
+            t = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                acc[_key] += time.perf_counter() - t
+        setattr(owner, attr, wrapped)
+    return acc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8", help="batch sizes (one long row, the rest 1.5K)")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--calls", type=int, default=3000)
+    args = ap.parse_args(argv)
+    fake_device()
+    import numpy as np
+    import torch
+
+    from pkvrt.policy.calibration import load_calibration
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.runtime import Runtime, planning
+
+    acc = timed_in_place({"check_step": (planning, "check_step"),
+                          "route decision": (planning.fallback, "decide"),
+                          "staging": (planning.Planning, "_stage_device_plan")})
+    cal = load_calibration(REPO / "calibration" / "nvidia-h200.json")
+    width = -(-(args.context + args.calls) // 16)
+    print(f"{'rows':>4}  {'route':<14} {'plan() us':>9}  pieces in place (us per call)")
+    for b in (int(x) for x in args.rows.split(",")):
+        rt = Runtime(32, 8, 128, 16, torch.float16, routes=load_routes(REPO / "routes.toml"),
+                     calibration=cal, max_batch=max(b, 8), max_pages_per_row=width, flashinfer=False)
+        seq = np.full(b, 1500, dtype=np.int32)
+        seq[0] = args.context
+        bt = np.arange(b * width, dtype=np.int32).reshape(b, width)
+        for _ in range(5):
+            d = rt.plan(seq, bt)
+        acc.clear()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            seq[0] += 1          # the long row grows a token a step
+            rt.plan(seq, bt)
+        per = 1e6 * (time.perf_counter() - t0) / args.calls
+        pieces = ", ".join(f"{k} {1e6 * v / args.calls:.1f}" for k, v in acc.items())
+        print(f"{b:>4}  {d.route:<14} {per:9.1f}  {pieces}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
