@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -27,28 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def fake_device():
-    """Patch torch and pkvrt for a CPU 'device' the way tests/test_runtime_cpu.py's fake_device
-    fixture does, with every kernel a no-op."""
-    import torch
-
+    """The tests' fake device (tests/test_runtime_cpu.py, install_fake_device) with every kernel
+    launch a no-op: only the host work of a step is left."""
     sys.path.insert(0, str(REPO / "tests"))
-    import test_runtime_cpu as fake   # noqa: E402 - the tests' fake device, not a copy of it
+    import test_runtime_cpu   # noqa: E402 - the tests' fake device, not a copy of it
 
-    from pkvrt import runtime
-    from pkvrt.launch import _driver, ops
-    from pkvrt.runtime import graphs
-
-    runtime.core._resolve_device = lambda device: torch.device("cpu")
-    runtime.buffers._pinned = lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype)
-    _driver.get_kernel = lambda *a, **k: None
-    torch.cuda.device = lambda d: contextlib.nullcontext()
-    torch.cuda.Stream = lambda *a, **k: object()
-    torch.cuda.Event = fake.FakeEvent
-    torch.cuda.graph_pool_handle = lambda: None
-    graphs.capture = lambda launch, **kw: graphs.GraphEntry(fake.ReplayGraph(lambda: None), nodes=1,
-                                                            mem_bytes=0)
-    for name in ("split_decode", "merge", "workqueue_decode", "plan_workqueue_device"):
-        setattr(ops, name, lambda *a, **k: None)
+    test_runtime_cpu.install_fake_device(setattr, lambda name: (lambda *a, **k: None),
+                                         replay_runs_launches=False)
 
 
 def timed_in_place(pieces: dict[str, tuple[object, str]]) -> dict[str, float]:

@@ -704,24 +704,34 @@ class FakeEvent:
         pass
 
 
-@pytest.fixture
-def fake_device(monkeypatch):
-    emu = Emu()
-    monkeypatch.setattr(runtime.core, "_resolve_device", lambda device: torch.device("cpu"))
-    monkeypatch.setattr(runtime.buffers, "_pinned", lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype))
-    monkeypatch.setattr(_driver, "get_kernel", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: object())
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+def install_fake_device(set_attr, kernels, *, replay_runs_launches: bool = True) -> None:
+    """Make the Runtime run on the CPU: ``set_attr(owner, name, value)`` (monkeypatch.setattr,
+    or plain setattr for a script: benches/host_pieces_cpu.py) patches the device, pinned memory,
+    streams, events and graph capture, and ``kernels(name)`` gives each launch wrapper of ops.
+    A captured graph's replay re-runs its launches (the tests need their outputs), or with
+    ``replay_runs_launches=False`` does nothing, as a real replay runs no Python."""
+    set_attr(runtime.core, "_resolve_device", lambda device: torch.device("cpu"))
+    set_attr(runtime.buffers, "_pinned", lambda n, dtype=torch.int32: torch.zeros(n, dtype=dtype))
+    set_attr(_driver, "get_kernel", lambda *a, **k: None)
+    set_attr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    set_attr(torch.cuda, "Stream", lambda *a, **k: object())
+    set_attr(torch.cuda, "Event", FakeEvent)
+    set_attr(torch.cuda, "graph_pool_handle", lambda: None)
 
     def capture(launch, *, side_stream, pool, device):
         launch()  # the warm-up run computes this call's result
-        return graphs.GraphEntry(ReplayGraph(launch), nodes=1, mem_bytes=0)
+        return graphs.GraphEntry(ReplayGraph(launch if replay_runs_launches else lambda: None),
+                                 nodes=1, mem_bytes=0)
 
-    monkeypatch.setattr(graphs, "capture", capture)
+    set_attr(graphs, "capture", capture)
     for name in ("split_decode", "merge", "workqueue_decode", "plan_workqueue_device"):
-        monkeypatch.setattr(ops, name, getattr(emu, name))
+        set_attr(ops, name, kernels(name))
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    emu = Emu()
+    install_fake_device(monkeypatch.setattr, lambda name: getattr(emu, name))
     return emu
 
 
