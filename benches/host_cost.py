@@ -5,7 +5,9 @@ Each engine runs `steps` decode steps whose lengths grow by one token a step (bl
 50 % holes, the seed shape H_q=32, H_kv=8, D=128, fp16, page 16), each step = plan() once + run()
 for each of `layers` layers. Measured per step (medians):
 
-* plan_us   host time of plan() (perf_counter around the call; nothing synchronizes)
+* plan_us   host time of plan() (perf_counter around the call; nothing synchronizes);
+            plan_mean_us / plan_p90_us: its mean and 90th percentile over the steps (the median
+            hides the router memo's misses, a full prediction each)
 * run_us    host time of one run() (a graph replay, or the eager launches)
 * host_us   plan_us + layers * run_us as measured together (enqueue time of the whole step)
 * gpu_us    device time of the step (CUDA events behind a spin kernel that covers the host
@@ -31,7 +33,7 @@ the per-round rows stay in the file). The GPU machine's host moved an unchanged 
 call, not across calls. ``--engines`` keeps only the named engines.
 
 usage: python benches/host_cost.py [--out benches/results/h200/host-cost.json] [--steps 200]
-       [--layers 1,32] [--cases B1-32K,B8-bimodal] [--rounds 1] [--engines NAME,...]
+       [--layers 1,32] [--cases B1-32K,B8-bimodal,B8-phased] [--rounds 1] [--engines NAME,...]
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ CASES = {
     "B1-32K": [32768],
     "B4-32K": [32768] * 4,
     "B8-bimodal": [32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584],
+    # the same rows off the 64-token grid (every B8-bimodal length is a multiple of 64, so its
+    # rows cross the router memo's cells on the same step): rows of a real batch have random
+    # phases, and a memo keyed on a fixed grid then misses whenever any row crosses a cell
+    "B8-phased": [32773, 2065, 3132, 4129, 32041, 1033, 2610, 3609],
 }
 SEED = 20260623
 
@@ -138,8 +144,9 @@ def measure(eng, steps_in, batch, layers: int, clock) -> dict:
         step(i)
         gpus.append(clock.stop(token))
     med = statistics.median
-    row = dict(plan_us=med(plan_us), run_us=med(run_us), host_us=med(host_us), wall_us=med(walls),
-               gpu_us=med(gpus))
+    row = dict(plan_us=med(plan_us), plan_mean_us=statistics.mean(plan_us),
+               plan_p90_us=sorted(plan_us)[int(0.9 * (len(plan_us) - 1))], run_us=med(run_us),
+               host_us=med(host_us), wall_us=med(walls), gpu_us=med(gpus))
     row["over_us"] = row["wall_us"] - row["gpu_us"]
     return row
 
@@ -150,7 +157,8 @@ def run_engine(case, name, eng, steps_in, batch, layers_list, clock, round_) -> 
         r = measure(eng, steps_in, batch, layers, clock)
         route = getattr(getattr(eng, "last_decision", None), "route", "flashinfer")
         rows.append(dict(case=case, engine=name, layers=layers, route=route, round=round_, **r))
-        print(f"{case:11s} {name:32s} L{layers:<3d} r{round_:<2d} plan {r['plan_us']:7.1f}  run "
+        print(f"{case:11s} {name:32s} L{layers:<3d} r{round_:<2d} plan {r['plan_us']:7.1f} (mean "
+              f"{r['plan_mean_us']:7.1f})  run "
               f"{r['run_us']:6.1f}  host {r['host_us']:8.1f}  gpu {r['gpu_us']:8.1f}  wall "
               f"{r['wall_us']:8.1f}  over {r['over_us']:7.1f} us  ({route})", flush=True)
     return rows
@@ -167,10 +175,12 @@ def medians(rows, case) -> list[dict]:
     for (engine, layers), rs in groups.items():
         row = dict(case=case, engine=engine, layers=layers, route=rs[-1]["route"], round="median",
                    rounds=len(rs))
-        for key in ("plan_us", "run_us", "host_us", "wall_us", "gpu_us", "over_us"):
+        for key in ("plan_us", "plan_mean_us", "plan_p90_us", "run_us", "host_us", "wall_us",
+                    "gpu_us", "over_us"):
             row[key] = statistics.median(r[key] for r in rs)
         out.append(row)
-        print(f"{case:11s} {engine:32s} L{layers:<3d} median of {len(rs)}: plan {row['plan_us']:7.1f}  "
+        print(f"{case:11s} {engine:32s} L{layers:<3d} median of {len(rs)}: plan {row['plan_us']:7.1f} "
+              f"(mean {row['plan_mean_us']:7.1f}, p90 {row['plan_p90_us']:7.1f})  "
               f"host {row['host_us']:8.1f}  gpu {row['gpu_us']:8.1f}  wall {row['wall_us']:8.1f} us")
     return out
 
@@ -194,7 +204,8 @@ def print_targets(rows) -> None:
                 verdicts.append(  # difference is what host routing itself costs
                     f"host routing adds {r['plan_us'] - dp['plan_us']:.1f} us over device "
                     f"planning's plan() ({dp['plan_us']:.1f} us)")
-        print(f"target {case:11s} L{layers:<3d} adaptive plan {r['plan_us']:6.1f} us  "
+        print(f"target {case:11s} L{layers:<3d} adaptive plan {r['plan_us']:6.1f} us (mean "
+              f"{r['plan_mean_us']:6.1f})  "
               + ("; ".join(verdicts) or "(no FlashInfer row)"))
 
 

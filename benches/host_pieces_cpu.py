@@ -11,13 +11,14 @@ picks a PersistentKV route itself (FlashInfer's refusal line says by how much), 
 is the one an adaptive Runtime with FlashInfer makes. The GPU host's copy and graph-replay calls
 are not in these numbers: ``benches/host_cost.py`` measures the real thing on a GPU.
 
-usage: python benches/host_pieces_cpu.py [--rows 1,8] [--context 32768] [--calls 3000]
+usage: python benches/host_pieces_cpu.py [--rows 1,8] [--context 32768] [--calls 2000] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,7 +56,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8", help="batch sizes (one long row, the rest 1.5K)")
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--calls", type=int, default=2000, help="plan() calls per round")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds per batch size; the table shows medians over them (the dev box is "
+                         "shared: one round of the same code moved 40 -> 54 us)")
     args = ap.parse_args(argv)
     fake_device()
     import numpy as np
@@ -69,8 +73,9 @@ def main(argv=None) -> int:
                           "route decision": (planning.fallback, "decide"),
                           "staging": (planning.Planning, "_stage_device_plan")})
     cal = load_calibration(REPO / "calibration" / "nvidia-h200.json")
-    width = -(-(args.context + args.calls) // 16)
-    print(f"{'rows':>4}  {'route':<14} {'plan() us':>9}  pieces in place (us per call)")
+    width = -(-(args.context + args.rounds * args.calls + 8) // 16)
+    print(f"{'rows':>4}  {'route':<14} {'plan() us':>9}  pieces in place (us per call; medians of "
+          f"{args.rounds} rounds of {args.calls} calls)")
     for b in (int(x) for x in args.rows.split(",")):
         rt = Runtime(32, 8, 128, 16, torch.float16, routes=load_routes(REPO / "routes.toml"),
                      calibration=cal, max_batch=max(b, 8), max_pages_per_row=width, flashinfer=False)
@@ -79,14 +84,19 @@ def main(argv=None) -> int:
         bt = np.arange(b * width, dtype=np.int32).reshape(b, width)
         for _ in range(5):
             d = rt.plan(seq, bt)
-        acc.clear()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            seq[0] += 1          # the long row grows a token a step
-            rt.plan(seq, bt)
-        per = 1e6 * (time.perf_counter() - t0) / args.calls
-        pieces = ", ".join(f"{k} {1e6 * v / args.calls:.1f}" for k, v in acc.items())
-        print(f"{b:>4}  {d.route:<14} {per:9.1f}  {pieces}")
+        rounds = collections.defaultdict(list)
+        for _ in range(args.rounds):
+            acc.clear()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                seq[0] += 1          # the long row grows a token a step
+                rt.plan(seq, bt)
+            rounds["plan()"].append(1e6 * (time.perf_counter() - t0) / args.calls)
+            for k, v in acc.items():
+                rounds[k].append(1e6 * v / args.calls)
+        med = {k: statistics.median(v) for k, v in rounds.items()}
+        pieces = ", ".join(f"{k} {v:.1f}" for k, v in med.items() if k != "plan()")
+        print(f"{b:>4}  {d.route:<14} {med['plan()']:9.1f}  {pieces}")
     return 0
 
 

@@ -136,7 +136,7 @@ def test_check_step_errors_name_the_argument(seq, bt, match):
 def test_padding_past_a_rows_pages_may_be_negative():
     bt = np.array([[3, 9, -1, -1], [4, -1, -1, -1]], np.int32)   # rows need 2 and 1 pages
     s = check_step([17, 16], bt, **STEP)
-    assert s.pages.tolist() == [2, 1] and s.max_pages == 2 and s.max_page_id == 9
+    assert s.pages == [2, 1] and s.max_pages == 2 and s.max_page_id == 9
 
 
 def test_validate_false_skips_only_the_page_id_scan():
@@ -155,7 +155,7 @@ def test_check_step_accepts_host_inputs(kind):
             "tensor": lambda a: torch.as_tensor(np.asarray(a)),
             "strided-tensor": lambda a: torch.as_tensor(np.asarray(a)).int().t().contiguous().t()}[kind]
     s = check_step(conv(seq), conv(bt), **STEP)
-    assert s.seq.tolist() == seq and s.pages.tolist() == [2, 1, 19]
+    assert s.seq.tolist() == seq and s.pages == [2, 1, 19]
     assert s.max_page_id == int(max(bt[i, :p].max() for i, p in enumerate([2, 1, 19])))
 
 
@@ -170,7 +170,7 @@ def test_check_step_property(seq, extra, dtype, data):
         bt[r, p:] = data.draw(st.lists(st.sampled_from([info.min, info.max, max(info.min, -1), 0, 7]),
                                        min_size=bt.shape[1] - p, max_size=bt.shape[1] - p))
     s = check_step(seq, bt, **STEP)
-    assert s.pages.tolist() == pages and s.max_pages == max(pages)
+    assert s.pages == pages and s.max_pages == max(pages)
     assert s.max_page_id == max(int(bt[i, :p].max()) for i, p in enumerate(pages))
     if info.min == 0:
         return

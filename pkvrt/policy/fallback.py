@@ -21,7 +21,8 @@ def pkv_route_us(router: Router, route, seq: np.ndarray) -> float:
 
 
 def decide(router: Router, seq, block_tables, *, force: str | None = None,
-           flashinfer_unavailable: str | None = None, fallback_memo: dict | None = None) -> RouteDecision:
+           flashinfer_unavailable: str | None = None, fallback_memo: dict | None = None,
+           lens: list | None = None) -> RouteDecision:
     """``router.decide``, except that when FlashInfer is unavailable (the reason given) a step
     the policy sends to FlashInfer runs on the fastest predicted PersistentKV route instead
     (non-ablation routes first), and ``explain()`` says so in the FlashInfer line.
@@ -31,16 +32,20 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
     predicts nothing (an FP8 Runtime, which never uses FlashInfer, took 280 us per short B8
     step on the dev box predicting the PersistentKV routes every step).
 
+    ``lens``: as ``Router.decide``'s (``seq`` checked int64, ``lens`` its Python ints).
+
     Raises ValueError when ``force`` names the FlashInfer route and it is unavailable.
     """
+    if flashinfer_unavailable is None:
+        return router.decide(seq, force=force, block_tables=block_tables, lens=lens)
     reg = router.registry
-    base = reg.baseline.name
-    if flashinfer_unavailable is not None and force == base:
+    if force is not None and force == reg.baseline.name:
         raise ValueError(f"force={force!r}: the FlashInfer route is unavailable here "
                          f"({flashinfer_unavailable}); force a PersistentKV route instead")
-    d = router.decide(seq, force=force, block_tables=block_tables)
-    if d.kind != "flashinfer" or flashinfer_unavailable is None:
+    d = router.decide(seq, force=force, block_tables=block_tables, lens=lens)
+    if d.kind != "flashinfer":
         return d
+    base = reg.baseline.name
     pkv = [r for r in reg.routes if r.kind != "flashinfer" and router.kv_dtype in r.kv_dtypes]
     pool = [r for r in pkv if not r.ablation] or pkv
     if not pool:
@@ -61,7 +66,7 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
             if len(fallback_memo) >= router.memo_size:
                 del fallback_memo[next(iter(fallback_memo))]
             fallback_memo[key] = best
-    forced = router.decide(seq, force=best.name, block_tables=block_tables)
+    forced = router.decide(seq, force=best.name, block_tables=block_tables, lens=lens)
     refused = dict(forced.refused)
     refused[base] = (f"FlashInfer unavailable ({flashinfer_unavailable}); the policy chose it, so the "
                      f"runtime ran {best.name}, the fastest predicted PersistentKV route")

@@ -112,10 +112,13 @@ class Router:
     memo_size : 0 (default): every step is predicted from scratch. N > 0: remember up to N
         decisions keyed by (force, active rows, distinct lengths, each row's length // q) with
         q = max(TILE_TOKENS, calibration min_split_tokens), and reuse the route and predictions
-        of the first step with that key; the chosen route's plan is still built from the exact
-        lengths (for ``device_plan_kinds``: not built). The key holds everything the split
-        rules see at split granularity, so a reused route can differ from a fresh one only where
-        predictions sit within a quantum of a margin (a forced route never differs). Why: the
+        of the first step with that key; also reuse the last decision used while every row
+        stays within q tokens of the lengths it was predicted for (same force, row count and
+        distinct lengths: a window, so rows growing a token a step miss once per q steps, not
+        whenever one of them crosses a key's cell). The chosen route's plan is still built from
+        the exact lengths (for ``device_plan_kinds``: not built). The key holds everything the
+        split rules see at split granularity, so a reused route can differ from a fresh one only
+        where predictions sit within a quantum of a margin (a forced route never differs). Why: the
         prediction of every route is most of ``decide``'s host time (NumPy per-call overhead
         over tiny arrays: B1 81 -> ~30 us on the dev box, ~250 us on the H200 host before,
         benches/NOTES.md); the module docstring says why it cannot come from O(1) summaries.
@@ -165,7 +168,8 @@ class Router:
             raise ValueError(f"Router: device_plan_kinds={device_plan_kinds!r}: expected a subset of "
                              f"{kinds} (FlashInfer's plan is always built on the host)")
         self.device_plan_kinds = frozenset(device_plan_kinds)
-        self._memo: dict = {}   # insertion-ordered: the oldest key is evicted first
+        self._memo: dict = {}   # key -> (decision, its lengths, distinct lengths); oldest evicted first
+        self._window = None     # (force, lengths, distinct lengths, decision) of the last decision used
         self._quantum = max(TILE_TOKENS, self.cal.splits.min_split_tokens)
         self.memo_hits = 0
 
@@ -210,7 +214,8 @@ class Router:
 
     # -- the decision --------------------------------------------------------------------
 
-    def decide(self, seq_lens, *, force: str | None = None, block_tables=None) -> RouteDecision:
+    def decide(self, seq_lens, *, force: str | None = None, block_tables=None,
+               lens: list | None = None) -> RouteDecision:
         """Pick this step's route and build its plan (None for ``device_plan_kinds``).
 
         Parameters
@@ -220,17 +225,30 @@ class Router:
             ablation flag and margin, for ablations; it must still have a kernel for this shape.
             It is predicted like the others. None: the policy decides.
         block_tables : int32 [B, max_pages] or None; only used for the FlashInfer plan's CSR.
+        lens : the caller has checked the step already (the Runtime's ``check_step``):
+            ``seq_lens`` is its int64 array and ``lens`` the same lengths as Python ints. A memo
+            hit then costs no numpy call (the summaries and the key come from ``lens``).
 
         Raises
         ------
         ValueError
             bad ``seq_lens``; ``force`` naming an unknown route or one with no kernel.
         """
-        seq = check_seq_lens(seq_lens)
-        active, max_ctx = int(seq.size), int(seq.max())
-        key = self.memo_key(seq, force)
-        if key is not None:
-            hit = self._memo.get(key)
+        if lens is None:
+            seq = check_seq_lens(seq_lens)
+            lens = seq.tolist()
+        else:
+            seq = seq_lens
+        active, max_ctx = len(lens), max(lens)
+        key = hit = None
+        if self.memo_size:
+            hit = self._window_hit(lens, force)
+            if hit is None:
+                key = self.memo_key(lens, force)
+                entry = self._memo.get(key)
+                if entry is not None:
+                    hit = entry[0]
+                    self._window = (force, entry[1], entry[2], hit)
             if hit is not None:
                 self.memo_hits += 1
                 # the constructor, not attrs.evolve: 1.7 vs 4.8 us on the dev box, per step
@@ -306,16 +324,39 @@ class Router:
         if key is not None:
             if len(self._memo) >= self.memo_size:
                 del self._memo[next(iter(self._memo))]
-            self._memo[key] = attrs.evolve(d, plan=None)  # a hit re-plans: keep no arrays
+            template = attrs.evolve(d, plan=None)   # a hit re-plans: keep no arrays
+            lens = tuple(lens)
+            self._memo[key] = (template, lens, key[2])
+            self._window = (force, lens, key[2], template)
         return d
 
+    def _window_hit(self, lens: list, force: str | None) -> RouteDecision | None:
+        """The decision of the last step decided or reused, if this step is within its window:
+        the same force, row count and number of distinct lengths, and every row within one
+        quantum of the lengths that decision was predicted for (``|n - a| < quantum``, the
+        bound a memo key's cell gives). Rows that grow a token a step stay in the window for a
+        quantum of steps whatever their phase; the key's fixed grid alone misses whenever any
+        row crosses a cell (B8, random phases, quantum 64: 12.5 % of the steps, each a full
+        prediction: benches/NOTES.md "Session 14")."""
+        w = self._window
+        if w is None or w[0] != force or len(lens) != len(w[1]):
+            return None
+        q = self._quantum
+        for n, a in zip(lens, w[1]):
+            if not -q < n - a < q:
+                return None
+        if len(set(lens)) != w[2]:
+            return None
+        return w[3]
+
     def memo_key(self, seq, force: str | None = None) -> tuple | None:
-        """The memo's key of a step (``seq``: int [B], checked): (force, active rows, distinct
-        lengths, each length // quantum); None with the memo off."""
+        """The memo's key of a step (``seq``: int [B], checked, or a list of Python ints):
+        (force, active rows, distinct lengths, each length // quantum); None with the memo off."""
         if not self.memo_size:
             return None
-        lens = seq.tolist()
-        return (force, len(lens), len(set(lens)), tuple(n // self._quantum for n in lens))
+        lens = seq if isinstance(seq, list) else seq.tolist()
+        q = self._quantum
+        return (force, len(lens), len(set(lens)), tuple([n // q for n in lens]))
 
     def full_plan(self, route: str, seq_lens, block_tables=None):
         """The full host plan of the route named ``route`` for ``seq_lens`` (int [B]), whatever

@@ -77,13 +77,14 @@ def host_int_array(x, name: str) -> np.ndarray:
 
 @attrs.frozen(eq=False)
 class StepInput:
-    """A validated step: seq [B] int64, block_tables [B, W] (caller's ints), pages [B] int64
-    (pages each row needs), max_pages (their max), max_page_id (largest page id in use, or -1
-    when not validated)."""
+    """A validated step: seq [B] int64, lens (the same lengths as Python ints), block_tables
+    [B, W] (caller's ints), pages (pages each row needs, Python ints), max_pages (their max),
+    max_page_id (largest page id in use, or -1 when not validated)."""
 
     seq: np.ndarray
+    lens: list
     block_tables: np.ndarray
-    pages: np.ndarray
+    pages: list
     max_pages: int
     max_page_id: int
 
@@ -96,6 +97,10 @@ def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pa
     block_tables [B, W] integer with W >= the pages of the longest row, every row's pages within
     max_pages_per_row. With ``validate``: every page id a row uses (its first
     ceil(seq_len / page_size) entries) is >= 0; padding past them is never read and may be -1.
+
+    The O(B) checks run over the lengths as Python ints (one ``tolist``): on a decode batch (1-64
+    rows) a numpy call on a short vector costs more than the whole loop (``plan()``'s host time
+    is some dozens of such calls, benches/NOTES.md "Session 14").
     """
     seq = host_int_array(seq_lens, "seq_lens")
     if seq.ndim != 1 or seq.size == 0:
@@ -107,10 +112,11 @@ def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pa
     if b > max_batch:
         raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows: expected at most "
                          f"max_batch={max_batch} (raise Runtime(max_batch=...))")
-    seq = seq.astype(np.int64, copy=False)
-    if seq.min() < 1:
-        row = int(np.argmin(seq))
-        raise ValueError(f"Runtime.plan: seq_lens[{row}] = {seq[row]}: expected >= 1 "
+    lens = seq.tolist()
+    low = min(lens)
+    if low < 1:
+        row = lens.index(low)
+        raise ValueError(f"Runtime.plan: seq_lens[{row}] = {low}: expected >= 1 "
                          "(tokens in the cache, the new one included)")
     bt = host_int_array(block_tables, "block_tables")
     if bt.ndim != 2 or bt.shape[0] != b:
@@ -118,21 +124,23 @@ def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pa
                          f"{bt.shape}")
     if bt.dtype.kind not in "iu":
         raise ValueError(f"Runtime.plan: block_tables: expected an integer dtype (int32), got {bt.dtype}")
-    pages = -(-seq // page_size)
-    row = int(np.argmax(pages))
-    max_pages = int(pages[row])
-    if max_pages > max_pages_per_row:
-        raise ValueError(f"Runtime.plan: seq_lens[{row}] = {seq[row]} needs {max_pages} pages of "
-                         f"{page_size} tokens: expected at most max_pages_per_row={max_pages_per_row}")
-    if max_pages > bt.shape[1]:
-        raise ValueError(f"Runtime.plan: block_tables: row {row} has seq_len {seq[row]} = "
+    pages = [-(-n // page_size) for n in lens]
+    max_pages = max(pages)
+    if max_pages > max_pages_per_row or max_pages > bt.shape[1]:
+        row = pages.index(max_pages)
+        if max_pages > max_pages_per_row:
+            raise ValueError(f"Runtime.plan: seq_lens[{row}] = {lens[row]} needs {max_pages} pages "
+                             f"of {page_size} tokens: expected at most "
+                             f"max_pages_per_row={max_pages_per_row}")
+        raise ValueError(f"Runtime.plan: block_tables: row {row} has seq_len {lens[row]} = "
                          f"{max_pages} pages of {page_size}, but block_tables has only "
                          f"{bt.shape[1]} columns; expected at least {max_pages}")
     max_id = used_page_id_max(bt, pages) if validate else -1
-    return StepInput(seq=seq, block_tables=bt, pages=pages, max_pages=max_pages, max_page_id=max_id)
+    return StepInput(seq=seq.astype(np.int64, copy=False), lens=lens, block_tables=bt, pages=pages,
+                     max_pages=max_pages, max_page_id=max_id)
 
 
-def used_page_id_max(bt: np.ndarray, pages: np.ndarray) -> int:
+def used_page_id_max(bt: np.ndarray, pages) -> int:
     """The largest page id the rows use (row r: its first ``pages[r]`` entries of ``bt`` [B, W]);
     ValueError naming the first negative one. Padding past a row's pages is never looked at.
 
@@ -140,18 +148,22 @@ def used_page_id_max(bt: np.ndarray, pages: np.ndarray) -> int:
     larger than any real one, and ``maximum.reduceat`` over [row start, row start + pages)
     segments of the flat table gives each row's largest id (the segments in between, a row's
     padding, are skipped). ~3x faster than masking the table (B8 32K: 19 vs 51 us per step on
-    the dev box)."""
+    the dev box). One row is one slice's max."""
     w = bt.shape[1]
-    flat = np.ascontiguousarray(bt).reshape(-1)
-    bounds = np.empty(2 * bt.shape[0], dtype=np.intp)
-    bounds[0::2] = np.arange(bt.shape[0]) * w
-    bounds[1::2] = bounds[0::2] + pages
-    if bounds[-1] == flat.size:    # the last row uses every column: its segment runs to the end
-        bounds = bounds[:-1]
-    top = int(np.maximum.reduceat(flat.view(f"u{flat.itemsize}"), bounds)[0::2].max())
-    if flat.dtype.kind == "u" or top < 1 << (8 * flat.itemsize - 1):
+    if not isinstance(pages, list):
+        pages = np.asarray(pages).tolist()
+    if len(pages) == 1:
+        used = bt[0, :pages[0]]
+        top = int(used.view(f"u{used.itemsize}").max())
+    else:
+        flat = np.ascontiguousarray(bt).reshape(-1)
+        bounds = [x for r, p in enumerate(pages) for x in (r * w, r * w + p)]
+        if bounds[-1] == flat.size:    # the last row uses every column: its segment runs to the end
+            bounds.pop()
+        top = max(np.maximum.reduceat(flat.view(f"u{flat.itemsize}"), bounds).tolist()[0::2])
+    if bt.dtype.kind == "u" or top < 1 << (8 * bt.itemsize - 1):
         return top
-    mask = np.arange(w) < pages[:, None]
+    mask = np.arange(w) < np.asarray(pages)[:, None]
     r, c = (int(v[0]) for v in np.nonzero((bt < 0) & mask))
     raise ValueError(f"Runtime.plan: block_tables[{r}, {c}] = {bt[r, c]}: expected a page "
                      f"id >= 0 (row {r} uses its first {pages[r]} entries; only entries "

@@ -88,8 +88,9 @@ class Planning:
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
         d = fallback.decide(self.router, step.seq, step.block_tables, force=force,
-                            flashinfer_unavailable=self._fi_reason, fallback_memo=self._fallback_memo)
-        b = step.seq.size
+                            flashinfer_unavailable=self._fi_reason, fallback_memo=self._fallback_memo,
+                            lens=step.lens)
+        b = len(step.lens)
         on_gpu = d.kind in DEVICE_PLANNED
         if on_gpu and b > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows on route {d.route!r}: its plan "
