@@ -18,7 +18,9 @@
 // W8 = 8 * H_kv * W + N * f8 (the average load at the GPU's best throughput; integer division).
 // f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
 // cost, then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
-// first candidate is always eligible). Split j of n over t tiles covers tiles [j*t/n, (j+1)*t/n).
+// first candidate is always eligible) and, when any of them does, (-N) mod R >= free_slots (the
+// last wave leaves slots for the dependent kernel). Split j of n over t tiles covers tiles
+// [j*t/n, (j+1)*t/n).
 // Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate).
 // Task order (the host's): rows by decreasing tokens per split (seq_len / splits, integer), ties
 // by row index, then split, then KV head. The GPU starts CTAs in blockIdx order, so the longest
@@ -83,6 +85,7 @@ struct PlanParams {
   int src_bt_stride;
   int rows;                     // >= 0: the active rows (num_rows is not read); -1: *num_rows
   int max_seq;                  // > 0: the longest valid seq_len (max_seq_len not read); 0: read it
+  int free_slots;               // prefer cuts whose last wave leaves this many resident slots free
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -270,12 +273,18 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   }
   __syncthreads();
   if (tid == 0) {
-    int best = 0;
-    for (int k = 1; k < num_cand; ++k) {
-      if (ctas_of[k] > p.max_ctas) continue;
-      const bool better = cost_of[k] < cost_of[best] ||
-                          (cost_of[k] == cost_of[best] && ctas_of[k] < ctas_of[best]);
-      if (better) best = k;
+    // Least cost, then fewest CTAs, then smallest s, within max_ctas (the first candidate always
+    // eligible); first among the cuts whose last wave leaves free_slots resident slots free, so
+    // the dependent kernel becomes resident during the decode (planner.partition_choice).
+    int best = -1;
+    for (int pass = p.free_slots > 0 ? 0 : 1; pass < 2 && best < 0; ++pass) {
+      for (int k = 0; k < num_cand; ++k) {
+        if (k > 0 && ctas_of[k] > p.max_ctas) continue;
+        if (pass == 0 && (R - ctas_of[k] % R) % R < p.free_slots) continue;
+        const bool better = best < 0 || cost_of[k] < cost_of[best] ||
+                            (cost_of[k] == cost_of[best] && ctas_of[k] < ctas_of[best]);
+        if (better) best = k;
+      }
     }
     chunk = chunk_of[best];
   }

@@ -19,7 +19,7 @@ from pkvrt.policy.planner import (BucketPlan, WorkqueuePlan, bucket_counters, ch
                                   clamp_splits, plan_bucket, plan_flashinfer, plan_fused,
                                   plan_workqueue, split_capacity, split_tile_range,
                                   workqueue_counters)
-from pkvrt.policy.registry import SplitBounds
+from pkvrt.policy.registry import SplitBounds, load_routes
 
 SEED = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "rtx3060-seed.json")
 SHAPE = dict(num_kv_heads=8, num_qo_heads=32, head_dim=128, dtype_bytes=2)
@@ -440,3 +440,70 @@ def test_small_ctas_beside_the_big_ones_cost_with_the_slowdown():
     cost1, _, _ = planner.partition_costs(tiles, cands[[1, 3]], num_kv_heads=32, model=free)
     average1 = {s: (8 * 32 * int(tiles.sum()) + ctas[s - 1] * 56) * 8 // 2 for s in (2, 4)}
     assert cost1.tolist() == [max((8 * c + 56) * 8 * 132, average1[s]) for s, c in ((2, 543), (4, 272))]
+
+
+# --------------------------------------------------------------------------- free slots
+
+def _h200_free(free_slots: int):
+    h200 = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
+    return attrs.evolve(h200, splits=attrs.evolve(h200.splits, free_slots=free_slots))
+
+
+def test_free_slots_set_aside_the_cut_that_fills_its_last_wave():
+    """One 8K row at H_kv 8: the makespan model's cheapest cut is 264 CTAs, every resident slot of
+    the H200 (2 x 132); with splits.free_slots = 8 the cheapest cut that leaves 8 slots free is
+    taken instead (232 CTAs), and when no candidate leaves that many the rule steps aside."""
+    from pkvrt.policy.planner import PartitionModel, balanced_partition, partition_candidates, partition_costs
+
+    seq = np.array([8193])
+    bounds = load_routes().route("pkv_workqueue").splits
+    full = balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=_h200_free(0))
+    m = PartitionModel.of(_h200_free(8))
+    assert full.ctas == m.wave and m.free_in_last_wave(full.ctas) == 0
+    roomy = balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=_h200_free(8))
+    assert m.free_in_last_wave(roomy.ctas) >= 8 and roomy.ctas == 232
+    tiles = -(-seq // TILE_TOKENS)
+    cands = partition_candidates(int(tiles.max()), bounds, -(-m_min_tokens() // TILE_TOKENS))
+    cost, ctas, _ = partition_costs(tiles, cands, num_kv_heads=8, model=m)
+    ok = (ctas <= m.max_waves * m.wave) & (m.free_in_last_wave(ctas) >= 8)
+    assert roomy.cost == cost[ok].min() > full.cost          # the cheapest roomy cut, dearer in the model
+    never = balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=_h200_free(m.wave + 1))
+    assert (never.ctas, never.chunk_tiles) == (full.ctas, full.chunk_tiles)
+    assert planner.device_plan_targets(_h200_free(8))["free_slots"] == 8
+
+
+def m_min_tokens() -> int:
+    return _h200_free(0).splits.min_split_tokens
+
+
+@pytest.mark.parametrize("free_slots", [0, 8, 40])
+def test_free_slots_rule_is_the_planning_kernels(free_slots):
+    """The host planner and the planning kernel's emulation (tests/test_runtime_cpu.py, the
+    kernel's loops written out) choose the same cuts on random batches, free slots or not (the
+    GPU test tests/gpu/test_device_plan.py checks the kernel itself)."""
+    import torch
+
+    from pkvrt.launch import ops
+    from test_runtime_cpu import Emu
+
+    cal = _h200_free(free_slots)
+    bounds = load_routes().route("pkv_workqueue").splits
+    rng = np.random.default_rng(free_slots)
+    emu = Emu.__new__(Emu)
+    emu.launches = emu.direct = 0
+    for _ in range(60):
+        b = int(rng.integers(1, 17))
+        seq = rng.integers(1, int(rng.choice([3000, 20000, 140000])), b).astype(np.int32)
+        host = planner.plan_workqueue(seq, num_kv_heads=8, num_qo_heads=32, head_dim=128,
+                                      dtype_bytes=2, splits=bounds, cal=cal)
+        i32 = dict(dtype=torch.int32)
+        out = dict(tasks=torch.zeros(b * 8 * 64, 5, **i32), num_tasks=torch.zeros(1, **i32),
+                   split_offsets=torch.zeros(b + 1, **i32), num_splits=torch.zeros(b, **i32),
+                   status=torch.zeros(1, **i32))
+        emu.plan_workqueue_device(torch.as_tensor(seq), torch.tensor([b], **i32), out["tasks"],
+                                  out["num_tasks"], out["split_offsets"], out["num_splits"],
+                                  out["status"], torch.tensor(bounds.candidates(), **i32),
+                                  num_kv_heads=8, min_split_tiles=-(-cal.splits.min_split_tokens // TILE_TOKENS),
+                                  max_seq_len=torch.tensor([ops.MAX_SEQ_LEN], **i32),
+                                  **planner.device_plan_targets(cal))
+        assert out["num_splits"].tolist() == host.num_splits.tolist(), seq

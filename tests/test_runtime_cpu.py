@@ -606,7 +606,7 @@ class Emu:
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
-                              slowdown8, overhead8, max_ctas, max_seq_len, block_tables=None,
+                              slowdown8, overhead8, max_ctas, max_seq_len, free_slots=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
                               src_block_tables=None, rows=None, max_seq=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
@@ -646,7 +646,7 @@ class Emu:
         longest, total = max(tiles), sum(tiles)
         cands = [c for c in candidates.tolist() if longest and -(-longest // c) >= min_split_tiles]
         cands = cands or [max(1, longest // min_split_tiles)]
-        best = None
+        cands_ok = []   # (not roomy, cost, ctas, index, chunk) of the eligible candidates
         for i, s_ in enumerate(cands):
             c = -(-longest // s_) if longest else 1
             n_all = n_big = small = 0
@@ -666,8 +666,11 @@ class Emu:
             work = 8 * num_kv_heads * total + ctas * overhead8
             floor = work * load(resident) // resident if ctas > sms else work * 8
             cost = max((8 * c + overhead8) * loads * sms + beside, floor)
-            if i == 0 or (ctas <= max_ctas and (cost, ctas) < best[1:3]):
-                best = (c, cost, ctas)
+            roomy = (-ctas) % wave >= free_slots
+            if i == 0 or ctas <= max_ctas:
+                cands_ok.append((not roomy, cost, ctas, i, c))
+        best = min(cands_ok) if free_slots else min(cands_ok, key=lambda x: x[1:4])
+        best = (best[4], best[1], best[2])
         splits = [-(-t // best[0]) if t else 0 for t in tiles]
         offs = np.concatenate([[0], np.cumsum(splits)])
         split_offsets[:] = torch.as_tensor(offs, dtype=torch.int32)

@@ -210,7 +210,8 @@ class PartitionModel:
     takes with two resident CTAs than with one, in eighths (1.4 -> 11). overhead8 : a CTA's
     fixed cost (prologue, partial-state write, its share of the merge), in eighths of a tile.
     max_waves : the partition plans at most ``max_waves * wave`` CTAs (calibration
-    ``splits.max_waves``, default MAX_WAVES).
+    ``splits.max_waves``, default MAX_WAVES). free_slots : resident slots a cut should leave
+    free in its last wave (calibration ``splits.free_slots``; :func:`partition_choice`).
     """
 
     sms: int
@@ -218,13 +219,20 @@ class PartitionModel:
     slowdown8: int
     overhead8: int
     max_waves: int = MAX_WAVES
+    free_slots: int = 0
 
     @classmethod
     def of(cls, cal: Calibration) -> "PartitionModel":
         sp = cal.splits
         return cls(sms=cal.sm_count, resident=max(1, int(round(sp.workqueue_ctas_per_sm))),
                    slowdown8=int(round(8 * sp.co_resident_slowdown)),
-                   overhead8=int(round(8 * sp.cta_overhead_tiles)), max_waves=sp.max_waves)
+                   overhead8=int(round(8 * sp.cta_overhead_tiles)), max_waves=sp.max_waves,
+                   free_slots=sp.free_slots)
+
+    def free_in_last_wave(self, ctas):
+        """Resident slots the last wave of ``ctas`` CTAs leaves free: ``(-ctas) mod wave`` (0 when
+        the CTAs fill every slot of their last wave). Works on arrays."""
+        return np.remainder(-np.asarray(ctas), self.wave)
 
     @property
     def wave(self) -> int:
@@ -344,10 +352,32 @@ def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: Partitio
     if longest_splits is not None:
         cands = np.array([longest_splits], dtype=np.int64)
     cost, ctas, chunk = partition_costs(t, cands, num_kv_heads=num_kv_heads, model=model)
-    ok = (ctas <= model.max_waves * model.wave) | (np.arange(cands.size) == 0)
-    i = min(np.flatnonzero(ok).tolist(), key=lambda k: (cost[k], ctas[k], cands[k]))
+    i = partition_choice(cost, ctas, cands, model)
     c = int(chunk[i])
     return tuple((-(-t // c)).tolist()), c, int(cands[i]), int(ctas[i]), int(cost[i])
+
+
+def partition_choice(cost, ctas, cands, model: PartitionModel) -> int:
+    """The index of the cut to take: least model cost, then fewest CTAs, then the smallest s,
+    among the candidates within ``max_waves`` waves (the first candidate is always eligible) —
+    and, when any of those leaves ``model.free_slots`` resident slots free in its last wave,
+    among those alone.
+
+    Why the free slots (benches/NOTES.md, "Session 14"): every pkvrt kernel launches the next
+    one early (programmatic dependent launch), whose CTAs then wait on the GPU, resident, for
+    the decode to end; a cut that fills every slot of its last wave (one 8K row, H_kv 8: 33
+    splits = 264 CTAs = the H200's 2 x 132) keeps them out until decode CTAs exit, so the
+    merge and the next layer start a launch later. Measured in the 32-layer engine protocol
+    at one 8K row: 16.1 us per layer at 264 CTAs, 12.4 at 232; with an MLP between the layers
+    (no next attention to overlap) 91.9 -> 89.7. The makespan model cannot see it (it times
+    one kernel), and a cut is never cheaper by that much in it, so it is a rule, not a cost.
+    """
+    ok = (np.asarray(ctas) <= model.max_waves * model.wave) | (np.arange(len(cands)) == 0)
+    if model.free_slots:
+        roomy = ok & (model.free_in_last_wave(ctas) >= model.free_slots)
+        if roomy.any():
+            ok = roomy
+    return min(np.flatnonzero(ok).tolist(), key=lambda k: (cost[k], ctas[k], cands[k]))
 
 
 def device_plan_targets(cal: Calibration) -> dict[str, int]:
@@ -355,7 +385,7 @@ def device_plan_targets(cal: Calibration) -> dict[str, int]:
     (:class:`PartitionModel` and the CTA cap of ``max_waves`` resident waves)."""
     m = PartitionModel.of(cal)
     return {"sms": m.sms, "resident": m.resident, "slowdown8": m.slowdown8, "overhead8": m.overhead8,
-            "max_ctas": m.max_waves * m.wave}
+            "max_ctas": m.max_waves * m.wave, "free_slots": m.free_slots}
 
 
 def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,

@@ -1,5 +1,6 @@
 """Device-side workqueue planning equals the host planner, and runs inside a CUDA graph."""
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -34,10 +35,12 @@ def _device_plan(seq, bufs, splits, cal):
     return seq_dev, rows, cand
 
 
+@pytest.mark.parametrize("free_slots", [None, 8, 40], ids=["file", "free8", "free40"])
 @pytest.mark.parametrize("seed", range(24))
-def test_device_plan_equals_host_plan(seed):
+def test_device_plan_equals_host_plan(seed, free_slots):
     """The balanced partition on random batches: uniform lengths, short rows, one long row among
-    short ones (the ragged steps where it matters), equal rows."""
+    short ones (the ragged steps where it matters), equal rows; with the calibration's
+    splits.free_slots and with others (the cut that fills its last wave set aside)."""
     rng = np.random.default_rng(seed)
     b = int(rng.integers(1, MAX_ROWS + 1))
     kind = seed % 4
@@ -49,19 +52,22 @@ def test_device_plan_equals_host_plan(seed):
         seq = rng.permutation(np.r_[rng.integers(20000, 131073, 1), rng.integers(1, 4096, b - 1)])
     else:
         seq = np.full(b, int(rng.integers(1, 140000)))
-    _assert_device_plan_equals_host(seq.astype(np.int32))
+    _assert_device_plan_equals_host(seq.astype(np.int32), free_slots)
 
 
-@pytest.mark.parametrize("length", [1, 700, 1600, 8192, 32768, 131072])
-def test_device_plan_equals_host_plan_for_one_row(length):
+@pytest.mark.parametrize("free_slots", [None, 0, 8], ids=["file", "free0", "free8"])
+@pytest.mark.parametrize("length", [1, 700, 1600, 8192, 8193, 32768, 131072])
+def test_device_plan_equals_host_plan_for_one_row(length, free_slots):
     """One row: the partition's candidates and costs agree on both sides."""
-    _assert_device_plan_equals_host(np.array([length], dtype=np.int32))
+    _assert_device_plan_equals_host(np.array([length], dtype=np.int32), free_slots)
 
 
-def _assert_device_plan_equals_host(seq):
+def _assert_device_plan_equals_host(seq, free_slots=None):
     b = len(seq)
     splits = load_routes().route("pkv_workqueue").splits
     cal = find_calibration(torch.cuda.get_device_name())
+    if free_slots is not None:
+        cal = attrs.evolve(cal, splits=attrs.evolve(cal.splits, free_slots=free_slots))
     host = planner.plan_workqueue(seq, num_kv_heads=H_KV, num_qo_heads=32, head_dim=128,
                                   dtype_bytes=2, splits=splits, cal=cal)
     bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
