@@ -177,10 +177,13 @@ def medians(rows, case) -> list[dict]:
                    rounds=len(rs))
         for key in ("plan_us", "plan_mean_us", "plan_p90_us", "run_us", "host_us", "wall_us",
                     "gpu_us", "over_us"):
-            row[key] = statistics.median(r[key] for r in rs)
+            if all(key in r for r in rs):   # (rows of files before plan_mean_us lack the two)
+                row[key] = statistics.median(r[key] for r in rs)
         out.append(row)
+        spread = (f"(mean {row['plan_mean_us']:7.1f}, p90 {row['plan_p90_us']:7.1f})  "
+                  if "plan_mean_us" in row else "")
         print(f"{case:11s} {engine:32s} L{layers:<3d} median of {len(rs)}: plan {row['plan_us']:7.1f} "
-              f"(mean {row['plan_mean_us']:7.1f}, p90 {row['plan_p90_us']:7.1f})  "
+              f"{spread}"
               f"host {row['host_us']:8.1f}  gpu {row['gpu_us']:8.1f}  wall {row['wall_us']:8.1f} us")
     return out
 
@@ -204,8 +207,8 @@ def print_targets(rows) -> None:
                 verdicts.append(  # difference is what host routing itself costs
                     f"host routing adds {r['plan_us'] - dp['plan_us']:.1f} us over device "
                     f"planning's plan() ({dp['plan_us']:.1f} us)")
-        print(f"target {case:11s} L{layers:<3d} adaptive plan {r['plan_us']:6.1f} us (mean "
-              f"{r['plan_mean_us']:6.1f})  "
+        mean = f" (mean {r['plan_mean_us']:6.1f})" if "plan_mean_us" in r else ""
+        print(f"target {case:11s} L{layers:<3d} adaptive plan {r['plan_us']:6.1f} us{mean}  "
               + ("; ".join(verdicts) or "(no FlashInfer row)"))
 
 

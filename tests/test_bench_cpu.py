@@ -291,21 +291,21 @@ def test_max_waves_is_kept_across_a_recalibration(tmp_path):
         gpu="NVIDIA H200", sm_count=132, l2_bytes=60 * 2**20, beta_gbps=4000.0, lambda_us=6.0,
         lambda_graph_us=1.1, c_min=2.0,
         splits={"bucket_ctas_per_sm": 1.0, "workqueue_ctas_per_sm": 2.0, "min_split_tokens": 128,
-                "cta_overhead_tiles": 3.0, "co_resident_slowdown": 1.8, "max_waves": 3, "free_slots": 8},
+                "cta_overhead_tiles": 3.0, "co_resident_slowdown": 1.8, "max_waves": 3, "merge_free_slots": 8},
         flashinfer={8: 3.6}, versions={}, command="pkvrt calibrate", provenance="test", date="2026-12-01")
-    assert cal.splits.max_waves == 3 and cal.splits.free_slots == 8
+    assert cal.splits.max_waves == 3 and cal.splits.merge_free_slots == 8
 
 
-def test_free_slots_is_kept_across_a_recalibration(tmp_path):
-    """splits.free_slots is set by hand (the timed cuts cannot measure it): `pkvrt calibrate`
+def test_merge_free_slots_is_kept_across_a_recalibration(tmp_path):
+    """splits.merge_free_slots is set by hand (the timed cuts cannot measure it): `pkvrt calibrate`
     keeps the value of the file it replaces, 0 for a new file."""
     import argparse
 
     old = tmp_path / "nvidia-h200.json"
     h200 = calibration.load_calibration(CHECKOUT / "calibration" / "nvidia-h200.json")
-    calibration.save_calibration(attrs.evolve(h200, splits=attrs.evolve(h200.splits, free_slots=24)), old)
-    assert calibrate.kept_free_slots(argparse.Namespace(out=str(old)), "nvidia-h200") == 24
-    assert calibrate.kept_free_slots(argparse.Namespace(out=str(tmp_path / "new.json")), "x") == 0
+    calibration.save_calibration(attrs.evolve(h200, splits=attrs.evolve(h200.splits, merge_free_slots=24)), old)
+    assert calibrate.kept_merge_free_slots(argparse.Namespace(out=str(old)), "nvidia-h200") == 24
+    assert calibrate.kept_merge_free_slots(argparse.Namespace(out=str(tmp_path / "new.json")), "x") == 0
 
 
 @pytest.mark.parametrize("text, expected", [("4,1,8", (4, 1, 8)), ("4", (4,)), ("1,4", (1, 4))])

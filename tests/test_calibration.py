@@ -103,7 +103,7 @@ def calibrations(draw) -> Calibration:
         sm_count=draw(st.integers(1, 1024)), l2_bytes=draw(st.integers(1, 2**40)),
         beta_gbps=draw(pos), lambda_us=draw(pos), lambda_graph_us=draw(pos), c_min=draw(pos),
         splits=SplitPoints(draw(pos), draw(pos), draw(st.integers(1, 1 << 20)),
-                           free_slots=draw(st.integers(0, 1024))),
+                           merge_free_slots=draw(st.integers(0, 1024))),
         flashinfer_ctas_per_sm=tuple(sorted(table.items())),
         versions=tuple((k, draw(st.none() | names)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=draw(st.dates()).isoformat(), seed=draw(st.integers(0, 2**40)), command=draw(names),
@@ -162,9 +162,9 @@ def test_missing_key_is_named(tmp_path, path):
     (("gpu",), "", "a non-empty string"),
     (("date",), "29/11/2026", "an ISO date"),
     (("slug",), "RTX 3060", "a slug"),
-    (("splits", "free_slots"), 8.0, "an integer"),
-    (("splits", "free_slots"), False, "an integer"),
-    (("splits", "free_slots"), -1, "an integer >= 0"),
+    (("splits", "merge_free_slots"), 8.0, "an integer"),
+    (("splits", "merge_free_slots"), False, "an integer"),
+    (("splits", "merge_free_slots"), -1, "an integer >= 0"),
 ])
 def test_wrong_type_is_named(tmp_path, path, value, expected):
     doc = seed_doc()

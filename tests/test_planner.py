@@ -446,12 +446,12 @@ def test_small_ctas_beside_the_big_ones_cost_with_the_slowdown():
 
 def _h200_free(free_slots: int):
     h200 = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
-    return attrs.evolve(h200, splits=attrs.evolve(h200.splits, free_slots=free_slots))
+    return attrs.evolve(h200, splits=attrs.evolve(h200.splits, merge_free_slots=free_slots))
 
 
 def test_free_slots_set_aside_the_cut_that_fills_its_last_wave():
     """One 8K row at H_kv 8: the makespan model's cheapest cut is 264 CTAs, every resident slot of
-    the H200 (2 x 132); with splits.free_slots = 8 the cheapest cut that leaves 8 slots free is
+    the H200 (2 x 132); with splits.merge_free_slots = 8 the cheapest cut that leaves 8 slots free is
     taken instead (232 CTAs), and when no candidate leaves that many the rule steps aside."""
     from pkvrt.policy.planner import PartitionModel, balanced_partition, partition_candidates, partition_costs
 
@@ -470,6 +470,12 @@ def test_free_slots_set_aside_the_cut_that_fills_its_last_wave():
     never = balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=_h200_free(m.wave + 1))
     assert (never.ctas, never.chunk_tiles) == (full.ctas, full.chunk_tiles)
     assert planner.device_plan_targets(_h200_free(8))["free_slots"] == 8
+    # a fused cut has no merge launch to make room for: the rule does not apply to it
+    assert planner.device_plan_targets(_h200_free(8), "fused")["free_slots"] == 0
+    fused = balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=_h200_free(8), kind="fused")
+    assert (fused.ctas, fused.chunk_tiles) == (full.ctas, full.chunk_tiles)
+    with pytest.raises(ValueError, match="kind='bucket'"):
+        PartitionModel.of(_h200_free(8), "bucket")
 
 
 def m_min_tokens() -> int:

@@ -187,13 +187,27 @@ def _pdl_config():
     return cfg
 
 
+def current_stream_handle() -> int:
+    """torch's current CUDA stream of the current device, as a raw ``cudaStream_t``.
+
+    Read through ``torch._C._cuda_getCurrentRawStream`` (what Triton and Inductor launch on)
+    rather than ``torch.cuda.current_stream().cuda_stream``, which builds a Stream object through
+    Python device-index helpers: ~15 us per call on the H200 machine's host, one per eager launch
+    (benches/NOTES.md, "Session 14"). Same stream, capture included.
+    """
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:   # a torch without it: the public way
+        return torch.cuda.current_stream().cuda_stream
+    return raw(torch._C._cuda_getDevice())
+
+
 def launch(kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctypes.Structure) -> None:
     """Launch ``kernel`` with one by-value struct argument on torch's current stream.
 
     The stream is read here, at every launch: a cached handle would bypass graph capture.
     The driver copies ``params`` during the call, so the struct may be freed afterwards.
     """
-    stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
+    stream = cu.CUstream(current_stream_handle())
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     if kernel.pdl and pdl_enabled():
         cfg = _pdl_config()

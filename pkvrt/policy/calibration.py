@@ -19,8 +19,8 @@ Schema 1 (every key required unless marked optional; no others allowed)::
     splits            {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
                        "cta_overhead_tiles", "co_resident_slowdown" (these two optional: 4.0 and
                        1.5 when absent, in files written before 2026-12-01), "max_waves"
-                       (optional, int >= 1, default 2), "free_slots" (optional, int >= 0,
-                       default 0), "by_group" (optional: {"<G>": {some
+                       (optional, int >= 1, default 2), "merge_free_slots" (optional, int
+                       >= 0, default 0), "by_group" (optional: {"<G>": {some
                        of _GROUP_KEYS}}, the balanced partition's constants fitted at query
                        heads per KV head G; a group size without an entry uses the keys above)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
@@ -70,7 +70,7 @@ _TOP_KEYS = (
 )
 _OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype")
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
-               "co_resident_slowdown", "max_waves", "free_slots", "by_group")
+               "co_resident_slowdown", "max_waves", "merge_free_slots", "by_group")
 # splits.by_group.<G>.*: the balanced partition's constants that one group size may override
 _GROUP_KEYS = ("workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles", "co_resident_slowdown")
 # splits.* of a file written before they existed (2026-12-01): the balanced partition's defaults
@@ -108,11 +108,12 @@ class SplitPoints:
         (1.0: a second CTA is free, 2.0: it runs after the first).
     max_waves: the balanced partition plans at most this many resident waves of decode CTAs
         (``workqueue_ctas_per_sm * sm_count`` each); larger cuts are not considered.
-    free_slots: the balanced partition prefers cuts whose last wave leaves at least this many
-        resident slots free, so that the kernel after the decode (the merge, the next layer's
-        decode) becomes resident while the decode runs (programmatic dependent launch) instead
-        of after it (``planner.partition_choice``); 0: no preference (files written before
-        2026-12-02). Set by hand, like max_waves: `pkvrt calibrate` keeps the file's value.
+    merge_free_slots: a workqueue cut (decode, then a separate merge launch) is preferred that
+        leaves at least this many resident slots free in its last wave, so that the merge's
+        CTAs become resident while the decode runs (programmatic dependent launch) instead of
+        after it (``planner.partition_choice``); fused cuts (no merge launch) ignore it. 0: no
+        preference (files written before 2026-12-02). Set by hand, like max_waves: `pkvrt
+        calibrate` keeps the file's value.
     by_group: ``((G, ((key, value), ...)), ...)`` sorted by G: partition constants
         (``_GROUP_KEYS``) fitted at G query heads per KV head, which replace the ones above for
         that group size (:meth:`Calibration.for_group`). Empty: one set for every G.
@@ -124,14 +125,14 @@ class SplitPoints:
     cta_overhead_tiles: float = DEFAULT_CTA_OVERHEAD_TILES
     co_resident_slowdown: float = DEFAULT_CO_RESIDENT_SLOWDOWN
     max_waves: int = DEFAULT_MAX_WAVES
-    free_slots: int = 0
+    merge_free_slots: int = 0
     by_group: tuple[tuple[int, tuple[tuple[str, float | int], ...]], ...] = ()
 
     def to_dict(self) -> dict:
-        """The ``splits`` object of a file (``free_slots`` only when set, ``by_group`` only when it
+        """The ``splits`` object of a file (``merge_free_slots`` only when set, ``by_group`` only when it
         has entries: a file without them reads back the same)."""
         d = {k: v for k, v in attrs.asdict(self, recurse=False).items()
-             if k != "by_group" and (k != "free_slots" or v)}
+             if k != "by_group" and (k != "merge_free_slots" or v)}
         if self.by_group:
             d["by_group"] = {str(g): dict(kv) for g, kv in self.by_group}
         return d
@@ -528,7 +529,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
     _take({k: None for k in _OPTIONAL_TOP_KEYS} | doc, _TOP_KEYS + _OPTIONAL_TOP_KEYS, path, "")
 
     sp = _dict(doc, "splits", path)
-    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, "free_slots": None,
+    _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, "merge_free_slots": None,
            "by_group": None, **sp},
           _SPLIT_KEYS, path, "splits.")
     splits = SplitPoints(
@@ -540,7 +541,8 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         co_resident_slowdown=(_float(sp, "co_resident_slowdown", path, "splits.")
                               if "co_resident_slowdown" in sp else DEFAULT_CO_RESIDENT_SLOWDOWN),
         max_waves=_int(sp, "max_waves", path, "splits.") if "max_waves" in sp else DEFAULT_MAX_WAVES,
-        free_slots=_nonneg_int(sp, "free_slots", path, "splits.") if "free_slots" in sp else 0,
+        merge_free_slots=(_nonneg_int(sp, "merge_free_slots", path, "splits.")
+                          if "merge_free_slots" in sp else 0),
         by_group=_by_group(sp["by_group"], path) if "by_group" in sp else (),
     )
 

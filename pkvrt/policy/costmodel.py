@@ -194,7 +194,7 @@ def partition_group(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_
     route bounds ``splits``: the workqueue (2 launches) and fused (1) routes.
     ``longest_splits`` forces the cut (calibration sweeps)."""
     p = balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens,
-                           longest_splits=longest_splits)
+                           longest_splits=longest_splits, kind="workqueue" if launches == 2 else "fused")
     return LaunchGroup(kv_bytes=kv_bytes(seq, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
                        makespan_tiles=p.cost / (64 * cal.sm_count), splits=int(p.num_splits.max()),
                        launches=launches)

@@ -211,7 +211,8 @@ class PartitionModel:
     fixed cost (prologue, partial-state write, its share of the merge), in eighths of a tile.
     max_waves : the partition plans at most ``max_waves * wave`` CTAs (calibration
     ``splits.max_waves``, default MAX_WAVES). free_slots : resident slots a cut should leave
-    free in its last wave (calibration ``splits.free_slots``; :func:`partition_choice`).
+    free in its last wave (:func:`partition_choice`): calibration ``splits.merge_free_slots``
+    for a workqueue route (decode + merge launch), 0 for a fused one.
     """
 
     sms: int
@@ -222,12 +223,16 @@ class PartitionModel:
     free_slots: int = 0
 
     @classmethod
-    def of(cls, cal: Calibration) -> "PartitionModel":
+    def of(cls, cal: Calibration, kind: str = "workqueue") -> "PartitionModel":
+        """The model of ``cal`` for a route of ``kind`` ("workqueue", "fused"; the merge's free
+        slots apply to the workqueue kind alone)."""
+        if kind not in ("workqueue", "fused"):
+            raise ValueError(f"PartitionModel.of: kind={kind!r}: expected 'workqueue' or 'fused'")
         sp = cal.splits
         return cls(sms=cal.sm_count, resident=max(1, int(round(sp.workqueue_ctas_per_sm))),
                    slowdown8=int(round(8 * sp.co_resident_slowdown)),
                    overhead8=int(round(8 * sp.cta_overhead_tiles)), max_waves=sp.max_waves,
-                   free_slots=sp.free_slots)
+                   free_slots=sp.merge_free_slots if kind == "workqueue" else 0)
 
     def free_in_last_wave(self, ctas):
         """Resident slots the last wave of ``ctas`` CTAs leaves free: ``(-ctas) mod wave`` (0 when
@@ -319,7 +324,8 @@ def partition_costs(tiles: np.ndarray, cands: np.ndarray, *, num_kv_heads: int, 
 
 
 def balanced_partition(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,
-                       tile_tokens: int = TILE_TOKENS, longest_splits: int | None = None) -> Partition:
+                       tile_tokens: int = TILE_TOKENS, longest_splits: int | None = None,
+                       kind: str = "workqueue") -> Partition:
     """Cut a step's KV work (rows x KV heads x tiles) into chunks of near-equal size.
 
     One chunk length ``c`` (tiles) for the whole step: a row of ``t`` tiles gets
@@ -337,7 +343,7 @@ def balanced_partition(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calib
     tiles = -(-np.asarray(seq, dtype=np.int64) // tile_tokens)
     min_tiles = -(-cal.splits.min_split_tokens // tile_tokens)
     ns, c, s, ctas, cost = _partition_of_tiles(tuple(tiles.tolist()), num_kv_heads, splits,
-                                               PartitionModel.of(cal), min_tiles, longest_splits)
+                                               PartitionModel.of(cal, kind), min_tiles, longest_splits)
     return Partition(num_splits=np.array(ns, dtype=np.int64), chunk_tiles=c, longest_splits=s,
                      ctas=ctas, cost=cost)
 
@@ -380,10 +386,10 @@ def partition_choice(cost, ctas, cands, model: PartitionModel) -> int:
     return min(np.flatnonzero(ok).tolist(), key=lambda k: (cost[k], ctas[k], cands[k]))
 
 
-def device_plan_targets(cal: Calibration) -> dict[str, int]:
+def device_plan_targets(cal: Calibration, kind: str = "workqueue") -> dict[str, int]:
     """The partition constants of ``ops.plan_workqueue_device`` as keywords
     (:class:`PartitionModel` and the CTA cap of ``max_waves`` resident waves)."""
-    m = PartitionModel.of(cal)
+    m = PartitionModel.of(cal, kind)
     return {"sms": m.sms, "resident": m.resident, "slowdown8": m.slowdown8, "overhead8": m.overhead8,
             "max_ctas": m.max_waves * m.wave, "free_slots": m.free_slots}
 
@@ -529,11 +535,12 @@ def workqueue_counters_of(seq, num_splits, *, num_kv_heads, num_qo_heads, head_d
 
 
 def workqueue_from_checked(seq, *, num_kv_heads, num_qo_heads, head_dim, dtype_bytes, splits, cal, tile_tokens,
-                           tasks: bool, longest_splits: int | None = None):
+                           tasks: bool, longest_splits: int | None = None, kind: str = "workqueue"):
     """:func:`plan_workqueue` (``tasks=True``) or only its counters (``tasks=False``) for a
-    ``seq`` already checked by :func:`check_seq_lens`."""
+    ``seq`` already checked by :func:`check_seq_lens`; ``kind`` "fused" cuts for the fused
+    kernel (no merge launch: :meth:`PartitionModel.of`)."""
     ns = balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens,
-                            longest_splits=longest_splits).num_splits
+                            longest_splits=longest_splits, kind=kind).num_splits
     counters = workqueue_counters_of(seq, ns, num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads,
                                      head_dim=head_dim, dtype_bytes=dtype_bytes, sm_count=cal.sm_count)
     slots, ctas = int(ns.sum()), counters.decode_ctas
@@ -578,7 +585,7 @@ def workqueue_counters(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_d
 
 def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype_bytes: int,
                    splits, cal: Calibration, tile_tokens: int = TILE_TOKENS,
-                   longest_splits: int | None = None) -> WorkqueuePlan:
+                   longest_splits: int | None = None, kind: str = "workqueue") -> WorkqueuePlan:
     """Compact ``(row, kvh, split, tok_begin, tok_end)`` tasks, only non-empty ones, cut by the
     balanced partition (:func:`balanced_partition`).
 
@@ -587,6 +594,8 @@ def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: 
     seq_lens : int [B], tokens per row (>= 1).
     splits : SplitBounds of the route. cal : the GPU's calibration.
     longest_splits : force the partition's candidate (the longest row's split count): sweeps.
+    kind : "workqueue" (decode + merge launch) or "fused" (the fused kernel's cut: no merge
+        launch to leave resident slots for, :meth:`PartitionModel.of`).
 
     Returns
     -------
@@ -597,7 +606,7 @@ def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: 
     return workqueue_from_checked(
         check_seq_lens(seq_lens), num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads,
         head_dim=head_dim, dtype_bytes=dtype_bytes, splits=splits, cal=cal, tile_tokens=tile_tokens,
-        tasks=True, longest_splits=longest_splits)
+        tasks=True, longest_splits=longest_splits, kind=kind)
 
 
 def fused_counters(counters: Counters) -> Counters:

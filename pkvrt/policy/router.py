@@ -193,7 +193,7 @@ class Router:
         if route.kind == "bucket":
             return bucket_from_checked(seq, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths,
                                        rows=full, **kw)
-        out = workqueue_from_checked(seq, tasks=full, **kw)
+        out = workqueue_from_checked(seq, tasks=full, kind=route.kind, **kw)
         if route.kind != "fused":
             return out
         return attrs.evolve(out, counters=fused_counters(out.counters)) if full else fused_counters(out)

@@ -175,6 +175,7 @@ class Runtime(StaticBuffers, Planning, Running):
 
         self.device = _resolve_device(device)
         self._cuda = self.device.type == "cuda"
+        self._stream_key = self._stream_obj = None   # _record's current stream
 
         with torch.cuda.device(self.device):
             if isinstance(calibration, Calibration):
@@ -270,6 +271,21 @@ class Runtime(StaticBuffers, Planning, Running):
     def _capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph (an engine's)."""
         return self._cuda and torch.cuda.is_current_stream_capturing()
+
+    def _record(self, event) -> None:
+        """``event.record()`` on the current stream, without ``torch.cuda.current_stream()``
+        (a Stream object built through Python device-index helpers: ~15 us per call on the H200
+        machine's host, once per plan(); benches/NOTES.md "Session 14"): the Stream object is
+        kept while torch reports the same current stream (id, device, type)."""
+        get = getattr(torch._C, "_cuda_getCurrentStream", None) if self._cuda else None
+        if get is None:
+            event.record()
+            return
+        key = get(torch._C._cuda_getDevice())
+        if key != self._stream_key:
+            self._stream_key = key
+            self._stream_obj = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        event.record(self._stream_obj)
 
     def _capture(self, key, launch) -> None:
         t0 = time.perf_counter()

@@ -115,7 +115,7 @@ class Planning:
             structure, gb = self._stage_device_plan(s, self._dp_routes[d.route], step), graphs.padded_batch(b)
         else:
             structure, gb = self._stage_bucket(s, d, step), graphs.padded_batch(b)
-        s.event.record()
+        self._record(s.event)
         self._step = _Step(route=d.route, kind=d.kind, batch=b, gbatch=gb, structure=structure,
                            max_page_id=step.max_page_id)
         self.last_decision = d
@@ -227,7 +227,7 @@ class Planning:
             num_kv_heads=self.num_kv_heads,
             min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
             max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch], num_pages=self._d_num_pages,
-            page_size=self.page_size, **device_plan_targets(cal), **src)
+            page_size=self.page_size, **device_plan_targets(cal, route.kind), **src)
 
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):

@@ -224,7 +224,7 @@ def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float
                                  cta_overhead_tiles=round(float(splits["cta_overhead_tiles"]), 3),
                                  co_resident_slowdown=round(float(splits["co_resident_slowdown"]), 3),
                                  max_waves=int(splits.get("max_waves", calib.DEFAULT_MAX_WAVES)),
-                                 free_slots=int(splits.get("free_slots", 0)),
+                                 merge_free_slots=int(splits.get("merge_free_slots", 0)),
                                  by_group=groups),
         flashinfer_ctas_per_sm=tuple((int(a), round(c, 3)) for a, c in sorted(flashinfer.items())),
         versions=tuple((k, versions.get(k)) for k in ("torch", "cuda", "flashinfer", "driver")),
@@ -649,13 +649,13 @@ def replaced_sections(out: Path) -> list[str]:
         return []
 
 
-def kept_free_slots(args, slug: str) -> int:
-    """splits.free_slots of the calibration file this run replaces (set by hand, like max_waves:
+def kept_merge_free_slots(args, slug: str) -> int:
+    """splits.merge_free_slots of the calibration file this run replaces (set by hand, like max_waves:
     the partition's timed cuts cannot measure it, benches/NOTES.md "Session 14"), else 0."""
     out = out_path(args, slug)
     if out.is_file():
         try:
-            return calib.load_calibration(out).splits.free_slots
+            return calib.load_calibration(out).splits.merge_free_slots
         except calib.CalibrationError:
             pass
     return 0
@@ -819,7 +819,7 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict], dict]:
                                     sm_count=sm, num_kv_heads=hkv)
     fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=sm, kv_dtype="float16",
                                            max_waves=max_waves)
-    splits.update(fitted[4], max_waves=max_waves, free_slots=kept_free_slots(args, calib.slugify(props.name)))
+    splits.update(fitted[4], max_waves=max_waves, merge_free_slots=kept_merge_free_slots(args, calib.slugify(props.name)))
     by_group = {g: pts for g, pts in fitted.items() if g != 4}
     c_min = fit_c_min(fit_recs, base)
     base = attrs.evolve(base, c_min=c_min)

@@ -160,7 +160,7 @@ def planned_cut(t: Timed, route, cal: calib.Calibration) -> int:
                               coarse_lengths=route.coarse_lengths, **t.shape)
         return max(g.splits for g in groups)
     return balanced_partition(t.seq, num_kv_heads=t.shape["num_kv_heads"], splits=route.splits,
-                              cal=cal).longest_splits
+                              cal=cal, kind=t.kind).longest_splits
 
 
 def _record(t: Timed, route, cal, cut: int) -> dict:
@@ -358,7 +358,7 @@ def _roofline_us(t: Timed, route, cal, shape) -> float:
         c = bucket_from_checked(seq, splits=route.splits, bucketing=route.bucketing,
                                 coarse_lengths=route.coarse_lengths, rows=False, **kw)
     else:
-        c = workqueue_from_checked(seq, splits=route.splits, tasks=False, **kw)
+        c = workqueue_from_checked(seq, splits=route.splits, tasks=False, kind=t.kind, **kw)
         c = fused_counters(c) if t.kind == "fused" else c
     return predict_route_us(t.kind, seq, c, cal, graphs=True, num_kv_heads=hkv, head_dim=shape["head_dim"],
                             dtype_bytes=shape["dtype_bytes"], splits=route.splits)

@@ -40,7 +40,7 @@ def _device_plan(seq, bufs, splits, cal):
 def test_device_plan_equals_host_plan(seed, free_slots):
     """The balanced partition on random batches: uniform lengths, short rows, one long row among
     short ones (the ragged steps where it matters), equal rows; with the calibration's
-    splits.free_slots and with others (the cut that fills its last wave set aside)."""
+    splits.merge_free_slots and with others (the cut that fills its last wave set aside)."""
     rng = np.random.default_rng(seed)
     b = int(rng.integers(1, MAX_ROWS + 1))
     kind = seed % 4
@@ -67,7 +67,7 @@ def _assert_device_plan_equals_host(seq, free_slots=None):
     splits = load_routes().route("pkv_workqueue").splits
     cal = find_calibration(torch.cuda.get_device_name())
     if free_slots is not None:
-        cal = attrs.evolve(cal, splits=attrs.evolve(cal.splits, free_slots=free_slots))
+        cal = attrs.evolve(cal, splits=attrs.evolve(cal.splits, merge_free_slots=free_slots))
     host = planner.plan_workqueue(seq, num_kv_heads=H_KV, num_qo_heads=32, head_dim=128,
                                   dtype_bytes=2, splits=splits, cal=cal)
     bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
