@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     for path in filter(None, args.calibrations.split(",")):
         c = calib.load_calibration(pathlib.Path(path))
         s = planner.balanced_partition(seq, num_kv_heads=hkv, splits=route.splits,
-                                       cal=c.for_group(args.group)).longest_splits
+                                       cal=c.for_group(args.group), kind=route.kind).longest_splits
         configs.append((s, None, c, path))
     for n in layers:
         for s, routes, c, how in configs:

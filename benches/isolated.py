@@ -397,7 +397,9 @@ def main(argv=None) -> int:
             engines.append(("pkvrt-bucket", s, *engine_split(case, s)))
         s = int(wplan.num_splits.max())
         engines.append(("pkvrt-workqueue", s, *engine_workqueue(case, None, False, wplan)))
-        engines.append(("pkvrt-fused", s, *engine_workqueue(case, None, True, wplan)))
+        fplan = planner.plan_workqueue(lens, splits=registry.route("pkv_fused").splits, cal=gcal,
+                                       kind="fused", **shape(hq, hkv))   # the fused route's own cut
+        engines.append(("pkvrt-fused", int(fplan.num_splits.max()), *engine_workqueue(case, None, True, fplan)))
         if args.ab_pdl:
             if len(bplan.buckets) == 1:
                 s = bplan.buckets[0].num_splits

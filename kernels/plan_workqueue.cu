@@ -18,8 +18,8 @@
 // W8 = 8 * H_kv * W + N * f8 (the average load at the GPU's best throughput; integer division).
 // f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
 // cost, then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
-// first candidate is always eligible) and, when any of them does, (-N) mod R >= free_slots (the
-// last wave leaves slots for the dependent kernel). Split j of n over t tiles covers tiles
+// first candidate is always eligible) and, on a one-row step, when any of them does,
+// (-N) mod R >= free_slots (the last wave leaves slots for the merge). Split j of n over t tiles covers tiles
 // [j*t/n, (j+1)*t/n).
 // Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate).
 // Task order (the host's): rows by decreasing tokens per split (seq_len / splits, integer), ties
@@ -274,10 +274,11 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   __syncthreads();
   if (tid == 0) {
     // Least cost, then fewest CTAs, then smallest s, within max_ctas (the first candidate always
-    // eligible); first among the cuts whose last wave leaves free_slots resident slots free, so
-    // the dependent kernel becomes resident during the decode (planner.partition_choice).
+    // eligible); on a one-row step first among the cuts whose last wave leaves free_slots
+    // resident slots free, so the merge becomes resident during the decode
+    // (planner.partition_choice).
     int best = -1;
-    for (int pass = p.free_slots > 0 ? 0 : 1; pass < 2 && best < 0; ++pass) {
+    for (int pass = p.free_slots > 0 && rows == 1 ? 0 : 1; pass < 2 && best < 0; ++pass) {
       for (int k = 0; k < num_cand; ++k) {
         if (k > 0 && ctas_of[k] > p.max_ctas) continue;
         if (pass == 0 && (R - ctas_of[k] % R) % R < p.free_slots) continue;

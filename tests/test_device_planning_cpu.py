@@ -228,7 +228,7 @@ def test_device_grid_holds_the_planning_rule_for_all_long_rows(fake_device):  # 
                 seq, torch.tensor([b], dtype=torch.int32), tasks, num,
                 torch.zeros(gb + 1, dtype=torch.int32), torch.zeros(gb, dtype=torch.int32), status,
                 cands, num_kv_heads=hkv, min_split_tiles=-(-cal.splits.min_split_tokens // 32),
-                **planner.device_plan_targets(cal),
+                **planner.device_plan_targets(cal, route.kind),
                 max_seq_len=torch.tensor([2**30], dtype=torch.int32))
             assert int(status[0]) == 0 and int(num[0]) <= grid, (name, b)
             assert int(num[0]) // hkv <= rt.stats()["capacities"]["slots"], (name, b)

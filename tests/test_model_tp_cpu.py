@@ -249,7 +249,7 @@ def test_every_rank_plans_the_same_steps_for_its_own_heads(fake_device):  # noqa
             L, n = rt._layout, int(rt._v_num_tasks[0])
             splits = rt._d_num_splits[:batch].clone()
             want = planner.balanced_partition(slots.seq_lens, num_kv_heads=1, splits=route.splits,
-                                              cal=rt.calibration).num_splits
+                                              cal=rt.calibration, kind=route.kind).num_splits
             assert splits.tolist() == want.tolist()
             tasks = rt._arena[L.tasks:L.tasks + 5 * n].view(n, 5).clone()
             assert set(tasks[:, 1].tolist()) == {0}                 # the rank's one KV head

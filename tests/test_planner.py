@@ -470,6 +470,11 @@ def test_free_slots_set_aside_the_cut_that_fills_its_last_wave():
     never = balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=_h200_free(m.wave + 1))
     assert (never.ctas, never.chunk_tiles) == (full.ctas, full.chunk_tiles)
     assert planner.device_plan_targets(_h200_free(8))["free_slots"] == 8
+    # several rows (a merge grid of 8 CTAs per row, not measured): the rule does not apply
+    rows = np.array([8193, 2000])
+    for f in (8, 40):
+        assert (balanced_partition(rows, num_kv_heads=8, splits=bounds, cal=_h200_free(f)).num_splits.tolist()
+                == balanced_partition(rows, num_kv_heads=8, splits=bounds, cal=_h200_free(0)).num_splits.tolist())
     # a fused cut has no merge launch to make room for: the rule does not apply to it
     assert planner.device_plan_targets(_h200_free(8), "fused")["free_slots"] == 0
     fused = balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=_h200_free(8), kind="fused")

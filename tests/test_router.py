@@ -538,3 +538,45 @@ def test_an_fp8_router_plans_with_the_fp8_section():
     assert fp16.cal.splits.cta_overhead_tiles == g8["cta_overhead_tiles"] != 2.5
     plain = Router(load_routes(None), C.calibration_from_dict(plain_doc), kv_dtype="float8_e4m3fn", **shape)
     assert plain.cal.kv_dtype_fallback and plain.cal.splits == fp16.cal.splits
+
+
+# --------------------------------------------------------------------------- decision window
+
+def test_window_reuses_the_last_decision_across_a_cell_within_a_quantum():
+    """Rows that cross a memo cell (here 32700 -> 32760, cells of 64 tokens) but stay within one
+    quantum of the lengths the decision was predicted for reuse it; a row that moved by a
+    quantum or more, another distinct-length count, another row count or another force do not."""
+    r = _h200_router(memo_size=64, device_plan_kinds=DEVICE_KINDS)
+    q = r._quantum
+    assert q == 64 and 32700 // q != 32760 // q
+    first = r.decide([32700, 20000])
+    assert not first.reused
+    again = r.decide([32760, 20010])                      # another key, inside the window
+    assert again.reused and again.route == first.route and again.predicted_us == first.predicted_us
+    assert r.decide([32700 + q, 20000]).reused is False   # one row a whole quantum away
+    base = r.decide([20000, 20000])                       # new anchor: one distinct length
+    assert not r.decide([20000, 20001]).reused            # two distinct lengths: buckets differ
+    assert not r.decide([20001]).reused                   # another row count
+    assert not r.decide([20000, 20000], force="pkv_bucket").reused   # another force: its own window
+    assert r.decide([20010, 20010]).reused and base.route == r.decide([20010, 20010]).route
+
+
+def test_window_never_spans_a_context_gate():
+    """min_context = 16384: a step just under it goes to FlashInfer, one just over it is decided
+    afresh (the window would otherwise keep it on FlashInfer for up to a quantum of steps)."""
+    r = _h200_router(memo_size=64, device_plan_kinds=DEVICE_KINDS)
+    under = r.decide([16380])
+    over = r.decide([16390])
+    fresh = _h200_router(device_plan_kinds=DEVICE_KINDS).decide([16390])
+    assert under.route == "flashinfer" and not over.reused and over.route == fresh.route != "flashinfer"
+
+
+def test_window_per_force_survives_alternating_decisions():
+    """The FlashInfer fallback decides unforced, then forced, every step: each force keeps its own
+    window, so both hit on the next steps."""
+    r = _h200_router(memo_size=64, device_plan_kinds=DEVICE_KINDS)
+    seq = np.array([32773, 2065, 3132, 4129], dtype=np.int32)
+    for i in range(10):
+        a = r.decide(seq + i)
+        b = r.decide(seq + i, force="pkv_fused")
+        assert (a.reused, b.reused) == (i > 0, i > 0)

@@ -669,7 +669,7 @@ class Emu:
             roomy = (-ctas) % wave >= free_slots
             if i == 0 or ctas <= max_ctas:
                 cands_ok.append((not roomy, cost, ctas, i, c))
-        best = min(cands_ok) if free_slots else min(cands_ok, key=lambda x: x[1:4])
+        best = min(cands_ok) if free_slots and rows == 1 else min(cands_ok, key=lambda x: x[1:4])
         best = (best[4], best[1], best[2])
         splits = [-(-t // best[0]) if t else 0 for t in tiles]
         offs = np.concatenate([[0], np.cumsum(splits)])
@@ -1156,3 +1156,40 @@ def test_flashinfer_route_waits_for_a_wrappers_last_plan_copy_before_replanning(
         else:            # one eager wrapper: every re-plan waits
             assert log == [("plan", 2), ("record", first), ("sync", first), ("plan", 1),
                            ("record", first), ("sync", first), ("plan", 2), ("record", first)]
+
+
+def test_run_checks_each_argument_signature_once(fake_device, pool, monkeypatch):
+    """run() checks its tensors in full once per signature (addresses, shapes, strides, dtypes,
+    devices, batch): later layers and steps with the same tensors check only the step's page
+    bound, and any change of a tensor is checked in full again."""
+    from pkvrt.runtime import running
+
+    b, _ = pool
+    rt = fake_runtime()
+    cache = (b.k_cache, b.v_cache)
+    calls = []
+    monkeypatch.setattr(running, "check_run_args", lambda *a, **k: calls.append(1) or check_run_args(*a, **k))
+    seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=7)
+    out = torch.empty_like(q)
+    for i in range(3):
+        rt.plan(seq, bt, force="pkv_workqueue")
+        for _ in range(2):
+            rt.run(q, *cache, out=out)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="out: expected dtype"):      # another tensor: checked
+        rt.run(q, *cache, out=out.float())
+    with pytest.raises(ValueError, match=r"q: expected a contiguous \[B, H_q, D\]"):
+        rt.run(q[:2], *cache, out=out)
+    top = rt._step.max_page_id                                        # the step's largest page id
+    small = (b.k_cache[:top + 1], b.v_cache[:top + 1])                # just enough pages for it
+    n = len(calls)
+    rt.run(q, *small, out=out)
+    rt.run(q, *small, out=out)
+    assert len(calls) == n + 1
+    bt2 = bt.clone()
+    bt2[0, 0] = top + 1                                               # the next step reads one page more
+    rt.plan(seq, bt2, force="pkv_workqueue")
+    with pytest.raises(ValueError, match=rf"page id {top + 1}: expected page ids < num_pages"):
+        rt.run(q, *small, out=out)                                    # known signature: bound still read
+    assert len(calls) == n + 1
+    assert rt.run(q, *cache, out=out) is out

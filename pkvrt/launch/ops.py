@@ -422,7 +422,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     ``page_size`` are given. candidates [n] int32,
     the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
     pkvrt.policy.planner.balanced_partition; sms, resident, slowdown8, overhead8, max_ctas and
-    free_slots are ``planner.device_plan_targets(cal)``.
+    free_slots are ``planner.device_plan_targets(cal, route.kind)`` (free_slots: the one-row
+    preference of ``planner.partition_choice``, 0 = none).
 
     Direct mode (an engine's captured step: no copy or fill launch before the planning kernel):
     ``rows`` (active rows; num_rows is not read) and ``max_seq`` (the longest valid seq_len;

@@ -335,7 +335,10 @@ def balanced_partition(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calib
     count of ``splits`` whose chunk is at least ``min_split_tokens``) of least model cost
     (:func:`partition_costs`), ties to fewer CTAs, then smaller s; candidates planning more than
     ``MAX_WAVES`` waves of CTAs are skipped unless the smallest candidate is (a batch whose rows
-    alone exceed that; ``MAX_WAVES`` is calibration ``splits.max_waves``). ``longest_splits`` forces ``s`` (sweeps and ablations).
+    alone exceed that; ``MAX_WAVES`` is calibration ``splits.max_waves``); on a one-row step of
+    the workqueue ``kind``, cuts leaving calibration ``splits.merge_free_slots`` resident slots
+    free are preferred (:func:`partition_choice`; ``kind`` "fused" cuts for the fused kernel,
+    which has no merge launch). ``longest_splits`` forces ``s`` (sweeps and ablations).
 
     The planning kernel (kernels/plan_workqueue.cu) computes the same choice with the same
     integer arithmetic; tests/gpu/test_device_plan.py checks they agree.
@@ -358,16 +361,16 @@ def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: Partitio
     if longest_splits is not None:
         cands = np.array([longest_splits], dtype=np.int64)
     cost, ctas, chunk = partition_costs(t, cands, num_kv_heads=num_kv_heads, model=model)
-    i = partition_choice(cost, ctas, cands, model)
+    i = partition_choice(cost, ctas, cands, model, rows=t.size)
     c = int(chunk[i])
     return tuple((-(-t // c)).tolist()), c, int(cands[i]), int(ctas[i]), int(cost[i])
 
 
-def partition_choice(cost, ctas, cands, model: PartitionModel) -> int:
+def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int) -> int:
     """The index of the cut to take: least model cost, then fewest CTAs, then the smallest s,
     among the candidates within ``max_waves`` waves (the first candidate is always eligible) —
-    and, when any of those leaves ``model.free_slots`` resident slots free in its last wave,
-    among those alone.
+    and, on a one-row step, when any of those leaves ``model.free_slots`` resident slots free in
+    its last wave, among those alone.
 
     Why the free slots (benches/NOTES.md, "Session 14"): every pkvrt kernel launches the next
     one early (programmatic dependent launch), whose CTAs then wait on the GPU, resident, for
@@ -377,9 +380,12 @@ def partition_choice(cost, ctas, cands, model: PartitionModel) -> int:
     at one 8K row: 16.1 us per layer at 264 CTAs, 12.4 at 232; with an MLP between the layers
     (no next attention to overlap) 91.9 -> 89.7. The makespan model cannot see it (it times
     one kernel), and a cut is never cheaper by that much in it, so it is a rule, not a cost.
+    One row only: its merge grid (one CTA per 4 query heads: 8 at H_q 32) is what the slots make
+    room for, and that is where it was measured; on random two- to eight-row steps the rule would
+    change 16 % of the cuts at up to +45 % model cost (a merge grid of 8 CTAs per row), unmeasured.
     """
     ok = (np.asarray(ctas) <= model.max_waves * model.wave) | (np.arange(len(cands)) == 0)
-    if model.free_slots:
+    if model.free_slots and rows == 1:
         roomy = ok & (model.free_in_last_wave(ctas) >= model.free_slots)
         if roomy.any():
             ok = roomy
@@ -395,10 +401,10 @@ def device_plan_targets(cal: Calibration, kind: str = "workqueue") -> dict[str, 
 
 
 def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,
-                           tile_tokens: int = TILE_TOKENS) -> np.ndarray:
-    """S per row (int64 [B]) of the workqueue and fused routes: :func:`balanced_partition`."""
+                           tile_tokens: int = TILE_TOKENS, kind: str = "workqueue") -> np.ndarray:
+    """S per row (int64 [B]) of the workqueue or fused route (``kind``): :func:`balanced_partition`."""
     return balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal,
-                              tile_tokens=tile_tokens).num_splits
+                              tile_tokens=tile_tokens, kind=kind).num_splits
 
 
 def device_grid_ctas(gbatch: int, *, num_kv_heads: int, splits, cal: Calibration) -> int:
@@ -616,8 +622,9 @@ def fused_counters(counters: Counters) -> Counters:
 
 
 def plan_fused(seq_lens, **kwargs) -> WorkqueuePlan:
-    """:func:`plan_workqueue` with :func:`fused_counters` (same tasks and slots)."""
-    plan = plan_workqueue(seq_lens, **kwargs)
+    """The fused route's plan: :func:`plan_workqueue` of the fused kind's cut (no merge launch
+    to leave slots for: :meth:`PartitionModel.of`) with :func:`fused_counters`."""
+    plan = plan_workqueue(seq_lens, kind="fused", **kwargs)
     return attrs.evolve(plan, counters=fused_counters(plan.counters))
 
 

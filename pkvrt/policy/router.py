@@ -169,7 +169,11 @@ class Router:
                              f"{kinds} (FlashInfer's plan is always built on the host)")
         self.device_plan_kinds = frozenset(device_plan_kinds)
         self._memo: dict = {}   # key -> (decision, its lengths, distinct lengths); oldest evicted first
-        self._window = None     # (force, lengths, distinct lengths, decision) of the last decision used
+        # per force: (lengths, distinct lengths, decision) of the last decision used (_window_hit)
+        self._windows: dict = {}
+        # the gates' context thresholds: a window never spans one (the memo's cells never do, as
+        # min_context values are multiples of the quantum in practice, but the window is not a cell)
+        self._ctx_gates = tuple(sorted({r.gates.min_context for r in registry.routes if r.kind != "flashinfer"}))
         self._quantum = max(TILE_TOKENS, self.cal.splits.min_split_tokens)
         self.memo_hits = 0
 
@@ -248,7 +252,7 @@ class Router:
                 entry = self._memo.get(key)
                 if entry is not None:
                     hit = entry[0]
-                    self._window = (force, entry[1], entry[2], hit)
+                    self._windows[force] = (entry[1], entry[2], hit)
             if hit is not None:
                 self.memo_hits += 1
                 # the constructor, not attrs.evolve: 1.7 vs 4.8 us on the dev box, per step
@@ -327,27 +331,33 @@ class Router:
             template = attrs.evolve(d, plan=None)   # a hit re-plans: keep no arrays
             lens = tuple(lens)
             self._memo[key] = (template, lens, key[2])
-            self._window = (force, lens, key[2], template)
+            self._windows[force] = (lens, key[2], template)
         return d
 
     def _window_hit(self, lens: list, force: str | None) -> RouteDecision | None:
-        """The decision of the last step decided or reused, if this step is within its window:
-        the same force, row count and number of distinct lengths, and every row within one
-        quantum of the lengths that decision was predicted for (``|n - a| < quantum``, the
-        bound a memo key's cell gives). Rows that grow a token a step stay in the window for a
-        quantum of steps whatever their phase; the key's fixed grid alone misses whenever any
-        row crosses a cell (B8, random phases, quantum 64: 12.5 % of the steps, each a full
-        prediction: benches/NOTES.md "Session 14")."""
-        w = self._window
-        if w is None or w[0] != force or len(lens) != len(w[1]):
+        """The decision of the last step decided or reused with this ``force``, if this step is
+        within its window: the same row count and number of distinct lengths, the longest row
+        on the same side of every gate's min_context, and every row within one quantum of the
+        lengths that decision was predicted for (``|n - a| < quantum``, the bound a memo key's
+        cell gives). Rows that grow a token a step stay in the window for a quantum of steps
+        whatever their phase; the key's fixed grid alone misses whenever any row crosses a cell
+        (B8, random phases, quantum 64: 12.5 % of the steps, each a full prediction:
+        benches/NOTES.md "Session 14"). One window per force: the fallback without FlashInfer
+        decides unforced, then forced, every step."""
+        w = self._windows.get(force)
+        if w is None or len(lens) != len(w[0]):
             return None
         q = self._quantum
-        for n, a in zip(lens, w[1]):
+        for n, a in zip(lens, w[0]):
             if not -q < n - a < q:
                 return None
-        if len(set(lens)) != w[2]:
+        if len(set(lens)) != w[1]:
             return None
-        return w[3]
+        top, was = max(lens), max(w[0])
+        for g in self._ctx_gates:
+            if (top >= g) != (was >= g):
+                return None
+        return w[2]
 
     def memo_key(self, seq, force: str | None = None) -> tuple | None:
         """The memo's key of a step (``seq``: int [B], checked, or a list of Python ints):

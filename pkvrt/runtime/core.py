@@ -176,6 +176,7 @@ class Runtime(StaticBuffers, Planning, Running):
         self.device = _resolve_device(device)
         self._cuda = self.device.type == "cuda"
         self._stream_key = self._stream_obj = None   # _record's current stream
+        self._run_checked: set = set()   # run() argument signatures that passed check_run_args
 
         with torch.cuda.device(self.device):
             if isinstance(calibration, Calibration):

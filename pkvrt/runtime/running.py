@@ -13,7 +13,7 @@ from pkvrt.launch import ops
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import _Step
-from pkvrt.runtime.checks import NESTED_CAPTURE, check_run_args
+from pkvrt.runtime.checks import NESTED_CAPTURE, check_page_bound, check_run_args, run_signature
 from pkvrt.runtime.graphs import bucket_sections
 
 
@@ -74,10 +74,19 @@ class Running:
         if st is None:
             raise RuntimeError("Runtime.run: no step planned; call plan(seq_lens, block_tables) once "
                                "per decode step first")
-        check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
-                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
-                       dtype=self.dtype, device=self.device, max_page_id=st.max_page_id,
-                       kv_dtype=self.kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        sig = run_signature(q, k_cache, v_cache, out, k_scale, v_scale, st.batch)
+        if sig is None or sig not in self._run_checked:
+            check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           page_size=self.page_size, dtype=self.dtype, device=self.device,
+                           max_page_id=st.max_page_id, kv_dtype=self.kv_dtype, k_scale=k_scale,
+                           v_scale=v_scale)
+            if sig is not None:
+                if len(self._run_checked) >= 4096:   # bounded: keys of freed tensors are dropped
+                    self._run_checked.clear()
+                self._run_checked.add(sig)
+        else:   # the same tensors as a call that passed: only this step's page bound is new
+            check_page_bound(st.max_page_id, k_cache.shape[0])
         if self._dp_routes:
             self._check_page_bound(k_cache.shape[0])
         capturing = self._capturing()
@@ -94,9 +103,10 @@ class Running:
             self._counts["eager_runs"] += 1
             return out
         # The scale tensors are baked in by address, like the caches (their values are read at replay).
-        kv = (graphs.tensor_key(k_cache), graphs.tensor_key(v_cache))
+        # graphs.tensor_key of each tensor: the first four fields of its entry in the signature
+        kv = (sig[2][:4], sig[3][:4])
         if self._fp8:
-            kv += (graphs.tensor_key(k_scale), graphs.tensor_key(v_scale))
+            kv += (sig[5][:4], sig[6][:4])
         head = (st.route, st.kind, st.gbatch, st.structure, self._generation, kv)
         if q.data_ptr() == self._sq_ptr and out.data_ptr() == self._so_ptr:
             self._run_static(st, head, k_cache, v_cache, scales)
