@@ -108,10 +108,11 @@ class SplitPoints:
         (1.0: a second CTA is free, 2.0: it runs after the first).
     max_waves: the balanced partition plans at most this many resident waves of decode CTAs
         (``workqueue_ctas_per_sm * sm_count`` each); larger cuts are not considered.
-    merge_free_slots: a workqueue cut (decode, then a separate merge launch) is preferred that
-        leaves at least this many resident slots free in its last wave, so that the merge's
-        CTAs become resident while the decode runs (programmatic dependent launch) instead of
-        after it (``planner.partition_choice``); fused cuts (no merge launch) ignore it. 0: no
+    merge_free_slots: on a one-row workqueue step (decode, then a separate merge launch) the
+        cut is preferred that leaves at least this many resident slots free in its last wave, so
+        that the merge's CTAs become resident while the decode runs (programmatic dependent
+        launch) instead of after it (``planner.partition_choice``); fused cuts (no merge launch)
+        and steps of several rows (unmeasured) ignore it. 0: no
         preference (files written before 2026-12-02). Set by hand, like max_waves: `pkvrt
         calibrate` keeps the file's value.
     by_group: ``((G, ((key, value), ...)), ...)`` sorted by G: partition constants
