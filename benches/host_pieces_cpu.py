@@ -11,7 +11,13 @@ picks a PersistentKV route itself (FlashInfer's refusal line says by how much), 
 is the one an adaptive Runtime with FlashInfer makes. The GPU host's copy and graph-replay calls
 are not in these numbers: ``benches/host_cost.py`` measures the real thing on a GPU.
 
+``--grow all``: every row grows a token a step, from lengths off the memo's 64-token grid (random
+offsets, seeded), as a decode batch does; the default grows the long row alone. The last column
+counts the router's full predictions (memo and window misses) per 1000 calls: with the keyed
+memo alone, eight rows at random phases missed on 1 step in 8 (session 14).
+
 usage: python benches/host_pieces_cpu.py [--rows 1,8] [--context 32768] [--calls 2000] [--rounds 5]
+       [--grow long|all]
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds per batch size; the table shows medians over them (the dev box is "
                          "shared: one round of the same code moved 40 -> 54 us)")
+    ap.add_argument("--grow", choices=("long", "all"), default="long",
+                    help="long: the long row grows a token a step; all: every row does, from random "
+                         "offsets off the 64-token grid")
     args = ap.parse_args(argv)
     fake_device()
     import numpy as np
@@ -73,30 +82,36 @@ def main(argv=None) -> int:
                           "route decision": (planning.fallback, "decide"),
                           "staging": (planning.Planning, "_stage_device_plan")})
     cal = load_calibration(REPO / "calibration" / "nvidia-h200.json")
-    width = -(-(args.context + args.rounds * args.calls + 8) // 16)
+    width = -(-(args.context + args.rounds * args.calls + 80) // 16)   # + offsets and warm-up
     print(f"{'rows':>4}  {'route':<14} {'plan() us':>9}  pieces in place (us per call; medians of "
-          f"{args.rounds} rounds of {args.calls} calls)")
+          f"{args.rounds} rounds of {args.calls} calls; grow {args.grow})  predictions per 1000 calls")
     for b in (int(x) for x in args.rows.split(",")):
         rt = Runtime(32, 8, 128, 16, torch.float16, routes=load_routes(REPO / "routes.toml"),
                      calibration=cal, max_batch=max(b, 8), max_pages_per_row=width, flashinfer=False)
         seq = np.full(b, 1500, dtype=np.int32)
         seq[0] = args.context
+        if args.grow == "all":
+            seq += np.random.default_rng(20260602).integers(1, 64, b, dtype=np.int32)
+        grown = slice(None) if args.grow == "all" else slice(0, 1)
         bt = np.arange(b * width, dtype=np.int32).reshape(b, width)
         for _ in range(5):
             d = rt.plan(seq, bt)
         rounds = collections.defaultdict(list)
+        hits0 = rt.router.memo_hits
         for _ in range(args.rounds):
             acc.clear()
             t0 = time.perf_counter()
             for _ in range(args.calls):
-                seq[0] += 1          # the long row grows a token a step
+                seq[grown] += 1      # the long row (or every row) grows a token a step
                 rt.plan(seq, bt)
             rounds["plan()"].append(1e6 * (time.perf_counter() - t0) / args.calls)
             for k, v in acc.items():
                 rounds[k].append(1e6 * v / args.calls)
         med = {k: statistics.median(v) for k, v in rounds.items()}
         pieces = ", ".join(f"{k} {v:.1f}" for k, v in med.items() if k != "plan()")
-        print(f"{b:>4}  {d.route:<14} {med['plan()']:9.1f}  {pieces}")
+        calls = args.rounds * args.calls
+        misses = 1000 * (calls - (rt.router.memo_hits - hits0)) / calls
+        print(f"{b:>4}  {d.route:<14} {med['plan()']:9.1f}  {pieces}  {misses:.1f}")
     return 0
 
 

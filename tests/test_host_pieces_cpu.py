@@ -5,12 +5,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_host_pieces_runs_on_the_cpu_and_names_every_piece():
+@pytest.mark.parametrize("grow", ["long", "all"])
+def test_host_pieces_runs_on_the_cpu_and_names_every_piece(grow):
     out = subprocess.run([sys.executable, str(REPO / "benches" / "host_pieces_cpu.py"), "--rows", "1,8",
-                          "--calls", "20"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+                          "--calls", "20", "--grow", grow], capture_output=True, text=True, check=True,
+                         cwd=REPO).stdout
     rows = [line.split() for line in out.splitlines()[1:]]
     assert [r[0] for r in rows] == ["1", "8"]
     for r in rows:
@@ -19,3 +23,4 @@ def test_host_pieces_runs_on_the_cpu_and_names_every_piece():
         assert float(r[2]) > 0
         line = " ".join(r)
         assert "check_step" in line and "route decision" in line and "staging" in line
+        assert 0 <= float(r[-1]) <= 1000     # full predictions per 1000 calls
