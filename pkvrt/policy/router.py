@@ -114,8 +114,9 @@ class Router:
         q = max(TILE_TOKENS, calibration min_split_tokens), and reuse the route and predictions
         of the first step with that key; also reuse the last decision used while every row
         stays within q tokens of the lengths it was predicted for (same force, row count and
-        distinct lengths: a window, so rows growing a token a step miss once per q steps, not
-        whenever one of them crosses a key's cell). The chosen route's plan is still built from
+        distinct lengths, the longest row on the same side of every gate's min_context: a window,
+        so rows growing a token a step miss once per q steps, not whenever one of them crosses a
+        key's cell; ``_window_hit``). The chosen route's plan is still built from
         the exact lengths (for ``device_plan_kinds``: not built). The key holds everything the
         split rules see at split granularity, so a reused route can differ from a fresh one only
         where predictions sit within a quantum of a margin (a forced route never differs). Why: the
