@@ -1,15 +1,21 @@
-"""A whole decode step (planning + 32 layers of attention) captured in the engine's own CUDA
-graph, replayed every step with new lengths: ``Runtime(device_planning=True,
-use_cuda_graph=False)``.
+"""A whole decode step (32 layers of attention) captured in the engine's own CUDA graph and
+replayed every step with new lengths, in either of the two ways an engine can embed pkvrt.
 
-The engine keeps the batch's lengths and block tables in device tensors (its scheduler updates
-them in place); ``plan()`` then only launches work on the current stream (a copy of the lengths,
-a copy of the block tables, the planning kernel), so the engine can capture it together with every
-layer's ``run()`` and replay the graph step after step without any host planning. The lengths
-grow by one token a step; every few steps the last layer's output is checked against the FP32
-reference, and at the end the host time per replayed step is printed.
+Device lengths (the default): ``Runtime(device_planning=True, use_cuda_graph=False)``. The engine
+keeps the batch's lengths and block tables in device tensors (its scheduler updates them in
+place); ``plan()`` then only launches work on the current stream (a copy of the lengths, a copy of
+the block tables, the planning kernel), so the engine captures it together with every layer's
+``run()`` and replays one graph step after step without any host planning.
 
-usage: python examples/engine_graph.py [--layers 32] [--steps 50]
+Host lengths (``--host-routing``): ``Runtime(engine_capture=True)``. The engine calls ``plan()``
+with host lengths before each replay (routes.toml's policy picks the route; a workqueue/fused
+plan is built on the GPU, a FlashInfer step planned by FlashInfer), and keeps one graph of the
+layers' ``run()`` calls per ``rt.step_key``, captured the first time a key is seen.
+
+The lengths grow by one token a step; every few steps the last layer's output is checked against
+the FP32 reference, and at the end the host time per step and the graphs captured are printed.
+
+usage: python examples/engine_graph.py [--layers 32] [--steps 50] [--host-routing]
 Needs a CUDA GPU; without one it says so and exits 0.
 """
 
@@ -30,6 +36,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--host-routing", action="store_true",
+                    help="host lengths, routes.toml's policy, a graph per Runtime.step_key")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("examples/engine_graph.py needs a CUDA GPU (torch sees none); nothing to run here.")
@@ -52,6 +60,9 @@ def main(argv=None) -> int:
     outs = [torch.empty_like(q) for _ in range(args.layers)]
     seq_lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")   # the engine's tensor
 
+    if args.host_routing:
+        return host_routed(args, rt_args=(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16), width=width,
+                           q=q, k_all=k_all, v_all=v_all, outs=outs, block_tables=block_tables)
     rt = pkvrt.Runtime(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16, max_batch=8,
                        max_pages_per_row=width, device_planning=True, use_cuda_graph=False,
                        num_pages=k_all[0].shape[0])   # page ids are checked on the GPU
@@ -82,6 +93,50 @@ def main(argv=None) -> int:
     rt.device_status()                           # raises if a length was out of range
     print(f"host time per replayed step (plan + {args.layers} layers): median "
           f"{statistics.median(host_us):.1f} us over {args.steps} steps")
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+def host_routed(args, *, rt_args, width, q, k_all, v_all, outs, block_tables) -> int:
+    """``--host-routing``: plan() with host lengths before each step, a graph per step_key."""
+    import pkvrt
+    from pkvrt import reference
+    from pkvrt.runtime.graphs import capture
+
+    rt = pkvrt.Runtime(*rt_args, max_batch=8, max_pages_per_row=width, engine_capture=True,
+                       num_pages=k_all[0].shape[0])
+    lens = list(LENGTHS)                         # the engine's host lengths
+    bt_host = block_tables.cpu().numpy()
+    graphs: dict = {}
+
+    def layers():
+        for layer in range(args.layers):
+            rt.run(q, k_all[layer], v_all[layer], out=outs[layer])
+
+    host_us, ok, routes = [], True, {}
+    for i in range(args.steps):
+        lens = [n + 1 for n in lens]             # the engine's scheduler: one more token per row
+        t0 = time.perf_counter()
+        d = rt.plan(lens, bt_host)               # routes.toml's policy, on the host
+        g = graphs.get(rt.step_key)
+        if g is None:                            # first step of this key: warm up + capture
+            g = graphs[rt.step_key] = capture(layers).graph
+        else:
+            g.replay()
+            host_us.append((time.perf_counter() - t0) * 1e6)
+        routes[d.route] = routes.get(d.route, 0) + 1
+        if i % 10 == 0 or i == args.steps - 1:
+            torch.cuda.synchronize()
+            seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            ref = reference.decode_attention(q, k_all[-1], v_all[-1], seq, block_tables)
+            err = ((outs[-1].float() - ref).abs().max() / ref.abs().max()).item()
+            ok &= err < 2e-3
+            print(f"step {i:3d}: {d.route:14s} lengths {lens}  rel err {err:.1e}")
+    torch.cuda.synchronize()
+    print(f"routes {routes}; {len(graphs)} graphs captured (one per step key)")
+    if host_us:
+        print(f"host time per replayed step (plan + {args.layers} layers): median "
+              f"{statistics.median(host_us):.1f} us over {len(host_us)} replayed steps")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -100,7 +100,8 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
                                      "flashinfer, flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
-                                     "flashinfer-xqa, flashinfer-graph, adaptive, device-plan, device-plan-step, "
+                                     "flashinfer-xqa, flashinfer-graph, adaptive, adaptive-step, device-plan, "
+                                     "device-plan-step, "
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),
     (["--trace", "no/such.csv"], "--trace 'no/such.csv': expected a family"),
@@ -377,6 +378,8 @@ def test_engine_labels_and_parsing():
     assert harness.engine_label("pkv_workqueue") == "pkvrt-workqueue"
     assert harness.engine_label("flashinfer") == "flashinfer"
     assert harness.engine_label("flashinfer-graph") == "flashinfer-graph"
+    assert harness.engine_label("adaptive-step") == "pkvrt-adaptive-step"
+    assert harness.parse_engines("adaptive-step", ROUTES) == ("flashinfer", "adaptive-step")
     assert harness.parse_engines("adaptive,pkv_bucket,adaptive", ROUTES) == (
         "flashinfer", "adaptive", "pkv_bucket")
     assert harness.parse_engines("flashinfer-cuda, flashinfer", ROUTES) == (

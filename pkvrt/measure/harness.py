@@ -78,6 +78,7 @@ ADAPTIVE = "adaptive"
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
+HOST_STEP_GRAPH = "adaptive-step"  # host routing, every layer of a step in one graph per step_key
 ROUTE_VARIANTS = ("flashinfer-cuda", "flashinfer-tc")  # the wrappers the Runtime's FlashInfer route runs
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8 = torch.float8_e4m3fn
@@ -160,7 +161,7 @@ def engine_label(name: str) -> str:
     keep their name."""
     if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
-    if name in (DEVICE_PLAN, STEP_GRAPH):
+    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP_GRAPH):
         return "pkvrt-" + name
     base, _, route = name.partition(":")
     if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
@@ -175,6 +176,8 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     ``flashinfer-cuda`` / ``flashinfer-tc`` / ``flashinfer-cudnn`` / ``flashinfer-xqa`` (one
     FlashInfer path for the whole run, :data:`FI_VARIANTS`), ``flashinfer-graph``
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
+    ``adaptive-step`` (host routing as ``adaptive``, every layer of the step captured in one graph
+    per ``Runtime.step_key``: ``Runtime(engine_capture=True)``),
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
     as one CUDA graph, as an engine that captures its decode step runs it), either of those two
@@ -184,8 +187,8 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
-    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, DEVICE_PLAN,
-                                  STEP_GRAPH, *route_names)))
+    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, HOST_STEP_GRAPH,
+                                  DEVICE_PLAN, STEP_GRAPH, *route_names)))
     for n in names:
         base, colon, route = n.partition(":")
         if colon and base in (DEVICE_PLAN, STEP_GRAPH):
@@ -809,6 +812,61 @@ class StepGraphEngine(RuntimeEngine):
 
     def stats(self) -> dict:
         return {"step_graphs": len(self.graphs)}
+
+
+class HostStepGraphEngine(RuntimeEngine):
+    """``pkvrt.Runtime(engine_capture=True)``: host routing with the step's layers captured as one
+    CUDA graph, as an engine that captures its decode step and keeps lengths on the host runs
+    it (``examples/engine_graph.py --host-routing``). Per step: ``plan(seq_lens, block_tables)``
+    on the host (routes.toml's policy, the planning kernel or FlashInfer's plan launched
+    eagerly), then the graph of (every layer's ``run()``, and the MLP tail with ``mlp``) for
+    (``Runtime.step_key``, cache phase) is replayed; captured the first time that pair is seen
+    (the untimed pass). The phase is as in :class:`StepGraphEngine`."""
+
+    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
+                 tensor_cores: bool):
+        from pkvrt.runtime import Runtime
+
+        sh = wl.shape
+        self.device_planning, self.force, self.label = False, None, engine_label(name)
+        self._on_device: dict[int, tuple] = {}
+        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
+        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
+        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
+                          device=wl.device, routes=routes, calibration=calibration,
+                          max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
+                          engine_capture=True, validate=False, flashinfer_tensor_cores=tensor_cores,
+                          num_pages=wl.k[0].shape[0], **fp8)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.decision = None
+
+    def run_step(self, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> None:
+        self.plan(step)
+        b, phase = len(step.rids), pos * wl.layers % wl.copies
+        key = (self.rt.step_key, b, phase)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(wl, b, phase, out)
+        g.replay()
+
+    def _capture(self, wl: Workload, b: int, phase: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
+        q, o = wl.q[:b], out[:b]
+
+        def body():
+            for layer in range(wl.layers):
+                c = (phase + layer) % wl.copies
+                self.rt.run(q, wl.k[c], wl.v[c], out=o, **wl.scales(layer))
+                if wl.mlp:
+                    wl.mlp_tail(o)
+
+        from pkvrt.runtime import graphs  # the Runtime's warm-up-then-capture, with its empty-graph check
+
+        return graphs.capture(body, side_stream=torch.cuda.Stream(), pool=None, device=wl.device).graph
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["step_graphs"] = len(self.graphs)
+        return out
 
 
 # --------------------------------------------------------------------------- passes

@@ -22,8 +22,9 @@ DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 MAX_SEQ_LEN = ops.MAX_SEQ_LEN   # longest row in tokens: int32 lengths, tile arithmetic included
 NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with use_cuda_graph=True; the Runtime "
                   "would replay or capture its own graphs inside yours. Build it with "
-                  "use_cuda_graph=False (and device_planning=True) to capture whole steps in your "
-                  "own graph")
+                  "engine_capture=True (host routing: plan() outside your capture, a graph per "
+                  "Runtime.step_key) or device_planning=True, use_cuda_graph=False to capture "
+                  "whole steps in your own graph")
 
 
 def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype=None) -> int:

@@ -111,6 +111,15 @@ class Runtime(StaticBuffers, Planning, Running):
         and no host planning at all: the fastest way to run pkvrt (H200 engine protocol,
         README). The split of every step is the balanced partition (planner.balanced_partition).
 
+    engine_capture : the engine captures each decode step's ``run()`` calls (every layer) in its
+        own CUDA graph and replays it, with host routing: per step it calls :meth:`plan` outside
+        any capture (routes.toml's policy, as in the default mode) and replays its graph for
+        :attr:`step_key`, capturing one the first time a key is seen (``examples/engine_graph.py
+        --host-routing``). Implies ``use_cuda_graph=False`` (no graphs of the Runtime's own), runs
+        the FlashInfer route in FlashInfer's CUDA-graph mode (a wrapper per batch size, whose grid
+        a re-plan keeps) and lets the router charge a graph launch per kernel. With
+        ``device_planning`` it only sets ``use_cuda_graph=False`` (plan() is captured too then).
+
     Ordering contract with PDL (sm_90+, eager launches or an engine's captured step): from the
     second run() after a plan(), the decode kernel reads the plan and copies K/V of each row's
     tokens before its last one while the previous kernel of the stream may still run (it
@@ -130,7 +139,8 @@ class Runtime(StaticBuffers, Planning, Running):
                  max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
                  flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
                  flashinfer_cuda_graph: bool = False, decision_memo: int = 4096,
-                 device_planning: bool = False, num_pages: int | None = None):
+                 device_planning: bool = False, num_pages: int | None = None,
+                 engine_capture: bool = False):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         if device_planning and max_batch > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime: max_batch={max_batch}: device_planning plans at most "
@@ -154,7 +164,10 @@ class Runtime(StaticBuffers, Planning, Running):
         self._fp8 = self.kv_dtype == ops.FP8
         self._scale_versions: dict[int, int] = {}   # validate: scale data_ptr -> checked _version
         self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
-        self.use_cuda_graph, self.validate, self.sm_scale = bool(use_cuda_graph), bool(validate), sm_scale
+        # engine_capture: the engine's graphs replace the Runtime's own (its launches are captured)
+        self.engine_capture = bool(engine_capture)
+        self.use_cuda_graph = bool(use_cuda_graph) and not self.engine_capture
+        self.validate, self.sm_scale = bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
         self.device_planning = bool(device_planning)
         # every workqueue/fused step is planned on the GPU, host-routed or not
@@ -191,7 +204,8 @@ class Runtime(StaticBuffers, Planning, Running):
             self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                  page_size=self.page_size, kv_dtype=self._kv_dtype,
-                                 graphs=self.use_cuda_graph, memo_size=decision_memo,
+                                 graphs=self.use_cuda_graph or self.engine_capture,
+                                 memo_size=decision_memo,
                                  device_plan_kinds=DEVICE_PLANNED)
             self._load_kernels()
             self._fi_reason = None if flashinfer else (
@@ -227,7 +241,8 @@ class Runtime(StaticBuffers, Planning, Running):
                         fi_mod, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, page_size=self.page_size, dtype=dtype, device=self.device,
                         sm_scale=sm_scale, tensor_cores=flashinfer_tensor_cores,
-                        cuda_graph=self.use_cuda_graph and flashinfer_cuda_graph,
+                        # a graph replayed after a re-plan needs FlashInfer's graph mode
+                        cuda_graph=(self.use_cuda_graph and flashinfer_cuda_graph) or self.engine_capture,
                         indices_buffer=self._fi_indices)
                 except Exception as exc:  # noqa: BLE001 - reported, the route becomes unavailable
                     self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
@@ -294,6 +309,21 @@ class Runtime(StaticBuffers, Planning, Running):
         self._graphs.put(key, entry)
         self._counts["captures"] += 1
         self._counts["capture_seconds"] += time.perf_counter() - t0
+
+    @property
+    def step_key(self) -> tuple | None:
+        """What a graph of the planned step's ``run()`` calls bakes in, as a hashable tuple: the
+        route, its kernel kind, the padded batch, the launch structure (a bucket plan's buckets, a
+        planning grid, a FlashInfer wrapper) and the generation of the Runtime's buffers (a
+        regrowth reallocates them). Two steps with equal keys launch the same kernels over the
+        same buffers, so an engine that captures its steps (``engine_capture``) replays the graph
+        it captured for the key, with its own tensors (q, caches, out, scales) the same as at
+        capture; a graph of an older generation reads freed buffers and is never replayed by
+        key. None before the first plan()."""
+        st = self._step
+        if st is None:
+            return None
+        return (st.route, st.kind, st.gbatch, st.structure, self._generation)
 
     # -- reporting -------------------------------------------------------------------------
 

@@ -78,9 +78,11 @@ class Planning:
         if capturing:
             if not self.device_planning:
                 raise RuntimeError("Runtime.plan: called during CUDA-graph capture; host planning "
-                                   "stages the plan in host memory and cannot be captured. Build the "
-                                   "Runtime with device_planning=True, use_cuda_graph=False to "
-                                   "capture whole steps in your own graph")
+                                   "stages the plan in host memory and cannot be captured. Call "
+                                   "plan() before your capture and capture only run() (with "
+                                   "engine_capture=True, a graph per Runtime.step_key), or build "
+                                   "the Runtime with device_planning=True, use_cuda_graph=False "
+                                   "to capture plan() too")
             if self.use_cuda_graph:
                 raise RuntimeError(NESTED_CAPTURE.format("plan"))
         if self.device_planning:

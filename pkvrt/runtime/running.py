@@ -96,6 +96,11 @@ class Running:
             out = torch.empty_like(q)
         if self.use_cuda_graph and capturing:
             raise RuntimeError(NESTED_CAPTURE.format("run"))
+        if capturing and st.kind == "flashinfer" and not self._fi.cuda_graph:
+            raise RuntimeError("Runtime.run: a FlashInfer step captured in your CUDA graph: its eager "
+                               "wrapper re-allocates its plan buffers every plan(), so a replay would "
+                               "read freed memory. Build the Runtime with engine_capture=True "
+                               "(FlashInfer's CUDA-graph mode) to capture host-routed steps")
         scales = (k_scale, v_scale)
         if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
             self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0)

@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated: flashinfer (baseline: the fastest of FlashInfer's decode "
                         "paths, always run), flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
                         "flashinfer-xqa (one path for the whole run), flashinfer-graph "
-                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, device-plan "
+                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, adaptive-step "
+                        "(host routing, the step's layers in one graph per step key), device-plan "
                         "(device planning, a graph per layer), device-plan-step (device planning, "
                         "the whole step in one graph), or a routes.toml route name forced on every "
                         "step, e.g. pkv_workqueue (default: flashinfer,adaptive)")
@@ -237,7 +238,7 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
                    flashinfer=fi_engines.make_engine):
     """``make_engine(name, wl, fi_route)`` of :func:`pkvrt.measure.harness.run_seed`: a FlashInfer path
     (``flashinfer(name, wl, max_active=...)``, pkvrt/measure/fi_engines.py), the whole-step graph engine
-    (``device-plan-step[:ROUTE]``) or a Runtime engine (adaptive, ``device-plan[:ROUTE]``,
+    (``device-plan-step[:ROUTE]``), the host-routed one (``adaptive-step``) or a Runtime engine (adaptive, ``device-plan[:ROUTE]``,
     ``flashinfer-graph``, a forced route). The workload ``wl`` carries the KV dtype and scales
     (harness.Workload), so every engine follows ``--kv-dtype``."""
     def make_engine(name, wl, fi_route):
@@ -247,6 +248,10 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
         if base == harness.STEP_GRAPH:
             return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                            max_active=config.max_active, force=route or None)
+        if name == harness.HOST_STEP_GRAPH:
+            return harness.HostStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
+                                               max_active=config.max_active,
+                                               tensor_cores=fi_route == "flashinfer-tc")
         force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name,
                  harness.DEVICE_PLAN: None}.get(base, name) if not route else route
         return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,

@@ -120,6 +120,60 @@ def test_decode_steps_match_reference_and_flashinfer(pool, route, use_graphs):
         assert s["captures"] == 0 and s["eager_runs"] == 2 * len(STEPS)
 
 
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "auto")
+def test_engine_capture_host_routed_steps(pool, route):
+    """engine_capture: plan() on the host before each step, the step's layers captured in one
+    graph per step_key and replayed while lengths grow and rows join and leave; every step's
+    last layer matches the reference (a stale graph would read another step's plan)."""
+    if route == "flashinfer" and FI_MODULE is None:
+        pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    b, caches = pool
+    rt = runtime(engine_capture=True, flashinfer_cuda_graph=False)   # FlashInfer's graph mode anyway
+    assert not rt.use_cuda_graph and rt.step_key is None
+    outs = {}
+    step_graphs: dict = {}
+    steps = STEPS + [(rows, short - 1) for rows, short in STEPS]   # every key seen twice
+    for i, (rows, short) in enumerate(steps):
+        seq, bt, q = step_inputs(b, rows, short, seed=100 + i)
+        qs = rt.static_q(len(rows))
+        qs.copy_(q)
+        out = outs.setdefault(len(rows), torch.empty_like(q))
+        out.fill_(float("nan"))
+        d = rt.plan(seq, bt, force=route)
+        key = (rt.step_key, len(rows))
+        assert key[0][0] == d.route and key[0][2] >= len(rows)
+
+        def layers():
+            for cache in caches:
+                rt.run(qs, *cache, out=out)
+
+        g = step_graphs.get(key)
+        if g is None:
+            step_graphs[key] = graphs.capture(layers).graph   # its warm-up computes this step
+        else:
+            g.replay()
+        check(out, q, caches[-1], seq, bt, f"step {i} route {d.route}")
+    s = rt.stats()
+    assert s["captures"] == 0 and s["replays"] == 0   # no graphs of the Runtime's own
+    assert len(step_graphs) < len(steps)              # keys repeat: graphs were replayed
+
+
+def test_a_flashinfer_step_in_an_engine_graph_needs_engine_capture(pool):
+    if FI_MODULE is None:
+        pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    b, caches = pool
+    rt = runtime(use_cuda_graph=False, flashinfer_cuda_graph=False)
+    seq, bt, q = step_inputs(b, [0, 2], 0, seed=7)
+    rt.plan(seq, bt, force="flashinfer")
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="engine_capture=True"):
+        graphs.capture(lambda: rt.run(q, *caches[0], out=out))
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="engine_capture=True"):
+        with torch.cuda.graph(g):
+            rt.plan(seq, bt)
+
+
 @pytest.mark.parametrize("route", ["pkv_bucket", "pkv_workqueue", "pkv_fused", "flashinfer"])
 def test_replay_after_inplace_metadata_change(pool, route):
     if route == "flashinfer" and FI_MODULE is None:
