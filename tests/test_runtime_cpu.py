@@ -968,6 +968,45 @@ def test_fake_device_host_lengths_replay_while_lengths_grow_and_batches_change(f
     assert s["captures"] == 4 and s["replays"] == 2 * 20 and s["graphs"] == 4
 
 
+def test_fake_device_engine_capture_takes_the_device_planning_route(fake_device, pool):
+    """engine_capture with host lengths: no graphs of the Runtime's own; unforced steps run
+    routes.toml's [device_planning] route for their row count (the one-row small_route too),
+    forced ones the forced route; the step key follows the route, the padded batch and the
+    planning grid, so steps of one padded batch share a key while their lengths change."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(engine_capture=True)
+    assert not rt.use_cuda_graph and rt.engine_capture and rt.step_key is None
+    keys = []
+    for i, (rows, short) in enumerate(STEPS + [([2], 0)]):
+        seq, bt, q = step_inputs(b, rows, short, seed=i)
+        d = rt.plan(seq, bt)
+        assert d.route == rt.registry.device_planning_route(len(rows)).name and not d.forced
+        assert d.max_context == int(seq.max()) and "[device_planning]" in d.explain()
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, (i, d.route)
+        keys.append(rt.step_key)
+    assert keys[0] == keys[1] and keys[0] != keys[2] and keys[2] == keys[3]   # 4, 4, 5, 5 rows
+    assert keys[-1][0] == rt.registry.device_planning_route(1).name
+    seq, bt, q = step_inputs(b, [0, 1], 0, seed=9)
+    assert rt.plan(seq, bt, force="pkv_bucket").route == "pkv_bucket" and rt.step_key[0] == "pkv_bucket"
+    s = rt.stats()
+    assert s["captures"] == 0 and s["replays"] == 0 and s["eager_runs"] == len(STEPS) + 1
+    assert "engine-captured steps" in rt.explain()
+
+
+def test_fake_device_engine_capture_router_routing_is_the_routers(fake_device, pool):
+    """capture_routing="router": the route of every step is the one the default Runtime's
+    router picks (graph launch costs: the same as a Runtime with its own graphs)."""
+    b, _ = pool
+    a, r = fake_runtime(), fake_runtime(engine_capture=True, capture_routing="router")
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, _ = step_inputs(b, rows, short, seed=i)
+        assert a.plan(seq, bt).route == r.plan(seq, bt).route
+    with pytest.raises(ValueError, match="capture_routing='auto'"):
+        fake_runtime(engine_capture=True, capture_routing="auto")
+
+
 def test_fake_device_host_lengths_page_ids(fake_device, pool):
     """validate=True: a negative page id is refused at plan(), one past the cache at run(),
     before any launch. validate=False: the planning kernel checks the ids against the smallest

@@ -78,7 +78,8 @@ ADAPTIVE = "adaptive"
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
-HOST_STEP_GRAPH = "adaptive-step"  # host routing, every layer of a step in one graph per step_key
+HOST_STEP = "host-step"          # host lengths, every layer of a step in one graph per step_key
+HOST_STEP_ROUTER = "adaptive-step"  # the same with the router's policy (capture_routing="router")
 ROUTE_VARIANTS = ("flashinfer-cuda", "flashinfer-tc")  # the wrappers the Runtime's FlashInfer route runs
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8 = torch.float8_e4m3fn
@@ -161,7 +162,7 @@ def engine_label(name: str) -> str:
     keep their name."""
     if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
-    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP_GRAPH):
+    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER):
         return "pkvrt-" + name
     base, _, route = name.partition(":")
     if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
@@ -176,19 +177,20 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     ``flashinfer-cuda`` / ``flashinfer-tc`` / ``flashinfer-cudnn`` / ``flashinfer-xqa`` (one
     FlashInfer path for the whole run, :data:`FI_VARIANTS`), ``flashinfer-graph``
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
-    ``adaptive-step`` (host routing as ``adaptive``, every layer of the step captured in one graph
-    per ``Runtime.step_key``: ``Runtime(engine_capture=True)``),
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
     as one CUDA graph, as an engine that captures its decode step runs it), either of those two
     with ``:ROUTE`` (device planning with that workqueue or fused route of routes.toml instead of
-    the default one, e.g. ``device-plan-step:pkv_fused``), or a PersistentKV route name of
+    the default one, e.g. ``device-plan-step:pkv_fused``), ``host-step`` (host lengths, every
+    layer of the step captured in one graph per ``Runtime.step_key``:
+    ``Runtime(engine_capture=True)``), ``adaptive-step`` (the same with the router's policy,
+    ``capture_routing="router"``), or a PersistentKV route name of
     routes.toml (that route forced on every step). Duplicates are dropped."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
-    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, HOST_STEP_GRAPH,
-                                  DEVICE_PLAN, STEP_GRAPH, *route_names)))
+    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, DEVICE_PLAN,
+                                  STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, *route_names)))
     for n in names:
         base, colon, route = n.partition(":")
         if colon and base in (DEVICE_PLAN, STEP_GRAPH):
@@ -815,16 +817,17 @@ class StepGraphEngine(RuntimeEngine):
 
 
 class HostStepGraphEngine(RuntimeEngine):
-    """``pkvrt.Runtime(engine_capture=True)``: host routing with the step's layers captured as one
-    CUDA graph, as an engine that captures its decode step and keeps lengths on the host runs
+    """``pkvrt.Runtime(engine_capture=True)``: host lengths with the step's layers captured as
+    one CUDA graph, as an engine that captures its decode step and keeps lengths on the host runs
     it (``examples/engine_graph.py --host-routing``). Per step: ``plan(seq_lens, block_tables)``
-    on the host (routes.toml's policy, the planning kernel or FlashInfer's plan launched
-    eagerly), then the graph of (every layer's ``run()``, and the MLP tail with ``mlp``) for
-    (``Runtime.step_key``, cache phase) is replayed; captured the first time that pair is seen
-    (the untimed pass). The phase is as in :class:`StepGraphEngine`."""
+    on the host (the route: routes.toml's ``[device_planning]`` one, or with ``routing="router"``
+    the router's; the planning kernel or FlashInfer's plan launched eagerly), then the graph of
+    (every layer's ``run()``, and the MLP tail with ``mlp``) for (``Runtime.step_key``, cache
+    phase) is replayed; captured the first time that pair is seen (the untimed pass). The phase
+    is as in :class:`StepGraphEngine`."""
 
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
-                 tensor_cores: bool):
+                 tensor_cores: bool, routing: str = "device_planning"):
         from pkvrt.runtime import Runtime
 
         sh = wl.shape
@@ -835,7 +838,8 @@ class HostStepGraphEngine(RuntimeEngine):
         self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
                           device=wl.device, routes=routes, calibration=calibration,
                           max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-                          engine_capture=True, validate=False, flashinfer_tensor_cores=tensor_cores,
+                          engine_capture=True, capture_routing=routing, validate=False,
+                          flashinfer_tensor_cores=tensor_cores,
                           num_pages=wl.k[0].shape[0], **fp8)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.decision = None

@@ -39,6 +39,17 @@ graphs for every step of that padded batch while the lengths change. Two ways to
   engine's own graph, where plan() is one launch of the planning kernel (it copies the step's
   lengths and block-table entries itself); with the Runtime's graphs on, two device copies and
   the planning graph.
+* host lengths, the step captured by the engine (``engine_capture=True``): plan() outside the
+  engine's capture checks and stages the step as in the first way and launches the planning
+  kernel; the engine captures every layer's run() in one graph per :attr:`Runtime.step_key` and
+  replays it. The route is routes.toml's ``[device_planning]`` one, the policy measured for
+  captured steps (``capture_routing="router"``: the router's, the ablation).
+
+Which route a step takes thus depends on how its layers launch: a layer at a time (the Runtime's
+own graphs, eager), the router's gates and cost model, measured on such steps; captured whole
+(device lengths or ``engine_capture``), ``[device_planning]``: in a captured step the
+PersistentKV kernels of one layer start while the previous layer's drain (programmatic dependent
+launch) and win on every trace of the engine protocol (README), where FlashInfer's do not.
 
 ``run`` checks the tensors and replays the CUDA graph of this (route, batch, structure, tensors)
 key, capturing it on a miss (:mod:`pkvrt.runtime.graphs` says what a key holds).

@@ -26,6 +26,9 @@ from pkvrt.runtime.graphs import Capacities, initial_capacities
 from pkvrt.runtime.planning import Planning
 from pkvrt.runtime.running import Running
 
+# Runtime(capture_routing=...): how an engine-captured step of host lengths picks its route
+CAPTURE_ROUTING = ("device_planning", "router")
+
 
 def _resolve_device(device) -> torch.device:
     """The CUDA device to run on ("cuda" = the current one). RuntimeError without a usable GPU,
@@ -112,13 +115,21 @@ class Runtime(StaticBuffers, Planning, Running):
         README). The split of every step is the balanced partition (planner.balanced_partition).
 
     engine_capture : the engine captures each decode step's ``run()`` calls (every layer) in its
-        own CUDA graph and replays it, with host routing: per step it calls :meth:`plan` outside
-        any capture (routes.toml's policy, as in the default mode) and replays its graph for
-        :attr:`step_key`, capturing one the first time a key is seen (``examples/engine_graph.py
-        --host-routing``). Implies ``use_cuda_graph=False`` (no graphs of the Runtime's own), runs
-        the FlashInfer route in FlashInfer's CUDA-graph mode (a wrapper per batch size, whose grid
-        a re-plan keeps) and lets the router charge a graph launch per kernel. With
-        ``device_planning`` it only sets ``use_cuda_graph=False`` (plan() is captured too then).
+        own CUDA graph and replays it, with host lengths: per step it calls :meth:`plan` outside
+        any capture and replays its graph for :attr:`step_key`, capturing one the first time a key
+        is seen (``examples/engine_graph.py --host-routing``). Implies ``use_cuda_graph=False``
+        (no graphs of the Runtime's own) and runs a FlashInfer route in FlashInfer's CUDA-graph
+        mode (a wrapper per batch size, whose grid a re-plan keeps). With ``device_planning`` it
+        only sets ``use_cuda_graph=False`` (plan() is captured too then).
+    capture_routing : how ``engine_capture`` with host lengths chooses a step's route.
+        ``"device_planning"`` (default): routes.toml's ``[device_planning]`` route, as device
+        planning does: the policy of captured steps, measured in the 32-layer engine protocol
+        (README), where those routes beat FlashInfer's fastest path on every trace; the plan is
+        built on the GPU from the host lengths (one copy), no router. ``"router"``: the router's
+        gates and cost model, as the default mode (graph launches charged per kernel); the
+        ablation: its gates and constants were measured on steps launched a layer at a time, and
+        in captured steps they send to FlashInfer steps the PersistentKV routes run faster
+        (benches/NOTES.md, "Session 15").
 
     Ordering contract with PDL (sm_90+, eager launches or an engine's captured step): from the
     second run() after a plan(), the decode kernel reads the plan and copies K/V of each row's
@@ -140,7 +151,7 @@ class Runtime(StaticBuffers, Planning, Running):
                  flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
                  flashinfer_cuda_graph: bool = False, decision_memo: int = 4096,
                  device_planning: bool = False, num_pages: int | None = None,
-                 engine_capture: bool = False):
+                 engine_capture: bool = False, capture_routing: str = "device_planning"):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         if device_planning and max_batch > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime: max_batch={max_batch}: device_planning plans at most "
@@ -166,18 +177,25 @@ class Runtime(StaticBuffers, Planning, Running):
         self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
         # engine_capture: the engine's graphs replace the Runtime's own (its launches are captured)
         self.engine_capture = bool(engine_capture)
+        if capture_routing not in CAPTURE_ROUTING:
+            raise ValueError(f"Runtime: capture_routing={capture_routing!r}: expected one of "
+                             f"{', '.join(map(repr, CAPTURE_ROUTING))}")
+        # a captured step of host lengths runs routes.toml's [device_planning] route (not the router)
+        self._captured_policy = (self.engine_capture and not device_planning
+                                 and capture_routing == "device_planning")
         self.use_cuda_graph = bool(use_cuda_graph) and not self.engine_capture
         self.validate, self.sm_scale = bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
         self.device_planning = bool(device_planning)
         # every workqueue/fused step is planned on the GPU, host-routed or not
         self._dp_routes = {r.name: r for r in self.registry.routes if r.kind in DEVICE_PLANNED}
-        if self.device_planning:
+        if self.device_planning or self._captured_policy:
             try:
                 self._dp_default = self.registry.device_planning_route().name
             except KeyError as e:
                 raise ValueError(e.args[0]) from None
-            flashinfer = False  # device planning runs the PersistentKV workqueue routes only
+            if self.device_planning:
+                flashinfer = False  # device planning runs the PersistentKV workqueue routes only
             small = self.registry.device_small
             for dp_route in map(self.registry.route, dict.fromkeys(filter(None, (self._dp_default,
                                                                                 small and small[1])))):
@@ -341,6 +359,9 @@ class Runtime(StaticBuffers, Planning, Running):
                  f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
                  + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
                  + ("; device planning (no host routing)" if self.device_planning else "")
+                 + ("; engine-captured steps, routes.toml [device_planning] routes"
+                    if self._captured_policy else "; engine-captured steps, the router's routes"
+                    if self.engine_capture and not self.device_planning else "")
                  + ("; workqueue/fused plans built on the GPU" if self._dp_routes else ""),
                  "flashinfer: " + ("available" + (" (tensor cores)" if self._fi.tensor_cores else " (CUDA cores)")
                                    if self._fi is not None else

@@ -89,10 +89,13 @@ class Planning:
             return self._plan_on_device(seq_lens, block_tables, force, capturing)
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
-        d = fallback.decide(self.router, step.seq, step.block_tables, force=force,
-                            flashinfer_unavailable=self._fi_reason, fallback_memo=self._fallback_memo,
-                            lens=step.lens)
         b = len(step.lens)
+        if self._captured_policy and force is None:
+            d = self._captured_decision(b, max(step.lens))   # routes.toml's [device_planning] route
+        else:
+            d = fallback.decide(self.router, step.seq, step.block_tables, force=force,
+                                flashinfer_unavailable=self._fi_reason,
+                                fallback_memo=self._fallback_memo, lens=step.lens)
         on_gpu = d.kind in DEVICE_PLANNED
         if on_gpu and b > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows on route {d.route!r}: its plan "
@@ -167,17 +170,28 @@ class Planning:
             grid = self._enqueue_device_plan(route, gb)
         self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
                            max_page_id=-1)
+        self.last_decision = self._route_decision(route, b, forced=force is not None)
+        self._counts["plans"] += 1
+        return self.last_decision
+
+    def _route_decision(self, route, b: int, *, forced: bool, max_context: int = -1) -> RouteDecision:
+        """The RouteDecision of a step that runs ``route`` by routes.toml's ``[device_planning]``
+        table (or forced), with no host routing; ``max_context`` -1: lengths on the GPU."""
         others = self._dp_refused.get(route.name)
         if others is None:   # built once per route, not every step
             others = self._dp_refused[route.name] = {
-                r.name: f"device_planning runs {route.name} on this step's row count (routes.toml "
-                        "[device_planning]; no host routing)"
+                r.name: f"a captured step runs {route.name} on this step's row count (routes.toml "
+                        "[device_planning]; no router)"
                 for r in self.registry.routes if r.name != route.name}
-        self.last_decision = RouteDecision(route=route.name, kind=route.kind, plan=None,
-                                           predicted_us={}, refused=others, speedup=1.0, active=b,
-                                           max_context=-1, forced=force is not None)
-        self._counts["plans"] += 1
-        return self.last_decision
+        return RouteDecision(route=route.name, kind=route.kind, plan=None, predicted_us={},
+                             refused=others, speedup=1.0, active=b, max_context=max_context,
+                             forced=forced)
+
+    def _captured_decision(self, b: int, max_context: int) -> RouteDecision:
+        """engine_capture with host lengths (``capture_routing="device_planning"``): the route of
+        routes.toml's ``[device_planning]`` table for ``b`` rows, as device planning takes it."""
+        route = self._dp_routes[self.registry.device_planning_route(b).name]
+        return self._route_decision(route, b, forced=False, max_context=max_context)
 
     def _stage_device_plan(self, s: _Staging, route, step: StepInput) -> int:
         """A host-routed workqueue/fused step: its row count, the longest length the block-table

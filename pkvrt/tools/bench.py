@@ -81,10 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated: flashinfer (baseline: the fastest of FlashInfer's decode "
                         "paths, always run), flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
                         "flashinfer-xqa (one path for the whole run), flashinfer-graph "
-                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, adaptive-step "
-                        "(host routing, the step's layers in one graph per step key), device-plan "
+                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, device-plan "
                         "(device planning, a graph per layer), device-plan-step (device planning, "
-                        "the whole step in one graph), or a routes.toml route name forced on every "
+                        "the whole step in one graph), host-step (host lengths, the step's layers "
+                        "in one graph per step key), adaptive-step (host-step with the router's "
+                        "policy), or a routes.toml route name forced on every "
                         "step, e.g. pkv_workqueue (default: flashinfer,adaptive)")
     s.add_argument("--routes", metavar="PATH",
                    help=f"routes.toml (default: {reg_mod.default_routes_path()})")
@@ -238,7 +239,7 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
                    flashinfer=fi_engines.make_engine):
     """``make_engine(name, wl, fi_route)`` of :func:`pkvrt.measure.harness.run_seed`: a FlashInfer path
     (``flashinfer(name, wl, max_active=...)``, pkvrt/measure/fi_engines.py), the whole-step graph engine
-    (``device-plan-step[:ROUTE]``), the host-routed one (``adaptive-step``) or a Runtime engine (adaptive, ``device-plan[:ROUTE]``,
+    (``device-plan-step[:ROUTE]``), the host-lengths ones (``host-step``, ``adaptive-step``) or a Runtime engine (adaptive, ``device-plan[:ROUTE]``,
     ``flashinfer-graph``, a forced route). The workload ``wl`` carries the KV dtype and scales
     (harness.Workload), so every engine follows ``--kv-dtype``."""
     def make_engine(name, wl, fi_route):
@@ -248,9 +249,10 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
         if base == harness.STEP_GRAPH:
             return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                            max_active=config.max_active, force=route or None)
-        if name == harness.HOST_STEP_GRAPH:
+        if name in (harness.HOST_STEP, harness.HOST_STEP_ROUTER):
+            routing = "router" if name == harness.HOST_STEP_ROUTER else "device_planning"
             return harness.HostStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
-                                               max_active=config.max_active,
+                                               max_active=config.max_active, routing=routing,
                                                tensor_cores=fi_route == "flashinfer-tc")
         force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name,
                  harness.DEVICE_PLAN: None}.get(base, name) if not route else route

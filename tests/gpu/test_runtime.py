@@ -120,15 +120,20 @@ def test_decode_steps_match_reference_and_flashinfer(pool, route, use_graphs):
         assert s["captures"] == 0 and s["eager_runs"] == 2 * len(STEPS)
 
 
+@pytest.mark.parametrize("routing", ["device_planning", "router"])
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "auto")
-def test_engine_capture_host_routed_steps(pool, route):
+def test_engine_capture_host_lengths(pool, route, routing):
     """engine_capture: plan() on the host before each step, the step's layers captured in one
     graph per step_key and replayed while lengths grow and rows join and leave; every step's
-    last layer matches the reference (a stale graph would read another step's plan)."""
+    last layer matches the reference (a stale graph would read another step's plan). Unforced
+    steps take routes.toml's [device_planning] route (capture_routing="router": the router's)."""
     if route == "flashinfer" and FI_MODULE is None:
         pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    if routing == "router" and route is not None:
+        pytest.skip("a forced route is the same with either routing")
     b, caches = pool
-    rt = runtime(engine_capture=True, flashinfer_cuda_graph=False)   # FlashInfer's graph mode anyway
+    rt = runtime(engine_capture=True, capture_routing=routing,
+                 flashinfer_cuda_graph=False)   # FlashInfer's graph mode anyway
     assert not rt.use_cuda_graph and rt.step_key is None
     outs = {}
     step_graphs: dict = {}
@@ -142,6 +147,8 @@ def test_engine_capture_host_routed_steps(pool, route):
         d = rt.plan(seq, bt, force=route)
         key = (rt.step_key, len(rows))
         assert key[0][0] == d.route and key[0][2] >= len(rows)
+        if route is None and routing == "device_planning":
+            assert d.route == rt.registry.device_planning_route(len(rows)).name
 
         def layers():
             for cache in caches:
