@@ -995,6 +995,26 @@ def test_fake_device_engine_capture_takes_the_device_planning_route(fake_device,
     assert "engine-captured steps" in rt.explain()
 
 
+def test_fake_device_engine_capture_checks_page_ids_at_plan(fake_device, pool):
+    """engine_capture: an engine's replays call no run(), so plan() refuses a page id >=
+    num_pages (ValueError naming it; the previous plan and its step key stay); validate=False
+    leaves the ids to the planning kernel's GPU check."""
+    b, _ = pool
+    pages = b.k_cache.shape[0]
+    rt = fake_runtime(engine_capture=True, num_pages=pages)
+    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=5)
+    rt.plan(seq, bt)
+    key = rt.step_key
+    bad = bt.clone()
+    bad[1, (int(seq[1]) - 1) // FAKE_SHAPE["page_size"]] = pages
+    with pytest.raises(ValueError, match=f"page id {pages}: expected page ids < num_pages = {pages}"):
+        rt.plan(seq, bad)
+    assert rt.step_key == key
+    out = rt.run(q, b.k_cache, b.v_cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
+    fake_runtime(engine_capture=True, num_pages=pages, validate=False).plan(seq, bad)
+
+
 def test_fake_device_engine_capture_router_routing_is_the_routers(fake_device, pool):
     """capture_routing="router": the route of every step is the one the default Runtime's
     router picks (graph launch costs: the same as a Runtime with its own graphs)."""

@@ -119,8 +119,11 @@ class Runtime(StaticBuffers, Planning, Running):
         any capture and replays its graph for :attr:`step_key`, capturing one the first time a key
         is seen (``examples/engine_graph.py --host-routing``). Implies ``use_cuda_graph=False``
         (no graphs of the Runtime's own) and runs a FlashInfer route in FlashInfer's CUDA-graph
-        mode (a wrapper per batch size, whose grid a re-plan keeps). With ``device_planning`` it
-        only sets ``use_cuda_graph=False`` (plan() is captured too then).
+        mode (a wrapper per batch size, whose grid a re-plan keeps). The replays call no run(),
+        so with ``validate`` plan() checks the page ids against ``num_pages`` (or, without it,
+        the smallest cache a run() was given); the planning kernel checks them on the GPU too,
+        FlashInfer does not. With ``device_planning`` it only sets ``use_cuda_graph=False``
+        (plan() is captured too then).
     capture_routing : how ``engine_capture`` with host lengths chooses a step's route.
         ``"device_planning"`` (default): routes.toml's ``[device_planning]`` route, as device
         planning does: the policy of captured steps, measured in the 32-layer engine protocol
