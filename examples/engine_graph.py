@@ -116,6 +116,9 @@ def host_routed(args, *, rt_args, width, q, k_all, v_all, outs, block_tables) ->
     host_us, ok, routes = [], True, {}
     for i in range(args.steps):
         lens = [n + 1 for n in lens]             # the engine's scheduler: one more token per row
+        # (the timing starts on an idle GPU: plan()'s pinned staging ring waits for the copies of
+        # the step before last, so a host that runs ahead would time the GPU's step, not its own)
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         d = rt.plan(lens, bt_host)               # routes.toml's policy, on the host
         g = graphs.get(rt.step_key)
@@ -135,8 +138,9 @@ def host_routed(args, *, rt_args, width, q, k_all, v_all, outs, block_tables) ->
     torch.cuda.synchronize()
     print(f"routes {routes}; {len(graphs)} graphs captured (one per step key)")
     if host_us:
-        print(f"host time per replayed step (plan + {args.layers} layers): median "
-              f"{statistics.median(host_us):.1f} us over {len(host_us)} replayed steps")
+        print(f"host time per replayed step (plan + the replay of {args.layers} layers, GPU idle "
+              f"at its start): median {statistics.median(host_us):.1f} us over {len(host_us)} "
+              "replayed steps")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -191,7 +191,7 @@ def test_device_planning_explain_names_the_route(fake_device, pool):  # noqa: F8
     d = rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
     text = d.explain()
     assert "lengths on the GPU" in text and "pkv_fused" in text and "chosen" in text
-    assert "device_planning runs pkv_fused" in text
+    assert "[device_planning] runs pkv_fused" in text
 
 
 def test_device_planning_graph_replay_after_length_change(fake_device, pool):  # noqa: F811

@@ -185,8 +185,8 @@ class Planning:
         others = self._dp_refused.get(route.name)
         if others is None:   # built once per route, not every step
             others = self._dp_refused[route.name] = {
-                r.name: f"a captured step runs {route.name} on this step's row count (routes.toml "
-                        "[device_planning]; no router)"
+                r.name: f"routes.toml [device_planning] runs {route.name} on this step's row count "
+                        "(device lengths or engine_capture: no router)"
                 for r in self.registry.routes if r.name != route.name}
         return RouteDecision(route=route.name, kind=route.kind, plan=None, predicted_us={},
                              refused=others, speedup=1.0, active=b, max_context=max_context,
