@@ -168,7 +168,7 @@ def test_device_planning_construction(fake_device, tmp_path):  # noqa: F811
     rt = fake_runtime(device_planning=True, flashinfer=True)
     assert not rt.flashinfer_available  # device planning never takes the FlashInfer route
     assert "device planning" in rt.explain()
-    with pytest.raises(ValueError, match="max_batch=2000: device_planning plans at most 1024"):
+    with pytest.raises(ValueError, match="max_batch=2000: device_planning plans every step with the planning kernel, which plans at most 1024"):
         fake_runtime(device_planning=True, max_batch=2000)
     text = "\n".join(line for line in (pytest.importorskip("pathlib").Path(__file__).parents[1]
                                       / "routes.toml").read_text().splitlines())

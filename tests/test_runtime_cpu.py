@@ -1012,7 +1012,9 @@ def test_fake_device_engine_capture_checks_page_ids_at_plan(fake_device, pool):
     assert rt.step_key == key
     out = rt.run(q, b.k_cache, b.v_cache, out=torch.full_like(q, float("nan")))
     assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
-    fake_runtime(engine_capture=True, num_pages=pages, validate=False).plan(seq, bad)
+    trusting = fake_runtime(engine_capture=True, num_pages=pages, validate=False)
+    trusting.plan(seq, bad)   # no host check: the planning kernel gives the row no work
+    assert trusting.device_status(raise_on_error=False) & 4
 
 
 def test_fake_device_engine_capture_router_routing_is_the_routers(fake_device, pool):
@@ -1025,6 +1027,12 @@ def test_fake_device_engine_capture_router_routing_is_the_routers(fake_device, p
         assert a.plan(seq, bt).route == r.plan(seq, bt).route
     with pytest.raises(ValueError, match="capture_routing='auto'"):
         fake_runtime(engine_capture=True, capture_routing="auto")
+    for kw in (dict(), dict(engine_capture=True, device_planning=True)):
+        with pytest.raises(ValueError, match="applies to engine_capture=True with host lengths"):
+            fake_runtime(capture_routing="router", **kw)
+    with pytest.raises(ValueError, match="max_batch=2048: engine_capture"):
+        fake_runtime(engine_capture=True, max_batch=2048)
+    fake_runtime(engine_capture=True, capture_routing="router", max_batch=2048)
 
 
 def test_fake_device_host_lengths_page_ids(fake_device, pool):

@@ -19,7 +19,7 @@ One way to build a PersistentKV workqueue or fused plan: on the GPU, by the plan
 (kernels/plan_workqueue.cu, ``ops.plan_workqueue_device``: the balanced partition, the tasks in
 the host planner's order, a status word), from lengths the host copied there or lengths already
 on the device. Its grid is fixed per padded batch, so ``run`` replays one set of per-layer
-graphs for every step of that padded batch while the lengths change. Two ways to give a step:
+graphs for every step of that padded batch while the lengths change. Three ways to give a step:
 
 * host lengths (the default ``Runtime(...)``): ``plan`` checks the step (O(B), and with
   ``validate`` the page ids it uses) and the :class:`pkvrt.policy.router.Router` picks the route from

@@ -121,9 +121,13 @@ class Runtime(StaticBuffers, Planning, Running):
         (no graphs of the Runtime's own) and runs a FlashInfer route in FlashInfer's CUDA-graph
         mode (a wrapper per batch size, whose grid a re-plan keeps). The replays call no run(),
         so with ``validate`` plan() checks the page ids against ``num_pages`` (or, without it,
-        the smallest cache a run() was given); the planning kernel checks them on the GPU too,
-        FlashInfer does not. With ``device_planning`` it only sets ``use_cuda_graph=False``
-        (plan() is captured too then).
+        the smallest cache a run() was given); the planning kernel checks a workqueue/fused
+        step's ids on the GPU too, nothing checks a bucket or FlashInfer step's with
+        ``validate=False``. A graph bakes in the addresses of the tensors its run() calls were
+        given: q, out, the caches (and FP8 scales) must be the same tensors at every replay of
+        a key (e.g. views of :meth:`static_q` / :meth:`static_out` of the padded batch, or one
+        graph per (key, batch size) as the harness keeps). With ``device_planning`` it only sets
+        ``use_cuda_graph=False`` (plan() is captured too then).
     capture_routing : how ``engine_capture`` with host lengths chooses a step's route.
         ``"device_planning"`` (default): routes.toml's ``[device_planning]`` route, as device
         planning does: the policy of captured steps, measured in the 32-layer engine protocol
@@ -156,9 +160,22 @@ class Runtime(StaticBuffers, Planning, Running):
                  device_planning: bool = False, num_pages: int | None = None,
                  engine_capture: bool = False, capture_routing: str = "device_planning"):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
-        if device_planning and max_batch > ops.PLAN_MAX_ROWS:
-            raise ValueError(f"Runtime: max_batch={max_batch}: device_planning plans at most "
-                             f"{ops.PLAN_MAX_ROWS} rows (one planning CTA)")
+        if capture_routing not in CAPTURE_ROUTING:
+            raise ValueError(f"Runtime: capture_routing={capture_routing!r}: expected one of "
+                             f"{', '.join(map(repr, CAPTURE_ROUTING))}")
+        if capture_routing != "device_planning" and (not engine_capture or device_planning):
+            raise ValueError(f"Runtime: capture_routing={capture_routing!r} applies to "
+                             "engine_capture=True with host lengths (device_planning=False) only")
+        # a captured step of host lengths runs routes.toml's [device_planning] route (not the router)
+        self._captured_policy = bool(engine_capture and not device_planning
+                                     and capture_routing == "device_planning")
+        mode = ("device_planning" if device_planning else
+                "engine_capture (capture_routing='device_planning')" if self._captured_policy else None)
+        if mode and max_batch > ops.PLAN_MAX_ROWS:
+            raise ValueError(f"Runtime: max_batch={max_batch}: {mode} plans every step with the "
+                             f"planning kernel, which plans at most {ops.PLAN_MAX_ROWS} rows (one CTA)"
+                             + ("; capture_routing='router' lets larger steps take other routes"
+                                if self._captured_policy else ""))
         for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row),
                         ("num_pages", 1 if num_pages is None else num_pages)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -180,12 +197,6 @@ class Runtime(StaticBuffers, Planning, Running):
         self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
         # engine_capture: the engine's graphs replace the Runtime's own (its launches are captured)
         self.engine_capture = bool(engine_capture)
-        if capture_routing not in CAPTURE_ROUTING:
-            raise ValueError(f"Runtime: capture_routing={capture_routing!r}: expected one of "
-                             f"{', '.join(map(repr, CAPTURE_ROUTING))}")
-        # a captured step of host lengths runs routes.toml's [device_planning] route (not the router)
-        self._captured_policy = (self.engine_capture and not device_planning
-                                 and capture_routing == "device_planning")
         self.use_cuda_graph = bool(use_cuda_graph) and not self.engine_capture
         self.validate, self.sm_scale = bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
@@ -196,15 +207,15 @@ class Runtime(StaticBuffers, Planning, Running):
             try:
                 self._dp_default = self.registry.device_planning_route().name
             except KeyError as e:
-                raise ValueError(e.args[0]) from None
+                raise ValueError(f"Runtime ({mode}): {e.args[0]}") from None
             if self.device_planning:
                 flashinfer = False  # device planning runs the PersistentKV workqueue routes only
             small = self.registry.device_small
             for dp_route in map(self.registry.route, dict.fromkeys(filter(None, (self._dp_default,
                                                                                 small and small[1])))):
                 if self._kv_dtype not in dp_route.kv_dtypes:
-                    raise ValueError(f"Runtime: dtype={self.kv_dtype}: the device-planning route "
-                                     f"{dp_route.name!r} does not serve it (kv_dtypes = "
+                    raise ValueError(f"Runtime ({mode}): dtype={self.kv_dtype}: the device-planning "
+                                     f"route {dp_route.name!r} does not serve it (kv_dtypes = "
                                      f"{list(dp_route.kv_dtypes)} in {self.registry.path})")
 
         self.device = _resolve_device(device)
@@ -362,9 +373,7 @@ class Runtime(StaticBuffers, Planning, Running):
                  f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
                  + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
                  + ("; device planning (no host routing)" if self.device_planning else "")
-                 + ("; engine-captured steps, routes.toml [device_planning] routes"
-                    if self._captured_policy else "; engine-captured steps, the router's routes"
-                    if self.engine_capture and not self.device_planning else "")
+                 + self._capture_note()
                  + ("; workqueue/fused plans built on the GPU" if self._dp_routes else ""),
                  "flashinfer: " + ("available" + (" (tensor cores)" if self._fi.tensor_cores else " (CUDA cores)")
                                    if self._fi is not None else
@@ -372,6 +381,14 @@ class Runtime(StaticBuffers, Planning, Running):
                                    "on the fastest predicted PersistentKV route")]
         lines.append(self.last_decision.explain() if self.last_decision is not None else "no step planned yet")
         return "\n".join(lines)
+
+    def _capture_note(self) -> str:
+        """explain()'s words for engine_capture with host lengths (empty otherwise)."""
+        if not self.engine_capture or self.device_planning:
+            return ""
+        if self._captured_policy:
+            return "; engine-captured steps, routes.toml [device_planning] routes"
+        return "; engine-captured steps, the router's routes"
 
     def stats(self) -> dict:
         """Counters since construction.

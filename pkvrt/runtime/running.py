@@ -87,22 +87,25 @@ class Running:
                 self._run_checked.add(sig)
         else:   # the same tensors as a call that passed: only this step's page bound is new
             check_page_bound(st.max_page_id, k_cache.shape[0])
+        capturing = self._capturing()
+        if capturing and st.kind == "flashinfer" and not self._fi.cuda_graph:
+            raise RuntimeError("Runtime.run: a FlashInfer step captured in your CUDA graph: its eager "
+                               "wrapper re-allocates its plan buffers every plan(), so a replay would "
+                               "read freed memory. Build the Runtime with engine_capture=True "
+                               "(FlashInfer's CUDA-graph mode) to capture host-routed steps")
         if self._dp_routes:
             self._check_page_bound(k_cache.shape[0])
-        capturing = self._capturing()
         if self._fp8 and self.validate and not capturing:
             self._check_scale_values(k_cache, v_cache, k_scale, v_scale)
         if out is None:
             out = torch.empty_like(q)
         if self.use_cuda_graph and capturing:
             raise RuntimeError(NESTED_CAPTURE.format("run"))
-        if capturing and st.kind == "flashinfer" and not self._fi.cuda_graph:
-            raise RuntimeError("Runtime.run: a FlashInfer step captured in your CUDA graph: its eager "
-                               "wrapper re-allocates its plan buffers every plan(), so a replay would "
-                               "read freed memory. Build the Runtime with engine_capture=True "
-                               "(FlashInfer's CUDA-graph mode) to capture host-routed steps")
         scales = (k_scale, v_scale)
         if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
+            # early_kv from the second run() of the step on; an engine's capture after a warm-up
+            # bakes it into its first layer too, which is safe: the graph launch waits for the
+            # planning kernel (enqueued by plan() before it) to finish
             self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0)
             st.runs += 1
             self._counts["eager_runs"] += 1

@@ -239,8 +239,8 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
                    flashinfer=fi_engines.make_engine):
     """``make_engine(name, wl, fi_route)`` of :func:`pkvrt.measure.harness.run_seed`: a FlashInfer path
     (``flashinfer(name, wl, max_active=...)``, pkvrt/measure/fi_engines.py), the whole-step graph engine
-    (``device-plan-step[:ROUTE]``), the host-lengths ones (``host-step``, ``adaptive-step``) or a Runtime engine (adaptive, ``device-plan[:ROUTE]``,
-    ``flashinfer-graph``, a forced route). The workload ``wl`` carries the KV dtype and scales
+    (``device-plan-step[:ROUTE]``), the host-lengths ones (``host-step``, ``adaptive-step``) or
+    a Runtime engine (adaptive, ``device-plan[:ROUTE]``, ``flashinfer-graph``, a forced route). The workload ``wl`` carries the KV dtype and scales
     (harness.Workload), so every engine follows ``--kv-dtype``."""
     def make_engine(name, wl, fi_route):
         if name in harness.FI_VARIANTS:
