@@ -750,6 +750,27 @@ class RuntimeEngine:
         return out
 
 
+def capture_layers(rt, wl: Workload, b: int, phase: int, out: torch.Tensor,
+                   plan=None) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of a step of ``b`` rows: ``plan()`` if given (device planning captures it),
+    then every layer's ``rt.run()`` on the cache copies of ``phase`` (and the MLP tail with
+    ``mlp``), writing ``out[:b]``; warmed up once, then captured (``graphs.capture``)."""
+    q, o = wl.q[:b], out[:b]
+
+    def body():
+        if plan is not None:
+            plan()
+        for layer in range(wl.layers):
+            c = (phase + layer) % wl.copies
+            rt.run(q, wl.k[c], wl.v[c], out=o, **wl.scales(layer))
+            if wl.mlp:
+                wl.mlp_tail(o)
+
+    from pkvrt.runtime import graphs  # the Runtime's warm-up-then-capture, with its empty-graph check
+
+    return graphs.capture(body, side_stream=torch.cuda.Stream(), pool=None, device=wl.device).graph
+
+
 class StepGraphEngine(RuntimeEngine):
     """``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` with the whole decode step
     captured as one CUDA graph, as an engine that captures its decode step runs it
@@ -798,19 +819,8 @@ class StepGraphEngine(RuntimeEngine):
         self.decision = self.decisions[b]
 
     def _capture(self, wl: Workload, b: int, phase: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
-        q, o = wl.q[:b], out[:b]
-
-        def body():
-            self.rt.plan(self.seq[:b], self.bt[:b], force=self.force)
-            for layer in range(wl.layers):
-                c = (phase + layer) % wl.copies
-                self.rt.run(q, wl.k[c], wl.v[c], out=o, **wl.scales(layer))
-                if wl.mlp:
-                    wl.mlp_tail(o)
-
-        from pkvrt.runtime import graphs  # the Runtime's warm-up-then-capture, with its empty-graph check
-
-        return graphs.capture(body, side_stream=torch.cuda.Stream(), pool=None, device=wl.device).graph
+        return capture_layers(self.rt, wl, b, phase, out,
+                              plan=lambda: self.rt.plan(self.seq[:b], self.bt[:b], force=self.force))
 
     def stats(self) -> dict:
         return {"step_graphs": len(self.graphs)}
@@ -854,18 +864,7 @@ class HostStepGraphEngine(RuntimeEngine):
         g.replay()
 
     def _capture(self, wl: Workload, b: int, phase: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
-        q, o = wl.q[:b], out[:b]
-
-        def body():
-            for layer in range(wl.layers):
-                c = (phase + layer) % wl.copies
-                self.rt.run(q, wl.k[c], wl.v[c], out=o, **wl.scales(layer))
-                if wl.mlp:
-                    wl.mlp_tail(o)
-
-        from pkvrt.runtime import graphs  # the Runtime's warm-up-then-capture, with its empty-graph check
-
-        return graphs.capture(body, side_stream=torch.cuda.Stream(), pool=None, device=wl.device).graph
+        return capture_layers(self.rt, wl, b, phase, out)
 
     def stats(self) -> dict:
         out = super().stats()

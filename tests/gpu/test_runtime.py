@@ -165,6 +165,31 @@ def test_engine_capture_host_lengths(pool, route, routing):
     assert len(step_graphs) < len(steps)              # keys repeat: graphs were replayed
 
 
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_engine_capture_one_graph_per_step_key_serves_its_padded_batch(pool, route):
+    """Keyed on step_key alone (README's loop): steps of 3 and 4 rows share padded batch 4, so
+    one graph, captured on the first, replays for both, reading q and writing out through the
+    static buffers (the same addresses at every batch size)."""
+    b, caches = pool
+    rt = runtime(engine_capture=True)
+    step_graphs: dict = {}
+    for i, rows in enumerate([[0, 2, 3], [0, 1, 2, 3], [0, 2, 3], [1, 2, 3, 4]]):
+        seq, bt, q = step_inputs(b, rows, 3 - i, seed=200 + i)
+        rt.plan(seq, bt, force=route)
+        qs, out = rt.static_q(len(rows)), rt.static_out(len(rows))
+        qs.copy_(q)
+        out.fill_(float("nan"))
+        g = step_graphs.get(rt.step_key)
+        if g is None:
+            step_graphs[rt.step_key] = graphs.capture(
+                lambda: [rt.run(rt.static_q(len(rows)), *c, out=rt.static_out(len(rows)))
+                         for c in caches]).graph
+        else:
+            g.replay()
+        check(out, q, caches[-1], seq, bt, f"step {i} ({len(rows)} rows)")
+    assert len(step_graphs) == 1
+
+
 def test_a_flashinfer_step_in_an_engine_graph_needs_engine_capture(pool):
     if FI_MODULE is None:
         pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
