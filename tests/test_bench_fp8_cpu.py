@@ -29,7 +29,7 @@ from test_runtime_cpu import fake_device  # noqa: F401
 FP8 = torch.float8_e4m3fn
 SHAPE = harness.Shape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 REGISTRY = load_routes(None)
-PKVRT_ENGINES = ("adaptive", "device-plan", "device-plan-step", "pkv_workqueue")
+PKVRT_ENGINES = ("adaptive", "device-plan", "device-plan-step", "host-step", "pkv_workqueue")
 CUDNN_FP8 = ("cudnn decode backend requires q, kv and o to share one fp16 or bf16 dtype; got "
              "q=torch.float16, kv=torch.float8_e4m3fn, o=torch.float16.")   # FlashInfer 0.7.2
 # the keys of a timed 16-bit serving row (no FP8 key may appear there)
@@ -270,7 +270,7 @@ def test_fp8_engine_protocol_on_the_fake_device(fake_device, monkeypatch, tmp_pa
         "flashinfer-cuda", "flashinfer-tc", "flashinfer-xqa"}
     measured = {r["engine"]: r for r in rows if r["row"] == "measured"}
     assert list(measured) == ["flashinfer-xqa", "pkvrt-adaptive", "pkvrt-device-plan",
-                              "pkvrt-device-plan-step", "pkvrt-workqueue"]
+                              "pkvrt-device-plan-step", "pkvrt-host-step", "pkvrt-workqueue"]
     base = measured["flashinfer-xqa"]
     assert base["baseline"] and base["correct"] and base["within_fp8_bound"]
     assert not harness.within_tolerance(base["max_err_ref"], base["mean_err_ref"])
@@ -307,7 +307,7 @@ def test_fp8_engine_protocol_on_the_fake_device(fake_device, monkeypatch, tmp_pa
     assert "| tiny-B2-L2-fp8 | pkvrt-device-plan-step |" in md and report.FP8_ERRORS_NOTE in md
 
 
-@pytest.mark.parametrize("name", ["device-plan-step", "device-plan", "pkv_workqueue"])
+@pytest.mark.parametrize("name", ["device-plan-step", "host-step", "device-plan", "pkv_workqueue"])
 def test_each_layer_runs_with_its_own_scale_tensors(fake_device, monkeypatch, name):  # noqa: F811
     wl = _workload(fp8_scales="amax")
     seen = []

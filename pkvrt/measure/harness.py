@@ -741,6 +741,24 @@ class RuntimeEngine:
             return d.route, tuple(plan_splits(p)), p.counters
         return d.route, tuple(plan_splits(d.plan)), d.plan.counters
 
+    def _init_captured(self, wl: Workload, *, name: str, force: str | None, routes, calibration,
+                       max_active: int, **runtime_kw) -> None:
+        """The fields and Runtime of an engine whose steps are captured whole (the step-graph
+        engines): no host validation, ``num_pages`` of the workload's caches, FP8 when the
+        workload is; ``runtime_kw`` picks the mode (device planning or engine_capture)."""
+        from pkvrt.runtime import Runtime
+
+        sh = wl.shape
+        self.device_planning = bool(runtime_kw.get("device_planning", False))
+        self.force, self.label = force, engine_label(name)
+        self._on_device: dict[int, tuple] = {}
+        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
+        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
+        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
+                          device=wl.device, routes=routes, calibration=calibration,
+                          max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
+                          validate=False, num_pages=wl.k[0].shape[0], **fp8, **runtime_kw)
+
     def stats(self) -> dict:
         """Scalar entries of ``Runtime.stats()`` (and which harness kwargs it did not accept)."""
         s = self.rt.stats() if hasattr(self.rt, "stats") else {}
@@ -783,18 +801,8 @@ class StepGraphEngine(RuntimeEngine):
 
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
                  force: str | None = None):
-        from pkvrt.runtime import Runtime
-
-        sh = wl.shape
-        self.device_planning, self.force, self.label = True, force, engine_label(name)
-        self._on_device: dict[int, tuple] = {}
-        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
-        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
-        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
-                          device=wl.device, routes=routes, calibration=calibration,
-                          max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-                          use_cuda_graph=False, validate=False, device_planning=True,
-                          num_pages=wl.k[0].shape[0], **fp8)
+        self._init_captured(wl, name=name, force=force, routes=routes, calibration=calibration,
+                            max_active=max_active, use_cuda_graph=False, device_planning=True)
         i32 = dict(dtype=torch.int32, device=wl.device)
         self.seq = torch.ones(max_active, **i32)
         self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)
@@ -838,19 +846,9 @@ class HostStepGraphEngine(RuntimeEngine):
 
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
                  tensor_cores: bool, routing: str = "device_planning"):
-        from pkvrt.runtime import Runtime
-
-        sh = wl.shape
-        self.device_planning, self.force, self.label = False, None, engine_label(name)
-        self._on_device: dict[int, tuple] = {}
-        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
-        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
-        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
-                          device=wl.device, routes=routes, calibration=calibration,
-                          max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-                          engine_capture=True, capture_routing=routing, validate=False,
-                          flashinfer_tensor_cores=tensor_cores,
-                          num_pages=wl.k[0].shape[0], **fp8)
+        self._init_captured(wl, name=name, force=None, routes=routes, calibration=calibration,
+                            max_active=max_active, engine_capture=True, capture_routing=routing,
+                            flashinfer_tensor_cores=tensor_cores)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.decision = None
 
