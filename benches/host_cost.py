@@ -8,7 +8,8 @@ for each of `layers` layers. Measured per step (medians):
 * plan_us   host time of plan() (perf_counter around the call; nothing synchronizes);
             plan_mean_us / plan_p90_us: its mean and 90th percentile over the steps (the median
             hides the router memo's misses, a full prediction each)
-* run_us    host time of one run() (a graph replay, or the eager launches)
+* run_us    host time of one run() (a graph replay, or the eager launches; runtime-engine-capture:
+            eager, as an engine's capture would record them, so only its plan_us is its cost)
 * host_us   plan_us + layers * run_us as measured together (enqueue time of the whole step)
 * gpu_us    device time of the step (CUDA events behind a spin kernel that covers the host
             enqueue, the harness's CudaClock: no host gaps inside)
@@ -65,6 +66,9 @@ def engines(fi_available: bool):
             out.append((f"runtime-{force or 'adaptive'}-{tag}", dict(use_cuda_graph=graphs), force, False))
         out.append((f"runtime-device-plan-{tag}", dict(use_cuda_graph=graphs, device_planning=True),
                     None, True))
+    # host lengths for an engine that captures its steps: plan_us is what it pays per step
+    # (its run() here launches eagerly, uncaptured: run_us is not what a replay costs)
+    out.append(("runtime-engine-capture", dict(engine_capture=True), None, False))
     if fi_available:
         out.append(("runtime-flashinfer-eager", dict(use_cuda_graph=True), "flashinfer", False))
         out.append(("flashinfer-raw", None, None, False))
