@@ -201,11 +201,14 @@ def check_device_step(seq_lens, block_tables, *, device, max_batch: int):
     return seq, bt
 
 
-def check_page_bound(max_page_id: int, num_pages: int) -> None:
-    """The step's largest page id (-1: not validated) against the cache's pages; ValueError."""
+def check_page_bound(max_page_id: int, num_pages: int, *,
+                     where: str = "Runtime.run: block_tables (last plan)",
+                     bound: str = "num_pages = k_cache.shape[0]") -> None:
+    """The step's largest page id (-1: not validated) against the cache's pages; ValueError
+    naming ``where`` the ids come from and what the ``bound`` is."""
     if max_page_id >= num_pages:
-        raise ValueError(f"Runtime.run: block_tables (last plan) uses page id {max_page_id}: expected "
-                         f"page ids < num_pages = k_cache.shape[0] = {num_pages}")
+        raise ValueError(f"{where} uses page id {max_page_id}: expected page ids < {bound} = "
+                         f"{num_pages}")
 
 
 def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int):

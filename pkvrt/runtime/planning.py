@@ -22,7 +22,8 @@ from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.policy.router import RouteDecision
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import RING, _Staging, _Step
-from pkvrt.runtime.checks import NESTED_CAPTURE, StepInput, check_device_step, check_step
+from pkvrt.runtime.checks import (NESTED_CAPTURE, StepInput, check_device_step, check_page_bound,
+                                  check_step)
 from pkvrt.runtime.graphs import Capacities, grow, needed_capacities, stage_bucket
 
 
@@ -90,11 +91,11 @@ class Planning:
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
         b = len(step.lens)
-        if self.engine_capture and self._num_pages is not None and step.max_page_id >= self._num_pages:
+        if self.engine_capture and self._num_pages is not None:
             # the engine replays its graph without calling run(), where ids are checked otherwise
-            raise ValueError(f"Runtime.plan: block_tables uses page id {step.max_page_id}: expected "
-                             f"page ids < num_pages = {self._num_pages} (engine_capture: checked at "
-                             "plan(), the engine's replays call no run())")
+            check_page_bound(step.max_page_id, self._num_pages, bound="num_pages",
+                             where="Runtime.plan (engine_capture: checked here, an engine's replays "
+                                   "call no run()): block_tables")
         if self._captured_policy and force is None:
             d = self._captured_decision(b, max(step.lens))   # routes.toml's [device_planning] route
         else:

@@ -115,7 +115,7 @@ class Running:
         kv = (sig[2][:4], sig[3][:4])
         if self._fp8:
             kv += (sig[5][:4], sig[6][:4])
-        head = (st.route, st.kind, st.gbatch, st.structure, self._generation, kv)
+        head = (*self.step_key, kv)
         if q.data_ptr() == self._sq_ptr and out.data_ptr() == self._so_ptr:
             self._run_static(st, head, k_cache, v_cache, scales)
             return out
