@@ -1,5 +1,5 @@
 """Throwaway (session 15): Python cost of ops.plan_workqueue_device with the driver launch stubbed, CPU
-tensors, B8 shapes; printed 22.0 us on the dev box. usage: python benches/results/h200/exploration/engine-capture/scripts/ops_plan_cost_cpu.py"""
+tensors, B8 shapes; printed 22.0 and 34.1 us in two dev-box runs (a noisy 2-core machine). usage: python benches/results/h200/exploration/engine-capture/scripts/ops_plan_cost_cpu.py"""
 import time, torch
 from pkvrt.launch import ops, _driver
 _driver.launch = lambda *a, **k: None
