@@ -57,6 +57,10 @@ CASES = {
 SEED = 20260623
 
 
+# engines that are another engine with a Runtime attribute overridden after construction
+ABLATIONS = {"runtime-engine-capture-eager-plan": dict(_plan_graphs=False)}
+
+
 def engines(fi_available: bool):
     """(name, Runtime kwargs or None for raw FlashInfer, force, device lengths)."""
     out = []
@@ -67,8 +71,10 @@ def engines(fi_available: bool):
         out.append((f"runtime-device-plan-{tag}", dict(use_cuda_graph=graphs, device_planning=True),
                     None, True))
     # host lengths for an engine that captures its steps: plan_us is what it pays per step
-    # (its run() here launches eagerly, uncaptured: run_us is not what a replay costs)
+    # (its run() here launches eagerly, uncaptured: run_us is not what a replay costs); the
+    # ablation launches the planning kernel eagerly instead of replaying its graph (ABLATIONS)
     out.append(("runtime-engine-capture", dict(engine_capture=True), None, False))
+    out.append(("runtime-engine-capture-eager-plan", dict(engine_capture=True), None, False))
     if fi_available:
         out.append(("runtime-flashinfer-eager", dict(use_cuda_graph=True), "flashinfer", False))
         out.append(("flashinfer-raw", None, None, False))
@@ -192,12 +198,16 @@ def medians(rows, case) -> list[dict]:
     return out
 
 
+TARGET_ENGINES = {"runtime-adaptive-graphs": "adaptive", "runtime-engine-capture": "engine-capture"}
+
+
 def print_targets(rows) -> None:
-    """Issue 13's host-time targets for the adaptive graph engine: plan_us <= flashinfer-raw's
-    plan_us on the same case, and <= 60 us when its route is a PersistentKV one."""
+    """Issue 13's host-time targets for the adaptive graph engine and the engine-capture one
+    (host lengths, an engine's captured step): plan_us <= flashinfer-raw's plan_us on the same
+    case, and <= 60 us when its route is a PersistentKV one."""
     by = {(r["case"], r["engine"], r["layers"]): r for r in rows}
     for (case, engine, layers), r in by.items():
-        if engine != "runtime-adaptive-graphs":
+        if engine not in TARGET_ENGINES:
             continue
         fi = by.get((case, "flashinfer-raw", layers))
         verdicts = []
@@ -212,7 +222,7 @@ def print_targets(rows) -> None:
                     f"host routing adds {r['plan_us'] - dp['plan_us']:.1f} us over device "
                     f"planning's plan() ({dp['plan_us']:.1f} us)")
         mean = f" (mean {r['plan_mean_us']:6.1f})" if "plan_mean_us" in r else ""
-        print(f"target {case:11s} L{layers:<3d} adaptive plan {r['plan_us']:6.1f} us{mean}  "
+        print(f"target {case:11s} L{layers:<3d} {TARGET_ENGINES[engine]} plan {r['plan_us']:6.1f} us{mean}  "
               + ("; ".join(verdicts) or "(no FlashInfer row)"))
 
 
@@ -266,6 +276,8 @@ def main(argv=None) -> int:
             else:
                 eng = Runtime(32, 8, 128, 16, torch.float16, max_batch=max(8, len(lens)),
                               max_pages_per_row=bt.shape[1], validate=False, **kw)
+                for attr, value in ABLATIONS.get(name, {}).items():
+                    setattr(eng, attr, value)
             steps_in = [(d, bt_dev, force) if on_device else (h, bt, force)
                         for h, d in zip(host_steps, dev_steps)]
             built[name] = (eng, steps_in)

@@ -969,10 +969,12 @@ def test_fake_device_host_lengths_replay_while_lengths_grow_and_batches_change(f
 
 
 def test_fake_device_engine_capture_takes_the_device_planning_route(fake_device, pool):
-    """engine_capture with host lengths: no graphs of the Runtime's own; unforced steps run
-    routes.toml's [device_planning] route for their row count (the one-row small_route too),
-    forced ones the forced route; the step key follows the route, the padded batch and the
-    planning grid, so steps of one padded batch share a key while their lengths change."""
+    """engine_capture with host lengths: the Runtime's graphs are its planning graphs alone
+    (one per route and padded batch, replayed by plan() outside the engine's capture; run()
+    launches eagerly, for the engine to capture); unforced steps run routes.toml's
+    [device_planning] route for their row count (the one-row small_route too), forced ones the
+    forced route; the step key follows the route, the padded batch and the planning grid, so
+    steps of one padded batch share a key while their lengths change."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
     rt = fake_runtime(engine_capture=True)
@@ -991,7 +993,9 @@ def test_fake_device_engine_capture_takes_the_device_planning_route(fake_device,
     seq, bt, q = step_inputs(b, [0, 1], 0, seed=9)
     assert rt.plan(seq, bt, force="pkv_bucket").route == "pkv_bucket" and rt.step_key[0] == "pkv_bucket"
     s = rt.stats()
-    assert s["captures"] == 0 and s["replays"] == 0 and s["eager_runs"] == len(STEPS) + 1
+    plans = {k[:3] for k in keys}   # (route, kind, padded batch): one planning graph each
+    assert s["captures"] == len(plans) < len(keys) and s["replays"] == len(keys) - len(plans)
+    assert s["eager_runs"] == len(STEPS) + 1   # run(): eager, for the engine to capture
     assert "engine-captured steps" in rt.explain()
 
 

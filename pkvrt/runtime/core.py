@@ -198,6 +198,12 @@ class Runtime(StaticBuffers, Planning, Running):
         # engine_capture: the engine's graphs replace the Runtime's own (its launches are captured)
         self.engine_capture = bool(engine_capture)
         self.use_cuda_graph = bool(use_cuda_graph) and not self.engine_capture
+        # The planning kernel of a host-routed workqueue/fused step runs as a replay of a graph
+        # of the Runtime's own, also under engine_capture with host lengths: plan() runs outside
+        # the engine's capture there, and a replay costs a few us of host time where the eager
+        # launch's argument handling costs 22-34 us (benches/NOTES.md, "Session 16"). Device
+        # planning with the Runtime's graphs off launches it eagerly: the engine captures plan().
+        self._plan_graphs = self.use_cuda_graph or (self.engine_capture and not device_planning)
         self.validate, self.sm_scale = bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
         self.device_planning = bool(device_planning)

@@ -217,15 +217,18 @@ class Planning:
     def _enqueue_device_plan(self, route, gbatch: int, direct=None) -> int:
         """Plan ``route`` on the GPU for the lengths, row count and block tables already enqueued
         into the planning buffers: replay the captured planning graph of (route, gbatch) (capture
-        it on a miss; an eager launch with graphs off). ``direct`` (graphs off only): the
-        kernel's direct-mode inputs, see :meth:`_launch_device_plan`. Returns the grid: the task
-        slots of the padded batch (:meth:`_device_grid_tasks`), the same for every step of that
-        batch, so the decode graphs keyed by it replay while the lengths change."""
+        it on a miss). An eager launch with the Runtime's graphs off, except under engine_capture
+        with host lengths: plan() runs outside the engine's capture there and replays the graph
+        too (a replay is a few us of host time, the eager launch 22-34 us of Python). ``direct``
+        (device planning with graphs off only): the kernel's direct-mode inputs, see
+        :meth:`_launch_device_plan`. Returns the grid: the task slots of the padded batch
+        (:meth:`_device_grid_tasks`), the same for every step of that batch, so the decode
+        graphs keyed by it replay while the lengths change."""
         grid = self._device_grid_tasks(route, gbatch)   # <= the capacity sized at construction
         key = ("device-plan", route.name, gbatch, grid, self._generation)
         launch = lambda: self._launch_device_plan(route, gbatch, grid, direct)  # noqa: E731
-        assert direct is None or not self.use_cuda_graph, "a direct plan is never captured here"
-        if not self.use_cuda_graph:
+        assert direct is None or not self._plan_graphs, "a direct plan is never captured here"
+        if not self._plan_graphs:
             launch()
         elif (e := self._graphs.get(key)) is not None:
             e.graph.replay()
