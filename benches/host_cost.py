@@ -58,7 +58,8 @@ SEED = 20260623
 
 
 # engines that are another engine with a Runtime attribute overridden after construction
-ABLATIONS = {"runtime-engine-capture-eager-plan": dict(_plan_graphs=False)}
+ABLATIONS = {"runtime-engine-capture-plan-graph": dict(_plan_launch="graph"),
+             "runtime-engine-capture-eager-plan": dict(_plan_launch="eager")}
 
 
 def engines(fi_available: bool):
@@ -71,10 +72,11 @@ def engines(fi_available: bool):
         out.append((f"runtime-device-plan-{tag}", dict(use_cuda_graph=graphs, device_planning=True),
                     None, True))
     # host lengths for an engine that captures its steps: plan_us is what it pays per step
-    # (its run() here launches eagerly, uncaptured: run_us is not what a replay costs); the
-    # ablation launches the planning kernel eagerly instead of replaying its graph (ABLATIONS)
-    out.append(("runtime-engine-capture", dict(engine_capture=True), None, False))
-    out.append(("runtime-engine-capture-eager-plan", dict(engine_capture=True), None, False))
+    # (its run() here launches eagerly, uncaptured, the first one with the planning kernel that
+    # an engine's graph holds: run_us is not what a replay costs); the ablations launch the
+    # planning kernel in plan(): a replay of the Runtime's planning graph, or eagerly (ABLATIONS)
+    for tag in ("", "-plan-graph", "-eager-plan"):
+        out.append((f"runtime-engine-capture{tag}", dict(engine_capture=True), None, False))
     if fi_available:
         out.append(("runtime-flashinfer-eager", dict(use_cuda_graph=True), "flashinfer", False))
         out.append(("flashinfer-raw", None, None, False))

@@ -9,8 +9,9 @@ the block tables, the planning kernel), so the engine captures it together with 
 
 Host lengths (``--host-routing``): ``Runtime(engine_capture=True)``. The engine calls ``plan()``
 with host lengths before each replay (routes.toml's policy picks the route; a workqueue/fused
-plan is built on the GPU, a FlashInfer step planned by FlashInfer), and keeps one graph of the
-layers' ``run()`` calls per ``rt.step_key``, captured the first time a key is seen.
+plan is built on the GPU by the planning kernel, which the step's first ``run()`` launches, so the
+graph holds it; a FlashInfer step is planned by FlashInfer), and keeps one graph of the layers'
+``run()`` calls per ``rt.step_key``, captured the first time a key is seen.
 
 The lengths grow by one token a step; every few steps the last layer's output is checked against
 the FP32 reference, and at the end the host time per step and the graphs captured are printed.

@@ -969,12 +969,10 @@ def test_fake_device_host_lengths_replay_while_lengths_grow_and_batches_change(f
 
 
 def test_fake_device_engine_capture_takes_the_device_planning_route(fake_device, pool):
-    """engine_capture with host lengths: the Runtime's graphs are its planning graphs alone
-    (one per route and padded batch, replayed by plan() outside the engine's capture; run()
-    launches eagerly, for the engine to capture); unforced steps run routes.toml's
-    [device_planning] route for their row count (the one-row small_route too), forced ones the
-    forced route; the step key follows the route, the padded batch and the planning grid, so
-    steps of one padded batch share a key while their lengths change."""
+    """engine_capture with host lengths: no graphs of the Runtime's own; unforced steps run
+    routes.toml's [device_planning] route for their row count (the one-row small_route too),
+    forced ones the forced route; the step key follows the route, the padded batch and the
+    planning grid, so steps of one padded batch share a key while their lengths change."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
     rt = fake_runtime(engine_capture=True)
@@ -993,16 +991,46 @@ def test_fake_device_engine_capture_takes_the_device_planning_route(fake_device,
     seq, bt, q = step_inputs(b, [0, 1], 0, seed=9)
     assert rt.plan(seq, bt, force="pkv_bucket").route == "pkv_bucket" and rt.step_key[0] == "pkv_bucket"
     s = rt.stats()
-    plans = {k[:3] for k in keys}   # (route, kind, padded batch): one planning graph each
-    assert s["captures"] == len(plans) < len(keys) and s["replays"] == len(keys) - len(plans)
-    assert s["eager_runs"] == len(STEPS) + 1   # run(): eager, for the engine to capture
+    assert s["captures"] == 0 and s["replays"] == 0 and s["eager_runs"] == len(STEPS) + 1
     assert "engine-captured steps" in rt.explain()
+
+
+def test_fake_device_engine_capture_plans_in_the_steps_first_run(fake_device, pool):
+    """engine_capture with host lengths: plan() copies the step and launches nothing; the
+    step's first run() launches the planning kernel (so an engine's graph of the step holds it
+    and a replay plans from the lengths the next plan() copied), and its decode does not read
+    the plan early; the step's later run()s neither plan again nor wait. A bucket step has no
+    planning launch."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(engine_capture=True)
+    plans, early = [], []
+    plan_kernel, launch = rt._launch_device_plan, rt._launch
+    rt._launch_device_plan = lambda *a, **k: (plans.append(a[0].name), plan_kernel(*a, **k))
+    rt._launch = lambda st, *a, early_kv=False, **k: (early.append(early_kv),
+                                                       launch(st, *a, early_kv=early_kv, **k))
+    for i, (rows, short) in enumerate(STEPS[:3]):
+        seq, bt, q = step_inputs(b, rows, short, seed=i)
+        d = rt.plan(seq, bt)
+        assert len(plans) == i, "plan() launched the planning kernel"
+        for _ in range(3):
+            out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+            assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, (i, d.route)
+        assert plans == [rt.registry.device_planning_route(len(r)).name for r, _ in STEPS[:i + 1]]
+    assert early == [False, True, True] * 3
+    seq, bt, q = step_inputs(b, [0, 1], 0, seed=9)
+    rt.plan(seq, bt, force="pkv_bucket")
+    rt.run(q, *cache)
+    assert len(plans) == 3 and rt._step.plan_launch is None
+    s = rt.stats()
+    assert s["captures"] == 0 and s["replays"] == 0   # no graphs of the Runtime's own
 
 
 def test_fake_device_engine_capture_checks_page_ids_at_plan(fake_device, pool):
     """engine_capture: an engine's replays call no run(), so plan() refuses a page id >=
     num_pages (ValueError naming it; the previous plan and its step key stay); validate=False
-    leaves the ids to the planning kernel's GPU check."""
+    leaves the ids to the planning kernel's GPU check (run with the step: its first run(), or
+    the replay of an engine's graph)."""
     b, _ = pool
     pages = b.k_cache.shape[0]
     rt = fake_runtime(engine_capture=True, num_pages=pages)
@@ -1018,6 +1046,7 @@ def test_fake_device_engine_capture_checks_page_ids_at_plan(fake_device, pool):
     assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
     trusting = fake_runtime(engine_capture=True, num_pages=pages, validate=False)
     trusting.plan(seq, bad)   # no host check: the planning kernel gives the row no work
+    trusting.run(q, b.k_cache, b.v_cache)
     assert trusting.device_status(raise_on_error=False) & 4
 
 

@@ -201,6 +201,14 @@ def current_stream_handle() -> int:
     return raw(torch._C._cuda_getDevice())
 
 
+def capture_id() -> int:
+    """The id of the capture sequence torch's current stream is in (unique over the process's
+    lifetime); 0 when it is not capturing."""
+    status, cid, *_ = check("cuStreamGetCaptureInfo",
+                            cu.cuStreamGetCaptureInfo(cu.CUstream(current_stream_handle())))
+    return int(cid) if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE else 0
+
+
 def launch(kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctypes.Structure) -> None:
     """Launch ``kernel`` with one by-value struct argument on torch's current stream.
 

@@ -839,10 +839,10 @@ class HostStepGraphEngine(RuntimeEngine):
     one CUDA graph, as an engine that captures its decode step and keeps lengths on the host runs
     it (``examples/engine_graph.py --host-routing``). Per step: ``plan(seq_lens, block_tables)``
     on the host (the route: routes.toml's ``[device_planning]`` one, or with ``routing="router"``
-    the router's; the planning kernel or FlashInfer's plan launched eagerly), then the graph of
-    (every layer's ``run()``, and the MLP tail with ``mlp``) for (``Runtime.step_key``, cache
-    phase) is replayed; captured the first time that pair is seen (the untimed pass). The phase
-    is as in :class:`StepGraphEngine`."""
+    the router's; one copy, or FlashInfer's plan), then the graph of (every layer's ``run()``,
+    the first one with the planning kernel of a workqueue/fused step, and the MLP tail with
+    ``mlp``) for (``Runtime.step_key``, cache phase) is replayed; captured the first time that
+    pair is seen (the untimed pass). The phase is as in :class:`StepGraphEngine`."""
 
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
                  tensor_cores: bool, routing: str = "device_planning"):

@@ -40,9 +40,10 @@ graphs for every step of that padded batch while the lengths change. Three ways 
   lengths and block-table entries itself); with the Runtime's graphs on, two device copies and
   the planning graph.
 * host lengths, the step captured by the engine (``engine_capture=True``): plan() outside the
-  engine's capture checks and stages the step as in the first way and launches the planning
-  kernel; the engine captures every layer's run() in one graph per :attr:`Runtime.step_key` and
-  replays it. The route is routes.toml's ``[device_planning]`` one, the policy measured for
+  engine's capture checks and stages the step as in the first way (one copy); the step's first
+  run() launches the planning kernel before its decode, so the engine, which captures every
+  layer's run() in one graph per :attr:`Runtime.step_key` and replays it, replays the planning
+  too: one graph launch per step. The route is routes.toml's ``[device_planning]`` one, the policy measured for
   captured steps (``capture_routing="router"``: the router's, the ablation).
 
 Which route a step takes thus depends on how its layers launch: a layer at a time (the Runtime's

@@ -117,7 +117,11 @@ class Runtime(StaticBuffers, Planning, Running):
     engine_capture : the engine captures each decode step's ``run()`` calls (every layer) in its
         own CUDA graph and replays it, with host lengths: per step it calls :meth:`plan` outside
         any capture and replays its graph for :attr:`step_key`, capturing one the first time a key
-        is seen (``examples/engine_graph.py --host-routing``). Implies ``use_cuda_graph=False``
+        is seen (``examples/engine_graph.py --host-routing``). plan() checks and copies the
+        step; a workqueue/fused step's planning kernel is launched by the step's first run()
+        (the first of each capture, and the first eager one), so the engine's graph holds it and
+        a replay plans from the lengths the last plan() copied and runs every layer in one graph
+        launch. Implies ``use_cuda_graph=False``
         (no graphs of the Runtime's own) and runs a FlashInfer route in FlashInfer's CUDA-graph
         mode (a wrapper per batch size, whose grid a re-plan keeps). The replays call no run(),
         so with ``validate`` plan() checks the page ids against ``num_pages`` (or, without it,
@@ -198,12 +202,13 @@ class Runtime(StaticBuffers, Planning, Running):
         # engine_capture: the engine's graphs replace the Runtime's own (its launches are captured)
         self.engine_capture = bool(engine_capture)
         self.use_cuda_graph = bool(use_cuda_graph) and not self.engine_capture
-        # The planning kernel of a host-routed workqueue/fused step runs as a replay of a graph
-        # of the Runtime's own, also under engine_capture with host lengths: plan() runs outside
-        # the engine's capture there, and a replay costs a few us of host time where the eager
-        # launch's argument handling costs 22-34 us (benches/NOTES.md, "Session 16"). Device
-        # planning with the Runtime's graphs off launches it eagerly: the engine captures plan().
-        self._plan_graphs = self.use_cuda_graph or (self.engine_capture and not device_planning)
+        # How a host-routed workqueue/fused step's planning kernel is launched: "graph", a replay
+        # of the Runtime's planning graph in plan(); "eager", launched by plan() (graphs off);
+        # "run", under engine_capture with host lengths: launched by the step's first run(), so
+        # the engine's graph of the step holds it and a replay plans and runs the layers in one
+        # graph launch, as device planning's captured step does (benches/NOTES.md, "Session 16").
+        self._plan_launch = ("run" if self.engine_capture and not device_planning
+                             else "graph" if self.use_cuda_graph else "eager")
         self.validate, self.sm_scale = bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
         self.device_planning = bool(device_planning)

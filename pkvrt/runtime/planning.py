@@ -43,7 +43,9 @@ class Planning:
         workqueue/fused route copy the lengths and block-table rows into the planning buffers
         (one H2D copy from pinned staging) and replay the planning graph, which builds the
         tasks on the GPU; a bucket route stages its host plan (two copies); FlashInfer plans
-        itself. Nothing synchronizes (unless the host runs two steps ahead of the GPU).
+        itself. Nothing synchronizes (unless the host runs two steps ahead of the GPU). With
+        ``engine_capture`` the planning kernel is not launched here but by the step's first
+        run() (which an engine's graph of the step captures).
 
         Parameters
         ----------
@@ -120,15 +122,17 @@ class Planning:
         else:
             s.event = torch.cuda.Event()
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
+        deferred = None
         if d.kind == "flashinfer":
             structure, gb = self._stage_flashinfer(s, d.plan, b), b
         elif on_gpu:
-            structure, gb = self._stage_device_plan(s, self._dp_routes[d.route], step), graphs.padded_batch(b)
+            structure, deferred = self._stage_device_plan(s, self._dp_routes[d.route], step)
+            gb = graphs.padded_batch(b)
         else:
             structure, gb = self._stage_bucket(s, d, step), graphs.padded_batch(b)
         self._record(s.event)
         self._step = _Step(route=d.route, kind=d.kind, batch=b, gbatch=gb, structure=structure,
-                           max_page_id=step.max_page_id)
+                           max_page_id=step.max_page_id, plan_launch=deferred)
         self.last_decision = d
         self._counts["plans"] += 1
         return d
@@ -199,12 +203,13 @@ class Planning:
         route = self._dp_routes[self.registry.device_planning_route(b).name]
         return self._route_decision(route, b, forced=False, max_context=max_context)
 
-    def _stage_device_plan(self, s: _Staging, route, step: StepInput) -> int:
+    def _stage_device_plan(self, s: _Staging, route, step: StepInput):
         """A host-routed workqueue/fused step: its row count, the longest length the block-table
         buffer holds (the host checked the lengths already), the lengths and the block-table
         rows go to the planning head and the block tables in one copy from pinned staging (they
         are one allocation); then the planning kernel builds the tasks on the GPU
-        (:meth:`_enqueue_device_plan`). Returns the graph structure: the planning grid."""
+        (:meth:`_enqueue_device_plan`). Returns (the graph structure: the planning grid, the
+        planning launch left to the step's first run(): with ``_plan_launch == "run"``, else None)."""
         b, a = step.seq.size, graphs.ALIGN
         m = s.meta_np
         m[0], m[1] = b, self.max_pages_per_row * self.page_size
@@ -212,14 +217,16 @@ class Planning:
         n = self._head + self._stage_block_tables(s, step)
         self._bt_store[:n].copy_(s.store[:n], non_blocking=True)
         self._counts["h2d_copies"] += 1
-        return self._enqueue_device_plan(route, graphs.padded_batch(b))
+        gb = graphs.padded_batch(b)
+        if self._plan_launch == "run":
+            grid = self._device_grid_tasks(route, gb)
+            return grid, lambda: self._launch_device_plan(route, gb, grid)
+        return self._enqueue_device_plan(route, gb), None
 
     def _enqueue_device_plan(self, route, gbatch: int, direct=None) -> int:
         """Plan ``route`` on the GPU for the lengths, row count and block tables already enqueued
         into the planning buffers: replay the captured planning graph of (route, gbatch) (capture
-        it on a miss). An eager launch with the Runtime's graphs off, except under engine_capture
-        with host lengths: plan() runs outside the engine's capture there and replays the graph
-        too (a replay is a few us of host time, the eager launch 22-34 us of Python). ``direct``
+        it on a miss); an eager launch with the Runtime's graphs off (``_plan_launch``). ``direct``
         (device planning with graphs off only): the kernel's direct-mode inputs, see
         :meth:`_launch_device_plan`. Returns the grid: the task slots of the padded batch
         (:meth:`_device_grid_tasks`), the same for every step of that batch, so the decode
@@ -227,8 +234,8 @@ class Planning:
         grid = self._device_grid_tasks(route, gbatch)   # <= the capacity sized at construction
         key = ("device-plan", route.name, gbatch, grid, self._generation)
         launch = lambda: self._launch_device_plan(route, gbatch, grid, direct)  # noqa: E731
-        assert direct is None or not self._plan_graphs, "a direct plan is never captured here"
-        if not self._plan_graphs:
+        assert direct is None or self._plan_launch == "eager", "a direct plan is never captured here"
+        if self._plan_launch != "graph":
             launch()
         elif (e := self._graphs.get(key)) is not None:
             e.graph.replay()
@@ -263,7 +270,9 @@ class Planning:
         RuntimeError on a nonzero word unless ``raise_on_error`` is False. Host routing: the
         word of the last step if it was a workqueue/fused step (its ids checked on the GPU
         against the smallest cache run() was given, or ``num_pages``); 0 without a sync after a
-        bucket or FlashInfer step (planned on the host)."""
+        bucket or FlashInfer step (planned on the host). With ``engine_capture`` the planning
+        kernel runs with the step (its first run(), or the replay of the engine's graph), so
+        the word is the step's once that has been enqueued."""
         if not self._dp_routes:
             raise RuntimeError("Runtime.device_status: nothing is planned on the GPU (routes.toml "
                                "has no workqueue or fused route)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pkvrt.launch import ops
+from pkvrt.launch import _driver, ops
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import _Step
@@ -105,8 +105,11 @@ class Running:
         if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
             # early_kv from the second run() of the step on; an engine's capture after a warm-up
             # bakes it into its first layer too, which is safe: the graph launch waits for the
-            # planning kernel (enqueued by plan() before it) to finish
-            self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0)
+            # planning kernel (enqueued by plan() before it) to finish. Unless this run()
+            # launches the planning kernel itself (engine_capture, host lengths): then its
+            # decode must wait for the plan.
+            planned = self._launch_deferred_plan(st, capturing)
+            self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0 and not planned)
             st.runs += 1
             self._counts["eager_runs"] += 1
             return out
@@ -132,6 +135,22 @@ class Running:
             out.copy_(self._so[:st.batch])
             self._counts["staging_copies"] += 2
         return out
+
+    def _launch_deferred_plan(self, st: _Step, capturing: bool) -> bool:
+        """engine_capture with host lengths: the step's planning kernel, which plan() left to
+        the step's first run() (``st.plan_launch``), is launched by the first run() after the
+        plan() eagerly and by the first run() of every capture (each capture sequence has its
+        own id: an engine's warm-up-then-capture plans in both, so the graph holds the planning
+        kernel and every replay plans from the lengths its plan() copied). Returns whether it
+        launched."""
+        if st.plan_launch is None:
+            return False
+        where = _driver.capture_id() if capturing else "eager"
+        if where == st.planned_in:
+            return False
+        st.plan_launch()
+        st.planned_in = where
+        return True
 
     def _check_scale_values(self, k_cache, v_cache, k_scale, v_scale) -> None:
         """validate: every scale finite and > 0 (``ops.check_kv_scales(check_values=True)``: a

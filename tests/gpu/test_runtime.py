@@ -137,7 +137,6 @@ def test_engine_capture_host_lengths(pool, route, routing):
     assert not rt.use_cuda_graph and rt.step_key is None
     outs = {}
     step_graphs: dict = {}
-    seen = []
     steps = STEPS + [(rows, short + 2) for rows, short in STEPS]   # every key seen twice
     for i, (rows, short) in enumerate(steps):
         seq, bt, q = step_inputs(b, rows, short, seed=100 + i)
@@ -147,7 +146,6 @@ def test_engine_capture_host_lengths(pool, route, routing):
         out.fill_(float("nan"))
         d = rt.plan(seq, bt, force=route)
         key = (rt.step_key, len(rows))
-        seen.append(key)
         assert key[0][0] == d.route and key[0][2] >= len(rows)
         if route is None and routing == "device_planning":
             assert d.route == rt.registry.device_planning_route(len(rows)).name
@@ -163,11 +161,7 @@ def test_engine_capture_host_lengths(pool, route, routing):
             g.replay()
         check(out, q, caches[-1], seq, bt, f"step {i} route {d.route}")
     s = rt.stats()
-    # the Runtime's own graphs: one planning graph per (route, padded batch) of the GPU-planned
-    # steps, replayed by plan() outside the engine's capture; none for run()
-    planned = [k[0] for k in seen if k[0][1] in ("workqueue", "fused")]
-    assert s["captures"] == len({k[:3] for k in planned})
-    assert s["captures"] + s["replays"] == len(planned)
+    assert s["captures"] == 0 and s["replays"] == 0   # no graphs of the Runtime's own
     assert len(step_graphs) < len(steps)              # keys repeat: graphs were replayed
 
 
