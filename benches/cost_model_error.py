@@ -128,9 +128,11 @@ def main(argv=None) -> int:
 
         import attrs
 
-        what = ("the time model" if args.keep_partition else
+        model = (f"the time model (each step's planned cut weighted {sweeps.PLANNED_WEIGHT:g}, its cuts "
+                 f"within {100 * (sweeps.NEAR_BEST - 1):.0f} % of the fastest 1)")
+        what = (model if args.keep_partition else
                 "the balanced partition's constants (fit_partition over both partition routes' sweeps: "
-                "of the best-scoring plateau, the point farthest from a worse one) and the time model")
+                "of the best-scoring plateau, the point farthest from a worse one) and " + model)
         strip = (lambda text: text) if args.keep_partition else _without_refits   # keep: the partition's note stays
         note = (f" Refitted offline on {datetime.date.today().isoformat()}: {what}, by "
                 f"benches/cost_model_error.py --write from {Path(args.sweeps).name} (the sweeps of "

@@ -343,6 +343,24 @@ def test_fit_never_returns_a_negative_constant(seed):
     assert max(errs) < 0.1
 
 
+def test_a_weighted_record_pulls_the_fit_to_it():
+    """``weight`` scales a record's squared relative error: a heavy record is reproduced more
+    closely than in the unweighted fit of the same noisy times (sweeps weights each step's
+    planned cut so)."""
+    recs = synthetic_records(RouteTime(1.0, 0.5, 0.1, 3.0), n=12, seed=3, noise=0.05)
+
+    def err(rt, r=recs[0]):
+        g = LaunchGroup(r["kv_bytes"], r["makespan_tiles"], r["splits"], 1)
+        return abs(measured_us([g], rt, make_cal(), graphs=True) / r["us"] - 1)
+
+    plain = fit_route_time(recs, beta_gbps=1000.0)
+    heavy = fit_route_time([dict(r, weight=100.0 if i == 0 else 1.0) for i, r in enumerate(recs)],
+                           beta_gbps=1000.0)
+    assert err(heavy) < err(plain) / 5
+    same = fit_route_time([dict(r, weight=2.0) for r in recs], beta_gbps=1000.0)   # scale-free
+    assert attrs.astuple(same) == pytest.approx(attrs.astuple(plain), rel=1e-9)
+
+
 @pytest.mark.parametrize("records, shape, match", [
     ([], None, "0 timed configurations, need at least 4"),
     (synthetic_records(RouteTime(1, 1, 1, 1), n=3), None, "3 timed configurations, need at least 4"),
@@ -350,6 +368,8 @@ def test_fit_never_returns_a_negative_constant(seed):
     ([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=0.0)] * 4, None, r"records\[0\]\['us'\]: expected a time > 0"),
     ([dict(kv_bytes=1, makespan_tiles=-1, splits=1, us=1.0)] * 4, None, r"'makespan_tiles'.*>= 0"),
     ([dict(kv_bytes=1, makespan_tiles=1, us=1.0)] * 4, None, r"'splits'.*got None"),
+    ([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=1.0, weight=0.0)] * 4, None,
+     r"records\[0\]\['weight'\]: expected a number > 0, got 0.0"),
     ([dict(kv_bytes=0, makespan_tiles=i, splits=1, us=1.0 + i) for i in range(4)], None,
      "no fit with a positive read_scale"),
 ])

@@ -263,7 +263,12 @@ def test_rows_are_read_by_kv_dtype(rows, fp8_rows):
         "bucket", "fused", "workqueue"} and {t.kv_dtype for t in fp8} == {FP8}
     assert sweeps.group_shape(4, FP8)["dtype_bytes"] == 1 and sweeps.group_shape(4)["dtype_bytes"] == 2
     b1 = [t for t in fp8 if t.kind == "fused" and t.case == "B1-32K" and t.group == 4]
-    assert {r["kv_bytes"] for r in sweeps.fit_records(b1, CAL_FP8, REG, "fused", 4)} == {32768 * 2 * 8 * 128 * 1}
+    recs = sweeps.fit_records(b1, CAL_FP8, REG, "fused", 4)
+    assert {r["kv_bytes"] for r in recs} == {32768 * 2 * 8 * 128 * 1}
+    # the planned cut (its record's splits) weighs PLANNED_WEIGHT, every other near-best cut 1
+    planned = sweeps.planned_cut(b1[0], sweeps.route_of_kind(REG, "fused"), b1[0].view(CAL_FP8))
+    assert sorted(r["weight"] for r in recs) == [1.0] * (len(recs) - 1) + [sweeps.PLANNED_WEIGHT]
+    assert [r["splits"] for r in recs if r["weight"] > 1] == [planned]
     with pytest.raises(ValueError, match="kv_dtype 'fp8'"):
         sweeps.read_rows(both, kv_dtype="fp8")
 

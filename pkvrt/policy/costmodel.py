@@ -279,12 +279,13 @@ def predict_route_us(kind: str, seq: np.ndarray, counters, cal: Calibration, *, 
 def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | None = None) -> RouteTime:
     """The :class:`RouteTime` that best reproduces timed single-group steps.
 
-    records : mappings with ``kv_bytes``, ``makespan_tiles``, ``splits`` and ``us`` (measured).
+    records : mappings with ``kv_bytes``, ``makespan_tiles``, ``splits`` and ``us`` (measured),
+        and optionally ``weight`` (> 0, default 1): the record's weight in the fit.
     beta_gbps : the calibration's beta (KVBytes/beta is the read term).
     shape : None: fit all four constants. ``(tail_us, split_us)``: keep those and fit
         ``read_scale`` and ``fixed_us`` only (a route whose steps cannot separate four).
 
-    Minimises the squared relative error ``sum ((T_model - T)/T)^2`` with every constant >= 0
+    Minimises the weighted squared relative error ``sum w ((T_model - T)/T)^2`` with every constant >= 0
     (read_scale > 0): least squares on each subset of the optional terms that keeps the read,
     the best subset whose solution is non-negative wins (exact for four unknowns). Example
     (H200 fused route, beta 4404.9 GB/s): B1 32K 134 MB in 41.07 µs at makespan 67 and 16
@@ -306,7 +307,11 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
                 raise ValueError(f"fit_route_time: records[{i}][{key!r}]: expected a number >= 0, got {v!r}")
         if not r["us"] > 0:
             raise ValueError(f"fit_route_time: records[{i}]['us']: expected a time > 0, got {r['us']!r}")
+        w = r.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) or not w > 0:
+            raise ValueError(f"fit_route_time: records[{i}]['weight']: expected a number > 0, got {w!r}")
     y = np.array([r["us"] for r in recs], dtype=float)
+    sw = np.sqrt(np.array([r.get("weight", 1.0) for r in recs], dtype=float))   # rows scaled by sqrt(w)
     cols = np.array([[r["kv_bytes"] / (beta_gbps * 1e3), math.sqrt(r["makespan_tiles"]), r["splits"], 1.0]
                      for r in recs])
     if shape is not None:
@@ -318,11 +323,12 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
     for k in range(len(optional) + 1):
         for subset in itertools.combinations(optional, k):
             idx = [0, *subset]
-            a = cols[:, idx] / y[:, None]
-            x = np.linalg.lstsq(a, y_fit / y, rcond=None)[0]
+            a = cols[:, idx] / y[:, None] * sw[:, None]
+            b = y_fit / y * sw
+            x = np.linalg.lstsq(a, b, rcond=None)[0]
             if x[0] <= 0 or (x[1:] < 0).any():
                 continue
-            loss = float(np.sum((a @ x - y_fit / y) ** 2))
+            loss = float(np.sum((a @ x - b) ** 2))
             if best is None or loss < best[0] - 1e-15:
                 full = np.zeros(cols.shape[1])
                 full[idx] = x

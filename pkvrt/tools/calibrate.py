@@ -966,8 +966,8 @@ def add_time_model(cal: calib.Calibration, raw: list[dict], reg, kv_dtype: str =
     groups = dict(cal.time_model_by_group) if fp16 else dict(dict(cal.by_kv_dtype)[kv_dtype].time_model_by_group)
     text = (f" time_model: sweeps.fit_time_model per route kind and group size (G 4 top level, "
             f"by_group: G = {', '.join(str(g) for g in groups) or '(none)'}) on "
-            f"every calibration step at the cut its planner picks plus every cut within "
-            f"{100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest, "
+            f"every calibration step at the cut its planner picks (weight {sweeps.PLANNED_WEIGHT:g}) "
+            f"plus every cut within {100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest (weight 1), "
             + ("FlashInfer at its faster path on the same steps and B1..B16 at 32K; " if fp16 else
                f"against the file's beta_gbps {view.beta_gbps:g}; FlashInfer not timed (the file's "
                "time_model.flashinfer, bytes counted at 1 per element); ")

@@ -44,6 +44,13 @@ SHAPE = dict(num_qo_heads=32, head_dim=128)   # pkvrt calibrate's: H_kv = 32 / G
 ENGINE_KIND = {"pkvrt-bucket": "bucket", "pkvrt-workqueue": "workqueue", "pkvrt-fused": "fused",
                "flashinfer-tc": "flashinfer", "flashinfer-cuda": "flashinfer"}
 NEAR_BEST = 1.03   # a cut within 3 % of its step's fastest is fitted beside the planned one
+# The planned cut's weight in the time-model fit (a near-best cut's: 1). The router predicts a
+# step at its planned cut, so that is the time the fit must get right; the near-best cuts keep the
+# model's shape (tail, split terms) honest. Weight 30 (session 16, calibrate-sweeps.json, worst
+# error at the planned cut, G 4 / 1 / 8 fused, workqueue): weight 1 5.4 5.3 / 4.9 7.4 / 11.3 15.4 %,
+# 3: 4.0 4.9 / 4.4 7.0 / 11.0 14.2, 30: 2.3 4.7 / 3.8 5.9 / 8.9 12.7, 100: 2.3 4.7 / 3.5 5.4 /
+# 7.9 12.9 (benches/NOTES.md, "Session 16").
+PLANNED_WEIGHT = 30.0
 FI_CONTEXT = 32768
 PARTITION_KINDS = ("workqueue", "fused")   # the balanced partition's routes: one set of constants
 
@@ -225,7 +232,8 @@ def with_partitions(cal: calib.Calibration, points: dict, kv_dtype: str = "float
 
 def fit_records(timed, cal: calib.Calibration, registry, kind: str, group: int) -> list[dict]:
     """What :func:`fit_time_model` fits for ``kind`` at ``group``: every step's planned cut
-    (when it was timed) and every cut within NEAR_BEST of that step's fastest."""
+    (when it was timed; ``weight`` PLANNED_WEIGHT) and every cut within NEAR_BEST of that step's
+    fastest (weight 1)."""
     route = route_of_kind(registry, kind)
     out = []
     for t in timed:
@@ -237,7 +245,8 @@ def fit_records(timed, cal: calib.Calibration, registry, kind: str, group: int) 
         p = planned_cut(t, route, view)
         if p in t.times:
             cuts.add(p)
-        out += [_record(t, route, view, c) for c in sorted(cuts)]
+        out += [dict(_record(t, route, view, c), weight=PLANNED_WEIGHT if c == p else 1.0)
+                for c in sorted(cuts)]
     return out
 
 
