@@ -9,7 +9,9 @@ for each of `layers` layers. Measured per step (medians):
             plan_mean_us / plan_p90_us: its mean and 90th percentile over the steps (the median
             hides the router memo's misses, a full prediction each)
 * run_us    host time of one run() (a graph replay, or the eager launches; runtime-engine-capture:
-            eager, as an engine's capture would record them, so only its plan_us is its cost)
+            eager, as an engine's capture would record them, so only its plan_us is its cost;
+            its first run() of a step also launches the planning kernel, which its two
+            ablations launch in plan(): compare their plan_us, not host_us or wall_us)
 * host_us   plan_us + layers * run_us as measured together (enqueue time of the whole step)
 * gpu_us    device time of the step (CUDA events behind a spin kernel that covers the host
             enqueue, the harness's CudaClock: no host gaps inside)

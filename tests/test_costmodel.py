@@ -359,6 +359,10 @@ def test_a_weighted_record_pulls_the_fit_to_it():
     assert err(heavy) < err(plain) / 5
     same = fit_route_time([dict(r, weight=2.0) for r in recs], beta_gbps=1000.0)   # scale-free
     assert attrs.astuple(same) == pytest.approx(attrs.astuple(plain), rel=1e-9)
+    # weight k is the record repeated k times (the squared error scaled by k, not by sqrt(k))
+    thrice = fit_route_time([dict(recs[0], weight=3.0)] + recs[1:], beta_gbps=1000.0)
+    repeated = fit_route_time([recs[0]] * 3 + recs[1:], beta_gbps=1000.0)
+    assert attrs.astuple(thrice) == pytest.approx(attrs.astuple(repeated), rel=1e-7, abs=1e-9)
 
 
 @pytest.mark.parametrize("records, shape, match", [
@@ -369,10 +373,11 @@ def test_a_weighted_record_pulls_the_fit_to_it():
     ([dict(kv_bytes=1, makespan_tiles=-1, splits=1, us=1.0)] * 4, None, r"'makespan_tiles'.*>= 0"),
     ([dict(kv_bytes=1, makespan_tiles=1, us=1.0)] * 4, None, r"'splits'.*got None"),
     ([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=1.0, weight=0.0)] * 4, None,
-     r"records\[0\]\['weight'\]: expected a number > 0, got 0.0"),
+     r"records\[0\]\['weight'\]: expected a finite number > 0, got 0.0"),
     ([dict(kv_bytes=0, makespan_tiles=i, splits=1, us=1.0 + i) for i in range(4)], None,
      "no fit with a positive read_scale"),
-])
+] + [([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=1.0, weight=w)] * 4, None,
+      r"\['weight'\]: expected a finite number > 0") for w in (-1.0, math.inf, math.nan, True)])
 def test_fit_refuses_what_it_cannot_fit(records, shape, match):
     with pytest.raises(ValueError, match=match):
         fit_route_time(records, beta_gbps=1000.0, shape=shape)

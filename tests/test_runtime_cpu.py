@@ -1026,6 +1026,32 @@ def test_fake_device_engine_capture_plans_in_the_steps_first_run(fake_device, po
     assert s["captures"] == 0 and s["replays"] == 0   # no graphs of the Runtime's own
 
 
+def test_fake_device_engine_capture_plans_once_per_capture(fake_device, pool, monkeypatch):
+    """The planning launch of an engine_capture step: the first eager run() after plan() and the
+    first run() of every capture sequence (told apart by the stream's capture id) launch it, and
+    their decode does not read the plan early; the other run()s of the same place do."""
+    from pkvrt.launch import _driver
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(engine_capture=True)
+    plans, early = [], []
+    plan_kernel, launch = rt._launch_device_plan, rt._launch
+    rt._launch_device_plan = lambda *a, **k: (plans.append(1), plan_kernel(*a, **k))
+    rt._launch = lambda st, *a, early_kv=False, **k: (early.append(early_kv),
+                                                       launch(st, *a, early_kv=early_kv, **k))
+    seq, bt, q = step_inputs(b, [0, 1, 2], 1, seed=3)
+    rt.plan(seq, bt)
+    where = {"capture": 0}
+    monkeypatch.setattr(rt, "_capturing", lambda: where["capture"] != 0)
+    monkeypatch.setattr(_driver, "capture_id", lambda: where["capture"])
+    for capture in (0, 7, 7, 8, 0):   # eager (warm-up), a capture, the same capture, another, eager
+        where["capture"] = capture
+        for _ in range(2):
+            rt.run(q, *cache)
+    assert len(plans) == 4   # eager, capture 7, capture 8, eager again after a capture
+    assert early == [False, True, False, True, True, True, False, True, False, True]
+
+
 def test_fake_device_engine_capture_checks_page_ids_at_plan(fake_device, pool):
     """engine_capture: an engine's replays call no run(), so plan() refuses a page id >=
     num_pages (ValueError naming it; the previous plan and its step key stay); validate=False
@@ -1046,8 +1072,11 @@ def test_fake_device_engine_capture_checks_page_ids_at_plan(fake_device, pool):
     assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
     trusting = fake_runtime(engine_capture=True, num_pages=pages, validate=False)
     trusting.plan(seq, bad)   # no host check: the planning kernel gives the row no work
+    assert trusting.device_status(raise_on_error=False) & 4   # plans the step first: no run() yet
     trusting.run(q, b.k_cache, b.v_cache)
     assert trusting.device_status(raise_on_error=False) & 4
+    trusting.plan(seq, bt)    # a good step: its own word, not the last one's
+    assert trusting.device_status() == 0
 
 
 def test_fake_device_engine_capture_router_routing_is_the_routers(fake_device, pool):

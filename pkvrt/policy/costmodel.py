@@ -308,8 +308,10 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
         if not r["us"] > 0:
             raise ValueError(f"fit_route_time: records[{i}]['us']: expected a time > 0, got {r['us']!r}")
         w = r.get("weight", 1.0)
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) or not w > 0:
-            raise ValueError(f"fit_route_time: records[{i}]['weight']: expected a number > 0, got {w!r}")
+        if (isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating))
+                or not 0 < w < math.inf):
+            raise ValueError(f"fit_route_time: records[{i}]['weight']: expected a finite number > 0, "
+                             f"got {w!r}")
     y = np.array([r["us"] for r in recs], dtype=float)
     sw = np.sqrt(np.array([r.get("weight", 1.0) for r in recs], dtype=float))   # rows scaled by sqrt(w)
     cols = np.array([[r["kv_bytes"] / (beta_gbps * 1e3), math.sqrt(r["makespan_tiles"]), r["splits"], 1.0]

@@ -271,13 +271,18 @@ class Planning:
         word of the last step if it was a workqueue/fused step (its ids checked on the GPU
         against the smallest cache run() was given, or ``num_pages``); 0 without a sync after a
         bucket or FlashInfer step (planned on the host). With ``engine_capture`` the planning
-        kernel runs with the step (its first run(), or the replay of the engine's graph), so
-        the word is the step's once that has been enqueued."""
+        kernel runs with the step (its first run(), or the replay of the engine's graph); called
+        before either, this launches it first (it plans from the lengths plan() copied, so a
+        replay after it plans the same step again), so the word is always the last plan()'s."""
         if not self._dp_routes:
             raise RuntimeError("Runtime.device_status: nothing is planned on the GPU (routes.toml "
                                "has no workqueue or fused route)")
-        if self._step is not None and self._step.kind not in DEVICE_PLANNED:
+        st = self._step
+        if st is not None and st.kind not in DEVICE_PLANNED:
             return 0
+        if st is not None and st.plan_launch is not None and st.planned_in is None:
+            st.plan_launch()   # no run() yet: the step's word would be the previous step's
+            st.planned_in = "eager"
         word = int(self._d_status.item())
         if word and raise_on_error:
             what = []

@@ -103,11 +103,12 @@ class Running:
             raise RuntimeError(NESTED_CAPTURE.format("run"))
         scales = (k_scale, v_scale)
         if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
-            # early_kv from the second run() of the step on; an engine's capture after a warm-up
-            # bakes it into its first layer too, which is safe: the graph launch waits for the
-            # planning kernel (enqueued by plan() before it) to finish. Unless this run()
-            # launches the planning kernel itself (engine_capture, host lengths): then its
-            # decode must wait for the plan.
+            # early_kv from the second run() of the step on, except on a run() that launches the
+            # step's planning kernel itself (engine_capture with host lengths: the first eager
+            # run() after plan() and the first of every capture), whose decode must wait for the
+            # plan. A step planned by plan() (device planning, captured with its run()s) gets it
+            # in an engine's capture after a warm-up on its first layer too, which is safe: the
+            # capture begins at that layer, after the planning kernel in the stream.
             planned = self._launch_deferred_plan(st, capturing)
             self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0 and not planned)
             st.runs += 1
@@ -222,8 +223,9 @@ class Running:
         ``early_kv``: the workqueue decode may read the plan and copy its first K/V tiles before
         the previous kernel of the stream has finished (``ops.workqueue_decode``). Set by
         :meth:`run` for every launch of a step but the first when the runtime launches eagerly
-        (or inside an engine's captured step): the kernel before it is then the previous
-        layer's, never the plan's. The runtime's own per-layer graphs start with a graph
+        (or inside an engine's captured step), and never on a launch whose run() launched the
+        planning kernel just before it (engine_capture): the kernel before it is then the
+        previous layer's, never the plan's. The runtime's own per-layer graphs start with a graph
         boundary, where nothing overlaps, so they never set it."""
         if st.kind == "flashinfer":
             self._fi.run(q, k_cache, v_cache, out)
