@@ -65,9 +65,6 @@
 #ifndef PKV_TC_MIN_GROUP
 #define PKV_TC_MIN_GROUP 1
 #endif
-#ifndef PKV_TAIL_SMEM
-#define PKV_TAIL_SMEM 1
-#endif
 
 namespace pkv {
 

@@ -32,8 +32,6 @@ TUNING = {
     "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one SIMT decode CTA (G < 4)
     "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
     "PKV_TC_MIN_GROUP": 1,      # smallest group size on the tensor-core body (4: SIMT for G < 4)
-    "PKV_TAIL_SMEM": 1,         # fused tail merge through shared memory where G * D >= 4 * threads
-                                # (0: a warp per head from registers, the ablation)
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 

@@ -138,9 +138,8 @@ def test_merge_matches_reference_merge_for_any_slot_count(d, dtype):
 @pytest.mark.parametrize("d,g", [(256, 8), (128, 8), (64, 8), (64, 2), (128, 4)])
 def test_fused_merge_with_many_splits(d, g):
     """The fused kernel's in-CTA merge around its batch (8 or 16 slots) and warp (32 slots)
-    boundaries and over more than 32 slots (G = 8: two heads per warp in turn); where G * D >=
-    512 it merges through shared memory in chunks of 15-47 slots (D 256 G 8 to D 128 G 4) up to
-    64 slots, and falls back to the warps past them (65, 100)."""
+    boundaries and over more than 32 slots (G = 8: two heads per warp in turn), up to and past
+    the 64 splits routes.toml allows."""
     b = make_batch([40000, 3000, 1], num_qo_heads=2 * g, num_kv_heads=2, head_dim=d, page_size=16,
                    seed=d + g)
     ref = ref_out(b)
