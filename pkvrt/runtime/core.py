@@ -123,7 +123,8 @@ class Runtime(StaticBuffers, Planning, Running):
         step; a workqueue/fused step's planning kernel is launched by the step's first run()
         (the first of each capture, and the first eager one), so the engine's graph holds it and
         a replay plans from the lengths the last plan() copied and runs every layer in one graph
-        launch. Implies ``use_cuda_graph=False``
+        launch (an engine that splits a step over several graphs gets the planning kernel in
+        each: correct, one launch more per graph). Implies ``use_cuda_graph=False``
         (no graphs of the Runtime's own) and runs a FlashInfer route in FlashInfer's CUDA-graph
         mode (a wrapper per batch size, whose grid a re-plan keeps). The replays call no run(),
         so with ``validate`` plan() checks the page ids against ``num_pages`` (or, without it,
