@@ -106,9 +106,11 @@ class Running:
             # early_kv from the second run() of the step on, except on a run() that launches the
             # step's planning kernel itself (engine_capture with host lengths: the first eager
             # run() after plan() and the first of every capture), whose decode must wait for the
-            # plan. A step planned by plan() (device planning, captured with its run()s) gets it
-            # in an engine's capture after a warm-up on its first layer too, which is safe: the
-            # capture begins at that layer, after the planning kernel in the stream.
+            # plan. A step whose planning kernel plan() launched before an engine's capture (the
+            # host_cost ablations of engine_capture) gets it on its first captured layer too,
+            # st.runs counting the warm-up: safe, that kernel precedes the graph's launch. (Device
+            # planning captures plan() itself: a new step, so its first captured run() has
+            # st.runs == 0.)
             planned = self._launch_deferred_plan(st, capturing)
             self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0 and not planned)
             st.runs += 1
