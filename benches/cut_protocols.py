@@ -73,7 +73,7 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
     n = tasks.shape[0]
     tasks = calibrate.padded_tasks(tasks, grid)
     counters = torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
-    traces = [torch.zeros((tasks.shape[0], 3), dtype=torch.int64, device="cuda") for _ in range(layers)]
+    traces = [torch.zeros((tasks.shape[0], ops.TRACE_MARKS), dtype=torch.int64, device="cuda") for _ in range(layers)]
 
     def fn():
         for i in range(layers):
@@ -84,7 +84,8 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
     harness.median_us(fn, layers, 3)   # captures, replays: the last replay's marks stay
     torch.cuda.synchronize()
     stats = {"span_us": [], "dur_median_us": [], "dur_p90_us": [], "dur_max_us": [], "start_spread_us": [],
-             "slow_fraction": []}
+             "slow_fraction": [], "decoded_span_us": [], "dec_p90_us": [], "dec_max_us": [],
+             "tail_after_decode_us": []}
     for t in traces[1:]:
         m = t[:n].cpu().numpy().astype(np.float64)
         dur = (m[:, 2] - m[:, 1]) / 1e3   # done - past the PDL wait: the CTA's own work
@@ -96,6 +97,13 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
         long = dur[plan.tasks[:, 0] == int(np.argmax(np.bincount(plan.tasks[:, 0])))]
         stats["slow_fraction"].append(float((long > 1.3 * np.median(long)).mean()))
         stats["start_spread_us"].append((m[:, 1].max() - m[:, 1].min()) / 1e3)
+        # the decode alone (past the PDL wait to the kDecoded mark, before the arrival and the
+        # tail merge): a late last decode (a straggler) against a slow arrival + merge after it
+        dec = (m[:, 3] - m[:, 1]) / 1e3
+        stats["decoded_span_us"].append((m[:, 3].max() - m[:, 1].min()) / 1e3)
+        stats["dec_p90_us"].append(float(np.percentile(dec, 90)))
+        stats["dec_max_us"].append(float(dec.max()))
+        stats["tail_after_decode_us"].append((m[:, 2].max() - m[:, 3].max()) / 1e3)
     return {k: float(np.median(v)) for k, v in stats.items()}
 
 
@@ -170,7 +178,9 @@ def main(argv=None) -> int:
                 print(f"trace {proto:9s} cut {s:3d}: layer span {r['span_us']:6.2f} us, CTA duration "
                       f"median {r['dur_median_us']:6.2f} p90 {r['dur_p90_us']:6.2f} max {r['dur_max_us']:6.2f}, "
                       f"start spread {r['start_spread_us']:6.2f} us, long row's CTAs > 1.3x their median "
-                      f"{100 * r['slow_fraction']:.0f} %", flush=True)
+                      f"{100 * r['slow_fraction']:.0f} %; decode alone p90 {r['dec_p90_us']:6.2f} max "
+                      f"{r['dec_max_us']:6.2f}, decoded span {r['decoded_span_us']:6.2f}, tail after the last "
+                      f"decode {r['tail_after_decode_us']:5.2f} us", flush=True)
     b = len(seq)
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
     configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]   # + force="pkv_fused" below

@@ -48,7 +48,7 @@ COLUMNS = ("decode_waited_last", "decode_done_first", "decode_done_last", "merge
 
 
 def layer_marks(dec: np.ndarray, mer: np.ndarray) -> dict[str, float]:
-    """Marks (ns) of one layer's decode [n, 3] and merge [m, 3] CTAs -> µs from the first
+    """Marks (ns) of one layer's decode [n, TRACE_MARKS] and merge [m, TRACE_MARKS] CTAs -> µs from the first
     decode CTA in (only CTAs that wrote a mark count)."""
     d = dec[dec[:, 0] > 0]
     t0 = d[:, 0].min()
@@ -75,8 +75,8 @@ def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False) -> 
     copies = max(2 * layers, -(-3 * 60 * 2**20 // kv))
     ks = [b.k_cache] + [b.k_cache.clone() for _ in range(copies - 1)]
     vs = [b.v_cache] + [b.v_cache.clone() for _ in range(copies - 1)]
-    dec = torch.zeros(layers, len(plan.tasks), 3, dtype=torch.int64, device="cuda")
-    mer = torch.zeros(layers, merge_ctas, 3, dtype=torch.int64, device="cuda")
+    dec = torch.zeros(layers, len(plan.tasks), ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
+    mer = torch.zeros(layers, merge_ctas, ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
     counters = torch.zeros(len(lens), 8, dtype=torch.int32, device="cuda") if fused else None
 
     def step(traced: bool):

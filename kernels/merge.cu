@@ -28,7 +28,7 @@ struct MergeParams {
   void* out;                 // [B, H_q, D]
   int num_qo_heads;
   int skip_single;
-  unsigned long long* trace;  // null, or [grid, 3] %globaltimer marks (pkv::trace_mark)
+  unsigned long long* trace;  // null, or [grid, kTraceMarks] %globaltimer marks (pkv::trace_mark)
   int early_trigger;          // 1: launch_dependents before the PDL wait (above)
 };
 
