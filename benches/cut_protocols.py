@@ -85,7 +85,9 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
     torch.cuda.synchronize()
     stats = {"span_us": [], "dur_median_us": [], "dur_p90_us": [], "dur_max_us": [], "start_spread_us": [],
              "slow_fraction": [], "decoded_span_us": [], "dec_p90_us": [], "dec_max_us": [],
-             "tail_after_decode_us": []}
+             "tail_after_decode_us": [], "merge_median_us": [], "merge_max_us": []}
+    tk = plan.tasks[:n]
+    groups = [np.flatnonzero((tk[:, 0] == r) & (tk[:, 1] == h)) for r, h in sorted({(int(a), int(b)) for a, b in tk[:, :2]})]
     for t in traces[1:]:
         m = t[:n].cpu().numpy().astype(np.float64)
         dur = (m[:, 2] - m[:, 1]) / 1e3   # done - past the PDL wait: the CTA's own work
@@ -104,7 +106,18 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
         stats["dec_p90_us"].append(float(np.percentile(dec, 90)))
         stats["dec_max_us"].append(float(dec.max()))
         stats["tail_after_decode_us"].append((m[:, 2].max() - m[:, 3].max()) / 1e3)
-    return {k: float(np.median(v)) for k, v in stats.items()}
+        # the merging CTA of each split (row, KV head) (its last to end): arrival + tail merge
+        merge = [(m[idx, 2].max() - m[idx[np.argmax(m[idx, 2])], 3]) / 1e3 for idx in groups if len(idx) > 1]
+        stats["merge_median_us"].append(float(np.median(merge)) if merge else 0.0)
+        stats["merge_max_us"].append(float(np.max(merge)) if merge else 0.0)
+    out = {k: float(np.median(v)) for k, v in stats.items()}
+    # one layer's marks per CTA (µs from the layer's first PDL return): row, kvh, split, waited,
+    # decoded, done
+    m = traces[layers // 2][:n].cpu().numpy().astype(np.float64)
+    t0 = m[:, 1].min()
+    out["ctas"] = [[int(a), int(b), int(c), round((w - t0) / 1e3, 3), round((dd - t0) / 1e3, 3), round((e - t0) / 1e3, 3)]
+                   for (a, b, c), w, dd, e in zip(tk[:, :3], m[:, 1], m[:, 3], m[:, 2])]
+    return out
 
 
 def main(argv=None) -> int:
@@ -180,7 +193,8 @@ def main(argv=None) -> int:
                       f"start spread {r['start_spread_us']:6.2f} us, long row's CTAs > 1.3x their median "
                       f"{100 * r['slow_fraction']:.0f} %; decode alone p90 {r['dec_p90_us']:6.2f} max "
                       f"{r['dec_max_us']:6.2f}, decoded span {r['decoded_span_us']:6.2f}, tail after the last "
-                      f"decode {r['tail_after_decode_us']:5.2f} us", flush=True)
+                      f"decode {r['tail_after_decode_us']:5.2f} us, merging CTA's arrival + merge median "
+                      f"{r['merge_median_us']:5.2f} max {r['merge_max_us']:5.2f} us", flush=True)
     b = len(seq)
     q, out = wl.q[:b], torch.full((b, hq, d), float("nan"), dtype=wl.q.dtype, device="cuda")
     configs = [(s, routes_forcing(s), file_cal, "forced") for s in cuts]   # + force="pkv_fused" below

@@ -146,7 +146,6 @@ struct DecodeParams {
   const float* v_scale;       // [1] or [H_kv]
   int k_scale_per_head;       // e4m3: 1 = k_scale indexed by KV head ([H_kv]), 0 = one scale ([1])
   int v_scale_per_head;       // same for v_scale
-  int pool_pct;               // fused workqueue: % of a multi-split row's tiles in its Pool (0: static)
 };
 
 // ---- element types -------------------------------------------------------------------------
@@ -320,23 +319,6 @@ __device__ __forceinline__ void cp_async_wait() {
 struct Sink {
   int out_row;  // batch row to write O into, or -1
   int slot;     // partial-state slot (used when out_row < 0)
-};
-
-// The shared tail of a multi-split (row, KV head) (the fused workqueue task with p.pool_pct > 0).
-// Split j of n statically owns 16-token tiles [j*S, (j+1)*S) of the row, S = floor(T * (100 -
-// pool_pct) / 100 / n) of its T tiles; the tiles from n*S on form a pool that the CTAs' warps take one
-// at a time, in the order they ask, once their own tiles are issued. A CTA that runs slow (its SM
-// shared, a far memory channel) takes fewer of them, so the (row, KV head)'s CTAs end together
-// instead of waiting for the slowest static range (benches/NOTES.md, "Session 17").
-// The pool's cursor is the upper 16 bits of the (row, KV head)'s arrival counter (the lower 16
-// count arrivals, arrive_last); the last CTA to arrive resets both, after every CTA has taken its
-// last tile. Taken after the PDL wait only: until then the previous launch may still use it.
-// The order in which tiles join a CTA's state varies between runs, so the result does too, in
-// its last bits (static partition: deterministic).
-constexpr int kPoolMaxTiles = 60000;  // < 65536 - overshoot (one failed take per warp)
-struct Pool {
-  int* counter = nullptr;  // null, or p.pool_pct == 0: the range [tok_begin, tok_end) alone
-  int split = 0, nsplit = 1;
 };
 
 // Writes the neutral state (m = -inf, l = 0, a = 0) of the G heads of `kvh` into `slot`.
@@ -807,7 +789,7 @@ __device__ __forceinline__ int e4m3_o_elem(int mt, int r) {
 template <typename T, typename KV, int D, int G>
 __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, int kvh,
                                                 int tok_begin, int tok_end, Sink sink,
-                                                unsigned char* smem, Pool pool) {
+                                                unsigned char* smem) {
   constexpr bool kFp8 = is_fp8<KV>();
   constexpr int STAGES = tc_stages<D, KV>();
   constexpr int CVEC = 16 / (int)sizeof(KV);   // elements per 16-byte copy: 8, or 16 of e4m3
@@ -827,66 +809,23 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   const KV* vc = static_cast<const KV*>(p.v_cache) + kvh * p.v_head_stride;
   const int* bt = p.block_tables + (long long)row * p.bt_stride;
   const int pmask = (1 << p.page_size_log2) - 1;
-
-  // The warp's tiles: its share of the static range (tiles warp, warp + kWarps, ... of it),
-  // then, with a pool, pool tiles as it takes them (Pool). A tile is named by its first token.
-  int* cursor = nullptr;
-  int pool_first = 0, pool_tiles = 0;
-  if (pool.counter != nullptr && p.pool_pct > 0) {
-    const int len = p.seq_lens[row];
-    const int T = (len + kTcTile - 1) / kTcTile;
-    int S = (int)((long long)T * (100 - p.pool_pct) / 100) / pool.nsplit;
-    S = max(S, (T - kPoolMaxTiles + pool.nsplit - 1) / pool.nsplit);
-    if (S >= 1 && pool.nsplit * S <= T) {
-      tok_begin = pool.split * S * kTcTile;
-      tok_end = len;  // the mask of every tile: static ones end before it, the pool's at it
-      cursor = pool.counter;
-      pool_first = pool.nsplit * S;
-      pool_tiles = T - pool_first;
-    }
-  }
-  const int static_tiles = cursor != nullptr
-      ? (pool_first / pool.nsplit) : (tok_end - tok_begin + kTcTile - 1) / kTcTile;
-  const int my_static = static_tiles > warp ? (static_tiles - warp + kWarps - 1) / kWarps : 0;
-  int produced = 0;        // tiles of mine named so far
-  bool pool_open = false;  // set after the PDL wait
-  int ticket = 0;          // lane 0: the pool tile this warp takes next (one atomic ahead)
-  auto take = [&]() {
-    if (lane == 0) ticket = (int)(static_cast<unsigned>(atomicAdd(cursor, 1 << 16)) >> 16);
-  };
-  constexpr int kNone = -1, kPending = -2;
-  auto produce = [&]() -> int {  // first token of my next tile, kNone, or kPending (pool closed)
-    if (produced < my_static) return tok_begin + (warp + (produced++) * kWarps) * kTcTile;
-    if (cursor == nullptr) return kNone;
-    if (!pool_open) return kPending;
-    const int t = __shfl_sync(0xffffffffu, ticket, 0);
-    if (t >= pool_tiles) return kNone;
-    take();  // read by the next call, an iteration later: its latency hides behind a tile
-    return (pool_first + t) * kTcTile;
-  };
-  // My tiles' first tokens by stage (read at compute time; a pool tile's is known only then).
-  __shared__ int stage_tok[kWarps * STAGES];
+  const int num_tiles = (tok_end - tok_begin + kTcTile - 1) / kTcTile;
+  const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
   KV* wbase = reinterpret_cast<KV*>(smem) + warp * STAGES * 2 * TILE_ELEMS;
 
   // Lane t < 16 looks up the page of token t of a tile, one tile ahead; the copies then take
   // the page by shuffle.
   const int ctok = lane % kTcTile;
-  auto page_of = [&](int tile_tok) -> int {  // physical page of this lane's token of the tile
-    const int tok = tile_tok + ctok;
+  auto page_of = [&](int i) -> int {  // physical page of this lane's token in my tile i
+    const int tok = tok_begin + (warp + i * kWarps) * kTcTile + ctok;
     return tok < tok_end ? bt[tok >> p.page_size_log2] : 0;
   };
-  int next_tok = produce();  // the tile issue() copies next
-  int next_page = next_tok >= 0 ? page_of(next_tok) : 0;
-  int issued = 0;            // my tiles issued: tile i is in stage i % STAGES, copy group i
-  auto issue = [&]() {
-    const int tok0 = next_tok;
+  int next_page = my_tiles > 0 ? page_of(0) : 0;
+  auto issue = [&](int i) {
+    const int tok0 = tok_begin + (warp + i * kWarps) * kTcTile;
     const int page_here = next_page;  // lane t < 16 holds the page of token t of this tile
-    next_tok = produce();
-    if (next_tok >= 0) next_page = page_of(next_tok);
-    const int stage = issued % STAGES;
-    if (cursor != nullptr && lane == 0) stage_tok[warp * STAGES + stage] = tok0;
-    ++issued;
-    KV* ks = wbase + stage * 2 * TILE_ELEMS;
+    if (i + 1 < my_tiles) next_page = page_of(i + 1);
+    KV* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
     KV* vs = ks + TILE_ELEMS;
     // Chunk-major: consecutive lanes copy consecutive 16-byte chunks of one token row, so a
     // warp instruction covers whole rows (D=128: 2 rows = 4 lines of 128 B; e4m3: 4 rows). A
@@ -905,11 +844,6 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
       cp_async16_zfill(vs + sc, valid ? vc + page * p.v_page_stride + in_page : vc, valid);
     }
   };
-  // First token of my tile i (issued, not yet overwritten: i > issued - STAGES).
-  auto tile_tok_of = [&](int i) -> int {
-    return cursor != nullptr ? stage_tok[warp * STAGES + i % STAGES]
-                             : tok_begin + (warp + i * kWarps) * kTcTile;
-  };
 
   // Prefill the pipeline. With p.early_kv (workqueue launches after the first of a step, see
   // pkvrt/runtime/running.py) the copies of tiles that hold only tokens before the row's last one are
@@ -917,27 +851,20 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   // merge, and its decode too: the merge triggers before its own wait, kernels/merge.cu). The
   // plan (tasks, offsets, lengths, block tables) is at least two kernels old then, and K/V of
   // those tokens were written before the step; the last token (appended for this step, possibly
-  // by the kernel just before) and Q are read after the wait. Pool tiles come after the wait.
+  // by the kernel just before) and Q are read after the wait.
+  int filled = 0;
   if (p.early_kv) {
     const int safe_end = p.seq_lens[row] - 1;
-    while (issued < STAGES - 1 && next_tok >= 0) {
-      if (min(tok_end, next_tok + kTcTile) > safe_end) break;
-      issue();
+    for (; filled < STAGES - 1 && filled < my_tiles; ++filled) {
+      if (min(tok_end, tok_begin + (warp + filled * kWarps + 1) * kTcTile) > safe_end) break;
+      issue(filled);
       cp_async_commit();
     }
     pdl_enter();
     trace_mark(p.trace, kWaited);
   }
-  if (cursor != nullptr) {
-    pool_open = true;
-    take();
-    if (next_tok == kPending) {
-      next_tok = produce();
-      if (next_tok >= 0) next_page = page_of(next_tok);
-    }
-  }
-  for (int s = issued; s < STAGES - 1; ++s) {
-    if (next_tok >= 0) issue();
+  for (int s = filled; s < STAGES - 1; ++s) {
+    if (s < my_tiles) issue(s);
     cp_async_commit();
   }
 
@@ -965,11 +892,11 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 #pragma unroll
   for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m = -INFINITY, l = 0.f;  // row grp of this warp's state (l: this thread's columns)
-  for (int i = 0; i < issued; ++i) {  // issued grows below while tiles remain
+  for (int i = 0; i < my_tiles; ++i) {
     // The stage refilled below was read (ldmatrix) by every lane in iteration i - 1: order
     // those reads before these writes (compute-sanitizer racecheck flags the bare WAR hazard).
     __syncwarp();
-    if (next_tok >= 0) issue();  // my tile i + STAGES - 1: the pipeline is full until the end
+    if (i + STAGES - 1 < my_tiles) issue(i + STAGES - 1);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncwarp();  // every lane's copies of tile i are visible to the whole warp
@@ -993,7 +920,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
       }
     }
     // Online softmax on row grp (c0, c1 of each n8 tile); rows 8..15 are padding.
-    const int tile_tok = tile_tok_of(i);
+    const int tile_tok = tok_begin + (warp + i * kWarps) * kTcTile;
     float x[4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -1089,9 +1016,9 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 template <typename T, typename KV, int D, int G>
 __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int kvh,
                                              int tok_begin, int tok_end, Sink sink,
-                                             unsigned char* smem, Pool pool = Pool{}) {
+                                             unsigned char* smem) {
   if constexpr (use_tensor_cores<G>())
-    decode_range_tc<T, KV, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem, pool);
+    decode_range_tc<T, KV, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
   else
     decode_range_simt<T, KV, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }

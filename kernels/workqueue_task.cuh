@@ -31,10 +31,9 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
   int last = 0;
   if (threadIdx.x == 0) {
     __threadfence();
-    last = (atomicAdd(counter, 1) & 0xFFFF) == nsplit - 1;  // upper 16 bits: the Pool's cursor
+    last = atomicAdd(counter, 1) == nsplit - 1;
     if (last) {
-      *counter = 0;  // every other CTA of this (row, kvh) has arrived (and taken its last pool
-                     // tile): ready for the next launch
+      *counter = 0;  // every other CTA of this (row, kvh) has arrived: ready for the next launch
       __threadfence();
     }
   }
@@ -66,13 +65,11 @@ __device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
   const int first = p.split_offsets[row];
   const int nsplit = p.split_offsets[row + 1] - first;
   extern __shared__ uint4 smem[];
-  int* counter = kTailMerge ? p.counters + row * p.num_kv_heads + kvh : nullptr;
   decode_range<T, KV, D, G>(p, row, kvh, begin, end, Sink{nsplit == 1 ? row : -1, first + split},
-                            reinterpret_cast<unsigned char*>(smem),
-                            Pool{nsplit > 1 ? counter : nullptr, split, nsplit});
+                        reinterpret_cast<unsigned char*>(smem));
   trace_mark(p.trace, kDecoded);
   if constexpr (kTailMerge) {
-    if (nsplit > 1 && arrive_last(counter, nsplit))
+    if (nsplit > 1 && arrive_last(p.counters + row * p.num_kv_heads + kvh, nsplit))
       tail_merge<T, D, G>(p, row, kvh, first, nsplit);
   }
   trace_mark(p.trace, kDone);

@@ -45,7 +45,6 @@ class DecodeParams(ctypes.Structure):
         ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
         ("trace", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("k_scale_per_head", ctypes.c_int), ("v_scale_per_head", ctypes.c_int),
-        ("pool_pct", ctypes.c_int),
     ]
 
 
@@ -64,9 +63,6 @@ class MergeParams(ctypes.Structure):
 # copies while this layer's decode runs (benches/NOTES.md, "Session 13"). PKVRT_MERGE_TRIGGER=0:
 # after the wait, as before (the ablation); read once per process.
 _MERGE_EARLY_TRIGGER = int(os.environ.get("PKVRT_MERGE_TRIGGER", "1") != "0")
-# EXPERIMENT (session 17): the fused decode's dynamic tail (kernels/decode_common.cuh, Pool) for
-# every fused launch whose caller passes no pool_pct; read once per process.
-_POOL_PCT = int(os.environ.get("PKVRT_POOL_PCT", "0"))
 
 
 def _tuning() -> dict:
@@ -255,7 +251,7 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
 def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
                      counters=None, early_kv: bool = False, trace=None, *, k_scale=None,
-                     v_scale=None, pool_pct: int | None = None) -> None:
+                     v_scale=None) -> None:
     """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
@@ -274,17 +270,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     (benches/layer_timeline.py).
 
     K/V in float8_e4m3fn: k_scale, v_scale as :func:`split_decode`'s.
-
-    pool_pct (fused only): the percentage 0-90 of each multi-split row's tiles that its CTAs take
-    dynamically instead of by static range (kernels/decode_common.cuh, Pool); 0 = static and
-    deterministic. None: $PKVRT_POOL_PCT (default 0).
     """
     tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
-    if pool_pct is None:
-        pool_pct = _POOL_PCT if counters is not None else 0
-    if isinstance(pool_pct, bool) or not isinstance(pool_pct, int) or not 0 <= pool_pct <= 90 \
-            or (pool_pct and counters is None):
-        _fail("pool_pct", "an int in [0, 90], 0 without counters (the pool is the fused kernel's)", pool_pct)
     if tasks.dim() != 2 or tasks.shape[1] != 5:
         _fail("tasks", "[capacity, 5] int32", tuple(tasks.shape))
     p = _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_tables,
@@ -297,7 +284,6 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
     p.early_kv = int(bool(early_kv))
-    p.pool_pct = pool_pct
     p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
     k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g, kv_tag),
                            decode_smem_bytes(d, g, k_cache.element_size()))

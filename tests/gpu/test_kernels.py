@@ -41,10 +41,7 @@ def run_split(b, splits):
     return out
 
 
-def run_workqueue(b, splits, fused=False, capacity_pad=7, pool_pct=0, launches=1):
-    """One workqueue (or fused) launch of simple_tasks' plan, or ``launches`` in a row on one
-    counter buffer (the later ones with early_kv, as a step's later layers), into a poisoned
-    output each time; returns the last output and the counters (None unless fused)."""
+def run_workqueue(b, splits, fused=False, capacity_pad=7):
     hkv = b.k_cache.shape[1]
     tasks, offsets = simple_tasks(b.seq_lens.tolist(), hkv, splits)
     cap = len(tasks) + capacity_pad  # idle slots past num_tasks must exit
@@ -54,16 +51,14 @@ def run_workqueue(b, splits, fused=False, capacity_pad=7, pool_pct=0, launches=1
     num = torch.tensor([len(tasks)], dtype=torch.int32, device="cuda")
     off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
     slots = offsets[-1]
+    out = poisoned_like(b.q)
     part_a = torch.full((slots, *b.q.shape[1:]), float("nan"), device="cuda")
     part_ml = torch.full((slots, b.q.shape[1], 2), float("nan"), device="cuda")
     counters = torch.zeros(b.q.shape[0], hkv, dtype=torch.int32, device="cuda") if fused else None
-    for i in range(launches):
-        out = poisoned_like(b.q)
-        ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, t, num, off, out,
-                             part_a, part_ml, counters=counters, early_kv=i > 0,
-                             pool_pct=pool_pct)
-        if not fused:
-            ops.merge(part_a, part_ml, off, out, skip_single=True)
+    ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, t, num, off, out,
+                         part_a, part_ml, counters=counters)
+    if not fused:
+        ops.merge(part_a, part_ml, off, out, skip_single=True)
     return out, counters
 
 
@@ -138,46 +133,6 @@ def test_merge_matches_reference_merge_for_any_slot_count(d, dtype):
     for r, (b, e) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         ref = reference.merge_states(m[b:e], l[b:e], a[b:e])
         assert rel_err(out[r].cpu(), ref) < TOL[dtype] / 2, (d, counts[r])
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"hq{s[1]}-hkv{s[2]}-d{s[3]}-p{s[4]}")
-@pytest.mark.parametrize("pct", [10, 50, 90])
-def test_fused_pool_matches_fp32_reference(shape, pct):
-    """The fused kernel's dynamic tail (Pool): the split rows' last pct % of tiles taken by their
-    CTAs' warps as they ask. Any share, 2 to 65 splits, three launches in a row on one counter
-    buffer: the pool's cursor must be reset with the arrivals (counters all zero after), or a
-    later launch finds it drained and loses tokens; later launches read K/V early under PDL."""
-    lens, hq, hkv, d, page, dtype = shape
-    b = make_batch(lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
-                   dtype=dtype, seed=hash((tuple(lens), pct)) % 2**31)
-    ref = ref_out(b)
-    for splits in (2, 8, 37, 65):
-        out, counters = run_workqueue(b, splits, fused=True, pool_pct=pct, launches=3)
-        assert counters.sum().item() == 0, (splits, counters)
-        assert not torch.isnan(out).any(), splits
-        assert rel_err(out, ref) < TOL[dtype], splits
-
-
-def test_fused_pool_long_row_many_ctas():
-    """A 40K row at G = 8 over 50 splits (the step class the pool is for) and a row of one tile:
-    pool shares from none to 90 %, all against the reference, with pool_pct 0 bit-identical to
-    the default (static) launch."""
-    b = make_batch([40000, 3000, 1], num_qo_heads=16, num_kv_heads=2, head_dim=128, page_size=16, seed=17)
-    ref = ref_out(b)
-    static = run_workqueue(b, 50, fused=True, pool_pct=0)[0]
-    assert torch.equal(static, run_workqueue(b, 50, fused=True)[0])
-    for pct in (0, 5, 30, 70, 90):
-        out, counters = run_workqueue(b, 50, fused=True, pool_pct=pct, launches=4)
-        assert counters.sum().item() == 0
-        assert rel_err(out, ref) < TOL[torch.float16], pct
-
-
-@pytest.mark.parametrize("pct,fused,match", [(91, True, "pool_pct"), (-1, True, "pool_pct"),
-                                             (20, False, "pool_pct"), (True, True, "pool_pct")])
-def test_bad_pool_pct_is_refused(pct, fused, match):
-    b = make_batch([100, 3000], seed=2)
-    with pytest.raises(ops.KernelArgumentError, match=match):
-        run_workqueue(b, 4, fused=fused, pool_pct=pct)
 
 
 @pytest.mark.parametrize("d,g", [(256, 8), (128, 8), (64, 8), (64, 2), (128, 4)])
