@@ -1036,13 +1036,15 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 // The first version looped over the slots three times with one dependent load per iteration:
 // 9 us for 16 slots, 28 us for 64 on the H200 (benches/NOTES.md, "The merge was latency-bound").
 // Loads bypass L1 (__ldcg): in the fused kernel the slots were written by other CTAs.
-template <typename T, int D>
+// WIDE = 2 doubles the slots in flight (<= 128 registers): the fused kernel's tail, whose CTA
+// has the decode's registers free by then (the merge kernel keeps 1: its occupancy counts).
+template <typename T, int D, int WIDE = 1>
 __device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
                                            int num_qo_heads, int slot_begin, int slot_end, int h,
                                            T* o, int lane) {
   constexpr int E = D / 32;                  // outputs per lane: 2, 4 or 8
   constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
-  constexpr int BATCH = E >= 8 ? 8 : 16;     // slots in flight per lane (<= 64 registers)
+  constexpr int BATCH = (E >= 8 ? 8 : 16) * WIDE;  // slots in flight per lane (<= 64 * WIDE registers)
   const int n = slot_end - slot_begin;
   auto ml_at = [&](int s) { return part_ml + ((long long)s * num_qo_heads + h) * 2; };
   float v[BATCH][E];

@@ -26,16 +26,32 @@ namespace pkv {
 // cooperative groups' grid sync: the barrier orders every thread's slot stores before thread 0's
 // device-scope fence (release), then one atomic per CTA; the last CTA fences again (acquire)
 // before the barrier that releases its threads to read the other CTAs' slots.
+#ifndef PKV_TAIL_ACQREL
+#define PKV_TAIL_ACQREL 0
+#endif
+#ifndef PKV_TAIL_WIDE
+#define PKV_TAIL_WIDE 1
+#endif
 __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
   __syncthreads();
   int last = 0;
   if (threadIdx.x == 0) {
+#if PKV_TAIL_ACQREL
+    // One acq_rel atomic instead of two sequentially consistent fences: release, cumulative over
+    // the slot stores the barrier above ordered before it; acquire, for the last CTA's reads,
+    // which the barrier below orders after it (the pattern of CUTLASS's generic barrier).
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    last = old == nsplit - 1;
+    if (last) *counter = 0;  // every other CTA of this (row, kvh) has arrived: ready for the next launch
+#else
     __threadfence();
     last = atomicAdd(counter, 1) == nsplit - 1;
     if (last) {
       *counter = 0;  // every other CTA of this (row, kvh) has arrived: ready for the next launch
       __threadfence();
     }
+#endif
   }
   return __syncthreads_or(last);
 }
@@ -48,7 +64,7 @@ __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh,
   for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {  // one warp per head
     const int h = kvh * G + g;
     T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
-    merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
+    merge_head<T, D, PKV_TAIL_WIDE>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
                      threadIdx.x % 32);
   }
 }
