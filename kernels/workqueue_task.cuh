@@ -22,24 +22,27 @@
 
 namespace pkv {
 
-// True on every thread of the CTA that arrives last at the (row, kvh) counter. The pattern of
-// cooperative groups' grid sync: the barrier orders every thread's slot stores before thread 0's
-// device-scope fence (release), then one atomic per CTA; the last CTA fences again (acquire)
-// before the barrier that releases its threads to read the other CTAs' slots.
+// Tuning (pkvrt/_buildspec.py TUNING; benches/NOTES.md, "Session 17"): PKV_TAIL_ACQREL = 0 is the
+// ablation's arrival with two sequentially consistent fences; the tail merge of groups of at least
+// PKV_TAIL_WIDE_MIN_GROUP heads (two per warp at G = 8) keeps twice the slots in flight.
 #ifndef PKV_TAIL_ACQREL
-#define PKV_TAIL_ACQREL 0
+#define PKV_TAIL_ACQREL 1
 #endif
-#ifndef PKV_TAIL_WIDE
-#define PKV_TAIL_WIDE 1
+#ifndef PKV_TAIL_WIDE_MIN_GROUP
+#define PKV_TAIL_WIDE_MIN_GROUP 8
 #endif
+
+// True on every thread of the CTA that arrives last at the (row, kvh) counter. The barrier
+// orders every thread's slot stores before thread 0's atomic, whose release (cumulative over
+// what the barrier ordered) publishes them; the last CTA's acquire, then the second barrier,
+// order its threads' reads of the other CTAs' slots after every arrival. As CUTLASS's generic
+// barrier; one acq_rel atomic costs less than the fence-atomic-fence of cooperative groups' grid
+// sync (the ablation): 0.2-0.3 us per layer in cut_protocols, +0.4-1.1 % in the engine protocol.
 __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
   __syncthreads();
   int last = 0;
   if (threadIdx.x == 0) {
 #if PKV_TAIL_ACQREL
-    // One acq_rel atomic instead of two sequentially consistent fences: release, cumulative over
-    // the slot stores the barrier above ordered before it; acquire, for the last CTA's reads,
-    // which the barrier below orders after it (the pattern of CUTLASS's generic barrier).
     int old;
     asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
     last = old == nsplit - 1;
@@ -58,14 +61,18 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
 
 // The merge of the G heads of (row, kvh) by the last CTA. Not inlined: inlined, it changed the
 // register allocation of the whole kernel and the decode loop ran ~5 % slower (ncu, B1 32K).
+// At G = 8 each warp merges two heads in turn, 4 KB per slot and head: at 53-64 splits the merge
+// is 8-9 us, a third of the layer, and twice the slots in flight (WIDE) cut it by ~1 us; at G = 4
+// the wider merge's registers (179 -> 223) cost the short steps more than it saved.
 template <typename T, int D, int G>
 __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first,
                                         int nsplit) {
   for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {  // one warp per head
     const int h = kvh * G + g;
     T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
-    merge_head<T, D, PKV_TAIL_WIDE>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o,
-                     threadIdx.x % 32);
+    merge_head<T, D, (G >= PKV_TAIL_WIDE_MIN_GROUP ? 2 : 1)>(p.part_a, p.part_ml, p.num_qo_heads,
+                                                             first, first + nsplit, h, o,
+                                                             threadIdx.x % 32);
   }
 }
 

@@ -32,8 +32,8 @@ TUNING = {
     "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one SIMT decode CTA (G < 4)
     "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
     "PKV_TC_MIN_GROUP": 1,      # smallest group size on the tensor-core body (4: SIMT for G < 4)
-    "PKV_TAIL_ACQREL": 0,       # fused tail: arrive with one acq_rel atomic (0: two SC fences)
-    "PKV_TAIL_WIDE": 1,         # fused tail merge: slots in flight per lane x this (1 or 2)
+    "PKV_TAIL_ACQREL": 1,       # fused tail: arrive with one acq_rel atomic (0: two SC fences, the ablation)
+    "PKV_TAIL_WIDE_MIN_GROUP": 8,  # fused tail merge: twice the slots in flight from this group size (16: never)
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 
