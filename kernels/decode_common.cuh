@@ -1036,40 +1036,35 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 // The first version looped over the slots three times with one dependent load per iteration:
 // 9 us for 16 slots, 28 us for 64 on the H200 (benches/NOTES.md, "The merge was latency-bound").
 // Loads bypass L1 (__ldcg): in the fused kernel the slots were written by other CTAs.
-// WIDE = 2 doubles the slots in flight (<= 128 registers); NH = 2 merges two heads (h, h + hstride)
-// at once, their loads in the same round trips, (<= 128 registers too): the fused kernel's tail,
-// whose CTA has the decode's registers free by then (the merge kernel keeps 1, 1: its occupancy
-// counts). `o` is head h's outputs; head h + k * hstride's are o + k * hstride * D.
-template <typename T, int D, int NH = 1, int WIDE = 1>
-__device__ __forceinline__ void merge_heads(const float* part_a, const float* part_ml,
-                                            int num_qo_heads, int slot_begin, int slot_end, int h,
-                                            int hstride, T* o, int lane) {
+// WIDE = 2 doubles the slots in flight (<= 128 registers): the fused kernel's tail, whose CTA
+// has the decode's registers free by then (the merge kernel keeps 1: its occupancy counts).
+template <typename T, int D, int WIDE = 1>
+__device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
+                                           int num_qo_heads, int slot_begin, int slot_end, int h,
+                                           T* o, int lane) {
   constexpr int E = D / 32;                  // outputs per lane: 2, 4 or 8
   constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
-  constexpr int BATCH = (E >= 8 ? 8 : 16) * WIDE;  // slots in flight per lane and head
+  constexpr int BATCH = (E >= 8 ? 8 : 16) * WIDE;  // slots in flight per lane (<= 64 * WIDE registers)
   const int n = slot_end - slot_begin;
-  auto ml_at = [&](int s, int k) { return part_ml + ((long long)s * num_qo_heads + h + k * hstride) * 2; };
-  float v[NH][BATCH][E];
+  auto ml_at = [&](int s) { return part_ml + ((long long)s * num_qo_heads + h) * 2; };
+  float v[BATCH][E];
   auto load_batch = [&](int s0, int cnt) {   // the lane's E outputs of slots s0 .. s0+cnt-1
 #pragma unroll
-    for (int k = 0; k < NH; ++k) {
+    for (int j = 0; j < BATCH; ++j) {
+      if (j < cnt) {
+        const float* src = part_a + ((long long)(s0 + j) * num_qo_heads + h) * D + lane * E;
+        if constexpr (E == 2) {
+          const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
+          v[j][0] = x.x;
+          v[j][1] = x.y;
+        } else {
 #pragma unroll
-      for (int j = 0; j < BATCH; ++j) {
-        if (j < cnt) {
-          const float* src = part_a + ((long long)(s0 + j) * num_qo_heads + h + k * hstride) * D + lane * E;
-          if constexpr (E == 2) {
-            const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
-            v[k][j][0] = x.x;
-            v[k][j][1] = x.y;
-          } else {
-#pragma unroll
-            for (int q = 0; q < V; ++q) {
-              const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + q);
-              v[k][j][4 * q] = x.x;
-              v[k][j][4 * q + 1] = x.y;
-              v[k][j][4 * q + 2] = x.z;
-              v[k][j][4 * q + 3] = x.w;
-            }
+          for (int q = 0; q < V; ++q) {
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + q);
+            v[j][4 * q] = x.x;
+            v[j][4 * q + 1] = x.y;
+            v[j][4 * q + 2] = x.z;
+            v[j][4 * q + 3] = x.w;
           }
         }
       }
@@ -1081,86 +1076,61 @@ __device__ __forceinline__ void merge_heads(const float* part_a, const float* pa
   load_batch(slot_begin, min(BATCH, n));
 
   // 1. (m_all, l_all), with lane's own slot of the first 32 kept for its weight.
-  float m_mine[NH], m_all[NH], inv_l[NH];
-#pragma unroll
-  for (int k = 0; k < NH; ++k) {
-    float l_acc = 0.f;
-    m_mine[k] = -INFINITY;
-    if (lane < n) {
-      m_mine[k] = __ldcg(ml_at(slot_begin + lane, k));
-      l_acc = __ldcg(ml_at(slot_begin + lane, k) + 1);
-    }
-    float m_acc = m_mine[k];
-    for (int s = slot_begin + lane + 32; s < slot_end; s += 32) {
-      const float ms = __ldcg(ml_at(s, k)), ls = __ldcg(ml_at(s, k) + 1);
-      const float m_new = fmaxf(m_acc, ms);
-      l_acc = l_acc * rescale(m_acc, m_new) + ls * rescale(ms, m_new);
-      m_acc = m_new;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m_acc, off);
-      const float lo = __shfl_xor_sync(0xffffffffu, l_acc, off);
-      const float m_new = fmaxf(m_acc, mo);
-      l_acc = l_acc * rescale(m_acc, m_new) + lo * rescale(mo, m_new);
-      m_acc = m_new;
-    }
-    m_all[k] = m_acc;
-    inv_l[k] = 1.f / l_acc;
+  float m_mine = -INFINITY, l_acc = 0.f;
+  if (lane < n) {
+    m_mine = __ldcg(ml_at(slot_begin + lane));
+    l_acc = __ldcg(ml_at(slot_begin + lane) + 1);
   }
+  float m_acc = m_mine;
+  for (int s = slot_begin + lane + 32; s < slot_end; s += 32) {
+    const float ms = __ldcg(ml_at(s)), ls = __ldcg(ml_at(s) + 1);
+    const float m_new = fmaxf(m_acc, ms);
+    l_acc = l_acc * rescale(m_acc, m_new) + ls * rescale(ms, m_new);
+    m_acc = m_new;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float mo = __shfl_xor_sync(0xffffffffu, m_acc, off);
+    const float lo = __shfl_xor_sync(0xffffffffu, l_acc, off);
+    const float m_new = fmaxf(m_acc, mo);
+    l_acc = l_acc * rescale(m_acc, m_new) + lo * rescale(mo, m_new);
+    m_acc = m_new;
+  }
+  const float m_all = m_acc, inv_l = 1.f / l_acc;
 
   // 2. sum_s w_s a_s over the lane's E outputs.
-  float acc[NH][E];
+  float acc[E];
 #pragma unroll
-  for (int k = 0; k < NH; ++k)
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[k][e] = 0.f;
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
   for (int c0 = 0; c0 < n; c0 += 32) {
-    float w[NH];  // weight of slot slot_begin + c0 + lane
-#pragma unroll
-    for (int k = 0; k < NH; ++k) {
-      if (c0 == 0) {
-        w[k] = rescale(m_mine[k], m_all[k]) * inv_l[k];
-      } else {
-        const int s = slot_begin + c0 + lane;
-        w[k] = s < slot_end ? rescale(__ldcg(ml_at(s, k)), m_all[k]) * inv_l[k] : 0.f;
-      }
+    float w;  // weight of slot slot_begin + c0 + lane
+    if (c0 == 0) {
+      w = rescale(m_mine, m_all) * inv_l;
+    } else {
+      const int s = slot_begin + c0 + lane;
+      w = s < slot_end ? rescale(__ldcg(ml_at(s)), m_all) * inv_l : 0.f;
     }
     const int cnt = min(32, n - c0);
     for (int j0 = 0; j0 < cnt; j0 += BATCH) {
       if (c0 + j0 > 0) load_batch(slot_begin + c0 + j0, min(BATCH, cnt - j0));
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
+        if (j0 + j < cnt) {
 #pragma unroll
-        for (int k = 0; k < NH; ++k) {
-          const float wj = __shfl_sync(0xffffffffu, w[k], (j0 + j) & 31);
-          if (j0 + j < cnt) {
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[k][e] = fmaf(wj, v[k][j][e], acc[k][e]);
-          }
+          for (int e = 0; e < E; ++e) acc[e] = fmaf(wj, v[j][e], acc[e]);
         }
       }
     }
   }
+  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int k = 0; k < NH; ++k) {
-    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int e = 0; e < E; ++e) f[e] = acc[k][e];
-    const uint4 raw = from_float8(f, T());
-    T* dst = o + (long long)k * hstride * D + lane * E;
-    if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = raw;
-    else if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(raw.x, raw.y);
-    else *reinterpret_cast<unsigned*>(dst) = raw.x;
-  }
-}
-
-// One head (the merge kernel's and the tail's below G = 8).
-template <typename T, int D, int WIDE = 1>
-__device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
-                                           int num_qo_heads, int slot_begin, int slot_end, int h,
-                                           T* o, int lane) {
-  merge_heads<T, D, 1, WIDE>(part_a, part_ml, num_qo_heads, slot_begin, slot_end, h, 0, o, lane);
+  for (int e = 0; e < E; ++e) f[e] = acc[e];
+  const uint4 raw = from_float8(f, T());
+  T* dst = o + lane * E;
+  if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = raw;
+  else if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(raw.x, raw.y);
+  else *reinterpret_cast<unsigned*>(dst) = raw.x;
 }
 
 }  // namespace pkv

@@ -31,9 +31,6 @@ namespace pkv {
 #ifndef PKV_TAIL_WIDE_MIN_GROUP
 #define PKV_TAIL_WIDE_MIN_GROUP 8
 #endif
-#ifndef PKV_TAIL_PAIR
-#define PKV_TAIL_PAIR 0
-#endif
 
 // True on every thread of the CTA that arrives last at the (row, kvh) counter. The barrier
 // orders every thread's slot stores before thread 0's atomic, whose release (cumulative over
@@ -70,20 +67,12 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
 template <typename T, int D, int G>
 __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first,
                                         int nsplit) {
-  constexpr int kHeadsPerWarp = G > kThreads / 32 ? G / (kThreads / 32) : 1;
-  T* out = static_cast<T*>(p.out) + (long long)row * p.num_qo_heads * D;
-  if constexpr (PKV_TAIL_PAIR && kHeadsPerWarp == 2) {  // warp w: heads w and w + 4 at once
-    const int h = kvh * G + threadIdx.x / 32;
-    merge_heads<T, D, 2, 1>(p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h,
-                            kThreads / 32, out + (long long)h * D, threadIdx.x % 32);
-  } else {
-    for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {  // one warp per head
-      const int h = kvh * G + g;
-      merge_head<T, D, (G >= PKV_TAIL_WIDE_MIN_GROUP ? 2 : 1)>(p.part_a, p.part_ml, p.num_qo_heads,
-                                                               first, first + nsplit, h,
-                                                               out + (long long)h * D,
-                                                               threadIdx.x % 32);
-    }
+  for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {  // one warp per head
+    const int h = kvh * G + g;
+    T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
+    merge_head<T, D, (G >= PKV_TAIL_WIDE_MIN_GROUP ? 2 : 1)>(p.part_a, p.part_ml, p.num_qo_heads,
+                                                             first, first + nsplit, h, o,
+                                                             threadIdx.x % 32);
   }
 }
 

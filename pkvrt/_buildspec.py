@@ -34,7 +34,6 @@ TUNING = {
     "PKV_TC_MIN_GROUP": 1,      # smallest group size on the tensor-core body (4: SIMT for G < 4)
     "PKV_TAIL_ACQREL": 1,       # fused tail: arrive with one acq_rel atomic (0: two SC fences, the ablation)
     "PKV_TAIL_WIDE_MIN_GROUP": 8,  # fused tail merge: twice the slots in flight from this group size (16: never)
-    "PKV_TAIL_PAIR": 0,         # fused tail merge at G = 8: each warp merges its two heads at once
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 
