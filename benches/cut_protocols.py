@@ -57,9 +57,11 @@ def routes_forcing(cut: int) -> pathlib.Path:
 def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
     """One graph replay of ``layers`` fused-decode calls of ``plan`` (grid: None = its tasks),
     each layer writing its own trace buffer; per layer 1.. (layer 0 has no predecessor) the
-    working CTAs' durations (done - past the PDL wait, µs) and the spread of their wait-return
-    times; medians
-    over the layers of each statistic."""
+    working CTAs' durations (done - past the PDL wait, µs), the spread of their wait-return
+    times, the decode alone (waited -> decoded), the tail after the last decode and each split
+    (row, KV head)'s merging CTA's arrival + merge (done - decoded of its last CTA; nan without
+    split rows); medians over the layers of each statistic, and ``cta_marks``: one layer's marks
+    per CTA."""
     import torch
 
     from pkvrt.launch import ops
@@ -108,14 +110,14 @@ def trace_layers(wl, plan, grid, layers: int = 32) -> dict:
         stats["tail_after_decode_us"].append((m[:, 2].max() - m[:, 3].max()) / 1e3)
         # the merging CTA of each split (row, KV head) (its last to end): arrival + tail merge
         merge = [(m[idx, 2].max() - m[idx[np.argmax(m[idx, 2])], 3]) / 1e3 for idx in groups if len(idx) > 1]
-        stats["merge_median_us"].append(float(np.median(merge)) if merge else 0.0)
-        stats["merge_max_us"].append(float(np.max(merge)) if merge else 0.0)
+        stats["merge_median_us"].append(float(np.median(merge)) if merge else float("nan"))
+        stats["merge_max_us"].append(float(np.max(merge)) if merge else float("nan"))
     out = {k: float(np.median(v)) for k, v in stats.items()}
     # one layer's marks per CTA (µs from the layer's first PDL return): row, kvh, split, waited,
     # decoded, done
     m = traces[layers // 2][:n].cpu().numpy().astype(np.float64)
     t0 = m[:, 1].min()
-    out["ctas"] = [[int(a), int(b), int(c), round((w - t0) / 1e3, 3), round((dd - t0) / 1e3, 3), round((e - t0) / 1e3, 3)]
+    out["cta_marks"] = [[int(a), int(b), int(c), round((w - t0) / 1e3, 3), round((dd - t0) / 1e3, 3), round((e - t0) / 1e3, 3)]
                    for (a, b, c), w, dd, e in zip(tk[:, :3], m[:, 1], m[:, 3], m[:, 2])]
     return out
 

@@ -5,8 +5,9 @@ lose the most: one short row, one long row, a ragged B8 step), the host partitio
 calibration) is launched for ``--layers`` layers back to back, eagerly, the way the Runtime runs
 an engine-captured step: workqueue decode (``early_kv`` from the second layer on) then merge,
 on one stream with programmatic dependent launch, all queued behind a spin kernel so that no
-host gap enters. Each working CTA writes three marks (kernels/decode_common.cuh, trace_mark):
-entering, its PDL wait returned, done. Per layer it reports, in µs from the layer's first decode
+host gap enters. Each working CTA writes its marks (kernels/decode_common.cuh, trace_mark):
+entering, its PDL wait returned, done (and, in a decode CTA, its decode done before the arrival;
+not used here). Per layer it reports, in µs from the layer's first decode
 CTA: the last decode CTA past its wait, the first and last decode CTA done, the merge's first
 CTA in, its last wait, its last CTA done, and the period to the next layer's first CTA; the
 median over layers 1.. (layer 0 waits on the spin) goes to the table and the JSON.

@@ -1036,8 +1036,10 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 // The first version looped over the slots three times with one dependent load per iteration:
 // 9 us for 16 slots, 28 us for 64 on the H200 (benches/NOTES.md, "The merge was latency-bound").
 // Loads bypass L1 (__ldcg): in the fused kernel the slots were written by other CTAs.
-// WIDE = 2 doubles the slots in flight (<= 128 registers): the fused kernel's tail, whose CTA
-// has the decode's registers free by then (the merge kernel keeps 1: its occupancy counts).
+// WIDE = 2 doubles the slots in flight (<= 128 registers for them): the fused kernel's tail at
+// G = 8. ptxas sizes the whole kernel for it (fp16 D 128: 193 -> 195 registers, e4m3 D 128:
+// 145 -> 180); occupancy stays 2 CTAs per SM, bounded by shared memory. The merge kernel keeps 1
+// (its occupancy counts).
 template <typename T, int D, int WIDE = 1>
 __device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
                                            int num_qo_heads, int slot_begin, int slot_end, int h,
@@ -1045,6 +1047,7 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
   constexpr int E = D / 32;                  // outputs per lane: 2, 4 or 8
   constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
   constexpr int BATCH = (E >= 8 ? 8 : 16) * WIDE;  // slots in flight per lane (<= 64 * WIDE registers)
+  static_assert(BATCH <= 32, "a batch's weights are shuffled from the lanes of one 32-slot round");
   const int n = slot_end - slot_begin;
   auto ml_at = [&](int s) { return part_ml + ((long long)s * num_qo_heads + h) * 2; };
   float v[BATCH][E];
@@ -1072,7 +1075,7 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
   };
 
   // The first batch of accumulators is loaded with the (m, l) of step 1: one round trip for
-  // both when the row has at most BATCH slots (16 at D <= 128), the common case.
+  // both when the row has at most BATCH slots (16 at D <= 128, 32 with WIDE), the common case.
   load_batch(slot_begin, min(BATCH, n));
 
   // 1. (m_all, l_all), with lane's own slot of the first 32 kept for its weight.

@@ -37,7 +37,8 @@ namespace pkv {
 // what the barrier ordered) publishes them; the last CTA's acquire, then the second barrier,
 // order its threads' reads of the other CTAs' slots after every arrival. As CUTLASS's generic
 // barrier; one acq_rel atomic costs less than the fence-atomic-fence of cooperative groups' grid
-// sync (the ablation): 0.2-0.3 us per layer in cut_protocols, +0.4-1.1 % in the engine protocol.
+// sync (the ablation): 0.15-0.25 us per merge-only layer in cut_protocols, +0.4-1.1 % in the engine
+// protocol (benches/NOTES.md, "Session 17").
 __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
   __syncthreads();
   int last = 0;
@@ -61,9 +62,11 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
 
 // The merge of the G heads of (row, kvh) by the last CTA. Not inlined: inlined, it changed the
 // register allocation of the whole kernel and the decode loop ran ~5 % slower (ncu, B1 32K).
-// At G = 8 each warp merges two heads in turn, 4 KB per slot and head: at 53-64 splits the merge
-// is 8-9 us, a third of the layer, and twice the slots in flight (WIDE) cut it by ~1 us; at G = 4
-// the wider merge's registers (179 -> 223) cost the short steps more than it saved.
+// At G = 8 each warp merges two heads in turn (512 B per slot and head at D = 128, 4 KB per slot
+// for the CTA): at 53-64 splits the tail after the last decode (arrival + merge) is 8-9 us, a
+// third of the layer. Twice the slots in flight (WIDE) cut ~1.2 us there and cost ~0.8 us at
+// 2-16 splits; at G = 8 the trace gained, at G = 4 the wider merge's registers (179 -> 223) cost
+// the short steps more than it saved, so it is G = 8's only.
 template <typename T, int D, int G>
 __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first,
                                         int nsplit) {

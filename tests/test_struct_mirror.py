@@ -45,6 +45,19 @@ def test_ctypes_mirror_matches_the_kernel_struct(struct, source):
     assert c_fields(text, struct) == list(getattr(ops, struct)._fields_)
 
 
+def test_trace_buffer_width_matches_the_kernels():
+    """ops.TRACE_MARKS (the width every timeline buffer is allocated and checked with) is the
+    kernels' kTraceMarks, and every TraceMark index fits in it: a mark past the width would write
+    into the next CTA's row."""
+    text = (_paths.CHECKOUT / "kernels" / "decode_common.cuh").read_text()
+    width = re.search(r"constexpr int kTraceMarks = (\d+);", text)
+    marks = re.search(r"enum TraceMark \{([^}]*)\}", text)
+    assert width and marks
+    assert int(width.group(1)) == ops.TRACE_MARKS
+    values = [int(v) for v in re.findall(r"=\s*(\d+)", marks.group(1))]
+    assert sorted(values) == list(range(ops.TRACE_MARKS))
+
+
 def test_the_reader_refuses_what_it_cannot_read():
     with pytest.raises(AssertionError, match="cannot read"):
         c_fields("struct S {\n  int a[4];\n};", "S")

@@ -253,7 +253,19 @@ def test_timeline_marks_are_ordered_and_change_no_bit():
     assert rel_err(outs[True], ref_out(b)) < TOL[torch.float16]
     d = dec.cpu()
     assert (d[:, :n] > 0).all() and (d[:, n:] == 0).all()
-    assert (d[:, :n, 0] <= d[:, :n, 1]).all() and (d[:, :n, 1] <= d[:, :n, 2]).all()
+    assert (d[:, :n, 0] <= d[:, :n, 1]).all() and (d[:, :n, 1] <= d[:, :n, 3]).all()
+    assert (d[:, :n, 3] <= d[:, :n, 2]).all()     # decoded before done
+    # The fused kernel on the same plan: its decoded mark precedes the arrival and tail merge.
+    fused = torch.zeros(n + 5, ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
+    counters = torch.zeros(len(lens), 8, **i32)
+    out = poisoned_like(b.q)
+    ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, tasks, num, offsets,
+                         out, pa, pm, counters=counters, trace=fused)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref_out(b)) < TOL[torch.float16] and counters.sum().item() == 0
+    f = fused.cpu()
+    assert (f[:n] > 0).all() and (f[n:] == 0).all()
+    assert (f[:n, 1] <= f[:n, 3]).all() and (f[:n, 3] <= f[:n, 2]).all()
     m = mer.cpu()
     done = m[:, :, 2] > 0                          # rows with one split are not merged
     assert done.any() and (m[:, :, 0][done] <= m[:, :, 1][done]).all()
