@@ -795,3 +795,38 @@ def test_host_cost_rounds_are_judged_on_their_median(capsys):
     assert by["a"]["plan_us"] == 50.0 and by["a"]["wall_us"] == 500.0 and by["a"]["rounds"] == 3
     assert by["b"]["plan_us"] == 9.0 and by["b"]["rounds"] == 1
     assert "median of 3" in capsys.readouterr().out
+
+
+class _SecondSight:
+    """An engine that captures a step's graph the second time it runs that step, as the Runtime
+    captures a per-layer graph on a key's second sighting (graphs.SeenKeys)."""
+
+    def __init__(self, stats: bool = True):
+        self.seen, self.captured, self.has_stats = set(), set(), stats
+        self.runs = 0
+
+    def run_step(self, wl, step, pos, out):
+        self.runs += 1
+        if step in self.seen and step not in self.captured:
+            self.captured.add(step)
+        self.seen.add(step)
+
+    def stats(self):
+        return {"captures": len(self.captured)} if self.has_stats else {}
+
+
+def test_warm_until_steady_leaves_no_capture_to_the_timed_passes():
+    """After the correctness pass (the first sighting of every step), the next pass captures every
+    step's graph; the one after captures nothing, and warming stops there: the timed passes then
+    see no capture. An engine without capture counters gets one untimed pass."""
+    wl = attrs.make_class("Wl", {"steps": attrs.field()})(steps=[0, 1, 2])
+    clock = attrs.make_class("Clock", {"sync": attrs.field()})(sync=lambda: None)
+    eng = _SecondSight()
+    harness.untimed_pass(eng, wl, wl.steps, None, clock)      # the correctness pass
+    assert harness.warm_until_steady(eng, wl, None, clock) == 2
+    assert eng.runs == 9 and harness.graphs_captured(eng) == 3
+    before = harness.graphs_captured(eng)
+    harness.untimed_pass(eng, wl, wl.steps, None, clock)      # a timed pass would capture nothing
+    assert harness.graphs_captured(eng) == before
+    plain = _SecondSight(stats=False)
+    assert harness.warm_until_steady(plain, wl, None, clock) == 1 and plain.runs == 3

@@ -331,7 +331,7 @@ def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, step
         spin_cycles_per_us=round(clock.cycles_per_us, 1),
         baseline_candidates=harness.merge_candidates(per_seed),
         protocol=("continuous decode, hole fraction 0; per engine: untimed pass with correctness "
-                  "check, wall pass (synchronized host clock per step incl. planning and metadata),"
+                  "check, untimed passes until one captures no graph, wall pass (synchronized host clock per step incl. planning and metadata),"
                   " device pass (CUDA events behind a host-covering spin kernel); FlashInfer's "
                   "CUDA-core, tensor-core and cuDNN decode wrappers planned every step from pinned "
                   "host CSR, its XQA decode given device block tables and lengths staged once per "
