@@ -100,7 +100,8 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
                                      "flashinfer, flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
-                                     "flashinfer-xqa, flashinfer-graph, adaptive, device-plan, device-plan-step, "
+                                     "flashinfer-xqa, flashinfer-graph, adaptive, adaptive-eager, device-plan, "
+                                     "device-plan-step, "
                                      "host-step, adaptive-step, "
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),
@@ -379,6 +380,7 @@ def test_engine_labels_and_parsing():
     assert harness.engine_label("flashinfer") == "flashinfer"
     assert harness.engine_label("flashinfer-graph") == "flashinfer-graph"
     assert harness.engine_label("adaptive-step") == "pkvrt-adaptive-step"
+    assert harness.engine_label("adaptive-eager") == "pkvrt-adaptive-eager"
     assert harness.engine_label("host-step") == "pkvrt-host-step"
     assert harness.parse_engines("host-step,adaptive-step", ROUTES) == (
         "flashinfer", "host-step", "adaptive-step")

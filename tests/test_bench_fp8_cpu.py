@@ -327,6 +327,24 @@ def test_each_layer_runs_with_its_own_scale_tensors(fake_device, monkeypatch, na
     assert harness.within_tolerance(c["max_err_ref"], c["mean_err_ref"]), c
 
 
+@pytest.mark.parametrize("name, graphs", [("adaptive", True), ("adaptive-eager", False)])
+def test_adaptive_eager_is_the_default_runtime_without_graphs(fake_device, name, graphs):  # noqa: F811
+    """``adaptive-eager``: the same host-routed Runtime as ``adaptive`` with ``use_cuda_graph``
+    off (each run() launches its kernels; no graph is captured or replayed), exact either way."""
+    config = _config(kv_dtype="fp16", engines=("flashinfer", name))
+    wl = _workload(kv_dtype="fp16")
+    eng = bench.engine_factory(config, REGISTRY, seed_calibration())(name, wl, None)
+    assert eng.label == f"pkvrt-{name}" and eng.force is None
+    assert eng.rt.use_cuda_graph is graphs
+    out = torch.full((2, 8, 64), math.nan, dtype=torch.float16)
+    for pos, step in enumerate(wl.steps[:3]):
+        harness.run_step(eng, wl, step, pos, out)
+        c = harness.check_output(out[:len(step.rids)], harness.reference_rows(wl, step))
+        assert harness.within_tolerance(c["max_err_ref"], c["mean_err_ref"]), c
+    s = eng.rt.stats()
+    assert (s["captures"] + s["replays"] > 0) is graphs, s
+
+
 def test_fp8_verdict_is_the_dequantized_reference_or_for_flashinfer_the_bound(fake_device):  # noqa: F811
     """measure_engine's FP8 rule on one workload: the XQA-like output is correct for a FlashInfer
     path (within the FP8 bound) and wrong for a pkvrt engine (outside the fp16 tolerance of the

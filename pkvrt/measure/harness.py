@@ -77,6 +77,7 @@ MAX_COPIES = 8
 REF_ROWS = 2              # FP32 reference rows per checked step (longest and shortest)
 BASELINE = "flashinfer"
 ADAPTIVE = "adaptive"
+ADAPTIVE_EAGER = "adaptive-eager"  # the same Runtime with its graphs off: every run() launches
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
@@ -169,8 +170,8 @@ def engine_label(name: str) -> str:
     base, _, route = name.partition(":")
     if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
         return f"pkvrt-{base}-" + (route[4:] if route.startswith("pkv_") else route).replace("_", "-")
-    if name == ADAPTIVE:
-        return "pkvrt-adaptive"
+    if name in (ADAPTIVE, ADAPTIVE_EAGER):
+        return "pkvrt-" + name
     return "pkvrt-" + (name[4:] if name.startswith("pkv_") else name).replace("_", "-")
 
 
@@ -179,6 +180,8 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     ``flashinfer-cuda`` / ``flashinfer-tc`` / ``flashinfer-cudnn`` / ``flashinfer-xqa`` (one
     FlashInfer path for the whole run, :data:`FI_VARIANTS`), ``flashinfer-graph``
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
+    ``adaptive-eager`` (the same Runtime with ``use_cuda_graph=False``: each ``run()`` launches its
+    kernels, which programmatic dependent launch chains across layers),
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
     as one CUDA graph, as an engine that captures its decode step runs it), either of those two
@@ -191,8 +194,8 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
-    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, DEVICE_PLAN,
-                                  STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, *route_names)))
+    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, ADAPTIVE_EAGER,
+                                  DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, *route_names)))
     for n in names:
         base, colon, route = n.partition(":")
         if colon and base in (DEVICE_PLAN, STEP_GRAPH):
@@ -664,7 +667,8 @@ def graphs_per_layer_key(wl: Workload) -> int:
 
 
 class RuntimeEngine:
-    """``pkvrt.Runtime`` with CUDA graphs: ``plan(seq_lens, block_tables)`` once per step
+    """``pkvrt.Runtime`` with CUDA graphs (``adaptive-eager``: without, each ``run()`` launches
+    its kernels): ``plan(seq_lens, block_tables)`` once per step
     (host int32 numpy arrays, its fast path), ``run(q, k, v, out=...)`` per layer. ``force``: a
     route name forced on every step (``Runtime.plan(..., force=name)``), None = adaptive. FP8
     (``wl.fp8``): ``kv_dtype=torch.float8_e4m3fn`` and each layer's scale tensors on ``run()``."""
@@ -687,7 +691,8 @@ class RuntimeEngine:
         self.layout, self.kv_dtype_bytes = wl.layout, wl.kv_dtype_bytes
         wanted = dict(device=wl.device, routes=routes, calibration=calibration,
                       max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-                      use_cuda_graph=True, max_graphs=64 * graphs_per_layer_key(wl), validate=False,
+                      use_cuda_graph=name != ADAPTIVE_EAGER,
+                      max_graphs=64 * graphs_per_layer_key(wl), validate=False,
                       flashinfer_tensor_cores=tensor_cores,
                       # the flashinfer-graph engine is FlashInfer's CUDA-graph mode by definition
                       flashinfer_cuda_graph=name == FI_GRAPH)

@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated: flashinfer (baseline: the fastest of FlashInfer's decode "
                         "paths, always run), flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
                         "flashinfer-xqa (one path for the whole run), flashinfer-graph "
-                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, device-plan "
+                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, adaptive-eager "
+                        "(the same Runtime without graphs: each run() launches), device-plan "
                         "(device planning, a graph per layer), device-plan-step (device planning, "
                         "the whole step in one graph), host-step (host lengths, the step's layers "
                         "in one graph per step key), adaptive-step (host-step with the router's "
@@ -254,7 +255,7 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
             return harness.HostStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                                max_active=config.max_active, routing=routing,
                                                tensor_cores=fi_route == "flashinfer-tc")
-        force = {harness.ADAPTIVE: None, harness.FI_GRAPH: registry.baseline.name,
+        force = {harness.ADAPTIVE: None, harness.ADAPTIVE_EAGER: None, harness.FI_GRAPH: registry.baseline.name,
                  harness.DEVICE_PLAN: None}.get(base, name) if not route else route
         return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
                                      calibration=cal, max_active=config.max_active,
