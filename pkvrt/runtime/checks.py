@@ -222,7 +222,8 @@ def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int):
         if t is None:
             sig.append(None)
         elif isinstance(t, torch.Tensor):
-            sig.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device))
+            # t.shape (a torch.Size) hashes and compares as the tuple graphs.tensor_key makes
+            sig.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))
         else:
             return None
     return tuple(sig)
