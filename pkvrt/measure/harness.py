@@ -170,8 +170,6 @@ def engine_label(name: str) -> str:
     base, _, route = name.partition(":")
     if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
         return f"pkvrt-{base}-" + (route[4:] if route.startswith("pkv_") else route).replace("_", "-")
-    if name in (ADAPTIVE, ADAPTIVE_EAGER):
-        return "pkvrt-" + name
     return "pkvrt-" + (name[4:] if name.startswith("pkv_") else name).replace("_", "-")
 
 

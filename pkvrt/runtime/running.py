@@ -122,7 +122,7 @@ class Running:
         kv = (sig[2][:4], sig[3][:4])
         if self._fp8:
             kv += (sig[5][:4], sig[6][:4])
-        head = (st.route, st.kind, st.gbatch, st.structure, self._generation, kv)   # step_key + kv
+        head = (*self.step_key, kv)
         qk = sig[1][:4]
         ok = sig[4][:4] if sig[4] is not None else graphs.tensor_key(out)   # out=None: allocated
         if qk[0] == self._sq_ptr and ok[0] == self._so_ptr:
