@@ -1322,3 +1322,64 @@ def test_run_checks_each_argument_signature_once(fake_device, pool, monkeypatch)
         rt.run(q, *small, out=out)                                    # known signature: bound still read
     assert len(calls) == n + 1
     assert rt.run(q, *cache, out=out) is out
+
+
+class CsrWrapper:
+    """FlashInfer's decode wrapper as far as the Runtime's FlashInfer route drives it, in both
+    modes: plan() records the CSR it is given (indices are a view onto the Runtime's device
+    buffer, read at run() time as FlashInfer reads them); run() rebuilds lengths and block tables
+    from that CSR and runs the FP32 reference."""
+
+    def __init__(self, workspace, layout, *, use_tensor_cores, use_cuda_graph=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None):
+        assert layout == "HND"
+        self.planned = None
+
+    def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw):
+        assert not indptr.is_cuda and not last_page_len.is_cuda   # FlashInfer's host fast path
+        self.planned = (indptr.clone(), indices, last_page_len.clone(), page_size)
+
+    def run(self, q, kv, out):
+        indptr, indices, last, ps = self.planned
+        ptr = indptr.tolist()
+        pages = [ptr[i + 1] - ptr[i] for i in range(len(ptr) - 1)]
+        seq = torch.tensor([(n - 1) * ps + int(x) for n, x in zip(pages, last)])
+        bt = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+        for r, n in enumerate(pages):
+            bt[r, :n] = indices[ptr[r]:ptr[r] + n]
+        out.copy_(reference.decode_attention(q, *kv, seq, bt).to(out.dtype))
+
+
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["eager", "graph-mode"])
+def test_fake_device_flashinfer_step_stages_the_csr_of_its_pages(fake_device, pool, monkeypatch,
+                                                                 graph_mode):
+    """A FlashInfer step's CSR is gathered by the Runtime straight into pinned staging (not by
+    the router's to_csr): the arrays FlashInfer plans with are to_csr's, at up to 16 rows (the
+    row loop) and beyond (the mask gather), and the output is the reference's. A negative page
+    id is refused naming the entry, and the previous plan stays in effect."""
+    from pkvrt.policy.blocktables import to_csr
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=CsrWrapper, __version__="0.7.2"))
+    b, _ = pool
+    rt = fake_runtime(flashinfer=True, flashinfer_cuda_graph=graph_mode, max_batch=24)
+    assert rt.flashinfer_available
+    cache = (b.k_cache, b.v_cache)
+    for i, rows in enumerate(([4], [0, 1, 2, 3, 4, 5], [r % 6 for r in range(21)])):
+        seq, bt, q = step_inputs(b, rows, i, seed=30 + i)
+        d = rt.plan(seq, bt, force="flashinfer")
+        assert d.kind == "flashinfer" and d.plan.indptr is None   # the router built no CSR
+        w = rt._fi._current
+        indptr, indices, last, ps = w.planned
+        want = to_csr(seq, bt.numpy(), 16)
+        assert indptr.tolist() == want[0].tolist() and last.tolist() == want[2].tolist()
+        assert indices.tolist() == want[1].tolist() and ps == 16
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, rows
+    bad = bt.clone()
+    bad[3, 1] = -2
+    with pytest.raises(ValueError, match=r"block_tables\[3, 1\] = -2: expected a page id >= 0"):
+        rt.plan(seq, bad, force="flashinfer")
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))   # the last good step's plan
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3

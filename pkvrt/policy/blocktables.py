@@ -54,11 +54,22 @@ def _used_mask(pages, columns: int) -> np.ndarray:
 _LOOP_ROWS = 16
 
 
-def _used_ids(bt: np.ndarray, pages: np.ndarray) -> np.ndarray:
-    """The page ids the rows use (row i: its first ``pages[i]`` entries), row after row."""
+def used_ids(bt: np.ndarray, pages, out: np.ndarray | None = None) -> np.ndarray:
+    """The page ids the rows use (row i: its first ``pages[i]`` entries of ``bt`` [B, columns]),
+    row after row: FlashInfer's CSR ``indices``. ``pages``: ints [B] (list or array), each <=
+    the columns. ``out``: an array of exactly ``sum(pages)`` elements to gather into (a pinned
+    staging view, say; ids are cast to its dtype as numpy's same-kind casting does), else a new
+    array of ``bt``'s dtype. No check of the ids."""
+    if not isinstance(pages, list):
+        pages = np.asarray(pages).tolist()
     if len(pages) <= _LOOP_ROWS:
-        return np.concatenate([bt[r, :p] for r, p in enumerate(pages.tolist())] or [np.empty(0, bt.dtype)])
-    return bt[_used_mask(pages, bt.shape[1])]
+        parts = [bt[r, :p] for r, p in enumerate(pages)] or [np.empty(0, bt.dtype)]
+        return np.concatenate(parts, out=out)
+    used = bt[_used_mask(np.asarray(pages), bt.shape[1])]
+    if out is None:
+        return used
+    out[...] = used
+    return out
 
 
 def _negative_page(bt, used, pages, where: str) -> ValueError:
@@ -87,7 +98,7 @@ def to_csr(seq_lens, block_tables, page_size: int) -> tuple[np.ndarray, np.ndarr
         (seq_len 33, page 16 -> 3 pages, last_page_len 1).
     """
     seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "to_csr")
-    indices = _used_ids(bt, pages).astype(np.int32)
+    indices = used_ids(bt, pages).astype(np.int32)
     if indices.size and indices.min() < 0:
         raise _negative_page(bt, _used_mask(pages, bt.shape[1]), pages, "to_csr")
     indptr = np.zeros(len(seq) + 1, dtype=np.int32)

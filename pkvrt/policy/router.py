@@ -384,6 +384,11 @@ class Router:
 
     def _host_plan(self, route, seq, block_tables):
         if route.kind == "flashinfer":
+            if block_tables is None:   # the caller builds the CSR (the Runtime, into staging)
+                return FlashInferPlan(indptr=None, indices=None, last_page_len=None,
+                                      counters=flashinfer_counters_from_checked(
+                                          seq, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                          dtype_bytes=self.dtype_bytes))
             return plan_flashinfer(seq, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                    dtype_bytes=self.dtype_bytes, page_size=self.page_size,
                                    block_tables=block_tables)

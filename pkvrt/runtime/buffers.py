@@ -65,6 +65,7 @@ class _Staging:
     fi_indptr: torch.Tensor | None
     fi_lpl: torch.Tensor | None
     fi_indices: torch.Tensor | None
+    fi_np: tuple | None         # numpy views of (fi_indptr, fi_lpl, fi_indices)
     event: torch.cuda.Event | None = None
 
 
@@ -124,12 +125,13 @@ class StaticBuffers:
             self._ring = []
             for _ in range(RING):
                 store = _pinned(head + nb * npg)
+                csr = (_pinned(nb + 1), _pinned(nb), _pinned(nb * npg)) if fi else (None,) * 3
                 self._ring.append(_Staging(
                     arena=None, arena_np=None, store=store, bt=store[head:],
                     bt_np=store.numpy()[head:].reshape(nb, npg),
                     meta_np=store.numpy()[:head] if head else None,
-                    fi_indptr=_pinned(nb + 1) if fi else None, fi_lpl=_pinned(nb) if fi else None,
-                    fi_indices=_pinned(nb * npg) if fi else None))
+                    fi_indptr=csr[0], fi_lpl=csr[1], fi_indices=csr[2],
+                    fi_np=tuple(t.numpy() for t in csr) if fi else None))
             self._generation = 0
         else:
             for s in self._ring:  # the old pinned arenas may still be the source of queued copies

@@ -12,11 +12,14 @@ scalars and the planning graph.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pkvrt import _buildspec
 from pkvrt.launch import ops
 from pkvrt.policy import fallback
+from pkvrt.policy.blocktables import used_ids
 from pkvrt.policy.planner import device_plan_targets
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.policy.router import RouteDecision
@@ -101,7 +104,9 @@ class Planning:
         if self._captured_policy and force is None:
             d = self._captured_decision(b, max(step.lens))   # routes.toml's [device_planning] route
         else:
-            d = fallback.decide(self.router, step.seq, step.block_tables, force=force,
+            # no block tables: a FlashInfer step's CSR is gathered into staging below, from
+            # the pages check_step counted (the router's to_csr would check and copy them again)
+            d = fallback.decide(self.router, step.seq, None, force=force,
                                 flashinfer_unavailable=self._fi_reason,
                                 fallback_memo=self._fallback_memo, lens=step.lens)
         on_gpu = d.kind in DEVICE_PLANNED
@@ -124,7 +129,7 @@ class Planning:
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
         deferred = None
         if d.kind == "flashinfer":
-            structure, gb = self._stage_flashinfer(s, d.plan, b), b
+            structure, gb = self._stage_flashinfer(s, step), b
         elif on_gpu:
             structure, deferred = self._stage_device_plan(s, self._dp_routes[d.route], step)
             gb = graphs.padded_batch(b)
@@ -321,11 +326,19 @@ class Planning:
         s.bt_np[:b, :w] = step.block_tables[:, :w]
         return (b - 1) * self.max_pages_per_row + w
 
-    def _stage_flashinfer(self, s: _Staging, plan, b: int) -> int:
-        nnz = plan.indices.size
-        s.fi_indptr.numpy()[:b + 1] = plan.indptr
-        s.fi_lpl.numpy()[:b] = plan.last_page_len
-        s.fi_indices.numpy()[:nnz] = plan.indices
+    def _stage_flashinfer(self, s: _Staging, step: StepInput) -> int:
+        """A FlashInfer step: its CSR (indptr, last_page_len, indices) written straight into
+        the slot's pinned staging from the lengths and pages check_step counted (one gather of
+        the used ids, ``blocktables.used_ids``: the same arrays as ``to_csr``), the indices
+        copied to the device buffer every wrapper reads, then FlashInfer's plan. Returns the
+        serial number of the wrapper planned (the graph structure)."""
+        b, ps, pages = len(step.lens), self.page_size, step.pages
+        ip, lpl, ind = s.fi_np
+        ip[0] = 0
+        ip[1:b + 1] = list(itertools.accumulate(pages))
+        nnz = int(ip[b])
+        lpl[:b] = [n - (p - 1) * ps for n, p in zip(step.lens, pages)]
+        used_ids(step.block_tables, pages, out=ind[:nnz])
         idx = self._fi_indices[:nnz]
         idx.copy_(s.fi_indices[:nnz], non_blocking=True)
         self._counts["h2d_copies"] += 1
