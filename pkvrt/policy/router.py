@@ -229,7 +229,9 @@ class Router:
         force : a route name: take it regardless of its gates (``enabled = false`` included),
             ablation flag and margin, for ablations; it must still have a kernel for this shape.
             It is predicted like the others. None: the policy decides.
-        block_tables : int32 [B, max_pages] or None; only used for the FlashInfer plan's CSR.
+        block_tables : int32 [B, max_pages] or None; only used for the FlashInfer plan's CSR
+            (None: a FlashInfer plan carries its counters alone and the caller builds the CSR,
+            as the Runtime does straight into its pinned staging).
         lens : the caller has checked the step already (the Runtime's ``check_step``):
             ``seq_lens`` is its int64 array and ``lens`` the same lengths as Python ints. A memo
             hit then costs no numpy call (the summaries and the key come from ``lens``).

@@ -82,9 +82,13 @@ class Runtime(StaticBuffers, Planning, Running):
         FlashInfer plan on the host). Cuts ``plan()``'s router time 5-20x (B8, dev box); 0
         predicts every step from scratch.
     flashinfer_cuda_graph : run the FlashInfer route in FlashInfer's CUDA-graph mode inside the
-        runtime's graphs. Off by default: it does not remove the larger host cost, FlashInfer's
-        plan() on the host (H200: 210-470 us per step, host-cost.json), and adds one wrapper
-        per batch size. (The "illegal memory access" once seen with it was a race on pinned buffers,
+        runtime's graphs. Off by default: on the H200 (session 19, README "Host cost") it halves
+        a FlashInfer step's host time (plan() 145-217 vs 316-384 us, run() 10-18 vs 21-43 us per
+        layer) but costs device time, +2 to +5 % at 32 layers on 32K steps and +19 % on the
+        Azure conversation trace (a graph boundary at every layer, a grid fixed per batch
+        size), and adds one wrapper per batch size. Worth it only where the host, not the GPU,
+        bounds the step; an engine that captures its whole step (``engine_capture``) gets graph
+        mode without the per-layer boundaries. (The "illegal memory access" once seen with it was a race on pinned buffers,
         FlashInfer's own and the serving harness's, both guarded now: see
         fi_route.FlashInferRoute.plan and tests/gpu/test_runtime.py.)
     num_pages : the pages of the KV cache that run() will be given (``k_cache.shape[0]``); the

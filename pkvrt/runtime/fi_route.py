@@ -3,7 +3,8 @@
 FlashInfer is optional (``pip install pkvrt[flashinfer]``). :func:`load_flashinfer` imports it
 and says why it cannot be used; the Runtime then reports the route unavailable and never takes
 it. When it can, :class:`FlashInferRoute` drives ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
-over the same HND pages the PersistentKV kernels read (CSR from ``pkvrt.policy.blocktables.to_csr``):
+over the same HND pages the PersistentKV kernels read (the CSR of ``pkvrt.policy.blocktables.to_csr``,
+which the Runtime gathers straight into its pinned staging with ``blocktables.used_ids``):
 
 * CUDA-graph mode (``Runtime(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
   (``use_cuda_graph=True`` with fixed ``paged_kv_*_buffer`` tensors). Such a wrapper is built for

@@ -3,7 +3,8 @@
 Host lengths: check the step (:mod:`pkvrt.runtime.checks`), let the router choose, then stage it:
 a workqueue/fused step copies lengths and block-table rows to the planning buffers (one copy
 from pinned staging) and replays the planning graph; a bucket step stages its host plan; a
-FlashInfer step runs FlashInfer's plan. Device lengths (``device_planning``): with the Runtime's
+FlashInfer step gathers its CSR into pinned staging (the router builds none for it), copies the
+indices once and runs FlashInfer's plan. Device lengths (``device_planning``): with the Runtime's
 graphs off (how an engine captures plan() and run() in its own graph) one launch of the planning
 kernel, which copies the lengths and the block-table entries they use into the runtime's buffers
 itself (direct mode); with them on (or CPU / strided inputs) two device copies, the device
