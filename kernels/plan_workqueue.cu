@@ -17,7 +17,8 @@
 //                W8 * (N > S ? load8(resident) / resident : 8))                 (int64)
 // W8 = 8 * H_kv * W + N * f8 (the average load at the GPU's best throughput; integer division).
 // f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
-// cost, then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
+// cost + room charge (with free = (-N) mod R: room8 * S * (room_slots - free) / room_slots when
+// free < room_slots, else 0), then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
 // first candidate is always eligible) and, on a one-row step, when any of them does,
 // (-N) mod R >= free_slots (the last wave leaves slots for the merge). Split j of n over t tiles covers tiles
 // [j*t/n, (j+1)*t/n).
@@ -86,6 +87,8 @@ struct PlanParams {
   int rows;                     // >= 0: the active rows (num_rows is not read); -1: *num_rows
   int max_seq;                  // > 0: the longest valid seq_len (max_seq_len not read); 0: read it
   int free_slots;               // prefer cuts whose last wave leaves this many resident slots free
+  int room_slots;               // a last wave leaving free < room_slots slots is charged
+  int room8;                    // room8 * S * (room_slots - free) / room_slots (eighths of a tile)
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -278,13 +281,18 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     // resident slots free, so the merge becomes resident during the decode
     // (planner.partition_choice).
     int best = -1;
+    long long best_charged = 0;
     for (int pass = p.free_slots > 0 && rows == 1 ? 0 : 1; pass < 2 && best < 0; ++pass) {
       for (int k = 0; k < num_cand; ++k) {
         if (k > 0 && ctas_of[k] > p.max_ctas) continue;
-        if (pass == 0 && (R - ctas_of[k] % R) % R < p.free_slots) continue;
-        const bool better = best < 0 || cost_of[k] < cost_of[best] ||
-                            (cost_of[k] == cost_of[best] && ctas_of[k] < ctas_of[best]);
-        if (better) best = k;
+        const int free = (R - ctas_of[k] % R) % R;
+        if (pass == 0 && free < p.free_slots) continue;
+        // the last wave's room charge (planner.PartitionModel.room_charge)
+        const long long charged = cost_of[k] + (p.room_slots > 0 && free < p.room_slots
+            ? (long long)p.room8 * S * (p.room_slots - free) / p.room_slots : 0LL);
+        const bool better = best < 0 || charged < best_charged ||
+                            (charged == best_charged && ctas_of[k] < ctas_of[best]);
+        if (better) { best = k; best_charged = charged; }
       }
     }
     chunk = chunk_of[best];

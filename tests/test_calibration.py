@@ -79,7 +79,8 @@ def sections(draw) -> tuple:
     if not draw(st.booleans()):
         return {}
     split_vals = {"bucket_ctas_per_sm": pos, "workqueue_ctas_per_sm": pos, "min_split_tokens": st.integers(1, 4096),
-                  "cta_overhead_tiles": non_neg, "co_resident_slowdown": pos, "max_waves": st.integers(1, 8)}
+                  "cta_overhead_tiles": non_neg, "co_resident_slowdown": pos, "max_waves": st.integers(1, 8),
+                  "wave_room_slots": st.integers(0, 600), "wave_room_tiles": non_neg}
     keys = draw(st.lists(st.sampled_from(list(split_vals)), unique=True))
     kinds = draw(st.lists(st.sampled_from(C.TIME_KINDS), unique=True, min_size=0 if keys else 1))
     group_keys = draw(st.lists(st.sampled_from(C._GROUP_KEYS), unique=True)) if keys else []
@@ -103,7 +104,8 @@ def calibrations(draw) -> Calibration:
         sm_count=draw(st.integers(1, 1024)), l2_bytes=draw(st.integers(1, 2**40)),
         beta_gbps=draw(pos), lambda_us=draw(pos), lambda_graph_us=draw(pos), c_min=draw(pos),
         splits=SplitPoints(draw(pos), draw(pos), draw(st.integers(1, 1 << 20)),
-                           merge_free_slots=draw(st.integers(0, 1024))),
+                           merge_free_slots=draw(st.integers(0, 1024)),
+                           wave_room_slots=draw(st.integers(0, 1024)), wave_room_tiles=draw(non_neg)),
         flashinfer_ctas_per_sm=tuple(sorted(table.items())),
         versions=tuple((k, draw(st.none() | names)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=draw(st.dates()).isoformat(), seed=draw(st.integers(0, 2**40)), command=draw(names),

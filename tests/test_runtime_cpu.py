@@ -606,12 +606,14 @@ class Emu:
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
-                              slowdown8, overhead8, max_ctas, max_seq_len, free_slots=0, block_tables=None,
+                              slowdown8, overhead8, max_ctas, max_seq_len, free_slots=0, room_slots=0,
+                              room8=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
                               src_block_tables=None, rows=None, max_seq=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
-        average load at the best throughput)), tasks in the host's order (rows by decreasing
+        average load at the best throughput), chosen at the least cost + the last wave's room
+        charge), tasks in the host's order (rows by decreasing
         tokens per split, then split, then KV head); rows with a bad length or a page id outside
         [0, num_pages) get no work. Refuses what ops.plan_workqueue_device refuses: a block
         table of fewer rows than seq_lens."""
@@ -666,7 +668,10 @@ class Emu:
             work = 8 * num_kv_heads * total + ctas * overhead8
             floor = work * load(resident) // resident if ctas > sms else work * 8
             cost = max((8 * c + overhead8) * loads * sms + beside, floor)
-            roomy = (-ctas) % wave >= free_slots
+            free = (-ctas) % wave
+            roomy = free >= free_slots
+            if room_slots and free < room_slots:
+                cost += room8 * sms * (room_slots - free) // room_slots
             if i == 0 or ctas <= max_ctas:
                 cands_ok.append((not roomy, cost, ctas, i, c))
         best = min(cands_ok) if free_slots and rows == 1 else min(cands_ok, key=lambda x: x[1:4])

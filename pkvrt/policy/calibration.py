@@ -20,7 +20,8 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        "cta_overhead_tiles", "co_resident_slowdown" (these two optional: 4.0 and
                        1.5 when absent, in files written before 2026-12-01), "max_waves"
                        (optional, int >= 1, default 2), "merge_free_slots" (optional, int
-                       >= 0, default 0), "by_group" (optional: {"<G>": {some
+                       >= 0, default 0), "wave_room_slots" (optional, int >= 0, default 0),
+                       "wave_room_tiles" (optional, number >= 0, default 0), "by_group" (optional: {"<G>": {some
                        of _GROUP_KEYS}}, the balanced partition's constants fitted at query
                        heads per KV head G; a group size without an entry uses the keys above)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
@@ -70,9 +71,11 @@ _TOP_KEYS = (
 )
 _OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype")
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
-               "co_resident_slowdown", "max_waves", "merge_free_slots", "by_group")
+               "co_resident_slowdown", "max_waves", "merge_free_slots", "wave_room_slots",
+               "wave_room_tiles", "by_group")
 # splits.by_group.<G>.*: the balanced partition's constants that one group size may override
-_GROUP_KEYS = ("workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles", "co_resident_slowdown")
+_GROUP_KEYS = ("workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles", "co_resident_slowdown",
+               "wave_room_slots", "wave_room_tiles")
 # splits.* of a file written before they existed (2026-12-01): the balanced partition's defaults
 DEFAULT_CTA_OVERHEAD_TILES = 4.0
 DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
@@ -87,6 +90,8 @@ TOP_KV_DTYPES = ("float16", "bfloat16")
 SECTION_KV_DTYPES = ("float8_e4m3fn",)
 _SECTION_KEYS = ("splits", "time_model", "date", "command", "source")
 # by_kv_dtype.<name>.splits.*: the split constants a KV dtype may override (SplitPoints order)
+# splits.* written only when nonzero
+_UNSET_OMITTED = ("merge_free_slots", "wave_room_slots", "wave_room_tiles")
 _SECTION_SPLIT_KEYS = ("bucket_ctas_per_sm", *_GROUP_KEYS, "max_waves", "by_group")
 
 
@@ -115,6 +120,13 @@ class SplitPoints:
         and steps of several rows (unmeasured) ignore it. 0: no
         preference (files written before 2026-12-02). Set by hand, like max_waves: `pkvrt
         calibrate` keeps the file's value.
+    wave_room_slots, wave_room_tiles: the partition's choice (not its makespan) charges a cut
+        whose last wave leaves ``free < wave_room_slots`` resident slots free
+        ``wave_room_tiles * (wave_room_slots - free) / wave_room_slots`` tile-times: the next
+        kernel's CTAs (the next layer's decode, launched early by programmatic dependent launch)
+        find no slot to start in while this decode runs (``planner.partition_choice``). Fitted by
+        `pkvrt calibrate` after the other constants (``fit_wave_room``); 0 and 0 (files before
+        2026-12-02, or a fit where no charge helps): no charge.
     by_group: ``((G, ((key, value), ...)), ...)`` sorted by G: partition constants
         (``_GROUP_KEYS``) fitted at G query heads per KV head, which replace the ones above for
         that group size (:meth:`Calibration.for_group`). Empty: one set for every G.
@@ -127,13 +139,15 @@ class SplitPoints:
     co_resident_slowdown: float = DEFAULT_CO_RESIDENT_SLOWDOWN
     max_waves: int = DEFAULT_MAX_WAVES
     merge_free_slots: int = 0
+    wave_room_slots: int = 0
+    wave_room_tiles: float = 0.0
     by_group: tuple[tuple[int, tuple[tuple[str, float | int], ...]], ...] = ()
 
     def to_dict(self) -> dict:
-        """The ``splits`` object of a file (``merge_free_slots`` only when set, ``by_group`` only when it
-        has entries: a file without them reads back the same)."""
+        """The ``splits`` object of a file (``merge_free_slots`` and the wave-room keys only when
+        set, ``by_group`` only when it has entries: a file without them reads back the same)."""
         d = {k: v for k, v in attrs.asdict(self, recurse=False).items()
-             if k != "by_group" and (k != "merge_free_slots" or v)}
+             if k != "by_group" and (k not in _UNSET_OMITTED or v)}
         if self.by_group:
             d["by_group"] = {str(g): dict(kv) for g, kv in self.by_group}
         return d
@@ -410,7 +424,9 @@ def _split_value(obj, key, path, where):
     ``cta_overhead_tiles`` a number >= 0, the others positive numbers."""
     if key in ("min_split_tokens", "max_waves"):
         return _int(obj, key, path, where)
-    return _float(obj, key, path, where, zero_ok=key == "cta_overhead_tiles")
+    if key == "wave_room_slots":
+        return _nonneg_int(obj, key, path, where)
+    return _float(obj, key, path, where, zero_ok=key in ("cta_overhead_tiles", "wave_room_tiles"))
 
 
 def _group_keys(v, path, where: str, allowed: tuple) -> list[tuple[int, dict]]:
@@ -531,7 +547,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
 
     sp = _dict(doc, "splits", path)
     _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, "merge_free_slots": None,
-           "by_group": None, **sp},
+           "wave_room_slots": None, "wave_room_tiles": None, "by_group": None, **sp},
           _SPLIT_KEYS, path, "splits.")
     splits = SplitPoints(
         bucket_ctas_per_sm=_float(sp, "bucket_ctas_per_sm", path, "splits."),
@@ -544,6 +560,10 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         max_waves=_int(sp, "max_waves", path, "splits.") if "max_waves" in sp else DEFAULT_MAX_WAVES,
         merge_free_slots=(_nonneg_int(sp, "merge_free_slots", path, "splits.")
                           if "merge_free_slots" in sp else 0),
+        wave_room_slots=(_split_value(sp, "wave_room_slots", path, "splits.")
+                         if "wave_room_slots" in sp else 0),
+        wave_room_tiles=(_split_value(sp, "wave_room_tiles", path, "splits.")
+                         if "wave_room_tiles" in sp else 0.0),
         by_group=_by_group(sp["by_group"], path) if "by_group" in sp else (),
     )
 
@@ -821,7 +841,8 @@ PARTITION_MIN_TOKENS = (32, 64, 128, 256)                    # min_split_tokens 
 
 def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, splits,
                   tile_tokens: int = 32, slowdowns=PARTITION_SLOWDOWNS, overheads=PARTITION_OVERHEADS,
-                  min_tokens=PARTITION_MIN_TOKENS, max_waves: int = DEFAULT_MAX_WAVES) -> tuple[dict, dict]:
+                  min_tokens=PARTITION_MIN_TOKENS, max_waves: int = DEFAULT_MAX_WAVES,
+                  wave_room: bool = True) -> tuple[dict, dict]:
     """Fit the balanced partition's constants to timed partitions of calibration steps.
 
     Parameters
@@ -838,8 +859,9 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
     Returns
     -------
     (points, regret) : points ``{"workqueue_ctas_per_sm", "co_resident_slowdown",
-        "cta_overhead_tiles", "min_split_tokens"}`` (a ``splits`` update); regret ``{case: us of
-        the rule's pick / best us}`` at those points.
+        "cta_overhead_tiles", "min_split_tokens", "wave_room_slots", "wave_room_tiles"}`` (a
+        ``splits`` update; the last two from :func:`fit_wave_room`, left out with ``wave_room``
+        False); regret ``{case: us of the rule's pick / best us}`` at those points.
 
     Rule: every combination of the grids is scored by the geometric mean over the cases of how
     much slower the partition it picks is than the fastest partition measured, then by the
@@ -890,8 +912,52 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
         return float(np.abs(worse - np.array(ix)).max(axis=1).min()) if len(worse) else float("inf")
 
     i, j, n = min(plateau, key=lambda ix: (-margin(ix), overheads[ix[1]], slowdowns[ix[0]], -min_tokens[ix[2]]))
-    return ({"workqueue_ctas_per_sm": float(resident), "co_resident_slowdown": slowdowns[i],
-             "cta_overhead_tiles": overheads[j], "min_split_tokens": min_tokens[n]}, scored[i, j, n][2])
+    points = {"workqueue_ctas_per_sm": float(resident), "co_resident_slowdown": slowdowns[i],
+              "cta_overhead_tiles": overheads[j], "min_split_tokens": min_tokens[n]}
+    if not wave_room:
+        return points, scored[i, j, n][2]
+    cal = attrs.evolve(base, splits=SplitPoints(1.0, float(resident), min_tokens[n], overheads[j],
+                                                slowdowns[i], max_waves))
+    room, regret = fit_wave_room(steps, cal, num_kv_heads=num_kv_heads, tile_tokens=tile_tokens)
+    return points | room, regret
+
+
+# The room charge tried (fit_wave_room): slots that a last wave should leave free, and the
+# charge, in tile-times, of a last wave that leaves none
+WAVE_ROOM_SLOTS = (8, 16, 24, 32, 40, 48, 64, 96, 132)
+WAVE_ROOM_TILES = (4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0)
+
+
+def fit_wave_room(steps: dict, cal: "Calibration", *, num_kv_heads: int, tile_tokens: int = 32,
+                  slots=WAVE_ROOM_SLOTS, tiles=WAVE_ROOM_TILES) -> tuple[dict, dict]:
+    """The second stage of :func:`fit_partition`: with its other constants fixed (``cal``), the
+    room charge (``splits.wave_room_slots``, ``wave_room_tiles``; ``planner.partition_choice``)
+    of least geometric-mean regret over ``steps`` (name -> (lengths, {s: us}, bounds, fastest,
+    slowest)), then least worst regret; ties (a plateau of charges that pick the same cuts) to
+    no charge, then the smallest charge, then the fewest slots. Returns ({"wave_room_slots",
+    "wave_room_tiles"}, {case: regret} at them).
+
+    Why a second stage and not a fifth grid of the first: the charge decides between cuts the
+    makespan calls nearly equal, so it cannot stand in for the other constants, and fitting it
+    jointly would multiply the first stage's ~2 200 combinations by 82."""
+    from pkvrt.policy import planner
+
+    def score(k: int, f: float):
+        c = attrs.evolve(cal, splits=attrs.evolve(cal.splits, wave_room_slots=k, wave_room_tiles=f))
+        regret = {}
+        for name, (seq, times, bounds, fastest, slowest) in steps.items():
+            s = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=bounds, cal=c,
+                                           tile_tokens=tile_tokens).longest_splits
+            regret[name] = times.get(s, slowest) / fastest
+        return (round(float(np.exp(np.mean(np.log(list(regret.values()))))), 6), round(max(regret.values()), 6)), regret
+
+    best_key, best = score(0, 0.0), (0, 0.0)
+    for f in tiles:
+        for k in slots:
+            key = score(k, f)
+            if key[0] < best_key[0]:
+                best_key, best = key, (k, f)
+    return {"wave_room_slots": best[0], "wave_room_tiles": best[1]}, best_key[1]
 
 
 def _median(xs: list[float]) -> float:

@@ -212,7 +212,9 @@ class PartitionModel:
     max_waves : the partition plans at most ``max_waves * wave`` CTAs (calibration
     ``splits.max_waves``, default MAX_WAVES). free_slots : resident slots a cut should leave
     free in its last wave (:func:`partition_choice`): calibration ``splits.merge_free_slots``
-    for a workqueue route (decode + merge launch), 0 for a fused one.
+    for a workqueue route (decode + merge launch), 0 for a fused one. room_slots, room8 : the
+    choice's charge for a last wave with little room (:meth:`room_charge`): calibration
+    ``splits.wave_room_slots`` and ``wave_room_tiles`` (in eighths of a tile, rounded).
     """
 
     sms: int
@@ -221,6 +223,8 @@ class PartitionModel:
     overhead8: int
     max_waves: int = MAX_WAVES
     free_slots: int = 0
+    room_slots: int = 0
+    room8: int = 0
 
     @classmethod
     def of(cls, cal: Calibration, kind: str = "workqueue") -> "PartitionModel":
@@ -232,12 +236,24 @@ class PartitionModel:
         return cls(sms=cal.sm_count, resident=max(1, int(round(sp.workqueue_ctas_per_sm))),
                    slowdown8=int(round(8 * sp.co_resident_slowdown)),
                    overhead8=int(round(8 * sp.cta_overhead_tiles)), max_waves=sp.max_waves,
-                   free_slots=sp.merge_free_slots if kind == "workqueue" else 0)
+                   free_slots=sp.merge_free_slots if kind == "workqueue" else 0,
+                   room_slots=sp.wave_room_slots, room8=int(round(8 * sp.wave_room_tiles)))
 
     def free_in_last_wave(self, ctas):
         """Resident slots the last wave of ``ctas`` CTAs leaves free: ``(-ctas) mod wave`` (0 when
         the CTAs fill every slot of their last wave). Works on arrays."""
         return np.remainder(-np.asarray(ctas), self.wave)
+
+    def room_charge(self, ctas):
+        """What :func:`partition_choice` adds to a cut's cost (the units of
+        :func:`partition_costs`) for the room its last wave leaves: ``room8 * S * (room_slots -
+        free) // room_slots`` when ``free = free_in_last_wave(ctas) < room_slots``, else 0 (and 0
+        without a calibrated charge). Works on arrays (int64)."""
+        free = self.free_in_last_wave(ctas)
+        if not self.room_slots or not self.room8:
+            return np.zeros_like(free, dtype=np.int64)
+        short = np.maximum(0, self.room_slots - free).astype(np.int64)
+        return self.room8 * self.sms * short // self.room_slots
 
     @property
     def wave(self) -> int:
@@ -367,10 +383,18 @@ def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: Partitio
 
 
 def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int) -> int:
-    """The index of the cut to take: least model cost, then fewest CTAs, then the smallest s,
-    among the candidates within ``max_waves`` waves (the first candidate is always eligible) —
-    and, on a one-row step, when any of those leaves ``model.free_slots`` resident slots free in
-    its last wave, among those alone.
+    """The index of the cut to take: least model cost plus the last wave's room charge
+    (:meth:`PartitionModel.room_charge`), then fewest CTAs, then the smallest s, among the
+    candidates within ``max_waves`` waves (the first candidate is always eligible) — and, on a
+    one-row step, when any of those leaves ``model.free_slots`` resident slots free in its last
+    wave, among those alone.
+
+    Why the room charge (benches/NOTES.md, "Session 19"): in a decode step that fills (nearly)
+    every resident slot, the next layer's CTAs, launched early, cannot start their prologue and
+    first K/V copies until decode CTAs exit. The calibration sweeps (8 layers back to back) time
+    short eight-row steps at 224 CTAs 9.7 us and at 256 CTAs (8 of 264 slots free) 11.3 us,
+    where the makespan, one kernel's, calls 256 cheaper. The charge is an absolute time, so it
+    decides between cuts of short steps and hardly ever between cuts of long ones.
 
     Why the free slots (benches/NOTES.md, "Session 14"): every pkvrt kernel launches the next
     one early (programmatic dependent launch), whose CTAs then wait on the GPU, resident, for
@@ -389,7 +413,8 @@ def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int) -> int
         roomy = ok & (model.free_in_last_wave(ctas) >= model.free_slots)
         if roomy.any():
             ok = roomy
-    return min(np.flatnonzero(ok).tolist(), key=lambda k: (cost[k], ctas[k], cands[k]))
+    charged = np.asarray(cost, dtype=np.int64) + model.room_charge(ctas)
+    return min(np.flatnonzero(ok).tolist(), key=lambda k: (charged[k], ctas[k], cands[k]))
 
 
 def device_plan_targets(cal: Calibration, kind: str = "workqueue") -> dict[str, int]:
@@ -397,7 +422,8 @@ def device_plan_targets(cal: Calibration, kind: str = "workqueue") -> dict[str, 
     (:class:`PartitionModel` and the CTA cap of ``max_waves`` resident waves)."""
     m = PartitionModel.of(cal, kind)
     return {"sms": m.sms, "resident": m.resident, "slowdown8": m.slowdown8, "overhead8": m.overhead8,
-            "max_ctas": m.max_waves * m.wave, "free_slots": m.free_slots}
+            "max_ctas": m.max_waves * m.wave, "free_slots": m.free_slots,
+            "room_slots": m.room_slots, "room8": m.room8}
 
 
 def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,
