@@ -18,7 +18,7 @@
 // W8 = 8 * H_kv * W + N * f8 (the average load at the GPU's best throughput; integer division).
 // f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
 // cost + room charge (with free = (-N) mod R: room8 * S * (room_slots - free) / room_slots when
-// free < room_slots, else 0), then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
+// free < room_slots and c <= room_chunk, else 0), then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
 // first candidate is always eligible) and, on a one-row step, when any of them does,
 // (-N) mod R >= free_slots (the last wave leaves slots for the merge). Split j of n over t tiles covers tiles
 // [j*t/n, (j+1)*t/n).
@@ -89,6 +89,7 @@ struct PlanParams {
   int free_slots;               // prefer cuts whose last wave leaves this many resident slots free
   int room_slots;               // a last wave leaving free < room_slots slots is charged
   int room8;                    // room8 * S * (room_slots - free) / room_slots (eighths of a tile)
+  int room_chunk;               // ... on cuts whose chunk is at most room_chunk tiles
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -288,7 +289,8 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
         const int free = (R - ctas_of[k] % R) % R;
         if (pass == 0 && free < p.free_slots) continue;
         // the last wave's room charge (planner.PartitionModel.room_charge)
-        const long long charged = cost_of[k] + (p.room_slots > 0 && free < p.room_slots
+        const long long charged = cost_of[k] + (p.room_slots > 0 && free < p.room_slots &&
+                                                chunk_of[k] <= p.room_chunk
             ? (long long)p.room8 * S * (p.room_slots - free) / p.room_slots : 0LL);
         const bool better = best < 0 || charged < best_charged ||
                             (charged == best_charged && ctas_of[k] < ctas_of[best]);

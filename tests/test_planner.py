@@ -444,10 +444,11 @@ def test_small_ctas_beside_the_big_ones_cost_with_the_slowdown():
 
 # --------------------------------------------------------------------------- free slots
 
-def _h200_free(free_slots: int, room=(0, 0.0)):
+def _h200_free(free_slots: int, room=(0, 0.0, 0)):
     h200 = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
     return attrs.evolve(h200, splits=attrs.evolve(h200.splits, merge_free_slots=free_slots,
-                                                  wave_room_slots=room[0], wave_room_tiles=room[1]))
+                                                  wave_room_slots=room[0], wave_room_tiles=room[1],
+                                                  wave_room_chunk_tiles=room[2]))
 
 
 def test_free_slots_set_aside_the_cut_that_fills_its_last_wave():
@@ -488,8 +489,9 @@ def m_min_tokens() -> int:
     return _h200_free(0).splits.min_split_tokens
 
 
-@pytest.mark.parametrize("free_slots,room", [(0, (0, 0.0)), (8, (0, 0.0)), (40, (0, 0.0)),
-                                             (0, (32, 6.0)), (8, (48, 2.5)), (0, (264, 40.0))])
+@pytest.mark.parametrize("free_slots,room", [(0, (0, 0.0, 0)), (8, (0, 0.0, 0)), (40, (0, 0.0, 0)),
+                                             (0, (32, 6.0, 1 << 20)), (8, (48, 2.5, 12)),
+                                             (0, (264, 40.0, 8))])
 def test_free_slots_rule_is_the_planning_kernels(free_slots, room):
     """The host planner and the planning kernel's emulation (tests/test_runtime_cpu.py, the
     kernel's loops written out) choose the same cuts on random batches, free slots or not, with
@@ -525,19 +527,23 @@ def test_free_slots_rule_is_the_planning_kernels(free_slots, room):
 
 def test_room_charge_prefers_a_last_wave_with_room_on_short_steps():
     """The calibration sweeps' short eight-row step at G = 4 (H_kv 8; H200: 264 resident slots):
-    the makespan alone takes 256 CTAs (8 slots free); a room charge of 32 slots and 24 tiles
-    (18 tiles at 8 free: more than the makespan's 7 % between the two cuts) moves it to 224
-    CTAs, the sweep's fastest cut (9.7 us against 11.3 at 256). The charge is an absolute time:
-    the cut of a 32K row is unchanged."""
+    the makespan alone takes 256 CTAs (8 slots free, chunks of 7 tiles); a room charge of 32
+    slots and 24 tiles on chunks of up to 8 tiles (18 tiles at 8 free: more than the makespan's
+    7 % between the two cuts) moves it to 224 CTAs, the sweep's fastest cut (9.7 us against 11.3
+    at 256); with the charge on chunks of up to 6 tiles it stays. The charge is an absolute
+    time: the cut of a 32K row is unchanged."""
     bounds = load_routes().route("pkv_fused").splits
     short = np.array([2557, 264, 187, 1020, 237, 640, 403, 1106])
-    plain, charged = _h200_free(0), _h200_free(0, (32, 24.0))
+    plain, charged = _h200_free(0), _h200_free(0, (32, 24.0, 8))
     p0 = planner.balanced_partition(short, num_kv_heads=8, splits=bounds, cal=plain, kind="fused")
     p1 = planner.balanced_partition(short, num_kv_heads=8, splits=bounds, cal=charged, kind="fused")
     assert p0.ctas == 256 and p1.ctas == 224 and p1.cost > p0.cost   # cost: the makespan alone
+    narrow = planner.balanced_partition(short, num_kv_heads=8, splits=bounds, cal=_h200_free(0, (32, 24.0, 6)),
+                                        kind="fused")
+    assert narrow.ctas == 256
     m = planner.PartitionModel.of(charged, "fused")
-    assert m.room_charge([264, 256, 232, 528]).tolist() == [24 * 8 * 132, 24 * 8 * 132 * 24 // 32, 0,
-                                                             24 * 8 * 132]
+    assert m.room_charge([264, 256, 232, 528], [8, 8, 8, 9]).tolist() == [24 * 8 * 132, 24 * 8 * 132 * 24 // 32,
+                                                                       0, 0]
     long = np.array([32768])
     assert (planner.balanced_partition(long, num_kv_heads=8, splits=bounds, cal=charged, kind="fused").longest_splits
             == planner.balanced_partition(long, num_kv_heads=8, splits=bounds, cal=plain, kind="fused").longest_splits)

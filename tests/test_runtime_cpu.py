@@ -607,7 +607,7 @@ class Emu:
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
                               slowdown8, overhead8, max_ctas, max_seq_len, free_slots=0, room_slots=0,
-                              room8=0, block_tables=None,
+                              room8=0, room_chunk=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
                               src_block_tables=None, rows=None, max_seq=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
@@ -670,7 +670,7 @@ class Emu:
             cost = max((8 * c + overhead8) * loads * sms + beside, floor)
             free = (-ctas) % wave
             roomy = free >= free_slots
-            if room_slots and free < room_slots:
+            if room_slots and free < room_slots and c <= room_chunk:
                 cost += room8 * sms * (room_slots - free) // room_slots
             if i == 0 or ctas <= max_ctas:
                 cands_ok.append((not roomy, cost, ctas, i, c))

@@ -427,7 +427,8 @@ def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, cap
     assert calibration_to_dict(attrs.evolve(got, by_kv_dtype=())) == calibration_to_dict(CAL)
     sec = dict(got.by_kv_dtype)[FP8]
     assert [k for k, _ in sec.splits] == ["bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
-                                          "cta_overhead_tiles", "co_resident_slowdown"]   # no max_waves: the file's
+                                          "cta_overhead_tiles", "co_resident_slowdown", "wave_room_slots",
+                                          "wave_room_tiles", "wave_room_chunk_tiles"]   # no max_waves: the file's
     assert dict(sec.splits)["workqueue_ctas_per_sm"] == 3.0 and [g for g, _ in sec.splits_by_group] == [8]
     assert [k for k, _ in sec.time_model] == ["bucket", "workqueue", "fused"]
     assert [(g, [k for k, _ in kinds]) for g, kinds in sec.time_model_by_group] == [(8, ["fused"])]

@@ -366,6 +366,7 @@ class PlanParams(ctypes.Structure):
         ("src_seq_lens", ctypes.c_void_p), ("src_block_tables", ctypes.c_void_p),
         ("src_bt_stride", ctypes.c_int), ("rows", ctypes.c_int), ("max_seq", ctypes.c_int),
         ("free_slots", ctypes.c_int), ("room_slots", ctypes.c_int), ("room8", ctypes.c_int),
+        ("room_chunk", ctypes.c_int),
     ]
 
 
@@ -406,7 +407,8 @@ def check_plan_direct_args(max_rows: int, block_tables, page_size, src_seq_lens,
 def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                           status, candidates, *, num_kv_heads: int, min_split_tiles: int,
                           sms: int, resident: int, slowdown8: int, overhead8: int, max_ctas: int,
-                          free_slots: int = 0, room_slots: int = 0, room8: int = 0, max_seq_len=None, block_tables=None, num_pages=None,
+                          free_slots: int = 0, room_slots: int = 0, room8: int = 0, room_chunk: int = 0,
+                          max_seq_len=None, block_tables=None, num_pages=None,
                           page_size: int | None = None, src_seq_lens=None, src_block_tables=None,
                           rows: int | None = None, max_seq: int | None = None) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
@@ -423,9 +425,9 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     ``page_size`` are given. candidates [n] int32,
     the allowed split counts ascending (SplitBounds.candidates()). Same split rule as
     pkvrt.policy.planner.balanced_partition; sms, resident, slowdown8, overhead8, max_ctas,
-    free_slots, room_slots and room8 are ``planner.device_plan_targets(cal, route.kind)``
-    (free_slots: the one-row preference of ``planner.partition_choice``, 0 = none; room_slots,
-    room8: the last wave's room charge, ``PartitionModel.room_charge``, 0 = none).
+    free_slots, room_slots, room8 and room_chunk are ``planner.device_plan_targets(cal,
+    route.kind)`` (free_slots: the one-row preference of ``planner.partition_choice``, 0 = none;
+    room_*: the last wave's room charge, ``PartitionModel.room_charge``, 0 = none).
 
     Direct mode (an engine's captured step: no copy or fill launch before the planning kernel):
     ``rows`` (active rows; num_rows is not read) and ``max_seq`` (the longest valid seq_len;
@@ -461,12 +463,12 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     for name, v, least in (("sms", sms, 1), ("resident", resident, 1), ("slowdown8", slowdown8, 0),
                            ("overhead8", overhead8, 0), ("max_ctas", max_ctas, 1),
                            ("free_slots", free_slots, 0), ("room_slots", room_slots, 0),
-                           ("room8", room8, 0)):
+                           ("room8", room8, 0), ("room_chunk", room_chunk, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             _fail(name, f"an integer >= {least}", v)
     p.task_capacity, p.sms, p.resident, p.slowdown8 = tasks.shape[0], sms, resident, slowdown8
     p.overhead8, p.max_ctas, p.free_slots = overhead8, max_ctas, free_slots
-    p.room_slots, p.room8 = room_slots, room8
+    p.room_slots, p.room8, p.room_chunk = room_slots, room8, room_chunk
     if block_tables is not None:
         if num_pages is None or page_size is None:
             _fail("num_pages/page_size", "both given with block_tables", (num_pages, page_size))

@@ -21,7 +21,8 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        1.5 when absent, in files written before 2026-12-01), "max_waves"
                        (optional, int >= 1, default 2), "merge_free_slots" (optional, int
                        >= 0, default 0), "wave_room_slots" (optional, int >= 0, default 0),
-                       "wave_room_tiles" (optional, number >= 0, default 0), "by_group" (optional: {"<G>": {some
+                       "wave_room_tiles" (optional, number >= 0, default 0),
+                       "wave_room_chunk_tiles" (optional, int >= 0, default 0), "by_group" (optional: {"<G>": {some
                        of _GROUP_KEYS}}, the balanced partition's constants fitted at query
                        heads per KV head G; a group size without an entry uses the keys above)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
@@ -72,10 +73,10 @@ _TOP_KEYS = (
 _OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype")
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
                "co_resident_slowdown", "max_waves", "merge_free_slots", "wave_room_slots",
-               "wave_room_tiles", "by_group")
+               "wave_room_tiles", "wave_room_chunk_tiles", "by_group")
 # splits.by_group.<G>.*: the balanced partition's constants that one group size may override
 _GROUP_KEYS = ("workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles", "co_resident_slowdown",
-               "wave_room_slots", "wave_room_tiles")
+               "wave_room_slots", "wave_room_tiles", "wave_room_chunk_tiles")
 # splits.* of a file written before they existed (2026-12-01): the balanced partition's defaults
 DEFAULT_CTA_OVERHEAD_TILES = 4.0
 DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
@@ -91,7 +92,7 @@ SECTION_KV_DTYPES = ("float8_e4m3fn",)
 _SECTION_KEYS = ("splits", "time_model", "date", "command", "source")
 # by_kv_dtype.<name>.splits.*: the split constants a KV dtype may override (SplitPoints order)
 # splits.* written only when nonzero
-_UNSET_OMITTED = ("merge_free_slots", "wave_room_slots", "wave_room_tiles")
+_UNSET_OMITTED = ("merge_free_slots", "wave_room_slots", "wave_room_tiles", "wave_room_chunk_tiles")
 _SECTION_SPLIT_KEYS = ("bucket_ctas_per_sm", *_GROUP_KEYS, "max_waves", "by_group")
 
 
@@ -120,13 +121,14 @@ class SplitPoints:
         and steps of several rows (unmeasured) ignore it. 0: no
         preference (files written before 2026-12-02). Set by hand, like max_waves: `pkvrt
         calibrate` keeps the file's value.
-    wave_room_slots, wave_room_tiles: the partition's choice (not its makespan) charges a cut
-        whose last wave leaves ``free < wave_room_slots`` resident slots free
-        ``wave_room_tiles * (wave_room_slots - free) / wave_room_slots`` tile-times: the next
-        kernel's CTAs (the next layer's decode, launched early by programmatic dependent launch)
-        find no slot to start in while this decode runs (``planner.partition_choice``). Fitted by
-        `pkvrt calibrate` after the other constants (``fit_wave_room``); 0 and 0 (files before
-        2026-12-02, or a fit where no charge helps): no charge.
+    wave_room_slots, wave_room_tiles, wave_room_chunk_tiles: the partition's choice (not its
+        makespan) charges a cut of chunks of at most ``wave_room_chunk_tiles`` tiles whose last
+        wave leaves ``free < wave_room_slots`` resident slots free ``wave_room_tiles *
+        (wave_room_slots - free) / wave_room_slots`` tile-times: the next kernel's CTAs (the next
+        layer's decode, launched early by programmatic dependent launch) find no slot to start
+        in while this decode runs (``planner.partition_choice``). Fitted by `pkvrt calibrate`
+        after the other constants (``fit_wave_room``); any of them 0 (files before 2026-12-02,
+        or a fit where no charge helps): no charge.
     by_group: ``((G, ((key, value), ...)), ...)`` sorted by G: partition constants
         (``_GROUP_KEYS``) fitted at G query heads per KV head, which replace the ones above for
         that group size (:meth:`Calibration.for_group`). Empty: one set for every G.
@@ -141,6 +143,7 @@ class SplitPoints:
     merge_free_slots: int = 0
     wave_room_slots: int = 0
     wave_room_tiles: float = 0.0
+    wave_room_chunk_tiles: int = 0
     by_group: tuple[tuple[int, tuple[tuple[str, float | int], ...]], ...] = ()
 
     def to_dict(self) -> dict:
@@ -424,7 +427,7 @@ def _split_value(obj, key, path, where):
     ``cta_overhead_tiles`` a number >= 0, the others positive numbers."""
     if key in ("min_split_tokens", "max_waves"):
         return _int(obj, key, path, where)
-    if key == "wave_room_slots":
+    if key in ("wave_room_slots", "wave_room_chunk_tiles"):
         return _nonneg_int(obj, key, path, where)
     return _float(obj, key, path, where, zero_ok=key in ("cta_overhead_tiles", "wave_room_tiles"))
 
@@ -547,7 +550,8 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
 
     sp = _dict(doc, "splits", path)
     _take({"cta_overhead_tiles": None, "co_resident_slowdown": None, "max_waves": None, "merge_free_slots": None,
-           "wave_room_slots": None, "wave_room_tiles": None, "by_group": None, **sp},
+           "wave_room_slots": None, "wave_room_tiles": None, "wave_room_chunk_tiles": None, "by_group": None,
+           **sp},
           _SPLIT_KEYS, path, "splits.")
     splits = SplitPoints(
         bucket_ctas_per_sm=_float(sp, "bucket_ctas_per_sm", path, "splits."),
@@ -564,6 +568,8 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
                          if "wave_room_slots" in sp else 0),
         wave_room_tiles=(_split_value(sp, "wave_room_tiles", path, "splits.")
                          if "wave_room_tiles" in sp else 0.0),
+        wave_room_chunk_tiles=(_split_value(sp, "wave_room_chunk_tiles", path, "splits.")
+                               if "wave_room_chunk_tiles" in sp else 0),
         by_group=_by_group(sp["by_group"], path) if "by_group" in sp else (),
     )
 
@@ -922,28 +928,31 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
     return points | room, regret
 
 
-# The room charge tried (fit_wave_room): slots that a last wave should leave free, and the
-# charge, in tile-times, of a last wave that leaves none
+# The room charge tried (fit_wave_room): slots that a last wave should leave free, the charge,
+# in tile-times, of a last wave that leaves none, and the longest chunk (tiles) a charged cut has
 WAVE_ROOM_SLOTS = (8, 16, 24, 32, 40, 48, 64, 96, 132)
 WAVE_ROOM_TILES = (4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0)
+WAVE_ROOM_CHUNKS = (4, 6, 8, 10, 12, 16, 24, 32, 1 << 20)
 
 
 def fit_wave_room(steps: dict, cal: "Calibration", *, num_kv_heads: int, tile_tokens: int = 32,
-                  slots=WAVE_ROOM_SLOTS, tiles=WAVE_ROOM_TILES) -> tuple[dict, dict]:
+                  slots=WAVE_ROOM_SLOTS, tiles=WAVE_ROOM_TILES, chunks=WAVE_ROOM_CHUNKS) -> tuple[dict, dict]:
     """The second stage of :func:`fit_partition`: with its other constants fixed (``cal``), the
-    room charge (``splits.wave_room_slots``, ``wave_room_tiles``; ``planner.partition_choice``)
-    of least geometric-mean regret over ``steps`` (name -> (lengths, {s: us}, bounds, fastest,
-    slowest)), then least worst regret; ties (a plateau of charges that pick the same cuts) to
-    no charge, then the smallest charge, then the fewest slots. Returns ({"wave_room_slots",
-    "wave_room_tiles"}, {case: regret} at them).
+    room charge (``splits.wave_room_slots``, ``wave_room_tiles``, ``wave_room_chunk_tiles``;
+    ``planner.partition_choice``) of least geometric-mean regret over ``steps`` (name ->
+    (lengths, {s: us}, bounds, fastest, slowest)), then least worst regret; ties (a plateau of
+    charges that pick the same cuts) to no charge, then the smallest charge, then the fewest
+    slots, then the shortest chunk. Returns ({"wave_room_slots", "wave_room_tiles",
+    "wave_room_chunk_tiles"}, {case: regret} at them).
 
     Why a second stage and not a fifth grid of the first: the charge decides between cuts the
     makespan calls nearly equal, so it cannot stand in for the other constants, and fitting it
-    jointly would multiply the first stage's ~2 200 combinations by 82."""
+    jointly would multiply the first stage's ~2 200 combinations by 730."""
     from pkvrt.policy import planner
 
-    def score(k: int, f: float):
-        c = attrs.evolve(cal, splits=attrs.evolve(cal.splits, wave_room_slots=k, wave_room_tiles=f))
+    def score(k: int, f: float, n: int):
+        c = attrs.evolve(cal, splits=attrs.evolve(cal.splits, wave_room_slots=k, wave_room_tiles=f,
+                                                  wave_room_chunk_tiles=n))
         regret = {}
         for name, (seq, times, bounds, fastest, slowest) in steps.items():
             s = planner.balanced_partition(seq, num_kv_heads=num_kv_heads, splits=bounds, cal=c,
@@ -951,13 +960,14 @@ def fit_wave_room(steps: dict, cal: "Calibration", *, num_kv_heads: int, tile_to
             regret[name] = times.get(s, slowest) / fastest
         return (round(float(np.exp(np.mean(np.log(list(regret.values()))))), 6), round(max(regret.values()), 6)), regret
 
-    best_key, best = score(0, 0.0), (0, 0.0)
+    best_key, best = score(0, 0.0, 0), (0, 0.0, 0)
     for f in tiles:
         for k in slots:
-            key = score(k, f)
-            if key[0] < best_key[0]:
-                best_key, best = key, (k, f)
-    return {"wave_room_slots": best[0], "wave_room_tiles": best[1]}, best_key[1]
+            for n in chunks:
+                key = score(k, f, n)
+                if key[0] < best_key[0]:
+                    best_key, best = key, (k, f, n)
+    return {"wave_room_slots": best[0], "wave_room_tiles": best[1], "wave_room_chunk_tiles": best[2]}, best_key[1]
 
 
 def _median(xs: list[float]) -> float:

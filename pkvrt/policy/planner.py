@@ -212,9 +212,10 @@ class PartitionModel:
     max_waves : the partition plans at most ``max_waves * wave`` CTAs (calibration
     ``splits.max_waves``, default MAX_WAVES). free_slots : resident slots a cut should leave
     free in its last wave (:func:`partition_choice`): calibration ``splits.merge_free_slots``
-    for a workqueue route (decode + merge launch), 0 for a fused one. room_slots, room8 : the
-    choice's charge for a last wave with little room (:meth:`room_charge`): calibration
-    ``splits.wave_room_slots`` and ``wave_room_tiles`` (in eighths of a tile, rounded).
+    for a workqueue route (decode + merge launch), 0 for a fused one. room_slots, room8,
+    room_chunk : the choice's charge for a last wave with little room (:meth:`room_charge`):
+    calibration ``splits.wave_room_slots``, ``wave_room_tiles`` (in eighths of a tile, rounded)
+    and ``wave_room_chunk_tiles``.
     """
 
     sms: int
@@ -225,6 +226,7 @@ class PartitionModel:
     free_slots: int = 0
     room_slots: int = 0
     room8: int = 0
+    room_chunk: int = 0
 
     @classmethod
     def of(cls, cal: Calibration, kind: str = "workqueue") -> "PartitionModel":
@@ -237,23 +239,25 @@ class PartitionModel:
                    slowdown8=int(round(8 * sp.co_resident_slowdown)),
                    overhead8=int(round(8 * sp.cta_overhead_tiles)), max_waves=sp.max_waves,
                    free_slots=sp.merge_free_slots if kind == "workqueue" else 0,
-                   room_slots=sp.wave_room_slots, room8=int(round(8 * sp.wave_room_tiles)))
+                   room_slots=sp.wave_room_slots, room8=int(round(8 * sp.wave_room_tiles)),
+                   room_chunk=sp.wave_room_chunk_tiles)
 
     def free_in_last_wave(self, ctas):
         """Resident slots the last wave of ``ctas`` CTAs leaves free: ``(-ctas) mod wave`` (0 when
         the CTAs fill every slot of their last wave). Works on arrays."""
         return np.remainder(-np.asarray(ctas), self.wave)
 
-    def room_charge(self, ctas):
+    def room_charge(self, ctas, chunk):
         """What :func:`partition_choice` adds to a cut's cost (the units of
         :func:`partition_costs`) for the room its last wave leaves: ``room8 * S * (room_slots -
-        free) // room_slots`` when ``free = free_in_last_wave(ctas) < room_slots``, else 0 (and 0
-        without a calibrated charge). Works on arrays (int64)."""
+        free) // room_slots`` when ``free = free_in_last_wave(ctas) < room_slots`` and the cut's
+        chunk is at most ``room_chunk`` tiles, else 0 (and 0 without a calibrated charge). Works
+        on arrays (int64)."""
         free = self.free_in_last_wave(ctas)
-        if not self.room_slots or not self.room8:
+        if not self.room_slots or not self.room8 or not self.room_chunk:
             return np.zeros_like(free, dtype=np.int64)
         short = np.maximum(0, self.room_slots - free).astype(np.int64)
-        return self.room8 * self.sms * short // self.room_slots
+        return np.where(np.asarray(chunk) <= self.room_chunk, self.room8 * self.sms * short // self.room_slots, 0)
 
     @property
     def wave(self) -> int:
@@ -377,12 +381,12 @@ def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: Partitio
     if longest_splits is not None:
         cands = np.array([longest_splits], dtype=np.int64)
     cost, ctas, chunk = partition_costs(t, cands, num_kv_heads=num_kv_heads, model=model)
-    i = partition_choice(cost, ctas, cands, model, rows=t.size)
+    i = partition_choice(cost, ctas, cands, model, rows=t.size, chunk=chunk)
     c = int(chunk[i])
     return tuple((-(-t // c)).tolist()), c, int(cands[i]), int(ctas[i]), int(cost[i])
 
 
-def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int) -> int:
+def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int, chunk=None) -> int:
     """The index of the cut to take: least model cost plus the last wave's room charge
     (:meth:`PartitionModel.room_charge`), then fewest CTAs, then the smallest s, among the
     candidates within ``max_waves`` waves (the first candidate is always eligible) — and, on a
@@ -393,8 +397,11 @@ def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int) -> int
     every resident slot, the next layer's CTAs, launched early, cannot start their prologue and
     first K/V copies until decode CTAs exit. The calibration sweeps (8 layers back to back) time
     short eight-row steps at 224 CTAs 9.7 us and at 256 CTAs (8 of 264 slots free) 11.3 us,
-    where the makespan, one kernel's, calls 256 cheaper. The charge is an absolute time, so it
-    decides between cuts of short steps and hardly ever between cuts of long ones.
+    where the makespan, one kernel's, calls 256 cheaper. It matters where a CTA's work is short
+    next to that prologue: only cuts of chunks up to ``room_chunk`` tiles are charged (charged
+    at every chunk, the Azure code trace's 12-30-tile cuts lost 4-7 % in the engine protocol
+    while its conversation trace's 6-10-tile cuts gained 10-19 %). ``chunk``: the candidates'
+    chunks (None: no cut is charged).
 
     Why the free slots (benches/NOTES.md, "Session 14"): every pkvrt kernel launches the next
     one early (programmatic dependent launch), whose CTAs then wait on the GPU, resident, for
@@ -413,7 +420,9 @@ def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int) -> int
         roomy = ok & (model.free_in_last_wave(ctas) >= model.free_slots)
         if roomy.any():
             ok = roomy
-    charged = np.asarray(cost, dtype=np.int64) + model.room_charge(ctas)
+    charged = np.asarray(cost, dtype=np.int64)
+    if chunk is not None:
+        charged = charged + model.room_charge(ctas, chunk)
     return min(np.flatnonzero(ok).tolist(), key=lambda k: (charged[k], ctas[k], cands[k]))
 
 
@@ -423,7 +432,7 @@ def device_plan_targets(cal: Calibration, kind: str = "workqueue") -> dict[str, 
     m = PartitionModel.of(cal, kind)
     return {"sms": m.sms, "resident": m.resident, "slowdown8": m.slowdown8, "overhead8": m.overhead8,
             "max_ctas": m.max_waves * m.wave, "free_slots": m.free_slots,
-            "room_slots": m.room_slots, "room8": m.room8}
+            "room_slots": m.room_slots, "room8": m.room8, "room_chunk": m.room_chunk}
 
 
 def workqueue_split_counts(seq: np.ndarray, *, num_kv_heads: int, splits, cal: Calibration,

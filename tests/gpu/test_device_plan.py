@@ -42,7 +42,8 @@ def test_device_plan_equals_host_plan(seed, free_slots):
     """The balanced partition on random batches: uniform lengths, short rows, one long row among
     short ones (the ragged steps where it matters), equal rows; with the calibration's
     splits.merge_free_slots and with others (the cut that fills its last wave set aside), and
-    with room charges (splits.wave_room_slots / wave_room_tiles: 32 / 48, 264 / 12.5)."""
+    with room charges (splits.wave_room_slots / wave_room_tiles / wave_room_chunk_tiles: 32 / 48 /
+    8, 264 / 12.5 / any chunk)."""
     rng = np.random.default_rng(seed)
     b = int(rng.integers(1, MAX_ROWS + 1))
     kind = seed % 4
@@ -71,7 +72,8 @@ def _assert_device_plan_equals_host(seq, free_slots=None):
     if isinstance(free_slots, str):   # a room charge: "room<slots>"
         slots = int(free_slots[4:])
         cal = attrs.evolve(cal, splits=attrs.evolve(cal.splits, wave_room_slots=slots,
-                                                    wave_room_tiles=48.0 if slots == 32 else 12.5))
+                                                    wave_room_tiles=48.0 if slots == 32 else 12.5,
+                                                    wave_room_chunk_tiles=8 if slots == 32 else 1 << 20))
     elif free_slots is not None:
         cal = attrs.evolve(cal, splits=attrs.evolve(cal.splits, merge_free_slots=free_slots))
     host = planner.plan_workqueue(seq, num_kv_heads=H_KV, num_qo_heads=32, head_dim=128,
