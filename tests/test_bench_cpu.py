@@ -361,11 +361,18 @@ def test_make_calibration_round_trips(tmp_path):
         gpu="NVIDIA H200", sm_count=132, l2_bytes=60 * 2**20, beta_gbps=4123.456, lambda_us=9.87654,
         lambda_graph_us=1.1234, c_min=2.345678,
         splits={"bucket_ctas_per_sm": 1.9393, "workqueue_ctas_per_sm": 0.7575, "min_split_tokens": 512,
-                "cta_overhead_tiles": 2.25, "co_resident_slowdown": 1.35},
+                "cta_overhead_tiles": 2.25, "co_resident_slowdown": 1.35, "wave_room_slots": 32,
+                "wave_room_tiles": 48.04, "wave_room_chunk_tiles": 8},
         flashinfer={8: 3.6084, 1: 1.2}, versions={"torch": "2.9", "cuda": "12.8", "flashinfer": "0.5.3",
                                                   "driver": None},
+        by_group={1: {"workqueue_ctas_per_sm": 2.0, "min_split_tokens": 256, "cta_overhead_tiles": 0.0,
+                      "co_resident_slowdown": 1.125, "wave_room_slots": 0, "wave_room_tiles": 0.0,
+                      "wave_room_chunk_tiles": 0}},
         command="pkvrt calibrate", provenance="test values", date="2026-11-30")
     assert cal.slug == "nvidia-h200" and cal.beta_gbps == 4123.5 and cal.c_min == 2.346
+    # the fitted room charge reaches the file, and G 1's "none" is kept (not G 4's by inheritance)
+    assert (cal.splits.wave_room_slots, cal.splits.wave_room_tiles, cal.splits.wave_room_chunk_tiles) == (32, 48.04, 8)
+    assert cal.for_group(1).splits.wave_room_slots == 0 and cal.for_group(4).splits.wave_room_slots == 32
     assert cal.flashinfer_ctas_per_sm == ((1, 1.2), (8, 3.608))
     path = tmp_path / "nvidia-h200.json"
     calibration.save_calibration(cal, path)

@@ -169,6 +169,10 @@ def test_missing_key_is_named(tmp_path, path):
     (("splits", "merge_free_slots"), 8.0, "an integer"),
     (("splits", "merge_free_slots"), False, "an integer"),
     (("splits", "merge_free_slots"), -1, "an integer >= 0"),
+    (("splits", "wave_room_slots"), -1, "an integer >= 0"),
+    (("splits", "wave_room_slots"), 1 << 21, "at most 1048576"),
+    (("splits", "wave_room_tiles"), 3e8, "at most 1048576.0"),
+    (("splits", "wave_room_chunk_tiles"), 4.0, "an integer"),
 ])
 def test_wrong_type_is_named(tmp_path, path, value, expected):
     doc = seed_doc()

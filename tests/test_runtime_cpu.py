@@ -1388,3 +1388,10 @@ def test_fake_device_flashinfer_step_stages_the_csr_of_its_pages(fake_device, po
         rt.plan(seq, bad, force="flashinfer")
     out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))   # the last good step's plan
     assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    # without validate the gathered ids are still checked (FlashInfer would read outside the cache)
+    lax = fake_runtime(flashinfer=True, flashinfer_cuda_graph=graph_mode, max_batch=24, validate=False)
+    lax.plan(seq, bt, force="flashinfer")
+    with pytest.raises(ValueError, match=r"block_tables\[3, 1\] = -2: expected a page id >= 0"):
+        lax.plan(seq, bad, force="flashinfer")
+    out = lax.run(q, *cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3

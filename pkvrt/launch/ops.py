@@ -464,8 +464,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
                            ("overhead8", overhead8, 0), ("max_ctas", max_ctas, 1),
                            ("free_slots", free_slots, 0), ("room_slots", room_slots, 0),
                            ("room8", room8, 0), ("room_chunk", room_chunk, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
-            _fail(name, f"an integer >= {least}", v)
+        if isinstance(v, bool) or not isinstance(v, int) or not least <= v < 2**31:
+            _fail(name, f"an integer in [{least}, 2**31)", v)   # c_int would wrap silently
     p.task_capacity, p.sms, p.resident, p.slowdown8 = tasks.shape[0], sms, resident, slowdown8
     p.overhead8, p.max_ctas, p.free_slots = overhead8, max_ctas, free_slots
     p.room_slots, p.room8, p.room_chunk = room_slots, room8, room_chunk

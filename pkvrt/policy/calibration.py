@@ -91,6 +91,9 @@ TOP_KV_DTYPES = ("float16", "bfloat16")
 SECTION_KV_DTYPES = ("float8_e4m3fn",)
 _SECTION_KEYS = ("splits", "time_model", "date", "command", "source")
 # by_kv_dtype.<name>.splits.*: the split constants a KV dtype may override (SplitPoints order)
+# the room charge's largest values: the planning kernel takes them as int32 (wave_room_tiles * 8)
+# and multiplies slots, charge and SMs in int64
+_ROOM_LIMITS = {"wave_room_slots": 1 << 20, "wave_room_tiles": float(1 << 20), "wave_room_chunk_tiles": (1 << 31) - 1}
 # splits.* written only when nonzero
 _UNSET_OMITTED = ("merge_free_slots", "wave_room_slots", "wave_room_tiles", "wave_room_chunk_tiles")
 _SECTION_SPLIT_KEYS = ("bucket_ctas_per_sm", *_GROUP_KEYS, "max_waves", "by_group")
@@ -428,8 +431,12 @@ def _split_value(obj, key, path, where):
     if key in ("min_split_tokens", "max_waves"):
         return _int(obj, key, path, where)
     if key in ("wave_room_slots", "wave_room_chunk_tiles"):
-        return _nonneg_int(obj, key, path, where)
-    return _float(obj, key, path, where, zero_ok=key in ("cta_overhead_tiles", "wave_room_tiles"))
+        v = _nonneg_int(obj, key, path, where)
+    else:
+        v = _float(obj, key, path, where, zero_ok=key in ("cta_overhead_tiles", "wave_room_tiles"))
+    if key in _ROOM_LIMITS and v > _ROOM_LIMITS[key]:   # the planning kernel's int arithmetic
+        raise _fail(path, where + key, f"at most {_ROOM_LIMITS[key]}", v)
+    return v
 
 
 def _group_keys(v, path, where: str, allowed: tuple) -> list[tuple[int, dict]]:
@@ -865,9 +872,10 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
     Returns
     -------
     (points, regret) : points ``{"workqueue_ctas_per_sm", "co_resident_slowdown",
-        "cta_overhead_tiles", "min_split_tokens", "wave_room_slots", "wave_room_tiles"}`` (a
-        ``splits`` update; the last two from :func:`fit_wave_room`, left out with ``wave_room``
-        False); regret ``{case: us of the rule's pick / best us}`` at those points.
+        "cta_overhead_tiles", "min_split_tokens", "wave_room_slots", "wave_room_tiles",
+        "wave_room_chunk_tiles"}`` (a ``splits`` update; the last three from
+        :func:`fit_wave_room`, left out with ``wave_room`` False); regret ``{case: us of the
+        rule's pick / best us}`` at those points.
 
     Rule: every combination of the grids is scored by the geometric mean over the cases of how
     much slower the partition it picks is than the fastest partition measured, then by the

@@ -27,7 +27,7 @@ from pkvrt.policy.router import RouteDecision
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import RING, _Staging, _Step
 from pkvrt.runtime.checks import (NESTED_CAPTURE, StepInput, check_device_step, check_page_bound,
-                                  check_step)
+                                  check_step, used_page_id_max)
 from pkvrt.runtime.graphs import Capacities, grow, needed_capacities, stage_bucket
 
 
@@ -66,7 +66,9 @@ class Planning:
         -------
         RouteDecision (also ``self.last_decision``); ``explain()`` says why. Its ``plan`` is None
         for a workqueue/fused route (built on the GPU; ``self.router.full_plan(route, seq_lens)``
-        gives the identical host twin).
+        gives the identical host twin); a FlashInfer route's carries its counters only (its CSR
+        is gathered into the Runtime's staging; ``self.router.full_plan(route, seq_lens,
+        block_tables)`` gives the arrays).
 
         Raises
         ------
@@ -127,10 +129,13 @@ class Planning:
             s.event.synchronize()  # its last copies are done (a no-op unless the host is a step ahead)
         else:
             s.event = torch.cuda.Event()
+        # a FlashInfer step's CSR is gathered (and, without validate, its ids checked) first: a
+        # bad id raises here, with the previous plan still in effect
+        nnz = self._gather_flashinfer(s, step) if d.kind == "flashinfer" else 0
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
         deferred = None
         if d.kind == "flashinfer":
-            structure, gb = self._stage_flashinfer(s, step), b
+            structure, gb = self._plan_flashinfer(s, b, nnz), b
         elif on_gpu:
             structure, deferred = self._stage_device_plan(s, self._dp_routes[d.route], step)
             gb = graphs.padded_batch(b)
@@ -327,12 +332,12 @@ class Planning:
         s.bt_np[:b, :w] = step.block_tables[:, :w]
         return (b - 1) * self.max_pages_per_row + w
 
-    def _stage_flashinfer(self, s: _Staging, step: StepInput) -> int:
-        """A FlashInfer step: its CSR (indptr, last_page_len, indices) written straight into
-        the slot's pinned staging from the lengths and pages check_step counted (one gather of
-        the used ids, ``blocktables.used_ids``: the same arrays as ``to_csr``), the indices
-        copied to the device buffer every wrapper reads, then FlashInfer's plan. Returns the
-        serial number of the wrapper planned (the graph structure)."""
+    def _gather_flashinfer(self, s: _Staging, step: StepInput) -> int:
+        """A FlashInfer step's CSR (indptr, last_page_len, indices) written straight into the
+        slot's pinned staging from the lengths and pages check_step counted (one gather of the
+        used ids, ``blocktables.used_ids``: the arrays ``to_csr`` makes). Returns nnz. Without
+        ``validate`` the gathered ids are still checked for negatives (a padding id would send
+        FlashInfer outside the cache; one pass over nnz ids): ValueError naming the entry."""
         b, ps, pages = len(step.lens), self.page_size, step.pages
         ip, lpl, ind = s.fi_np
         ip[0] = 0
@@ -340,6 +345,13 @@ class Planning:
         nnz = int(ip[b])
         lpl[:b] = [n - (p - 1) * ps for n, p in zip(step.lens, pages)]
         used_ids(step.block_tables, pages, out=ind[:nnz])
+        if not self.validate and nnz and int(ind[:nnz].min()) < 0:
+            used_page_id_max(step.block_tables, pages)   # raises, naming block_tables[row, column]
+        return nnz
+
+    def _plan_flashinfer(self, s: _Staging, b: int, nnz: int) -> int:
+        """Copy the gathered indices to the device buffer every wrapper reads, then FlashInfer's
+        plan. Returns the serial number of the wrapper planned (the graph structure)."""
         idx = self._fi_indices[:nnz]
         idx.copy_(s.fi_indices[:nnz], non_blocking=True)
         self._counts["h2d_copies"] += 1

@@ -211,7 +211,8 @@ def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float
     ``by_group``: {G: fit_partition points} for ``splits.by_group``."""
     rounded = {"workqueue_ctas_per_sm": lambda v: round(float(v), 3), "min_split_tokens": int,
                "cta_overhead_tiles": lambda v: round(float(v), 3),
-               "co_resident_slowdown": lambda v: round(float(v), 3)}
+               "co_resident_slowdown": lambda v: round(float(v), 3), "wave_room_slots": int,
+               "wave_room_tiles": lambda v: round(float(v), 3), "wave_room_chunk_tiles": int}
     groups = tuple(sorted((int(g), tuple((k, rounded[k](pts[k])) for k in rounded if k in pts))
                           for g, pts in (by_group or {}).items()))
     cal = calib.Calibration(
@@ -225,6 +226,9 @@ def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float
                                  co_resident_slowdown=round(float(splits["co_resident_slowdown"]), 3),
                                  max_waves=int(splits.get("max_waves", calib.DEFAULT_MAX_WAVES)),
                                  merge_free_slots=int(splits.get("merge_free_slots", 0)),
+                                 wave_room_slots=int(splits.get("wave_room_slots", 0)),
+                                 wave_room_tiles=round(float(splits.get("wave_room_tiles", 0.0)), 3),
+                                 wave_room_chunk_tiles=int(splits.get("wave_room_chunk_tiles", 0)),
                                  by_group=groups),
         flashinfer_ctas_per_sm=tuple((int(a), round(c, 3)) for a, c in sorted(flashinfer.items())),
         versions=tuple((k, versions.get(k)) for k in ("torch", "cuda", "flashinfer", "driver")),
@@ -1017,7 +1021,10 @@ def _split_rows(prefix: str, s: calib.SplitPoints) -> list[tuple]:
             (f"{prefix}.workqueue_ctas_per_sm", f"{s.workqueue_ctas_per_sm:.2f}", "decode kernel occupancy (driver)"),
             (f"{prefix}.co_resident_slowdown", f"{s.co_resident_slowdown:.2f}", "fit_partition: two CTAs on an SM"),
             (f"{prefix}.cta_overhead_tiles", f"{s.cta_overhead_tiles:.2f}", "fit_partition: a CTA's fixed cost"),
-            (f"{prefix}.min_split_tokens", str(s.min_split_tokens), "fit_partition: shortest split")]
+            (f"{prefix}.min_split_tokens", str(s.min_split_tokens), "fit_partition: shortest split"),
+            (f"{prefix}.wave_room_slots / tiles / chunk_tiles",
+             f"{s.wave_room_slots} / {s.wave_room_tiles:.1f} / {s.wave_room_chunk_tiles}",
+             "fit_wave_room: a last wave's room charge")]
 
 
 def _time_rows(prefix: str, top, by_group) -> list[tuple]:
