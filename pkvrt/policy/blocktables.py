@@ -9,6 +9,8 @@ the batch's columns (:func:`to_padded`). The planner builds FlashInfer's plan wi
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from pkvrt._buildspec import MAX_PAGE_SIZE
@@ -98,13 +100,27 @@ def to_csr(seq_lens, block_tables, page_size: int) -> tuple[np.ndarray, np.ndarr
         (seq_len 33, page 16 -> 3 pages, last_page_len 1).
     """
     seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "to_csr")
-    indices = used_ids(bt, pages).astype(np.int32)
+    indptr = np.empty(len(seq) + 1, dtype=np.int32)
+    last_page_len = np.empty(len(seq), dtype=np.int32)
+    indices = np.empty(int(pages.sum()), dtype=np.int32)
+    write_csr(seq.tolist(), pages.tolist(), bt, page_size, indptr, last_page_len, indices)
     if indices.size and indices.min() < 0:
         raise _negative_page(bt, _used_mask(pages, bt.shape[1]), pages, "to_csr")
-    indptr = np.zeros(len(seq) + 1, dtype=np.int32)
-    np.cumsum(pages, out=indptr[1:])
-    last_page_len = (seq - (pages - 1) * int(page_size)).astype(np.int32)
     return indptr, indices, last_page_len
+
+
+def write_csr(lens: list, pages: list, bt: np.ndarray, page_size: int, indptr: np.ndarray,
+              last_page_len: np.ndarray, indices: np.ndarray) -> int:
+    """:func:`to_csr`'s arrays written into given ones (``indptr`` [>= B+1], ``last_page_len``
+    [>= B], ``indices`` [>= sum(pages)]: the Runtime's pinned staging, say) from already checked
+    lengths and their page counts as Python ints; returns nnz. No check of the ids."""
+    b = len(lens)
+    indptr[0] = 0
+    indptr[1:b + 1] = list(itertools.accumulate(pages))
+    nnz = int(indptr[b])
+    last_page_len[:b] = [n - (p - 1) * page_size for n, p in zip(lens, pages)]
+    used_ids(bt, pages, out=indices[:nnz])
+    return nnz
 
 
 def to_padded(seq_lens, block_tables, page_size: int, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:

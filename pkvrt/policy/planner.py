@@ -386,7 +386,7 @@ def _partition_of_tiles(tiles: tuple, num_kv_heads: int, splits, model: Partitio
     return tuple((-(-t // c)).tolist()), c, int(cands[i]), int(ctas[i]), int(cost[i])
 
 
-def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int, chunk=None) -> int:
+def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int, chunk) -> int:
     """The index of the cut to take: least model cost plus the last wave's room charge
     (:meth:`PartitionModel.room_charge`), then fewest CTAs, then the smallest s, among the
     candidates within ``max_waves`` waves (the first candidate is always eligible) — and, on a
@@ -401,7 +401,7 @@ def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int, chunk=
     next to that prologue: only cuts of chunks up to ``room_chunk`` tiles are charged (charged
     at every chunk, the Azure code trace's 12-30-tile cuts lost 4-7 % in the engine protocol
     while its conversation trace's 6-10-tile cuts gained 10-19 %). ``chunk``: the candidates'
-    chunks (None: no cut is charged).
+    chunks (tiles).
 
     Why the free slots (benches/NOTES.md, "Session 14"): every pkvrt kernel launches the next
     one early (programmatic dependent launch), whose CTAs then wait on the GPU, resident, for
@@ -420,9 +420,7 @@ def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int, chunk=
         roomy = ok & (model.free_in_last_wave(ctas) >= model.free_slots)
         if roomy.any():
             ok = roomy
-    charged = np.asarray(cost, dtype=np.int64)
-    if chunk is not None:
-        charged = charged + model.room_charge(ctas, chunk)
+    charged = np.asarray(cost, dtype=np.int64) + model.room_charge(ctas, chunk)
     return min(np.flatnonzero(ok).tolist(), key=lambda k: (charged[k], ctas[k], cands[k]))
 
 

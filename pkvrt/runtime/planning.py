@@ -13,14 +13,12 @@ scalars and the planning graph.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from pkvrt import _buildspec
 from pkvrt.launch import ops
 from pkvrt.policy import fallback
-from pkvrt.policy.blocktables import used_ids
+from pkvrt.policy.blocktables import write_csr
 from pkvrt.policy.planner import device_plan_targets
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.policy.router import RouteDecision
@@ -334,19 +332,14 @@ class Planning:
 
     def _gather_flashinfer(self, s: _Staging, step: StepInput) -> int:
         """A FlashInfer step's CSR (indptr, last_page_len, indices) written straight into the
-        slot's pinned staging from the lengths and pages check_step counted (one gather of the
-        used ids, ``blocktables.used_ids``: the arrays ``to_csr`` makes). Returns nnz. Without
+        slot's pinned staging from the lengths and pages check_step counted
+        (``blocktables.write_csr``: the arrays ``to_csr`` makes). Returns nnz. Without
         ``validate`` the gathered ids are still checked for negatives (a padding id would send
         FlashInfer outside the cache; one pass over nnz ids): ValueError naming the entry."""
-        b, ps, pages = len(step.lens), self.page_size, step.pages
         ip, lpl, ind = s.fi_np
-        ip[0] = 0
-        ip[1:b + 1] = list(itertools.accumulate(pages))
-        nnz = int(ip[b])
-        lpl[:b] = [n - (p - 1) * ps for n, p in zip(step.lens, pages)]
-        used_ids(step.block_tables, pages, out=ind[:nnz])
+        nnz = write_csr(step.lens, step.pages, step.block_tables, self.page_size, ip, lpl, ind)
         if not self.validate and nnz and int(ind[:nnz].min()) < 0:
-            used_page_id_max(step.block_tables, pages)   # raises, naming block_tables[row, column]
+            used_page_id_max(step.block_tables, step.pages)   # raises, naming block_tables[row, column]
         return nnz
 
     def _plan_flashinfer(self, s: _Staging, b: int, nnz: int) -> int:
