@@ -81,6 +81,9 @@ def engines(fi_available: bool):
         out.append((f"runtime-engine-capture{tag}", dict(engine_capture=True), None, False))
     if fi_available:
         out.append(("runtime-flashinfer-eager", dict(use_cuda_graph=True), "flashinfer", False))
+        # the ablation of its direct calls: FlashInfer's run() at every layer
+        out.append(("runtime-flashinfer-eager-wrapper-run",
+                    dict(use_cuda_graph=True, flashinfer_direct_run=False), "flashinfer", False))
         # FlashInfer's CUDA-graph mode: its run() captured into the Runtime's per-layer graphs
         out.append(("runtime-flashinfer-graph", dict(use_cuda_graph=True, flashinfer_cuda_graph=True),
                     "flashinfer", False))

@@ -1356,6 +1356,99 @@ class CsrWrapper:
         out.copy_(reference.decode_attention(q, *kv, seq, bt).to(out.dtype))
 
 
+class CsrModule:
+    """A wrapper's compiled FlashInfer module: ``paged_run`` computes the reference from the
+    planned CSR it is passed (positionally, with q, the caches and out among its arguments, as
+    FlashInfer's run() calls its module) and counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def paged_run(self, workspace, plan, q, k_cache, v_cache, out, lse=None, window_left=-1,
+                  *extra):
+        assert lse is None and window_left == -1 and extra in ((), (1.0, None))
+        self.calls += 1
+        CsrWrapper.run(types.SimpleNamespace(planned=plan), q, (k_cache, v_cache), out)
+
+
+class ModuleWrapper(CsrWrapper):
+    """A wrapper whose run() builds its kernel's argument list from its plan and calls its
+    module (``call``: "one" positional call, "twice" two calls, "keyword" out passed by keyword)."""
+
+    call = "one"
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._cached_module = CsrModule()
+        self.runs = 0
+
+    def run(self, q, kv, out):
+        self.runs += 1
+        args = [object(), self.planned, q, kv[0], kv[1], out, None, -1, 1.0, None]
+        if self.call == "keyword":
+            self._cached_module.paged_run(*args[:5], out=out)
+            return
+        if self.call == "twice":
+            self._cached_module.paged_run(*args)
+        self._cached_module.paged_run(*args)
+
+
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["eager", "graph-mode"])
+def test_fake_device_flashinfer_direct_run_replays_the_first_layers_call(fake_device, pool,
+                                                                         monkeypatch, graph_mode):
+    """Eager FlashInfer steps: the first run() after a plan() goes through the wrapper's run(),
+    later layers call its module's entry with that call's arguments and their own q, caches and
+    out (per-layer caches and fresh q/out tensors give each layer's own answer); a new plan()
+    records again. Graph mode never records (its run() is captured)."""
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=ModuleWrapper, __version__="0.7.2"))
+    b, layer1 = pool
+    rt = fake_runtime(flashinfer=True, flashinfer_cuda_graph=graph_mode, max_batch=8)
+    caches = [(b.k_cache, b.v_cache), layer1, (b.k_cache, b.v_cache)]
+    for i, (rows, short) in enumerate(STEPS[:3]):
+        seq, bt, q = step_inputs(b, rows, short, seed=40 + i)
+        rt.plan(seq, bt, force="flashinfer")
+        w = rt._fi._current
+        runs_before, calls_before = w.runs, w._cached_module.calls
+        for layer, cache in enumerate(caches):
+            ql = q * (layer + 1)
+            out = rt.run(ql.clone(), *cache, out=torch.full_like(q, float("nan")))
+            assert rel_err(out, ref(ql, cache, seq, bt)) < 2e-3, (i, layer)
+        assert not isinstance(w._cached_module, fi_route._Recorder)   # restored after recording
+        if not graph_mode:
+            assert w.runs - runs_before == 1                           # the recording layer only
+            assert w._cached_module.calls - calls_before == len(caches)
+    stats = rt.stats()["flashinfer"]
+    if graph_mode:
+        assert not stats["direct_run"] and stats["direct_calls"] == 0
+    else:
+        assert stats["direct_calls"] == 3 * (len(caches) - 1) and stats["direct_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("case", ["twice", "keyword", "q-is-out", "off"])
+def test_fake_device_flashinfer_direct_run_falls_back_to_the_wrappers_run(fake_device, pool,
+                                                                          monkeypatch, case):
+    """A recording that is not one positional call holding each tensor once (two module calls,
+    a keyword argument, q that is out), or ``flashinfer_direct_run=False``: every layer runs
+    the wrapper's run(), and the outputs are still each layer's."""
+    monkeypatch.setattr(ModuleWrapper, "call", case if case in ("twice", "keyword") else "one")
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=ModuleWrapper, __version__="0.7.2"))
+    b, layer1 = pool
+    rt = fake_runtime(flashinfer=True, max_batch=8, flashinfer_direct_run=case != "off")
+    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=50)
+    rt.plan(seq, bt, force="flashinfer")
+    w = rt._fi._current
+    for layer, cache in enumerate([(b.k_cache, b.v_cache), layer1, layer1]):
+        x = q.clone()
+        out = rt.run(x, *cache, out=x if case == "q-is-out" else torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3, layer
+    assert w.runs == 3
+    stats = rt.stats()["flashinfer"]
+    assert stats["direct_calls"] == 0
+    assert stats["direct_fallbacks"] == (0 if case == "off" else 1)
+
+
 @pytest.mark.parametrize("graph_mode", [False, True], ids=["eager", "graph-mode"])
 def test_fake_device_flashinfer_step_stages_the_csr_of_its_pages(fake_device, pool, monkeypatch,
                                                                  graph_mode):

@@ -79,6 +79,7 @@ BASELINE = "flashinfer"
 ADAPTIVE = "adaptive"
 ADAPTIVE_EAGER = "adaptive-eager"  # the same Runtime with its graphs off: every run() launches
 ADAPTIVE_FI_GRAPH = "adaptive-figraph"  # the same Runtime with its FlashInfer route in FlashInfer's graph mode
+ADAPTIVE_FI_WRAPPER = "adaptive-fiwrapper"  # the same with FlashInfer's run() at every layer (no direct calls)
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
@@ -182,7 +183,9 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     ``adaptive-eager`` (the same Runtime with ``use_cuda_graph=False``: each ``run()`` launches its
     kernels, which programmatic dependent launch chains across layers), ``adaptive-figraph``
     (the same Runtime with ``flashinfer_cuda_graph=True``: its FlashInfer steps replay a graph
-    per layer too),
+    per layer too), ``adaptive-fiwrapper`` (the same Runtime with ``flashinfer_direct_run=False``:
+    FlashInfer's own ``run()`` at every layer of its FlashInfer steps, the ablation of the direct
+    calls),
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
     as one CUDA graph, as an engine that captures its decode step runs it), either of those two
@@ -196,6 +199,7 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
     known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, ADAPTIVE_EAGER, ADAPTIVE_FI_GRAPH,
+                                  ADAPTIVE_FI_WRAPPER,
                                   DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, *route_names)))
     for n in names:
         base, colon, route = n.partition(":")
@@ -696,7 +700,8 @@ class RuntimeEngine:
                       max_graphs=64 * graphs_per_layer_key(wl), validate=False,
                       flashinfer_tensor_cores=tensor_cores,
                       # the flashinfer-graph engine is FlashInfer's CUDA-graph mode by definition
-                      flashinfer_cuda_graph=name in (FI_GRAPH, ADAPTIVE_FI_GRAPH))
+                      flashinfer_cuda_graph=name in (FI_GRAPH, ADAPTIVE_FI_GRAPH),
+                      flashinfer_direct_run=name != ADAPTIVE_FI_WRAPPER)
         if self.device_planning:
             wanted.update(device_planning=True, num_pages=wl.k[0].shape[0])
         if wl.fp8:

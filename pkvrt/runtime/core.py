@@ -91,6 +91,11 @@ class Runtime(StaticBuffers, Planning, Running):
         mode without the per-layer boundaries. (The "illegal memory access" once seen with it was a race on pinned buffers,
         FlashInfer's own and the serving harness's, both guarded now: see
         fi_route.FlashInferRoute.plan and tests/gpu/test_runtime.py.)
+    flashinfer_direct_run : eager FlashInfer steps (the default mode): from a step's second layer
+        on, call FlashInfer's compiled kernel entry with the arguments its ``run()`` built for the
+        first layer, the layer's q, caches and out swapped in, instead of re-running that Python
+        at every layer (``fi_route.DirectCall``; falls back to ``wrapper.run`` for any call it
+        cannot record exactly). False: FlashInfer's ``run()`` at every layer (the ablation).
     num_pages : the pages of the KV cache that run() will be given (``k_cache.shape[0]``); the
         planning kernel checks the page ids of every workqueue/fused step against it on the GPU.
         Device planning: run() refuses a cache with fewer pages; None: taken from the first
@@ -167,7 +172,8 @@ class Runtime(StaticBuffers, Planning, Running):
                  max_batch: int = 256, max_pages_per_row: int = 8192, use_cuda_graph: bool = True,
                  max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
                  flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
-                 flashinfer_cuda_graph: bool = False, decision_memo: int = 4096,
+                 flashinfer_cuda_graph: bool = False, flashinfer_direct_run: bool = True,
+                 decision_memo: int = 4096,
                  device_planning: bool = False, num_pages: int | None = None,
                  engine_capture: bool = False, capture_routing: str = "device_planning"):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
@@ -293,7 +299,7 @@ class Runtime(StaticBuffers, Planning, Running):
                         sm_scale=sm_scale, tensor_cores=flashinfer_tensor_cores,
                         # a graph replayed after a re-plan needs FlashInfer's graph mode
                         cuda_graph=(self.use_cuda_graph and flashinfer_cuda_graph) or self.engine_capture,
-                        indices_buffer=self._fi_indices)
+                        indices_buffer=self._fi_indices, direct_run=flashinfer_direct_run)
                 except Exception as exc:  # noqa: BLE001 - reported, the route becomes unavailable
                     self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
                     warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}",

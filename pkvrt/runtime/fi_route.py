@@ -15,7 +15,20 @@ which the Runtime gathers straight into its pinned staging with ``blocktables.us
   and ``indices`` already on the device; the Runtime captures ``run`` into its own graph like
   any other route. In graph mode FlashInfer fixes its grid per batch size (``split_kv`` and the
   padded batch depend only on B), which is what makes replaying a graph after a re-plan valid.
-* eager mode (``use_cuda_graph=False``, the ablation): one plain wrapper, planned every step.
+* eager mode (``use_cuda_graph=False``, the default): one plain wrapper, planned every step.
+  Its ``run()`` is Python that rebuilds the same argument list for FlashInfer's compiled kernel
+  entry at every layer (21-43 us per layer on the H200 machine's host, of which the call itself
+  is a few). With ``direct_run`` (the default) the first ``run()`` after a ``plan()`` goes
+  through ``wrapper.run`` with the wrapper's compiled module behind a :class:`_Recorder`, which
+  keeps the one call FlashInfer makes; the step's later layers call that entry directly with
+  the same arguments, only q, the two caches and out swapped in (:class:`DirectCall`). Nothing
+  of FlashInfer is re-implemented: its own run() builds the arguments, its kernel runs them. It
+  falls back to ``wrapper.run`` for the whole step whenever the recording is not one positional
+  call in which each of the four tensors appears exactly once (a FlashInfer version that calls
+  its module twice, or by keyword; q that is out; k_cache that is v_cache). The arguments
+  ``run()`` derives from its tensors besides the tensors themselves (dtypes, head_dim,
+  page_size, q rows per request) are the same at every layer of a step, which the Runtime's
+  run() checks before it gets here (``checks.check_run_args``).
 
 The ``indices`` every wrapper shares is one device buffer owned by the Runtime, passed both as
 ``paged_kv_indices_buffer`` and (a prefix view of it) as the ``indices`` argument of ``plan``:
@@ -46,6 +59,62 @@ def load_flashinfer():
     return flashinfer, None
 
 
+class _Recorder:
+    """Stands in for a wrapper's compiled FlashInfer module during one ``wrapper.run``: every
+    call is forwarded unchanged and kept in ``calls`` as (function, args, kwargs)."""
+
+    def __init__(self, module):
+        self._module = module
+        self.calls = []
+
+    def __getattr__(self, name):
+        attr = getattr(self._module, name)
+        if not callable(attr):
+            return attr
+
+        def forward(*args, **kwargs):
+            self.calls.append((attr, args, kwargs))
+            return attr(*args, **kwargs)
+        return forward
+
+
+class DirectCall:
+    """FlashInfer's kernel entry for one planned step, as its ``run()`` called it for the step's
+    first layer: ``fn(*args)`` with the positions of q, k_cache, v_cache and out in ``args``
+    (held as None there, so the first layer's tensors are not kept alive)."""
+
+    __slots__ = ("fn", "args", "slots")
+
+    def __init__(self, fn, args: list, slots: tuple[int, int, int, int]):
+        self.fn, self.args, self.slots = fn, args, slots
+
+    @classmethod
+    def from_recording(cls, calls, q, k_cache, v_cache, out) -> "DirectCall | None":
+        """The call of a recording, or None when it is not exactly one positional call in which
+        each of the four tensors appears exactly once (by identity)."""
+        if len(calls) != 1:
+            return None
+        fn, args, kwargs = calls[0]
+        if kwargs:
+            return None
+        slots = []
+        for t in (q, k_cache, v_cache, out):
+            at = [i for i, a in enumerate(args) if a is t]
+            if len(at) != 1:
+                return None
+            slots.append(at[0])
+        args = list(args)
+        for i in slots:
+            args[i] = None
+        return cls(fn, args, tuple(slots))
+
+    def __call__(self, q, k_cache, v_cache, out) -> None:
+        a = self.args.copy()
+        iq, ik, iv, io = self.slots
+        a[iq], a[ik], a[iv], a[io] = q, k_cache, v_cache, out
+        self.fn(*a)
+
+
 class FlashInferRoute:
     """FlashInfer decode over HND pages, planned per step, run per layer.
 
@@ -57,13 +126,17 @@ class FlashInferRoute:
     tensor_cores : FlashInfer's tensor-core decode path (``use_tensor_cores``) or its CUDA-core
         one. On the H200 at G=4 the tensor-core path measured faster (B1 32K: 44 vs 52 us).
     cuda_graph : FlashInfer's CUDA-graph mode (one wrapper per batch size) or eager.
+    direct_run : eager mode: call FlashInfer's kernel entry directly after a step's first layer
+        (:class:`DirectCall`; False: ``wrapper.run`` at every layer). Graph mode ignores it (its
+        run() is captured and replayed).
     indices_buffer : int32 [capacity] device buffer every wrapper reads its page ids from.
     max_wrappers : wrappers kept in graph mode (least recently used dropped first).
     """
 
     def __init__(self, flashinfer, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, dtype, device, sm_scale: float | None, tensor_cores: bool,
-                 cuda_graph: bool, indices_buffer, max_wrappers: int = 16):
+                 cuda_graph: bool, indices_buffer, max_wrappers: int = 16,
+                 direct_run: bool = True):
         import torch
 
         self._fi = flashinfer
@@ -72,6 +145,11 @@ class FlashInferRoute:
         self.device, self.sm_scale = device, sm_scale
         self.tensor_cores, self.cuda_graph = tensor_cores, cuda_graph
         self.max_wrappers = max_wrappers
+        self.direct_run = direct_run and not cuda_graph
+        self._direct: DirectCall | None = None   # the current step's, once its first run() recorded it
+        self._recorded = False                   # this step's first run() has been made
+        self.direct_calls = 0                    # run()s that called FlashInfer's entry directly
+        self.direct_fallbacks = 0                # steps whose recording could not be used
         self._indices = indices_buffer
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrappers: OrderedDict[int, tuple[int, object]] = OrderedDict()  # B -> (serial, wrapper)
@@ -138,14 +216,48 @@ class FlashInferRoute:
                sm_scale=self.sm_scale, non_blocking=True)
         ev.record()
         self._current = w
+        self._direct, self._recorded = None, False
         return serial
 
     def run(self, q, k_cache, v_cache, out) -> None:
-        """Launch FlashInfer's decode on the current stream (capturable). q, out [B, H_q, D];
-        k_cache, v_cache [num_pages, H_kv, page_size, D] (HND)."""
-        self._current.run(q, (k_cache, v_cache), out=out)
+        """Launch FlashInfer's decode on the current stream (capturable in graph mode). q, out
+        [B, H_q, D]; k_cache, v_cache [num_pages, H_kv, page_size, D] (HND); the caller has
+        checked them (dtypes, shapes, device) against the Runtime's shape and the planned batch."""
+        direct = self._direct
+        if direct is not None:
+            direct(q, k_cache, v_cache, out)
+            self.direct_calls += 1
+            return
+        if not self.direct_run or self._recorded:
+            self._current.run(q, (k_cache, v_cache), out=out)
+            return
+        self._recorded = True
+        self._direct = self._record(q, k_cache, v_cache, out)
+        if self._direct is None:
+            self.direct_fallbacks += 1
+
+    def _record(self, q, k_cache, v_cache, out) -> DirectCall | None:
+        """``wrapper.run`` for this layer with the wrapper's compiled module behind a
+        :class:`_Recorder`; the call it made, if it can be replayed (:class:`DirectCall`)."""
+        w = self._current
+        module = getattr(w, "_cached_module", None)
+        if module is None:
+            w.run(q, (k_cache, v_cache), out=out)
+            return None
+        rec = _Recorder(module)
+        try:
+            w._cached_module = rec
+        except AttributeError:   # not a plain attribute in this FlashInfer version
+            w.run(q, (k_cache, v_cache), out=out)
+            return None
+        try:
+            w.run(q, (k_cache, v_cache), out=out)
+        finally:
+            w._cached_module = module
+        return DirectCall.from_recording(rec.calls, q, k_cache, v_cache, out)
 
     def stats(self) -> dict:
         return {"wrappers_alive": len(self._wrappers) if self.cuda_graph else 1,
                 "wrappers_built": self.wrappers_built if self.cuda_graph else 1,
-                "tensor_cores": self.tensor_cores}
+                "tensor_cores": self.tensor_cores, "direct_run": self.direct_run,
+                "direct_calls": self.direct_calls, "direct_fallbacks": self.direct_fallbacks}

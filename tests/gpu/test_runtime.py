@@ -330,6 +330,35 @@ def test_default_flashinfer_route_runs_eagerly_inside_a_graph_runtime(pool):
     assert s["captures"] == 0 and s["eager_runs"] == len(STEPS)
 
 
+def test_flashinfer_direct_run_is_bitwise_the_wrappers_run(pool):
+    """Eager FlashInfer steps: from the second layer on the Runtime calls FlashInfer's kernel
+    entry with the arguments its run() built for the first (fi_route.DirectCall). Over steps
+    whose rows join and leave, layers with their own caches and fresh q/out tensors, its output
+    is bit for bit the output of FlashInfer's run() at every layer (flashinfer_direct_run=False),
+    and with this FlashInfer every step's recording is usable (no fallback)."""
+    if FI_MODULE is None:
+        pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
+    b, caches = pool
+    direct, wrapper = runtime(flashinfer_cuda_graph=False), runtime(flashinfer_cuda_graph=False,
+                                                                   flashinfer_direct_run=False)
+    layers = [caches[0], caches[1], caches[0], caches[1]]
+    for i, (rows, short) in enumerate(STEPS):
+        seq, bt, q = step_inputs(b, rows, short, seed=110 + i)
+        for rt in (direct, wrapper):
+            rt.plan(seq, bt, force="flashinfer")
+        for layer, cache in enumerate(layers):
+            ql = q * (1 + 0.25 * layer)
+            got = direct.run(ql.clone(), *cache, out=torch.full_like(q, float("nan")))
+            want = wrapper.run(ql.clone(), *cache, out=torch.full_like(q, float("nan")))
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), f"step {i} layer {layer}"
+            if layer == 1:
+                check(got, ql, cache, seq, bt, f"step {i} layer {layer}")
+    s = direct.stats()["flashinfer"]
+    assert s["direct_calls"] == len(STEPS) * (len(layers) - 1) and s["direct_fallbacks"] == 0
+    assert wrapper.stats()["flashinfer"]["direct_calls"] == 0
+
+
 @pytest.mark.parametrize("graph_mode", [True, False], ids=["fi-graph", "fi-eager"])
 def test_flashinfer_route_with_the_host_running_ahead(pool, graph_mode):
     """Steps planned and run while the GPU is still busy (a spin kernel in front), synchronized
@@ -344,17 +373,19 @@ def test_flashinfer_route_with_the_host_running_ahead(pool, graph_mode):
     for rows, short in plan_steps[:2]:   # warm-up: wrappers built, graphs captured
         seq, bt, q = step_inputs(b, rows, short, seed=1)
         rt.plan(seq, bt, force="flashinfer")
-        rt.run(q, *caches[0], out=torch.empty_like(q))
+        for cache in caches:
+            rt.run(q, *cache, out=torch.empty_like(q))
     torch.cuda.synchronize()
     outs = []
     torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time: the host runs far ahead
     for i, (rows, short) in enumerate(plan_steps):
         seq, bt, q = step_inputs(b, rows, short, seed=90 + i)
         rt.plan(seq, bt, force="flashinfer")
-        outs.append((rt.run(q, *caches[0], out=torch.full_like(q, float("nan"))), q, seq, bt))
+        for cache in caches:   # eager: the second layer calls FlashInfer's entry directly
+            outs.append((rt.run(q, *cache, out=torch.full_like(q, float("nan"))), q, cache, seq, bt))
     torch.cuda.synchronize()
-    for i, (out, q, seq, bt) in enumerate(outs):
-        check(out, q, caches[0], seq, bt, f"step {i} planned ahead of the GPU")
+    for i, (out, q, cache, seq, bt) in enumerate(outs):
+        check(out, q, cache, seq, bt, f"run {i} planned ahead of the GPU")
 
 
 def test_graph_count_stays_bounded_over_many_steps():
