@@ -80,6 +80,8 @@ ADAPTIVE = "adaptive"
 ADAPTIVE_EAGER = "adaptive-eager"  # the same Runtime with its graphs off: every run() launches
 ADAPTIVE_FI_GRAPH = "adaptive-figraph"  # the same Runtime with its FlashInfer route in FlashInfer's graph mode
 ADAPTIVE_FI_WRAPPER = "adaptive-fiwrapper"  # the same with FlashInfer's run() at every layer (no direct calls)
+# the Runtime's own routing (no route forced), in each of its modes the RuntimeEngine builds
+ADAPTIVE_ENGINES = (ADAPTIVE, ADAPTIVE_EAGER, ADAPTIVE_FI_GRAPH, ADAPTIVE_FI_WRAPPER)
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
@@ -198,8 +200,7 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
-    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, ADAPTIVE, ADAPTIVE_EAGER, ADAPTIVE_FI_GRAPH,
-                                  ADAPTIVE_FI_WRAPPER,
+    known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, *ADAPTIVE_ENGINES,
                                   DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, *route_names)))
     for n in names:
         base, colon, route = n.partition(":")

@@ -256,9 +256,9 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
             return harness.HostStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                                max_active=config.max_active, routing=routing,
                                                tensor_cores=fi_route == "flashinfer-tc")
-        force = {harness.ADAPTIVE: None, harness.ADAPTIVE_EAGER: None, harness.ADAPTIVE_FI_GRAPH: None,
-                 harness.FI_GRAPH: registry.baseline.name,
-                 harness.DEVICE_PLAN: None}.get(base, name) if not route else route
+        force = dict.fromkeys(harness.ADAPTIVE_ENGINES + (harness.DEVICE_PLAN,),
+                              None) | {harness.FI_GRAPH: registry.baseline.name}
+        force = force.get(base, name) if not route else route
         return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
                                      calibration=cal, max_active=config.max_active,
                                      tensor_cores=fi_route == "flashinfer-tc")
