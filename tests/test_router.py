@@ -251,7 +251,12 @@ def test_every_decision_accounts_for_every_route(tmp_path_factory, seq, margin, 
     reg = registry(tmp_path_factory.mktemp("r"), margin=margin, allow=allow)
     d = router(reg, graphs=graphs).decide(seq)
     names = {r.name for r in reg.routes}
-    assert set(d.predicted_us) | set(d.refused) == names and d.route not in d.refused
+    assert set(d.predicted_us) | set(d.refused) | {d.route} == names and d.route not in d.refused
+    if not d.predicted_us:   # every PersistentKV route refused by its gates: the baseline, unpredicted
+        assert d.route == "flashinfer" and d.speedup == 1.0
+        assert all(reg.route(n).ablation or reg.route(n).refusals(
+            group_size=4, max_context=int(seq.max()), active=len(seq)) for n in d.refused)
+        return
     assert "flashinfer" in d.predicted_us
     t_fi = d.predicted_us["flashinfer"]
     assert d.speedup == pytest.approx(t_fi / d.predicted_us[d.route])
@@ -493,6 +498,25 @@ def test_full_plan_is_the_host_twin(route):
     assert dev.decide(seq, force=route).plan is None
     assert isinstance(twin, WorkqueuePlan) and np.array_equal(twin.tasks, host.tasks)
     assert np.array_equal(twin.split_offsets, host.split_offsets) and twin.counters == host.counters
+
+
+def test_a_step_every_gate_refuses_runs_the_baseline_unpredicted(tmp_path, monkeypatch):
+    """Short rows (below every gates.min_context): no PersistentKV route is weighed against the
+    baseline, so nothing is predicted (the host time of a memo miss); the explanation still
+    names every route and why. Forcing the baseline predicts it, as any forced route."""
+    r = router(registry(tmp_path))
+    calls = []
+    predict = r.predict
+    monkeypatch.setattr(r, "predict", lambda route, seq: calls.append(route.name) or predict(route, seq))
+    d = r.decide(np.array([900, 3000, 40], dtype=np.int32))
+    assert d.route == "flashinfer" and d.predicted_us == {} and d.speedup == 1.0 and calls == []
+    assert set(d.refused) == {"pkv_bucket", "pkv_workqueue", "pkv_fused"}
+    rows = d.explain().splitlines()[2:]
+    assert rows[0].split() == ["flashinfer", "-", "chosen"]
+    assert all("refused: " in row for row in rows[1:])
+    assert "below gates.min_context" in d.refused["pkv_bucket"]
+    f = r.decide(np.array([900, 3000, 40], dtype=np.int32), force="flashinfer")
+    assert calls == ["flashinfer"] and f.predicted_us["flashinfer"] > 0
 
 
 def test_explain_without_a_plan():

@@ -299,7 +299,8 @@ class Runtime(StaticBuffers, Planning, Running):
                         sm_scale=sm_scale, tensor_cores=flashinfer_tensor_cores,
                         # a graph replayed after a re-plan needs FlashInfer's graph mode
                         cuda_graph=(self.use_cuda_graph and flashinfer_cuda_graph) or self.engine_capture,
-                        indices_buffer=self._fi_indices, direct_run=flashinfer_direct_run)
+                        indices_buffer=self._fi_indices, direct_run=flashinfer_direct_run,
+                        record=self._record)
                 except Exception as exc:  # noqa: BLE001 - reported, the route becomes unavailable
                     self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
                     warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}",

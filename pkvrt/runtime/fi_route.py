@@ -129,6 +129,8 @@ class FlashInferRoute:
     direct_run : eager mode: call FlashInfer's kernel entry directly after a step's first layer
         (:class:`DirectCall`; False: ``wrapper.run`` at every layer). Graph mode ignores it (its
         run() is captured and replayed).
+    record : ``record(event)`` records an event on the current stream (the Runtime's, which
+        skips ``torch.cuda.current_stream()``); None: ``event.record()``.
     indices_buffer : int32 [capacity] device buffer every wrapper reads its page ids from.
     max_wrappers : wrappers kept in graph mode (least recently used dropped first).
     """
@@ -136,7 +138,7 @@ class FlashInferRoute:
     def __init__(self, flashinfer, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, dtype, device, sm_scale: float | None, tensor_cores: bool,
                  cuda_graph: bool, indices_buffer, max_wrappers: int = 16,
-                 direct_run: bool = True):
+                 direct_run: bool = True, record=None):
         import torch
 
         self._fi = flashinfer
@@ -151,6 +153,7 @@ class FlashInferRoute:
         self.direct_calls = 0                    # run()s that called FlashInfer's entry directly
         self.direct_fallbacks = 0                # steps whose recording could not be used
         self._indices = indices_buffer
+        self._record_event = record if record is not None else (lambda ev: ev.record())
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrappers: OrderedDict[int, tuple[int, object]] = OrderedDict()  # B -> (serial, wrapper)
         self._serial = 0
@@ -214,7 +217,7 @@ class FlashInferRoute:
         w.plan(indptr, indices, last_page_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
                sm_scale=self.sm_scale, non_blocking=True)
-        ev.record()
+        self._record_event(ev)
         self._current = w
         self._direct, self._recorded = None, False
         return serial

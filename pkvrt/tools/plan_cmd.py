@@ -24,7 +24,7 @@ from pkvrt import __version__
 from pkvrt.measure.traces import FAMILIES, Trace, decode_steps, resolve_trace
 from pkvrt.policy import calibration as calib
 from pkvrt.policy import registry as reg_mod
-from pkvrt.policy.planner import BucketPlan, WorkqueuePlan
+from pkvrt.policy.planner import BucketPlan, WorkqueuePlan, check_seq_lens
 from pkvrt.tools.cli import add_shape_arguments, check_shape_arguments, non_negative_int, positive_int
 
 ADAPTIVE = "adaptive"
@@ -198,7 +198,11 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
         seq_max, seq_sum = max(seq_max, hi), seq_sum + int(seq.sum())
         long_steps += hi >= min_context
         d = router.decide(seq)
-        accs[ADAPTIVE].add(d.plan.counters, d.predicted_us[d.route])
+
+        def predicted(dec, name):   # a baseline step no route challenged is decided unpredicted
+            t = dec.predicted_us.get(name)
+            return router.predict(router.registry.route(name), check_seq_lens(seq)) if t is None else t
+        accs[ADAPTIVE].add(d.plan.counters, predicted(d, d.route))
         mix[d.route] += 1
         for s, n in _plan_splits(d.plan):
             splits[d.route][s] += n
@@ -210,7 +214,7 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
             except ValueError as e:                  # no kernel for this shape
                 unavailable[r.name] = str(e)
                 continue
-            accs[r.name].add(f.plan.counters, f.predicted_us[r.name])
+            accs[r.name].add(f.plan.counters, predicted(f, r.name))
         if progress and ((i + 1) % every == 0 or i + 1 == len(steps)):
             _progress(stream, i + 1, len(steps))
 
