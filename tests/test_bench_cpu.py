@@ -839,3 +839,39 @@ def test_warm_until_steady_leaves_no_capture_to_the_timed_passes():
     assert harness.graphs_captured(eng) == before
     plain = _SecondSight(stats=False)
     assert harness.warm_until_steady(plain, wl, None, clock) == 1 and plain.runs == 3
+
+
+class _OrderEngine:
+    """An engine that runs its whole step itself (``run_step``), logging (name, step position),
+    and sleeping 20 ms on its ``slow_run``-th run of each step (a host phase that is slow)."""
+
+    def __init__(self, name, log, slow_run=None):
+        self.name, self.log, self.slow_run, self.runs = name, log, slow_run, {}
+
+    def run_step(self, wl, step, pos, out):
+        self.log.append((self.name, pos))
+        k = self.runs[pos] = self.runs.get(pos, 0) + 1
+        if k == self.slow_run:
+            time.sleep(0.02)   # one round's outlier: the median of three drops it
+
+    def step_info(self):
+        return ("r", (), None)
+
+
+def test_interleaved_wall_passes_rotate_the_engines_and_take_each_steps_median():
+    """Each step is run by every engine before the next step, first by a different engine from
+    step to step and round to round; every engine sees the steps in order each round; an
+    engine's wall of a step is the median of its rounds (one slow round does not move it)."""
+    log = []
+    engines = [_OrderEngine(n, log, slow_run=2 if n == "b" else None) for n in ("a", "b", "c")]
+    steps = [object()] * 4
+    got = harness.interleaved_wall_passes(engines, None, steps, None, harness.HostClock(), rounds=3)
+    assert len(log) == 3 * 4 * 3
+    for r in range(3):
+        for pos in range(4):
+            chunk = log[(r * 4 + pos) * 3:(r * 4 + pos + 1) * 3]
+            assert [p for _, p in chunk] == [pos] * 3
+            assert chunk[0][0] == "abc"[(pos + r) % 3] and sorted(n for n, _ in chunk) == ["a", "b", "c"]
+    for walls, infos in got:
+        assert len(walls) == 4 and infos == [("r", (), None)] * 4
+        assert max(walls) < 15_000   # b's 20 ms rounds are outvoted by its two fast ones

@@ -21,10 +21,16 @@ Protocol of one seed (:func:`run_seed`):
    correctness on ``check_steps`` sampled steps: vs FlashInfer ``max|e| < 2e-3, mean|e| < 3e-4``
    and vs the FP32 reference on a few rows); an engine that fails is not timed. Then untimed
    passes until one captures no graph (:func:`warm_until_steady`: the Runtime captures a
-   per-layer graph on a key's second sighting, a one-time cost per shape). Then a wall pass
-   (synchronize; host clock; plan + every layer; synchronize; host clock) and a device pass
-   (CUDA events around the same work, queued behind a spin kernel that covers the host's
-   enqueue time, so the events measure device work and not host gaps).
+   per-layer graph on a key's second sighting, a one-time cost per shape).
+5. Wall passes, all engines interleaved (:func:`interleaved_wall_passes`): step by step, every
+   engine runs the step (synchronize; host clock; plan + every layer; synchronize; host clock),
+   in an order rotated from step to step and round to round, ``wall_rounds`` rounds; an
+   engine's wall time of a step is the median of its rounds. The GPU machine's host changes
+   speed by tens of percent from one second to the next (benches/NOTES.md, "Session 20"), so
+   engines timed one after another, as before session 20, compared different host phases;
+   interleaved, the wall ratio of two engines compares them on the same step in the same phase.
+6. Per engine, a device pass (CUDA events around the same work, queued behind a spin kernel
+   that covers the host's enqueue time, so the events measure device work and not host gaps).
 
 Engine protocol (``layers``, ``mlp``): per step plan once, then per layer one attention call,
 optionally followed by the seed's gated-MLP tail (``x @ W_gate``, ``x @ W_up``, ``silu * up``,
@@ -145,6 +151,12 @@ class ServingConfig:
     shape: Shape = Shape()
     kv_dtype: str = attrs.field(default="fp16")
     fp8_scales: str = attrs.field(default="unit")
+    wall_rounds: int = attrs.field(default=3)
+
+    @wall_rounds.validator
+    def _check_wall_rounds(self, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"wall_rounds={value!r}: expected an integer >= 1")
 
     @kv_dtype.validator
     def _check_kv_dtype(self, attribute, value):
@@ -930,13 +942,38 @@ def wall_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock)
     """Synchronized wall µs per step, and each step's (route, splits, counters)."""
     walls, infos = [], []
     for pos, step in enumerate(steps):
-        clock.sync()
-        t0 = time.perf_counter()
-        run_step(engine, wl, step, pos, out)
-        clock.sync()
-        walls.append((time.perf_counter() - t0) * 1e6)
+        walls.append(timed_step(engine, wl, step, pos, out, clock))
         infos.append(engine.step_info())
     return walls, infos
+
+
+def timed_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor, clock) -> float:
+    """Wall µs of one step of ``engine`` from an idle GPU to its end (synchronized both sides)."""
+    clock.sync()
+    t0 = time.perf_counter()
+    run_step(engine, wl, step, pos, out)
+    clock.sync()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def interleaved_wall_passes(engines: list, wl: Workload, steps: list[Step], out: torch.Tensor,
+                            clock, rounds: int) -> list[tuple[list[float], list]]:
+    """Wall passes of several engines interleaved step by step: at step ``pos`` of round ``r``
+    the engines run that step in the order rotated by ``pos + r``. Per engine: the median over
+    the rounds of its wall µs per step, and each step's (route, splits, counters) from the
+    first round (as :func:`wall_pass` returns them). Every engine sees the steps in order in
+    each round, as in a wall pass of its own; the engines share ``out``, which only times."""
+    n = len(engines)
+    walls = [[[] for _ in steps] for _ in engines]
+    infos: list[list] = [[None] * len(steps) for _ in engines]
+    for r in range(rounds):
+        for pos, step in enumerate(steps):
+            for k in range(n):
+                i = (pos + r + k) % n
+                walls[i][pos].append(timed_step(engines[i], wl, step, pos, out, clock))
+                if r == 0:
+                    infos[i][pos] = engines[i].step_info()
+    return [([statistics.median(w) for w in walls[i]], infos[i]) for i in range(n)]
 
 
 def device_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock,
@@ -1020,13 +1057,29 @@ def within_fp8_bound(checks: list[dict]) -> bool:
 
 def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs, refs, out,
                    baseline: bool = False, log=print) -> tuple[dict, list[dict]]:
-    """Correctness on the checked steps, then the wall and device passes of one engine.
+    """Correctness on the checked steps, then the wall and device passes of one engine alone
+    (:func:`check_engine`, :func:`wall_pass`, :func:`time_engine`; :func:`run_seed` interleaves
+    the wall passes of its engines instead). Returns (results row, per-step rows)."""
+    common, failed = check_engine(engine, wl, clock, case=case, seed=seed, fi_outs=fi_outs,
+                                  refs=refs, out=out, baseline=baseline, log=log)
+    if failed is not None:
+        return failed, []
+    before = engine.stats()
+    walls, infos = wall_pass(engine, wl, wl.steps, out, clock)
+    return time_engine(engine, wl, clock, case=case, seed=seed, common=common, out=out,
+                       walls=walls, infos=infos, before=before)
+
+
+def check_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs, refs, out,
+                 baseline: bool = False, log=print) -> tuple[dict, dict | None]:
+    """Correctness of one engine on the checked steps, then (if correct) its warm-up
+    (:func:`warm_until_steady`). Returns (the row fields every row of it carries, None), or
+    (those, its results row) for an incorrect engine, which gets ``correct: false`` and no timing.
 
     fi_outs : {pos: baseline output [B, H_q, D]} (for the baseline itself: filled here).
     refs : {pos: :class:`RefRows`}.
-    Returns (results row, per-step rows); an incorrect engine gets a row with ``correct: false``
-    and no timing. 16-bit caches: correct = within tolerance of the baseline's output and of the
-    FP32 reference. FP8: within tolerance of the FP32 reference over the dequantized cache (every
+    16-bit caches: correct = within tolerance of the baseline's output and of the FP32
+    reference. FP8: within tolerance of the FP32 reference over the dequantized cache (every
     row), or, for a FlashInfer path, within the FP8 error bound of the unquantized answer; the
     errors against the baseline's output are recorded only.
     """
@@ -1056,10 +1109,16 @@ def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs
                  f"{fp8['fp8_bound']:.3g}" if wl.fp8 and flashinfer_path and checks else "")
         log(f"  {engine.label}: FAILED correctness (vs FlashInfer max {max_fi:.3g} mean "
             f"{mean_fi:.3g}; vs FP32 max {max_ref:.3g} mean {mean_ref:.3g}{bound}); not timed")
-        return {"case": case, "engine": engine.label, "row": "measured", **common}, []
+        return common, {"case": case, "engine": engine.label, "row": "measured", **common}
     warm_until_steady(engine, wl, out, clock)
-    before = engine.stats()
-    walls, infos = wall_pass(engine, wl, wl.steps, out, clock)
+    return common, None
+
+
+def time_engine(engine, wl: Workload, clock, *, case: str, seed: int, common: dict, out,
+                walls: list[float], infos: list, before: dict) -> tuple[dict, list[dict]]:
+    """The device pass of one engine whose wall times per step (and step infos) were measured,
+    and its results row and per-step rows. ``before``: ``engine.stats()`` before its timed
+    passes (the ``rt_*_timed`` fields count what the timed passes did)."""
     # the spin before step i covers 1.25x its wall time (an upper bound of its enqueue time) + 50 us
     cudas, uncovered = device_pass(engine, wl, wl.steps, out, clock, [1.25 * w + 50.0 for w in walls])
     after = engine.stats()
@@ -1076,7 +1135,7 @@ def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs
                   and isinstance(after.get(k), (int, float))})
     row = summarize(case, engine.label, records, **common, steps_total=wl.steps_total,
                     cache_copies=wl.copies, device_uncovered_steps=uncovered, **extra)
-    return row, step_rows(case, engine.label, seed, records, baseline=baseline)
+    return row, step_rows(case, engine.label, seed, records, baseline=common["baseline"])
 
 
 def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int,
@@ -1183,10 +1242,20 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
             continue
         engines.append((name, candidates[name] if name in candidates else
                         make_engine(name, wl, fi_route)))
+    timed = []   # (engine, its common row fields, its stats before the timed passes)
     for name, eng in engines:
         out.fill_(float("nan"))
-        row, srows = measure_engine(eng, wl, clock, case=case, seed=seed, fi_outs=fi_outs,
-                                    refs=refs, out=out, baseline=name == BASELINE, log=log)
+        common, failed = check_engine(eng, wl, clock, case=case, seed=seed, fi_outs=fi_outs,
+                                      refs=refs, out=out, baseline=name == BASELINE, log=log)
+        if failed is not None:
+            rows.append(failed)
+        else:
+            timed.append((eng, common, eng.stats()))
+    passes = interleaved_wall_passes([t[0] for t in timed], wl, wl.steps, out, clock,
+                                     config.wall_rounds)
+    for (eng, common, before), (walls, infos) in zip(timed, passes):
+        row, srows = time_engine(eng, wl, clock, case=case, seed=seed, common=common, out=out,
+                                 walls=walls, infos=infos, before=before)
         rows.append(row)
         steps_out.extend(srows)
         if "tok_per_s" in row:

@@ -106,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(intermediate {harness.MLP_INTERMEDIATE}, hidden H_q*D)")
     s.add_argument("--check-steps", type=positive_int, default=4, metavar="N",
                    help="steps checked for correctness before timing (default: 4)")
+    s.add_argument("--wall-rounds", type=positive_int, default=3, metavar="N",
+                   help="wall passes per engine, every engine's steps interleaved with the "
+                        "others' in a rotated order; a step's wall time is the median of its "
+                        "rounds (default: 3)")
     shape = add_shape_arguments(s)
     shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16",
                        help="q and out (and a 16-bit KV cache)")
@@ -165,7 +169,7 @@ def _config(args, registry) -> harness.ServingConfig:
         routes=registry.path, calibration=args.calibration, steps_limit=args.steps_limit,
         layers=args.engine_layers, mlp=args.mlp, num_requests=args.num_requests,
         check_steps=args.check_steps, shape=shape, kv_dtype=args.kv_dtype,
-        fp8_scales=args.fp8_scales or "unit")
+        fp8_scales=args.fp8_scales or "unit", wall_rounds=args.wall_rounds)
 
 
 def run_serving(args: argparse.Namespace) -> int:
@@ -333,8 +337,12 @@ def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, step
         calibration_slug=cal.slug, calibration_fallback=cal.fallback, per_seed=per_seed,
         spin_cycles_per_us=round(clock.cycles_per_us, 1),
         baseline_candidates=harness.merge_candidates(per_seed),
+        wall_rounds=config.wall_rounds,
         protocol=("continuous decode, hole fraction 0; per engine: untimed pass with correctness "
-                  "check, untimed passes until one captures no graph, wall pass (synchronized host clock per step incl. planning and metadata),"
+                  "check, untimed passes until one captures no graph; then wall passes of all "
+                  "engines interleaved step by step in a rotated order, wall_rounds rounds "
+                  "(synchronized host clock per step incl. planning and metadata; a step's wall "
+                  "= median of its rounds); per engine a"
                   " device pass (CUDA events behind a host-covering spin kernel); FlashInfer's "
                   "CUDA-core, tensor-core and cuDNN decode wrappers planned every step from pinned "
                   "host CSR, its XQA decode given device block tables and lengths staged once per "
