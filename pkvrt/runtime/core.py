@@ -91,9 +91,9 @@ class Runtime(StaticBuffers, Planning, Running):
         mode without the per-layer boundaries. (The "illegal memory access" once seen with it was a race on pinned buffers,
         FlashInfer's own and the serving harness's, both guarded now: see
         fi_route.FlashInferRoute.plan and tests/gpu/test_runtime.py.)
-    flashinfer_direct_run : eager FlashInfer steps (the default mode): from a step's second layer
+    flashinfer_direct_run : eager FlashInfer steps (the default mode): from a step's third layer
         on, call FlashInfer's compiled kernel entry with the arguments its ``run()`` built for the
-        first layer, the layer's q, caches and out swapped in, instead of re-running that Python
+        second, the layer's q, caches and out swapped in, instead of re-running that Python
         at every layer (``fi_route.DirectCall``; falls back to ``wrapper.run`` for any call it
         cannot record exactly). False: FlashInfer's ``run()`` at every layer (the ablation).
     num_pages : the pages of the KV cache that run() will be given (``k_cache.shape[0]``); the

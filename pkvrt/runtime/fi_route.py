@@ -18,10 +18,12 @@ which the Runtime gathers straight into its pinned staging with ``blocktables.us
 * eager mode (``use_cuda_graph=False``, the default): one plain wrapper, planned every step.
   Its ``run()`` is Python that rebuilds the same argument list for FlashInfer's compiled kernel
   entry at every layer (21-43 us per layer on the H200 machine's host, of which the call itself
-  is a few). With ``direct_run`` (the default) the first ``run()`` after a ``plan()`` goes
+  is a few). With ``direct_run`` (the default) the second ``run()`` after a ``plan()`` goes
   through ``wrapper.run`` with the wrapper's compiled module behind a :class:`_Recorder`, which
   keeps the one call FlashInfer makes; the step's later layers call that entry directly with
-  the same arguments, only q, the two caches and out swapped in (:class:`DirectCall`). Nothing
+  the same arguments, only q, the two caches and out swapped in (:class:`DirectCall`). The first
+  layer is a plain ``wrapper.run``: a one-layer step (one attention call per plan) pays nothing
+  for a recording it could not reuse. Nothing
   of FlashInfer is re-implemented: its own run() builds the arguments, its kernel runs them. It
   falls back to ``wrapper.run`` for the whole step whenever the recording is not one positional
   call in which each of the four tensors appears exactly once (a FlashInfer version that calls
@@ -79,9 +81,9 @@ class _Recorder:
 
 
 class DirectCall:
-    """FlashInfer's kernel entry for one planned step, as its ``run()`` called it for the step's
-    first layer: ``fn(*args)`` with the positions of q, k_cache, v_cache and out in ``args``
-    (held as None there, so the first layer's tensors are not kept alive)."""
+    """FlashInfer's kernel entry for one planned step, as its ``run()`` called it for the layer
+    it was recorded at: ``fn(*args)`` with the positions of q, k_cache, v_cache and out in
+    ``args`` (held as None there, so that layer's tensors are not kept alive)."""
 
     __slots__ = ("fn", "args", "slots")
 
@@ -126,8 +128,9 @@ class FlashInferRoute:
     tensor_cores : FlashInfer's tensor-core decode path (``use_tensor_cores``) or its CUDA-core
         one. On the H200 at G=4 the tensor-core path measured faster (B1 32K: 44 vs 52 us).
     cuda_graph : FlashInfer's CUDA-graph mode (one wrapper per batch size) or eager.
-    direct_run : eager mode: call FlashInfer's kernel entry directly after a step's first layer
-        (:class:`DirectCall`; False: ``wrapper.run`` at every layer). Graph mode ignores it (its
+    direct_run : eager mode: call FlashInfer's kernel entry directly from a step's third layer
+        on, as recorded at its second (:class:`DirectCall`; False: ``wrapper.run`` at every
+        layer). Graph mode ignores it (its
         run() is captured and replayed).
     record : ``record(event)`` records an event on the current stream (the Runtime's, which
         skips ``torch.cuda.current_stream()``); None: ``event.record()``.
@@ -148,8 +151,8 @@ class FlashInferRoute:
         self.tensor_cores, self.cuda_graph = tensor_cores, cuda_graph
         self.max_wrappers = max_wrappers
         self.direct_run = direct_run and not cuda_graph
-        self._direct: DirectCall | None = None   # the current step's, once its first run() recorded it
-        self._recorded = False                   # this step's first run() has been made
+        self._direct: DirectCall | None = None   # the current step's, once a run() recorded it
+        self._step_runs = 0                      # run()s of the current step that went through wrapper.run
         self.direct_calls = 0                    # run()s that called FlashInfer's entry directly
         self.direct_fallbacks = 0                # steps whose recording could not be used
         self._indices = indices_buffer
@@ -219,7 +222,7 @@ class FlashInferRoute:
                sm_scale=self.sm_scale, non_blocking=True)
         self._record_event(ev)
         self._current = w
-        self._direct, self._recorded = None, False
+        self._direct, self._step_runs = None, 0
         return serial
 
     def run(self, q, k_cache, v_cache, out) -> None:
@@ -231,10 +234,10 @@ class FlashInferRoute:
             direct(q, k_cache, v_cache, out)
             self.direct_calls += 1
             return
-        if not self.direct_run or self._recorded:
+        self._step_runs += 1
+        if not self.direct_run or self._step_runs != 2:
             self._current.run(q, (k_cache, v_cache), out=out)
             return
-        self._recorded = True
         self._direct = self._record(q, k_cache, v_cache, out)
         if self._direct is None:
             self.direct_fallbacks += 1
