@@ -38,7 +38,7 @@ FP16_ROW_KEYS = {"case", "engine", "row", "seed", "baseline", "correct", "max_er
                  "device_uncovered_steps", "steps", "decode_tokens", "median_us", "mean_cuda_us",
                  "wall_us", "mean_wall_us", "tok_per_s", "cuda_tok_per_s", "route", "route_mix",
                  "splits", "split_main", "launches_per_step", "cta_work_per_sm", "useful_kv_mb",
-                 "merge_mb", "merge_launches", "mean_active"}
+                 "merge_mb", "merge_launches", "mean_active", "timed_passes"}
 
 
 def _trace():

@@ -1366,14 +1366,16 @@ class CsrModule:
 
     def paged_run(self, workspace, plan, q, k_cache, v_cache, out, lse=None, window_left=-1,
                   *extra):
-        assert lse is None and window_left == -1 and extra in ((), (1.0, None))
+        assert lse is None and window_left == -1 and (extra in ((), (1.0, None)) or extra[0] == 1.0)
         self.calls += 1
-        CsrWrapper.run(types.SimpleNamespace(planned=plan), q, (k_cache, v_cache), out)
+        CsrWrapper.run(types.SimpleNamespace(planned=plan.csr), q, (k_cache, v_cache), out)
 
 
 class ModuleWrapper(CsrWrapper):
     """A wrapper whose run() builds its kernel's argument list from its plan and calls its
-    module (``call``: "one" positional call, "twice" two calls, "keyword" out passed by keyword)."""
+    module (``call``: "one" positional call, "twice" two calls, "keyword" out passed by keyword,
+    "tuple" the caches passed again in a tuple, "view" a view of q passed besides q, "raise"
+    run() raising)."""
 
     call = "one"
 
@@ -1384,7 +1386,15 @@ class ModuleWrapper(CsrWrapper):
 
     def run(self, q, kv, out):
         self.runs += 1
-        args = [object(), self.planned, q, kv[0], kv[1], out, None, -1, 1.0, None]
+        # the plan's buffers in one opaque object, as FlashInfer passes its plan_info
+        args = [object(), types.SimpleNamespace(csr=self.planned), q, kv[0], kv[1], out, None, -1,
+                1.0, None]
+        if self.call == "tuple":      # the caches once more, inside a tuple
+            args[-1] = kv
+        elif self.call == "view":     # a view of q besides q
+            args[-1] = q.view(-1)
+        elif self.call == "raise":
+            raise RuntimeError("the wrapper's run() failed")
         if self.call == "keyword":
             self._cached_module.paged_run(*args[:5], out=out)
             return
@@ -1426,13 +1436,15 @@ def test_fake_device_flashinfer_direct_run_replays_the_first_layers_call(fake_de
         assert stats["direct_calls"] == 3 * (len(caches) - 2) and stats["direct_fallbacks"] == 0
 
 
-@pytest.mark.parametrize("case", ["twice", "keyword", "q-is-out", "off"])
+@pytest.mark.parametrize("case", ["twice", "keyword", "tuple", "view", "q-is-out", "off"])
 def test_fake_device_flashinfer_direct_run_falls_back_to_the_wrappers_run(fake_device, pool,
                                                                           monkeypatch, case):
-    """A recording that is not one positional call holding each tensor once (two module calls,
-    a keyword argument, q that is out), or ``flashinfer_direct_run=False``: every layer runs
-    the wrapper's run(), and the outputs are still each layer's."""
-    monkeypatch.setattr(ModuleWrapper, "call", case if case in ("twice", "keyword") else "one")
+    """A recording that is not one positional call holding each tensor once and nothing else on
+    their memory (two module calls, a keyword argument, the caches again inside a tuple, a view
+    of q, q that is out), or ``flashinfer_direct_run=False``: every layer runs the wrapper's
+    run(), and the outputs are still each layer's."""
+    monkeypatch.setattr(ModuleWrapper, "call", case if case in ("twice", "keyword", "tuple", "view")
+                        else "one")
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
         BatchDecodeWithPagedKVCacheWrapper=ModuleWrapper, __version__="0.7.2"))
     b, layer1 = pool
@@ -1448,6 +1460,46 @@ def test_fake_device_flashinfer_direct_run_falls_back_to_the_wrappers_run(fake_d
     stats = rt.stats()["flashinfer"]
     assert stats["direct_calls"] == 0
     assert stats["direct_fallbacks"] == (0 if case == "off" else 1)
+
+
+def test_fake_device_flashinfer_direct_run_state_per_step(fake_device, pool, monkeypatch):
+    """The recorded call holds none of its layer's tensors; a two-layer step makes no direct
+    call; a PersistentKV step between two FlashInfer steps leaves nothing behind (the next
+    FlashInfer step records anew); a wrapper run() that raises while recording leaves the
+    wrapper's module in place and the step on the wrapper path; a FlashInfer outside
+    DIRECT_RUN_VERSIONS never records."""
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=ModuleWrapper, __version__="0.7.2"))
+    b, layer1 = pool
+    caches = [(b.k_cache, b.v_cache), layer1]
+    rt = fake_runtime(flashinfer=True, max_batch=8)
+    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=60)
+    rt.plan(seq, bt, force="flashinfer")
+    for cache in caches:
+        rt.run(q, *cache, out=torch.empty_like(q))
+    d = rt._fi._direct
+    assert d is not None and all(d.args[i] is None for i in d.slots)
+    assert rt.stats()["flashinfer"]["direct_calls"] == 0            # two layers: nothing replayed
+    rt.plan(seq, bt, force="pkv_workqueue")
+    rt.run(q, *caches[0], out=torch.empty_like(q))
+    rt.plan(seq, bt, force="flashinfer")
+    w = rt._fi._current
+    runs = w.runs
+    for cache in caches + caches:
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    assert w.runs - runs == 2 and rt.stats()["flashinfer"]["direct_calls"] == 2
+    monkeypatch.setattr(ModuleWrapper, "call", "raise")
+    rt.plan(seq, bt, force="flashinfer")
+    for _ in range(2):   # the plain layer, then the recording one
+        with pytest.raises(RuntimeError, match=r"run\(\) failed"):
+            rt.run(q, *caches[0], out=torch.empty_like(q))
+    assert isinstance(w._cached_module, CsrModule) and rt._fi._direct is None
+    monkeypatch.setattr(ModuleWrapper, "call", "one")
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=ModuleWrapper, __version__="0.5.3"))
+    old = fake_runtime(flashinfer=True, max_batch=8)
+    assert old.stats()["flashinfer"]["direct_run"] is False
 
 
 @pytest.mark.parametrize("graph_mode", [False, True], ids=["eager", "graph-mode"])

@@ -23,8 +23,8 @@ Protocol of one seed (:func:`run_seed`):
    passes until one captures no graph (:func:`warm_until_steady`: the Runtime captures a
    per-layer graph on a key's second sighting, a one-time cost per shape).
 5. Wall passes, all engines interleaved (:func:`interleaved_wall_passes`): step by step, every
-   engine runs the step (synchronize; host clock; plan + every layer; synchronize; host clock),
-   in an order rotated from step to step and round to round, ``wall_rounds`` rounds; an
+   engine runs the step (L2 flushed; synchronize; host clock; plan + every layer; synchronize;
+   host clock), in an order rotated from step to step and round to round, ``wall_rounds`` rounds; an
    engine's wall time of a step is the median of its rounds. The GPU machine's host changes
    speed by tens of percent from one second to the next (benches/NOTES.md, "Session 20"), so
    engines timed one after another, as before session 20, compared different host phases;
@@ -477,6 +477,9 @@ class HostClock:
     def start(self, cover_us: float):
         return time.perf_counter()
 
+    def flush_l2(self) -> None:
+        pass
+
     def stop(self, token) -> float:
         return (time.perf_counter() - token) * 1e6
 
@@ -491,6 +494,7 @@ class CudaClock:
 
     def __init__(self):
         self.cycles_per_us = self._cycles_per_us()
+        self._flush = None   # flush_l2's buffer, twice the L2 (allocated on first use)
 
     @staticmethod
     def _cycles_per_us() -> float:
@@ -504,6 +508,14 @@ class CudaClock:
 
     def sync(self) -> None:
         torch.cuda.synchronize()
+
+    def flush_l2(self) -> None:
+        """Evict the step's KV from L2: write a buffer of twice its size (device work, before a
+        timed step's clock starts)."""
+        if self._flush is None:
+            l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+            self._flush = torch.empty(2 * max(l2, 2**20), dtype=torch.uint8, device="cuda")
+        self._flush.zero_()
 
     def start(self, cover_us: float):
         torch.cuda._sleep(int(cover_us * self.cycles_per_us))
@@ -786,9 +798,14 @@ class RuntimeEngine:
                           validate=False, num_pages=wl.k[0].shape[0], **fp8, **runtime_kw)
 
     def stats(self) -> dict:
-        """Scalar entries of ``Runtime.stats()`` (and which harness kwargs it did not accept)."""
+        """Scalar entries of ``Runtime.stats()``, those of a nested dict as ``key_subkey`` (the
+        FlashInfer route's ``flashinfer_direct_calls``, ...), and which harness kwargs it did not
+        accept."""
         s = self.rt.stats() if hasattr(self.rt, "stats") else {}
-        out = {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool))}
+        scalar = (int, float, str, bool)
+        out = {k: v for k, v in s.items() if isinstance(v, scalar)}
+        out.update({f"{k}_{kk}": vv for k, v in s.items() if isinstance(v, dict)
+                    for kk, vv in v.items() if isinstance(vv, scalar)})
         if self.dropped:
             out["kwargs_not_accepted"] = ",".join(self.dropped)
         return out
@@ -947,8 +964,12 @@ def wall_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock)
     return walls, infos
 
 
-def timed_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor, clock) -> float:
-    """Wall µs of one step of ``engine`` from an idle GPU to its end (synchronized both sides)."""
+def timed_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor, clock,
+               flush_l2: bool = False) -> float:
+    """Wall µs of one step of ``engine`` from an idle GPU to its end (synchronized both sides);
+    ``flush_l2``: L2 evicted first (``clock.flush_l2``, untimed)."""
+    if flush_l2:
+        clock.flush_l2()
     clock.sync()
     t0 = time.perf_counter()
     run_step(engine, wl, step, pos, out)
@@ -962,7 +983,10 @@ def interleaved_wall_passes(engines: list, wl: Workload, steps: list[Step], out:
     the engines run that step in the order rotated by ``pos + r``. Per engine: the median over
     the rounds of its wall µs per step, and each step's (route, splits, counters) from the
     first round (as :func:`wall_pass` returns them). Every engine sees the steps in order in
-    each round, as in a wall pass of its own; the engines share ``out``, which only times."""
+    each round, as in a wall pass of its own; the engines share ``out``, which only times. The
+    engines of a step read the same cache copies (:meth:`Workload.cache` is a function of the
+    step and layer), so L2 is flushed before each timed step: no engine runs on the KV the one
+    before it left in L2 (at one layer a step's copy would otherwise be read twice in a row)."""
     n = len(engines)
     walls = [[[] for _ in steps] for _ in engines]
     infos: list[list] = [[None] * len(steps) for _ in engines]
@@ -970,7 +994,7 @@ def interleaved_wall_passes(engines: list, wl: Workload, steps: list[Step], out:
         for pos, step in enumerate(steps):
             for k in range(n):
                 i = (pos + r + k) % n
-                walls[i][pos].append(timed_step(engines[i], wl, step, pos, out, clock))
+                walls[i][pos].append(timed_step(engines[i], wl, step, pos, out, clock, flush_l2=True))
                 if r == 0:
                     infos[i][pos] = engines[i].step_info()
     return [([statistics.median(w) for w in walls[i]], infos[i]) for i in range(n)]
@@ -1115,10 +1139,12 @@ def check_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs, 
 
 
 def time_engine(engine, wl: Workload, clock, *, case: str, seed: int, common: dict, out,
-                walls: list[float], infos: list, before: dict) -> tuple[dict, list[dict]]:
-    """The device pass of one engine whose wall times per step (and step infos) were measured,
-    and its results row and per-step rows. ``before``: ``engine.stats()`` before its timed
-    passes (the ``rt_*_timed`` fields count what the timed passes did)."""
+                walls: list[float], infos: list, before: dict,
+                wall_passes: int = 1) -> tuple[dict, list[dict]]:
+    """The device pass of one engine whose wall times per step (and step infos) were measured
+    in ``wall_passes`` passes, and its results row and per-step rows. ``before``:
+    ``engine.stats()`` before its timed passes (the ``rt_*_timed`` fields count what the
+    ``timed_passes`` = wall passes + the device pass did)."""
     # the spin before step i covers 1.25x its wall time (an upper bound of its enqueue time) + 50 us
     cudas, uncovered = device_pass(engine, wl, wl.steps, out, clock, [1.25 * w + 50.0 for w in walls])
     after = engine.stats()
@@ -1134,7 +1160,8 @@ def time_engine(engine, wl: Workload, clock, *, case: str, seed: int, common: di
                   if isinstance(v, (int, float)) and not isinstance(v, bool)
                   and isinstance(after.get(k), (int, float))})
     row = summarize(case, engine.label, records, **common, steps_total=wl.steps_total,
-                    cache_copies=wl.copies, device_uncovered_steps=uncovered, **extra)
+                    cache_copies=wl.copies, device_uncovered_steps=uncovered,
+                    timed_passes=wall_passes + 1, **extra)
     return row, step_rows(case, engine.label, seed, records, baseline=common["baseline"])
 
 
@@ -1255,7 +1282,8 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
                                      config.wall_rounds)
     for (eng, common, before), (walls, infos) in zip(timed, passes):
         row, srows = time_engine(eng, wl, clock, case=case, seed=seed, common=common, out=out,
-                                 walls=walls, infos=infos, before=before)
+                                 walls=walls, infos=infos, before=before,
+                                 wall_passes=config.wall_rounds)
         rows.append(row)
         steps_out.extend(srows)
         if "tok_per_s" in row:

@@ -84,7 +84,8 @@ class Runtime(StaticBuffers, Planning, Running):
     flashinfer_cuda_graph : run the FlashInfer route in FlashInfer's CUDA-graph mode inside the
         runtime's graphs. Off by default: on the H200 (session 19, README "Host cost") it halves
         a FlashInfer step's host time (plan() 145-217 vs 316-384 us, run() 10-18 vs 21-43 us per
-        layer) but costs device time, +2 to +5 % at 32 layers on 32K steps and +19 % on the
+        layer through FlashInfer's eager run(); session 20's direct calls bring the eager run()
+        to FlashInfer's own cost, see ``flashinfer_direct_run``) but costs device time, +2 to +5 % at 32 layers on 32K steps and +19 % on the
         Azure conversation trace (a graph boundary at every layer, a grid fixed per batch
         size), and adds one wrapper per batch size. Worth it only where the host, not the GPU,
         bounds the step; an engine that captures its whole step (``engine_capture``) gets graph
@@ -95,7 +96,9 @@ class Runtime(StaticBuffers, Planning, Running):
         on, call FlashInfer's compiled kernel entry with the arguments its ``run()`` built for the
         second, the layer's q, caches and out swapped in, instead of re-running that Python
         at every layer (``fi_route.DirectCall``; falls back to ``wrapper.run`` for any call it
-        cannot record exactly). False: FlashInfer's ``run()`` at every layer (the ablation).
+        cannot record exactly, and is off with a FlashInfer its GPU test has not checked,
+        ``fi_route.DIRECT_RUN_VERSIONS``: 0.7.x). False: FlashInfer's ``run()`` at every layer
+        (the ablation).
     num_pages : the pages of the KV cache that run() will be given (``k_cache.shape[0]``); the
         planning kernel checks the page ids of every workqueue/fused step against it on the GPU.
         Device planning: run() refuses a cache with fewer pages; None: taken from the first

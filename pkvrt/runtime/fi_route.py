@@ -25,9 +25,13 @@ which the Runtime gathers straight into its pinned staging with ``blocktables.us
   layer is a plain ``wrapper.run``: a one-layer step (one attention call per plan) pays nothing
   for a recording it could not reuse. Nothing
   of FlashInfer is re-implemented: its own run() builds the arguments, its kernel runs them. It
-  falls back to ``wrapper.run`` for the whole step whenever the recording is not one positional
-  call in which each of the four tensors appears exactly once (a FlashInfer version that calls
-  its module twice, or by keyword; q that is out; k_cache that is v_cache). The arguments
+  falls back to ``wrapper.run`` for the rest of the step whenever the recording is not one
+  positional call in which each of the four tensors appears exactly once and nothing else
+  refers to them (a FlashInfer version that calls its module twice, or by keyword, or passes a
+  view, a tuple or any other tensor on the same memory as one of them; q that is out; k_cache
+  that is v_cache), and it is used with the FlashInfer versions its GPU test has checked bit for
+  bit against ``wrapper.run`` (:data:`DIRECT_RUN_VERSIONS`; what ``run()`` might do to ``out``
+  after its module call is not visible to the recording). The arguments
   ``run()`` derives from its tensors besides the tensors themselves (dtypes, head_dim,
   page_size, q rows per request) are the same at every layer of a step, which the Runtime's
   run() checks before it gets here (``checks.check_run_args``).
@@ -45,6 +49,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented example size; shared by every wrapper
+# FlashInfer versions whose run() the direct calls were checked against (tests/gpu/test_runtime.py,
+# bitwise): a version outside them runs wrapper.run at every layer
+DIRECT_RUN_VERSIONS = ("0.7.",)
 
 
 def load_flashinfer():
@@ -92,8 +99,12 @@ class DirectCall:
 
     @classmethod
     def from_recording(cls, calls, q, k_cache, v_cache, out) -> "DirectCall | None":
-        """The call of a recording, or None when it is not exactly one positional call in which
-        each of the four tensors appears exactly once (by identity)."""
+        """The call of a recording, or None unless it is exactly one positional call in which
+        each of the four tensors appears exactly once (by identity) and no other argument refers
+        to their memory: a tensor on one of their addresses (a view) or a list, tuple or dict
+        holding tensors would be passed unchanged to later layers, with this layer's data."""
+        import torch
+
         if len(calls) != 1:
             return None
         fn, args, kwargs = calls[0]
@@ -105,6 +116,15 @@ class DirectCall:
             if len(at) != 1:
                 return None
             slots.append(at[0])
+        ptrs = {t.data_ptr() for t in (q, k_cache, v_cache, out)}
+        for i, a in enumerate(args):
+            if i in slots:
+                continue
+            if isinstance(a, torch.Tensor) and a.data_ptr() in ptrs:
+                return None
+            items = a.values() if isinstance(a, dict) else a if isinstance(a, (list, tuple)) else ()
+            if any(isinstance(x, torch.Tensor) for x in items):
+                return None
         args = list(args)
         for i in slots:
             args[i] = None
@@ -130,8 +150,8 @@ class FlashInferRoute:
     cuda_graph : FlashInfer's CUDA-graph mode (one wrapper per batch size) or eager.
     direct_run : eager mode: call FlashInfer's kernel entry directly from a step's third layer
         on, as recorded at its second (:class:`DirectCall`; False: ``wrapper.run`` at every
-        layer). Graph mode ignores it (its
-        run() is captured and replayed).
+        layer). Graph mode ignores it (its run() is captured and replayed), and so does a
+        FlashInfer outside :data:`DIRECT_RUN_VERSIONS` (``stats()['direct_run']`` says which).
     record : ``record(event)`` records an event on the current stream (the Runtime's, which
         skips ``torch.cuda.current_stream()``); None: ``event.record()``.
     indices_buffer : int32 [capacity] device buffer every wrapper reads its page ids from.
@@ -150,7 +170,9 @@ class FlashInferRoute:
         self.device, self.sm_scale = device, sm_scale
         self.tensor_cores, self.cuda_graph = tensor_cores, cuda_graph
         self.max_wrappers = max_wrappers
-        self.direct_run = direct_run and not cuda_graph
+        version = str(getattr(flashinfer, "__version__", ""))
+        self.direct_run = (direct_run and not cuda_graph
+                           and any(version.startswith(v) for v in DIRECT_RUN_VERSIONS))
         self._direct: DirectCall | None = None   # the current step's, once a run() recorded it
         self._step_runs = 0                      # run()s of the current step that went through wrapper.run
         self.direct_calls = 0                    # run()s that called FlashInfer's entry directly
@@ -207,6 +229,7 @@ class FlashInferRoute:
         """
         import torch
 
+        self._direct, self._step_runs = None, 0   # before anything that may raise: no stale call
         batch = last_page_len.shape[0]
         if self.cuda_graph:
             serial, w = self._wrapper(batch)
@@ -222,7 +245,6 @@ class FlashInferRoute:
                sm_scale=self.sm_scale, non_blocking=True)
         self._record_event(ev)
         self._current = w
-        self._direct, self._step_runs = None, 0
         return serial
 
     def run(self, q, k_cache, v_cache, out) -> None:
@@ -238,11 +260,11 @@ class FlashInferRoute:
         if not self.direct_run or self._step_runs != 2:
             self._current.run(q, (k_cache, v_cache), out=out)
             return
-        self._direct = self._record(q, k_cache, v_cache, out)
+        self._direct = self._record_call(q, k_cache, v_cache, out)
         if self._direct is None:
             self.direct_fallbacks += 1
 
-    def _record(self, q, k_cache, v_cache, out) -> DirectCall | None:
+    def _record_call(self, q, k_cache, v_cache, out) -> DirectCall | None:
         """``wrapper.run`` for this layer with the wrapper's compiled module behind a
         :class:`_Recorder`; the call it made, if it can be replayed (:class:`DirectCall`)."""
         w = self._current

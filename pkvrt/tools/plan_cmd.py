@@ -190,6 +190,11 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
     min_context = min((r.gates.min_context for r in reg.routes if r.kind != "flashinfer"),
                       default=0)
     every = max(1, len(steps) // 100)
+
+    def predicted(dec, name, seq):   # a baseline step no route challenged is decided unpredicted
+        t = dec.predicted_us.get(name)
+        return router.predict(router.registry.route(name), check_seq_lens(seq)) if t is None else t
+
     for i, step in enumerate(steps):
         seq = step.seq_lens
         tokens += len(seq)
@@ -198,11 +203,7 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
         seq_max, seq_sum = max(seq_max, hi), seq_sum + int(seq.sum())
         long_steps += hi >= min_context
         d = router.decide(seq)
-
-        def predicted(dec, name):   # a baseline step no route challenged is decided unpredicted
-            t = dec.predicted_us.get(name)
-            return router.predict(router.registry.route(name), check_seq_lens(seq)) if t is None else t
-        accs[ADAPTIVE].add(d.plan.counters, predicted(d, d.route))
+        accs[ADAPTIVE].add(d.plan.counters, predicted(d, d.route, seq))
         mix[d.route] += 1
         for s, n in _plan_splits(d.plan):
             splits[d.route][s] += n
@@ -214,7 +215,7 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
             except ValueError as e:                  # no kernel for this shape
                 unavailable[r.name] = str(e)
                 continue
-            accs[r.name].add(f.plan.counters, predicted(f, r.name))
+            accs[r.name].add(f.plan.counters, predicted(f, r.name, seq))
         if progress and ((i + 1) % every == 0 or i + 1 == len(steps)):
             _progress(stream, i + 1, len(steps))
 

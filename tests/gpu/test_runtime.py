@@ -330,17 +330,19 @@ def test_default_flashinfer_route_runs_eagerly_inside_a_graph_runtime(pool):
     assert s["captures"] == 0 and s["eager_runs"] == len(STEPS)
 
 
-def test_flashinfer_direct_run_is_bitwise_the_wrappers_run(pool):
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
+def test_flashinfer_direct_run_is_bitwise_the_wrappers_run(pool, tensor_cores):
     """Eager FlashInfer steps: from the third layer on the Runtime calls FlashInfer's kernel
     entry with the arguments its run() built for the second (fi_route.DirectCall). Over steps
     whose rows join and leave, layers with their own caches and fresh q/out tensors, its output
     is bit for bit the output of FlashInfer's run() at every layer (flashinfer_direct_run=False),
-    and with this FlashInfer every step's recording is usable (no fallback)."""
+    and with this FlashInfer every step's recording is usable (no fallback), on its tensor-core
+    and CUDA-core decode paths (two different compiled entries)."""
     if FI_MODULE is None:
         pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
     b, caches = pool
-    direct, wrapper = runtime(flashinfer_cuda_graph=False), runtime(flashinfer_cuda_graph=False,
-                                                                   flashinfer_direct_run=False)
+    kw = dict(flashinfer_cuda_graph=False, flashinfer_tensor_cores=tensor_cores)
+    direct, wrapper = runtime(**kw), runtime(**kw, flashinfer_direct_run=False)
     layers = [caches[0], caches[1], caches[0], caches[1]]
     for i, (rows, short) in enumerate(STEPS):
         seq, bt, q = step_inputs(b, rows, short, seed=110 + i)
