@@ -1080,18 +1080,18 @@ def within_fp8_bound(checks: list[dict]) -> bool:
 
 
 def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs, refs, out,
-                   baseline: bool = False, log=print) -> tuple[dict, list[dict]]:
-    """Correctness on the checked steps, then the wall and device passes of one engine alone
-    (:func:`check_engine`, :func:`wall_pass`, :func:`time_engine`; :func:`run_seed` interleaves
-    the wall passes of its engines instead). Returns (results row, per-step rows)."""
+                   baseline: bool = False, wall_rounds: int = 1, log=print) -> tuple[dict, list[dict]]:
+    """:func:`run_seed`'s protocol for one engine alone: :func:`check_engine`, its wall passes
+    (:func:`interleaved_wall_passes` of one engine) and :func:`time_engine`. Returns (results
+    row, per-step rows)."""
     common, failed = check_engine(engine, wl, clock, case=case, seed=seed, fi_outs=fi_outs,
                                   refs=refs, out=out, baseline=baseline, log=log)
     if failed is not None:
         return failed, []
     before = engine.stats()
-    walls, infos = wall_pass(engine, wl, wl.steps, out, clock)
+    ((walls, infos),) = interleaved_wall_passes([engine], wl, wl.steps, out, clock, wall_rounds)
     return time_engine(engine, wl, clock, case=case, seed=seed, common=common, out=out,
-                       walls=walls, infos=infos, before=before)
+                       walls=walls, infos=infos, before=before, wall_passes=wall_rounds)
 
 
 def check_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs, refs, out,

@@ -85,9 +85,10 @@ class Runtime(StaticBuffers, Planning, Running):
         runtime's graphs. Off by default: on the H200 (session 19, README "Host cost") it halves
         a FlashInfer step's host time (plan() 145-217 vs 316-384 us, run() 10-18 vs 21-43 us per
         layer through FlashInfer's eager run(); session 20's direct calls bring the eager run()
-        to FlashInfer's own cost, see ``flashinfer_direct_run``) but costs device time, +2 to +5 % at 32 layers on 32K steps and +19 % on the
-        Azure conversation trace (a graph boundary at every layer, a grid fixed per batch
-        size), and adds one wrapper per batch size. Worth it only where the host, not the GPU,
+        to FlashInfer's own cost, see ``flashinfer_direct_run``) but costs device time, +2 to
+        +5 % at 32 layers on 32K steps and +19 % on the Azure conversation trace (a graph
+        boundary at every layer, a grid fixed per batch size), and adds one wrapper per batch
+        size. Worth it only where the host, not the GPU,
         bounds the step; an engine that captures its whole step (``engine_capture``) gets graph
         mode without the per-layer boundaries. (The "illegal memory access" once seen with it was a race on pinned buffers,
         FlashInfer's own and the serving harness's, both guarded now: see

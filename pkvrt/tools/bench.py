@@ -260,9 +260,12 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
             return harness.HostStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                                max_active=config.max_active, routing=routing,
                                                tensor_cores=fi_route == "flashinfer-tc")
-        force = dict.fromkeys(harness.ADAPTIVE_ENGINES + (harness.DEVICE_PLAN,),
-                              None) | {harness.FI_GRAPH: registry.baseline.name}
-        force = force.get(base, name) if not route else route
+        if route:
+            force = route
+        elif base in (*harness.ADAPTIVE_ENGINES, harness.DEVICE_PLAN):
+            force = None                              # the Runtime's own routing
+        else:                                         # flashinfer-graph, or a route name
+            force = registry.baseline.name if base == harness.FI_GRAPH else name
         return harness.RuntimeEngine(wl, name=name, force=force, routes=registry.path,
                                      calibration=cal, max_active=config.max_active,
                                      tensor_cores=fi_route == "flashinfer-tc")
@@ -342,9 +345,7 @@ def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, step
                   "check, untimed passes until one captures no graph; then wall passes of all "
                   "engines interleaved step by step in a rotated order, wall_rounds rounds "
                   "(L2 flushed before each; synchronized host clock per step incl. planning and "
-                  "metadata; a step's wall "
-                  "= median of its rounds); per engine a"
-                  " device pass (CUDA events behind a host-covering spin kernel); FlashInfer's "
+                  "metadata; a step's wall = median of its rounds); per engine a device pass (CUDA events behind a host-covering spin kernel); FlashInfer's "
                   "CUDA-core, tensor-core and cuDNN decode wrappers planned every step from pinned "
                   "host CSR, its XQA decode given device block tables and lengths staged once per "
                   "step; baseline = fastest of those paths that run and match the FP32 reference, "
