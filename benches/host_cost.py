@@ -100,7 +100,9 @@ class RawFlashInfer:
         import torch
 
         ws = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
-        self.w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True)
+        # backend named, as the serving baseline names it: "auto" re-decides at every plan()
+        self.w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True,
+                                                               backend="fa2")
         pin = dict(dtype=torch.int32, pin_memory=True)
         self.indptr = torch.zeros(max_batch + 1, **pin)
         self.indices = torch.zeros(max_batch * max_pages, **pin)

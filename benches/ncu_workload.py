@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     if fi is not None:
         indptr, indices, last = to_csr(b.seq_lens.cpu().numpy(), b.block_tables.cpu().numpy(), 16)
         ws = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True)
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True,
+                                                  backend=fi_route.BACKEND)
         w.plan(torch.as_tensor(indptr), torch.as_tensor(indices).cuda(), torch.as_tensor(last),
                32, 8, 128, 16, q_data_type=torch.float16, kv_data_type=torch.float16)
         runs.append(lambda: w.run(b.q, (b.k_cache, b.v_cache), out=outs["flashinfer"]))

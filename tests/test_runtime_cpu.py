@@ -1335,10 +1335,10 @@ class CsrWrapper:
     buffer, read at run() time as FlashInfer reads them); run() rebuilds lengths and block tables
     from that CSR and runs the FP32 reference."""
 
-    def __init__(self, workspace, layout, *, use_tensor_cores, use_cuda_graph=False,
+    def __init__(self, workspace, layout, *, use_tensor_cores, backend, use_cuda_graph=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None):
-        assert layout == "HND"
+        assert layout == "HND" and backend == "fa2"   # FA2 named: "auto" re-decides every plan()
         self.planned = None
 
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw):

@@ -3,7 +3,7 @@
 FlashInfer is optional (``pip install pkvrt[flashinfer]``). :func:`load_flashinfer` imports it
 and says why it cannot be used; the Runtime then reports the route unavailable and never takes
 it. When it can, :class:`FlashInferRoute` drives ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
-over the same HND pages the PersistentKV kernels read (the CSR of ``pkvrt.policy.blocktables.to_csr``,
+with its FA2 decode kernels named (``backend="fa2"``, :data:`BACKEND`) over the same HND pages the PersistentKV kernels read (the CSR of ``pkvrt.policy.blocktables.to_csr``,
 which the Runtime gathers straight into its pinned staging with ``blocktables.used_ids``):
 
 * CUDA-graph mode (``Runtime(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
@@ -48,6 +48,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented example size; shared by every wrapper
+# FlashInfer's FA2 decode kernels (tensor-core or CUDA-core), named: its default "auto" resolves
+# to them for 16-bit caches, but 0.7's auto re-decides between them and cuDNN at every plan()
+# (H200 machine's host, session 21: 467 vs 237 us per plan, the same kernel runs)
+BACKEND = "fa2"
 # FlashInfer versions whose run() the direct calls were checked against (tests/gpu/test_runtime.py,
 # bitwise): a version outside them runs wrapper.run at every layer
 DIRECT_RUN_VERSIONS = ("0.7.",)
@@ -101,7 +105,8 @@ class DirectCall:
         """The call of a recording, or None unless it is exactly one positional call in which
         each of the four tensors appears exactly once (by identity) and no other argument refers
         to their memory: a tensor on one of their addresses (a view) or a list, tuple or dict
-        holding tensors would be passed unchanged to later layers, with this layer's data."""
+        holding tensors would be passed unchanged to later layers, with this layer's data.
+        One pass over the arguments (FlashInfer 0.7.2's tensor-core entry takes 46)."""
         import torch
 
         if len(calls) != 1:
@@ -109,21 +114,26 @@ class DirectCall:
         fn, args, kwargs = calls[0]
         if kwargs:
             return None
-        slots = []
-        for t in (q, k_cache, v_cache, out):
-            at = [i for i, a in enumerate(args) if a is t]
-            if len(at) != 1:
-                return None
-            slots.append(at[0])
-        ptrs = {t.data_ptr() for t in (q, k_cache, v_cache, out)}
+        mine = (q, k_cache, v_cache, out)
+        ptrs = {t.data_ptr() for t in mine}
+        slots = [-1, -1, -1, -1]
         for i, a in enumerate(args):
-            if i in slots:
-                continue
-            if isinstance(a, torch.Tensor) and a.data_ptr() in ptrs:
-                return None
-            items = a.values() if isinstance(a, dict) else a if isinstance(a, (list, tuple)) else ()
-            if any(isinstance(x, torch.Tensor) for x in items):
-                return None
+            if isinstance(a, torch.Tensor):
+                for j, t in enumerate(mine):
+                    if a is t:
+                        if slots[j] != -1:   # twice (or q that is out: its second place)
+                            return None
+                        slots[j] = i
+                        break
+                else:
+                    if a.data_ptr() in ptrs:
+                        return None
+            elif isinstance(a, (list, tuple, dict)):
+                items = a.values() if isinstance(a, dict) else a
+                if any(isinstance(x, torch.Tensor) for x in items):
+                    return None
+        if -1 in slots:
+            return None
         args = list(args)
         for i in slots:
             args[i] = None
@@ -186,7 +196,7 @@ class FlashInferRoute:
         self.wrappers_built = 0
         if not cuda_graph:
             self._eager = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "HND", use_tensor_cores=tensor_cores)
+                self._workspace, "HND", use_tensor_cores=tensor_cores, backend=BACKEND)
 
     def _wrapper(self, batch: int) -> tuple[int, object]:
         """The graph-mode wrapper for ``batch`` rows and its serial number (built on first use)."""
@@ -199,6 +209,7 @@ class FlashInferRoute:
         self._serial += 1
         w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
+            backend=BACKEND,
             paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
             paged_kv_indices_buffer=self._indices,
             paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device))

@@ -358,13 +358,15 @@ def time_flashinfer(wl, tensor_cores: bool, ref, repeats: int) -> float:
 
     from pkvrt.measure import harness
     from pkvrt.policy.blocktables import to_csr
+    from pkvrt.runtime import fi_route
 
     sh = wl.shape
     step = wl.steps[0]
     indptr, indices, last = (torch.from_numpy(a) for a in
                              to_csr(step.seq_lens, wl.layout.block_table(step.rids), sh.page_size))
     ws = torch.zeros(harness.FI_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores,
+                                                   backend=fi_route.BACKEND)   # the route's kernel
     w.plan(indptr, indices, last, sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
            q_data_type=sh.torch_dtype, kv_data_type=sh.torch_dtype)
     b = len(step.rids)

@@ -58,8 +58,9 @@ def ref_out(q, cache, seq, bt):
                                       torch.as_tensor(bt, device="cuda"))
 
 
-def fi_out(q, cache, seq, bt):
-    """FlashInfer's own answer (a plain wrapper, planned from scratch), or None without it."""
+def fi_out(q, cache, seq, bt, tensor_cores=True):
+    """FlashInfer's own answer (a plain wrapper with its default backend, planned from scratch),
+    or None without it."""
     if FI_MODULE is None:
         return None
     page = SHAPE["page_size"]
@@ -68,7 +69,7 @@ def fi_out(q, cache, seq, bt):
     indices = torch.cat([torch.as_tensor(bt[i, :p]) for i, p in enumerate(pages)]).int().cuda()
     last = torch.tensor([n - (p - 1) * page for n, p in zip(seq, pages)], dtype=torch.int32)
     ws = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
-    w = FI_MODULE.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True)
+    w = FI_MODULE.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores)
     w.plan(indptr, indices, last, SHAPE["num_qo_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"],
            page, q_data_type=torch.float16, kv_data_type=torch.float16)
     return w.run(q, cache)
@@ -337,7 +338,9 @@ def test_flashinfer_direct_run_is_bitwise_the_wrappers_run(pool, tensor_cores):
     whose rows join and leave, layers with their own caches and fresh q/out tensors, its output
     is bit for bit the output of FlashInfer's run() at every layer (flashinfer_direct_run=False),
     and with this FlashInfer every step's recording is usable (no fallback), on its tensor-core
-    and CUDA-core decode paths (two different compiled entries)."""
+    and CUDA-core decode paths (two different compiled entries). The route names FlashInfer's FA2
+    backend (fi_route.BACKEND): its output is bit for bit that of a wrapper left on FlashInfer's
+    default backend, i.e. the same kernel."""
     if FI_MODULE is None:
         pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
     b, caches = pool
@@ -356,6 +359,8 @@ def test_flashinfer_direct_run_is_bitwise_the_wrappers_run(pool, tensor_cores):
             assert torch.equal(got, want), f"step {i} layer {layer}"
             if layer == 1:
                 check(got, ql, cache, seq, bt, f"step {i} layer {layer}")
+                default = fi_out(ql, cache, seq, bt, tensor_cores)
+                assert torch.equal(got, default), f"step {i}: not FlashInfer's default kernel"
     s = direct.stats()["flashinfer"]
     assert s["direct_calls"] == len(STEPS) * (len(layers) - 2) and s["direct_fallbacks"] == 0
     assert wrapper.stats()["flashinfer"]["direct_calls"] == 0
