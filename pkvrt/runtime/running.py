@@ -102,8 +102,15 @@ class Running:
             out = torch.empty_like(q)
         if self.use_cuda_graph and capturing:
             raise RuntimeError(NESTED_CAPTURE.format("run"))
+        if st.kind == "flashinfer" and not self._fi.cuda_graph:
+            # FlashInfer's eager wrapper (its direct call from the third layer on): no planning
+            # kernel to launch, no graph, no early_kv; nothing else between run() and FlashInfer
+            self._fi.run(q, k_cache, v_cache, out)
+            st.runs += 1
+            self._counts["eager_runs"] += 1
+            return out
         scales = (k_scale, v_scale)
-        if not self.use_cuda_graph or (st.kind == "flashinfer" and not self._fi.cuda_graph):
+        if not self.use_cuda_graph:
             # early_kv from the second run() of the step on, except on a run() that launches the
             # step's planning kernel itself (engine_capture with host lengths: the first eager
             # run() after plan() and the first of every capture), whose decode must wait for the
