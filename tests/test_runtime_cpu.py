@@ -1462,6 +1462,39 @@ def test_fake_device_flashinfer_direct_run_falls_back_to_the_wrappers_run(fake_d
     assert stats["direct_fallbacks"] == (0 if case == "off" else 1)
 
 
+def test_direct_call_recording_refuses_aliases_and_tensor_containers():
+    """DirectCall.from_recording accepts one positional call holding q, k_cache, v_cache and out
+    once each, and refuses anything a later layer would get wrong: q that is out or k_cache that
+    is v_cache (passed once or twice), a view of one of them, a list, tuple or dict holding a
+    tensor, a keyword argument, two calls."""
+    q, out = torch.zeros(2, 4), torch.zeros(2, 4)
+    k, v = torch.zeros(3, 4), torch.zeros(3, 4)
+
+    def f(*a):
+        pass
+
+    def rec(*args, **kw):
+        return [(f, args, kw)]
+
+    ok = fi_route.DirectCall.from_recording(rec(1, q, k, v, out, None), q, k, v, out)
+    assert ok is not None and ok.slots == (1, 2, 3, 4) and ok.args == [1, None, None, None, None, None]
+    refused = {
+        "q is out, once": (rec(q, k, v), q, k, v, q),
+        "q is out, twice": (rec(q, k, v, q), q, k, v, q),
+        "k is v, once": (rec(q, k, out), q, k, k, out),
+        "k is v, twice": (rec(q, k, k, out), q, k, k, out),
+        "view of out": (rec(q, k, v, out, out.view(-1)), q, k, v, out),
+        "list with q": (rec(q, k, v, out, [q]), q, k, v, out),
+        "dict with a tensor": (rec(q, k, v, out, {"a": torch.zeros(1)}), q, k, v, out),
+        "tuple with a tensor": (rec(q, k, v, out, (1, torch.zeros(1))), q, k, v, out),
+        "keyword": (rec(q, k, v, out=out), q, k, v, out),
+        "two calls": (rec(q, k, v, out) * 2, q, k, v, out),
+        "q missing": (rec(k, v, out), q, k, v, out),
+    }
+    for what, (calls, *tensors) in refused.items():
+        assert fi_route.DirectCall.from_recording(calls, *tensors) is None, what
+
+
 def test_fake_device_flashinfer_direct_run_state_per_step(fake_device, pool, monkeypatch):
     """The recorded call holds none of its layer's tensors; a two-layer step makes no direct
     call; a PersistentKV step between two FlashInfer steps leaves nothing behind (the next

@@ -3,8 +3,9 @@
 FlashInfer is optional (``pip install pkvrt[flashinfer]``). :func:`load_flashinfer` imports it
 and says why it cannot be used; the Runtime then reports the route unavailable and never takes
 it. When it can, :class:`FlashInferRoute` drives ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
-with its FA2 decode kernels named (``backend="fa2"``, :data:`BACKEND`) over the same HND pages the PersistentKV kernels read (the CSR of ``pkvrt.policy.blocktables.to_csr``,
-which the Runtime gathers straight into its pinned staging with ``blocktables.used_ids``):
+with its FA2 decode kernels named (``backend="fa2"``, :data:`BACKEND`) over the same HND pages
+the PersistentKV kernels read (the CSR of ``pkvrt.policy.blocktables.to_csr``, which the Runtime
+gathers straight into its pinned staging with ``blocktables.used_ids``):
 
 * CUDA-graph mode (``Runtime(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
   (``use_cuda_graph=True`` with fixed ``paged_kv_*_buffer`` tensors). Such a wrapper is built for
@@ -48,9 +49,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented example size; shared by every wrapper
-# FlashInfer's FA2 decode kernels (tensor-core or CUDA-core), named: its default "auto" resolves
-# to them for 16-bit caches, but 0.7's auto re-decides between them and cuDNN at every plan()
-# (H200 machine's host, session 21: 467 vs 237 us per plan, the same kernel runs)
+# FlashInfer's FA2 decode kernels (tensor-core or CUDA-core), named, so that the route runs one
+# kernel in every FlashInfer version: the default "auto" picks them too for 16-bit caches in
+# 0.5.3, 0.6.4+ and 0.7, but 0.7's auto re-decides between them and cuDNN at every plan() (H200
+# machine's host, session 21: 467 vs 237 us per plan, for the same kernel), and 0.6.0-0.6.3's
+# picked FA3 on SM90 with tensor cores (upstream went back to FA2 for decode in 0.6.4)
 BACKEND = "fa2"
 # FlashInfer versions whose run() the direct calls were checked against (tests/gpu/test_runtime.py,
 # bitwise): a version outside them runs wrapper.run at every layer
@@ -121,7 +124,9 @@ class DirectCall:
             if isinstance(a, torch.Tensor):
                 for j, t in enumerate(mine):
                     if a is t:
-                        if slots[j] != -1:   # twice (or q that is out: its second place)
+                        # twice, or q that is out / k_cache that is v_cache at its second
+                        # place (passed once, such an alias leaves a slot at -1: refused below)
+                        if slots[j] != -1:
                             return None
                         slots[j] = i
                         break

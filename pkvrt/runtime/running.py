@@ -13,8 +13,7 @@ from pkvrt.launch import _driver, ops
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import _Step
-from pkvrt.runtime.checks import (NESTED_CAPTURE, SIG_K, SIG_KS, SIG_OUT, SIG_Q, SIG_V, SIG_VS,
-                                  check_page_bound, check_run_args, run_signature, sig_key)
+from pkvrt.runtime.checks import NESTED_CAPTURE, check_page_bound, check_run_args, run_signature
 from pkvrt.runtime.graphs import bucket_sections
 
 
@@ -127,12 +126,12 @@ class Running:
         # The scale tensors are baked in by address, like the caches (their values are read at replay).
         # graphs.tensor_key of each tensor: the first four fields of its entry in the signature
         # (computed once per call: a tensor's attribute reads are most of run()'s host time)
-        kv = (sig_key(sig, SIG_K), sig_key(sig, SIG_V))
+        kv = (sig[2][:4], sig[3][:4])
         if self._fp8:
-            kv += (sig_key(sig, SIG_KS), sig_key(sig, SIG_VS))
+            kv += (sig[5][:4], sig[6][:4])
         head = (*self.step_key, kv)
-        qk = sig_key(sig, SIG_Q)
-        ok = sig_key(sig, SIG_OUT) if sig[SIG_OUT] is not None else graphs.tensor_key(out)  # None: allocated
+        qk = sig[1][:4]
+        ok = sig[4][:4] if sig[4] is not None else graphs.tensor_key(out)   # out=None: allocated
         if qk[0] == self._sq_ptr and ok[0] == self._so_ptr:
             self._run_static(st, head, k_cache, v_cache, scales)
             return out

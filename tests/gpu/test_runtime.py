@@ -339,8 +339,9 @@ def test_flashinfer_direct_run_is_bitwise_the_wrappers_run(pool, tensor_cores):
     is bit for bit the output of FlashInfer's run() at every layer (flashinfer_direct_run=False),
     and with this FlashInfer every step's recording is usable (no fallback), on its tensor-core
     and CUDA-core decode paths (two different compiled entries). The route names FlashInfer's FA2
-    backend (fi_route.BACKEND): its output is bit for bit that of a wrapper left on FlashInfer's
-    default backend, i.e. the same kernel."""
+    backend (fi_route.BACKEND): with FlashInfer 0.7 (the versions the direct calls run with) its
+    output is bit for bit that of a wrapper left on FlashInfer's default backend, i.e. the same
+    kernel (0.6.0-0.6.3's default picked FA3 on SM90)."""
     if FI_MODULE is None:
         pytest.skip(f"FlashInfer route unavailable: {FI_REASON}")
     b, caches = pool
