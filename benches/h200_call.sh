@@ -3,6 +3,10 @@
 # sm_90 cubins (a directory, or cubins.txz: `tar cJf .carry/cubins.txz -C DIR .` of the output of
 # `PKVRT_CUDA_ARCHS=sm_90 python pkvrt/_build.py DIR`: 1 MB instead of 14), FlashInfer's JIT
 # cache when one was carried back (.carry/fi-cache.txz of ~/.cache: 2.4 MB for 0.7.2). Source it.
+# The device tool's 64 MiB limit covers the checkout, the wheels and .carry: after
+# wheelhouse-fi07.sh, `python benches/slim_fi_wheel.py DIR/flashinfer_python-*.whl` drops
+# FlashInfer's CUTLASS headers (unused by the decode paths; 31.5 -> 25.1 MB) so that the JIT
+# cache fits beside it (session 21).
 # usage (on the GPU machine, repo root): [WHL=.whl07] . benches/h200_call.sh
 # WHL: the carried wheel directory (default .whl: FlashInfer 0.5.3; ../shared/gpu/wheelhouse-fi07.sh
 # makes a 0.7.2 set)
