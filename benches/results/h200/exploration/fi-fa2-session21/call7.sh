@@ -1,0 +1,13 @@
+export PKVRT_SOURCE_COMMIT=$(cat .carry/commit); WHL=.whl07s . benches/h200_call.sh || exit 1
+t0=$(date +%s)
+S=/tmp/serving; mkdir -p $S
+R=benches/results/h200/exploration/fi-fa2-session21/routes-nogate.toml
+A="bench serving --max-active 8 --check-steps 2 --seeds 20260623-20260624 --engines flashinfer,adaptive --routes $R"
+sv() { name=$1; shift; timeout 90 python3 -m pkvrt $A "$@" --out $S/serving-$name.json > $S/serving-$name.log 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^\| .*pkvrt" $S/serving-$name.log | cut -c1-150; tar czf $OUT/serving.tgz -C $S .; }
+sv nogate-azure-conv-B8-L32 --steps-limit 32 --engine-layers 32 --trace .carry/traces/azure2023_conv.csv
+sv nogate-azure-code-B8-L32 --steps-limit 32 --engine-layers 32 --trace .carry/traces/azure2023_code.csv
+sv nogate-bimodal-B8-L32 --steps-limit 16 --engine-layers 32 --trace bimodal
+sv nogate-bucketed-B1-L32 --steps-limit 16 --engine-layers 32 --trace bucketed --max-active 1
+sv nogate-azure-conv-B8-L1 --steps-limit 32 --trace .carry/traces/azure2023_conv.csv
+echo "total $(( $(date +%s) - t0 )) s"
