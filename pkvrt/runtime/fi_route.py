@@ -5,7 +5,7 @@ and says why it cannot be used; the Runtime then reports the route unavailable a
 it. When it can, :class:`FlashInferRoute` drives ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
 with its FA2 decode kernels named (``backend="fa2"``, :data:`BACKEND`) over the same HND pages
 the PersistentKV kernels read (the CSR of ``pkvrt.policy.blocktables.to_csr``, which the Runtime
-gathers straight into its pinned staging with ``blocktables.used_ids``):
+writes straight into its pinned staging with ``blocktables.write_csr``):
 
 * CUDA-graph mode (``Runtime(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
   (``use_cuda_graph=True`` with fixed ``paged_kv_*_buffer`` tensors). Such a wrapper is built for
@@ -19,22 +19,23 @@ gathers straight into its pinned staging with ``blocktables.used_ids``):
 * eager mode (``use_cuda_graph=False``, the default): one plain wrapper, planned every step.
   Its ``run()`` is Python that rebuilds the same argument list for FlashInfer's compiled kernel
   entry at every layer (H200 machine's host, session 20: 28.7 us per layer, of which the call
-  into the compiled entry is 12.4). With ``direct_run`` (the default) the second ``run()`` after a ``plan()`` goes
-  through ``wrapper.run`` with the wrapper's compiled module behind a :class:`_Recorder`, which
-  keeps the one call FlashInfer makes; the step's later layers call that entry directly with
-  the same arguments, only q, the two caches and out swapped in (:class:`DirectCall`). The first
-  layer is a plain ``wrapper.run``: a one-layer step (one attention call per plan) pays nothing
-  for a recording it could not reuse. Nothing of FlashInfer is re-implemented: its own run()
-  builds the arguments, its kernel runs them. It falls back to ``wrapper.run`` for the rest of the step whenever the recording is not one
+  into the compiled entry is 12.4). With ``direct_run`` (the default) the second ``run()`` after
+  a ``plan()`` goes through ``wrapper.run`` with the wrapper's compiled module behind a
+  :class:`_Recorder`, which keeps the one call FlashInfer makes; the step's later layers call
+  that entry directly with the same arguments, only q, the two caches and out swapped in
+  (:class:`DirectCall`). The first layer is a plain ``wrapper.run``: a one-layer step (one
+  attention call per plan) pays nothing for a recording it could not reuse. Nothing of
+  FlashInfer is re-implemented: its own run() builds the arguments, its kernel runs them. It
+  falls back to ``wrapper.run`` for the rest of the step whenever the recording is not one
   positional call in which each of the four tensors appears exactly once and nothing else
   refers to them (a FlashInfer version that calls its module twice, or by keyword, or passes a
   view, a tuple or any other tensor on the same memory as one of them; q that is out; k_cache
   that is v_cache), and it is used with the FlashInfer versions its GPU test has checked bit for
   bit against ``wrapper.run`` (:data:`DIRECT_RUN_VERSIONS`; what ``run()`` might do to ``out``
-  after its module call is not visible to the recording). The arguments
-  ``run()`` derives from its tensors besides the tensors themselves (dtypes, head_dim,
-  page_size, q rows per request) are the same at every layer of a step, which the Runtime's
-  run() checks before it gets here (``checks.check_run_args``).
+  after its module call is not visible to the recording). The arguments ``run()`` derives from
+  its tensors besides the tensors themselves (dtypes, head_dim, page_size, q rows per request)
+  are the same at every layer of a step, which the Runtime's run() checks before it gets here
+  (``checks.check_run_args``).
 
 The ``indices`` every wrapper shares is one device buffer owned by the Runtime, passed both as
 ``paged_kv_indices_buffer`` and (a prefix view of it) as the ``indices`` argument of ``plan``:
