@@ -73,6 +73,16 @@ def time_models(draw) -> dict:
 
 
 @st.composite
+def host_times(draw) -> dict:
+    """Calibration keywords: no host_time (files before session 22), or every kind's host cost."""
+    if not draw(st.booleans()):
+        return {}
+    return dict(host_time=C.HostTime(costs=tuple((k, C.HostCost(draw(non_neg), draw(non_neg))) for k in C.TIME_KINDS),
+                                     date=draw(st.dates()).isoformat(), command=draw(names),
+                                     provenance=draw(names)))
+
+
+@st.composite
 def sections(draw) -> tuple:
     """Calibration keywords: no by_kv_dtype (every file before FP8 calibration), or an FP8
     section with some split keys and/or route kinds, each maybe with by_group entries."""
@@ -111,7 +121,7 @@ def calibrations(draw) -> Calibration:
         flashinfer_ctas_per_sm=tuple(sorted(table.items())),
         versions=tuple((k, draw(st.none() | names)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=draw(st.dates()).isoformat(), seed=draw(st.integers(0, 2**40)), command=draw(names),
-        provenance=draw(names), **draw(time_models()), **draw(sections()))
+        provenance=draw(names), **draw(time_models()), **draw(sections()), **draw(host_times()))
 
 
 @settings(max_examples=60, deadline=None)

@@ -158,7 +158,7 @@ ERRORS = [
      ["[routes.pkv_bucket]", f"declared twice at line {BASE.count(chr(10)) + 2}", "duplicate route"]),
     ("duplicate-key", edit("min_active = 1", "min_active = 1\nmin_active = 2"),
      ["[gates] min_active", "line 5"]),
-    ("unknown-top-key", "foo = 1\n" + BASE, ["[top level] foo: unknown key", "gates, promotion, device_planning, routes"]),
+    ("unknown-top-key", "foo = 1\n" + BASE, ["[top level] foo: unknown key", "gates, promotion, host_time, device_planning, routes"]),
     ("unknown-gate-key", edit("min_active = 1", "min_active = 1\nmin_ctx = 3"),
      ["[gates] min_ctx: unknown key", "group_sizes"]),
     ("unknown-route-key", edit('bucketing = "exact"', 'bucketing = "exact"\nsplitz = 4'),

@@ -32,6 +32,14 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        measured time model of every route kind (costmodel.py, "The measured
                        model"); a file without it (the seed, files of an older calibrate) is
                        predicted with the roofline above (c_min, flashinfer.ctas_per_sm)
+    host_time         optional: {"flashinfer", "bucket", "workqueue", "fused": each {"plan_us",
+                       "run_us": numbers >= 0}, "date", "command", "source"}: the HOST time of a
+                       step on each route in the Runtime's default mode (host lengths, a graph
+                       per layer; FlashInfer eager with direct calls), measured on the machine
+                       by ``pkvrt calibrate --host-time``: plan_us the step's fixed host time
+                       (plan() and the first run()'s extra), run_us each run() (a layer). The
+                       router weighs it when routes.toml's ``[host_time]`` is enabled
+                       (costmodel.py, "Host time"); the host of the machine, not the GPU, sets it
     by_kv_dtype       optional: {"float8_e4m3fn": section}: constants measured with K/V caches of
                        that dtype (``pkvrt calibrate --kv-dtype fp8``), laid over the rest of the
                        file (measured with fp16 caches) for a Runtime or Router of that KV dtype
@@ -70,7 +78,7 @@ _TOP_KEYS = (
     "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
-_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype")
+_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype", "host_time")
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
                "co_resident_slowdown", "max_waves", "merge_free_slots", "wave_room_slots",
                "wave_room_tiles", "wave_room_chunk_tiles", "by_group")
@@ -85,6 +93,8 @@ _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 # time_model.<kind>: every route kind has one when the section is present
 TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")
 _TIME_KEYS = ("read_scale", "tail_us", "split_us", "fixed_us")
+# host_time.<kind>: every route kind, each with both keys
+_HOST_KEYS = ("plan_us", "run_us")
 # KV dtypes (routes.toml names): the top level's, measured with fp16 caches (bf16 moves the same
 # bytes through the same kernels), and those a by_kv_dtype section may be measured for
 TOP_KV_DTYPES = ("float16", "bfloat16")
@@ -179,6 +189,37 @@ class RouteTime:
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in _TIME_KEYS}
+
+
+@attrs.frozen
+class HostCost:
+    """Host time of a step on one route kind (a file's ``host_time.<kind>``), in µs: a step of
+    L layers costs ``plan_us + L * run_us`` of host time (``pkvrt.policy.costmodel.wall_us``)."""
+
+    plan_us: float
+    run_us: float
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in _HOST_KEYS}
+
+
+@attrs.frozen
+class HostTime:
+    """A file's ``host_time`` section: :class:`HostCost` of every route kind (``TIME_KINDS``),
+    with its own provenance (it is measured on the machine's host, apart from the GPU's
+    constants: ``pkvrt calibrate --host-time``)."""
+
+    costs: tuple[tuple[str, HostCost], ...]
+    date: str
+    command: str
+    provenance: str
+
+    def cost(self, kind: str) -> HostCost:
+        return dict(self.costs)[kind]
+
+    def to_dict(self) -> dict:
+        return {k: c.to_dict() for k, c in self.costs} | {"date": self.date, "command": self.command,
+                                                          "source": self.provenance}
 
 
 @attrs.frozen
@@ -285,6 +326,7 @@ class Calibration:
     by_kv_dtype: tuple[tuple[str, KvDtypeSection], ...] = ()
     kv_dtype: str | None = None
     kv_dtype_fallback: bool = False
+    host_time: HostTime | None = None   # the file's host_time section (None: not measured)
 
     def version(self, name: str) -> str | None:
         """The recorded version of ``name`` ("torch", "cuda", "flashinfer", "driver")."""
@@ -529,6 +571,26 @@ def _by_kv_dtype(v, path) -> tuple[tuple[str, KvDtypeSection], ...]:
     return tuple(out)
 
 
+def _host_time(v, path) -> HostTime:
+    """``host_time`` -> HostTime: every kind of ``TIME_KINDS`` with ``plan_us`` and ``run_us``
+    (numbers >= 0), and the section's date, command and source."""
+    keys = TIME_KINDS + ("date", "command", "source")
+    if not isinstance(v, dict):
+        raise _fail(path, "host_time", f"a JSON object of {list(keys)}", v)
+    _take(v, keys, path, "host_time.")
+    costs = []
+    for kind in TIME_KINDS:
+        entry, where = v[kind], f"host_time.{kind}"
+        if not isinstance(entry, dict):
+            raise _fail(path, where, f"a JSON object of {list(_HOST_KEYS)}", entry)
+        _take(entry, _HOST_KEYS, path, where + ".")
+        costs.append((kind, HostCost(**{k: _float(entry, k, path, where + ".", zero_ok=True)
+                                        for k in _HOST_KEYS})))
+    return HostTime(costs=tuple(costs), date=_date(v, path, "host_time."),
+                    command=_str(v, "command", path, "host_time."),
+                    provenance=_str(v, "source", path, "host_time."))
+
+
 def _date(obj, path, where="") -> str:
     date = _str(obj, "date", path, where)
     try:
@@ -621,6 +683,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         time_model=time_model,
         time_model_by_group=time_by_group,
         by_kv_dtype=_by_kv_dtype(doc["by_kv_dtype"], path) if "by_kv_dtype" in doc else (),
+        host_time=_host_time(doc["host_time"], path) if "host_time" in doc else None,
     )
 
 
@@ -650,7 +713,8 @@ def calibration_to_dict(cal: Calibration) -> dict:
         "command": cal.command,
         "source": cal.provenance,
     } | ({"time_model": _time_model_dict(cal)} if cal.time_model else {}) | (
-        {"by_kv_dtype": {n: sec.to_dict() for n, sec in cal.by_kv_dtype}} if cal.by_kv_dtype else {})
+        {"by_kv_dtype": {n: sec.to_dict() for n, sec in cal.by_kv_dtype}} if cal.by_kv_dtype else {}) | (
+        {"host_time": cal.host_time.to_dict()} if cal.host_time is not None else {})
 
 
 def with_kv_dtype_section(cal: Calibration, name: str, section: KvDtypeSection) -> Calibration:

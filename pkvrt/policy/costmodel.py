@@ -285,6 +285,37 @@ def predict_route_us(kind: str, seq: np.ndarray, counters, cal: Calibration, *, 
     return measured_us(groups, rt, cal, graphs=graphs)
 
 
+# ----------------------------------------------------------------------------- host time
+#
+# In the Runtime's default mode (host lengths, a graph per layer) a step is plan() on the host,
+# then one run() per layer, each enqueueing that layer's device work; an engine that waits for
+# a step's result before planning the next (its sampling) sees
+#
+#     W = plan_us + L * max(run_us, T)
+#
+# plan_us and run_us: the route kind's host time (calibration ``host_time``, measured on the
+# machine by ``pkvrt calibrate --host-time``); T: the route's predicted device time per layer;
+# L: layers per plan. The GPU runs layer i while the host enqueues layer i + 1, so a layer
+# costs the slower of the two; nothing overlaps plan(), which precedes the step's first launch.
+# Measured on the H200 (host_cost.json, session 10 medians, so one host phase): B1 32K on
+# pkv_workqueue at L 32, plan 184, run 28.5, T 41.9 -> 1524 us (measured wall 1530); FlashInfer
+# 402 + 32 * max(38.9, 42.4) = 1760 (1836: layers whose host and device times are close
+# alternate which one bounds, which the max of the means misses); bimodal B8 at L 1 on
+# pkv_workqueue 70 + max(24.7, 122.4) = 192 (187).
+
+
+def wall_us(device_us: float, host, layers: int) -> float:
+    """Predicted wall µs of a step of ``layers`` layers whose device time is ``device_us`` per
+    layer, with host time ``host`` (a :class:`pkvrt.policy.calibration.HostCost`)."""
+    return host.plan_us + layers * max(host.run_us, device_us)
+
+
+def host_bound(device_us: float, host, layers: int) -> bool:
+    """Whether the host sets the step's wall time: its host time (``plan_us + layers *
+    run_us``) exceeds its device time (``layers * device_us``)."""
+    return host.plan_us + layers * host.run_us > layers * device_us
+
+
 # ----------------------------------------------------------------------------- fitting it
 
 

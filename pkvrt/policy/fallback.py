@@ -22,7 +22,7 @@ def pkv_route_us(router: Router, route, seq: np.ndarray) -> float:
 
 def decide(router: Router, seq, block_tables, *, force: str | None = None,
            flashinfer_unavailable: str | None = None, fallback_memo: dict | None = None,
-           lens: list | None = None) -> RouteDecision:
+           lens: list | None = None, layers: int = 1) -> RouteDecision:
     """``router.decide``, except that when FlashInfer is unavailable (the reason given) a step
     the policy sends to FlashInfer runs on the fastest predicted PersistentKV route instead
     (non-ablation routes first), and ``explain()`` says so in the FlashInfer line.
@@ -32,17 +32,18 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
     predicts nothing (an FP8 Runtime, which never uses FlashInfer, took 280 us per short B8
     step on the dev box predicting the PersistentKV routes every step).
 
-    ``lens``: as ``Router.decide``'s (``seq`` checked int64, ``lens`` its Python ints).
+    ``lens``, ``layers``: as ``Router.decide``'s (``seq`` checked int64, ``lens`` its Python
+    ints; ``layers`` run() calls per plan).
 
     Raises ValueError when ``force`` names the FlashInfer route and it is unavailable.
     """
     if flashinfer_unavailable is None:
-        return router.decide(seq, force=force, block_tables=block_tables, lens=lens)
+        return router.decide(seq, force=force, block_tables=block_tables, lens=lens, layers=layers)
     reg = router.registry
     if force is not None and force == reg.baseline.name:
         raise ValueError(f"force={force!r}: the FlashInfer route is unavailable here "
                          f"({flashinfer_unavailable}); force a PersistentKV route instead")
-    d = router.decide(seq, force=force, block_tables=block_tables, lens=lens)
+    d = router.decide(seq, force=force, block_tables=block_tables, lens=lens, layers=layers)
     if d.kind != "flashinfer":
         return d
     base = reg.baseline.name
@@ -58,7 +59,7 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
         t = d.predicted_us.get(r.name)
         return pkv_route_us(router, r, seq64) if t is None else t
 
-    key = router.memo_key(seq64, force) if fallback_memo is not None else None
+    key = router.memo_key(seq64, force, layers) if fallback_memo is not None else None
     best = fallback_memo.get(key) if key is not None else None
     if best is None:
         best = min(pool, key=t_us)
@@ -66,7 +67,7 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
             if len(fallback_memo) >= router.memo_size:
                 del fallback_memo[next(iter(fallback_memo))]
             fallback_memo[key] = best
-    forced = router.decide(seq, force=best.name, block_tables=block_tables, lens=lens)
+    forced = router.decide(seq, force=best.name, block_tables=block_tables, lens=lens, layers=layers)
     refused = dict(forced.refused)
     refused[base] = (f"FlashInfer unavailable ({flashinfer_unavailable}); the policy chose it, so the "
                      f"runtime ran {best.name}, the fastest predicted PersistentKV route")

@@ -107,6 +107,17 @@ class BoundaryRule:
 
 
 @attrs.frozen
+class HostTimeRule:
+    """``[host_time]``: weigh each route's host time (the calibration's ``host_time``) in the
+    step's prediction, where the Runtime runs in the mode it was measured in. ``min_context``
+    replaces ``[gates] min_context`` for a step FlashInfer would run host-bound (its predicted
+    host time over its predicted device time): the context gate is a device-time gate."""
+
+    enabled: bool
+    min_context: int
+
+
+@attrs.frozen
 class Route:
     """One ``[routes.<name>]`` table, with defaults from ``[gates]`` and ``[promotion]`` applied."""
 
@@ -158,6 +169,8 @@ class Registry:
     device_route: str | None = None  # [device_planning] route: what device planning runs
     # [device_planning] small_rows / small_route: steps of at most small_rows rows run small_route
     device_small: tuple[int, str] | None = None
+    # [host_time] (None: the table is absent, host time is never weighed)
+    host_time: HostTimeRule | None = None
 
     def device_planning_route(self, rows: int | None = None) -> Route:
         """The route ``Runtime(device_planning=True)`` runs when none is forced: for a step of
@@ -234,10 +247,10 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
         raise RoutesError(f"{p}: byte {e.start} is not UTF-8; expected a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
-    routes, boundary, device_route, device_small = _parse(str(p), doc)
+    routes, boundary, device_route, device_small, host_time = _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
                     routes=routes, boundary=boundary, device_route=device_route,
-                    device_small=device_small)
+                    device_small=device_small, host_time=host_time)
 
 
 def _syntax_error(path: str, text: str, msg: str) -> RoutesError:
@@ -431,8 +444,8 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
 
 
 def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None,
-                                         tuple[int, str] | None]:
-    top = _Table(path, "top level", doc, ("gates", "promotion", "device_planning", "routes"))
+                                         tuple[int, str] | None, HostTimeRule | None]:
+    top = _Table(path, "top level", doc, ("gates", "promotion", "host_time", "device_planning", "routes"))
     gates = _gates(top.table("gates", GATE_KEYS), None)
     promo = top.table("promotion", ("margin", "boundary"))
     margin = promo.margin("margin")
@@ -464,4 +477,7 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
             dp.fail(missing, "missing", f"{missing} next to {small[0]} (the two go together)")
         if small:
             device_small = (dp.integer("small_rows"), dp.get("small_route", expected, problem))
-    return routes, boundary, device_route, device_small
+    host_time = None
+    if (ht := top.table("host_time", ("enabled", "min_context"), required=False)) is not None:
+        host_time = HostTimeRule(enabled=ht.boolean("enabled"), min_context=ht.integer("min_context"))
+    return routes, boundary, device_route, device_small, host_time

@@ -40,7 +40,7 @@ import attrs
 
 from pkvrt._buildspec import GROUP_SIZES, HEAD_DIMS, PAGE_SIZES, TILE_TOKENS
 from pkvrt.policy.calibration import Calibration
-from pkvrt.policy.costmodel import predict_route_us
+from pkvrt.policy.costmodel import host_bound, predict_route_us, wall_us
 from pkvrt.policy.planner import (BucketPlan, FlashInferPlan, WorkqueuePlan, bucket_from_checked,
                                   check_seq_lens, flashinfer_counters_from_checked, fused_counters,
                                   plan_flashinfer, workqueue_from_checked)
@@ -72,6 +72,11 @@ class RouteDecision:
     max_context: int = 0
     forced: bool = False
     reused: bool = False   # route taken from the memo (see Router's memo_size); plan exact or None
+    # host time weighed (Router.weigh_host): predicted wall µs of the step per evaluated route,
+    # and the layers per plan it was predicted for; empty and 0 when only device time is weighed
+    wall_us: dict[str, float] = attrs.field(factory=dict)
+    layers: int = 0
+    host_bound: bool = False   # [host_time] min_context applied: FlashInfer's step predicted host-bound
 
     def explain(self) -> str:
         """An aligned table: one line per route with its predicted µs and verdict or reason."""
@@ -84,11 +89,20 @@ class RouteDecision:
         lines = [f"step: {self.active} active rows, {ctx}"
                  + (" (forced)" if self.forced else "")
                  + (" (route reused from an earlier step with the same memo key; predictions "
-                    "below are that step's)" if self.reused else ""),
-                 f"{'route':<{w}}  {'predicted us':>12}  verdict"]
+                    "below are that step's)" if self.reused else "")]
+        if self.layers:
+            lines.append(f"host time weighed: {self.layers} layer{'s' if self.layers > 1 else ''} per plan; "
+                         "wall us = the step's plan + layers x max(host, device) per layer"
+                         + ("; FlashInfer's step is host-bound, so [host_time] min_context replaces "
+                            "[gates] min_context" if self.host_bound else ""))
+        wall = f"  {'wall us':>10}" if self.layers else ""
+        lines.append(f"{'route':<{w}}  {'predicted us':>12}{wall}  verdict")
         for n in names:
             t = self.predicted_us.get(n)
             ts = f"{t:12.1f}" if t is not None else f"{'-':>12}"
+            if self.layers:
+                wt = self.wall_us.get(n)
+                ts += f"  {wt:10.1f}" if wt is not None else f"  {'-':>10}"
             if n == self.route:
                 verdict = "chosen" + ("" if self.speedup == 1.0 else f" ({self.speedup:.3f}x over baseline)")
             else:
@@ -130,11 +144,20 @@ class Router:
         passes ``("workqueue", "fused")``): ``decide`` returns ``plan=None`` for them and runs
         no planner beyond the predictions, memo hit or not. Default (): every decision carries
         its host plan (``pkvrt plan``, the benches' dry runs).
+    weigh_host : the caller runs steps in the mode the calibration's ``host_time`` was measured
+        in (the Runtime's default: host lengths, a graph per layer, FlashInfer eager with direct
+        calls; the Runtime sets it). Host time is then weighed when routes.toml's
+        ``[host_time]`` is enabled and the calibration has ``host_time`` (:attr:`host_model`):
+        every evaluated route gets a predicted wall time ``costmodel.wall_us`` at ``decide``'s
+        ``layers``, the promotion margins apply to the ratio of wall times, and a step refused
+        by ``[gates] min_context`` alone is evaluated anyway when FlashInfer's step is predicted
+        host-bound (``costmodel.host_bound``) and its longest row reaches ``[host_time]
+        min_context``. Settable; setting it forgets the memo.
     """
 
     def __init__(self, registry, calibration: Calibration, *, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, kv_dtype="float16", dtype_bytes: int | None = None,
-                 graphs: bool = True, memo_size: int = 0, device_plan_kinds=()):
+                 graphs: bool = True, memo_size: int = 0, device_plan_kinds=(), weigh_host: bool = False):
         kv_dtype = kv_dtype_name(kv_dtype)
         if dtype_bytes is None:
             dtype_bytes = KV_DTYPES[kv_dtype]
@@ -177,9 +200,37 @@ class Router:
         self._windows: dict = {}
         # the gates' context thresholds: a window never spans one (the memo's cells never do, as
         # min_context values are multiples of the quantum in practice, but the window is not a cell)
-        self._ctx_gates = tuple(sorted({r.gates.min_context for r in registry.routes if r.kind != "flashinfer"}))
+        ctx = {r.gates.min_context for r in registry.routes if r.kind != "flashinfer"}
+        if registry.host_time is not None:
+            ctx.add(registry.host_time.min_context)
+        self._ctx_gates = tuple(sorted(ctx))
         self._quantum = max(TILE_TOKENS, self.cal.splits.min_split_tokens)
         self.memo_hits = 0
+        self.weigh_host = weigh_host
+
+    @property
+    def weigh_host(self) -> bool:
+        return self._weigh_host
+
+    @weigh_host.setter
+    def weigh_host(self, value: bool) -> None:
+        self._weigh_host = bool(value)
+        rule, host = self.registry.host_time, self.cal.host_time
+        self._host = (rule, host) if self._weigh_host and rule is not None and rule.enabled and host else None
+        self._memo.clear()
+        self._windows.clear()
+
+    @property
+    def host_model(self) -> str | None:
+        """Why host time is not weighed (None: it is): ``weigh_host`` off, routes.toml without an
+        enabled ``[host_time]``, or a calibration without ``host_time``."""
+        if self._host is not None:
+            return None
+        if not self._weigh_host:
+            return "not weighed in this mode (weigh_host=False)"
+        if self.registry.host_time is None or not self.registry.host_time.enabled:
+            return f"[host_time] is absent or disabled in {self.registry.path}"
+        return f"the calibration ({self.cal.source}) has no host_time (pkvrt calibrate --host-time)"
 
     def _kernel_gap(self) -> str | None:
         """Why no PersistentKV kernel exists for this shape (None: one does)."""
@@ -223,7 +274,7 @@ class Router:
     # -- the decision --------------------------------------------------------------------
 
     def decide(self, seq_lens, *, force: str | None = None, block_tables=None,
-               lens: list | None = None) -> RouteDecision:
+               lens: list | None = None, layers: int = 1) -> RouteDecision:
         """Pick this step's route and build its plan (None for ``device_plan_kinds``).
 
         Parameters
@@ -238,12 +289,20 @@ class Router:
         lens : the caller has checked the step already (the Runtime's ``check_step``):
             ``seq_lens`` is its int64 array and ``lens`` the same lengths as Python ints. A memo
             hit then costs no numpy call (the summaries and the key come from ``lens``).
+        layers : run() calls per plan (the Runtime passes those of its last step); used only
+            when host time is weighed (``weigh_host``), where it is part of the memo key.
 
         Raises
         ------
         ValueError
-            bad ``seq_lens``; ``force`` naming an unknown route or one with no kernel.
+            bad ``seq_lens``; ``force`` naming an unknown route or one with no kernel; ``layers``
+            not a positive integer.
         """
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"Router.decide: layers={layers!r}: expected a positive integer (run() "
+                             "calls per plan)")
+        host = self._host
+        mforce = force if host is None else (force, layers)   # the memo's and the window's key
         if lens is None:
             seq = check_seq_lens(seq_lens)
             lens = seq.tolist()
@@ -252,20 +311,21 @@ class Router:
         active, max_ctx = len(lens), max(lens)
         key = hit = None
         if self.memo_size:
-            hit = self._window_hit(lens, force)
+            hit = self._window_hit(lens, mforce)
             if hit is None:
-                key = self.memo_key(lens, force)
+                key = self._key(lens, mforce)
                 entry = self._memo.get(key)
                 if entry is not None:
                     hit = entry[0]
-                    self._windows[force] = (entry[1], entry[2], hit)
+                    self._windows[mforce] = (entry[1], entry[2], hit)
             if hit is not None:
                 self.memo_hits += 1
                 # the constructor, not attrs.evolve: 1.7 vs 4.8 us on the dev box, per step
                 return RouteDecision(route=hit.route, kind=hit.kind,
                                      plan=self._plan_for(self.registry.route(hit.route), seq, block_tables),
                                      predicted_us=hit.predicted_us, refused=hit.refused, speedup=hit.speedup,
-                                     active=active, max_context=max_ctx, forced=hit.forced, reused=True)
+                                     active=active, max_context=max_ctx, forced=hit.forced, reused=True,
+                                     wall_us=hit.wall_us, layers=hit.layers, host_bound=hit.host_bound)
         reg = self.registry
         base = reg.baseline
         if force is not None:
@@ -280,6 +340,7 @@ class Router:
 
         refused: dict[str, str] = {}
         candidates = []   # PersistentKV routes past their gates (or forced): predicted below
+        below_ctx = []    # refused by [gates] min_context alone: evaluated if FlashInfer is host-bound
         for r in reg.routes:
             if r.kind == "flashinfer":
                 continue
@@ -293,29 +354,56 @@ class Router:
                 why = r.refusals(group_size=self.group_size, max_context=max_ctx, active=active,
                                  kv_dtype=self.kv_dtype)
                 if why:
+                    if (host is not None and max_ctx >= host[0].min_context
+                            and not r.refusals(group_size=self.group_size, active=active,
+                                               max_context=max(max_ctx, r.gates.min_context),
+                                               kv_dtype=self.kv_dtype)):
+                        below_ctx.append(r)
                     refused[r.name] = "; ".join(why)
                     continue
             candidates.append(r)
         # The baseline is predicted when something is weighed against it (or it is forced): a
         # step every PersistentKV route's gates refuse runs it unpredicted (23-60 us less host
         # time per step the memo misses, on a trace of short requests joining and leaving).
-        t_fi = self.predict(base, seq) if candidates or force is not None else None
+        t_fi = self.predict(base, seq) if candidates or below_ctx or force is not None else None
         predicted = {} if t_fi is None else {base.name: t_fi}
+        walls, admitted = {}, False
+        if host is not None and t_fi is not None:
+            fi_host = host[1].cost("flashinfer")
+            walls[base.name] = wall_us(t_fi, fi_host, layers)
+            if below_ctx:
+                if host_bound(t_fi, fi_host, layers):
+                    admitted = True
+                    for r in below_ctx:
+                        del refused[r.name]
+                    candidates += below_ctx
+                else:
+                    note = (f"; FlashInfer's step is device-bound (host {fi_host.plan_us + layers * fi_host.run_us:.0f} "
+                            f"us <= device {layers * t_fi:.0f} us at {layers} layers), so [host_time] "
+                            f"min_context does not apply")
+                    for r in below_ctx:
+                        refused[r.name] += note
         promotable = []  # (T, route)
         for r in candidates:
             t = self.predict(r, seq)
             predicted[r.name] = t
+            if host is not None:
+                walls[r.name] = wall_us(t, host[1].cost(r.kind), layers)
             if r.name == force:
                 continue
             margin = reg.margin_for(r, active)
-            speedup = t_fi / t
+            if host is not None:
+                t, speedup = walls[r.name], walls[base.name] / walls[r.name]
+            else:
+                speedup = t_fi / t
             if margin is None:
                 refused[r.name] = (f"boundary rule: no PersistentKV at {active} active rows "
                                    f"(promotion.boundary margin = inf, allow = false)")
             elif speedup < margin:
                 b = reg.boundary
                 rule = " (boundary rule)" if active == b.active and not b.allow and margin > r.margin else ""
-                refused[r.name] = f"predicted speedup {speedup:.3f}x < margin {margin:.2f}{rule}"
+                what = "wall speedup" if host is not None else "speedup"
+                refused[r.name] = f"predicted {what} {speedup:.3f}x < margin {margin:.2f}{rule}"
             else:
                 promotable.append((t, r))
 
@@ -327,23 +415,31 @@ class Router:
                 refused.setdefault(base.name, f"not chosen: route {force!r} forced")
         elif promotable:
             t_best, chosen = min(promotable, key=lambda x: x[0])
+            wall = " wall" if host is not None else ""
             for t, r in promotable:
                 if r is not chosen:
-                    refused[r.name] = f"slower than {chosen.name} ({t:.1f} vs {t_best:.1f} us)"
-            refused[base.name] = f"{chosen.name} predicted {t_fi / t_best:.3f}x faster"
+                    refused[r.name] = f"slower than {chosen.name} ({t:.1f} vs {t_best:.1f} us{wall})"
+            t_base = walls[base.name] if host is not None else t_fi
+            refused[base.name] = f"{chosen.name} predicted {t_base / t_best:.3f}x faster{wall}"
         else:
             chosen = base
-        speedup = 1.0 if t_fi is None else t_fi / predicted[chosen.name]
+        if t_fi is None:
+            speedup = 1.0
+        elif host is not None:
+            speedup = walls[base.name] / walls[chosen.name]
+        else:
+            speedup = t_fi / predicted[chosen.name]
         d = RouteDecision(route=chosen.name, kind=chosen.kind, plan=self._plan_for(chosen, seq, block_tables),
                           predicted_us=predicted, refused=refused, speedup=speedup,
-                          active=active, max_context=max_ctx, forced=force is not None)
+                          active=active, max_context=max_ctx, forced=force is not None,
+                          wall_us=walls, layers=layers if host is not None else 0, host_bound=admitted)
         if key is not None:
             if len(self._memo) >= self.memo_size:
                 del self._memo[next(iter(self._memo))]
             template = attrs.evolve(d, plan=None)   # a hit re-plans: keep no arrays
             lens = tuple(lens)
             self._memo[key] = (template, lens, key[2])
-            self._windows[force] = (lens, key[2], template)
+            self._windows[mforce] = (lens, key[2], template)
         return d
 
     def _window_hit(self, lens: list, force: str | None) -> RouteDecision | None:
@@ -371,14 +467,18 @@ class Router:
                 return None
         return w[2]
 
-    def memo_key(self, seq, force: str | None = None) -> tuple | None:
+    def memo_key(self, seq, force: str | None = None, layers: int = 1) -> tuple | None:
         """The memo's key of a step (``seq``: int [B], checked, or a list of Python ints):
-        (force, active rows, distinct lengths, each length // quantum); None with the memo off."""
+        (force, active rows, distinct lengths, each length // quantum), with ``force`` paired
+        with ``layers`` when host time is weighed; None with the memo off."""
         if not self.memo_size:
             return None
         lens = seq if isinstance(seq, list) else seq.tolist()
+        return self._key(lens, force if self._host is None else (force, layers))
+
+    def _key(self, lens: list, mforce) -> tuple:
         q = self._quantum
-        return (force, len(lens), len(set(lens)), tuple([n // q for n in lens]))
+        return (mforce, len(lens), len(set(lens)), tuple([n // q for n in lens]))
 
     def full_plan(self, route: str, seq_lens, block_tables=None):
         """The full host plan of the route named ``route`` for ``seq_lens`` (int [B]), whatever

@@ -309,6 +309,11 @@ class Runtime(StaticBuffers, Planning, Running):
                     self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
                     warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}",
                                   RuntimeWarning, stacklevel=2)
+            # Host time is weighed in the mode the calibration's host_time was measured in (host
+            # lengths, a graph per layer, FlashInfer eager): plan() passes the layers per plan
+            self.router.weigh_host = (self.use_cuda_graph and not self.engine_capture and not self.device_planning
+                                      and self._fi is not None and not self._fi.cuda_graph)
+            self._layers = 1   # run() calls of the last step that ran any (Planning.plan)
             self._side = torch.cuda.Stream(self.device)
             self._pool = torch.cuda.graph_pool_handle()
             if self._dp_routes:

@@ -107,9 +107,11 @@ class Planning:
         else:
             # no block tables: a FlashInfer step's CSR is gathered into staging below, from
             # the pages check_step counted (the router's to_csr would check and copy them again)
+            if self._step is not None and self._step.runs:
+                self._layers = self._step.runs   # the last step's run() calls: layers per plan
             d = fallback.decide(self.router, step.seq, None, force=force,
                                 flashinfer_unavailable=self._fi_reason,
-                                fallback_memo=self._fallback_memo, lens=step.lens)
+                                fallback_memo=self._fallback_memo, lens=step.lens, layers=self._layers)
         on_gpu = d.kind in DEVICE_PLANNED
         if on_gpu and b > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows on route {d.route!r}: its plan "

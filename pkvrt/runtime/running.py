@@ -123,6 +123,7 @@ class Running:
             st.runs += 1
             self._counts["eager_runs"] += 1
             return out
+        st.runs += 1   # layers per plan: what the router weighs host time at (Planning.plan)
         # The scale tensors are baked in by address, like the caches (their values are read at replay).
         # graphs.tensor_key of each tensor: the first four fields of its entry in the signature
         # (computed once per call: a tensor's attribute reads are most of run()'s host time)

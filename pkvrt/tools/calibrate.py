@@ -548,16 +548,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "into the by_kv_dtype.float8_e4m3fn section of --base, which is written "
                              "to --out with every other constant kept")
     parser.add_argument("--base", metavar="PATH",
-                        help="with --kv-dtype fp8: this GPU's calibration file the FP8 section is "
-                             "added to or replaced in (default: the --out file)")
+                        help="with --kv-dtype fp8 or --host-time: this GPU's calibration file the FP8 "
+                             "or host_time section is added to or replaced in (default: the --out file)")
+    parser.add_argument("--host-time", action="store_true",
+                        help="measure only this machine's host time per route kind (the host_time "
+                             "section the router weighs where routes.toml's [host_time] is enabled; "
+                             "a full fp16 run measures it too) and write it into --base, every other "
+                             "constant kept")
 
 
 def check_arguments(args) -> str:
     """The routes.toml name of ``--kv-dtype``, after refusing combinations that do not apply to
     it (ValueError naming the option): ``--base`` without FP8, ``--suggest-routes`` with FP8."""
     kv = KV_DTYPE_ARGS[args.kv_dtype]
+    if getattr(args, "host_time", False):
+        if kv not in calib.TOP_KV_DTYPES:
+            raise ValueError("--host-time: not with --kv-dtype fp8 (host_time is measured in the mode "
+                             "FlashInfer runs in, fp16 caches; an FP8 Runtime does not weigh it)")
+        if args.suggest_routes:
+            raise ValueError("--suggest-routes: not with --host-time (it times no route's device time)")
+        return kv
     if kv in calib.TOP_KV_DTYPES and args.base:
-        raise ValueError("--base: only with --kv-dtype fp8 (an fp16 run measures and writes a whole file)")
+        raise ValueError("--base: only with --kv-dtype fp8 or --host-time (an fp16 run measures and "
+                         "writes a whole file)")
     if kv not in calib.TOP_KV_DTYPES and args.suggest_routes:
         raise ValueError("--suggest-routes: not with --kv-dtype fp8 (gates are judged against FlashInfer's "
                          "times, which an FP8 run does not measure: an FP8 Runtime does not run FlashInfer)")
@@ -569,19 +582,19 @@ def out_path(args, slug: str) -> Path:
     return Path(args.out) if args.out else calib.calibration_dirs()[-1] / f"{slug}.json"
 
 
-def load_base(path: Path, device_name: str) -> calib.Calibration:
-    """The file an FP8 run adds its section to: it must exist and be this GPU's (its slug is
-    ``slugify(device_name)``): the section's time model is fitted against its beta, and its
-    constants are laid over the file's on the GPU that measured them. ValueError otherwise
-    (a malformed file: CalibrationError)."""
+def load_base(path: Path, device_name: str, section: str = "FP8") -> calib.Calibration:
+    """The file an FP8 (or host-time) run adds its section to: it must exist and be this GPU's
+    (its slug is ``slugify(device_name)``): the section's time model is fitted against its
+    beta, and its constants are laid over the file's on the GPU that measured them. ValueError
+    otherwise (a malformed file: CalibrationError)."""
     if not path.is_file():
-        raise ValueError(f"{path}: no calibration file to add the FP8 section to; run `pkvrt calibrate` "
+        raise ValueError(f"{path}: no calibration file to add the {section} section to; run `pkvrt calibrate` "
                          "(fp16) on this GPU first, or name this GPU's file with --base PATH")
     base = calib.load_calibration(path)
     want = calib.slugify(device_name)
     if base.slug != want:
         raise ValueError(f"{path}: the calibration of {base.gpu!r} (slug {base.slug!r}), not of this GPU "
-                         f"{device_name!r} ({want!r}); an FP8 section extends its own GPU's file")
+                         f"{device_name!r} ({want!r}); an {section} section extends its own GPU's file")
     return base
 
 
@@ -613,6 +626,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     device = torch.cuda.get_device_name(0)
     out = out_path(args, calib.slugify(device))
+    if getattr(args, "host_time", False):
+        return run_host_time(args, out, device)
     try:
         if fp8:
             cal, raw, meta = measure_kv_dtype(args, load_base(Path(args.base) if args.base else out, device),
@@ -620,6 +635,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             dropped = replaced_sections(out)
             cal, raw, meta = measure(args, env)
+            from pkvrt.tools.calibrate_host import host_table, measure_host_time
+
+            ht, _ = measure_host_time(load_routes(args.routes), cal, rounds=1 if args.quick else 3,
+                                      command=_command())
+            cal = attrs.evolve(cal, host_time=ht)
+            print("host_time (this machine's host, per step: plan_us + layers x run_us)\n" + host_table(ht) + "\n")
             if dropped:
                 print(f"pkvrt calibrate: the {', '.join(dropped)} section of {out} is not kept (its time "
                       f"model was fitted against that file's beta): run pkvrt calibrate --kv-dtype fp8 "
@@ -644,6 +665,30 @@ def run(args: argparse.Namespace) -> int:
         if args.suggest_routes:
             Path(args.suggest_routes).write_text(gates, encoding="utf-8")
             print(f"wrote {args.suggest_routes} (suggested gates; routes.toml is unchanged)")
+    return 0
+
+
+def run_host_time(args, out: Path, device: str) -> int:
+    """``pkvrt calibrate --host-time``: measure the host_time section and write it into
+    ``--base`` (default ``out``) as ``out``, every other constant kept."""
+    from pkvrt.tools.calibrate_host import host_table, measure_host_time
+
+    base = load_base(Path(args.base) if args.base else out, device, section="host_time")
+    reg = load_routes(args.routes)
+    try:
+        ht, rows = measure_host_time(reg, base, rounds=1 if args.quick else 3, command=_command())
+    except RuntimeError as e:
+        print(f"pkvrt calibrate: {e}", file=sys.stderr)
+        return 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    calib.save_calibration(attrs.evolve(base, host_time=ht), out)
+    if args.raw:
+        meta = results.make_meta(seeds=[SEED], routes_path=args.routes or None, calibration_path=out,
+                                 kind="host-time")
+        results.write_results(args.raw, meta, rows)
+        print(f"wrote {args.raw}")
+    print("host_time (this machine's host, per step: plan_us + layers x run_us)\n" + host_table(ht))
+    print(f"wrote {out} (its host_time section; every other constant as in {args.base or 'the file before'})")
     return 0
 
 
