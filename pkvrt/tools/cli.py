@@ -249,7 +249,12 @@ def format_registry(reg: registry.Registry) -> str:
     rule = ("forbidden" if math.isinf(b.margin) else f"needs margin >= {b.margin:.2f}")
     rule = (f"boundary: at exactly {b.active} active rows PersistentKV {rule}"
             + (" (allow = true: rule off, routes keep their own margin)" if b.allow else ""))
-    return f"{table}\n\n{rule}\nfile: {reg.path}\nsha256: {reg.sha256}"
+    ht = reg.host_time
+    host = ("host time: not weighed ([host_time] absent)" if ht is None else
+            "host time: not weighed ([host_time] enabled = false)" if not ht.enabled else
+            f"host time: weighed in the Runtime's default mode (the calibration's host_time); a step "
+            f"FlashInfer runs host-bound needs min context {ht.min_context} instead of the routes' own")
+    return f"{table}\n\n{rule}\n{host}\nfile: {reg.path}\nsha256: {reg.sha256}"
 
 
 def format_step(reg: registry.Registry, *, active: int, max_context: int, group: int) -> str:

@@ -160,7 +160,7 @@ def _progress(stream, done: int, total: int) -> None:
 
 
 def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False,
-                stream=None) -> PlanSummary:
+                stream=None, layers: int = 1) -> PlanSummary:
     """Replay continuous decode over ``trace`` and route every step with ``router``.
 
     Parameters
@@ -169,6 +169,8 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
     max_active : slots of the decode loop (the batch size B).
     router : a :class:`pkvrt.policy.router.Router`; its registry, calibration and shape are used.
     progress : draw a progress bar on ``stream`` (default ``sys.stderr``).
+    layers : run() calls per plan, passed to ``router.decide`` (it weighs host time at them when
+        built with ``weigh_host=True`` and the calibration has ``host_time``).
 
     Returns
     -------
@@ -202,7 +204,7 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
         seq_min = lo if seq_min is None else min(seq_min, lo)
         seq_max, seq_sum = max(seq_max, hi), seq_sum + int(seq.sum())
         long_steps += hi >= min_context
-        d = router.decide(seq)
+        d = router.decide(seq, layers=layers)
         accs[ADAPTIVE].add(d.plan.counters, predicted(d, d.route, seq))
         mix[d.route] += 1
         for s, n in _plan_splits(d.plan):
@@ -211,7 +213,7 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
             if r.name in unavailable:
                 continue
             try:
-                f = d if r.name == d.route else router.decide(seq, force=r.name)
+                f = d if r.name == d.route else router.decide(seq, force=r.name, layers=layers)
             except ValueError as e:                  # no kernel for this shape
                 unavailable[r.name] = str(e)
                 continue
@@ -372,6 +374,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="pick the calibration file by device name, e.g. 'NVIDIA H200'")
     parser.add_argument("--eager", action="store_true",
                         help="predict eager launches (lambda_us) instead of CUDA-graph replays")
+    parser.add_argument("--layers", type=positive_int, metavar="N",
+                        help="decide as the Runtime's default mode does with N layers per plan: host "
+                             "time weighed (routes.toml [host_time], the calibration's host_time, e.g. "
+                             "--gpu 'NVIDIA H200'); default: device time only")
     add_shape_arguments(parser)
     parser.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
 
@@ -402,9 +408,12 @@ def run(args: argparse.Namespace) -> int:
         cal = seed_calibration()
     router = Router(registry, cal, num_qo_heads=args.num_qo_heads,
                     num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                    page_size=args.page_size, graphs=not args.eager)
+                    page_size=args.page_size, graphs=not args.eager, weigh_host=args.layers is not None)
+    if args.layers is not None and router.host_model is not None:
+        print(f"pkvrt plan: --layers {args.layers}: host time is not weighed: {router.host_model}",
+              file=sys.stderr)
     summary = run_planner(trace, max_active=args.max_active, router=router,
-                          progress=sys.stderr.isatty())
+                          progress=sys.stderr.isatty(), layers=args.layers or 1)
     print(format_summary(summary))
     if args.json:
         path = Path(args.json)

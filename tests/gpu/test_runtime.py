@@ -466,3 +466,27 @@ def test_captured_graphs_have_the_routes_launches(pool):
         rt.run(rt.static_q(2), *caches[0], out=rt.static_out(2))
         key = next(k for k in rt._graphs._entries if k[0] == route)
         assert _driver.graph_node_count(rt._graphs.get(key).graph) == nodes, route
+
+
+@pytest.mark.skipif(FI_MODULE is None, reason=f"FlashInfer unavailable: {FI_REASON}")
+def test_the_router_weighs_host_time_at_the_layers_of_the_last_step(pool):
+    """The default mode weighs host time (routes.toml [host_time], the H200 calibration's
+    host_time) at the run() calls of the last step; engine_capture and FlashInfer's graph mode do
+    not (their host time is not what host_time measured)."""
+    b, caches = pool
+    rt = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1])
+    if rt.calibration.host_time is None:
+        pytest.skip(f"{rt.calibration.source} has no host_time")
+    assert rt.router.weigh_host and rt.router.host_model is None
+    seq, bt, q = step_inputs(b, [2, 3, 4], 0, seed=1)     # every row under the 16K context gate
+    out = torch.empty_like(q)
+    for layers in (1, 3, 3):
+        d = rt.plan(seq, bt)
+        for _ in range(layers):
+            rt.run(q, *caches[0], out)
+    assert d.layers == 3 and set(d.wall_us) >= {"flashinfer", d.route}
+    assert rel_err(out, ref_out(q, caches[0], seq, bt)) < 2e-3
+    for kw in (dict(engine_capture=True), dict(flashinfer_cuda_graph=True), dict(use_cuda_graph=False)):
+        other = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1], **kw)
+        assert not other.router.weigh_host, kw
+        assert other.plan(seq, bt).layers == 0
