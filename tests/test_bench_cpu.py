@@ -101,7 +101,7 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
     (["--engines", "adaptive,warp"], "--engines: unknown engine 'warp'; expected one of "
                                      "flashinfer, flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
                                      "flashinfer-xqa, flashinfer-graph, adaptive, adaptive-eager, "
-                                     "adaptive-figraph, adaptive-fiwrapper, device-plan, device-plan-step, "
+                                     "adaptive-figraph, adaptive-fiwrapper, adaptive-device-time, device-plan, device-plan-step, "
                                      "host-step, adaptive-step, "
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),

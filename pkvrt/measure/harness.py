@@ -86,8 +86,9 @@ ADAPTIVE = "adaptive"
 ADAPTIVE_EAGER = "adaptive-eager"  # the same Runtime with its graphs off: every run() launches
 ADAPTIVE_FI_GRAPH = "adaptive-figraph"  # the same Runtime with its FlashInfer route in FlashInfer's graph mode
 ADAPTIVE_FI_WRAPPER = "adaptive-fiwrapper"  # the same with FlashInfer's run() at every layer (no direct calls)
+ADAPTIVE_DEVICE_TIME = "adaptive-device-time"  # the same with the router weighing device time only
 # the Runtime's own routing (no route forced), in each of its modes the RuntimeEngine builds
-ADAPTIVE_ENGINES = (ADAPTIVE, ADAPTIVE_EAGER, ADAPTIVE_FI_GRAPH, ADAPTIVE_FI_WRAPPER)
+ADAPTIVE_ENGINES = (ADAPTIVE, ADAPTIVE_EAGER, ADAPTIVE_FI_GRAPH, ADAPTIVE_FI_WRAPPER, ADAPTIVE_DEVICE_TIME)
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
@@ -199,7 +200,8 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     (the same Runtime with ``flashinfer_cuda_graph=True``: its FlashInfer steps replay a graph
     per layer too), ``adaptive-fiwrapper`` (the same Runtime with ``flashinfer_direct_run=False``:
     FlashInfer's own ``run()`` at every layer of its FlashInfer steps, the ablation of the direct
-    calls),
+    calls), ``adaptive-device-time`` (the same Runtime with ``router.weigh_host = False``: routes
+    chosen by predicted device time alone, the ablation of routes.toml's ``[host_time]``),
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
     as one CUDA graph, as an engine that captures its decode step runs it), either of those two
@@ -737,6 +739,8 @@ class RuntimeEngine:
                              "argument, so a route cannot be forced")
         self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
                           sh.torch_dtype, **self.kwargs)
+        if name == ADAPTIVE_DEVICE_TIME:
+            self.rt.router.weigh_host = False   # device time only: the routing before [host_time]
         self.decision = None
 
     def plan(self, step: Step) -> None:
