@@ -18,6 +18,7 @@ from pkvrt.policy.router import Router
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 H200 = C.load_calibration(REPO / "calibration" / "nvidia-h200.json")
+NO_HOST = attrs.evolve(H200, host_time=None)   # a calibration measured before host_time existed
 SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
 SHORT = np.array([1000, 2000, 3000], dtype=np.int32)     # every row below the 16K context gate
 BIMODAL = np.array([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], dtype=np.int32)
@@ -60,6 +61,13 @@ def test_wall_is_plan_plus_the_slower_of_host_and_device_per_layer():
 
 def test_shipped_routes_weigh_host_time_with_the_cost_model_deciding_the_context():
     assert load_routes().host_time == HostTimeRule(enabled=True, min_context=1)
+
+
+def test_the_h200_calibration_has_host_time_and_flashinfer_costs_the_most_to_plan():
+    ht = H200.host_time
+    assert ht is not None and "pkvrt calibrate --host-time" in ht.provenance
+    assert ht.cost("flashinfer").plan_us > ht.cost("workqueue").plan_us
+    assert ht.cost("flashinfer").run_us > ht.cost("workqueue").run_us
 
 
 @pytest.mark.parametrize("table, words", [
@@ -146,7 +154,7 @@ def test_without_weighing_the_same_step_keeps_the_context_gate(tmp_path):
 @pytest.mark.parametrize("table, cal, reason", [
     (None, None, "[host_time] is absent or disabled"),
     ("[host_time]\nenabled = false\nmin_context = 1\n", None, "[host_time] is absent or disabled"),
-    ("[host_time]\nenabled = true\nmin_context = 1\n", H200, "has no host_time"),
+    ("[host_time]\nenabled = true\nmin_context = 1\n", NO_HOST, "has no host_time"),
 ])
 def test_host_time_needs_the_table_and_the_calibration(tmp_path, table, cal, reason):
     r = router(routes(tmp_path, table), cal)

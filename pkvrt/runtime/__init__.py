@@ -47,7 +47,12 @@ graphs for every step of that padded batch while the lengths change. Three ways 
   captured steps (``capture_routing="router"``: the router's, the ablation).
 
 Which route a step takes thus depends on how its layers launch: a layer at a time (the Runtime's
-own graphs, eager), the router's gates and cost model, measured on such steps; captured whole
+own graphs, eager), the router's gates and cost model, measured on such steps; with the
+Runtime's own graphs and FlashInfer eager (the default), each route's host time as well
+(routes.toml ``[host_time]``, the calibration's ``host_time``): the router predicts the step's
+wall time, ``plan_us + L * max(run_us, T)``, at the ``L`` run() calls per plan() it saw on the
+last step (``costmodel.wall_us``; the first step counts one), so steps FlashInfer's host path
+would bound run on a PersistentKV route; captured whole
 (device lengths or ``engine_capture``), ``[device_planning]``: in a captured step the
 PersistentKV kernels of one layer start while the previous layer's drain (programmatic dependent
 launch) and win on every trace of the engine protocol (README), where FlashInfer's do not.
