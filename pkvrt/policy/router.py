@@ -7,6 +7,10 @@ remaining route (:meth:`Router.predict`: the calibration's measured time model, 
 roofline, :mod:`pkvrt.policy.costmodel`), and promotes the fastest PersistentKV route whose
 predicted speedup ``T_fi / T_r`` clears ``Registry.margin_for(route, active)``; otherwise the
 step stays on FlashInfer. Every route not taken gets a reason, so ``explain()`` can say why.
+Where host time is weighed (``Router.weigh_host``, routes.toml ``[host_time]``, the
+calibration's ``host_time``) the margins apply to each route's predicted wall time of the step
+instead, ``costmodel.wall_us`` at the caller's layers per plan, and a step FlashInfer would run
+host-bound is held to ``[host_time] min_context`` instead of the routes' context gate.
 
 Cost per step (measured on the 2-core CPU of the dev box, numpy 2, pytest-benchmark medians):
 predictions use closed-form counters (split counts and bucket sizes only, no task arrays),
