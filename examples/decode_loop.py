@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     # planning graph: room for two padded batches' worth without evicting.
     rt = pkvrt.Runtime(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16, max_batch=16,
                        max_pages_per_row=width, use_cuda_graph=not args.eager,
-                       max_graphs=max(64, 2 * (args.layers + 1)))
+                       max_graphs=max(64, 2 * (args.layers + 1)), layers_per_plan=args.layers)
     active = dict(REQUESTS)  # request -> current length
     ok = True
     for step in range(args.steps):

@@ -96,7 +96,8 @@ def test_runtime_on_this_cpu_machine_raises():
 @pytest.mark.parametrize("kw, name", [
     (dict(head_dim=96), "head_dim"), (dict(max_batch=0), "max_batch"),
     (dict(max_pages_per_row=-1), "max_pages_per_row"), (dict(max_graphs=0), "max_graphs"),
-    (dict(dtype=torch.float32), "dtype"),
+    (dict(dtype=torch.float32), "dtype"), (dict(layers_per_plan=0), "layers_per_plan"),
+    (dict(layers_per_plan=True), "layers_per_plan"),
 ])
 def test_runtime_argument_errors_come_before_the_cuda_check(monkeypatch, kw, name):
     monkeypatch.setattr(_driver, "available", lambda: "no GPU")

@@ -157,6 +157,11 @@ class Runtime(StaticBuffers, Planning, Running):
         ablation: its gates and constants were measured on steps launched a layer at a time, and
         in captured steps they send to FlashInfer steps the PersistentKV routes run faster
         (benches/NOTES.md, "Session 15").
+    layers_per_plan : run() calls per plan() the router assumes until a step has run (None: 1);
+        from then on it uses the last step's count. Used where host time is weighed (the default
+        mode with FlashInfer, routes.toml ``[host_time]``, the calibration's ``host_time``): the
+        predicted wall time of a step is ``plan_us + L * max(run_us, T)``. An engine of 32 layers
+        passes 32, so that its first step is decided as the ones after it.
 
     Ordering contract with PDL (sm_90+, eager launches or an engine's captured step): from the
     second run() after a plan(), the decode kernel reads the plan and copies K/V of each row's
@@ -179,7 +184,8 @@ class Runtime(StaticBuffers, Planning, Running):
                  flashinfer_cuda_graph: bool = False, flashinfer_direct_run: bool = True,
                  decision_memo: int = 4096,
                  device_planning: bool = False, num_pages: int | None = None,
-                 engine_capture: bool = False, capture_routing: str = "device_planning"):
+                 engine_capture: bool = False, capture_routing: str = "device_planning",
+                 layers_per_plan: int | None = None):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         if capture_routing not in CAPTURE_ROUTING:
             raise ValueError(f"Runtime: capture_routing={capture_routing!r}: expected one of "
@@ -198,7 +204,8 @@ class Runtime(StaticBuffers, Planning, Running):
                              + ("; capture_routing='router' lets larger steps take other routes"
                                 if self._captured_policy else ""))
         for name, v in (("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row),
-                        ("num_pages", 1 if num_pages is None else num_pages)):
+                        ("num_pages", 1 if num_pages is None else num_pages),
+                        ("layers_per_plan", 1 if layers_per_plan is None else layers_per_plan)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Runtime: {name}={v!r}: expected a positive integer")
         self._num_pages = num_pages   # device planning: the page-id bound (None: the first cache)
@@ -313,7 +320,8 @@ class Runtime(StaticBuffers, Planning, Running):
             # lengths, a graph per layer, FlashInfer eager): plan() passes the layers per plan
             self.router.weigh_host = (self.use_cuda_graph and not self.engine_capture and not self.device_planning
                                       and self._fi is not None and not self._fi.cuda_graph)
-            self._layers = 1   # run() calls of the last step that ran any (Planning.plan)
+            # run() calls per plan: the hint, then those of the last step that ran any (Planning.plan)
+            self._layers = 1 if layers_per_plan is None else layers_per_plan
             self._side = torch.cuda.Stream(self.device)
             self._pool = torch.cuda.graph_pool_handle()
             if self._dp_routes:

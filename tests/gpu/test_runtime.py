@@ -486,6 +486,8 @@ def test_the_router_weighs_host_time_at_the_layers_of_the_last_step(pool):
             rt.run(q, *caches[0], out)
     assert d.layers == 3 and set(d.wall_us) >= {"flashinfer", d.route}
     assert rel_err(out, ref_out(q, caches[0], seq, bt)) < 2e-3
+    hinted = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1], layers_per_plan=32)
+    assert hinted.plan(seq, bt).layers == 32          # the first step, decided at the hint
     for kw in (dict(engine_capture=True), dict(flashinfer_cuda_graph=True), dict(use_cuda_graph=False)):
         other = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1], **kw)
         assert not other.router.weigh_host, kw
