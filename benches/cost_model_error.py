@@ -111,9 +111,7 @@ def main(argv=None) -> int:
                   max(regrets[g], key=regrets[g].get)) for g, p in sorted(points.items())]))
         fits = sweeps.fit_time_model(timed, cal, reg)
         print("\ntime model (sweeps.fit_time_model):")
-        print(format_rows(("G", "kind", "read_scale", "tail_us", "split_us", "fixed_us"),
-                          [(g, k, f"{t.read_scale:.4f}", f"{t.tail_us:.4f}", f"{t.split_us:.4f}",
-                            f"{t.fixed_us:.3f}") for g, kinds in sorted(fits.items()) for k, t in kinds.items()]))
+        print(sweeps.format_time_model(fits))
     print("\nmeasured vs predicted at the cut each planner picks (roofline: the calibration's c_min "
           "and flashinfer.ctas_per_sm):")
     print(sweeps.format_errors(sweeps.error_rows(timed, cal, reg, fits)))
@@ -128,8 +126,9 @@ def main(argv=None) -> int:
 
         import attrs
 
-        model = (f"the time model (each step's planned cut weighted {sweeps.PLANNED_WEIGHT:g}, its cuts "
-                 f"within {100 * (sweeps.NEAR_BEST - 1):.0f} % of the fastest 1)")
+        model = (f"the time model (costmodel.fit_route_time: the least largest weighted error, each step's "
+                 f"planned cut weighted {sweeps.PLANNED_WEIGHT:g}, its cuts within "
+                 f"{100 * (sweeps.NEAR_BEST - 1):.0f} % of the fastest 1)")
         what = (model if args.keep_partition else
                 "the balanced partition's constants (fit_partition over both partition routes' sweeps: "
                 "of the best-scoring plateau, the point farthest from a worse one) and " + model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import pathlib
 
@@ -163,9 +164,10 @@ def test_faster_bandwidth_never_slows_a_route():
 # ----------------------------------------------------------------------------- the measured model
 
 from pkvrt.policy.calibration import RouteTime, TIME_KINDS  # noqa: E402
-from pkvrt.policy.costmodel import (FLASHINFER_CTAS_PER_SM, LaunchGroup, fit_route_time,  # noqa: E402
-                                    measured_us, predict_route_us, route_groups)
-from pkvrt.policy.planner import balanced_partition, bucket_counters, workqueue_counters  # noqa: E402
+from pkvrt.policy.costmodel import (FLASHINFER_CTAS_PER_SM, LaunchGroup, _wave_and_room,  # noqa: E402
+                                    fit_route_time, measured_us, predict_route_us, route_groups)
+from pkvrt.policy.planner import (PartitionModel, balanced_partition, bucket_counters,  # noqa: E402
+                                  workqueue_counters)
 
 SHAPE = dict(num_kv_heads=8, head_dim=128, dtype_bytes=2)
 WQ, BUCKET = SplitBounds(1, 64, 4), SplitBounds(4, 64, 4)
@@ -183,6 +185,13 @@ MEASURED = [
     ([LaunchGroup(10**9, 400.0, 16, 2)], RouteTime(1.1, 0.5, 0.1, 4.0), False, 1115.6 + 2 * 9),
     ([LaunchGroup(10**6, 9.0, 1, 1)] * 3, RouteTime(1.0, 1.0, 0.0, 2.0), True, 3 * (1 + 3 + 2)),
     ([], RouteTime(1.0, 1.0, 1.0, 1.0), True, 0.0),
+    # depth-bound: 0.5 us x 40 tiles = 20 > 1.0 x 1e7 B / 1e6 = 10; merge 300 states / 100 SMs x 2;
+    # room 2 tile-times x 0.25
+    ([LaunchGroup(10**7, 16.0, 4, 2, depth_tiles=40.0, merge_states=300, room_tiles=2.0)],
+     RouteTime(1.0, 0.5, 0.1, 3.0, depth_us=0.5, merge_us=2.0, room_us=0.25), True, 20 + 2 + 0.4 + 6 + 0.5 + 3),
+    # read-bound: the same group at depth_us 0.2 (8 < 10)
+    ([LaunchGroup(10**7, 16.0, 4, 2, depth_tiles=40.0, merge_states=300, room_tiles=2.0)],
+     RouteTime(1.0, 0.5, 0.1, 3.0, depth_us=0.2, merge_us=2.0, room_us=0.25), True, 10 + 2 + 0.4 + 6 + 0.5 + 3),
 ]
 
 
@@ -193,16 +202,36 @@ def test_measured_model_table(groups, rt, graphs, expected):
 
 def test_partition_routes_are_one_group_described_by_the_partition():
     cal, seq = make_cal(), np.array([40000, 1000, 17, 32768])
-    p = balanced_partition(seq, num_kv_heads=8, splits=WQ, cal=cal)
     for kind, launches in (("workqueue", 2), ("fused", 1)):
+        p = balanced_partition(seq, num_kv_heads=8, splits=WQ, cal=cal, kind=kind)
+        model = PartitionModel.of(cal, kind)
         (g,) = route_groups(kind, seq, cal, splits=WQ, **SHAPE)
+        room = int(model.room_charge(np.array([p.ctas]), np.array([p.chunk_tiles]))[0])
         assert g == LaunchGroup(kv_bytes=int(seq.sum()) * 8 * 128 * 4, makespan_tiles=p.cost / (64 * 100),
-                                splits=int(p.num_splits.max()), launches=launches)
+                                splits=int(p.num_splits.max()), launches=launches,
+                                depth_tiles=float(-(-p.ctas // model.wave) * p.chunk_tiles),
+                                merge_states=8 * int(p.num_splits[p.num_splits > 1].sum()),
+                                room_tiles=room / (64 * 100))
     (fi,) = route_groups("flashinfer", seq, cal, **SHAPE)
     assert (fi.makespan_tiles, fi.splits, fi.launches) == _flashinfer_split(seq, cal.sm_count) + (1,)
-    forced = balanced_partition(seq, num_kv_heads=8, splits=WQ, cal=cal, longest_splits=8)
+    assert (fi.depth_tiles, fi.merge_states, fi.room_tiles) == (0.0, 0, 0.0)   # not described
+    forced = balanced_partition(seq, num_kv_heads=8, splits=WQ, cal=cal, longest_splits=8, kind="fused")
     (g8,) = route_groups("fused", seq, cal, splits=WQ, longest_splits=8, **SHAPE)
     assert (g8.makespan_tiles, g8.splits) == (forced.cost / 6400, int(forced.num_splits.max()))
+
+
+@pytest.mark.parametrize("ctas, chunk", [(250, 8), (256, 8), (264, 8), (256, 9), (500, 4), (1, 1)])
+def test_the_groups_room_is_the_partitions_room_charge(ctas, chunk):
+    """costmodel's integer copy of PartitionModel.room_charge (the router's hot path) agrees
+    with it, charged (G 4's H200 constants: 32 slots, 48 tiles, chunks <= 8) and not."""
+    sp = attrs.evolve(make_cal().splits, workqueue_ctas_per_sm=2.0, wave_room_slots=32, wave_room_tiles=48.0,
+                      wave_room_chunk_tiles=8)
+    cal = make_cal(splits=sp)
+    model = PartitionModel.of(cal)
+    wave, room = _wave_and_room(cal, ctas, chunk)
+    assert wave == model.wave == 200
+    assert room == int(model.room_charge(np.array([ctas]), np.array([chunk]))[0]) / (64 * 100)
+    assert (room > 0) == (chunk <= 8 and -ctas % 200 < 32)
 
 
 def _flashinfer_split(seq, sms, hkv=8):
@@ -343,10 +372,37 @@ def test_fit_never_returns_a_negative_constant(seed):
     assert max(errs) < 0.1
 
 
+def depth_records(rt: RouteTime, n: int = 30, seed: int = 1, beta: float = 1000.0, noise: float = 0.0):
+    """synthetic_records with the depth, merge and room terms: short steps (a few MB) whose chain
+    of tiles outlasts their read, long ones bound by the read."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        kv = int(rng.integers(10**6, 10**7)) if i % 2 else int(rng.integers(10**8, 10**9))
+        m, s, d = float(rng.uniform(4, 600)), int(rng.integers(1, 65)), float(rng.uniform(8, 64))
+        mps, room = float(rng.uniform(0, 8)), float(rng.choice([0.0, 0.0, rng.uniform(0, 5)]))
+        g = LaunchGroup(kv, m, s, 1, depth_tiles=d, merge_states=round(mps * 100), room_tiles=room)
+        us = measured_us([g], rt, make_cal(), graphs=True)
+        out.append(dict(kv_bytes=kv, makespan_tiles=m, splits=s, depth_tiles=d, merge_per_sm=round(mps * 100) / 100,
+                        room_tiles=room, us=us * (1 + noise * rng.standard_normal())))
+    return out
+
+
+@pytest.mark.parametrize("rt", [RouteTime(0.98, 0.6, 0.09, 3.7, depth_us=0.6, merge_us=0.8, room_us=0.4),
+                                RouteTime(1.1, 0.0, 0.0, 2.0, depth_us=0.45),
+                                RouteTime(0.95, 0.3, 0.05, 1.0, depth_us=0.0, merge_us=1.5)])
+def test_fit_recovers_the_depth_merge_and_room_terms(rt):
+    recs = depth_records(rt)
+    assert any(rt.depth_us * r["depth_tiles"] > rt.read_scale * r["kv_bytes"] / 1e6 for r in recs) == (rt.depth_us > 0)
+    got = fit_route_time(recs, beta_gbps=1000.0)
+    assert attrs.astuple(got) == pytest.approx(attrs.astuple(rt), abs=1e-6)
+
+
 def test_a_weighted_record_pulls_the_fit_to_it():
-    """``weight`` scales a record's squared relative error: a heavy record is reproduced more
-    closely than in the unweighted fit of the same noisy times (sweeps weights each step's
-    planned cut so)."""
+    """``weight`` scales a record's relative error in the fit's criterion (the largest weighted
+    error, then the weighted squared error): a heavy record is reproduced more closely than in
+    the unweighted fit of the same noisy times (sweeps weights each step's planned cut so), and
+    scaling every weight alike changes nothing."""
     recs = synthetic_records(RouteTime(1.0, 0.5, 0.1, 3.0), n=12, seed=3, noise=0.05)
 
     def err(rt, r=recs[0]):
@@ -358,11 +414,29 @@ def test_a_weighted_record_pulls_the_fit_to_it():
                            beta_gbps=1000.0)
     assert err(heavy) < err(plain) / 5
     same = fit_route_time([dict(r, weight=2.0) for r in recs], beta_gbps=1000.0)   # scale-free
-    assert attrs.astuple(same) == pytest.approx(attrs.astuple(plain), rel=1e-9)
-    # weight k is the record repeated k times (the squared error scaled by k, not by sqrt(k))
-    thrice = fit_route_time([dict(recs[0], weight=3.0)] + recs[1:], beta_gbps=1000.0)
-    repeated = fit_route_time([recs[0]] * 3 + recs[1:], beta_gbps=1000.0)
-    assert attrs.astuple(thrice) == pytest.approx(attrs.astuple(repeated), rel=1e-7, abs=1e-9)
+    assert attrs.astuple(same) == pytest.approx(attrs.astuple(plain), rel=1e-7, abs=1e-9)
+
+
+@given(seed=st.integers(0, 10**6))
+def test_the_largest_error_is_no_larger_than_least_squares(seed):
+    """The criterion is the largest relative error: the fit's is at most that of the least-squares
+    fit before session 23 (each subset of tail, split and fixed solved by least squares on the
+    relative error, the non-negative one of least squared error), one of its candidates."""
+    recs = synthetic_records(RouteTime(1.0, 0.4, 0.05, 4.0), n=10, seed=seed, noise=0.04)
+    y = np.array([r["us"] for r in recs])
+    cols = np.array([[r["kv_bytes"] / 1e6, math.sqrt(r["makespan_tiles"]), r["splits"], 1.0] for r in recs])
+    ls = None
+    for k in range(4):
+        for sub in itertools.combinations((1, 2, 3), k):
+            idx = [0, *sub]
+            x = np.linalg.lstsq(cols[:, idx] / y[:, None], np.ones(y.size), rcond=None)[0]
+            sse = float(np.sum((cols[:, idx] @ x / y - 1) ** 2))
+            if x[0] > 0 and (x >= 0).all() and (ls is None or sse < ls[0]):
+                ls = (sse, np.max(np.abs(cols[:, idx] @ x / y - 1)))
+    got = fit_route_time(recs, beta_gbps=1000.0)
+    pred = np.array([measured_us([LaunchGroup(r["kv_bytes"], r["makespan_tiles"], r["splits"], 1)], got,
+                                 make_cal(), graphs=True) for r in recs])
+    assert np.max(np.abs(pred / y - 1)) <= ls[1] + 1e-9
 
 
 @pytest.mark.parametrize("records, shape, match", [
@@ -374,6 +448,10 @@ def test_a_weighted_record_pulls_the_fit_to_it():
     ([dict(kv_bytes=1, makespan_tiles=1, us=1.0)] * 4, None, r"'splits'.*got None"),
     ([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=1.0, weight=0.0)] * 4, None,
      r"records\[0\]\['weight'\]: expected a finite number > 0, got 0.0"),
+    ([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=1.0, depth_tiles=-2.0)] * 4, None,
+     r"records\[0\]\['depth_tiles'\]: expected a finite number >= 0, got -2.0"),
+    ([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=1.0, merge_per_sm=math.inf)] * 4, None,
+     r"\['merge_per_sm'\]: expected a finite number >= 0, got inf"),
     ([dict(kv_bytes=0, makespan_tiles=i, splits=1, us=1.0 + i) for i in range(4)], None,
      "no fit with a positive read_scale"),
 ] + [([dict(kv_bytes=1, makespan_tiles=1, splits=1, us=1.0, weight=w)] * 4, None,

@@ -27,8 +27,9 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        heads per KV head G; a group size without an entry uses the keys above)}
     flashinfer        {"ctas_per_sm": {"<active>": float, ...}}  fitted, see costmodel.py
     time_model        optional: {"flashinfer", "bucket", "workqueue", "fused": each
-                       {"read_scale" > 0, "tail_us" >= 0, "split_us" >= 0, "fixed_us" >= 0},
-                       "by_group" (optional: {"<G>": {some of those four kinds}})}: the
+                       {"read_scale" > 0, "tail_us" >= 0, "split_us" >= 0, "fixed_us" >= 0,
+                       and optionally "depth_us", "merge_us", "room_us" >= 0 (0 when absent,
+                       in files written before 2026-12-03)}, "by_group" (optional: {"<G>": {some of those four kinds}})}: the
                        measured time model of every route kind (costmodel.py, "The measured
                        model"); a file without it (the seed, files of an older calibrate) is
                        predicted with the roofline above (c_min, flashinfer.ctas_per_sm)
@@ -93,6 +94,8 @@ _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 # time_model.<kind>: every route kind has one when the section is present
 TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")
 _TIME_KEYS = ("read_scale", "tail_us", "split_us", "fixed_us")
+# time_model.<kind> keys a file may omit (0: the model before them, files before 2026-12-03)
+_TIME_OPTIONAL_KEYS = ("depth_us", "merge_us", "room_us")
 # host_time.<kind>: every route kind, each with both keys
 _HOST_KEYS = ("plan_us", "run_us")
 # KV dtypes (routes.toml names): the top level's, measured with fp16 caches (bf16 moves the same
@@ -173,22 +176,35 @@ class SplitPoints:
 class RouteTime:
     """Constants of the measured time model of one route kind (``pkvrt.policy.costmodel.measured_us``):
 
-        T = read_scale * KVBytes/beta + tail_us * sqrt(makespan) + split_us * splits + fixed_us
+        T = max(read_scale * KVBytes/beta, depth_us * depth) + tail_us * sqrt(makespan)
+            + split_us * splits + merge_us * merge_states / SMs + room_us * room + fixed_us
 
     per launch group of a step; makespan in tile-times of the balanced partition's model,
-    splits the longest row's split count. read_scale: the step's streaming read in units of
-    ``beta``; tail_us: µs per square root of the makespan (the CTAs that finish last);
-    split_us: µs per split of the longest row (its merge); fixed_us: µs per launch group
-    (launches, prologue), inside a CUDA-graph replay.
+    splits the longest row's split count, depth the tiles one resident CTA slot streams in
+    a row (waves of CTAs times the chunk), merge_states the partial states the step writes
+    and merges, room the partition's charge for a last wave with few free slots (tile-times).
+    read_scale: the step's streaming read in units of ``beta``; depth_us: µs per tile of one
+    CTA streaming alone (the step is latency-bound when that chain is longer than the read);
+    tail_us: µs per square root of the makespan (the CTAs that finish last); split_us: µs per
+    split of the longest row; merge_us: µs per partial state per SM (the merge's work);
+    room_us: µs per tile-time of room charge; fixed_us: µs per launch group (launches,
+    prologue), inside a CUDA-graph replay. depth_us, merge_us and room_us are 0 in files
+    written before 2026-12-03 (the model is then the one of those files).
     """
 
     read_scale: float
     tail_us: float
     split_us: float
     fixed_us: float
+    depth_us: float = 0.0
+    merge_us: float = 0.0
+    room_us: float = 0.0
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in _TIME_KEYS}
+        """The file's object: the four keys, and those of depth_us, merge_us, room_us that are
+        not 0 (absent reads as 0, so files of the model before them round-trip unchanged)."""
+        return {k: getattr(self, k) for k in _TIME_KEYS + _TIME_OPTIONAL_KEYS
+                if k in _TIME_KEYS or getattr(self, k) != 0}
 
 
 @attrs.frozen
@@ -508,12 +524,14 @@ def _by_group(v, path, where: str = "splits.by_group") -> tuple:
 
 
 def _route_time(entry, path, where: str) -> RouteTime:
-    """One ``time_model.<kind>`` object -> RouteTime (every key of ``_TIME_KEYS``, no other)."""
+    """One ``time_model.<kind>`` object -> RouteTime (every key of ``_TIME_KEYS``, some of
+    ``_TIME_OPTIONAL_KEYS``, no other)."""
     if not isinstance(entry, dict):
-        raise _fail(path, where, f"a JSON object of {list(_TIME_KEYS)}", entry)
-    _take(entry, _TIME_KEYS, path, where + ".")
+        raise _fail(path, where, f"a JSON object of {list(_TIME_KEYS)} (and optionally "
+                                 f"{list(_TIME_OPTIONAL_KEYS)})", entry)
+    _take({k: None for k in _TIME_OPTIONAL_KEYS} | entry, _TIME_KEYS + _TIME_OPTIONAL_KEYS, path, where + ".")
     return RouteTime(**{k: _float(entry, k, path, where + ".", zero_ok=k != "read_scale")
-                        for k in _TIME_KEYS})
+                        for k in _TIME_KEYS + _TIME_OPTIONAL_KEYS if k in entry})
 
 
 def _time_model(v, path, where: str = "time_model", every_kind: bool = True) -> tuple[tuple, tuple]:

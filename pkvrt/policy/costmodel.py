@@ -152,12 +152,21 @@ class LaunchGroup:
 
     kv_bytes : useful K+V bytes it reads. makespan_tiles : the balanced partition's makespan of
     its CTAs, in tile-times. splits : its longest row's split count. launches : 1 or 2.
+    depth_tiles : the tiles one resident CTA slot streams in a row: resident waves of its CTAs
+    (``ceil(CTAs / (resident * SMs))``) times the longest CTA's tiles (0: not described, as
+    FlashInfer's group). merge_states : the partial states written and merged (KV heads times
+    the splits of every split row; 0 without a merge). room_tiles : the partition's charge for
+    a last wave with few free slots (:meth:`pkvrt.policy.planner.PartitionModel.room_charge`),
+    in tile-times.
     """
 
     kv_bytes: int
     makespan_tiles: float
     splits: int
     launches: int
+    depth_tiles: float = 0.0
+    merge_states: int = 0
+    room_tiles: float = 0.0
 
 
 # Up to this many rows flashinfer_group searches over Python ints (dev box, the bimodal B8 step:
@@ -207,9 +216,27 @@ def partition_group(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_
     ``longest_splits`` forces the cut (calibration sweeps)."""
     p = balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens,
                            longest_splits=longest_splits, kind="workqueue" if launches == 2 else "fused")
+    ns = p.num_splits.tolist()
+    wave, room = _wave_and_room(cal, p.ctas, p.chunk_tiles)
     return LaunchGroup(kv_bytes=kv_bytes(seq, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes),
-                       makespan_tiles=p.cost / (64 * cal.sm_count), splits=int(p.num_splits.max()),
-                       launches=launches)
+                       makespan_tiles=p.cost / (64 * cal.sm_count), splits=max(ns), launches=launches,
+                       depth_tiles=float(-(-p.ctas // wave) * p.chunk_tiles),
+                       merge_states=num_kv_heads * sum(n for n in ns if n > 1), room_tiles=room)
+
+
+def _wave_and_room(cal: Calibration, ctas: int, chunk: int) -> tuple[int, float]:
+    """(resident CTA slots of the GPU, the room charge of a cut of ``ctas`` CTAs of ``chunk``
+    tiles in tile-times): :class:`pkvrt.policy.planner.PartitionModel`'s ``wave`` and
+    ``room_charge`` over ``64 * SMs``, in Python ints (the router calls this every evaluation;
+    the numpy path costs ~10 us)."""
+    sp = cal.splits
+    wave = max(1, int(round(sp.workqueue_ctas_per_sm))) * cal.sm_count
+    room8, free = int(round(8 * sp.wave_room_tiles)), -ctas % wave
+    if not sp.wave_room_slots or not room8 or not sp.wave_room_chunk_tiles \
+            or free >= sp.wave_room_slots or chunk > sp.wave_room_chunk_tiles:
+        return wave, 0.0
+    charge = room8 * cal.sm_count * (sp.wave_room_slots - free) // sp.wave_room_slots
+    return wave, charge / (64 * cal.sm_count)
 
 
 def bucket_groups(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_bytes: int, splits,
@@ -218,17 +245,24 @@ def bucket_groups(seq: np.ndarray, *, num_kv_heads: int, head_dim: int, dtype_by
     """One launch group per bucket of the bucket route (``planner.plan_bucket``'s buckets and
     split counts): its rows x H_kv x S CTAs, every row taken as long as the bucket's longest
     (exact for exact buckets; an upper bound for coarse ones), decode + merge when S > 1.
-    ``longest_splits`` forces every bucket's S (calibration sweeps)."""
+    ``longest_splits`` forces every bucket's S (calibration sweeps). Depth: the bucket kernel's
+    CTAs at one resident per SM (calibration ``splits.bucket_ctas_per_sm`` is ~1)."""
     keys, inv, counts, longest = _bucket_groups(seq, bucketing, coarse_lengths)
     s = (np.full(keys.size, longest_splits, dtype=np.int64) if longest_splits is not None else
          bucket_split_counts(counts, longest, num_kv_heads=num_kv_heads, splits=splits, cal=cal,
                              tile_tokens=tile_tokens))
     tokens = np.bincount(inv, weights=seq, minlength=keys.size)
     model = PartitionModel.of(cal)
-    return tuple(LaunchGroup(kv_bytes=int(tok) * num_kv_heads * head_dim * 2 * dtype_bytes,
-                             makespan_tiles=_bucket_cost(rows, -(-n // tile_tokens), k, num_kv_heads, model)
-                             / (64 * cal.sm_count), splits=k, launches=2 if k > 1 else 1)
-                 for n, rows, k, tok in zip(longest.tolist(), counts.tolist(), s.tolist(), tokens.tolist()))
+    out = []
+    for n, rows, k, tok in zip(longest.tolist(), counts.tolist(), s.tolist(), tokens.tolist()):
+        tiles = -(-n // tile_tokens)
+        ctas = rows * num_kv_heads * k
+        out.append(LaunchGroup(kv_bytes=int(tok) * num_kv_heads * head_dim * 2 * dtype_bytes,
+                               makespan_tiles=_bucket_cost(rows, tiles, k, num_kv_heads, model) / (64 * cal.sm_count),
+                               splits=k, launches=2 if k > 1 else 1,
+                               depth_tiles=float(-(-ctas // cal.sm_count) * -(-tiles // k)),
+                               merge_states=ctas if k > 1 else 0))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -244,8 +278,10 @@ def _bucket_cost(rows: int, tiles: int, splits: int, num_kv_heads: int, model: P
 def measured_us(groups, rt: RouteTime, cal: Calibration, *, graphs: bool) -> float:
     """T of the measured model (section comment above) over ``groups`` with constants ``rt``."""
     eager = 0.0 if graphs else cal.lambda_us - cal.lambda_graph_us
-    return sum(rt.read_scale * read_us(g.kv_bytes, cal) + rt.tail_us * math.sqrt(g.makespan_tiles)
-               + rt.split_us * g.splits + rt.fixed_us + g.launches * eager for g in groups)
+    return sum(max(rt.read_scale * read_us(g.kv_bytes, cal), rt.depth_us * g.depth_tiles)
+               + rt.tail_us * math.sqrt(g.makespan_tiles) + rt.split_us * g.splits
+               + rt.merge_us * g.merge_states / cal.sm_count + rt.room_us * g.room_tiles
+               + rt.fixed_us + g.launches * eager for g in groups)
 
 
 def route_groups(kind: str, seq: np.ndarray, cal: Calibration, *, num_kv_heads: int, head_dim: int,
@@ -319,35 +355,55 @@ def host_bound(device_us: float, host, layers: int) -> bool:
 # ----------------------------------------------------------------------------- fitting it
 
 
+# The depth term's constant, searched on a grid (µs per tile of one CTA streaming alone; 0: no
+# depth term): the H200's fits land at 0.45-0.70 (benches/NOTES.md, "Session 23").
+DEPTH_GRID_US = (0.0, *(round(0.2 + 0.01 * i, 2) for i in range(131)))   # 0, 0.20 .. 1.50
+_RECORD_KEYS = ("kv_bytes", "makespan_tiles", "splits", "us")
+_OPTIONAL_RECORD_KEYS = ("depth_tiles", "merge_per_sm", "room_tiles")
+
+
 def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | None = None) -> RouteTime:
     """The :class:`RouteTime` that best reproduces timed single-group steps.
 
     records : mappings with ``kv_bytes``, ``makespan_tiles``, ``splits`` and ``us`` (measured),
-        and optionally ``weight`` (> 0, default 1): the record's weight in the fit.
+        optionally ``depth_tiles``, ``merge_per_sm`` (merge states over SMs) and ``room_tiles``
+        (the :class:`LaunchGroup` terms; 0 when absent) and ``weight`` (> 0, default 1): how
+        much the record's error counts.
     beta_gbps : the calibration's beta (KVBytes/beta is the read term).
-    shape : None: fit all four constants. ``(tail_us, split_us)``: keep those and fit
-        ``read_scale`` and ``fixed_us`` only (a route whose steps cannot separate four).
+    shape : None: fit every constant. ``(tail_us, split_us)``: keep those and fit
+        ``read_scale`` and ``fixed_us`` only, depth_us, merge_us and room_us 0 (a route whose
+        steps cannot separate more).
 
-    Minimises the weighted squared relative error ``sum w ((T_model - T)/T)^2`` with every constant >= 0
-    (read_scale > 0): least squares on each subset of the optional terms that keeps the read,
-    the best subset whose solution is non-negative wins (exact for four unknowns). Example
-    (H200 fused route, beta 4404.9 GB/s): B1 32K 134 MB in 41.07 µs at makespan 67 and 16
-    splits, B8 32K 1074 MB in 250.16 µs at 515 and 2, B8 1K 33.6 MB in 13.88 µs at 19 and 2,
-    with shape (0.59, 0.09): read_scale 0.974, fixed_us 3.84, predicting 39.78, 254.78, 14.01 µs
-    (-3.1 %, +1.8 %, +1.0 %).
+    What is minimised is the largest weighted relative error ``max w |T_model - T| / T`` (the
+    target: every planned cut within 5 %), ties (1e-9) to the weighted squared relative error
+    ``sum w ((T_model - T)/T)^2``, over these candidates, every constant >= 0 and read_scale > 0:
 
-    Raises ValueError with fewer records than free constants, a record that is not numbers
-    >= 0 (times > 0), or no fit with a positive read_scale (records that read no bytes).
+    * depth_us from :data:`DEPTH_GRID_US` (then refined to 0.001 around the best), and for each
+      value and each subset of the linear terms (tail, split, merge, room, fixed; no more
+      unknowns than records) the weighted least-squares solution of read_scale and the subset,
+      the records bound by depth (``depth_us * depth_tiles > read_scale * read``) found by
+      iterating from "none" (at most 8 rounds; every round's solution is a candidate).
+
+    With ``shape``: least squares on each subset of fixed_us, the best non-negative one (as
+    before session 23). Example (H200 fused route, beta 4404.9 GB/s): B1 32K 134 MB in 41.07 µs
+    at makespan 67 and 16 splits, B8 32K 1074 MB in 250.16 µs at 515 and 2, B8 1K 33.6 MB in
+    13.88 µs at 19 and 2, with shape (0.59, 0.09): read_scale 0.974, fixed_us 3.84, predicting
+    39.78, 254.78, 14.01 µs (-3.1 %, +1.8 %, +1.0 %).
+
+    Raises ValueError with fewer records than free constants (2 with ``shape``, else 4), a
+    record that is not numbers >= 0 (times > 0), or no fit with a positive read_scale (records
+    that read no bytes).
     """
     recs = list(records)
     free = 2 if shape is not None else 4
     if len(recs) < free:
         raise ValueError(f"fit_route_time: {len(recs)} timed configurations, need at least {free}")
     for i, r in enumerate(recs):
-        for key in ("kv_bytes", "makespan_tiles", "splits", "us"):
+        for key in _RECORD_KEYS + tuple(k for k in _OPTIONAL_RECORD_KEYS if k in r):
             v = r.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not v >= 0:
-                raise ValueError(f"fit_route_time: records[{i}][{key!r}]: expected a number >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not v >= 0 \
+                    or not math.isfinite(v):
+                raise ValueError(f"fit_route_time: records[{i}][{key!r}]: expected a finite number >= 0, got {v!r}")
         if not r["us"] > 0:
             raise ValueError(f"fit_route_time: records[{i}]['us']: expected a time > 0, got {r['us']!r}")
         w = r.get("weight", 1.0)
@@ -356,32 +412,120 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
             raise ValueError(f"fit_route_time: records[{i}]['weight']: expected a finite number > 0, "
                              f"got {w!r}")
     y = np.array([r["us"] for r in recs], dtype=float)
-    sw = np.sqrt(np.array([r.get("weight", 1.0) for r in recs], dtype=float))   # rows scaled by sqrt(w)
-    cols = np.array([[r["kv_bytes"] / (beta_gbps * 1e3), math.sqrt(r["makespan_tiles"]), r["splits"], 1.0]
-                     for r in recs])
+    w = np.array([r.get("weight", 1.0) for r in recs], dtype=float)
+    read = np.array([r["kv_bytes"] / (beta_gbps * 1e3) for r in recs])
+    if not (read > 0).any():
+        raise ValueError("fit_route_time: no fit with a positive read_scale (do the records read any bytes?)")
     if shape is not None:
-        tail, split = shape
-        y_fit, cols, optional = y - tail * cols[:, 1] - split * cols[:, 2], cols[:, [0, 3]], (1,)
-    else:
-        y_fit, optional = y, (1, 2, 3)
+        return _fit_shaped(recs, y, w, read, shape)
+    depth = np.array([float(r.get("depth_tiles", 0.0)) for r in recs])
+    lin = np.array([[math.sqrt(r["makespan_tiles"]), r["splits"], r.get("merge_per_sm", 0.0),
+                     r.get("room_tiles", 0.0), 1.0] for r in recs])   # tail, split, merge, room, fixed
+    terms = [j for j in range(lin.shape[1]) if lin[:, j].any()]   # a term no record has is 0
+    subsets = [s for k in range(len(terms) + 1) for s in itertools.combinations(terms, k)
+               if len(s) + 1 <= len(recs)]
+    grid = DEPTH_GRID_US if depth.any() else (0.0,)
     best = None
-    for k in range(len(optional) + 1):
-        for subset in itertools.combinations(optional, k):
-            idx = [0, *subset]
-            a = cols[:, idx] / y[:, None] * sw[:, None]
-            b = y_fit / y * sw
-            x = np.linalg.lstsq(a, b, rcond=None)[0]
-            if x[0] <= 0 or (x[1:] < 0).any():
-                continue
-            loss = float(np.sum((a @ x - b) ** 2))
-            if best is None or loss < best[0] - 1e-15:
-                full = np.zeros(cols.shape[1])
-                full[idx] = x
-                best = (loss, full)
+    for a_grid in (grid, None):
+        if a_grid is None:   # refine around the best depth_us
+            a0 = best[2][0]
+            a_grid = [] if a0 == 0 else sorted({round(max(0.0, a0 + 0.001 * k), 3) for k in range(-10, 11)} - {a0})
+        for a in a_grid:
+            for sub in subsets:
+                cand = _fit_depth(y, w, read, depth, lin, a, sub)
+                if cand is not None and (best is None or _better(cand[0], best[0])):
+                    best = cand
+    if best is None:
+        raise ValueError("fit_route_time: no fit with a positive read_scale (do the records read any bytes?)")
+    best = _lawson(y, w, read, depth, lin, best)
+    a, rs, x = best[2]
+    return RouteTime(read_scale=float(rs), tail_us=float(x[0]), split_us=float(x[1]), fixed_us=float(x[4]),
+                     depth_us=float(a), merge_us=float(x[2]), room_us=float(x[3]))
+
+
+def _better(score, than) -> bool:
+    """Whether fit ``score`` (max weighted error, weighted squared error) beats ``than``: a
+    largest error smaller by more than a part in 1e9, else (a tie) a smaller squared error."""
+    tol = 1e-9 * than[0]
+    return score[0] < than[0] - tol or (score[0] <= than[0] + tol and score[1] < than[1] * (1 - 1e-12))
+
+
+def _fit_depth(y, w, read, depth, lin, a: float, sub: tuple):
+    """:func:`fit_route_time`'s candidates at depth_us ``a`` and linear terms ``sub``: the best
+    of the rounds' least-squares solutions, as ((max, sse), _, (a, read_scale, x[5])), or None
+    when none is non-negative. Two starts for the records bound by depth: none, and those whose
+    chain outlasts their read at read_scale 1; each round takes the set the last solution
+    implies, until it repeats (at most 8 rounds a start)."""
+    sw = np.sqrt(w)
+    best, seen = None, set()
+    for bound in (np.zeros(y.size, dtype=bool), a * depth > read):
+        for _ in range(8):
+            key = bound.tobytes()
+            if key in seen:
+                break
+            seen.add(key)
+            cols = np.column_stack([np.where(bound, 0.0, read), lin[:, list(sub)]])
+            target = y - np.where(bound, a * depth, 0.0)
+            sol = np.linalg.lstsq(cols / y[:, None] * sw[:, None], target / y * sw, rcond=None)[0]
+            rs, x = sol[0], np.zeros(lin.shape[1])
+            x[list(sub)] = sol[1:]
+            if rs > 0 and (sol[1:] >= 0).all():
+                err = (np.maximum(rs * read, a * depth) + lin @ x - y) / y
+                score = (float(np.max(w * np.abs(err))), float(np.sum(w * err ** 2)))
+                if best is None or _better(score, best[0]):
+                    best = (score, None, (a, rs, x))
+            if not rs > 0:
+                break
+            bound = a * depth > rs * read
+    return best
+
+
+def _lawson(y, w, read, depth, lin, best, rounds: int = 200):
+    """Polish ``best`` (a :func:`_fit_depth` candidate) towards the least largest weighted error:
+    Lawson's iteration (each round's least squares reweighted by each record's weighted error,
+    so the worst records pull harder) on its depth_us and non-zero terms, the records bound by
+    depth recomputed each round; the best round wins if it beats ``best`` (:func:`_better`)."""
+    a, rs, x = best[2]
+    sub = [i for i in range(lin.shape[1]) if x[i] > 0]
+    u = np.ones(y.size)
+    for _ in range(rounds):
+        bound = a * depth > rs * read
+        cols = np.column_stack([np.where(bound, 0.0, read), lin[:, sub]])
+        target = y - np.where(bound, a * depth, 0.0)
+        sw = np.sqrt(u) * w
+        sol = np.linalg.lstsq(cols / y[:, None] * sw[:, None], target / y * sw, rcond=None)[0]
+        if sol[0] <= 0 or (sol[1:] < 0).any():
+            break
+        rs, xs = sol[0], np.zeros(lin.shape[1])
+        xs[sub] = sol[1:]
+        err = (np.maximum(rs * read, a * depth) + lin @ xs - y) / y
+        score = (float(np.max(w * np.abs(err))), float(np.sum(w * err ** 2)))
+        if _better(score, best[0]):
+            best = (score, None, (a, rs, xs))
+        u = u * w * np.abs(err)
+        if not u.sum() > 0:
+            break
+        u = u / u.sum()
+    return best
+
+
+def _fit_shaped(recs, y, w, read, shape) -> RouteTime:
+    """:func:`fit_route_time` with ``shape`` = (tail_us, split_us) kept: read_scale and fixed_us
+    by weighted least squares (fixed_us dropped when it would be negative)."""
+    tail, split = shape
+    sw = np.sqrt(w)
+    rest = y - np.array([tail * math.sqrt(r["makespan_tiles"]) + split * r["splits"] for r in recs])
+    best = None
+    for cols in ((read,), (read, np.ones(y.size))):
+        a = np.column_stack(cols) / y[:, None] * sw[:, None]
+        x = np.linalg.lstsq(a, rest / y * sw, rcond=None)[0]
+        if x[0] <= 0 or (x[1:] < 0).any():
+            continue
+        loss = float(np.sum((a @ x - rest / y * sw) ** 2))
+        if best is None or loss < best[0] - 1e-15:
+            best = (loss, x)
     if best is None:
         raise ValueError("fit_route_time: no fit with a positive read_scale (do the records read any bytes?)")
     x = best[1]
-    if shape is not None:
-        return RouteTime(read_scale=float(x[0]), tail_us=float(shape[0]), split_us=float(shape[1]),
-                         fixed_us=float(x[1]))
-    return RouteTime(read_scale=float(x[0]), tail_us=float(x[1]), split_us=float(x[2]), fixed_us=float(x[3]))
+    return RouteTime(read_scale=float(x[0]), tail_us=float(tail), split_us=float(split),
+                     fixed_us=float(x[1]) if x.size > 1 else 0.0)

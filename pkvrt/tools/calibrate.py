@@ -1019,10 +1019,12 @@ def add_time_model(cal: calib.Calibration, raw: list[dict], reg, kv_dtype: str =
             f"by_group: G = {', '.join(str(g) for g in groups) or '(none)'}) on "
             f"every calibration step at the cut its planner picks (weight {sweeps.PLANNED_WEIGHT:g}) "
             f"plus every cut within {100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest (weight 1), "
+            "the least largest weighted error (costmodel.fit_route_time), "
             + ("FlashInfer at its faster path on the same steps and B1..B16 at 32K; " if fp16 else
                f"against the file's beta_gbps {view.beta_gbps:g}; FlashInfer not timed (the file's "
                "time_model.flashinfer, bytes counted at 1 per element); ")
-            + f"bucket: read_scale and fixed_us only, tail_us and split_us from {dp.name} ({dp.kind}).") \
+            + f"bucket: read_scale and fixed_us only, tail_us and split_us from {dp.name} ({dp.kind}), "
+            "no depth, merge or room term.") \
         + "".join(notes)
     if fp16:
         cal = attrs.evolve(cal, provenance=cal.provenance + text)
@@ -1076,8 +1078,9 @@ def _split_rows(prefix: str, s: calib.SplitPoints) -> list[tuple]:
 
 def _time_rows(prefix: str, top, by_group) -> list[tuple]:
     return [(f"{prefix}{'' if g == 4 else f'.by_group.{g}'}.{k}",
-             f"{t.read_scale:.3f} {t.tail_us:.3f} {t.split_us:.3f} {t.fixed_us:.2f}",
-             "read_scale tail_us split_us fixed_us (sweeps.fit_time_model)")
+             f"{t.read_scale:.3f} {t.depth_us:.3f} {t.tail_us:.3f} {t.split_us:.3f} {t.merge_us:.3f} "
+             f"{t.room_us:.3f} {t.fixed_us:.2f}",
+             "read_scale depth_us tail_us split_us merge_us room_us fixed_us (sweeps.fit_time_model)")
             for g, kinds in ((4, top), *by_group) for k, t in kinds]
 
 

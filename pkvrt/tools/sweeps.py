@@ -175,7 +175,8 @@ def _record(t: Timed, route, cal, cut: int) -> dict:
     kw = dict(splits=route.splits, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths) \
         if t.kind != "flashinfer" else {}
     (g,) = route_groups(t.kind, t.seq, cal, longest_splits=cut or None, **kw, **t.shape)
-    return dict(kv_bytes=g.kv_bytes, makespan_tiles=g.makespan_tiles, splits=g.splits, us=t.times[cut])
+    return dict(kv_bytes=g.kv_bytes, makespan_tiles=g.makespan_tiles, splits=g.splits, depth_tiles=g.depth_tiles,
+                merge_per_sm=g.merge_states / cal.sm_count, room_tiles=g.room_tiles, us=t.times[cut])
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -288,6 +289,16 @@ def fit_time_model(timed, cal: calib.Calibration, registry) -> dict[int, dict[st
     return out
 
 
+def format_time_model(fits: dict) -> str:
+    """:func:`fit_time_model`'s constants as a table, one line per G and route kind."""
+    from pkvrt.tools.calibrate import format_rows
+
+    return format_rows(("G", "kind", "read_scale", "depth_us", "tail_us", "split_us", "merge_us", "room_us", "fixed_us"),
+                       [(g, k, f"{t.read_scale:.4f}", f"{t.depth_us:.3f}", f"{t.tail_us:.4f}", f"{t.split_us:.4f}",
+                         f"{t.merge_us:.4f}", f"{t.room_us:.4f}", f"{t.fixed_us:.3f}")
+                        for g, kinds in sorted(fits.items()) for k, t in kinds.items()])
+
+
 def with_time_model(cal: calib.Calibration, fits: dict, kv_dtype: str = "float16") -> calib.Calibration:
     """``cal`` with :func:`fit_time_model`'s constants, rounded: G 4 at the top level (every kind
     of ``TIME_KINDS`` required), the others in ``time_model.by_group`` (what they have); for an
@@ -295,7 +306,9 @@ def with_time_model(cal: calib.Calibration, fits: dict, kv_dtype: str = "float16
     fitted (FlashInfer is not timed with FP8 caches: its kind is the file's)."""
     def rounded(kinds):
         return tuple((k, calib.RouteTime(read_scale=round(rt.read_scale, 4), tail_us=round(rt.tail_us, 4),
-                                         split_us=round(rt.split_us, 4), fixed_us=round(rt.fixed_us, 3)))
+                                         split_us=round(rt.split_us, 4), fixed_us=round(rt.fixed_us, 3),
+                                         depth_us=round(rt.depth_us, 4), merge_us=round(rt.merge_us, 4),
+                                         room_us=round(rt.room_us, 4)))
                      for k, rt in ((k, kinds[k]) for k in calib.TIME_KINDS if k in kinds))
     top = rounded(fits.get(4, {}))
     by_group = tuple(sorted((g, rounded(f)) for g, f in fits.items() if g != 4 and f))
