@@ -116,32 +116,47 @@ def predict_flashinfer_us(counters, cal: Calibration, *, active: int, num_kv_hea
 # 42.6 predicted; FlashInfer B1 1.6K: 10.4 µs measured, 4.7 predicted). The partition's makespan
 # alone (µs per tile-time) misses too: B1 32K and B8 32K both run 128 CTAs, one per SM, with
 # makespans of 67 and 515 tile-times, in 41.1 and 250.2 µs: 0.61 and 0.49 µs per tile-time. What
-# fits every route of the 2026-12-01 H200 sweeps within 5 % at G = 4 (benches/cost_model_error.py)
-# is the read at beta, plus a tail growing with the square root of the makespan (the CTAs that
-# finish last), plus the longest row's merge, plus a fixed cost per launch group; four constants
-# per route kind (calibration ``time_model``):
+# fits is, per launch group of a step (calibration ``time_model``, one set of constants per route
+# kind and group size):
 #
-#     T = sum over launch groups of
-#         read_scale * KVBytes/beta + tail_us * sqrt(makespan) + split_us * splits + fixed_us
+#     T = max(read_scale * KVBytes/beta, depth_us * depth) + tail_us * sqrt(makespan)
+#         + split_us * splits + merge_us * merge_states / SMs + room_us * room + fixed_us
+#
+# - the read at beta, unless one CTA's chain of tiles takes longer: ``depth`` = resident waves of
+#   CTAs times the chunk (the longest CTA's tiles). Short steps are latency-bound, not read-bound:
+#   eight 1K rows at G 4 cut in 2 (128 CTAs of 16 tiles, one per SM) take 14.4 µs and cut in 3
+#   (192 CTAs of 11 tiles) 12.0, though both read 33.6 MB (7.8 µs at beta) and the makespan
+#   (22.5 vs 24.1 tile-times) calls the first cheaper; a CTA streams a tile in ~0.6 µs alone, so
+#   16 tiles take ~9.6 µs and 11 tiles less than the read (session 23, benches/NOTES.md);
+# - a tail growing with the square root of the makespan (the CTAs that finish last);
+# - the longest row's splits and the partial states per SM (the merge: its wait and its work);
+# - the partition's room charge (``PartitionModel.room_charge``, in tile-times): a last wave that
+#   leaves the next layer's early-launched CTAs few slots;
+# - a fixed cost per launch group.
+# Until session 23 the model was the read, the tail, the splits and the fixed cost alone; its
+# worst error at the planned cut on the 2026-12-02 sweeps was 13.2 % (G 4 fused: short eight-row
+# steps), now 4.3 % at most over every route and G = 1, 4, 8 (cost_model_error.py).
 #
 # Launch groups: the workqueue and fused routes are one (the balanced partition, makespan
 # ``Partition.cost / (64 * SMs)`` tile-times, splits = its longest row's count); the bucket route
 # is one per bucket (decode + merge launch, its CTAs cut like a partition at the bucket's S);
 # FlashInfer is one, described by the form of its own scheduler's split (:func:`flashinfer_group`):
 # the smallest KV chunk whose CTAs (KV heads x chunks of every row) fit FLASHINFER_CTAS_PER_SM
-# per SM, makespan = that chunk times the CTAs per SM. Until session 7 it was described by
-# pkvrt's own balanced partition (a proxy), so its prediction moved with pkvrt's partition
-# constants; on the 2026-12-01 H200 sweeps the proxy's worst error was 7.7 / 4.2 / 11.0 % at
-# G = 4 / 1 / 8, this rule's 3.1 / 3.1 / 3.4 % (C = 4; C = 1, 2, 3: at most 5.6, 4.5, 4.5 %).
-# Eager launches (graphs=False) add lambda_us - lambda_graph_us per launch, since fixed_us was
-# measured inside graph replays.
+# per SM, makespan = that chunk times the CTAs per SM; it has no depth, merge-state or room
+# description (those terms are 0 for it). Until session 7 it was described by pkvrt's own
+# balanced partition (a proxy), so its prediction moved with pkvrt's partition constants; on the
+# 2026-12-01 H200 sweeps the proxy's worst error was 7.7 / 4.2 / 11.0 % at G = 4 / 1 / 8, this
+# rule's 3.1 / 3.1 / 3.4 % (C = 4; C = 1, 2, 3: at most 5.6, 4.5, 4.5 %). Eager launches
+# (graphs=False) add lambda_us - lambda_graph_us per launch, since fixed_us was measured inside
+# graph replays.
 #
-# Worked example, B1 32K at G = 4 on the H200 (beta 4404.9 GB/s; fused constants read 0.9811,
-# tail 0.5927, split 0.0900, fixed 3.695 from benches/cost_model_error.py on the 2026-12-01 sweeps):
-#     KVBytes   = 32768 * 8 kvh * 128 * 2 (K,V) * 2 B = 134_217_728 B -> / 4404.9e3 = 30.47 µs
-#     partition: 16 splits of 64 tiles, 128 CTAs one per SM, makespan 64 + 3 (overhead) = 67
-#     T_fused   = 0.9811*30.47 + 0.5927*sqrt(67) + 0.0900*16 + 3.695 = 29.89 + 4.85 + 1.44 + 3.70
-#               = 39.9 µs (measured 41.1)
+# Worked example, eight 1K rows at G = 4 on the H200, fused route (beta 4302.8 GB/s; the H200
+# file's fused constants: read 0.9437, depth 0.678, tail 0.7961, split 0.0709, merge 0, room
+# 0.0721, fixed 0), the planned cut 2:
+#     KVBytes   = 8 * 1024 * 8 kvh * 128 * 2 (K,V) * 2 B = 33_554_432 B -> / 4302.8e3 = 7.80 µs
+#     partition: 128 CTAs of 16 tiles (one wave of 264 slots), makespan 22.5, no room charge
+#     T_fused   = max(0.9437*7.80, 0.678*16) + 0.7961*sqrt(22.5) + 0.0709*2
+#               = max(7.36, 10.85) + 3.78 + 0.14 = 14.77 µs (measured 14.44; the old model 12.7)
 
 FLASHINFER_CTAS_PER_SM = 4   # the grid FlashInfer's split fills (fitted offline, see above)
 
