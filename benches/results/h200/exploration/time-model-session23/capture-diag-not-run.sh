@@ -1,4 +1,4 @@
-# Session 23, call 9: call 4's failure (the FP8-refitted file, test_fp8 then test_runtime) with a launch
+# Session 23, NOT RUN (device time spent): the next step on calls 3-7's capture failure (the FP8-refitted file,
 # diagnostic (capture status before each launch), then the same with PKVRT_PDL=0.
 export PKVRT_SOURCE_COMMIT=$(cat .carry/commit); WHL=.whl07s . benches/h200_call.sh > /dev/null 2>&1 || exit 1
 D=benches/results/h200/exploration/time-model-session23
