@@ -397,7 +397,11 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
       value and each subset of the linear terms (tail, split, merge, room, fixed; no more
       unknowns than records) the weighted least-squares solution of read_scale and the subset,
       the records bound by depth (``depth_us * depth_tiles > read_scale * read``) found by
-      iterating from "none" (at most 8 rounds; every round's solution is a candidate).
+      iterating from two starts (none; those whose chain outlasts their read at read_scale 1;
+      at most 8 rounds each, every round's non-negative solution a candidate);
+    * then Lawson's reweighting of the best candidate's terms (:func:`_lawson`), kept where it
+      lowers the largest error. A record set without depth (FlashInfer's) searches depth_us 0
+      only, and a term no record has stays 0.
 
     With ``shape``: least squares on each subset of fixed_us, the best non-negative one (as
     before session 23). Example (H200 fused route, beta 4404.9 GB/s): B1 32K 134 MB in 41.07 µs
