@@ -126,7 +126,8 @@ def main(argv=None) -> int:
 
         import attrs
 
-        model = (f"the time model (costmodel.fit_route_time: the least largest weighted error, each step's "
+        model = (f"the time model (costmodel.fit_route_time: the least largest weighted error, the bucket "
+                 f"route's two constants by least squares; each step's "
                  f"planned cut weighted {sweeps.PLANNED_WEIGHT:g}, its cuts within "
                  f"{100 * (sweeps.NEAR_BEST - 1):.0f} % of the fastest 1)")
         what = (model if args.keep_partition else

@@ -57,7 +57,9 @@ pos = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=F
 
 
 non_neg = st.floats(min_value=0.0, max_value=1e4, allow_nan=False, allow_infinity=False)
-route_times = st.builds(C.RouteTime, pos, non_neg, non_neg, non_neg)
+# the four constants, and the optional depth, merge and room terms: 0 (not written) or not
+route_times = st.builds(C.RouteTime, pos, non_neg, non_neg, non_neg, st.one_of(st.just(0.0), non_neg),
+                        st.one_of(st.just(0.0), non_neg), st.one_of(st.just(0.0), non_neg))
 
 
 @st.composite
@@ -585,6 +587,22 @@ def test_time_model_round_trips_and_for_group_replaces_the_kinds_it_has(tmp_path
     assert cal.for_group(8).for_group(1) == cal.for_group(8)       # already the G = 8 view
 
 
+def test_depth_merge_and_room_terms_are_optional_and_zero_terms_are_not_written(tmp_path):
+    """A file of the model before session 23 (four keys) reads its three new terms as 0; a
+    non-zero term round-trips; a term that is 0 is left out on save (old files stay as they were)."""
+    doc = time_model_doc()
+    doc["time_model"]["fused"].update(depth_us=0.678, room_us=0.0721, merge_us=0.0)
+    cal = load_calibration(write(tmp_path, doc))
+    assert cal.route_time("fused") == C.RouteTime(1.0, 0.5, 0.1, 3.0, depth_us=0.678, merge_us=0.0, room_us=0.0721)
+    assert (cal.route_time("workqueue").depth_us, cal.route_time("workqueue").merge_us,
+            cal.route_time("workqueue").room_us) == (0.0, 0.0, 0.0)
+    save_calibration(cal, tmp_path / "again.json")
+    saved = json.loads((tmp_path / "again.json").read_text())["time_model"]
+    assert saved["fused"] == {"read_scale": 1.0, "tail_us": 0.5, "split_us": 0.1, "fixed_us": 3.0,
+                              "depth_us": 0.678, "room_us": 0.0721}
+    assert saved["workqueue"] == doc["time_model"]["workqueue"]
+
+
 @pytest.mark.parametrize("edit, key, expected", [
     (lambda tm: tm.pop("bucket"), "time_model.bucket", "it to be present"),
     (lambda tm: tm.update(fuse=route_time()), "time_model.fuse", "one of the schema-1 keys"),
@@ -593,6 +611,11 @@ def test_time_model_round_trips_and_for_group_replaces_the_kinds_it_has(tmp_path
     (lambda tm: tm["fused"].update(read_scale=0.0), "time_model.fused.read_scale", "a finite positive"),
     (lambda tm: tm["fused"].update(split_us=-0.1), "time_model.fused.split_us", "a finite number >= 0"),
     (lambda tm: tm["fused"].update(fixed_us="4"), "time_model.fused.fixed_us", "a number"),
+    (lambda tm: tm["fused"].update(depth_us=-0.5), "time_model.fused.depth_us", "a finite number >= 0"),
+    (lambda tm: tm["workqueue"].update(merge_us=float("inf")), "time_model.workqueue.merge_us",
+     "a finite number >= 0"),
+    (lambda tm: tm["fused"].update(room_us=True), "time_model.fused.room_us", "a number"),
+    (lambda tm: tm["fused"].update(depth=0.5), "time_model.fused.depth", "one of the schema-1 keys"),
     (lambda tm: tm.update(by_group={"G8": {}}), "time_model.by_group.G8", "keys that are positive integers"),
     (lambda tm: tm.update(by_group={"8": {}}), "time_model.by_group.8", "a non-empty object"),
     (lambda tm: tm.update(by_group={"8": {"fast": route_time()}}), "time_model.by_group.8.fast", "one of"),

@@ -1019,7 +1019,7 @@ def add_time_model(cal: calib.Calibration, raw: list[dict], reg, kv_dtype: str =
             f"by_group: G = {', '.join(str(g) for g in groups) or '(none)'}) on "
             f"every calibration step at the cut its planner picks (weight {sweeps.PLANNED_WEIGHT:g}) "
             f"plus every cut within {100 * (sweeps.NEAR_BEST - 1):.0f} % of the step's fastest (weight 1), "
-            "the least largest weighted error (costmodel.fit_route_time), "
+            "the least largest weighted error (costmodel.fit_route_time; bucket: least squares), "
             + ("FlashInfer at its faster path on the same steps and B1..B16 at 32K; " if fp16 else
                f"against the file's beta_gbps {view.beta_gbps:g}; FlashInfer not timed (the file's "
                "time_model.flashinfer, bytes counted at 1 per element); ")
