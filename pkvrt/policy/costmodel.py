@@ -455,7 +455,7 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
     best = None
     for a_grid in (grid, None):
         if a_grid is None:   # refine around the best depth_us
-            a0 = best[2][0]
+            a0 = best[1][0]
             a_grid = [] if a0 == 0 else sorted({round(max(0.0, a0 + 0.001 * k), 3) for k in range(-10, 11)} - {a0})
         for a in a_grid:
             for sub in subsets:
@@ -465,7 +465,7 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
     if best is None:
         raise ValueError("fit_route_time: no fit with a positive read_scale (do the records read any bytes?)")
     best = _lawson(y, w, read, depth, lin, best)
-    a, rs, x = best[2]
+    a, rs, x = best[1]
     return RouteTime(read_scale=float(rs), tail_us=float(x[0]), split_us=float(x[1]), fixed_us=float(x[4]),
                      depth_us=float(a), merge_us=float(x[2]), room_us=float(x[3]))
 
@@ -477,12 +477,30 @@ def _better(score, than) -> bool:
     return score[0] < than[0] - tol or (score[0] <= than[0] + tol and score[1] < than[1] * (1 - 1e-12))
 
 
+def _solve(y, sw, read, depth, lin, a: float, sub, bound):
+    """Weighted least squares (row weights ``sw``) of read_scale and the terms ``sub`` with the
+    records ``bound`` by depth priced at ``a * depth``: (read_scale, x[5]), x 0 outside ``sub``."""
+    cols = np.column_stack([np.where(bound, 0.0, read), lin[:, list(sub)]])
+    target = y - np.where(bound, a * depth, 0.0)
+    sol = np.linalg.lstsq(cols / y[:, None] * sw[:, None], target / y * sw, rcond=None)[0]
+    x = np.zeros(lin.shape[1])
+    x[list(sub)] = sol[1:]
+    return sol[0], x
+
+
+def _score(y, w, read, depth, lin, a: float, rs, x):
+    """(the fit's criterion (largest weighted relative error, weighted squared error), the
+    relative errors) of constants (a, rs, x)."""
+    err = (np.maximum(rs * read, a * depth) + lin @ x - y) / y
+    return (float(np.max(w * np.abs(err))), float(np.sum(w * err ** 2))), err
+
+
 def _fit_depth(y, w, read, depth, lin, a: float, sub: tuple):
     """:func:`fit_route_time`'s candidates at depth_us ``a`` and linear terms ``sub``: the best
-    of the rounds' least-squares solutions, as ((max, sse), _, (a, read_scale, x[5])), or None
-    when none is non-negative. Two starts for the records bound by depth: none, and those whose
-    chain outlasts their read at read_scale 1; each round takes the set the last solution
-    implies, until it repeats (at most 8 rounds a start)."""
+    of the rounds' least-squares solutions, as (score, (a, read_scale, x[5])), or None when none
+    is non-negative. Two starts for the records bound by depth: none, and those whose chain
+    outlasts their read at read_scale 1; each round takes the set the last solution implies,
+    until it repeats (at most 8 rounds a start)."""
     sw = np.sqrt(w)
     best, seen = None, set()
     for bound in (np.zeros(y.size, dtype=bool), a * depth > read):
@@ -491,18 +509,13 @@ def _fit_depth(y, w, read, depth, lin, a: float, sub: tuple):
             if key in seen:
                 break
             seen.add(key)
-            cols = np.column_stack([np.where(bound, 0.0, read), lin[:, list(sub)]])
-            target = y - np.where(bound, a * depth, 0.0)
-            sol = np.linalg.lstsq(cols / y[:, None] * sw[:, None], target / y * sw, rcond=None)[0]
-            rs, x = sol[0], np.zeros(lin.shape[1])
-            x[list(sub)] = sol[1:]
-            if rs > 0 and (sol[1:] >= 0).all():
-                err = (np.maximum(rs * read, a * depth) + lin @ x - y) / y
-                score = (float(np.max(w * np.abs(err))), float(np.sum(w * err ** 2)))
-                if best is None or _better(score, best[0]):
-                    best = (score, None, (a, rs, x))
+            rs, x = _solve(y, sw, read, depth, lin, a, sub, bound)
             if not rs > 0:
                 break
+            if (x >= 0).all():
+                score, _ = _score(y, w, read, depth, lin, a, rs, x)
+                if best is None or _better(score, best[0]):
+                    best = (score, (a, rs, x))
             bound = a * depth > rs * read
     return best
 
@@ -512,23 +525,16 @@ def _lawson(y, w, read, depth, lin, best, rounds: int = 200):
     Lawson's iteration (each round's least squares reweighted by each record's weighted error,
     so the worst records pull harder) on its depth_us and non-zero terms, the records bound by
     depth recomputed each round; the best round wins if it beats ``best`` (:func:`_better`)."""
-    a, rs, x = best[2]
+    a, rs, x = best[1]
     sub = [i for i in range(lin.shape[1]) if x[i] > 0]
     u = np.ones(y.size)
     for _ in range(rounds):
-        bound = a * depth > rs * read
-        cols = np.column_stack([np.where(bound, 0.0, read), lin[:, sub]])
-        target = y - np.where(bound, a * depth, 0.0)
-        sw = np.sqrt(u) * w
-        sol = np.linalg.lstsq(cols / y[:, None] * sw[:, None], target / y * sw, rcond=None)[0]
-        if sol[0] <= 0 or (sol[1:] < 0).any():
+        rs, xs = _solve(y, np.sqrt(u) * w, read, depth, lin, a, sub, a * depth > rs * read)
+        if rs <= 0 or (xs < 0).any():
             break
-        rs, xs = sol[0], np.zeros(lin.shape[1])
-        xs[sub] = sol[1:]
-        err = (np.maximum(rs * read, a * depth) + lin @ xs - y) / y
-        score = (float(np.max(w * np.abs(err))), float(np.sum(w * err ** 2)))
+        score, err = _score(y, w, read, depth, lin, a, rs, xs)
         if _better(score, best[0]):
-            best = (score, None, (a, rs, xs))
+            best = (score, (a, rs, xs))
         u = u * w * np.abs(err)
         if not u.sum() > 0:
             break

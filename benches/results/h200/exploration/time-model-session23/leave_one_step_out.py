@@ -1,4 +1,6 @@
-# Session 23: leave-one-step-out error of the time model fit (usage: python THIS SWEEPS.json, repo root)
+# Session 23: leave-one-step-out error of the time model fit (usage: python THIS SWEEPS.json [--old-form],
+# repo root; --old-form: the records without depth, merge and room, i.e. the form before session 23 under
+# the same fit)
 import json, sys, numpy as np
 from pkvrt.tools import sweeps
 from pkvrt.policy import calibration as C
@@ -12,6 +14,8 @@ for g in (4,1,8):
         worst=(0,None)
         for t in steps:
             recs=sweeps.fit_records([s for s in steps if s is not t], cal, reg, kind, g)
+            if '--old-form' in sys.argv:
+                recs=[{k: v for k, v in r.items() if k not in ('depth_tiles', 'merge_per_sm', 'room_tiles')} for r in recs]
             rt=fit_route_time(recs, beta_gbps=cal.beta_gbps)
             route=sweeps.route_of_kind(reg,kind); view=t.view(cal)
             cut=sweeps.planned_cut(t,route,view)
