@@ -83,7 +83,8 @@ class _Step:
     views: object = None
     runs: int = 0        # run() calls since this plan: the first must not read the plan early
     # engine_capture with host lengths: the planning launch that the step's first run() makes
-    # (a callable), and where it was made last: "eager", or the capture sequence's id
+    # (the arguments of Runtime._launch_device_plan), and where it was made last: "eager", or
+    # the capture sequence's id
     plan_launch: object = None
     planned_in: object = None
 

@@ -42,6 +42,31 @@ def _resolve_device(device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+
+class _StreamRecorder:
+    """``recorder(event)``: ``event.record()`` on the current stream, without
+    ``torch.cuda.current_stream()`` (a Stream object built through Python device-index helpers:
+    ~15 us per call on the H200 machine's host, once per plan(); benches/NOTES.md "Session 14"):
+    the Stream object is kept while torch reports the same current stream (id, device, type).
+    Its own object, not a Runtime method, so that the FlashInfer route holding it does not
+    hold the Runtime: a Runtime has no reference cycle and is freed when its last reference
+    goes, never by a garbage collection that may run inside some CUDA graph capture (a CUDA
+    graph destroyed inside a capture invalidates it; :func:`pkvrt.runtime.graphs.capture`)."""
+
+    def __init__(self, cuda: bool):
+        self._get = getattr(torch._C, "_cuda_getCurrentStream", None) if cuda else None
+        self._key = self._stream = None
+
+    def __call__(self, event) -> None:
+        if self._get is None:
+            event.record()
+            return
+        key = self._get(torch._C._cuda_getDevice())
+        if key != self._key:
+            self._key = key
+            self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        event.record(self._stream)
+
 class Runtime(StaticBuffers, Planning, Running):
     """Paged-KV decode attention with a per-step route choice, replayed as CUDA graphs.
 
@@ -255,7 +280,7 @@ class Runtime(StaticBuffers, Planning, Running):
 
         self.device = _resolve_device(device)
         self._cuda = self.device.type == "cuda"
-        self._stream_key = self._stream_obj = None   # _record's current stream
+        self._record = _StreamRecorder(self._cuda)   # shared with the FlashInfer route
         self._run_checked: set = set()   # run() argument signatures that passed check_run_args
 
         with torch.cuda.device(self.device):
@@ -361,21 +386,6 @@ class Runtime(StaticBuffers, Planning, Running):
     def _capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph (an engine's)."""
         return self._cuda and torch.cuda.is_current_stream_capturing()
-
-    def _record(self, event) -> None:
-        """``event.record()`` on the current stream, without ``torch.cuda.current_stream()``
-        (a Stream object built through Python device-index helpers: ~15 us per call on the H200
-        machine's host, once per plan(); benches/NOTES.md "Session 14"): the Stream object is
-        kept while torch reports the same current stream (id, device, type)."""
-        get = getattr(torch._C, "_cuda_getCurrentStream", None) if self._cuda else None
-        if get is None:
-            event.record()
-            return
-        key = get(torch._C._cuda_getDevice())
-        if key != self._stream_key:
-            self._stream_key = key
-            self._stream_obj = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        event.record(self._stream_obj)
 
     def _capture(self, key, launch) -> None:
         t0 = time.perf_counter()

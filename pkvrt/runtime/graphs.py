@@ -33,6 +33,7 @@ Everything here but :func:`capture` is plain Python and NumPy and runs without C
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 
 import attrs
@@ -306,6 +307,14 @@ def capture(launch, *, side_stream=None, pool=None, device=None,
     the new graph for this call. ``torch.cuda.graph`` synchronizes the device when entering
     capture, so a miss costs a device sync plus the capture (see Runtime.stats()).
 
+    The cyclic garbage collector is paused for the capture (an automatic collection runs
+    when Python allocates, which ``launch()`` does): a collection inside it would run the
+    finalizers of unreachable objects there, and a CUDA graph destroyed inside a capture
+    (a dead Runtime's, a dead harness's) invalidates it, so the capture's next launch fails
+    with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (session 24: tests/gpu/test_fp8.py then
+    test_runtime.py with some calibrations; benches/NOTES.md). Garbage found meanwhile is
+    collected at the next allocation after it.
+
     Returns a :class:`GraphEntry`; its ``mem_bytes`` is the ``torch.cuda.memory_allocated``
     delta around the capture, an estimate: memory the driver holds for the instantiated graph
     itself is not visible to torch and is not counted.
@@ -328,8 +337,14 @@ def capture(launch, *, side_stream=None, pool=None, device=None,
     cur.wait_stream(side_stream)
     before = torch.cuda.memory_allocated(device)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-        launch()
+    collecting = gc.isenabled()
+    gc.disable()   # no finalizer may destroy a CUDA graph inside the capture (above)
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+            launch()
+    finally:
+        if collecting:
+            gc.enable()
     if hasattr(graph, "instantiate"):
         graph.instantiate()
     nodes = _driver.graph_node_count(graph)

@@ -220,7 +220,8 @@ class Planning:
         rows go to the planning head and the block tables in one copy from pinned staging (they
         are one allocation); then the planning kernel builds the tasks on the GPU
         (:meth:`_enqueue_device_plan`). Returns (the graph structure: the planning grid, the
-        planning launch left to the step's first run(): with ``_plan_launch == "run"``, else None)."""
+        arguments of the planning launch (:meth:`_launch_device_plan`) left to the step's first
+        run(): with ``_plan_launch == "run"``, else None)."""
         b, a = step.seq.size, graphs.ALIGN
         m = s.meta_np
         m[0], m[1] = b, self.max_pages_per_row * self.page_size
@@ -231,7 +232,7 @@ class Planning:
         gb = graphs.padded_batch(b)
         if self._plan_launch == "run":
             grid = self._device_grid_tasks(route, gb)
-            return grid, lambda: self._launch_device_plan(route, gb, grid)
+            return grid, (route, gb, grid)   # arguments, not a closure over self: no cycle
         return self._enqueue_device_plan(route, gb), None
 
     def _enqueue_device_plan(self, route, gbatch: int, direct=None) -> int:
@@ -292,7 +293,7 @@ class Planning:
         if st is not None and st.kind not in DEVICE_PLANNED:
             return 0
         if st is not None and st.plan_launch is not None and st.planned_in is None:
-            st.plan_launch()   # no run() yet: the step's word would be the previous step's
+            self._launch_device_plan(*st.plan_launch)   # no run() yet: the step's word would be the previous step's
             st.planned_in = "eager"
         word = int(self._d_status.item())
         if word and raise_on_error:

@@ -9,8 +9,10 @@ padding holds an out-of-range page id, so reading what must not be read fails th
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -452,6 +454,88 @@ def test_an_empty_capture_is_an_error():
     with pytest.raises(RuntimeError, match="empty"):
         graphs.capture(lambda: None, side_stream=torch.cuda.Stream(), pool=None,
                        device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def test_a_collection_inside_a_capture_waits_until_it_ends(pool, monkeypatch):
+    """Dead Runtimes of every route (their graphs, pools and FlashInfer wrappers) wait in a
+    reference cycle, so only the cyclic garbage collector frees them. Inside each of a new
+    Runtime's captures, the first launch drops the cycle and then collects the way an automatic
+    collection would (only when the collector is enabled). A collection inside a capture runs
+    those finalizers in it; that failed session 23's planning capture with
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. graphs.capture keeps the collector off while it
+    captures, so the dead Runtimes are freed after it and every step is exact."""
+    b, caches = pool
+    dead = []
+    for route in ROUTES[:-1]:
+        if route == "flashinfer" and FI_MODULE is None:
+            continue
+        rt = runtime()
+        for i, (rows, short) in enumerate(STEPS[:2]):
+            seq, bt, q = step_inputs(b, rows, short, seed=400 + i)
+            rt.plan(seq, bt, force=route)
+            rt.run(q, *caches[0])
+        dead.append(rt)
+    del rt
+    dead.append(dead)               # a cycle: only the collector frees it
+    box, launch, inside = [dead], _driver.launch, []
+    del dead
+
+    def launch_after_a_collection(kernel, grid, block, params):
+        if torch.cuda.is_current_stream_capturing():
+            box.clear()             # the cycle is garbage now
+            inside.append((kernel.name, gc.isenabled()))
+            if gc.isenabled():      # what an automatic collection here would do
+                gc.collect()
+        launch(kernel, grid, block, params)
+
+    monkeypatch.setattr(_driver, "launch", launch_after_a_collection)
+    rt = runtime()
+    for route in ["pkv_workqueue", "pkv_bucket", "pkv_fused"]:
+        for i, (rows, short) in enumerate(STEPS[:3]):
+            seq, bt, q = step_inputs(b, rows, short, seed=410 + i)
+            rt.plan(seq, bt, force=route)
+            out = rt.run(q, *caches[0], out=torch.full_like(q, float("nan")))
+            check(out, q, caches[0], seq, bt, f"{route} step {i}")
+    assert inside, "no launch ran inside a capture: nothing was tested"
+    assert not any(enabled for _, enabled in inside), f"the collector ran inside a capture: {inside}"
+    gc.collect()                    # the dead Runtimes go now, outside any capture
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["graphs", "engine_capture", "device_planning"])
+def test_a_dropped_runtime_is_freed_at_once(pool, mode):
+    """A Runtime holds no reference cycle: with the collector off, it (its graphs, pools,
+    FlashInfer wrappers) is freed when its last reference goes, after steps of every route in
+    each mode. An engine that drops one then knows when its graphs are destroyed; a cycle would
+    leave that to a collection, which may run inside the engine's own capture (see the test
+    above)."""
+    b, caches = pool
+    kw = {"graphs": {}, "engine_capture": dict(engine_capture=True),
+          "device_planning": dict(device_planning=True, use_cuda_graph=False)}[mode]
+    routes = ["pkv_workqueue", "pkv_fused"] if mode == "device_planning" else ROUTES
+    gc.collect()
+    gc.disable()
+    try:
+        rt = runtime(**kw)
+        for route in routes:
+            if route == "flashinfer" and FI_MODULE is None:
+                continue
+            for i, (rows, short) in enumerate(STEPS[:2]):
+                seq, bt, q = step_inputs(b, rows, short, seed=420 + i)
+                if mode == "device_planning":
+                    seq, bt = torch.as_tensor(seq, device="cuda"), torch.as_tensor(bt, device="cuda")
+                rt.plan(seq, bt, force=route)
+                out = rt.run(q, *caches[0])
+                if mode == "engine_capture":
+                    rt.run(q, *caches[1], out=out)
+        torch.cuda.synchronize()
+        ref = weakref.ref(rt)
+        del rt
+        alive = ref()
+        assert alive is None, ("a dropped Runtime is still alive (a reference cycle): held by "
+                               f"{sorted({type(r).__name__ for r in gc.get_referrers(alive)})}")
+    finally:
+        gc.enable()
 
 
 def test_captured_graphs_have_the_routes_launches(pool):
