@@ -808,6 +808,78 @@ def test_fake_device_decode_loop_matches_reference(fake_device, pool, route, use
     assert s["plans"] == len(STEPS) and s["h2d_copies"] == copies
 
 
+@pytest.mark.parametrize("mode", ["eager", "engine_capture"])
+def test_fake_device_a_dropped_runtime_is_freed_at_once(fake_device, pool, mode):
+    """No reference cycle in a Runtime (session 24): with the collector off, a Runtime that
+    planned and ran every PersistentKV route dies at ``del``. engine_capture with host lengths
+    once kept its deferred planning launch as a closure over the Runtime, a cycle. (The fake
+    device's graphs hold their launch closures, which a real CUDA graph does not: the graphs
+    mode and the FlashInfer route are tests/gpu/test_runtime.py's.)"""
+    import gc
+    import weakref
+
+    b, layer1 = pool
+    gc.collect()
+    gc.disable()
+    try:
+        rt = fake_runtime(**({"use_cuda_graph": False} if mode == "eager" else {"engine_capture": True}))
+        for route in ["pkv_bucket", "pkv_workqueue", "pkv_fused"]:
+            for i, (rows, short) in enumerate(STEPS[:2]):
+                seq, bt, q = step_inputs(b, rows, short, seed=i)
+                rt.plan(seq, bt, force=route)
+                for cache in [(b.k_cache, b.v_cache), layer1]:
+                    rt.run(q, *cache)
+        alive = weakref.ref(rt)
+        del rt
+        assert alive() is None, "a dropped Runtime is still alive: a reference cycle holds it"
+    finally:
+        gc.enable()
+
+
+def test_collector_paused_is_counted_and_restores_the_collector():
+    """graphs.collector_paused (what graphs.capture runs its capture under): the collector is
+    off inside, back on after the outermost block (also when it raises), left off when it was
+    off before, and two overlapping blocks (two threads capturing) keep it off until both end."""
+    import gc
+    import threading
+
+    assert gc.isenabled()
+    with graphs.collector_paused():
+        assert not gc.isenabled()
+        with graphs.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError):
+        with graphs.collector_paused():
+            raise KeyError("x")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with graphs.collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    inside, release, states = threading.Event(), threading.Event(), []
+
+    def other_capture():
+        with graphs.collector_paused():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other_capture)
+    t.start()
+    inside.wait(10)
+    with graphs.collector_paused():
+        pass
+    states.append(gc.isenabled())   # this thread's block ended, the other's has not
+    release.set()
+    t.join(10)
+    states.append(gc.isenabled())
+    assert states == [False, True]
+
+
 @pytest.mark.parametrize("route", ["pkv_bucket", "pkv_workqueue", "pkv_fused"])
 def test_fake_device_replay_reads_the_new_metadata(fake_device, pool, route):
     b, _ = pool

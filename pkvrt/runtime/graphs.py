@@ -28,12 +28,15 @@ bucket plan into pinned staging. :func:`stage_workqueue` writes a host workqueue
 the planning kernel (kernels/plan_workqueue.cu) writes it on the GPU: the Runtime no longer
 stages workqueue plans from the host, the function stays as the kernel's reference twin.
 
-Everything here but :func:`capture` is plain Python and NumPy and runs without CUDA.
+Everything here but :func:`capture` is plain Python and NumPy and runs without CUDA
+(:func:`collector_paused`, which capture uses, too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
 from collections import OrderedDict
 
 import attrs
@@ -293,6 +296,31 @@ def stage_workqueue(arena: np.ndarray, layout: ArenaLayout, plan, batch: int) ->
     return cap, layout.tasks + 5 * t
 
 
+_pause_lock = threading.Lock()
+_pauses = 0                  # captures under way in this process (threads may capture at once)
+_resume = False              # whether the collector was on when the first of them began
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while the block runs (:func:`capture`). Counted,
+    so that when several threads capture at once the collector comes back on only when the last
+    of them ends, and only if it was on before the first began."""
+    global _pauses, _resume
+    with _pause_lock:
+        if _pauses == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _resume:
+                gc.enable()
+
+
 def capture(launch, *, side_stream=None, pool=None, device=None,
             capture_error_mode: str = "global") -> GraphEntry:
     """Warm ``launch()`` up on ``side_stream``, then capture it into a new graph (CUDA only).
@@ -337,14 +365,9 @@ def capture(launch, *, side_stream=None, pool=None, device=None,
     cur.wait_stream(side_stream)
     before = torch.cuda.memory_allocated(device)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
-    collecting = gc.isenabled()
-    gc.disable()   # no finalizer may destroy a CUDA graph inside the capture (above)
-    try:
+    with collector_paused():   # no finalizer may destroy a CUDA graph inside the capture (above)
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
             launch()
-    finally:
-        if collecting:
-            gc.enable()
     if hasattr(graph, "instantiate"):
         graph.instantiate()
     nodes = _driver.graph_node_count(graph)
