@@ -481,6 +481,37 @@ def test_choose_baseline():
         harness.choose_baseline({})
 
 
+def test_the_baseline_probe_counts_each_steps_least_device_time(monkeypatch):
+    """A host stall in one device pass of the probe adds to one step of one path; the probe
+    counts each step's least time over PROBE_DEVICE_ROUNDS passes, so the stall does not make
+    the slower path the baseline (session 24: one pass picked FlashInfer's CUDA-core path over
+    the tensor-core path that ran 2x faster on those steps)."""
+    import types
+
+    wl = types.SimpleNamespace(steps=list(range(4)))
+    passes = {"tc": [[10.0, 400.0, 10.0, 10.0], [10.0, 10.0, 10.0, 11.0], [12.0, 10.0, 10.0, 10.0]],
+              "cuda": [[15.0] * 4] * 3}
+    seen = {"tc": 0, "cuda": 0}
+
+    def device_pass(eng, wl, steps, out, clock, cover):
+        assert cover == [1.25 * 10.0 + 50.0] * len(steps)
+        seen[eng] += 1
+        return list(passes[eng][seen[eng] - 1]), 0
+
+    monkeypatch.setattr(harness, "reference_rows", lambda wl, step: None)
+    monkeypatch.setattr(harness, "untimed_pass", lambda *a, **k: {})
+    monkeypatch.setattr(harness, "wrong_output", lambda *a: None)
+    monkeypatch.setattr(harness, "wall_pass", lambda eng, wl, steps, out, clock: ([10.0] * len(steps), 0))
+    monkeypatch.setattr(harness, "device_pass", device_pass)
+    failures = {}
+    probe = harness.probe_baseline({"flashinfer-tc": "tc", "flashinfer-cuda": "cuda"}, wl, None,
+                                   torch.zeros(1), probe_steps=4, failures=failures)
+    assert seen == {"tc": harness.PROBE_DEVICE_ROUNDS, "cuda": harness.PROBE_DEVICE_ROUNDS} == {"tc": 3, "cuda": 3}
+    assert probe == {"flashinfer-tc": 40.0, "flashinfer-cuda": 60.0} and not failures
+    assert harness.choose_baseline(probe) == "flashinfer-tc"
+    assert sum(passes["tc"][0]) > sum(passes["cuda"][0])   # one pass alone would have picked cuda
+
+
 def test_the_baseline_is_the_fastest_of_four_paths_and_names_the_others():
     assert harness.FI_VARIANTS == ("flashinfer-cuda", "flashinfer-tc", "flashinfer-cudnn",
                                    "flashinfer-xqa")
