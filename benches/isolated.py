@@ -49,6 +49,7 @@ from pkvrt.measure import fi_engines, results  # noqa: E402
 from pkvrt.measure.harness import median_us  # noqa: E402  (graph-replay CUDA-event median per call)
 from pkvrt.measure.harness import within_tolerance  # noqa: E402  (the serving bench's FP32 tolerance)
 from pkvrt.policy import planner  # noqa: E402
+from pkvrt.runtime.graphs import collector_paused  # noqa: E402
 from pkvrt.policy.blocktables import to_padded  # noqa: E402
 from pkvrt.policy.calibration import find_calibration  # noqa: E402
 from pkvrt.policy.registry import load_routes  # noqa: E402
@@ -239,7 +240,7 @@ def per_call_us(calls, graphs: bool, repeats: int = 30) -> float:
         runs = []
         for c in calls:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with collector_paused(), torch.cuda.graph(g):   # pkvrt.runtime.graphs.capture's reason
                 c()
             runs.append(g.replay)
     times = []

@@ -50,10 +50,12 @@ def graph_us(launch, *, replays: int, check, calls: int = 20) -> float:
     (``check()`` must be true: the valid step was not flagged, the intended path ran)."""
     import torch
 
+    from pkvrt.runtime.graphs import collector_paused
+
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+    with torch.cuda.stream(s), collector_paused(), torch.cuda.graph(g, stream=s):   # graphs.capture's reason
         for _ in range(calls):
             launch()
     torch.cuda.current_stream().wait_stream(s)

@@ -54,6 +54,7 @@ from paged import make_batch, rel_err  # noqa: E402
 from pkvrt import _buildspec, reference  # noqa: E402
 from pkvrt.launch import _driver, ops  # noqa: E402
 from pkvrt.policy import planner  # noqa: E402
+from pkvrt.runtime.graphs import collector_paused  # noqa: E402
 from pkvrt.policy.calibration import find_calibration  # noqa: E402
 from pkvrt.policy.registry import load_routes  # noqa: E402
 from pkvrt.runtime import Runtime  # noqa: E402
@@ -380,7 +381,7 @@ def graph_case(t: Tally, name: str, buf: Buffers) -> None:
     torch.cuda.current_stream().wait_stream(side)
     t.check(f"{name}: warm-up", step.out, ref_out(b), TOL[F16])
     graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):   # pkvrt.runtime.graphs.capture's reason
         step.launch()
     graph.instantiate()                # keep_graph=True (for the node count) defers it
     nodes = _driver.graph_node_count(graph)

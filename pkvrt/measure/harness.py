@@ -1305,6 +1305,7 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
                 f"  wall {row['wall_us']:9.1f} us  {row['tok_per_s']:10.0f} tok/s  {err}")
     rows.extend(ratio_rows(rows))
     info = {"baseline": base_label, "baseline_probe_device_us": probe,
+            "baseline_probe_rounds": PROBE_DEVICE_ROUNDS,   # per step the least of (1 before session 24)
             "baseline_candidates": status, "baseline_failures": failures,
             "flashinfer_route": fi_route, "cache_copies": wl.copies,
             "steps_total": wl.steps_total, "steps_measured": len(wl.steps)}

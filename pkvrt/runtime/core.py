@@ -42,7 +42,6 @@ def _resolve_device(device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
-
 class _StreamRecorder:
     """``recorder(event)``: ``event.record()`` on the current stream, without
     ``torch.cuda.current_stream()`` (a Stream object built through Python device-index helpers:
@@ -66,6 +65,7 @@ class _StreamRecorder:
             self._key = key
             self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
         event.record(self._stream)
+
 
 class Runtime(StaticBuffers, Planning, Running):
     """Paged-KV decode attention with a per-step route choice, replayed as CUDA graphs.

@@ -305,20 +305,30 @@ _resume = False              # whether the collector was on when the first of th
 def collector_paused():
     """Python's cyclic garbage collector off while the block runs (:func:`capture`). Counted,
     so that when several threads capture at once the collector comes back on only when the last
-    of them ends, and only if it was on before the first began."""
+    of them ends, and only if it was on before the first began.
+
+    The collector has one switch per process, so this cannot defend against code that flips it
+    meanwhile: a ``gc.enable()`` (or an explicit ``gc.collect()``) in another thread during the
+    capture lets a collection run inside it again, and a ``gc.disable()`` made during the
+    capture is undone when the last pause ends (the collector goes back to its state before the
+    first). A collection that another thread had already started when the pause began runs to
+    its end."""
     global _pauses, _resume
-    with _pause_lock:
-        if _pauses == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _pauses += 1
+    entered = False
     try:
+        with _pause_lock:
+            if _pauses == 0:
+                _resume = gc.isenabled()
+                gc.disable()
+            _pauses += 1
+            entered = True
         yield
     finally:
-        with _pause_lock:
-            _pauses -= 1
-            if _pauses == 0 and _resume:
-                gc.enable()
+        if entered:
+            with _pause_lock:
+                _pauses -= 1
+                if _pauses == 0 and _resume:
+                    gc.enable()
 
 
 def capture(launch, *, side_stream=None, pool=None, device=None,

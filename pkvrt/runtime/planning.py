@@ -293,7 +293,8 @@ class Planning:
         if st is not None and st.kind not in DEVICE_PLANNED:
             return 0
         if st is not None and st.plan_launch is not None and st.planned_in is None:
-            self._launch_device_plan(*st.plan_launch)   # no run() yet: the step's word would be the previous step's
+            # no run() yet: the step's word would be the previous step's
+            self._launch_device_plan(*st.plan_launch)
             st.planned_in = "eager"
         word = int(self._d_status.item())
         if word and raise_on_error:

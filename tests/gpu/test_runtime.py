@@ -502,15 +502,17 @@ def test_a_collection_inside_a_capture_waits_until_it_ends(pool, monkeypatch):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("mode", ["graphs", "engine_capture", "device_planning"])
+@pytest.mark.parametrize("mode", ["graphs", "fi-eager", "engine_capture", "device_planning"])
 def test_a_dropped_runtime_is_freed_at_once(pool, mode):
     """A Runtime holds no reference cycle: with the collector off, it (its graphs, pools,
     FlashInfer wrappers) is freed when its last reference goes, after steps of every route in
-    each mode. An engine that drops one then knows when its graphs are destroyed; a cycle would
-    leave that to a collection, which may run inside the engine's own capture (see the test
-    above)."""
+    each mode, three run() calls a step (fi-eager: the default eager FlashInfer route, whose
+    direct call is recorded at a step's second run() and used from the third). An engine that
+    drops one then knows when its graphs are destroyed; a cycle would leave that to a
+    collection, which may run inside the engine's own capture (see the test above)."""
     b, caches = pool
-    kw = {"graphs": {}, "engine_capture": dict(engine_capture=True),
+    kw = {"graphs": {}, "fi-eager": dict(flashinfer_cuda_graph=False),
+          "engine_capture": dict(engine_capture=True),
           "device_planning": dict(device_planning=True, use_cuda_graph=False)}[mode]
     routes = ["pkv_workqueue", "pkv_fused"] if mode == "device_planning" else ROUTES
     gc.collect()
@@ -526,8 +528,8 @@ def test_a_dropped_runtime_is_freed_at_once(pool, mode):
                     seq, bt = torch.as_tensor(seq, device="cuda"), torch.as_tensor(bt, device="cuda")
                 rt.plan(seq, bt, force=route)
                 out = rt.run(q, *caches[0])
-                if mode == "engine_capture":
-                    rt.run(q, *caches[1], out=out)
+                for cache in (caches[1], caches[0]):
+                    rt.run(q, *cache, out=out)
         torch.cuda.synchronize()
         ref = weakref.ref(rt)
         del rt
