@@ -52,9 +52,12 @@ NEAR_BEST = 1.03   # a cut within 3 % of its step's fastest is fitted beside the
 # 7.9 12.9 (benches/NOTES.md, "Session 16"). Those are least-squares numbers; since session 23
 # the fit minimises the largest weighted error, where weight 30 lets a near-best cut bind only
 # at 30 times the planned cut's error: the near-best cuts keep little of the shape (their worst
-# error on the H200 sweeps, G 1 fused 4.2 -> 7.9 %, workqueue 5.7 -> 7.7 %); a weight retuned
-# for the max criterion (5 gave G 1 workqueue 3.3 % planned, 4.0 % near-best in a review's
-# probe) is for the next refit with a GPU to validate it.
+# error on the H200 sweeps, G 1 fused 4.2 -> 7.9 %, workqueue 5.7 -> 7.7 %). What the weight is
+# for, the planned cut on steps timed again, still wants 30 under the max criterion (session 24,
+# benches/results/h200/exploration/fit-cross-run-session24/: fitted on one calibration run of the
+# H200, the worst planned-cut error on another run of the same steps, fp16 G 1 / 4 / 8: 6.0-6.2 %
+# at weights 10 to 1000, 7.7 % at 5, 8.3-9.4 % at 1 and 3; FP8 G 4: 3.4-4.8 % at 5 to 1000, 5.1-7.7 %
+# at 1 and 3). The runs' own measured times moved by up to 5.8 % between them.
 PLANNED_WEIGHT = 30.0
 FI_CONTEXT = 32768
 PARTITION_KINDS = ("workqueue", "fused")   # the balanced partition's routes: one set of constants
