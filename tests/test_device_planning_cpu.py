@@ -54,7 +54,7 @@ def test_eager_device_planning_is_one_launch(fake_device, pool, use_graphs):  # 
     fixed buffers first. Same outputs, and the buffers hold the step's lengths and used ids."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
-    rt = fake_runtime(use_cuda_graph=use_graphs, device_planning=True)
+    rt = fake_runtime(use_cuda_graph=use_graphs, device_planning=True, num_pages=b.k_cache.shape[0])
     for i, (rows, short) in enumerate(STEPS):
         seq, bt, q = step_inputs(b, rows, short, seed=i)
         before = fake_device.direct
@@ -199,7 +199,7 @@ def test_device_planning_graph_replay_after_length_change(fake_device, pool):  #
     capture), and the output follows the new lengths."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
-    rt = fake_runtime(device_planning=True)
+    rt = fake_runtime(device_planning=True, num_pages=b.k_cache.shape[0])
     for i, short in enumerate([30, 12, 0]):
         seq, bt, q = step_inputs(b, [0, 1, 3], short, seed=50 + i)
         rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
@@ -304,7 +304,8 @@ def test_block_table_width_changes_between_steps(fake_device, pool, use_graphs):
 @pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "direct"])
 def test_negative_lengths_are_flagged(fake_device, pool, use_graphs):  # noqa: F811
     b, _ = pool
-    rt = fake_runtime(device_planning=True, use_cuda_graph=use_graphs)
+    rt = fake_runtime(device_planning=True, use_cuda_graph=use_graphs,
+                      num_pages=b.k_cache.shape[0])
     seq, bt, _ = step_inputs(b, [0, 1], 0, seed=1)
     seq[0] = -5
     rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
@@ -334,11 +335,17 @@ def test_page_ids_are_checked_against_num_pages(fake_device, pool, use_graphs): 
         small = fake_runtime(device_planning=True, num_pages=pages + 1, use_cuda_graph=use_graphs)
         small.plan(torch.as_tensor(seq), torch.as_tensor(bt))
         small.run(q, *cache)
-    learn = fake_runtime(device_planning=True, use_cuda_graph=use_graphs)      # no num_pages: the first cache sets it
+    # No num_pages: the first cache sets the bound, and a step planned before any run() is
+    # planned by its first run(), after the bound is set: its ids are checked too.
+    learn = fake_runtime(device_planning=True, use_cuda_graph=use_graphs)
     learn.plan(torch.as_tensor(seq), torch.as_tensor(bad))
-    assert learn.device_status() == 0               # a step planned before any run(): unchecked
+    with pytest.raises(RuntimeError, match="not planned yet: no cache has been seen"):
+        learn.device_status()
+    learn.run(q, *cache)
+    assert learn.device_status(raise_on_error=False) == 4
     learn.plan(torch.as_tensor(seq), torch.as_tensor(bt))
     learn.run(q, *cache)
+    assert learn.device_status() == 0
     learn.plan(torch.as_tensor(seq), torch.as_tensor(bad))
     assert learn.device_status(raise_on_error=False) == 4
     with pytest.raises(ValueError, match="num_pages=0: expected a positive integer"):

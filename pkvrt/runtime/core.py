@@ -128,9 +128,9 @@ class Runtime(StaticBuffers, Planning, Running):
     num_pages : the pages of the KV cache that run() will be given (``k_cache.shape[0]``); the
         planning kernel checks the page ids of every workqueue/fused step against it on the GPU.
         Device planning: run() refuses a cache with fewer pages; None: taken from the first
-        run()'s cache, so the ids of a step planned before any run() are not checked
-        (engine_capture with host lengths: they are, its planning kernel runs after run() set
-        the bound; plan() checks them on the host too with ``validate``). Host
+        run()'s cache, and a step planned before any run() has its planning kernel launched by
+        that run(), after the bound is set, so no step's ids go unchecked (engine_capture with
+        host lengths: likewise; plan() checks them on the host too with ``validate``). Host
         lengths: the bound is lowered to the smallest cache run() is given (never an error),
         on top of the host checks (``validate``).
     device_planning : take each step's lengths and block tables as device tensors and skip host

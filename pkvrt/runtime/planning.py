@@ -170,30 +170,46 @@ class Planning:
                              f"pass int32 tensors on {self.device}")
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
         rows, max_seq = b, w * self.page_size
-        if (self._direct_plan and not self.use_cuda_graph and seq.device == self.device
-                and bt.device == self.device and seq.is_contiguous() and bt.is_contiguous()):
+        # Before any cache has been seen (no num_pages at construction, no run() yet) the
+        # planning kernel has no page-id bound, so the step's planning launch waits for its
+        # first run(), which sets the bound from its cache (Running._check_page_bound) and then
+        # launches it: no step is ever planned with unchecked page ids.
+        deferred = None
+        direct = (self._direct_plan and not self.use_cuda_graph and seq.device == self.device
+                  and bt.device == self.device and seq.is_contiguous() and bt.is_contiguous())
+        if self._num_pages is None:
+            if not direct:
+                self._stage_device_inputs(seq, bt, b, w, rows, max_seq, capturing)
+            grid = self._device_grid_tasks(route, gb)
+            deferred = (route, gb, grid, (seq, bt, rows, max_seq) if direct else None)
+        elif direct:
             # Direct: one launch, the planning kernel copies the lengths and the block-table
             # entries they use into the runtime's buffers (no copy or fill launch before it;
-            # in an engine's captured step each of those is a dependent node: benches/NOTES.md,
-            # "Session 12")
+            # in an engine's captured step each of those is a dependent node: benches/NOTES.md)
             grid = self._enqueue_device_plan(route, gb, direct=(seq, bt, rows, max_seq))
         else:
-            self._d_seq[:b].copy_(seq, non_blocking=True)
-            self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
-            # The device scalars are rewritten only when they change, until an engine captures a
-            # plan(): its replays then rewrite them behind the host's back, so from then on always.
-            self._d_scalars_cached &= not capturing
-            if not self._d_scalars_cached or rows != self._d_scalars[0]:
-                self._d_rows.fill_(rows)
-            if not self._d_scalars_cached or max_seq != self._d_scalars[1]:
-                self._d_max_seq.fill_(max_seq)
-            self._d_scalars = (rows, max_seq)
+            self._stage_device_inputs(seq, bt, b, w, rows, max_seq, capturing)
             grid = self._enqueue_device_plan(route, gb)
         self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
-                           max_page_id=-1)
+                           max_page_id=-1, plan_launch=deferred)
         self.last_decision = self._route_decision(route, b, forced=force is not None)
         self._counts["plans"] += 1
         return self.last_decision
+
+    def _stage_device_inputs(self, seq, bt, b: int, w: int, rows: int, max_seq: int,
+                             capturing: bool) -> None:
+        """Device planning's copy path: the step's lengths and block tables into the runtime's
+        buffers, and the device scalars (rows, longest length) where they changed."""
+        self._d_seq[:b].copy_(seq, non_blocking=True)
+        self._bt[:b, :w].copy_(bt[:, :w], non_blocking=True)
+        # The device scalars are rewritten only when they change, until an engine captures a
+        # plan(): its replays then rewrite them behind the host's back, so from then on always.
+        self._d_scalars_cached &= not capturing
+        if not self._d_scalars_cached or rows != self._d_scalars[0]:
+            self._d_rows.fill_(rows)
+        if not self._d_scalars_cached or max_seq != self._d_scalars[1]:
+            self._d_max_seq.fill_(max_seq)
+        self._d_scalars = (rows, max_seq)
 
     def _route_decision(self, route, b: int, *, forced: bool, max_context: int = -1) -> RouteDecision:
         """The RouteDecision of a step that runs ``route`` by routes.toml's ``[device_planning]``
@@ -293,6 +309,10 @@ class Planning:
         if st is not None and st.kind not in DEVICE_PLANNED:
             return 0
         if st is not None and st.plan_launch is not None and st.planned_in is None:
+            if self._num_pages is None:
+                raise RuntimeError("Runtime.device_status: the step is not planned yet: no cache "
+                                   "has been seen, so its first run() sets the page-id bound and "
+                                   "plans it (or construct the Runtime with num_pages=)")
             # no run() yet: the step's word would be the previous step's
             self._launch_device_plan(*st.plan_launch)
             st.planned_in = "eager"

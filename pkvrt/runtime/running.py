@@ -123,6 +123,9 @@ class Running:
             st.runs += 1
             self._counts["eager_runs"] += 1
             return out
+        # a device-planned first step, planned before any cache was seen: its planning launch,
+        # now that _check_page_bound set the bound (Planning._plan_on_device)
+        self._launch_deferred_plan(st, capturing)
         st.runs += 1   # layers per plan: what the router weighs host time at (Planning.plan)
         # The scale tensors are baked in by address, like the caches (their values are read at replay).
         # graphs.tensor_key of each tensor: the first four fields of its entry in the signature
@@ -151,12 +154,13 @@ class Running:
         return out
 
     def _launch_deferred_plan(self, st: _Step, capturing: bool) -> bool:
-        """engine_capture with host lengths: the step's planning kernel, which plan() left to
-        the step's first run() (``st.plan_launch``), is launched by the first run() after the
-        plan() eagerly and by the first run() of every capture (each capture sequence has its
-        own id: an engine's warm-up-then-capture plans in both, so the graph holds the planning
-        kernel and every replay plans from the lengths its plan() copied). Returns whether it
-        launched."""
+        """The step's planning kernel, which plan() left to the step's first run()
+        (``st.plan_launch``): engine_capture with host lengths, and a device-planned step
+        planned before any cache was seen (its page-id bound comes from that run()'s cache). It
+        is launched by the first run() after the plan() eagerly and by the first run() of every
+        capture (each capture sequence has its own id: an engine's warm-up-then-capture plans in
+        both, so the graph holds the planning kernel and every replay plans from the lengths its
+        plan() copied). Returns whether it launched."""
         if st.plan_launch is None:
             return False
         where = _driver.capture_id() if capturing else "eager"
@@ -195,8 +199,8 @@ class Running:
     def _check_page_bound(self, cache_pages: int) -> None:
         """The planning kernel checks page ids against ``num_pages``. Device planning: a cache
         with fewer pages would let an unchecked id through, so it is refused; without
-        ``num_pages`` the first cache sets the bound (from the next plan() on: the first step's
-        ids were not checked). Host routing (ids >= 0 checked at plan() and < the cache's pages at
+        ``num_pages`` the first cache sets the bound (a step planned before it is planned by
+        this run(), after the bound is set). Host routing (ids >= 0 checked at plan() and < the cache's pages at
         run() with ``validate``): the bound is the smallest cache given so far, never an error."""
         if not self.device_planning:
             if self._num_pages is None or cache_pages < self._num_pages:

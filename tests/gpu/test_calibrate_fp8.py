@@ -32,8 +32,13 @@ def test_calibrate_fp8_quick_adds_a_section_to_this_gpus_file(capsys, tmp_path):
     doc = calibration.calibration_to_dict(cal)
     sec = doc.pop("by_kv_dtype")[FP8]
     assert doc == calibration.calibration_to_dict(base)                 # the rest as it was
-    assert set(sec["splits"]) == {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
-                                  "cta_overhead_tiles", "co_resident_slowdown"}
+    # the fitted partition constants, and the room charge's keys where its fit found one (a
+    # zero charge is omitted: calibration._UNSET_OMITTED)
+    required = {"bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens",
+                "cta_overhead_tiles", "co_resident_slowdown"}
+    room = {"wave_room_slots", "wave_room_tiles", "wave_room_chunk_tiles"}
+    assert required <= set(sec["splits"]) <= required | room, sorted(sec["splits"])
+    assert all(sec["splits"][k] >= 0 for k in room & set(sec["splits"]))
     assert set(sec["time_model"]) <= {"bucket", "workqueue", "fused"} and "fused" in sec["time_model"]
     view = cal.for_kv_dtype(torch.float8_e4m3fn)
     assert not view.kv_dtype_fallback and view.splits.min_split_tokens == sec["splits"]["min_split_tokens"]

@@ -74,20 +74,24 @@ def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool, forc
     assert rt.device_status() == 0
 
 
+@pytest.mark.parametrize("bound", ["num_pages", "first cache"])
 @pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "direct"])
 @pytest.mark.parametrize("bad", ["length", "page 69", "page 50000000", "page -1"])
-def test_a_bad_row_is_flagged_and_never_read(pool, bad, use_graphs):  # noqa: F811
+def test_a_bad_row_is_flagged_and_never_read(pool, bad, use_graphs, bound):  # noqa: F811
     """A row whose length exceeds its block table, or whose block table holds a page id outside
     the cache (just past it, far past it, negative) in a page its length uses: the planning
     kernel gives the row no work (before the page check: a silent read past the cache, or an
     illegal address that killed the CUDA context), the rows around it are exact, and
     device_status() names the cause; the next good step runs every row. Both ways of planning:
     the inputs copied into the planning graph's buffers, and (graphs off) the planning kernel
-    copying them itself (direct mode)."""
+    copying them itself (direct mode). The bad step is the Runtime's first: with the page-id
+    bound given at construction, or learned from the first run()'s cache (that run() then
+    plans the step, after setting the bound)."""
     b, caches = pool
     pages = caches[0][0].shape[0]
     rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, max_batch=8,
-                 max_pages_per_row=b.block_tables.shape[1], num_pages=pages, use_cuda_graph=use_graphs)
+                 max_pages_per_row=b.block_tables.shape[1], use_cuda_graph=use_graphs,
+                 num_pages=pages if bound == "num_pages" else None)
     seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=3)
     bad_seq, bad_bt = seq.copy(), bt.copy()
     if bad == "length":

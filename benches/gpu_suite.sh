@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one GPU-machine call: every test marked `gpu` (tests/ and benches/; the
+# pytest-benchmark ablations run once, untimed), on the kernels of this checkout.
+#
+# usage: bash benches/gpu_suite.sh OUT [PYTEST ARGS...]
+#   OUT/gpu-suite.log   the header (commit, GPU, driver, versions, date) and pytest's whole output;
+#                       commit it as benches/results/h200/logs/gpu-suite.log with the commit it ran on
+#   exit status         pytest's
+#
+# Before it: FlashInfer importable (without it the FlashInfer tests skip, naming why), and the
+# cubins built for this GPU: `pip install -e .` builds them; on a machine without a build, set
+# PKVRT_CUBINS=DIR to a directory built elsewhere with `PKVRT_CUDA_ARCHS=sm_90 python
+# pkvrt/_build.py DIR` (it is copied to pkvrt/_cubins). The commit recorded is
+# PKVRT_SOURCE_COMMIT when set (a copied work tree may carry stale git metadata), else git's HEAD.
+set -uo pipefail
+out=${1:?usage: bash benches/gpu_suite.sh OUT [PYTEST ARGS...]}
+shift
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+log=$out/gpu-suite.log
+
+if [ -n "${PKVRT_CUBINS:-}" ]; then
+  mkdir -p pkvrt/_cubins && cp -r "$PKVRT_CUBINS"/. pkvrt/_cubins/ || exit 1
+fi
+if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_suite: no CUDA GPU visible to torch: nothing to run" >&2
+  exit 1
+fi
+
+commit=${PKVRT_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (uncommitted changes)')}
+{
+  echo "# pkvrt GPU suite: python3 -m pytest -m gpu tests benches $*"
+  echo "commit:     $commit"
+  echo "date:       $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "gpu:        $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  python3 - <<'EOF' 2>&1
+import sys, torch
+print(f"python:     {sys.version.split()[0]}; torch {torch.__version__} (CUDA {torch.version.cuda})")
+try:
+    import flashinfer
+    print(f"flashinfer: {flashinfer.__version__}")
+except Exception as exc:  # the FlashInfer tests skip, naming this
+    print(f"flashinfer: unavailable ({type(exc).__name__}: {exc})")
+EOF
+  echo
+} > "$log"
+
+PYTHONUNBUFFERED=1 python3 -m pytest -m gpu tests benches -q -p no:cacheprovider -rfEs \
+  --benchmark-disable "$@" 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+echo "gpu_suite: pytest exit status $rc; log $log"
+exit "$rc"
