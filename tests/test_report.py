@@ -7,6 +7,7 @@ out by hand (e.g. baseline 1000 tok/s, engine 1200 tok/s -> ratio 1.200); none i
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -22,8 +23,17 @@ def run(capsys, *argv):
 
 def table(md: str, title_start: str) -> list[list[str]]:
     """Cells of the Markdown table under the ``## <title_start>...`` heading (no header/rule)."""
-    section = next(s for s in md.split("\n## ") if s.startswith(title_start))
-    return cells(section)
+    return cells(table_section(md, title_start))
+
+
+def table_section(md: str, title_start: str) -> str:
+    """The text of the ``## <title_start>...`` section, up to the next ``## `` heading."""
+    return next(s for s in md.split("\n## ") if s.startswith(title_start))
+
+
+def last_line(text: str) -> str:
+    """The last line of ``text`` (stderr: the error after the progress lines)."""
+    return text.rstrip("\n").rsplit("\n", 1)[-1]
 
 
 def cells(text: str) -> list[list[str]]:
@@ -255,7 +265,7 @@ def test_without_matplotlib_report_fails_and_keeps_the_committed_plots(capsys, t
     monkeypatch.setattr(report, "_have_matplotlib", lambda: False)
     rc, out, err = run(capsys, "report", str(d), "--out", str(o))
     assert rc == 2 and out == ""
-    assert err == f"pkvrt: error: {report.NO_MATPLOTLIB}\n"
+    assert last_line(err) == f"pkvrt: error: {report.NO_MATPLOTLIB}"
     assert "pip install 'pkvrt[plots]'" in err and "--no-plots" in err
     assert (o / "report.md").read_text() == committed
     assert (o / "route_map.png").read_bytes() == b"\x89PNG committed"
@@ -324,7 +334,7 @@ def test_other_files_get_a_generic_table(capsys, tmp_path):
     rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
     assert rc == 0, err
     md = (tmp_path / "o" / "report.md").read_text()
-    assert "## Other results: sweeps.json" in md
+    assert "\n### sweeps.json\n" in table_section(md, "Other results")
     assert "| case | engine | splits | median_us | extra |" in md
     assert '| B1-32K | pkvrt-bucket | 16 | 70 | {"a": 1} |' in md
 
@@ -436,19 +446,18 @@ def test_split_sensitivity_table(capsys, tmp_path):
     rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
     assert rc == 0, err
     md = (tmp_path / "o" / "report.md").read_text()
-    tables = sub_tables(md, "Table 7")
-    assert list(tables) == [
-        "B1-32K · pkvrt-bucket** (calibrate-sweeps.json; best: 16 splits, 40.00 µs)",
-        "mix-seed1 · pkvrt-workqueue** (calibrate-sweeps.json; best: 12 splits, 30.00 µs)"]
     # sorted by split, relative to the best (40 us): 60/40, 40/40, 50/40; FlashInfer 44/40
-    assert tables[next(iter(tables))] == [
-        ["8", "60.00", "0.50", "1.500", ""],
-        ["16", "40.00", "1.00", "1.000", "best"],
-        ["32", "50.00", "2.00", "1.250", ""],
-        ["flashinfer-tc (no split)", "44.00", "-", "1.100", "reference"]]
-    assert list(tables.values())[1] == [["4", "FAILED", "-", "-", ""],
-                                        ["12", "30.00", "3.00", "1.000", "best"]]
-    assert "## Other results: calibrate-sweeps.json" in md         # the raw rows stay in the report
+    head = ["B1-32K", "pkvrt-bucket", "calibrate-sweeps.json"]
+    mix = ["mix-seed1", "pkvrt-workqueue", "calibrate-sweeps.json"]
+    assert table(md, "Table 7") == [
+        head + ["8", "60.00", "0.50", "1.500", ""],
+        head + ["16", "40.00", "1.00", "1.000", "best"],
+        head + ["32", "50.00", "2.00", "1.250", ""],
+        head + ["flashinfer-tc (no split)", "44.00", "-", "1.100", "reference"],
+        mix + ["4", "FAILED", "-", "-", ""],
+        mix + ["12", "30.00", "3.00", "1.000", "best"]]
+    assert "\n### calibrate-sweeps.json\n" in table_section(md, "Other results")   # the raw rows too
+    assert not list((tmp_path / "o").glob("appendix-*.csv"))                   # short: no appendix
 
 
 def test_new_sections_say_no_data(capsys, tmp_path):
@@ -461,7 +470,7 @@ def test_new_sections_say_no_data(capsys, tmp_path):
            "results files." in md
     assert "## Table 7: split sensitivity (calibration seed sweeps)\n\nNo data: no calibration-sweeps " \
            "file with a split sweep" in md
-    assert "## Other results: soak.json" in md
+    assert "\n### soak.json\n" in table_section(md, "Other results")
 
 # --------------------------------------------------------------------------- malformed inputs
 
@@ -498,7 +507,7 @@ def test_malformed_file_is_an_error_naming_it(capsys, tmp_path, content, message
     (d / "broken.json").write_text(content)
     rc, out, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
     assert rc == 2 and out == ""
-    assert err.startswith(f"pkvrt: error: {d / 'broken.json'}") and message in err
+    assert last_line(err).startswith(f"pkvrt: error: {d / 'broken.json'}") and message in err
     assert not (tmp_path / "o" / "report.md").exists()
 
 
@@ -610,3 +619,178 @@ def test_baseline_probe_table_lists_every_path_and_the_reason_one_could_not_run(
                     "flashinfer-cuda 1.400 (150 us); **flashinfer-tc** 1.000 (100 us); "
                     "flashinfer-cudnn: unavailable: no cuDNN decode in 0.5.3; flashinfer-xqa 2.500 (200 us)"]]
     assert report.baseline_probe_table(files[1:]) == ""
+
+
+# --------------------------------------------------------------------------- layout: bounded length,
+# CSV appendices, plots beside their tables, header, progress on stderr
+
+def _big_sweep(cases: int = 30, splits: int = 64) -> list[dict]:
+    """A FAKE calibration sweep: per case three engines over ``splits`` split values (time
+    100 / s + s / 8 us, best near s = 28) and one FlashInfer reference."""
+    rows = []
+    for c in range(cases):
+        case = f"B{c + 1}-32K"
+        rows.append(dict(case=case, engine="flashinfer-tc", splits=None, median_us=30.0))
+        for engine in ("pkvrt-bucket", "pkvrt-workqueue", "pkvrt-fused"):
+            rows += [dict(case=case, engine=engine, splits=s, median_us=100.0 / s + s / 8 + c,
+                          cta_work_per_sm=s / 132) for s in range(1, splits + 1)]
+    return rows
+
+
+def _many_step_files(d, experiments: int = 12, layers: int = 2) -> None:
+    """FAKE per-step files: ``experiments`` traces, each with steps over four context bins."""
+    rows = []
+    for x in range(experiments):
+        case = f"trace{x}-B8-seed1"
+        values = [(s, 8, 1024 << s, 100.0, 80.0) for s in range(4)]
+        rows += _steps("flashinfer-tc", True, values, case=case)
+        rows += _steps("pkvrt-adaptive", False, [(s, a, c, w * 0.8, u * 0.7) for s, a, c, w, u in values],
+                       route="pkv_fused", case=case)
+    write(d / "many.steps.json", "serving-steps", rows, layers=layers)
+
+
+def test_large_sweep_goes_to_a_csv_appendix_and_report_md_stays_short(capsys, tmp_path):
+    import csv
+
+    d = tmp_path / "big"
+    rows = _big_sweep()
+    write(d / "calibrate-sweeps.json", "calibration-sweeps", rows)
+    _many_step_files(d)
+    rc, out, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"), "--no-plots")
+    assert rc == 0, err
+    o = tmp_path / "o"
+    md = (o / "report.md").read_text()
+    assert len(md.splitlines()) < 200                   # 5 790 sweep rows, 48 context rows
+    # Table 7: a summary row per (file, engine), every split in the CSV it links
+    section = table_section(md, "Table 7")
+    assert "[appendix-split-sensitivity.csv](appendix-split-sensitivity.csv)" in section
+    summary = {r[1]: r for r in cells(section)}
+    assert list(summary) == ["pkvrt-bucket", "pkvrt-workqueue", "pkvrt-fused"]
+    # 100 / s + s / 8 is least at s = 28 (4.071 us + c); 2 % of the best admits s = 24..32 for c = 0
+    assert summary["pkvrt-bucket"][2:5] == ["30", "1-64 (64 values)", "28 / 28 / 28"]
+    with open(o / "appendix-split-sensitivity.csv", newline="") as f:
+        full = list(csv.reader(f))
+    assert full[0] == ["Case", "Engine", "File", "Splits", "µs", "CTA work/SM", "Time vs best split", "Best"]
+    assert len(full) - 1 == 30 * 3 * 64 + 30 * 3           # every split, plus a reference per group
+    assert sum(r[7] == "best" for r in full[1:]) == 90
+    # the raw rows of the sweeps file: a CSV of their own, linked from the overview
+    assert "[appendix-file-calibrate-sweeps.csv](appendix-file-calibrate-sweeps.csv)" in md
+    with open(o / "appendix-file-calibrate-sweeps.csv", newline="") as f:
+        assert len(list(csv.reader(f))) == len(rows) + 1
+    # per-step tables: 48 (experiment, engine, bin) rows -> one row per experiment and engine
+    ctx = table_section(md, "Throughput ratio")
+    assert "[appendix-ratio-by-context.csv](appendix-ratio-by-context.csv)" in ctx
+    assert len(cells(ctx)) == 12
+    assert cells(ctx)[0][4] == "1K-2K 1.429 · 2K-4K 1.429 · 4K-8K 1.429 · 8K-16K 1.429"     # 80 / 56
+    assert (o / "appendix-steps-trace0-B8.csv").is_file()
+    assert "[trace0-B8](appendix-steps-trace0-B8.csv)" in ctx
+    routes = table_section(md, "Route map")
+    assert "[appendix-route-map.csv](appendix-route-map.csv)" in routes and len(cells(routes)) == 12
+    assert "wrote" in out and "CSV appendices" in out
+
+
+@pytest.mark.parametrize("n, appendix", [(report.MAX_ROWS, False), (report.MAX_ROWS + 1, True)])
+def test_a_table_longer_than_the_limit_goes_to_a_csv(tmp_path, n, appendix):
+    t = report.Table(("a", "b"), [(i, i * i) for i in range(n)])
+    out = report.Outputs()
+    md = report.place(t, out, "squares", report.MAX_ROWS)
+    assert bool(out.appendices) == appendix
+    assert len(cells(md)) == report.MAX_ROWS if appendix else n
+    if appendix:
+        assert md.startswith(f"{n} rows, all in [appendix-squares.csv](appendix-squares.csv)")
+        report.write_outputs(tmp_path, out)
+        assert (tmp_path / "appendix-squares.csv").read_text().splitlines()[-1] == f"{n - 1},{(n - 1) ** 2}"
+
+
+def test_a_long_isolated_table_keeps_the_pkvrt_and_baseline_rows(capsys, tmp_path):
+    d = tmp_path / "iso"
+    rows = []
+    for c in range(8):                                     # 8 cases x 6 engines = 48 rows > 40
+        case = f"B{c + 1}-32K"
+        rows += [dict(case=case, engine=e, splits=None, median_us=t) for e, t in
+                 (("flashinfer-tc", 40.0), ("flashinfer-cuda", 50.0), ("flashinfer-xqa", 45.0))]
+        rows += [dict(case=case, engine=e, splits=16, median_us=t) for e, t in
+                 (("pkvrt-bucket", 38.0), ("pkvrt-fused", 39.0), ("pkvrt-workqueue", 41.0))]
+    write(d / "isolated.json", None, rows, protocol="isolated graph-replay (fake)")
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    t1 = table(md, "Table 1")
+    assert len(t1) == 8 * 4 and {r[1] for r in t1} == {"pkvrt-bucket", "pkvrt-fused", "pkvrt-workqueue",
+                                                        "flashinfer-tc (baseline)"}
+    assert "48 rows, all in [appendix-table-1-isolated.csv]" in md
+    assert (tmp_path / "o" / "appendix-table-1-isolated.csv").read_text().count("\n") == 49
+
+
+def test_each_plot_follows_the_table_it_illustrates(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    d = tmp_path / "st"
+    _many_step_files(d, experiments=2)
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "## Plots" not in md
+    for title, plot in (("Engine protocol", "steps_pkvrt-adaptive.png"),
+                        ("Throughput ratio", "ratio_vs_context.png"), ("Route map", "route_map.png")):
+        blocks = table_section(md, title).rstrip("\n").split("\n\n")
+        assert blocks[-1] == f"![{plot}]({plot})", title          # the section ends with its plot ...
+        assert blocks[-2].startswith("| "), title                  # ... right after its table
+        assert (tmp_path / "o" / plot).read_bytes()[:4] == b"\x89PNG"
+    assert md.count("](steps_pkvrt-adaptive.png)") == 1
+
+
+def test_progress_lines_on_stderr(capsys, tmp_path, serving_dir):
+    pytest.importorskip("matplotlib")
+    _many_step_files(serving_dir, experiments=1)
+    rc, out, err = run(capsys, "report", str(serving_dir), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    lines = err.splitlines()
+    assert all(ln.startswith("pkvrt report: ") for ln in lines)
+    assert lines[0] == f"pkvrt report: reading 3 results file(s) (*.json) from {serving_dir}"
+    n = len(report.SECTIONS)
+    assert [ln for ln in lines if " section " in ln][::n - 1] == [
+        "pkvrt report: section 1/15: Table 1: isolated decode attention",
+        "pkvrt report: section 15/15: Results files read"] and n == 15
+    assert "pkvrt report: plot: ratio_vs_context.png" in lines
+    assert "pkvrt report: appendix: appendix-steps-trace0-B8.csv (4 rows)" in lines
+    assert lines[-1].startswith(f"pkvrt report: writing {tmp_path / 'o' / 'report.md'} (")
+    assert "pkvrt report:" not in out                      # stdout keeps its short summary
+
+
+def test_header_names_the_report_its_command_and_contents(capsys, serving_dir, tmp_path):
+    rc, _, err = run(capsys, "report", str(serving_dir), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    head = md.split("\n## ")[0]
+    assert head.startswith("# pkvrt results report\n\nThe tables and plots of the 2 pkvrt results files")
+    assert f"Regenerate: `pkvrt report {serving_dir} --out {tmp_path / 'o'}`" in head
+    titles = [ln[3:] for ln in md.splitlines() if ln.startswith("## ")]
+    links = re.findall(r"^- \[(.+)\]\(#(.+)\)$", head, re.MULTILINE)
+    assert [anchor for _, anchor in links] == [report.anchor(t) for t in titles]
+    assert [label for label, _ in links] == [t.split(" (")[0] for t in titles]
+    assert report.anchor("Table 2: serving throughput against the baseline (mean ± std over seeds)") \
+        == "table-2-serving-throughput-against-the-baseline-mean--std-over-seeds"
+
+
+def test_work_labels_in_results_files_are_not_shown(capsys, tmp_path):
+    d = tmp_path / "lab"
+    write(d / "isolated.json", None, [dict(case="B1-32K", engine="flashinfer-tc", median_us=40.0),
+                                      dict(case="B1-32K", engine="pkvrt-bucket", splits=8, median_us=38.0)],
+          protocol="isolated graph-replay (session 12), L2 rotation per issue #4")
+    write(d / "notes.json", "soak", [dict(case="soak", engine="pkvrt-adaptive", note="fixed in Session 9")])
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert not re.search(r"(session|issue)\s*#?\d", md, re.IGNORECASE)
+    assert "protocol: isolated graph-replay, L2 rotation per." in md and "| fixed in |" in md
+
+
+def test_rows_without_case_and_engine_in_a_file_of_no_kind_are_plain_rows(capsys, tmp_path):
+    """benches/plan_cost.py writes rows keyed by shape only and no meta.kind: shown as they are
+    (a row naming only one of case / engine is still an error, see the malformed-file test)."""
+    d = tmp_path / "pc"
+    write(d / "plan-cost.json", None, [dict(rows=1, tokens=1600, checked_us=19.35)])
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "| rows | tokens | checked_us |\n| --- | --- | --- |\n| 1 | 1600 | 19.35 |" in md
