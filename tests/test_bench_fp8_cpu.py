@@ -1,4 +1,4 @@
-"""`pkvrt bench serving --kv-dtype fp8` without a GPU (issue 14's engine protocol): the arguments
+"""`pkvrt bench serving --kv-dtype fp8` without a GPU (the FP8 engine protocol): the arguments
 and their refusals, the FP8 workload (quantized caches, per-layer scale tensors), the harness's
 whole loop with the real pkvrt engines (Runtime, device planning, the whole-step graph) on the
 fake device of test_runtime_cpu.py and FlashInfer stand-ins that take host-float scales as its
@@ -176,7 +176,7 @@ def attention(q, k, v, seq, bt, ks, vs, p_fp8=False):
 class VirtualClock(harness.HostClock):
     """HostClock plus virtual seconds: a fake path's delay advances ``offset`` instead of
     sleeping, so which path the baseline probe finds fastest does not depend on how busy the CPU
-    is (a real 50 ms sleep per plan lost to CPU noise twice in session 11, the XQA-like path's
+    is (a real 50 ms sleep per plan lost to CPU noise twice on 2026-12-01, the XQA-like path's
     Python loop being the slowest to compute)."""
 
     def __init__(self):

@@ -76,7 +76,7 @@ def time_models(draw) -> dict:
 
 @st.composite
 def host_times(draw) -> dict:
-    """Calibration keywords: no host_time (files before session 22), or every kind's host cost."""
+    """Calibration keywords: no host_time (files written before 2026-12-02), or every kind's host cost."""
     if not draw(st.booleans()):
         return {}
     return dict(host_time=C.HostTime(costs=tuple((k, C.HostCost(draw(non_neg), draw(non_neg))) for k in C.TIME_KINDS),
@@ -588,7 +588,7 @@ def test_time_model_round_trips_and_for_group_replaces_the_kinds_it_has(tmp_path
 
 
 def test_depth_merge_and_room_terms_are_optional_and_zero_terms_are_not_written(tmp_path):
-    """A file of the model before session 23 (four keys) reads its three new terms as 0; a
+    """A file of the model before 8a7d033 (four keys) reads its three new terms as 0; a
     non-zero term round-trips; a term that is 0 is left out on save (old files stay as they were)."""
     doc = time_model_doc()
     doc["time_model"]["fused"].update(depth_us=0.678, room_us=0.0721, merge_us=0.0)

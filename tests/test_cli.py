@@ -47,6 +47,29 @@ def test_routes_table(capsys):
     assert all(line[kind_col - 2: kind_col] == "  " and line[kind_col] != " " for line in lines)
 
 
+def test_routes_say_what_device_planning_runs(capsys, tmp_path):
+    # pkv_fused is an ablation of the host router, but device planning runs it on every step of
+    # more than [device_planning] small_rows rows: the table says both
+    rc, out, _ = run(capsys, "routes")
+    reg = load_routes(SHIPPED)
+    header = out.splitlines()[0]
+    col = header.index("device planning")
+    role = {name: line[col:header.index("groups")].strip() for name, line in table_rows(out).items()}
+    main = reg.device_planning_route().name
+    rows, small = reg.device_small
+    assert role[main] == f"rows > {rows}" and role[small] == f"rows <= {rows}"
+    assert role["pkv_bucket"] == role["flashinfer"] == "-"
+    assert "device planning: Runtime(device_planning=True) and engine-captured steps run" in out
+    assert "ablation: the host router never picks the route on its own" in out
+    assert "runs only when forced" not in out
+    # without small_rows / small_route: one route on every step
+    p = tmp_path / "r.toml"
+    p.write_text(SHIPPED.read_text().replace("small_rows = 1", "").replace(
+        'small_route = "pkv_workqueue"', ""))
+    rc, out, _ = run(capsys, "routes", "--routes", str(p))
+    assert rc == 0 and "every step" in table_rows(out)[main]
+
+
 def test_routes_follow_the_file(capsys, tmp_path):
     p = tmp_path / "r.toml"
     p.write_text(SHIPPED.read_text().replace("max_active = 8", "max_active = 12")
@@ -59,7 +82,13 @@ def test_routes_follow_the_file(capsys, tmp_path):
 
 @pytest.mark.parametrize("step, route, margin, verdict", [
     (("8", "32768", "4"), "pkv_workqueue", "1.05", "eligible"),
-    (("8", "32768", "4"), "pkv_fused", "1.05", "eligible (ablation: runs only when forced)"),
+    (("8", "32768", "4"), "pkv_fused", "1.05",
+     "eligible (ablation: the host router runs it only when forced); "
+     "device planning runs it at 8 rows (no gates there)"),
+    (("1", "32768", "4"), "pkv_workqueue", "1.05",
+     "eligible; device planning runs it at 1 row (no gates there)"),
+    (("1", "32768", "4"), "pkv_fused", "1.05",
+     "eligible (ablation: the host router runs it only when forced)"),
     (("4", "32768", "4"), "pkv_bucket", "1.50 (boundary)", "eligible"),
     (("8", "32768", "8"), "pkv_bucket", "1.05",
      "refused: group size 8 is not calibrated (gates.group_sizes = [4])"),
@@ -69,6 +98,9 @@ def test_routes_follow_the_file(capsys, tmp_path):
     (("16", "65536", "4"), "pkv_workqueue", "1.05",
      "refused: active count 16 is above gates.max_active = 8"),
     (("8", "32768", "8"), "flashinfer", "-", "baseline (always eligible)"),
+    (("8", "32768", "8"), "pkv_fused", "1.05",
+     "refused: group size 8 is not calibrated (gates.group_sizes = [4]); "
+     "device planning runs it at 8 rows (no gates there)"),
 ])
 def test_routes_explain_one_step(capsys, step, route, margin, verdict):
     active, context, group = step
@@ -215,6 +247,27 @@ def test_doctor_without_gpu(capsys):
     for key in ("cuda-python", "kernels", "flashinfer", "calibration"):
         assert key in rows
     assert "PROBLEM" not in out
+
+
+def test_doctor_calibration_line_without_gpu(capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, out, err = run(capsys, "doctor")
+    line = next(x for x in out.splitlines() if x.startswith("calibration"))
+    assert "for no CUDA device" not in line and "fallback" not in line and err == ""
+    assert line.split(None, 1)[1].startswith(
+        "no CUDA device: the calibration is chosen per GPU at run time")
+    assert "shipped files: nvidia-h200 (NVIDIA H200), rtx3060-seed (NVIDIA GeForce RTX 3060)" in line
+
+
+def test_doctor_reports_a_malformed_shipped_calibration(capsys, monkeypatch, tmp_path):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "broken.json").write_text("{")
+    monkeypatch.setenv("PKVRT_CALIBRATION_DIR", str(tmp_path))
+    rc, out, _ = run(capsys, "doctor")
+    line = next(x for x in out.splitlines() if x.startswith("calibration"))
+    assert rc == 1 and "PROBLEM" in line and "broken.json" in line
 
 
 def test_doctor_reports_a_bad_routes_file(capsys, tmp_path):

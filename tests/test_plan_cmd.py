@@ -53,7 +53,7 @@ def section(out: str, title: str) -> list[str]:
 
 @pytest.mark.parametrize("spec", ["bimodal", "mixed"])
 def test_plan_prints_table4_and_writes_json(capsys, tmp_path, spec):
-    out_json = tmp_path / "sub" / "plan.json"
+    out_json = tmp_path / "plan.json"
     out, err = plan(capsys, "--trace", spec, "--json", str(out_json))
     assert "planning [" not in err                      # stderr is not a tty under pytest
     for col in TABLE4:
@@ -119,6 +119,20 @@ def test_plan_errors_name_the_argument(capsys, argv, words):
     rc = cli.main(["plan", *argv])
     _, err = capsys.readouterr()
     assert rc == 2 and words in err
+
+
+@pytest.mark.parametrize("parent", ["missing", "missing/deeper", "a-file"])
+def test_plan_json_refuses_a_missing_directory(capsys, tmp_path, parent):
+    cli = pytest.importorskip("pkvrt.tools.cli")
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / parent / "plan.json"
+    rc = cli.main(["plan", "--trace", "mixed", "--num-requests", "2", "--json", str(target)])
+    out, err = capsys.readouterr()
+    what = "is not a directory" if parent == "a-file" else "does not exist"
+    assert rc == 2 and out == ""
+    assert err == (f"pkvrt: error: --json {target}: directory {target.parent} {what}; create it "
+                   "first (nothing was written)\n")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_plan_bad_trace_file_names_line(capsys, tmp_path):
@@ -206,6 +220,39 @@ def test_gpu_flag_picks_calibration_by_name(capsys, tmp_path, monkeypatch):
     out, _ = plan(capsys, "--trace", "mixed", "--gpu", "NVIDIA H200", "--num-requests", "4")
     assert "calibration  nvidia-h200 (NVIDIA H200)" in out
     assert "COST-MODEL PREDICTION for calibration 'nvidia-h200'" in out
+
+
+def test_layers_show_the_step_of_that_many_layers(capsys):
+    out, _ = plan(capsys, "--trace", "mixed", "--num-requests", "4", "--layers", "8")
+    times = section(out, "Predicted step time")
+    assert [c.strip() for c in times[0].split("  ") if c][:3] == [
+        "engine", "predicted µs/layer", "µs/step (8 layers)"]
+    per_layer, per_step = (float(x) for x in times[1].split()[-4:-2])
+    assert per_step == pytest.approx(8 * per_layer, abs=8 * 0.05 + 0.05)   # both rounded
+    assert "a step is 8 attention calls, planned once" in out
+
+
+def test_run_planner_reports_the_engines_asked_for():
+    tr = traces.synthetic("bimodal", num_requests=6, seed=3, decode_range=(4, 8))
+    r = router()
+    full = plan_cmd.run_planner(tr, max_active=4, router=r)
+    some = plan_cmd.run_planner(tr, max_active=4, router=r,
+                                engines=("adaptive", "device-plan", "device-plan:pkv_workqueue"))
+    assert [e.engine for e in some.engines] == ["flashinfer", "adaptive", "device-plan",
+                                                "device-plan:pkv_workqueue"]
+    by = {e.engine: e for e in full.engines}
+    got = {e.engine: e for e in some.engines}
+    assert got["adaptive"] == by["adaptive"] and got["flashinfer"] == by["flashinfer"]
+    assert got["device-plan:pkv_workqueue"].predicted_us == by["pkv_workqueue"].predicted_us
+    assert got["device-plan"].label == "Device planning (device-plan)"
+    assert some.route_mix == full.route_mix and some.predicted_ratio == full.predicted_ratio
+    # device-plan: per step the route [device_planning] names for its row count
+    reg = r.registry
+    steps = list(traces.decode_steps(tr, max_active=4))
+    fused = [s for s in steps if reg.device_planning_route(len(s.seq_lens)).name == "pkv_fused"]
+    assert 0 < len(fused) < len(steps)       # both routes of the shipped table are used
+    expect = sum(r.predict(reg.device_planning_route(len(s.seq_lens)), s.seq_lens) for s in steps)
+    assert got["device-plan"].predicted_us == pytest.approx(expect / len(steps))
 
 
 def test_progress_bar_on_request():

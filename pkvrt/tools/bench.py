@@ -3,21 +3,26 @@
 ``pkvrt bench serving`` replays continuous decode over a trace (a synthetic family, the shipped
 ``mixed`` fixture or a CSV/JSON file) on the GPU, once per seed: FlashInfer (the fastest of its
 decode paths on probe steps: the CUDA-core, tensor-core and cuDNN wrappers, planned every step,
-and XQA; pkvrt/measure/fi_engines.py) against the pkvrt Runtime (adaptive routing, CUDA graphs) and any
-forced route. Correctness is checked before timing; every engine gets CUDA-event and
-synchronized wall times per step. It writes a results JSON (one row per case and engine, plus
-ratio rows) and a ``.steps.json`` of per-step records next to it; ``pkvrt report`` turns a
-directory of them into tables and plots. The protocol is described in pkvrt/measure/harness.py.
+and XQA; pkvrt/measure/fi_engines.py) against the pkvrt Runtime (adaptive routing, CUDA graphs)
+and the other engines of ``--engines``. Correctness is checked before timing; every engine gets
+CUDA-event and synchronized wall times per step. It writes a results JSON (one row per case and
+engine, plus ratio rows) and a ``.steps.json`` of per-step records next to it; ``pkvrt report``
+turns a directory of them into tables and plots. The protocol is described in
+pkvrt/measure/harness.py.
 
-Without a CUDA GPU it says so and runs the planner instead (``pkvrt plan`` on the same trace:
-route per step, counters, cost-model predictions), exit status 0.
+Without a CUDA GPU it says so and runs the planner instead (``pkvrt plan`` on the same trace,
+exit status 0): per seed the route of every step and the cost model's predicted time per
+engine, for the calibration it names (``--gpu`` / ``--calibration``; default the seed RTX 3060
+profile, as ``pkvrt plan``), then a summary table (``--verbose``: each seed's route mix,
+structural counters and predictions). ``--seeds``, ``--engines`` and ``--engine-layers`` take
+effect there too; the engines that differ only in how a GPU runs a step are refused.
 
 Without a MODE (no arguments, or an option first) it is ``serving``: ``pkvrt bench --trace zipf``
 is ``pkvrt bench serving --trace zipf``; ``pkvrt bench`` alone runs serving with its defaults.
 
-``--kv-dtype fp8`` (issue 14) runs the same protocol over float8_e4m3fn K/V pages with fp16 (or
-bf16) q and out: per-tensor scales (``--fp8-scales unit``, the default: a cast with scales 1;
-``amax``: amax / 448), one scale tensor pair per layer, every pkvrt engine with
+``--kv-dtype fp8`` runs the same protocol over float8_e4m3fn K/V pages with fp16 (or bf16) q and
+out: per-tensor scales (``--fp8-scales unit``, the default: a cast with scales 1; ``amax``:
+amax / 448), one scale tensor pair per layer, every pkvrt engine with
 ``kv_dtype=torch.float8_e4m3fn``, FlashInfer's FP8-KV paths as the baseline's candidates (cuDNN
 has none with fp16 q: recorded unavailable with its reason), every engine checked against FP32
 attention over the dequantized cache; case names end in ``-fp8`` (pkvrt/measure/harness.py).
@@ -31,6 +36,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import textwrap
+import warnings
 from pathlib import Path
 
 import attrs
@@ -39,10 +46,41 @@ from pkvrt.measure import fi_engines, harness, results
 from pkvrt.measure.traces import FAMILIES, resolve_trace
 from pkvrt.policy import calibration as calib
 from pkvrt.policy import registry as reg_mod
+from pkvrt.tools import plan_cmd
 from pkvrt.tools.cli import add_shape_arguments, check_shape_arguments, positive_int
 
 HELD_OUT_SEEDS = "20260623,20260624,20260625,20260626,20260627"
 ISOLATED = results.ROOT / "benches" / "isolated.py"
+DEFAULT_ENGINES = "flashinfer,adaptive"
+# Options that only shape the GPU run (value when not given); the planner warns that it ignores them.
+GPU_ONLY = {"--steps-limit": ("steps_limit", 200), "--check-steps": ("check_steps", 4),
+            "--wall-rounds": ("wall_rounds", 3), "--mlp": ("mlp", False)}
+
+# --engines: every name harness.parse_engines takes (besides route names), with what it times.
+# PLANNER_ENGINES (and device-plan:ROUTE, and route names) are predicted without a GPU too.
+ENGINES = {
+    harness.BASELINE: "the baseline: the fastest of FlashInfer's decode paths on probe steps; "
+                      "always run",
+    "flashinfer-cuda": "FlashInfer's CUDA-core decode wrapper, one path for the whole run",
+    "flashinfer-tc": "FlashInfer's tensor-core decode wrapper, one path for the whole run",
+    "flashinfer-cudnn": "FlashInfer's cuDNN decode, one path for the whole run",
+    "flashinfer-xqa": "FlashInfer's XQA decode, one path for the whole run",
+    harness.FI_GRAPH: "FlashInfer's CUDA-graph mode, through the Runtime",
+    harness.ADAPTIVE: "the pkvrt Runtime: the router's route per step, CUDA graphs",
+    harness.ADAPTIVE_EAGER: "the same Runtime without graphs: each run() launches",
+    harness.ADAPTIVE_FI_GRAPH: "the same Runtime with FlashInfer's CUDA-graph mode",
+    harness.ADAPTIVE_FI_WRAPPER: "the same Runtime calling FlashInfer's own run() at every layer",
+    harness.ADAPTIVE_DEVICE_TIME: "the same Runtime, its router weighing device time only",
+    harness.DEVICE_PLAN: "device planning (lengths stay on the GPU), a graph per layer; "
+                         "device-plan:ROUTE runs that workqueue or fused route (the planner "
+                         "predicts the route per step, not the planning kernel)",
+    harness.STEP_GRAPH: "device planning, the whole step in one graph; device-plan-step:ROUTE "
+                        "likewise",
+    harness.HOST_STEP: "host lengths, the step's layers in one graph per step key",
+    harness.HOST_STEP_ROUTER: "host-step with the router's policy",
+}
+PLANNER_ENGINES = (harness.BASELINE, harness.ADAPTIVE, harness.DEVICE_PLAN)
+DEVICE_KINDS = ("workqueue", "fused")   # the route kinds device planning runs
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -54,11 +92,32 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 def default_mode(argv: list[str]) -> list[str]:
     """The arguments after ``bench``, with ``serving`` put first where they name no MODE (none at
-    all, or an option other than -h/--help first): ``--trace zipf`` -> ``serving --trace zipf``.
-    pkvrt/tools/cli.py applies it before parsing."""
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    all, or an option first, -h/--help included: ``pkvrt bench --help`` shows serving's options):
+    ``--trace zipf`` -> ``serving --trace zipf``. pkvrt/tools/cli.py applies it before parsing."""
+    if not argv or argv[0].startswith("-"):
         return ["serving", *argv]
     return argv
+
+
+def _shipped_routes() -> str:
+    try:
+        reg = reg_mod.load_routes(None)
+    except (ValueError, OSError) as e:          # the help must not fail on a broken routes.toml
+        return f"see pkvrt routes ({e})"
+    return ", ".join(r.name for r in reg.routes if r.kind != "flashinfer")
+
+
+def engines_epilog() -> str:
+    """The ``--engines`` names for ``pkvrt bench --help``: every name the option takes."""
+    width = max(map(len, ENGINES)) + 2
+    items = [(name, ("[planner] " if name in PLANNER_ENGINES else "") + text)
+             for name, text in ENGINES.items()]
+    items.append(("ROUTE", "[planner] a route of routes.toml forced on every step (shipped: "
+                           f"{_shipped_routes()})"))
+    lines = [textwrap.fill(text, 96, initial_indent=f"  {name:<{width}}",
+                           subsequent_indent=" " * (width + 2)) for name, text in items]
+    return ("engines (--engines, comma-separated; [planner]: predicted without a GPU too, "
+            "device-plan:ROUTE included):\n" + "\n".join(lines))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="mode", metavar="MODE", required=True,
                                 help="serving (the default when no MODE is given) or isolated")
     s = sub.add_parser("serving", help="continuous decode over a trace, FlashInfer vs pkvrt",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, epilog=engines_epilog(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--trace", default="bimodal", metavar="SPEC",
                    help=f"a family ({', '.join(FAMILIES)}), 'mixed' or a .csv/.json trace file "
                         "(default: bimodal)")
@@ -74,55 +134,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decode slots, the batch size B (default: 8)")
     s.add_argument("--seeds", type=_seeds, default=harness.parse_seeds(HELD_OUT_SEEDS),
                    metavar="S[,S|A-B]", help="seeds (trace draw, page layout, data); default: the "
-                                             "held-out seeds 20260623-20260627")
+                                             "held-out seeds 20260623-20260627. Without a GPU a "
+                                             "family is drawn and planned per seed; a file "
+                                             "trace is the same for every seed and planned once")
     s.add_argument("--num-requests", type=positive_int, metavar="N",
                    help="requests of a family (default 32); for a file, keep the first N")
-    s.add_argument("--engines", default="flashinfer,adaptive", metavar="LIST",
-                   help="comma-separated: flashinfer (baseline: the fastest of FlashInfer's decode "
-                        "paths, always run), flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
-                        "flashinfer-xqa (one path for the whole run), flashinfer-graph "
-                        "(FlashInfer's CUDA-graph mode via the Runtime), adaptive, adaptive-eager "
-                        "(the same Runtime without graphs: each run() launches), adaptive-figraph "
-                        "(the same Runtime with FlashInfer's CUDA-graph mode), device-plan "
-                        "(device planning, a graph per layer), device-plan-step (device planning, "
-                        "the whole step in one graph), host-step (host lengths, the step's layers "
-                        "in one graph per step key), adaptive-step (host-step with the router's "
-                        "policy), or a routes.toml route name forced on every "
-                        "step, e.g. pkv_workqueue (default: flashinfer,adaptive)")
+    s.add_argument("--engines", metavar="LIST",
+                   help=f"comma-separated engine names, listed under 'engines' below (default: "
+                        f"{DEFAULT_ENGINES}; without a GPU: every enabled route and adaptive)")
     s.add_argument("--routes", metavar="PATH",
                    help=f"routes.toml (default: {reg_mod.default_routes_path()})")
-    s.add_argument("--calibration", metavar="PATH",
-                   help="calibration JSON (default: the file of this GPU, see calibration/README.md)")
+    cal = s.add_mutually_exclusive_group()
+    cal.add_argument("--calibration", metavar="PATH",
+                     help="calibration JSON (default: the file of this GPU, see "
+                          f"calibration/README.md; without a GPU the seed profile "
+                          f"calibration/{calib.DEFAULT_SLUG}.json, as pkvrt plan)")
+    cal.add_argument("--gpu", metavar="NAME",
+                     help="pick the calibration file by device name, e.g. 'NVIDIA H200', as "
+                          "pkvrt plan --gpu (on a GPU: instead of this GPU's own file)")
     s.add_argument("--out", metavar="FILE",
                    help="results JSON (default: benches/results/<gpu>/serving-<case>.json; the "
-                        "per-step records go to FILE with suffix .steps.json)")
-    s.add_argument("--steps-limit", type=positive_int, default=200, metavar="N",
-                   help="measure at most N steps per seed, spread evenly over the trace "
-                        "(default: 200)")
+                        "per-step records go to FILE with suffix .steps.json; without a GPU "
+                        "nothing is written unless --out is given)")
+    s.add_argument("-v", "--verbose", action="store_true",
+                   help="without a GPU: print each seed's full planner output (route mix with "
+                        "split counts, structural counters, predictions per engine) before the "
+                        "summary table")
     s.add_argument("--engine-layers", type=positive_int, default=1, metavar="L",
-                   help="attention calls per step, planned once (engine protocol; default: 1)")
-    s.add_argument("--mlp", action="store_true",
-                   help="follow every layer's attention with the seed's gated MLP tail "
-                        f"(intermediate {harness.MLP_INTERMEDIATE}, hidden H_q*D)")
-    s.add_argument("--check-steps", type=positive_int, default=4, metavar="N",
-                   help="steps checked for correctness before timing (default: 4)")
-    s.add_argument("--wall-rounds", type=positive_int, default=3, metavar="N",
-                   help="wall passes per engine, every engine's steps interleaved with the "
-                        "others' in a rotated order; a step's wall time is the median of its "
-                        "rounds (default: 3)")
+                   help="attention calls per step, planned once (engine protocol; default: 1). "
+                        "Without a GPU: the router decides for L layers per plan and the "
+                        "predictions are per step of L layers")
+    gpu = s.add_argument_group("GPU run only (the planner, without a GPU, warns that it ignores "
+                               "these)")
+    gpu.add_argument("--steps-limit", type=positive_int, metavar="N",
+                     help="measure at most N steps per seed, spread evenly over the trace "
+                          "(default: 200)")
+    gpu.add_argument("--mlp", action="store_true", default=None,
+                     help="follow every layer's attention with the seed's gated MLP tail "
+                          f"(intermediate {harness.MLP_INTERMEDIATE}, hidden H_q*D)")
+    gpu.add_argument("--check-steps", type=positive_int, metavar="N",
+                     help="steps checked for correctness before timing (default: 4)")
+    gpu.add_argument("--wall-rounds", type=positive_int, metavar="N",
+                     help="wall passes per engine, every engine's steps interleaved with the "
+                          "others' in a rotated order; a step's wall time is the median of its "
+                          "rounds (default: 3)")
     shape = add_shape_arguments(s)
     shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16",
-                       help="q and out (and a 16-bit KV cache)")
+                       help="q and out (and a 16-bit KV cache; default: float16)")
     shape.add_argument("--kv-dtype", choices=harness.KV_DTYPES, default="fp16",
                        help="the KV cache: fp16 (in --dtype, the default) or fp8 (float8_e4m3fn "
-                            "with float32 scales, issue 14; case names end in -fp8)")
+                            "with float32 scales; case names end in -fp8)")
     shape.add_argument("--fp8-scales", choices=harness.FP8_SCALES, default=None,
                        help="with --kv-dtype fp8, the per-tensor scales: unit (a cast, scales 1; "
                             "the default) or amax (amax / 448)")
     i = sub.add_parser("isolated", help="the isolated kernel benchmark (benches/isolated.py)",
                        description="Run benches/isolated.py; pass its arguments after '--', e.g. "
                                    "pkvrt bench isolated -- --cases B1-32K --out x.json")
-    i.add_argument("isolated_args", nargs=argparse.REMAINDER, metavar="-- ARGS")
+    i.add_argument("isolated_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                   help="the arguments of benches/isolated.py (python benches/isolated.py --help)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,18 +227,19 @@ def _config(args, registry) -> harness.ServingConfig:
     shape = harness.Shape(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
                           head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype)
     check_shape_arguments(args, harness.DTYPES[args.dtype])   # the shapes the Runtime takes
-    engines = harness.parse_engines(args.engines, [r.name for r in registry.routes])
+    engines = harness.parse_engines(args.engines or DEFAULT_ENGINES, [r.name for r in registry.routes])
     if args.fp8_scales is not None and args.kv_dtype != "fp8":
         raise ValueError(f"--fp8-scales {args.fp8_scales}: scales belong to an FP8 KV cache; "
                          "add --kv-dtype fp8 (or drop --fp8-scales)")
     if args.kv_dtype == "fp8":
         harness.check_fp8_engines(engines, {r.name: r.kv_dtypes for r in registry.routes})
+    gpu_only = {key: default if getattr(args, key) is None else getattr(args, key)
+                for key, default in GPU_ONLY.values()}
     return harness.ServingConfig(
         trace=args.trace, max_active=args.max_active, seeds=tuple(args.seeds), engines=engines,
-        routes=registry.path, calibration=args.calibration, steps_limit=args.steps_limit,
-        layers=args.engine_layers, mlp=args.mlp, num_requests=args.num_requests,
-        check_steps=args.check_steps, shape=shape, kv_dtype=args.kv_dtype,
-        fp8_scales=args.fp8_scales or "unit", wall_rounds=args.wall_rounds)
+        routes=registry.path, calibration=args.calibration, layers=args.engine_layers,
+        num_requests=args.num_requests, shape=shape, kv_dtype=args.kv_dtype,
+        fp8_scales=args.fp8_scales or "unit", **gpu_only)
 
 
 def run_serving(args: argparse.Namespace) -> int:
@@ -185,49 +255,160 @@ def run_serving(args: argparse.Namespace) -> int:
     return serving_on_gpu(args, config, registry, traces)
 
 
-def planner_fallback(args, config: harness.ServingConfig, registry, traces) -> int:
-    """No CUDA: run ``plan_cmd.run_planner`` over every seed's trace and print its summary."""
-    from pkvrt.policy.router import Router
-    from pkvrt.tools import plan_cmd
+def calibration_for(args, device: str | None) -> calib.Calibration:
+    """``--calibration PATH``; else the file ``--gpu NAME`` picks (as ``pkvrt plan --gpu``); else
+    the file of ``device``, the GPU at hand; without one the seed profile, as ``pkvrt plan``."""
+    if args.calibration:
+        return calib.load_calibration(args.calibration)
+    if args.gpu or device:
+        return calib.find_calibration(args.gpu or device)
+    return plan_cmd.seed_calibration()
 
+
+# --------------------------------------------------------------------------- planner mode
+
+def planner_engines(args, config: harness.ServingConfig, registry) -> tuple[str, ...] | None:
+    """The engines the planner reports for ``--engines`` (None when not given: every enabled
+    route and adaptive, as ``pkvrt plan``). An engine that differs from these only in how a GPU
+    runs a step is refused: the cost model cannot tell it apart."""
+    if args.engines is None:
+        return None
+    routes = [r.name for r in registry.routes]
+    gpu_only = [e for e in config.engines if e not in (*PLANNER_ENGINES, *routes)
+                and not e.startswith(harness.DEVICE_PLAN + ":")]
+    if gpu_only:
+        shown = ", ".join(r for r in routes if r != registry.baseline.name)
+        they = ("they need", "they differ") if len(gpu_only) > 1 else ("it needs", "it differs")
+        raise ValueError(
+            f"--engines {','.join(gpu_only)}: {they[0]} a CUDA GPU (none here): {they[1]} from "
+            "flashinfer, adaptive or a route only in how the GPU runs a step (FlashInfer's decode "
+            "paths, CUDA graphs, captured steps, host time), which only timing measures; the "
+            f"planner predicts {', '.join(PLANNER_ENGINES)}, device-plan:ROUTE and the routes of "
+            f"{registry.path} ({shown})")
+    for e in config.engines:
+        route = e.partition(":")[2]
+        if e.startswith(harness.DEVICE_PLAN + ":") and registry.route(route).kind not in DEVICE_KINDS:
+            raise ValueError(f"--engines {e}: device planning runs a workqueue or fused route; "
+                             f"{route} is a {registry.route(route).kind} route")
+    return tuple(registry.baseline.name if e == harness.BASELINE else e for e in config.engines)
+
+
+def _warn_gpu_only(args) -> None:
+    given = [flag for flag, (key, _) in GPU_ONLY.items() if getattr(args, key) is not None]
+    if given:
+        warnings.warn(f"{', '.join(given)}: not used without a GPU (they shape the timed run; the "
+                      "planner plans every step of the trace, attention only)", stacklevel=2)
+
+
+def _planner_header(args, cal, router, config) -> list[str]:
+    """Which calibration predicts (and how to pick another), layers and host time, FP8."""
+    shipped = ", ".join(sorted({f.stem for d in calib.calibration_dirs() for f in d.glob("*.json")}))
+    if args.calibration:
+        how = f"--calibration {args.calibration}"
+    elif args.gpu:
+        how = f"--gpu {args.gpu!r}" + (": no file for it, the seed profile" if cal.fallback else "")
+    else:
+        how = "the default without a GPU, as pkvrt plan; --gpu NAME or --calibration PATH picks another"
+    host = ("host time weighed as the Runtime's default mode does" if router.host_model is None
+            else f"host time not weighed: {router.host_model}")
+    out = [f"calibration: {cal.slug} ({cal.gpu}) from {cal.source} ({how}; shipped: {shipped})",
+           f"layers: a step is {config.layers} attention call{'s' * (config.layers > 1)} "
+           f"(--engine-layers), planned once; {host}"]
+    if config.fp8:
+        out.append("KV cache float8_e4m3fn: the router counts 1 byte per K/V element; an FP8 "
+                   "Runtime does not run the FlashInfer route (steps routed there run on the "
+                   "fastest PersistentKV route).")
+    return out
+
+
+def _plan_seeds(config, traces, router, engines, progress: bool) -> list[tuple[str, object]]:
+    """(seed label, PlanSummary) per seed; a file trace, the same for every seed, once."""
+    if traces[0].seed is None:
+        label = ",".join(map(str, config.seeds)) if len(config.seeds) <= 3 else \
+            f"{len(config.seeds)} seeds"
+        traces, labels = traces[:1], [label]
+    else:
+        labels = [str(s) for s in config.seeds]
+    return [(label, plan_cmd.run_planner(trace, max_active=config.max_active, router=router,
+                                         progress=progress, layers=config.layers, engines=engines))
+            for label, trace in zip(labels, traces)]
+
+
+def planner_fallback(args, config: harness.ServingConfig, registry, traces) -> int:
+    """No CUDA: ``plan_cmd.run_planner`` over every seed's trace, a summary table (each seed's
+    full output with ``--verbose``), ``--out`` if given."""
+    from pkvrt.policy.router import Router
+
+    engines = planner_engines(args, config, registry)      # refuse before printing anything
+    cal = calibration_for(args, None)
     print("pkvrt bench: no CUDA GPU here, so nothing can be timed; falling back to the planner "
           "(routes, counters and COST-MODEL PREDICTIONS, not measurements).")
-    cal = (calib.load_calibration(args.calibration) if args.calibration
-           else plan_cmd.seed_calibration())
+    _warn_gpu_only(args)
     sh = config.shape
     kv = {"kv_dtype": "float8_e4m3fn"} if config.fp8 else {}
-    if config.fp8:
-        print("KV cache float8_e4m3fn: the router counts 1 byte per K/V element; an FP8 Runtime "
-              "does not run the FlashInfer route (steps routed there run on the fastest "
-              "PersistentKV route).")
     router = Router(registry, cal, num_qo_heads=sh.num_qo_heads, num_kv_heads=sh.num_kv_heads,
-                    head_dim=sh.head_dim, page_size=sh.page_size, graphs=True, **kv)
-    rows = []
-    for seed, trace in zip(config.seeds, traces):
-        summary = plan_cmd.run_planner(trace, max_active=config.max_active, router=router,
-                                       progress=sys.stderr.isatty())
-        print()
-        print(f"== seed {seed}")
-        print(plan_cmd.format_summary(summary))
-        case = harness.case_name(trace.name, config.max_active, seed, kv_dtype=config.kv_dtype)
-        rows += [{**r, "case": case, "seed": seed} for r in plan_cmd.summary_json(summary)["rows"]]
+                    head_dim=sh.head_dim, page_size=sh.page_size, graphs=True, weigh_host=True, **kv)
+    print("\n".join(_planner_header(args, cal, router, config)))
+    if traces[0].seed is None and len(config.seeds) > 1:
+        print(f"--seeds: trace {config.trace!r} is a file, the same requests for every seed (on a "
+              "GPU the seeds draw page layouts and data, which the planner does not model): "
+              "planned once")
+    runs = _plan_seeds(config, traces, router, engines, progress=sys.stderr.isatty())
+    for label, summary in runs if args.verbose else ():
+        print(f"\n== seed {label}\n{plan_cmd.format_summary(summary)}")
+    print()
+    print(format_planner_table(runs))
     if args.out:
-        meta = results.make_meta(seeds=config.seeds, routes_path=registry.path,
-                                 calibration_path=cal.source,
-                                 kind="plan (cost-model prediction, no GPU timing)",
-                                 trace=config.trace, max_active=config.max_active,
-                                 fallback="no CUDA GPU: planner only", **_kv_meta(config))
-        print(f"wrote {results.write_results(args.out, meta, rows)}")
+        print(f"wrote {_write_plan(args.out, config, registry, cal, runs)}")
     return 0
 
 
-def _calibration_for_gpu(path: str | None):
-    import torch
+def _write_plan(out, config, registry, cal, runs) -> Path:
+    """The planner's results file: every engine row of every seed (a file trace's one plan
+    under each seed's case name)."""
+    plans = [s for _, s in runs] if len(runs) == len(config.seeds) else [runs[0][1]] * len(config.seeds)
+    rows = [{**r, "case": harness.case_name(s.trace, config.max_active, seed, layers=config.layers,
+                                             kv_dtype=config.kv_dtype), "seed": seed}
+            for seed, s in zip(config.seeds, plans) for r in plan_cmd.summary_json(s)["rows"]]
+    meta = results.make_meta(seeds=config.seeds, routes_path=registry.path,
+                             calibration_path=cal.source,
+                             kind="plan (cost-model prediction, no GPU timing)",
+                             trace=config.trace, max_active=config.max_active, layers=config.layers,
+                             fallback="no CUDA GPU: planner only", **_kv_meta(config))
+    return results.write_results(out, meta, rows)
 
-    if path:
-        return calib.load_calibration(path)
-    return calib.find_calibration(torch.cuda.get_device_name())
 
+def _route_mix(s) -> str:
+    return ", ".join(f"{m.route} {100 * m.share:.0f}%" for m in s.route_mix)
+
+
+def format_planner_table(runs) -> str:
+    """The summary of planner mode: per seed the steps, the adaptive route mix and each
+    engine's predicted throughput against FlashInfer; over several seeds their pooled ratio
+    (the sum of FlashInfer's step times over the sum of the engine's)."""
+    first = runs[0][1]
+    base = first.engines[0].engine                       # run_planner puts the baseline first
+    engines = [e.engine for e in first.engines[1:]]
+    head = ("trace", "seed", "steps", "mean active", "adaptive route mix", *engines)
+    rows = []
+    for label, s in runs:
+        ratio = {e.engine: e.ratio_vs_flashinfer for e in s.engines}
+        rows.append((s.trace, label, s.steps, f"{s.mean_active:.2f}", _route_mix(s),
+                     *(f"{ratio[e]:.3f}x" for e in engines)))
+    if len(runs) > 1:
+        total = {e: sum(x.predicted_us * s.steps for _, s in runs for x in s.engines if x.engine == e)
+                 for e in [base, *engines]}
+        rows.append(("all", f"{len(runs)} seeds", sum(s.steps for _, s in runs), "", "",
+                     *(f"{total[base] / total[e]:.3f}x" for e in engines)))
+    notes = [f"note: {n}" for n in dict.fromkeys(n for _, s in runs for n in s.notes)]
+    title = (f"Summary (max_active {first.max_active}): predicted throughput vs FlashInfer per "
+             f"engine, COST-MODEL PREDICTIONS for calibration {first.calibration!r} (--verbose: "
+             "each seed's route mix, counters and step times)")
+    return "\n".join([title, plan_cmd.text_table(head, rows, align="llrrl" + "r" * len(engines)),
+                      *notes])
+
+
+# --------------------------------------------------------------------------- GPU run
 
 def default_out(config: harness.ServingConfig, gpu: str) -> Path:
     """benches/results/<gpu slug>/serving-<trace>-B<N>[-L<l>[-mlp]][-fp8].json"""
@@ -285,7 +466,7 @@ def serving_on_gpu(args, config: harness.ServingConfig, registry, traces) -> int
     if str(env.get("flashinfer", "")).startswith("unavailable"):
         raise ValueError(f"FlashInfer is the serving baseline and it is {env['flashinfer']}; "
                          "install flashinfer-python (pip install 'pkvrt[flashinfer]')")
-    cal = _calibration_for_gpu(config.calibration)
+    cal = calibration_for(args, torch.cuda.get_device_name())
     clock = harness.CudaClock()
     l2 = env.get("l2_bytes") or 60 * 2**20
     make_engine = engine_factory(config, registry, cal)

@@ -36,7 +36,7 @@ router uses to predict the FlashInfer baseline's time before it promotes a Persi
 be measured without FlashInfer, but a calibration file needs all of them (schema 1), so without
 FlashInfer calibrate stops before measuring anything.
 
-FP8 K/V (``--kv-dtype fp8``, issue 14): the same bucket and partition sweeps with
+FP8 K/V (``--kv-dtype fp8``): the same bucket and partition sweeps with
 float8_e4m3fn caches (``harness.quantize_fp8`` "unit", scales as float32 [1] device tensors,
 outputs checked against the FP32 reference over the dequantized caches), fitted into the
 ``by_kv_dtype.float8_e4m3fn`` section of this GPU's file (``--base``, default the ``--out``
@@ -129,8 +129,8 @@ def calibration_steps(seed: int = SEED) -> list[tuple[str, str, np.ndarray]]:
     short ones (uniform in 1K-6K) drawn with ``seed``: the step of a serving batch with one
     long-context request, whose cut trades the long row's split count against the short rows'
     CTAs (the B8 bimodal step has two long rows, the B2 one a single short row; without this
-    step session 10's G = 8 fit cut such steps at 20 where 40 ran 14-24 % faster,
-    benches/NOTES.md).
+    step the G = 8 fit of 2026-12-01 cut such steps at 20 where 40 ran 14-24 % faster,
+    benches/NOTES.md, "Current state").
     """
     i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
     out = [(f"B1-{n // 1024}K", "bucket", i32([n])) for n in B1_CONTEXTS]
@@ -323,7 +323,8 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False, grid: int |
     to back in one graph over the rotating K/V copies, with programmatic dependent launch and
     early K/V copies from the second call on. One call alone, as first done, mis-ranks cuts:
     at B1 64K the 32-layer engine protocol measured 32 splits 21 % faster than 16, which a
-    single-call graph timed as equal (benches/NOTES.md, "Session 6")."""
+    single-call graph timed as equal (benches/NOTES.md, "Which calibration setting ranks cuts as
+    the engine does")."""
     import torch
 
     from pkvrt.launch import ops
@@ -400,7 +401,8 @@ def runtime_grid(rows: int, *, num_kv_heads: int, splits, base: calib.Calibratio
     The sweeps time every cut in that grid: timed in a grid of exactly its CTAs, a cut of less
     than one wave ran up to 35 % faster than the Runtime runs it (G = 8, an eight-row step cut at
     12: 128 CTAs, 46.8 vs 61.1 us per layer; 124 CTAs: 48.7 vs 65.6; ``benches/cut_protocols.py``),
-    and the fit chose such cuts (benches/NOTES.md, "Session 11")."""
+    and the fit chose such cuts (benches/NOTES.md, "The fix: calibrate in the Runtime's grid",
+    208e68a)."""
     from pkvrt.policy import planner
     from pkvrt.runtime.graphs import padded_batch
 
@@ -702,7 +704,8 @@ def replaced_sections(out: Path) -> list[str]:
 
 def kept_merge_free_slots(args, slug: str) -> int:
     """splits.merge_free_slots of the calibration file this run replaces (set by hand, like max_waves:
-    the partition's timed cuts cannot measure it, benches/NOTES.md "Session 14"), else 0."""
+    the partition's timed cuts cannot measure it, benches/NOTES.md "The one-row 8K step: a cut
+    that fills every resident slot"), else 0."""
     out = out_path(args, slug)
     if out.is_file():
         try:

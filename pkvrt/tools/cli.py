@@ -21,6 +21,7 @@ import sys
 import warnings
 
 import pkvrt
+from pkvrt._buildspec import HEAD_DIMS, PAGE_SIZES
 from pkvrt.policy import registry
 
 # Subcommand -> module, in the order `pkvrt --help` lists them.
@@ -148,10 +149,14 @@ def non_negative_int(text: str) -> int:
 def add_shape_arguments(parser: argparse.ArgumentParser):
     """The attention-shape options every subcommand shares (seed shape as defaults)."""
     shape = parser.add_argument_group("shape")
-    shape.add_argument("--num-qo-heads", type=positive_int, default=32, metavar="H")
-    shape.add_argument("--num-kv-heads", type=positive_int, default=8, metavar="H")
-    shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D")
-    shape.add_argument("--page-size", type=positive_int, default=16, metavar="P")
+    shape.add_argument("--num-qo-heads", type=positive_int, default=32, metavar="H",
+                       help="query heads H_q (default: 32)")
+    shape.add_argument("--num-kv-heads", type=positive_int, default=8, metavar="H",
+                       help="K/V heads H_kv; H_q / H_kv is the group size (default: 8)")
+    shape.add_argument("--head-dim", type=positive_int, default=128, metavar="D",
+                       help=f"head dimension, one of {', '.join(map(str, HEAD_DIMS))} (default: 128)")
+    shape.add_argument("--page-size", type=positive_int, default=16, metavar="P",
+                       help=f"tokens per KV page, a power of two <= {max(PAGE_SIZES)} (default: 16)")
     return shape
 
 
@@ -229,6 +234,31 @@ def _state(r: registry.Route) -> str:
     return ", ".join(["enabled" if r.enabled else "disabled", *(["ablation"] if r.ablation else [])])
 
 
+def _device_planning(reg: registry.Registry, r: registry.Route) -> str:
+    """The steps device planning runs ``r`` on ("every step", "rows > 1", "rows <= 1"), or "-"."""
+    try:
+        main = reg.device_planning_route().name
+    except KeyError:                    # no workqueue or fused route: no device planning
+        return "-"
+    if reg.device_small is None:
+        return "every step" if r.name == main else "-"
+    rows, small = reg.device_small
+    roles = [text for text, name in ((f"rows <= {rows}", small), (f"rows > {rows}", main))
+             if r.name == name]
+    return ", ".join(roles) or "-"
+
+
+def _device_planning_note(reg: registry.Registry) -> str:
+    """What the "device planning" column means, and which table of routes.toml sets it."""
+    where = ("[device_planning] in routes.toml" if reg.device_route is not None else
+             "no [device_planning] table: the first non-ablation workqueue or fused route")
+    return (f"device planning: Runtime(device_planning=True) and engine-captured steps run the routes "
+            f"of the column 'device planning' ({where}), with no host routing: the gates, margins "
+            "and the ablation flag are the host router's\n"
+            "ablation: the host router never picks the route on its own; it runs there only when "
+            "forced by name (Runtime.plan(force=...), pkvrt bench --engines ROUTE)")
+
+
 def format_registry(reg: registry.Registry) -> str:
     """The registry as an aligned text table plus the boundary rule, path and sha256."""
     rows = []
@@ -238,13 +268,13 @@ def format_registry(reg: registry.Registry) -> str:
         bucketing = r.bucketing if r.kind == "bucket" else "-"
         if r.coarse_lengths:
             bucketing += f" (coarse: {', '.join(map(str, r.coarse_lengths))})"
-        rows.append((r.name, r.kind, r.kernel or "-", _state(r),
+        rows.append((r.name, r.kind, r.kernel or "-", _state(r), _device_planning(reg, r),
                      "-" if base else ",".join(map(str, g.group_sizes)),
                      "-" if base else str(g.min_context),
                      "-" if base else f"{g.min_active}..{g.max_active}",
                      _splits_text(r.splits), "-" if base else f"{r.margin:.2f}", bucketing))
-    table = format_table(("route", "kind", "kernel", "state", "groups", "min context",
-                          "active", "splits", "margin", "bucketing"), rows)
+    table = format_table(("route", "kind", "kernel", "state", "device planning", "groups",
+                          "min context", "active", "splits", "margin", "bucketing"), rows)
     b = reg.boundary
     rule = ("forbidden" if math.isinf(b.margin) else f"needs margin >= {b.margin:.2f}")
     rule = (f"boundary: at exactly {b.active} active rows PersistentKV {rule}"
@@ -254,7 +284,19 @@ def format_registry(reg: registry.Registry) -> str:
             "host time: not weighed ([host_time] enabled = false)" if not ht.enabled else
             f"host time: weighed in the Runtime's default mode (the calibration's host_time); a step "
             f"FlashInfer runs host-bound needs min context {ht.min_context} instead of the routes' own")
-    return f"{table}\n\n{rule}\n{host}\nfile: {reg.path}\nsha256: {reg.sha256}"
+    return (f"{table}\n\n{rule}\n{host}\n{_device_planning_note(reg)}\n"
+            f"file: {reg.path}\nsha256: {reg.sha256}")
+
+
+def _device_planning_step(reg: registry.Registry, r: registry.Route, active: int) -> str:
+    """"; device planning runs it at N rows" where device planning runs ``r`` on this step."""
+    try:
+        runs = reg.device_planning_route(active).name == r.name
+    except KeyError:
+        return ""
+    if not runs:
+        return ""
+    return f"; device planning runs it at {active} row{'s' * (active > 1)} (no gates there)"
 
 
 def format_step(reg: registry.Registry, *, active: int, max_context: int, group: int) -> str:
@@ -269,7 +311,9 @@ def format_step(reg: registry.Registry, *, active: int, max_context: int, group:
             margin_text = ("forbidden (boundary)" if margin is None else f"{margin:.2f}"
                            + (" (boundary)" if margin != r.margin else ""))
             verdict = ("refused: " + "; ".join(why) if why else
-                       "eligible (ablation: runs only when forced)" if r.ablation else "eligible")
+                       "eligible (ablation: the host router runs it only when forced)"
+                       if r.ablation else "eligible")
+            verdict += _device_planning_step(reg, r, active)
         rows.append((r.name, margin_text, verdict))
     head = f"step: {active} active rows, longest context {max_context} tokens, group size {group}"
     return head + "\n" + format_table(("route", "margin", "verdict"), rows)

@@ -208,9 +208,24 @@ def calibration_status(device_name: str | None) -> str:
     find = getattr(calibration, "find_calibration", None)
     if find is None:
         return "pkvrt.policy.calibration has no find_calibration"
+    if device_name is None:
+        return no_gpu_calibration(calibration)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cal = find(device_name)
     note = "; ".join(str(w.message) for w in caught)
     return f"{cal.source} (slug {getattr(cal, 'slug', '?')})" + (
         f"; fallback: {note}" if note else "")
+
+
+def no_gpu_calibration(calibration) -> str:
+    """Without a GPU: how the calibration is chosen, and the files shipped (each one loaded, so a
+    malformed file is a CalibrationError, reported as a problem)."""
+    dirs = calibration.calibration_dirs()
+    files = [f for d in dirs for f in sorted(d.glob("*.json"))]
+    shipped = ", ".join(f"{f.stem} ({calibration.load_calibration(f).gpu})" for f in files)
+    seed = calibration.DEFAULT_SLUG
+    return (f"no CUDA device: the calibration is chosen per GPU at run time (<gpu-slug>.json, "
+            f"else the seed profile {seed}); shipped files: {shipped or 'none'} in "
+            f"{', '.join(map(str, dirs))}; pkvrt plan and pkvrt bench predict with {seed} here "
+            "unless given --gpu NAME or --calibration PATH")

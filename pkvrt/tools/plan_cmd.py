@@ -28,8 +28,10 @@ from pkvrt.policy.planner import BucketPlan, WorkqueuePlan, check_seq_lens
 from pkvrt.tools.cli import add_shape_arguments, check_shape_arguments, non_negative_int, positive_int
 
 ADAPTIVE = "adaptive"
+DEVICE_PLAN = "device-plan"   # per step the route device planning runs ([device_planning])
 KIND_LABELS = {"flashinfer": "FlashInfer", "bucket": "PersistentKV buckets",
-               "workqueue": "PersistentKV workqueue", "fused": "PersistentKV fused"}
+               "workqueue": "PersistentKV workqueue", "fused": "PersistentKV fused",
+               "device_planning": "Device planning"}
 MB = 2**20   # the paper's Table 4 "MB" (550.5 for bimodal B8 = 550.5 MiB of K+V)
 
 
@@ -98,6 +100,7 @@ class PlanSummary:
     engines: tuple[EngineRow, ...]
     predicted_ratio: float        # adaptive over FlashInfer, sum(T_fi) / sum(T_adaptive)
     notes: tuple[str, ...]
+    layers: int = 1               # attention calls per step, planned once (the router's layers)
 
     @property
     def case(self) -> str:
@@ -159,8 +162,22 @@ def _progress(stream, done: int, total: int) -> None:
     stream.flush()
 
 
+def _forced_route(reg, engine: str, rows: int) -> str:
+    """The route an engine other than adaptive runs on a step of ``rows`` rows: ``device-plan``
+    the one device planning runs, ``device-plan:ROUTE`` that route, a route name itself."""
+    if engine == DEVICE_PLAN:
+        return reg.device_planning_route(rows).name
+    return engine.partition(":")[2] if engine.startswith(DEVICE_PLAN + ":") else engine
+
+
+def _engine_kind(reg, engine: str) -> str:
+    if engine == ADAPTIVE:
+        return "adaptive"
+    return "device_planning" if engine.startswith(DEVICE_PLAN) else reg.route(engine).kind
+
+
 def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False,
-                stream=None, layers: int = 1) -> PlanSummary:
+                stream=None, layers: int = 1, engines=None) -> PlanSummary:
     """Replay continuous decode over ``trace`` and route every step with ``router``.
 
     Parameters
@@ -171,19 +188,25 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
     progress : draw a progress bar on ``stream`` (default ``sys.stderr``).
     layers : run() calls per plan, passed to ``router.decide`` (it weighs host time at them when
         built with ``weigh_host=True`` and the calibration has ``host_time``).
+    engines : the engines to report, in order: ``adaptive``, a route name (forced on every
+        step), ``device-plan`` (per step the route of routes.toml's ``[device_planning]``) or
+        ``device-plan:ROUTE``; the baseline route is always reported, first. None: every enabled
+        route, then adaptive.
 
     Returns
     -------
     PlanSummary
-        route mix of the policy; per engine (every enabled route forced on every step, and the
-        adaptive choice) the mean structural counters and predicted µs per step.
+        route mix of the policy; per engine the mean structural counters and predicted µs of one
+        attention call per step.
     """
     reg, cal = router.registry, router.cal
     steps = list(decode_steps(trace, max_active=max_active))
     stream = stream or sys.stderr
-    engines = [r for r in reg.routes if r.enabled]
-    accs = {r.name: _Acc() for r in engines}
-    accs[ADAPTIVE] = _Acc()
+    if engines is None:
+        engines = [*(r.name for r in reg.routes if r.enabled), ADAPTIVE]
+    engines = list(dict.fromkeys([reg.baseline.name, *engines]))
+    forced = [e for e in engines if e != ADAPTIVE]
+    accs = {e: _Acc() for e in [*engines, ADAPTIVE]}   # adaptive always: the route mix, the ratio
     unavailable: dict[str, str] = {}
     mix: dict[str, int] = collections.Counter()
     splits: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -209,31 +232,31 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
         mix[d.route] += 1
         for s, n in _plan_splits(d.plan):
             splits[d.route][s] += n
-        for r in engines:
-            if r.name in unavailable:
+        for e in forced:
+            if e in unavailable:
                 continue
+            name = _forced_route(reg, e, len(seq))
             try:
-                f = d if r.name == d.route else router.decide(seq, force=r.name, layers=layers)
-            except ValueError as e:                  # no kernel for this shape
-                unavailable[r.name] = str(e)
+                f = d if name == d.route else router.decide(seq, force=name, layers=layers)
+            except ValueError as err:                # no kernel for this shape
+                unavailable[e] = str(err)
                 continue
-            accs[r.name].add(f.plan.counters, predicted(f, r.name, seq))
+            accs[e].add(f.plan.counters, predicted(f, name, seq))
         if progress and ((i + 1) % every == 0 or i + 1 == len(steps)):
             _progress(stream, i + 1, len(steps))
 
     n = len(steps)
     base = reg.baseline.name
     t_base = accs[base].us
-    rows = [acc.row(name, "adaptive" if name == ADAPTIVE else reg.route(name).kind,
-                    tokens=tokens, baseline_us=t_base)
-            for name, acc in accs.items() if name not in unavailable]
+    rows = [accs[name].row(name, _engine_kind(reg, name), tokens=tokens, baseline_us=t_base)
+            for name in engines if name not in unavailable]
     mix_rows = tuple(
         RouteShare(route=name, kind=reg.route(name).kind, steps=c, share=c / n,
                    splits=tuple(sorted(splits[name].items(), key=lambda x: (-x[1], x[0]))))
         for name, c in sorted(mix.items(), key=lambda x: (-x[1], x[0])))
     notes = tuple(f"{name}: not run, {why}" for name, why in unavailable.items())
     notes += tuple(f"{r.name}: disabled in routes.toml, not shown" for r in reg.routes
-                   if not r.enabled)
+                   if not r.enabled and r.name not in engines)
     return PlanSummary(
         trace=trace.name, trace_source=trace.source, trace_seed=trace.seed,
         num_requests=len(trace), max_active=max_active, steps=n, decode_tokens=tokens,
@@ -246,12 +269,12 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
         calibration=cal.slug, calibration_gpu=cal.gpu, calibration_source=cal.source,
         calibration_fallback=cal.fallback, routes_path=reg.path, routes_sha256=reg.sha256,
         route_mix=mix_rows, engines=tuple(rows),
-        predicted_ratio=t_base / accs[ADAPTIVE].us, notes=notes)
+        predicted_ratio=t_base / accs[ADAPTIVE].us, notes=notes, layers=layers)
 
 
 # --------------------------------------------------------------------------- output
 
-def _table(header, rows, align: str | None = None) -> str:
+def text_table(header, rows, align: str | None = None) -> str:
     """Aligned text columns; ``align`` has one "l" or "r" per column (default: "l" then "r"s)."""
     align = align or "l" + "r" * (len(header) - 1)
     cells = [tuple(map(str, header))] + [tuple(map(str, r)) for r in rows]
@@ -267,6 +290,19 @@ def _splits_text(pairs, limit: int = 4) -> str:
         return "-"
     text = ", ".join(f"{s}:{n}" for s, n in pairs[:limit])
     return text + (f", +{len(pairs) - limit} more" if len(pairs) > limit else "")
+
+
+def _times_table(s: PlanSummary) -> str:
+    """Predicted µs and tok/s per engine; with ``layers`` > 1 per layer and per step of them."""
+    if s.layers == 1:
+        return text_table(("engine", "predicted µs/step", "predicted tok/s", "vs FlashInfer"),
+                          [(e.label, f"{e.predicted_us:.1f}", f"{e.predicted_tok_per_s:.0f}",
+                            f"{e.ratio_vs_flashinfer:.3f}x") for e in s.engines])
+    return text_table(("engine", "predicted µs/layer", f"µs/step ({s.layers} layers)",
+                       "predicted tok/s", "vs FlashInfer"),
+                      [(e.label, f"{e.predicted_us:.1f}", f"{e.predicted_us * s.layers:.1f}",
+                        f"{e.predicted_tok_per_s / s.layers:.0f}", f"{e.ratio_vs_flashinfer:.3f}x")
+                       for e in s.engines])
 
 
 def format_summary(s: PlanSummary) -> str:
@@ -289,26 +325,25 @@ def format_summary(s: PlanSummary) -> str:
         f"calibration  {s.calibration} ({s.calibration_gpu}) from {s.calibration_source}"
         f"{fallback}; launch overhead {s.launch_us:g} µs ({launch})",
     ]
-    mix = _table(("route", "kind", "steps", "share", "splits used (S:row-steps)"),
-                 [(m.route, m.kind, m.steps, f"{100 * m.share:.1f}%", _splits_text(m.splits))
-                  for m in s.route_mix], align="llrrl")
-    counters = _table(
+    mix = text_table(("route", "kind", "steps", "share", "splits used (S:row-steps)"),
+                     [(m.route, m.kind, m.steps, f"{100 * m.share:.1f}%", _splits_text(m.splits))
+                      for m in s.route_mix], align="llrrl")
+    counters = text_table(
         ("engine", "Launches/step", "Decode CTA work/SM", "Useful KV MB", "Merge MB",
          "Merge launches"),
         [(e.label, f"{e.launches_per_step:.2f}",
           "-" if e.cta_work_per_sm is None else f"{e.cta_work_per_sm:.1f}",
           f"{e.useful_kv_mb:.1f}", f"{e.merge_mb:.2f}", f"{e.merge_launches:.2f}")
          for e in s.engines])
-    times = _table(("engine", "predicted µs/step", "predicted tok/s", "vs FlashInfer"),
-                   [(e.label, f"{e.predicted_us:.1f}", f"{e.predicted_tok_per_s:.0f}",
-                     f"{e.ratio_vs_flashinfer:.3f}x") for e in s.engines])
+    times = _times_table(s)
     out = head + [
         "", "Route mix of the adaptive policy", mix,
         "", "Structural counters, mean per step (paper Table 4 columns; MB = 2^20 bytes, Merge MB "
         "counts each partial state once; CTA work/SM over the steps on PersistentKV routes)",
         counters,
         "", f"Predicted step time: COST-MODEL PREDICTION for calibration {s.calibration!r} "
-        f"({s.calibration_gpu}), not a measurement",
+        f"({s.calibration_gpu}), not a measurement"
+        + (f"; a step is {s.layers} attention calls, planned once" if s.layers > 1 else ""),
         times,
         "", f"predicted adaptive/FlashInfer throughput ratio: {s.predicted_ratio:.3f}x "
         f"(sum of FlashInfer step times / sum of adaptive step times over {s.steps} steps)",
@@ -379,7 +414,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "time weighed (routes.toml [host_time], the calibration's host_time, e.g. "
                              "--gpu 'NVIDIA H200'); default: device time only")
     add_shape_arguments(parser)
-    parser.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    parser.add_argument("--json", metavar="OUT",
+                        help="also write the summary as JSON to OUT (its directory must exist)")
 
 
 def seed_calibration() -> calib.Calibration:
@@ -393,11 +429,24 @@ def seed_calibration() -> calib.Calibration:
                                  f"{[str(d) for d in dirs]}; pass --calibration PATH")
 
 
+def check_out_path(flag: str, path: str | None) -> None:
+    """Refuse an output file whose directory does not exist, before any work (nothing is
+    created: a typo in the directory would otherwise leave a new directory tree behind)."""
+    if path is None:
+        return
+    parent = Path(path).parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"{flag} {path}: directory {parent} {what}; create it first "
+                         "(nothing was written)")
+
+
 def run(args: argparse.Namespace) -> int:
     """``pkvrt plan``: print the summary (and write ``--json``); returns 0."""
     from pkvrt.policy.router import Router
 
     check_shape_arguments(args)        # the shapes the Runtime takes, no others
+    check_out_path("--json", args.json)
     trace = resolve_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
     registry = reg_mod.load_routes(args.routes)
     if args.calibration:
@@ -417,7 +466,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_summary(summary))
     if args.json:
         path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary_json(summary), indent=2) + "\n")
         print(f"wrote {path}")
     return 0

@@ -46,15 +46,15 @@ ENGINE_KIND = {"pkvrt-bucket": "bucket", "pkvrt-workqueue": "workqueue", "pkvrt-
 NEAR_BEST = 1.03   # a cut within 3 % of its step's fastest is fitted beside the planned one
 # The planned cut's weight in the time-model fit (a near-best cut's: 1). The router predicts a
 # step at its planned cut, so that is the time the fit must get right; the near-best cuts keep the
-# model's shape (tail, split terms) honest. Weight 30 (session 16, calibrate-sweeps.json, worst
+# model's shape (tail, split terms) honest. Weight 30 (2026-12-02, calibrate-sweeps.json, worst
 # error at the planned cut, G 4 / 1 / 8 fused, workqueue): weight 1 5.4 5.3 / 4.9 7.4 / 11.3 15.4 %,
 # 3: 4.0 4.9 / 4.4 7.0 / 11.0 14.2, 30: 2.3 4.7 / 3.8 5.9 / 8.9 12.7, 100: 2.3 4.7 / 3.5 5.4 /
-# 7.9 12.9 (benches/NOTES.md, "Session 16"). Those are least-squares numbers; since session 23
-# the fit minimises the largest weighted error, where weight 30 lets a near-best cut bind only
+# 7.9 12.9 (benches/NOTES.md, "The time model: the planned cut weighted"). Those are least-squares
+# numbers; since 2026-12-03 (8a7d033) the fit minimises the largest weighted error, where weight 30 lets a near-best cut bind only
 # at 30 times the planned cut's error: the near-best cuts keep little of the shape (their worst
 # error on the H200 sweeps, G 1 fused 4.2 -> 7.9 %, workqueue 5.7 -> 7.7 %). What the weight is
-# for, the planned cut on steps timed again, still wants 30 under the max criterion (session 24,
-# benches/results/h200/exploration/fit-cross-run-session24/: fitted on one calibration run of the
+# for, the planned cut on steps timed again, still wants 30 under the max criterion (2026-12-03,
+# 8135ddc, benches/NOTES.md "Fit weight, checked across runs": fitted on one calibration run of the
 # H200, the worst planned-cut error on another run of the same steps, fp16 G 1 / 4 / 8: 6.0-6.2 %
 # at weights 10 to 1000, 7.7 % at 5, 8.3-9.4 % at 1 and 3; FP8 G 4: 3.4-4.8 % at 5 to 1000, 5.1-7.7 %
 # at 1 and 3). The runs' own measured times moved by up to 5.8 % between them.
