@@ -10,8 +10,8 @@ It also prints each engine's per-step ratio against the baseline, 5th percentile
 With ``--moved N`` it lists up to N moved steps.
 
 usage: python benches/compare_steps.py BEFORE.steps.json AFTER.steps.json [--moved N]
-e.g.   python benches/compare_steps.py benches/results/h200/session8/engine-gqa-G8-B8.steps.json.xz \
-           benches/results/h200/engine-gqa-G8-B8.steps.json --moved 8
+e.g.   python benches/compare_steps.py benches/results/h200/fp8-refit/engine-bimodal-B8-fp8-previous.steps.json \
+           benches/results/h200/fp8-refit/engine-bimodal-B8-fp8-shipped.steps.json --moved 8
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cost-model error per route on a calibrate-sweeps file (CPU only; issue 13, item 3).
+"""Cost-model error per route on a calibrate-sweeps file (CPU only).
 
 Reads the rows ``pkvrt calibrate --raw`` wrote, fits what ``pkvrt calibrate`` fits from them (the
 balanced partition's constants per G, then the measured time model per G and route kind:

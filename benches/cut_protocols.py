@@ -1,15 +1,15 @@
 """One step's balanced-partition cuts timed under the calibration's protocol and the engine's.
 
-Why: session 11's recalibration (a one-long-row step added) fitted G = 8 constants that the
-calibration sweeps scored within 1 % of the best, yet the 32-layer engine protocol ran them at
-0.87x FlashInfer against 1.06x for the shipped ones: the two protocols rank the same cuts of
-the same step class differently (benches/NOTES.md, "Session 11"). This times one step at a few
-cuts three ways, so the difference can be localized:
+Why: the 2026-12-01 recalibration with a one-long-row step added (7085d22) fitted G = 8
+constants that the calibration sweeps scored within 1 % of the best, yet the 32-layer engine
+protocol ran them at 0.87x FlashInfer against 1.06x for the shipped ones: the two protocols rank
+the same cuts of the same step class differently (benches/NOTES.md, the partition's cuts). This
+times one step at a few cuts three ways, so the difference can be localized:
 
 - ``exact``: ``pkvrt.tools.calibrate.time_workqueue`` (the fused route, a host plan at the
   cut) in a grid of exactly its CTAs, ``--layers`` calls back to back in one graph (calibrate's
-  LAYERS is 8): how ``pkvrt calibrate`` timed cuts before session 11 (the session-11 result
-  files call this protocol "calibrate");
+  LAYERS is 8): how ``pkvrt calibrate`` timed cuts before 365ccca (the result files of that
+  comparison, in git at 208e68a, call this protocol "calibrate");
 - ``padded``: the same with the grid the Runtime launches for the batch (how ``pkvrt
   calibrate`` times cuts now)
   (``planner.device_grid_ctas``), the slots past the plan's tasks exiting at once;
@@ -19,9 +19,9 @@ cuts three ways, so the difference can be localized:
   sized for the most CTAs the partition may plan, the slots past the step's tasks exiting at
   once. The cut is forced by a routes.toml copy whose fused route allows that one split count
   (which also caps the grid at every row at that count: ``grid`` in the output) and by forcing
-  ``pkv_fused`` (routes.toml runs one-row steps on pkv_workqueue: the session-11 B1 rows of
-  ``g4-b1-8k-trace.json`` ran that route at cut 32 whatever the "forced" cut says). With
-  ``--calibrations`` nothing is forced: the engine's path.
+  ``pkv_fused`` (routes.toml runs one-row steps on pkv_workqueue: the B1 rows of
+  ``g4-b1-8k-trace.json``, in git at 63b6932, ran that route at cut 32 whatever the "forced"
+  cut says). With ``--calibrations`` nothing is forced: the engine's path.
 
 usage (GPU): python benches/cut_protocols.py --lengths 3395,1246,31518,2810,2438,2434,32291,1956 \
     --group 8 --cuts 12,26 --layers 8,32 --out OUT.json

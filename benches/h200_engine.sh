@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 32-layer engine protocol (issue 12) in one device call: every trace family at its batch,
+# The 32-layer engine protocol in one device call: every trace family at its batch,
 # FlashInfer's fastest decode path (by device time) against device planning run both ways (a
 # graph replay per layer; the whole step captured as one graph; and, as the ablation, the step
 # graph on pkv_workqueue: decode + a merge launch instead of the merge in the decode tail).
@@ -9,18 +9,18 @@
 # returns at most 8), so a call that runs out of time still returns what finished.
 # usage: [KV_DTYPE=fp8 [FP8_SCALES=amax]] [CALIBRATION=FILE] [ROUTES=FILE] bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
 #   ROUTES: a routes.toml instead of the shipped one (an ablation, e.g. grid = "slots")
-#   CALIBRATION: a calibration JSON instead of the GPU's own (an experiment, e.g.
-#   benches/results/h200/exploration/partition-P/calibration-P.json)
+#   CALIBRATION: a calibration JSON instead of the GPU's own (an experiment, e.g. a partition
+#   proposal's constants: calibration-P.json, in git at 0a142e3)
 #   quick  one held-out seed of bimodal B8, bucketed B1 and the Azure conversation trace
-#   all    every family of issue 12 (held-out seeds 20260623-27; 3 for B4, G = 1 / 8, the Azure
+#   all    every trace family (held-out seeds 20260623-27; 3 for B4, G = 1 / 8, the Azure
 #          traces and bimodal B8 with the MLP tail)
-# KV_DTYPE=fp8 (issue 14): the same protocol over float8_e4m3fn K/V (`--kv-dtype fp8`, per-tensor
+# KV_DTYPE=fp8: the same protocol over float8_e4m3fn K/V (`--kv-dtype fp8`, per-tensor
 # scales: unit, or FP8_SCALES=amax) against FlashInfer's FP8-KV paths (XQA, tensor-core,
 # CUDA-core; cuDNN has none with fp16 q and is recorded unavailable); files engine-NAME-BN-fp8.*,
 # tarball OUT/engine-fp8.tgz. Time limits are 1.5x, and the first trace gets 180 s more:
-# FlashInfer JIT-compiles its FP8 decode kernels on first use (about 40 s per family). Issue 14's
-# case: KV_DTYPE=fp8 TRACES=bimodal-B8 bash benches/h200_engine.sh OUT all (expected 4-6 minutes,
-# 2 of them FlashInfer's JIT on a fresh machine; not yet run on a GPU).
+# FlashInfer JIT-compiles its FP8 decode kernels on first use (about 40 s per family). The FP8
+# table's case: KV_DTYPE=fp8 TRACES=bimodal-B8 bash benches/h200_engine.sh OUT all (4-6 minutes,
+# 2 of them FlashInfer's JIT on a fresh machine; benches/results/h200/engine-bimodal-B8-fp8.json).
 set -u
 out=$1; set_=${2:-quick}; traces=${3:-../shared/traces}
 kv=${KV_DTYPE:-fp16}

@@ -4,7 +4,7 @@
 #   tests      the GPU test suite (tests/gpu), summary printed
 #   calibrate  pkvrt calibrate -> calibration/nvidia-h200.json (copied to OUT)
 #   isolated   benches/isolated.py (Table 1) -> OUT/isolated.json
-#   serving    the serving traces of issue 6 -> OUT/serving-*.json
+#   serving    the serving traces (bucketed, bimodal, uniform, zipf, mixed) -> OUT/serving-*.json
 #   engine     the engine protocol (32 layers + MLP tail) on bimodal B8 -> OUT/engine-*.json
 #   ablations  pytest benches --benchmark-only -> OUT/ablations.json
 #   example    examples/decode_loop.py

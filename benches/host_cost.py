@@ -1,4 +1,4 @@
-"""Host cost of a decode step (issue #5): pkvrt.Runtime per route, graphs vs eager, host vs
+"""Host cost of a decode step: pkvrt.Runtime per route, graphs vs eager, host vs
 device-side planning, next to FlashInfer's own plan()+run(), in one process.
 
 Each engine runs `steps` decode steps whose lengths grow by one token a step (block tables fixed,
@@ -32,8 +32,8 @@ With ``--rounds N`` every engine of a case is measured N times, the engines in a
 each round (interleaved, so a drift of the host's speed during the run falls on all of them),
 and the targets are judged on each engine's median over the rounds (rows ``round`` = "median";
 the per-round rows stay in the file). The GPU machine's host moved an unchanged path by -26 % to
-+52 % between two calls (benches/NOTES.md, "Host cost, session 11"): compare engines within one
-call, not across calls. ``--engines`` keeps only the named engines.
++52 % between two runs on 2026-12-01 (benches/NOTES.md, host cost): compare engines within one
+run, not across runs. ``--engines`` keeps only the named engines.
 
 usage: python benches/host_cost.py [--out benches/results/h200/host-cost.json] [--steps 200]
        [--layers 1,32] [--cases B1-32K,B8-bimodal,B8-phased] [--rounds 1] [--engines NAME,...]
@@ -214,7 +214,7 @@ TARGET_ENGINES = {"runtime-adaptive-graphs": "adaptive", "runtime-engine-capture
 
 
 def print_targets(rows) -> None:
-    """Issue 13's host-time targets for the adaptive graph engine and the engine-capture one
+    """The host-time targets for the adaptive graph engine and the engine-capture one
     (host lengths, an engine's captured step): plan_us <= flashinfer-raw's plan_us on the same
     case, and <= 60 us when its route is a PersistentKV one."""
     by = {(r["case"], r["engine"], r["layers"]): r for r in rows}

@@ -5,7 +5,7 @@ kernels: the planning launch is a no-op), so only Python and numpy are timed: th
 (``check_step``), the route decision (``fallback.decide``, the memoized router) and the staging
 of a workqueue/fused step (``_stage_device_plan``). Each piece is timed in place, inside
 ``plan()`` over N calls, next to the whole call: a piece timed alone in a tight loop runs warm
-and measures less than it costs in a step (session 13, dev box, B1 32K: check_step 20 us alone,
+and measures less than it costs in a step (2026-12-01, dev box, B1 32K: check_step 20 us alone,
 35 in place). The Runtime is built with ``flashinfer=False``; on the default cases the router
 picks a PersistentKV route itself (FlashInfer's refusal line says by how much), so the decision
 is the one an adaptive Runtime with FlashInfer makes. The GPU host's copy and graph-replay calls
@@ -14,7 +14,7 @@ are not in these numbers: ``benches/host_cost.py`` measures the real thing on a 
 ``--grow all``: every row grows a token a step, from lengths off the memo's 64-token grid (random
 offsets, seeded), as a decode batch does; the default grows the long row alone. The last column
 counts the router's full predictions (memo and window misses) per 1000 calls: with the keyed
-memo alone, eight rows at random phases missed on 1 step in 8 (session 14).
+memo alone, eight rows at random phases missed on 1 step in 8 (measured 2026-12-02).
 
 usage: python benches/host_pieces_cpu.py [--rows 1,8] [--context 32768] [--calls 2000] [--rounds 5]
        [--grow long|all]

@@ -12,7 +12,7 @@ reference, named in every row of the case (``baseline_engine``, ``ratio_vs_fi`` 
 the row's). A path that cannot run here is printed and recorded in the meta with the reason
 (``baseline_candidates``: case -> path -> "ok" | "unavailable: ..." | "wrong output: ...").
 
-FP8 K/V (``--kv-dtype fp8``, issue 14): the same cases (default B1-32K, B8-32K) with the caches
+FP8 K/V (``--kv-dtype fp8``): the same cases (default B1-32K, B8-32K) with the caches
 in float8_e4m3fn and fp16 q/out, one float32 scale per tensor for K and one for V (FlashInfer's
 paths take host floats: the wrappers' ``k_scale``/``v_scale``, XQA's ``bmm1_scale``/
 ``bmm2_scale``; pkvrt's kernels read the same values from device tensors). ``--fp8-scales unit``
@@ -69,7 +69,7 @@ CASES = {  # name -> (seq_lens, H_q, H_kv)
     "G8-B8-bimodal": ([32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584], 32, 4),
 }
 DEFAULT_CASES = [c for c in CASES if not c.endswith("B8-bimodal") or c == "B8-bimodal"]
-FP8_CASES = ["B1-32K", "B8-32K"]   # issue 14's table
+FP8_CASES = ["B1-32K", "B8-32K"]   # the FP8 table (isolated-fp8.json)
 L2_ROTATE_BYTES = 3 * 60 * 2**20
 FP8 = torch.float8_e4m3fn
 
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-pdl", action="store_true",
                     help="also time the planner's bucket/workqueue choice with programmatic dependent launch off")
     ap.add_argument("--kv-dtype", choices=["fp16", "fp8"], default="fp16",
-                    help="fp8: float8_e4m3fn K/V with fp16 q/out (issue 14); default cases "
+                    help="fp8: float8_e4m3fn K/V with fp16 q/out; default cases "
                          f"{','.join(FP8_CASES)}, default out benches/results/h200/isolated-fp8.json")
     ap.add_argument("--fp8-scales", choices=["unit", "amax"], default="unit",
                     help="fp8: per-tensor scales 1 (a cast; FlashInfer's fastest case) or amax / 448")

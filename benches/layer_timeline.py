@@ -1,6 +1,6 @@
 """Where a layer's time goes: %globaltimer marks of every decode and merge CTA of an eager step.
 
-Issue 12, item 2 ("the fixed cost of a layer"). Per case (the steps of the engine protocol that
+What it measures is the fixed cost of a layer. Per case (the steps of the engine protocol that
 lose the most: one short row, one long row, a ragged B8 step), the host partition (this GPU's
 calibration) is launched for ``--layers`` layers back to back, eagerly, the way the Runtime runs
 an engine-captured step: workqueue decode (``early_kv`` from the second layer on) then merge,

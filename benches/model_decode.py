@@ -1,4 +1,4 @@
-"""Whole-model decode (issue #15, section 2): a Llama-3-8B-shaped decoder's step, captured in one
+"""Whole-model decode: a Llama-3-8B-shaped decoder's step, captured in one
 CUDA graph per batch size, with pkvrt's attention against FlashInfer's fastest decode path.
 
 Protocol (``pkvrt/measure/model.py`` says what a step computes, ``pkvrt/measure/model_attention.py`` what each

@@ -1,12 +1,12 @@
 """Device time of the planning kernel (kernels/plan_workqueue.cu) with and without the page-id
-check (issue 13, item 5: target <= 1 % of a step's device time), and of a whole device-lengths
+check (target <= 1 % of a step's device time), and of a whole device-lengths
 Runtime.plan() in an engine's captured step, with its inputs copied before the kernel or copied
-by the kernel itself (direct mode, session 12).
+by the kernel itself (direct mode).
 
 For each batch (rows x tokens per row, random valid page ids), times 200 graph replays of 20
 planning launches each way with CUDA events and prints us per launch; writes JSON with --out.
 
-usage: python benches/plan_cost.py [--out FILE]   (committed: results/h200/device-planning/plan-cost.json)
+usage: python benches/plan_cost.py [--out FILE]   (committed: benches/results/h200/plan-cost.json)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def runtime_plan_us(b, width, seq, bt, num_pages, page) -> dict:
     engine captures its step (the Runtime's graphs off): ``direct`` = the planning kernel copies
     the lengths and block-table entries itself (contiguous inputs, the default); ``copied`` =
     two copy launches and two device-scalar fills before it (what strided inputs still get, and
-    every step before session 12)."""
+    every step before direct mode, 2026-12-01)."""
     import torch
 
     from pkvrt.runtime import Runtime
@@ -32,8 +32,8 @@ def runtime_plan_us(b, width, seq, bt, num_pages, page) -> dict:
     for how in ("copied", "direct"):
         rt = Runtime(32, 8, 128, page, torch.float16, max_batch=b, max_pages_per_row=width,
                      use_cuda_graph=False, validate=False, device_planning=True, num_pages=num_pages)
-        # The copy path on purpose (strided inputs take it; session 12 passed a strided view,
-        # which at one row is contiguous, so its B1 "copied" times were direct ones).
+        # The copy path on purpose (strided inputs take it; the 2026-12-01 run passed a strided
+        # view, which at one row is contiguous, so its B1 "copied" times were direct ones).
         rt._direct_plan = how == "direct"
         rt.plan(seq, bt)   # warm-up outside the capture
         torch.cuda.synchronize()

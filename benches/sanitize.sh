@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every kernel family under compute-sanitizer, in one device call (issue #7, item 3).
+# Every kernel family under compute-sanitizer, in one device call.
 # usage: bash benches/sanitize.sh OUT
 #
 # Runs benches/sanitize_workload.py once plainly (baseline: its time and mismatches with no tool),

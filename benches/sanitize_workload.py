@@ -1,8 +1,8 @@
 """A short workload that runs every kernel family once per variant, for compute-sanitizer.
 
-``benches/sanitize.sh`` runs it under memcheck, initcheck, synccheck and racecheck (issue #7,
-item 3). Sizes are small (H_kv = 2, at most 4 rows, at most 3000 tokens a row) so that it takes
-seconds on a GPU and a minute or two under a sanitizer (50-100x slower). What runs:
+``benches/sanitize.sh`` runs it under memcheck, initcheck, synccheck and racecheck. Sizes are
+small (H_kv = 2, at most 4 rows, at most 3000 tokens a row) so that it takes seconds on a GPU and
+a minute or two under a sanitizer (50-100x slower). What runs:
 
 * the decode sweep: all 12 (head_dim, G) pairs, D in 64/128/256 and G in 1/2 (SIMT body) and
   4/8 (tensor-core body), fp16 and bf16 and page sizes 1, 16, 64 alternating so that every head

@@ -7,7 +7,7 @@ CUDA-core and XQA decode modules) no longer fits, and every call re-compiled ~3 
 (~120 s of its device time). The CUTLASS headers (5.7 MB of the wheel compressed) are read by
 none of the decode paths pkvrt runs or measures: the compiler's dependency files of those three
 modules list no CUTLASS header (only CCCL and FlashInfer's own include/), and their include
-paths are plain paths FlashInfer never checks. Session 21: the wheel went 31.5 -> 25.1 MB; with
+paths are plain paths FlashInfer never checks. On 2026-12-02 the wheel went 31.5 -> 25.1 MB; with
 it on the H200 the FlashInfer engine and route tests passed (28) and an XQA module not in the
 carried cache (G = 8) compiled without CUTLASS.
 

@@ -1,4 +1,4 @@
-"""GPU soak of pkvrt.Runtime (issue #7 item 6): a long continuous-decode replay with graphs on.
+"""GPU soak of pkvrt.Runtime: a long continuous-decode replay with graphs on.
 
 ``--steps`` (default 100 000) decode steps of a trace (default ``mixed``: staggered arrivals, so
 rows join and leave and the batch size moves over 1..max_active) go through one Runtime, one

@@ -1,4 +1,4 @@
-"""Tensor-parallel decode (issue #16): a Llama-3-8B-shaped decoder's step over TP GPUs, pkvrt's
+"""Tensor-parallel decode: a Llama-3-8B-shaped decoder's step over TP GPUs, pkvrt's
 attention on each rank's heads, the whole step (both all-reduces of every layer included) in one
 CUDA graph per rank; step time, tokens/s and scaling efficiency per TP.
 

@@ -247,7 +247,7 @@ def _flashinfer_split(seq, sms, hkv=8):
 @pytest.mark.parametrize("seq", [[32768], [32768] * 8, [40000, 1000, 17, 32768], [1], [17] * 256,
                                  [131072, 300, 300]])
 def test_flashinfer_group_is_the_smallest_chunk_that_fits_its_grid(seq):
-    """Independent of pkvrt's partition constants (it was a proxy through them until session 7)."""
+    """Independent of pkvrt's partition constants (it was a proxy through them until 085e990)."""
     cal = make_cal()
     (fi,) = route_groups("flashinfer", np.array(seq), cal, **SHAPE)
     assert (fi.makespan_tiles, fi.splits) == _flashinfer_split(seq, cal.sm_count)
@@ -420,7 +420,7 @@ def test_a_weighted_record_pulls_the_fit_to_it():
 @given(seed=st.integers(0, 10**6))
 def test_the_largest_error_is_no_larger_than_least_squares(seed):
     """The criterion is the largest relative error: the fit's is at most that of the least-squares
-    fit before session 23 (each subset of tail, split and fixed solved by least squares on the
+    fit before cbdbfde (each subset of tail, split and fixed solved by least squares on the
     relative error, the non-negative one of least squared error), one of its candidates."""
     recs = synthetic_records(RouteTime(1.0, 0.4, 0.05, 4.0), n=10, seed=seed, noise=0.04)
     y = np.array([r["us"] for r in recs])

@@ -4,7 +4,7 @@
 a small graph bound and a small router memo. What it proves without a GPU: the runtime's host
 state stays bounded (graphs, seen keys, router memo), host memory stops growing after warm-up
 (tracemalloc), and an identical step gives a bit-identical output after thousands of others.
-The GPU side of the soak (device memory, real graph replays) is issue #7's device run.
+The GPU side of the soak (device memory, real graph replays) is benches/soak.py.
 """
 
 import gc

@@ -193,7 +193,7 @@ def current_stream_handle() -> int:
     Read through ``torch._C._cuda_getCurrentRawStream`` (what Triton and Inductor launch on)
     rather than ``torch.cuda.current_stream().cuda_stream``, which builds a Stream object through
     Python device-index helpers: ~15 us per call on the H200 machine's host, one per eager launch
-    (benches/NOTES.md, "Session 14"). Same stream, capture included.
+    (benches/NOTES.md, host cost). Same stream, capture included.
     """
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is None:   # a torch without it: the public way

@@ -27,8 +27,8 @@ Protocol of one seed (:func:`run_seed`):
    engine runs the step (L2 flushed; synchronize; host clock; plan + every layer; synchronize;
    host clock), in an order rotated from step to step and round to round, ``wall_rounds`` rounds; an
    engine's wall time of a step is the median of its rounds. The GPU machine's host changes
-   speed by tens of percent from one second to the next (benches/NOTES.md, "Session 20"), so
-   engines timed one after another, as before session 20, compared different host phases;
+   speed by tens of percent from one second to the next (benches/NOTES.md, host cost), so
+   engines timed one after another, as before b8e83eb, compared different host phases;
    interleaved, the wall ratio of two engines compares them on the same step in the same phase.
 6. Per engine, a device pass (CUDA events around the same work, queued behind a spin kernel
    that covers the host's enqueue time, so the events measure device work and not host gaps).
@@ -41,7 +41,7 @@ a 32-request 32K trace would need ~140 GB. Every layer still streams its whole K
 (the step's KV exceeds L2, or copies rotate), so the device work equals that of 32 caches. The
 MLP weights are one set shared by all layers (270 MB, far above L2, so equally honest).
 
-FP8 K/V (``kv_dtype="fp8"``, issue 14): the fp16 caches above, drawn from the same generator,
+FP8 K/V (``kv_dtype="fp8"``): the fp16 caches above, drawn from the same generator,
 are quantized to float8_e4m3fn with per-tensor float32 scales (``fp8_scales``: "unit", a plain
 cast with scales 1, the default; "amax", amax / 448 by ``reference.quantize_kv``), one scale
 tensor pair per layer (all holding the same values, as every layer reads the same cache), and q
@@ -948,8 +948,8 @@ def warm_until_steady(engine, wl: Workload, out: torch.Tensor, clock) -> int:
     """Untimed passes until one captures no graph (at most :data:`WARM_PASSES_MAX`); returns the
     passes run. The Runtime captures a per-layer graph the second time it sees a key
     (``graphs.SeenKeys``), so after the correctness pass the first timed pass would capture every
-    key again, ~1 ms each: session 15's one-layer adaptive run had 4 such captures in 32 timed
-    steps (mean wall 506 us against a median of 281, benches/NOTES.md "Session 17"). Capture is a
+    key again, ~1 ms each: a one-layer adaptive run of 2026-12-02 had 4 such captures in 32 timed
+    steps (mean wall 506 us against a median of 281, benches/NOTES.md). Capture is a
     one-time cost per shape, not a per-step one; the timed passes measure the steady state and
     still record any capture left in them (``rt_captures_timed``). FP8 layers have their own
     scale tensors, so their own graphs: the same rule covers them."""
@@ -1177,7 +1177,7 @@ def probe_baseline(candidates: dict, wl: Workload, clock, out, probe_steps: int,
     engine over ``probe_steps`` steps spread over the measured ones (after one warm-up pass over
     them): the baseline is FlashInfer's fastest path by device time. A step counts the least of
     :data:`PROBE_DEVICE_ROUNDS` device passes: a host stall longer than a step's spin only adds
-    to that step's time, and one pass let it pick a slower baseline (session 24, one-layer FP8
+    to that step's time, and one pass let it pick a slower baseline (2026-12-03, one-layer FP8
     bimodal B8 seed 20260624: the tensor-core path probed 1856 us, 615 in the run before on
     the same steps, so the CUDA-core path, 1171 us, became the baseline). The warm-up pass also checks
     each candidate's output on the first and last probe step against the FP32 reference (the
@@ -1305,7 +1305,7 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
                 f"  wall {row['wall_us']:9.1f} us  {row['tok_per_s']:10.0f} tok/s  {err}")
     rows.extend(ratio_rows(rows))
     info = {"baseline": base_label, "baseline_probe_device_us": probe,
-            "baseline_probe_rounds": PROBE_DEVICE_ROUNDS,   # per step the least of (1 before session 24)
+            "baseline_probe_rounds": PROBE_DEVICE_ROUNDS,   # per step the least of (1 before cb69b5b)
             "baseline_candidates": status, "baseline_failures": failures,
             "flashinfer_route": fi_route, "cache_copies": wl.copies,
             "steps_total": wl.steps_total, "steps_measured": len(wl.steps)}

@@ -1,5 +1,5 @@
 """A Llama-3-8B-shaped decoder for decode steps: what an attention library does to a model's
-decode step (issue #15, section 2). Used by ``examples/llama_decode.py``,
+decode step. Used by ``examples/llama_decode.py``,
 ``benches/model_decode.py`` and the tests; not part of the embedding API.
 
 Shape (:data:`LLAMA3_8B`): 32 layers, hidden 4096, H_q 32, H_kv 8, D 128, SwiGLU MLP 14336,

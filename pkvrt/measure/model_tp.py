@@ -1,4 +1,4 @@
-"""Tensor-parallel decode of ``pkvrt.measure.model``'s Llama-shaped decoder (issue #16): the step of
+"""Tensor-parallel decode of ``pkvrt.measure.model``'s Llama-shaped decoder: the step of
 :class:`pkvrt.measure.model.Model` spread over TP ranks under ``torch.distributed`` (NCCL on GPUs, gloo
 on the CPU), each rank's attention through the same backends (``pkvrt.measure.model_attention``) over
 its own heads. Used by ``examples/tp_decode.py``, ``benches/tp_decode.py`` and the tests.

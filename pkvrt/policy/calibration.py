@@ -966,7 +966,7 @@ def fit_partition(cases, *, sm_count: int, resident: int, num_kv_heads: int, spl
     combination farthest from any worse one wins (Chebyshev distance in grid steps over the
     three grids), so that a step the calibration did not time, whose best cut lies between the
     timed ones, is cut inside the plateau rather than at its edge (benches/NOTES.md,
-    "Session 10"). Ties: the smallest overhead, then slowdown, then the largest minimum split.
+    the calibration's fit). Ties: the smallest overhead, then slowdown, then the largest minimum split.
     A plateau one grid step thick along any of the three grids has every point one step from a
     worse one, so there the ties decide (the smallest overhead: the plateau's edge); of the H200
     file's fits only fp16 G = 4's is interior (G = 8, G = 1 and FP8 are one minimum split thick).

@@ -127,13 +127,13 @@ def predict_flashinfer_us(counters, cal: Calibration, *, active: int, num_kv_hea
 #   eight 1K rows at G 4 cut in 2 (128 CTAs of 16 tiles, one per SM) take 14.4 µs and cut in 3
 #   (192 CTAs of 11 tiles) 12.0, though both read 33.6 MB (7.8 µs at beta) and the makespan
 #   (22.5 vs 24.1 tile-times) calls the first cheaper; a CTA streams a tile in ~0.6 µs alone, so
-#   16 tiles take ~9.6 µs and 11 tiles less than the read (session 23, benches/NOTES.md);
+#   16 tiles take ~9.6 µs and 11 tiles less than the read (2026-12-03, benches/NOTES.md);
 # - a tail growing with the square root of the makespan (the CTAs that finish last);
 # - the longest row's splits and the partial states per SM (the merge: its wait and its work);
 # - the partition's room charge (``PartitionModel.room_charge``, in tile-times): a last wave that
 #   leaves the next layer's early-launched CTAs few slots;
 # - a fixed cost per launch group.
-# Until session 23 the model was the read, the tail, the splits and the fixed cost alone; its
+# Until cbdbfde (2026-12-03) the model was the read, the tail, the splits and the fixed cost; its
 # worst error at the planned cut on the 2026-12-02 sweeps was 13.2 % (G 4 fused: short eight-row
 # steps), now 4.3 % at most over every route and G = 1, 4, 8 (cost_model_error.py).
 #
@@ -143,7 +143,7 @@ def predict_flashinfer_us(counters, cal: Calibration, *, active: int, num_kv_hea
 # FlashInfer is one, described by the form of its own scheduler's split (:func:`flashinfer_group`):
 # the smallest KV chunk whose CTAs (KV heads x chunks of every row) fit FLASHINFER_CTAS_PER_SM
 # per SM, makespan = that chunk times the CTAs per SM; it has no depth, merge-state or room
-# description (those terms are 0 for it). Until session 7 it was described by pkvrt's own
+# description (those terms are 0 for it). Until 085e990 it was described by pkvrt's own
 # balanced partition (a proxy), so its prediction moved with pkvrt's partition constants; on the
 # 2026-12-01 H200 sweeps the proxy's worst error was 7.7 / 4.2 / 11.0 % at G = 4 / 1 / 8, this
 # rule's 3.1 / 3.1 / 3.4 % (C = 4; C = 1, 2, 3: at most 5.6, 4.5, 4.5 %). Eager launches
@@ -350,11 +350,11 @@ def predict_route_us(kind: str, seq: np.ndarray, counters, cal: Calibration, *, 
 # machine by ``pkvrt calibrate --host-time``); T: the route's predicted device time per layer;
 # L: layers per plan. The GPU runs layer i while the host enqueues layer i + 1, so a layer
 # costs the slower of the two; nothing overlaps plan(), which precedes the step's first launch.
-# Measured on the H200 (host_cost.json, session 10 medians, so one host phase): B1 32K on
-# pkv_workqueue at L 32, plan 184, run 28.5, T 41.9 -> 1524 us (measured wall 1530); FlashInfer
-# 402 + 32 * max(38.9, 42.4) = 1760 (1836: layers whose host and device times are close
-# alternate which one bounds, which the max of the means misses); bimodal B8 at L 1 on
-# pkv_workqueue 70 + max(24.7, 122.4) = 192 (187).
+# Measured on the H200 (host-cost.json of 2026-12-01, in git at a5b249b: one run's medians, so
+# one host phase): B1 32K on pkv_workqueue at L 32, plan 184, run 28.5, T 41.9 -> 1524 us
+# (measured wall 1530); FlashInfer 402 + 32 * max(38.9, 42.4) = 1760 (1836: layers whose host and
+# device times are close alternate which one bounds, which the max of the means misses); bimodal
+# B8 at L 1 on pkv_workqueue 70 + max(24.7, 122.4) = 192 (187).
 
 
 def wall_us(device_us: float, host, layers: int) -> float:
@@ -373,7 +373,7 @@ def host_bound(device_us: float, host, layers: int) -> bool:
 
 
 # The depth term's constant, searched on a grid (µs per tile of one CTA streaming alone; 0: no
-# depth term): the H200's fits land at 0.45-0.70 (benches/NOTES.md, "Session 23").
+# depth term): the H200's fits land at 0.45-0.70 (benches/NOTES.md, the time model).
 DEPTH_GRID_US = (0.0, *(round(0.2 + 0.01 * i, 2) for i in range(131)))   # 0, 0.20 .. 1.50
 _RECORD_KEYS = ("kv_bytes", "makespan_tiles", "splits", "us")
 _OPTIONAL_RECORD_KEYS = ("depth_tiles", "merge_per_sm", "room_tiles")
@@ -411,8 +411,8 @@ def fit_route_time(records, *, beta_gbps: float, shape: tuple[float, float] | No
     0.830 (planned cut 2.5 vs 2.8 %). The shipped H200 constants are this function's. A record set without depth (FlashInfer's) searches depth_us 0
       only, and a term no record has stays 0.
 
-    With ``shape``: least squares on each subset of fixed_us, the best non-negative one (as
-    before session 23). Example (H200 fused route, beta 4404.9 GB/s): B1 32K 134 MB in 41.07 µs
+    With ``shape``: least squares on each subset of fixed_us, the best non-negative one (the
+    form before cbdbfde). Example (H200 fused route, beta 4404.9 GB/s): B1 32K 134 MB in 41.07 µs
     at makespan 67 and 16 splits, B8 32K 1074 MB in 250.16 µs at 515 and 2, B8 1K 33.6 MB in
     13.88 µs at 19 and 2, with shape (0.59, 0.09): read_scale 0.974, fixed_us 3.84, predicting
     39.78, 254.78, 14.01 µs (-3.1 %, +1.8 %, +1.0 %).

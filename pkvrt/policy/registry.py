@@ -36,7 +36,7 @@ ROUTE_KEYS = ("kind", "kernel", "enabled", "ablation", "margin", "gates", "split
 # K/V dtype (torch's name) -> bytes per element. The K/V bytes a step reads scale with it.
 KV_DTYPES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 # kv_dtypes of a route without the key: every kernel family of pkvrt and FlashInfer's decode read
-# fp16, bf16 and float8_e4m3fn K/V (FP8: issue 14).
+# fp16, bf16 and float8_e4m3fn K/V.
 DEFAULT_KV_DTYPES = {"flashinfer": ("float16", "bfloat16", "float8_e4m3fn")}
 PKV_KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 GATE_KEYS = ("group_sizes", "min_context", "min_active", "max_active")

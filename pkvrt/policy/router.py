@@ -125,7 +125,7 @@ class Router:
     kv_dtype : the K/V cache dtype, a torch dtype or its name ("float16" default, "bfloat16",
         "float8_e4m3fn"). Routes whose routes.toml ``kv_dtypes`` lack it are refused every
         step; the baseline must serve it (ValueError otherwise). Every PersistentKV kernel
-        reads float8_e4m3fn K/V (issue 14).
+        reads float8_e4m3fn K/V.
     dtype_bytes : bytes per K/V element, what the counters and the cost model count (None:
         from ``kv_dtype``, 2 for fp16/bf16, 1 for FP8). Given, it must agree with ``kv_dtype``.
     graphs : the runtime replays CUDA graphs (launch overhead ``lambda_graph_us``); False for
@@ -454,7 +454,7 @@ class Router:
         cell gives). Rows that grow a token a step stay in the window for a quantum of steps
         whatever their phase; the key's fixed grid alone misses whenever any row crosses a cell
         (B8, random phases, quantum 64: 12.5 % of the steps, each a full prediction:
-        benches/NOTES.md "Session 14"). One window per force: the fallback without FlashInfer
+        benches/NOTES.md, the router's memo). One window per force: the fallback without FlashInfer
         decides unforced, then forced, every step."""
         w = self._windows.get(force)
         if w is None or len(lens) != len(w[0]):

@@ -349,7 +349,7 @@ def capture(launch, *, side_stream=None, pool=None, device=None,
     when Python allocates, which ``launch()`` does): a collection inside it would run the
     finalizers of unreachable objects there, and a CUDA graph destroyed inside a capture
     (a dead Runtime's, a dead harness's) invalidates it, so the capture's next launch fails
-    with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (session 24: tests/gpu/test_fp8.py then
+    with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (2026-12-03: tests/gpu/test_fp8.py then
     test_runtime.py with some calibrations; benches/NOTES.md). Garbage found meanwhile is
     collected at the next allocation after it.
 

@@ -80,7 +80,7 @@ def test_tiny_serving_run(capsys, tmp_path, tiny_trace, extra, case):
 
 
 def test_tiny_fp8_serving_run(capsys, tmp_path, tiny_trace):
-    """--kv-dtype fp8 (issue 14): FlashInfer's FP8-KV paths compete for the baseline (cuDNN has
+    """--kv-dtype fp8: FlashInfer's FP8-KV paths compete for the baseline (cuDNN has
     none with fp16 q: named unavailable), every pkvrt engine matches FP32 attention over the
     dequantized cache within the fp16 tolerance, and the names and meta say FP8."""
     out = tmp_path / "res" / "serving-fp8.json"

@@ -461,7 +461,7 @@ def test_a_collection_inside_a_capture_waits_until_it_ends(pool, monkeypatch):
     reference cycle, so only the cyclic garbage collector frees them. Inside each of a new
     Runtime's captures, the first launch drops the cycle and then collects the way an automatic
     collection would (only when the collector is enabled). A collection inside a capture runs
-    those finalizers in it; that failed session 23's planning capture with
+    those finalizers in it; that failed a planning capture on 2026-12-03 with
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. graphs.capture keeps the collector off while it
     captures, so the dead Runtimes are freed after it and every step is exact."""
     b, caches = pool
