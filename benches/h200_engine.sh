@@ -8,6 +8,8 @@
 # /tmp/engine-r and OUT/engine.tgz is rewritten after every trace (one file: the device tool
 # returns at most 8), so a call that runs out of time still returns what finished.
 # usage: [KV_DTYPE=fp8 [FP8_SCALES=amax]] [CALIBRATION=FILE] [ROUTES=FILE] bash benches/h200_engine.sh OUT [quick|all] [TRACE_DIR]
+#   TRACE_DIR: the folder of azure2023_conv.csv and azure2023_code.csv (docs/traces.md says how to
+#   make them from the public trace); without it the Azure traces are skipped
 #   ROUTES: a routes.toml instead of the shipped one (an ablation, e.g. grid = "slots")
 #   CALIBRATION: a calibration JSON instead of the GPU's own (an experiment, e.g. a partition
 #   proposal's constants: calibration-P.json, in git at 0a142e3)
@@ -22,7 +24,7 @@
 # table's case: KV_DTYPE=fp8 TRACES=bimodal-B8 bash benches/h200_engine.sh OUT all (4-6 minutes,
 # 2 of them FlashInfer's JIT on a fresh machine; benches/results/h200/engine-bimodal-B8-fp8.json).
 set -u
-out=$1; set_=${2:-quick}; traces=${3:-../shared/traces}
+out=$1; set_=${2:-quick}; traces=${3:-}   # TRACE_DIR: the Azure CSVs (docs/traces.md); without it those traces are skipped
 kv=${KV_DTYPE:-fp16}
 case $kv in
   fp16) sfx=; kvargs=; jit=0 ;;
@@ -34,6 +36,7 @@ export PYTHONUNBUFFERED=1
 engines=${ENGINES:-flashinfer,device-plan,device-plan-step,device-plan-step:pkv_workqueue}
 serve() {  # name max_active limit_s seeds extra-args...
   local name=$1 b=$2 limit=$3 seeds=$4; shift 4
+  if [[ $name == azure-* && -z $traces ]]; then echo "== $name: skipped (no TRACE_DIR given)"; return; fi
   if [ -n "${TRACES:-}" ] && [[ " $TRACES " != *" $name-B$b "* ]]; then return; fi
   local f=engine-$name-B$b$sfx
   if [ -n "$sfx" ]; then limit=$((limit * 3 / 2 + jit)); jit=0; fi

@@ -1,8 +1,9 @@
-"""Rewrite a FlashInfer wheel without ``flashinfer/data/cutlass`` (in place), for device calls.
+"""Rewrite a FlashInfer wheel without ``flashinfer/data/cutlass`` (in place), to send it to a
+GPU machine beside the checkout.
 
-The device tool sends the checkout, the carried wheels and ``.carry`` under one 64 MiB limit.
-With the tracked tree at ~28 MB and ``../shared/gpu/wheelhouse-fi07.sh``'s FlashInfer 0.7.2
-wheels at 34.8 MB, FlashInfer's JIT cache (``.carry/fi-cache.txz``, 2.3 MB: the tensor-core,
+Such a transfer (the checkout, the wheels and ``.carry``) was limited to 64 MiB. With the
+tracked tree at ~28 MB and a FlashInfer 0.7.2 wheel set (its sources trimmed to the decode
+paths) at 34.8 MB, FlashInfer's JIT cache (``.carry/fi-cache.txz``, 2.3 MB: the tensor-core,
 CUDA-core and XQA decode modules) no longer fits, and every call re-compiled ~3 kernel families
 (~120 s of its device time). The CUTLASS headers (5.7 MB of the wheel compressed) are read by
 none of the decode paths pkvrt runs or measures: the compiler's dependency files of those three

@@ -16,7 +16,7 @@
 // PDL: with early_trigger the CTA lets the next kernel's CTAs become resident before its own wait
 //        (they wait for this whole grid at theirs), so a workqueue step's next decode issues its
 //        early K/V copies while this layer's decode still runs instead of after it: bucketed B1
-//        1.110 -> 1.149-1.164x FlashInfer in the engine protocol (benches/NOTES.md, "Session 13").
+//        1.110 -> 1.149-1.164x FlashInfer in the engine protocol (2026-12-01, benches/NOTES.md).
 // Trace (optional): CTA entry, PDL wait returned, and the last of its warps' ends.
 #include "decode_common.cuh"
 

@@ -180,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
       // Batches of 8 independent loads before their checks (and direct mode's stores): the
       // group's stride is a runtime value, so the compiler did not unroll a plain strided loop
       // and each entry waited for its load (~14 us more than a warp per row with a constant
-      // stride at >= 32 rows; benches/NOTES.md, "Session 13").
+      // stride at >= 32 rows; benches/NOTES.md, the planning kernel).
       constexpr int kBatch = 8;
       const bool copy = p.src_block_tables != nullptr;
       bool bad = false;

@@ -22,7 +22,7 @@
 
 namespace pkv {
 
-// Tuning (pkvrt/_buildspec.py TUNING; benches/NOTES.md, "Session 17"): PKV_TAIL_ACQREL = 0 is the
+// Tuning (pkvrt/_buildspec.py TUNING; benches/NOTES.md, the tail merge): PKV_TAIL_ACQREL = 0 is the
 // ablation's arrival with two sequentially consistent fences; the tail merge of groups of at least
 // PKV_TAIL_WIDE_MIN_GROUP heads (two per warp at G = 8) keeps twice the slots in flight.
 #ifndef PKV_TAIL_ACQREL
@@ -38,7 +38,7 @@ namespace pkv {
 // order its threads' reads of the other CTAs' slots after every arrival. As CUTLASS's generic
 // barrier; one acq_rel atomic costs less than the fence-atomic-fence of cooperative groups' grid
 // sync (the ablation): 0.15-0.25 us per merge-only layer in cut_protocols, +0.4-1.1 % in the engine
-// protocol (benches/NOTES.md, "Session 17").
+// protocol (measured 2026-12-02, benches/NOTES.md).
 __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
   __syncthreads();
   int last = 0;

@@ -4,7 +4,7 @@ Same arguments and layouts as the kernels (DESIGN.md): q [B, H_q, D], k_cache / 
 [num_pages, H_kv, page_size, D], seq_lens [B] int32, block_tables [B, max_pages] int32. Works on
 any device (CPU in CI); computes in float32 (or float64 when asked).
 
-FP8 K/V (issue 14): k_cache / v_cache in torch.float8_e4m3fn with float32 scales ``k_scale``,
+FP8 K/V: k_cache / v_cache in torch.float8_e4m3fn with float32 scales ``k_scale``,
 ``v_scale`` of shape [1] (per tensor) or [H_kv] (per KV head); the value of an element is
 ``float(element) * scale[head]``. The twin dequantizes the tokens it reads that way
 (:func:`dequantize_kv`) and runs the same FP32 attention. :func:`quantize_kv` is the inverse the

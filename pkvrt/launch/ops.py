@@ -60,7 +60,7 @@ class MergeParams(ctypes.Structure):
 
 # The merge lets the next kernel's CTAs become resident before its own PDL wait (they still
 # wait for the whole merge at theirs): a workqueue step's next decode then issues its early K/V
-# copies while this layer's decode runs (benches/NOTES.md, "Session 13"). PKVRT_MERGE_TRIGGER=0:
+# copies while this layer's decode runs (benches/NOTES.md, the merge). PKVRT_MERGE_TRIGGER=0:
 # after the wait, as before (the ablation); read once per process.
 _MERGE_EARLY_TRIGGER = int(os.environ.get("PKVRT_MERGE_TRIGGER", "1") != "0")
 
@@ -147,7 +147,7 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
                     q: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     check_values: bool = False) -> bool:
-    """Validate the KV dtype and its dequantization scales (issue 14); returns True for FP8 K/V.
+    """Validate the KV dtype and its dequantization scales; returns True for FP8 K/V.
 
     k_cache, v_cache [P, H_kv, page, D], one dtype: float16 / bfloat16 (``k_scale`` and
     ``v_scale`` must be None) or float8_e4m3fn (both required: contiguous float32 [1] (per

@@ -316,7 +316,7 @@ def partition_costs(tiles: np.ndarray, cands: np.ndarray, *, num_kv_heads: int, 
       + N * f`` at ``8 / S`` per eighth-tile with at most one CTA per SM (N <= S), at
       ``load8(resident) / resident / S`` when SMs can hold ``resident`` CTAs (N > S: two
       co-resident CTAs stream faster than one when slowdown < 2). Counting it at one CTA per SM
-      (session 6) over-charged every cut of more than S CTAs: eight 1K rows (H_kv 8) were cut in
+      (before d400fe9) over-charged every cut of more than S CTAs: eight 1K rows (H_kv 8) were cut in
       2 (128 CTAs, 13.2 us) rather than 4 (256 CTAs, 12.0 us), and the fit could not fix it.
 
     Worked example (H200: S = 132, two resident CTAs per SM, slowdown 1.4 -> 11, f = 6 tiles
@@ -393,7 +393,7 @@ def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int, chunk)
     one-row step, when any of those leaves ``model.free_slots`` resident slots free in its last
     wave, among those alone.
 
-    Why the room charge (benches/NOTES.md, "Session 19"): in a decode step that fills (nearly)
+    Why the room charge (benches/NOTES.md, the room charge): in a decode step that fills (nearly)
     every resident slot, the next layer's CTAs, launched early, cannot start their prologue and
     first K/V copies until decode CTAs exit. The calibration sweeps (8 layers back to back) time
     short eight-row steps at 224 CTAs 9.7 us and at 256 CTAs (8 of 264 slots free) 11.3 us,
@@ -403,7 +403,7 @@ def partition_choice(cost, ctas, cands, model: PartitionModel, rows: int, chunk)
     while its conversation trace's 6-10-tile cuts gained 10-19 %). ``chunk``: the candidates'
     chunks (tiles).
 
-    Why the free slots (benches/NOTES.md, "Session 14"): every pkvrt kernel launches the next
+    Why the free slots (benches/NOTES.md, the free slots): every pkvrt kernel launches the next
     one early (programmatic dependent launch), whose CTAs then wait on the GPU, resident, for
     the decode to end; a cut that fills every slot of its last wave (one 8K row, H_kv 8: 33
     splits = 264 CTAs = the H200's 2 x 132) keeps them out until decode CTAs exit, so the

@@ -101,7 +101,7 @@ def check_step(seq_lens, block_tables, *, page_size: int, max_batch: int, max_pa
 
     The O(B) checks run over the lengths as Python ints (one ``tolist``): on a decode batch (1-64
     rows) a numpy call on a short vector costs more than the whole loop (``plan()``'s host time
-    is some dozens of such calls, benches/NOTES.md "Session 14").
+    is some dozens of such calls, benches/NOTES.md, host cost).
     """
     seq = host_int_array(seq_lens, "seq_lens")
     if seq.ndim != 1 or seq.size == 0:
@@ -217,7 +217,7 @@ def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int):
     None when an argument is not a tensor (the full check then says which). The checks are a
     function of this key and the Runtime's shape, so a key that passed once passes again: run()
     checks each key once (its attribute reads: ~3 us per call on the dev box, per layer; a flat
-    tuple measured no faster, session 21)."""
+    tuple measured no faster)."""
     sig = [batch]
     for t in (q, k_cache, v_cache, out, k_scale, v_scale):
         if t is None:

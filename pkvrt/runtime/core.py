@@ -45,7 +45,7 @@ def _resolve_device(device) -> torch.device:
 class _StreamRecorder:
     """``recorder(event)``: ``event.record()`` on the current stream, without
     ``torch.cuda.current_stream()`` (a Stream object built through Python device-index helpers:
-    ~15 us per call on the H200 machine's host, once per plan(); benches/NOTES.md "Session 14"):
+    ~15 us per call on the H200 machine's host, once per plan(); benches/NOTES.md):
     the Stream object is kept while torch reports the same current stream (id, device, type).
     Its own object, not a Runtime method, so that the FlashInfer route holding it does not
     hold the Runtime: a Runtime has no reference cycle and is freed when its last reference
@@ -107,9 +107,9 @@ class Runtime(StaticBuffers, Planning, Running):
         FlashInfer plan on the host). Cuts ``plan()``'s router time 5-20x (B8, dev box); 0
         predicts every step from scratch.
     flashinfer_cuda_graph : run the FlashInfer route in FlashInfer's CUDA-graph mode inside the
-        runtime's graphs. Off by default: on the H200 (session 19, README "Host cost") it halves
+        runtime's graphs. Off by default: on the H200 (2026-12-02, docs/integration.md "Host cost") it halves
         a FlashInfer step's host time (plan() 145-217 vs 316-384 us, run() 10-18 vs 21-43 us per
-        layer through FlashInfer's eager run(); session 20's direct calls bring the eager run()
+        layer through FlashInfer's eager run(); the direct calls bring the eager run()
         to FlashInfer's own cost, see ``flashinfer_direct_run``) but costs device time, +2 to
         +5 % at 32 layers on 32K steps and +19 % on the Azure conversation trace (a graph
         boundary at every layer, a grid fixed per batch size), and adds one wrapper per batch
@@ -181,7 +181,7 @@ class Runtime(StaticBuffers, Planning, Running):
         gates and cost model, as the default mode (graph launches charged per kernel); the
         ablation: its gates and constants were measured on steps launched a layer at a time, and
         in captured steps they send to FlashInfer steps the PersistentKV routes run faster
-        (benches/NOTES.md, "Session 15").
+        (benches/NOTES.md, the captured step's routing).
     layers_per_plan : run() calls per plan() the router assumes until a step has run (None: 1);
         from then on it uses the last step's count. Used where host time is weighed (the default
         mode with FlashInfer, routes.toml ``[host_time]``, the calibration's ``host_time``): the
@@ -255,7 +255,7 @@ class Runtime(StaticBuffers, Planning, Running):
         # of the Runtime's planning graph in plan(); "eager", launched by plan() (graphs off);
         # "run", under engine_capture with host lengths: launched by the step's first run(), so
         # the engine's graph of the step holds it and a replay plans and runs the layers in one
-        # graph launch, as device planning's captured step does (benches/NOTES.md, "Session 16").
+        # graph launch, as device planning's captured step does (benches/NOTES.md, host routing in a captured step).
         self._plan_launch = ("run" if self.engine_capture and not device_planning
                              else "graph" if self.use_cuda_graph else "eager")
         self.validate, self.sm_scale = bool(validate), sm_scale

@@ -18,7 +18,7 @@ writes straight into its pinned staging with ``blocktables.write_csr``):
   padded batch depend only on B), which is what makes replaying a graph after a re-plan valid.
 * eager mode (``use_cuda_graph=False``, the default): one plain wrapper, planned every step.
   Its ``run()`` is Python that rebuilds the same argument list for FlashInfer's compiled kernel
-  entry at every layer (H200 machine's host, session 20: 28.7 us per layer, of which the call
+  entry at every layer (H200 machine's host, 2026-12-02: 28.7 us per layer, of which the call
   into the compiled entry is 12.4). With ``direct_run`` (the default) the second ``run()`` after
   a ``plan()`` goes through ``wrapper.run`` with the wrapper's compiled module behind a
   :class:`_Recorder`, which keeps the one call FlashInfer makes; the step's later layers call
@@ -53,7 +53,7 @@ WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented example size; shared by
 # FlashInfer's FA2 decode kernels (tensor-core or CUDA-core), named, so that the route runs one
 # kernel in every FlashInfer version: the default "auto" picks them too for 16-bit caches in
 # 0.5.3, 0.6.4+ and 0.7, but 0.7's auto re-decides between them and cuDNN at every plan() (H200
-# machine's host, session 21: 467 vs 237 us per plan, for the same kernel), and 0.6.0-0.6.3's
+# machine's host, 2026-12-02: 467 vs 237 us per plan, for the same kernel), and 0.6.0-0.6.3's
 # picked FA3 on SM90 with tensor cores (upstream went back to FA2 for decode in 0.6.4)
 BACKEND = "fa2"
 # FlashInfer versions whose run() the direct calls were checked against (tests/gpu/test_runtime.py,
