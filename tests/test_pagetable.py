@@ -23,8 +23,9 @@ def _trace(lengths) -> Trace:
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("rho", [0.0, 0.3, 0.5, 0.8])
 def test_layout_pages_distinct_in_universe_and_holes(family, page_size, rho):
+    """Without prefix sharing every request owns its pages (tests/test_sharing_cpu.py: with)."""
     tr = traces.synthetic(family, num_requests=8, seed=11)
-    lay = pt.build_layout(tr, page_size=page_size, hole_fraction=rho, seed=5)
+    lay = pt.build_layout(tr, page_size=page_size, hole_fraction=rho, seed=5, share_prefixes=False)
     exact = tr.column("prompt_len") + tr.column("decode_len")
     assert lay.reserved_pages.tolist() == [math.ceil(e / page_size) for e in exact]
     owned = lay.table[lay.table >= 0]

@@ -112,9 +112,13 @@ def test_csv_without_arrival_column(tmp_path):
 
 @pytest.mark.parametrize("family", traces.FAMILIES)
 def test_write_csv_roundtrip(tmp_path, family):
+    """CSV for the families without prefix hashes, JSON (which keeps them) for every family."""
     tr = traces.synthetic(family, num_requests=9, seed=3)
-    traces.write_csv(tr, tmp_path / "x.csv")
-    assert traces.load_trace(tmp_path / "x.csv").requests == tr.requests
+    if not any(r.prefix for r in tr.requests):
+        traces.write_csv(tr, tmp_path / "x.csv")
+        assert traces.load_trace(tmp_path / "x.csv").requests == tr.requests
+    traces.write_json(tr, tmp_path / "x.json")
+    assert traces.load_trace(tmp_path / "x.json").requests == tr.requests
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
@@ -199,7 +203,8 @@ def test_unknown_column_names_the_accepted_ones(tmp_path, suffix, text):
         traces.load_trace(path)
     msg = str(info.value)
     assert msg.startswith(f"{path}, line 1, field 'arival_step': unknown ")
-    assert msg.endswith("prompt_len, decode_len (required), arrival_step (optional)")
+    assert msg.endswith("prompt_len, decode_len (required), arrival_step (optional)"
+                        + (", hash_ids (optional)" if suffix == "json" else ""))
 
 
 def test_raw_azure_columns_are_refused_not_guessed(tmp_path):

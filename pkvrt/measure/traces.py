@@ -7,7 +7,7 @@ three places:
 - ``"mixed"``: the redistributable fixture ``pkvrt/_data/traces/mixed.csv`` (32 requests, written
   by :func:`mixed_fixture` with seed :data:`MIXED_SEED`; regenerate it with
   ``write_csv(mixed_fixture(), "pkvrt/_data/traces/mixed.csv")``);
-- a CSV or JSON file, e.g. the Azure slices in ``../shared/traces/``.
+- a CSV or JSON file (docs/traces.md says how to convert the public Azure and Mooncake traces).
 
 File formats (what :func:`load_trace` accepts; docs/traces.md describes them with examples):
 
@@ -16,8 +16,13 @@ File formats (what :func:`load_trace` accepts; docs/traces.md describes them wit
   name is an error naming the file, the column and the accepted columns (a misspelt optional
   column would otherwise be silently absent); so is a column named twice. Blank lines are
   skipped.
-- JSON: a list of objects, or an object ``{"requests": [...]}`` (its other keys are ignored),
-  each request object with the same keys and no others (JSON integers only).
+- JSON: a list of objects, or an object ``{"requests": [...]}`` (its other keys are ignored but
+  ``block_tokens``), each request object with the same keys and no others (JSON integers only),
+  plus an optional ``hash_ids``: the prompt's prefix blocks as hashes, a list of integers >= 0
+  (Mooncake's form: block ``j`` covers prompt tokens ``[j * block_tokens, (j + 1) *
+  block_tokens)``, ``block_tokens`` 512 unless the object says otherwise; equal hashes at equal
+  positions mean the same tokens, so prefix caching gives those blocks the same pages:
+  :func:`pkvrt.measure.pagetable.build_layout`).
 
 Values must be integers: lengths >= 1, arrival_step >= 0. Request ids are the 0-based position
 in the file; a trace's ids are always ``0..n-1`` so that they index page-table rows.
@@ -38,7 +43,7 @@ import numpy as np
 
 from pkvrt._paths import PACKAGE
 
-FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf")
+FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf", "parallel", "sysprompt")
 
 # Shared by every synthetic family: decode lengths are uniform integers in this range, so that a
 # 32-request B8 run lasts about 32 * 80 / 8 = 320 steps (short on a GPU, long enough to average).
@@ -50,11 +55,19 @@ HOMOGENEOUS_LENGTH = 32768
 BIMODAL_LONG = (30720, 34816)   # ~32K
 BIMODAL_SHORT = (1024, 4096)    # ~1K-4K
 ZIPF_EXPONENT = 1.0             # P(class k) ~ k^-s over 63 classes of 1K tokens
+# Families whose requests share prompt prefixes (pages shared by prefix caching, build_layout):
+BLOCK_TOKENS = 512              # tokens per prefix-hash block (Mooncake's block size)
+PARALLEL_SAMPLES = 8            # parallel: requests (samples) per prompt
+PARALLEL_RANGE = (2048, 32768)  # parallel: prompt lengths
+SYSTEM_PROMPT_TOKENS = 4096     # sysprompt: the system prompt every request starts with
+SYSTEM_USER_RANGE = (256, 4096)  # sysprompt: each request's own tokens after it
+_GROUP_HASH = 1 << 20           # hash ids of group g's blocks: g * _GROUP_HASH + block
 
 MIXED_SEED = 20260620
 FIXTURE_DIR = PACKAGE / "_data" / "traces"
 _INT32_MAX = 2**31 - 1
 _FIELDS = ("arrival_step", "prompt_len", "decode_len")
+_JSON_KEYS = (*_FIELDS, "hash_ids")
 _REQUIRED = ("prompt_len", "decode_len")
 _ACCEPTED = "prompt_len, decode_len (required), arrival_step (optional)"
 _INT_RE = re.compile(r"[+-]?[0-9]+")
@@ -76,6 +89,12 @@ class TraceError(ValueError):
         return (TraceError, (self.file, self.line, self.field, self.expected))
 
 
+def _check_prefix(_inst, _attr, value):
+    for j, h in enumerate(value):
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 0:
+            raise ValueError(f"Request.prefix[{j}]: expected an integer hash >= 0, got {h!r}")
+
+
 def _positive(name: str, minimum: int):
     def check(_inst, _attr, value):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
@@ -88,12 +107,15 @@ def _positive(name: str, minimum: int):
 @attrs.frozen
 class Request:
     """One request: it arrives at ``arrival_step``, holds ``prompt_len`` tokens of KV, and then
-    generates ``decode_len`` tokens, one per decode step."""
+    generates ``decode_len`` tokens, one per decode step. ``prefix``: hashes of the prompt's
+    blocks of ``Trace.block_tokens`` tokens (equal hashes at equal positions: the same tokens)."""
 
     rid: int = attrs.field(validator=_positive("rid", 0))
     arrival_step: int = attrs.field(validator=_positive("arrival_step", 0))
     prompt_len: int = attrs.field(validator=_positive("prompt_len", 1))
     decode_len: int = attrs.field(validator=_positive("decode_len", 1))
+    # hashes of the prompt's prefix blocks (Trace.block_tokens tokens each), () when unknown
+    prefix: tuple = attrs.field(default=(), converter=tuple, validator=_check_prefix)
 
 
 def _check_requests(_inst, _attr, requests):
@@ -110,12 +132,14 @@ def _check_requests(_inst, _attr, requests):
 @attrs.frozen
 class Trace:
     """A named, ordered set of requests. ``seed`` is None for file traces; ``source`` says where
-    it came from (``synthetic:<family>`` or the file path)."""
+    it came from (``synthetic:<family>`` or the file path); ``block_tokens`` is the block size
+    of the requests' prefix hashes."""
 
     name: str
     requests: tuple[Request, ...] = attrs.field(converter=tuple, validator=_check_requests)
     seed: int | None
     source: str
+    block_tokens: int = attrs.field(default=BLOCK_TOKENS, validator=_positive("block_tokens", 1))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -125,10 +149,17 @@ class Trace:
         return np.array([getattr(r, field) for r in self.requests], dtype=np.int64)
 
 
-def _from_columns(name, arrival, prompt, decode, seed, source) -> Trace:
-    reqs = (Request(i, int(a), int(p), int(d))
-            for i, (a, p, d) in enumerate(zip(arrival, prompt, decode)))
-    return Trace(name=name, requests=tuple(reqs), seed=seed, source=source)
+def _from_columns(name, arrival, prompt, decode, seed, source, prefixes=None,
+                  block_tokens: int = BLOCK_TOKENS) -> Trace:
+    prefixes = prefixes if prefixes is not None else [()] * len(prompt)
+    reqs = (Request(i, int(a), int(p), int(d), tuple(int(h) for h in f))
+            for i, (a, p, d, f) in enumerate(zip(arrival, prompt, decode, prefixes)))
+    return Trace(name=name, requests=tuple(reqs), seed=seed, source=source,
+                 block_tokens=block_tokens)
+
+
+def _blocks(tokens: int) -> int:
+    return -(-int(tokens) // BLOCK_TOKENS)
 
 
 # --------------------------------------------------------------------------- synthetic families
@@ -148,6 +179,11 @@ def synthetic(family: str, *, num_requests: int, seed: int,
     - ``zipf``: heavy-tailed over [1024, 65536]: a 1K class ``k`` in 1..63 with P(k) ~ 1/k
       (Zipf, s=1: P(k=1) = 1/H_63 = 0.21, P(k >= 16) = 0.30), then uniform in
       [1024*k, 1024*(k+1)].
+    - ``parallel``: parallel sampling, n = 8: requests 8g .. 8g+7 are 8 samples of one prompt,
+      uniform in [2048, 32768] per group; their prefix hashes are the group's blocks, so prefix
+      caching gives the 8 rows the prompt's pages.
+    - ``sysprompt``: every request starts with the same 4096-token system prompt (8 blocks of
+      shared hashes), then its own tokens, uniform in [256, 4096].
 
     Decode lengths are uniform integers in ``decode_range`` (default [32, 128]) for every family.
 
@@ -182,14 +218,34 @@ def synthetic(family: str, *, num_requests: int, seed: int,
         prompt = np.where(is_long, long_len, short_len)
     elif family == "uniform":
         prompt = rng.integers(BROAD_RANGE[0], BROAD_RANGE[1], size=n, endpoint=True)
-    else:  # zipf
+    elif family == "zipf":
         k = np.arange(1, BROAD_RANGE[1] // 1024)                 # classes 1..63
         p = k ** -ZIPF_EXPONENT
         cls = rng.choice(k, size=n, p=p / p.sum())
         prompt = cls * 1024 + rng.integers(0, 1024, size=n, endpoint=True)
+    elif family == "parallel":
+        group = np.arange(n) // PARALLEL_SAMPLES
+        per_group = rng.integers(PARALLEL_RANGE[0], PARALLEL_RANGE[1], size=group[-1] + 1, endpoint=True)
+        prompt = per_group[group]
+    else:  # sysprompt
+        prompt = SYSTEM_PROMPT_TOKENS + rng.integers(*SYSTEM_USER_RANGE, size=n, endpoint=True)
     decode = rng.integers(lo, hi, size=n, endpoint=True)
     return _from_columns(family, np.zeros(n, np.int64), prompt, decode, int(seed),
-                         f"synthetic:{family}")
+                         f"synthetic:{family}", _synthetic_prefixes(family, prompt))
+
+
+def _synthetic_prefixes(family: str, prompt: np.ndarray) -> list[tuple[int, ...]] | None:
+    """The prefix hashes of a sharing family's requests (None for the others): ``parallel``'s
+    group g hashes its blocks g * 2^20 + j; ``sysprompt``'s system blocks hash 0..7 for every
+    request, the rest of request r's blocks (r + 1) * 2^20 + j."""
+    if family == "parallel":
+        return [tuple((r // PARALLEL_SAMPLES) * _GROUP_HASH + j for j in range(_blocks(p)))
+                for r, p in enumerate(prompt)]
+    if family == "sysprompt":
+        shared = SYSTEM_PROMPT_TOKENS // BLOCK_TOKENS
+        return [tuple(range(shared)) + tuple((r + 1) * _GROUP_HASH + j for j in range(shared, _blocks(p)))
+                for r, p in enumerate(prompt)]
+    return None
 
 
 def mixed_fixture(seed: int = MIXED_SEED) -> Trace:
@@ -215,12 +271,30 @@ def mixed_fixture(seed: int = MIXED_SEED) -> Trace:
 # --------------------------------------------------------------------------- files
 
 def write_csv(trace: Trace, path) -> None:
-    """Write ``trace`` as CSV with header ``arrival_step,prompt_len,decode_len``."""
+    """Write ``trace`` as CSV with header ``arrival_step,prompt_len,decode_len``. A trace whose
+    requests carry prefix hashes is refused (CSV holds none: :func:`write_json`)."""
+    if any(r.prefix for r in trace.requests):
+        raise ValueError(f"write_csv: trace {trace.name!r} carries prefix hashes, which CSV does "
+                         "not hold; use write_json")
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(_FIELDS)
         for r in trace.requests:
             w.writerow((r.arrival_step, r.prompt_len, r.decode_len))
+
+
+def write_json(trace: Trace, path) -> None:
+    """Write ``trace`` as JSON: ``{"block_tokens": ..., "requests": [...]}``, each request with
+    its ``hash_ids`` when it has prefix hashes (what :func:`load_trace` reads back)."""
+    reqs = []
+    for r in trace.requests:
+        obj = {"arrival_step": r.arrival_step, "prompt_len": r.prompt_len, "decode_len": r.decode_len}
+        if r.prefix:
+            obj["hash_ids"] = list(r.prefix)
+        reqs.append(obj)
+    with open(path, "w") as f:
+        json.dump({"block_tokens": trace.block_tokens, "requests": reqs}, f)
+        f.write("\n")
 
 
 def _parse_int(path, line: int, field: str, raw, *, from_json: bool) -> int:
@@ -332,7 +406,8 @@ def _json_elements(text: str) -> list[tuple[object, int]]:
     return array_at(found)
 
 
-def _load_json(path: Path, text: str) -> list[tuple[int, int, int]]:
+def _load_json(path: Path, text: str) -> tuple[list, list, int]:
+    """(rows, prefixes, block_tokens) of a JSON trace."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
@@ -345,17 +420,22 @@ def _load_json(path: Path, text: str) -> list[tuple[int, int, int]]:
     elif not isinstance(doc, list):
         raise TraceError(path, 1, None, "expected a JSON list of request objects or "
                          f'{{"requests": [...]}}, got {type(doc).__name__}')
+    block = BLOCK_TOKENS
+    if isinstance(doc, dict) and "block_tokens" in doc:
+        block = doc["block_tokens"]
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= _INT32_MAX:
+            raise TraceError(path, 1, "block_tokens", f"expected an integer >= 1, got {block!r}")
     elements = _json_elements(text)
     if not elements:
         raise TraceError(path, 1, "requests", "expected at least one request, got an empty list")
-    rows = []
+    rows, prefixes = [], []
     for obj, line in elements:
         if not isinstance(obj, dict):
             raise TraceError(path, line, None, f"expected a request object, got {obj!r}")
         for name in obj:
-            if name not in _FIELDS:
+            if name not in _JSON_KEYS:
                 raise TraceError(path, line, name, f"unknown key; the accepted keys are "
-                                 f"{_ACCEPTED}")
+                                 f"{_ACCEPTED}, hash_ids (optional)")
         for name in _REQUIRED:
             if name not in obj:
                 raise TraceError(path, line, name, f"expected key {name!r} in the request "
@@ -363,7 +443,12 @@ def _load_json(path: Path, text: str) -> list[tuple[int, int, int]]:
         values = {f: _parse_int(path, line, f, obj[f], from_json=True)
                   for f in _FIELDS if f in obj}
         rows.append(_row(path, line, values))
-    return rows
+        hashes = obj.get("hash_ids", [])
+        if not isinstance(hashes, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0
+                                               for h in hashes):
+            raise TraceError(path, line, "hash_ids", f"expected a list of integers >= 0, got {hashes!r}")
+        prefixes.append(tuple(hashes))
+    return rows, prefixes, block
 
 
 def load_trace(path) -> Trace:
@@ -381,12 +466,13 @@ def load_trace(path) -> Trace:
     except UnicodeDecodeError as e:
         raise TraceError(path, raw.count(b"\n", 0, e.start) + 1, None,
                          f"expected UTF-8 text, got byte 0x{raw[e.start]:02x}") from None
+    prefixes, block = None, BLOCK_TOKENS
     if path.suffix.lower() == ".json":
-        rows = _load_json(path, text)
+        rows, prefixes, block = _load_json(path, text)
     else:
         rows = _load_csv(path, text)
     arrival, prompt, decode = zip(*rows)
-    return _from_columns(path.stem, arrival, prompt, decode, None, str(path))
+    return _from_columns(path.stem, arrival, prompt, decode, None, str(path), prefixes, block)
 
 
 def resolve_trace(spec: str, *, num_requests: int | None = None, seed: int) -> Trace:

@@ -4,13 +4,16 @@ PersistentKV reads a native block table ``[B, max_pages]`` (logical -> physical 
 past a row's ``ceil(seq_len / page_size)`` pages are never read). FlashInfer's paged decode reads
 the same pages as CSR (:func:`to_csr`), its XQA decode and vLLM's kernels as a dense table cut to
 the batch's columns (:func:`to_padded`). The planner builds FlashInfer's plan with
-:func:`to_csr`; the benches build their baselines' inputs with both.
+:func:`to_csr`; the benches build their baselines' inputs with both. Rows that share pages
+(prefix caching, parallel sampling) are found from the tables themselves
+(:func:`shared_page_runs`, :func:`shared_read_fraction`).
 """
 
 from __future__ import annotations
 
 import itertools
 
+import attrs
 import numpy as np
 
 from pkvrt._buildspec import MAX_PAGE_SIZE
@@ -151,3 +154,55 @@ def to_padded(seq_lens, block_tables, page_size: int, pad: int = 0) -> tuple[np.
     if table.size and np.where(used, table, 0).min() < 0:
         raise _negative_page(bt, used, pages, "to_padded")
     return table, seq.astype(np.int32)
+
+
+# --------------------------------------------------------------------------- shared pages
+
+@attrs.frozen
+class SharedRun:
+    """Pages several rows read at the same logical positions (equal physical ids): logical
+    pages ``first_page .. first_page + num_pages - 1`` of every row in ``rows`` (ascending)."""
+
+    rows: tuple[int, ...]
+    first_page: int
+    num_pages: int
+
+
+def shared_page_runs(seq_lens, block_tables, page_size: int, *, min_rows: int = 2) -> list[SharedRun]:
+    """The step's shared page runs, from its block tables alone (no annotation from the caller).
+
+    At each logical position j the rows that use a page there (``j < ceil(seq_len /
+    page_size)``) are grouped by physical id; a group of ``min_rows`` rows or more shares that
+    page. Consecutive positions shared by the same rows form one run. Any structure comes out:
+    several groups in one step, nested prefixes (8 rows share pages 0..63, 4 of them also
+    64..95: two runs). Example, page 16: rows of 600 tokens whose first 32 pages are one prompt's,
+    then their own -> one run (rows 0..B-1, first_page 0, num_pages 32).
+
+    O(B * max_pages) on the host: the planner's reference and the benches' counter, not the
+    hot path.
+    """
+    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "shared_page_runs")
+    runs: list[SharedRun] = []
+    open_runs: dict[tuple, int] = {}                 # rows -> first page of the run in progress
+    width = int(pages.max()) if pages.size else 0
+    for j in range(width + 1):
+        groups: dict[int, list[int]] = {}
+        if j < width:
+            for r in np.nonzero(pages > j)[0].tolist():
+                groups.setdefault(int(bt[r, j]), []).append(r)
+        here = {tuple(g) for g in groups.values() if len(g) >= min_rows}
+        for rows in list(open_runs):
+            if rows not in here:                     # the run ends before position j
+                first = open_runs.pop(rows)
+                runs.append(SharedRun(rows, first, j - first))
+        for rows in here:
+            open_runs.setdefault(rows, j)
+    return sorted(runs, key=lambda r: (r.first_page, r.rows))
+
+
+def shared_read_fraction(seq_lens, block_tables, page_size: int) -> float:
+    """1 - (distinct pages the step reads) / (pages its rows read): the fraction of a step's
+    page reads that reading each shared page once would save (0 without sharing)."""
+    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "shared_read_fraction")
+    ids = used_ids(bt, pages)
+    return 0.0 if ids.size == 0 else 1.0 - np.unique(ids).size / ids.size
