@@ -56,6 +56,10 @@ class Table:
         text = md_table(self.header, self.rows if rows is None else rows, self.align)
         return "\n\n".join([text, *self.notes])
 
+    def markdown_or(self, empty: str = "") -> str:
+        """:meth:`markdown`, or ``empty`` for a table without rows."""
+        return self.markdown() if self.rows else empty
+
 
 def md_table(header, rows, align: str | None = None) -> str:
     """A GitHub Markdown table; ``align`` has one "l" or "r" per column (default l then r)."""
@@ -173,8 +177,7 @@ def baseline_probe_grid(files) -> Table:
 
 def baseline_probe_table(files) -> str:
     """:func:`baseline_probe_grid` in Markdown ("" when no file has probe records)."""
-    t = baseline_probe_grid(files)
-    return t.markdown() if t.rows else ""
+    return baseline_probe_grid(files).markdown_or()
 
 
 # --------------------------------------------------------------------------- Tables 2, 3
@@ -219,8 +222,7 @@ def serving_grid(files) -> Table:
 
 def serving_table(files) -> str:
     """Table 2 in Markdown (:func:`serving_grid`); "" without serving files."""
-    t = serving_grid(files)
-    return t.markdown() if t.rows else ""
+    return serving_grid(files).markdown_or()
 
 
 def throughput_grid(files) -> Table:
@@ -238,8 +240,7 @@ def throughput_grid(files) -> Table:
 
 
 def throughput_table(files) -> str:
-    t = throughput_grid(files)
-    return t.markdown() if t.rows else ""
+    return throughput_grid(files).markdown_or()
 
 
 # --------------------------------------------------------------------------- Table 4
@@ -266,8 +267,7 @@ def counters_grid(files) -> Table:
 
 
 def counters_table(files) -> str:
-    t = counters_grid(files)
-    return t.markdown() if t.rows else ""
+    return counters_grid(files).markdown_or()
 
 
 # --------------------------------------------------------------------------- Table 5
@@ -306,8 +306,7 @@ def ncu_grid(files) -> Table:
 
 
 def ncu_table(files) -> str:
-    t = ncu_grid(files)
-    return t.markdown() if t.rows else ""
+    return ncu_grid(files).markdown_or()
 
 
 # --------------------------------------------------------------------------- Table 6
@@ -366,8 +365,7 @@ NO_COVERAGE = "No data: no isolated or serving results files."
 
 
 def coverage_table(files) -> str:
-    t = coverage_grid(files)
-    return t.markdown() if t.rows else NO_COVERAGE
+    return coverage_grid(files).markdown_or(NO_COVERAGE)
 
 
 # --------------------------------------------------------------------------- Table 7
@@ -452,8 +450,7 @@ def engine_protocol_grid(rows: list[dict]) -> Table:
 
 
 def engine_protocol_table(rows: list[dict]) -> str:
-    t = engine_protocol_grid(rows)
-    return t.markdown() if t.rows else ""
+    return engine_protocol_grid(rows).markdown_or()
 
 
 def context_grid(data: list[dict]) -> Table:
@@ -465,8 +462,7 @@ def context_grid(data: list[dict]) -> Table:
 
 
 def context_table(data: list[dict]) -> str:
-    t = context_grid(data)
-    return t.markdown() if t.rows else ""
+    return context_grid(data).markdown_or()
 
 
 def _by_keys(items: list[dict], *keys) -> dict[tuple, list[dict]]:
@@ -499,8 +495,7 @@ def route_map_grid(cells: list[dict]) -> Table:
 
 
 def route_map_table(cells: list[dict]) -> str:
-    t = route_map_grid(cells)
-    return t.markdown() if t.rows else ""
+    return route_map_grid(cells).markdown_or()
 
 
 def _span(values, fmt=str) -> str:
