@@ -2,44 +2,55 @@
 //
 // What it computes: for one (row, KV head, token range [tok_begin, tok_end)), the exact
 // online-softmax state of the G query heads that share that KV head:
-//     x_j = (q_h . k_j) * sm_scale * log2(e)           (scores in the log2 domain)
+//     s_j = q_h . k_j;  x_j = sm_scale * s_j, or with a soft cap c: c * tanh(sm_scale * s_j / c)
+//     (the scores taken to the log2 domain: * log2(e))
 //     m   = max_j x_j,  l = sum_j 2^(x_j - m),  a = sum_j 2^(x_j - m) v_j   (FP32)
 // and either writes O = a / l (one split covers the whole row) or the partial state (m, l, a)
-// to a slot that the merge kernel (merge.cu) or the fused kernel combines exactly.
+// to a slot that the merge kernel (merge.cu) or the fused kernel combines exactly. Where O is
+// written, an attention sink (one logit per query head, natural log) joins the denominator:
+// O = a * 2^(m - m') / (l * 2^(m - m') + 2^(sink*log2(e) - m')), m' = max(m, sink*log2(e)); and
+// the row's log2-sum-exp of its scores, m + log2(l) (the sink not counted), is written on request.
 //
 // Layouts (elements, not bytes):
 //   q            [B, H_q, D]                      contiguous, T = fp16 or bf16
-//   k/v cache    [num_pages, H_kv, page_size, D]  token rows contiguous (stride D); page and
-//                                                 head strides are arguments (views allowed);
-//                                                 KV = T, or e4m3 (1 byte, FP8 caches)
+//   k/v cache    indexed [page, KV head, token in page, D]: element (p, h, t, d) at
+//                p * page_stride + h * head_stride + t * tok_stride + d. HND caches
+//                ([pages, H_kv, page, D]: tok_stride = D), NHD caches ([pages, page, H_kv, D]:
+//                head_stride = D, tok_stride = H_kv * D) and K, V as strided views of one
+//                tensor are all this; rows of D elements contiguous and 16-byte aligned.
+//                KV = T, or e4m3 (1 byte, FP8 caches)
 //   k/v_scale    [1] or [H_kv]  float32           e4m3 only: element value = e4m3 * scale[kvh]
 //   block_tables [B, bt_stride]                   int32 logical page -> physical page
 //   seq_lens     [B]                              int32, >= 1
+//   sinks        [H_q] float32 or null            attention-sink logits (natural log domain)
 //   out          [B, H_q, D]                      contiguous, dtype of q
+//   lse          [B, H_q] float32 or null         log2-sum-exp of each row's and head's scores
 //   part_a       [slots, H_q, D]  float32         un-normalised accumulator a
 //   part_ml      [slots, H_q, 2]  float32         (m, l)
 //
-// CTA shape: PKV_THREADS = 128 threads, two bodies (decode_range dispatches on G):
-//  * SIMT (G = 1, 2): a token row of D elements is read by LANES = D/8 lanes with one 16-byte
-//    access each; the CTA is GROUPS = 128/LANES token groups (D=128: 16 lanes, 8 groups). Group
-//    gi owns tokens gi, gi+GROUPS, ... of every 32-token tile (PKV_TILE_TOKENS) and keeps its
-//    own (m, l, a) for the G heads in registers. Pipeline: stages<D>() tiles deep (D=128: 4,
-//    64 KB); each thread copies exactly the chunks it later consumes, so it waits only on its
-//    own cp.async groups and the main loop has no barrier.
-//  * Tensor cores (G = 4, 8): each of the 4 warps streams its own 16-token tiles through
-//    tc_stages<D>() private stages (D=128: 3, 96 KB per CTA) and computes S = Q K^T and
-//    O += P V with mma.sync m16n8k16 (details above decode_range_tc).
-// Both combine their per-group / per-warp states once at the end through shared memory
-// (finish_groups).
+// Group capacity GC (a template parameter, 4, 8 or 16): the kernel serves every group size
+// G = H_q / H_kv <= GC (G itself is a run-time value, DecodeParams::group). The G heads of a KV
+// head are the rows of an m16n8k16 A operand: rows 0..7 when GC <= 8 (rows 8..15 zero), all 16
+// when GC = 16, so an instruction costs the same for every G of a class. GC 4 and 8 run the
+// same body and differ in the fused tail's merge (workqueue_task.cuh).
 //
-// FP8 (e4m3) K/V: the same pipelines over 1-byte elements. The shared-memory budget per CTA is
+// CTA shape: PKV_THREADS = 128 threads, 4 warps; each warp streams its own 16-token tiles
+// through tc_stages<D>() private stages (D=128: 3, 96 KB per CTA) and computes S = Q K^T and
+// O += P V with mma.sync m16n8k16 (details above decode_range_tc); the warps combine their
+// states once at the end through shared memory (finish_groups).
+//
+// Head dims 64, 128, 256 keep 16-byte chunks XOR-swizzled in shared memory; D = 96 (a row of
+// 12 chunks, which the swizzle would send past the row) pads each shared-memory row by one chunk
+// instead (a row stride of 13 chunks, odd, so ldmatrix's 8 row reads land in 8 bank groups).
+//
+// FP8 (e4m3) K/V: the same pipeline over 1-byte elements. The shared-memory budget per CTA is
 // the fp16 one, so the stage count doubles (same bytes in flight, same occupancy, so the
 // partition constants calibrated on fp16 still describe the grid). Values are dequantized in
 // registers after the shared-memory load (e4m3 is exact in fp16 and bf16; cvt.rn.f16x2.e4m3x2
 // on sm_89+, an exact bit-shift emulation on sm_80/86). The scales are read from device memory
 // after the PDL wait (a replayed graph sees new values): k_scale joins the softmax scale of the
 // CTA's KV head, v_scale multiplies the state's accumulator once in finish_groups, so partial
-// states hold dequantized values and the merges are unchanged.
+// states hold dequantized values and the merges are unchanged. e4m3 serves D 64, 128, 256.
 //
 // Bytes moved per (row, KV head): 2 * seq_len * D * sizeof(KV) of K and V, each byte once, plus
 // 4 bytes of block table per page and G*D*sizeof(T) of Q (and 8 bytes of scales for e4m3).
@@ -59,16 +70,10 @@
 #ifndef PKV_TC_STAGES
 #define PKV_TC_STAGES 3
 #endif
-#ifndef PKV_SMEM_BYTES
-#define PKV_SMEM_BYTES 65536
-#endif
-#ifndef PKV_TC_MIN_GROUP
-#define PKV_TC_MIN_GROUP 1
-#endif
 
 namespace pkv {
 
-constexpr int kTileTokens = PKV_TILE_TOKENS;
+constexpr int kTileTokens = PKV_TILE_TOKENS;  // the planners' split granularity (tokens)
 constexpr int kThreads = PKV_THREADS;
 constexpr int kVec = 8;  // elements per 16-byte access (fp16/bf16)
 
@@ -77,29 +82,9 @@ using e4m3 = __nv_fp8_e4m3;
 template <typename KV>
 __host__ __device__ constexpr bool is_fp8() { return sizeof(KV) == 1; }
 
-// Two implementations of the per-CTA decode body share one entry point (decode_range):
-//  * Tensor cores (G >= PKV_TC_MIN_GROUP): mma.sync m16n8k16 (fp16/bf16 in, FP32 accumulate),
-//    the G heads padded to 16 rows. Its instruction count per K/V byte does not depend on G
-//    (the padding rows are free), so one body serves every group size.
-//  * SIMT (G < PKV_TC_MIN_GROUP): CUDA-core FP32 math; each 16-byte chunk is copied and
-//    consumed by one thread. Issue-bound at G = 4 (3.2 TB/s at B8 32K, benches/NOTES.md v1);
-//    at the read roofline for G = 1 in isolation, but slower than the tensor-core body in the
-//    engine protocol (NOTES.md, "G = 1 on the tensor-core body"). Kept as the ablation
-//    (PKVRT_TUNE=PKV_TC_MIN_GROUP=4).
-template <int G>
-__host__ __device__ constexpr bool use_tensor_cores() { return G >= PKV_TC_MIN_GROUP; }
-
-// SIMT pipeline: as many 32-token K+V tiles as fit PKV_SMEM_BYTES, at least 2.
-// D=128: a stage is 32*128*2*2 = 16 KB, 64 KB / 16 KB = 4 stages (e4m3: 8 KB, 8 stages).
-template <int D, typename KV = __half>
-__host__ __device__ constexpr int stages() {
-  constexpr int stage = 2 * kTileTokens * D * (int)sizeof(KV);
-  return PKV_SMEM_BYTES / stage < 2 ? 2 : PKV_SMEM_BYTES / stage;
-}
-
-// Tensor-core pipeline: each of the 4 warps streams its own 16-token tiles through
-// tc_stages<D>() private stages (K and V, 16 x D each): D=128: 3 * 4 * 8 KB = 96 KB per CTA.
-// e4m3 tiles are half the bytes: twice the stages in the same 96 KB.
+// Each of the 4 warps streams its own 16-token tiles through tc_stages<D>() private stages (K
+// and V, 16 x D each): D=128: 3 * 4 * 8 KB = 96 KB per CTA. e4m3 tiles are half the bytes:
+// twice the stages in the same 96 KB.
 constexpr int kWarps = kThreads / 32;
 constexpr int kTcTile = 16;
 template <int D, typename KV = __half>
@@ -107,19 +92,28 @@ __host__ __device__ constexpr int tc_stages() {
   return (D >= 256 ? 2 : PKV_TC_STAGES) * (is_fp8<KV>() ? 2 : 1);
 }
 
-// Dynamic shared memory of a decode CTA (pkvrt/launch/ops.py decode_smem_bytes mirrors it).
-template <int D, int G, typename KV = __half>
+// Elements between token rows of a K or V tile in shared memory: D, or D + one 16-byte chunk
+// where D / 8 is not a power of two (D = 96: no XOR swizzle, the padding spreads the banks).
+template <int D, typename KV = __half>
+__host__ __device__ constexpr bool swizzled() { return (D & (D - 1)) == 0; }
+template <int D, typename KV = __half>
+__host__ __device__ constexpr int tile_row() { return swizzled<D, KV>() ? D : D + kVec; }
+
+// Dynamic shared memory of a decode CTA (pkvrt/launch/ops.py decode_smem_bytes mirrors it): the
+// pipeline's stages, or the warps' states at the end ([kWarps][GC][D + 2] floats) if larger.
+template <int D, int GC, typename KV = __half>
 __host__ __device__ constexpr int smem_bytes() {
-  return use_tensor_cores<G>() ? tc_stages<D, KV>() * kWarps * 2 * kTcTile * D * (int)sizeof(KV)
-                               : stages<D, KV>() * 2 * kTileTokens * D * (int)sizeof(KV);
+  constexpr int pipe = tc_stages<D, KV>() * kWarps * 2 * kTcTile * tile_row<D, KV>() * (int)sizeof(KV);
+  constexpr int merge = kWarps * GC * (D + 2) * 4;
+  return pipe > merge ? pipe : merge;
 }
 
 // Everything a decode kernel reads, passed by value as one __grid_constant__ parameter.
 // The Python side (pkvrt/launch/ops.py) mirrors this struct field by field; keep them in sync.
 struct DecodeParams {
   const void* q;              // [B, H_q, D]
-  const void* k_cache;        // [num_pages, H_kv, page_size, D]
-  const void* v_cache;        // same layout as k_cache
+  const void* k_cache;        // [num_pages, H_kv, page_size, D] as indexed (layouts above)
+  const void* v_cache;        // same indexing as k_cache
   void* out;                  // [B, H_q, D]
   float* part_a;              // [slots, H_q, D]
   float* part_ml;             // [slots, H_q, 2]
@@ -131,7 +125,7 @@ struct DecodeParams {
   const int* split_offsets;   // workqueue/fused: [B + 1] first slot of each row
   int* counters;              // fused: [B, H_kv] completion counters, zero between launches
   long long k_page_stride;    // elements between pages of k_cache
-  long long k_head_stride;    // elements between KV heads inside a page of k_cache
+  long long k_head_stride;    // elements between KV heads of k_cache
   long long v_page_stride;
   long long v_head_stride;
   int num_qo_heads;
@@ -146,7 +140,22 @@ struct DecodeParams {
   const float* v_scale;       // [1] or [H_kv]
   int k_scale_per_head;       // e4m3: 1 = k_scale indexed by KV head ([H_kv]), 0 = one scale ([1])
   int v_scale_per_head;       // same for v_scale
+  long long k_tok_stride;     // elements between token rows of one page and KV head of k_cache
+  long long v_tok_stride;
+  int group;                  // G = H_q / H_kv, at most the instantiation's group capacity GC
+  int window_left;            // split decode: -1, or a row attends to its last window_left + 1
+                              // tokens (workqueue tasks carry their ranges from the planner)
+  float softcap_scale;        // 0: no soft cap; else sm_scale / cap
+  float softcap_log2;         // cap * log2(e)
+  const float* sinks;         // null, or [H_q] attention-sink logits
+  float* lse;                 // null, or [B, H_q]: each row's and head's log2-sum-exp
 };
+
+// The first token a row of seq_len tokens attends to: a sliding window keeps the last
+// window_left + 1 (FlashInfer's window_left), -1 keeps them all.
+__device__ __forceinline__ int window_start(int seq_len, int window_left) {
+  return window_left >= 0 && seq_len - 1 - window_left > 0 ? seq_len - 1 - window_left : 0;
+}
 
 // ---- element types -------------------------------------------------------------------------
 
@@ -212,18 +221,6 @@ __device__ __forceinline__ unsigned e4m3x2_to(unsigned x, __nv_bfloat16) {
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
   const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
   return *reinterpret_cast<const unsigned*>(&b);
-}
-
-// 8 e4m3 values (8 bytes) as floats.
-__device__ __forceinline__ void to_float8(const uint2& raw, float (&f)[8], e4m3) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned w = i < 2 ? raw.x : raw.y;
-    const unsigned h = e4m3x2_to_f16x2(i % 2 ? w >> 16 : w & 0xFFFFu);
-    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
-  }
 }
 
 // The dequantization scales of KV head kvh (e4m3 instantiations only).
@@ -302,11 +299,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
-// 8 bytes (the SIMT body's chunk of 8 e4m3 elements; cp.async.cg takes 16 bytes only).
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -323,9 +315,9 @@ struct Sink {
 
 // Writes the neutral state (m = -inf, l = 0, a = 0) of the G heads of `kvh` into `slot`.
 // Used by splits that own no tokens; touches neither Q nor shared memory.
-template <int D, int G>
+template <int D>
 __device__ __forceinline__ void write_neutral(const DecodeParams& p, int kvh, int slot) {
-  const int h0 = kvh * G;
+  const int G = p.group, h0 = kvh * G;
   float* a = p.part_a + ((long long)slot * p.num_qo_heads + h0) * D;
   for (int i = threadIdx.x; i < G * D; i += kThreads) a[i] = 0.f;
   if (threadIdx.x < G) {
@@ -335,39 +327,55 @@ __device__ __forceinline__ void write_neutral(const DecodeParams& p, int kvh, in
   }
 }
 
-// Combines NG per-group states staged in shared memory (sm_acc [NG][G][D], sm_ml [NG][G][2],
-// written before a __syncthreads) into O (sink.out_row >= 0) or one partial-state slot.
-// Each thread finishes 8 consecutive outputs of one head. v_scale multiplies the accumulator
-// (e4m3 V's dequantization scale; 1 otherwise), so the slots hold dequantized states.
-template <typename T, int D, int G, int NG>
+// The normalisation of a finished state (m, l) of query head h: the factor that turns its
+// accumulator a into O, with the head's attention sink in the denominator when p.sinks is set;
+// and its log2-sum-exp m + log2(l) (the scores only), written to p.lse[out_row, h] on request
+// by the caller. An empty state (l = 0) never reaches here: every row has >= 1 token.
+__device__ __forceinline__ float out_factor(const DecodeParams& p, int h, float m, float l) {
+  if (p.sinks == nullptr) return 1.f / l;
+  const float sink = p.sinks[h] * 1.4426950408889634f;  // to the log2 domain
+  const float m2 = fmaxf(m, sink);
+  const float w = fast_exp2(m - m2);
+  return w / (l * w + fast_exp2(sink - m2));
+}
+
+// Combines NG per-warp states staged in shared memory (sm_acc [NG][GC][D], sm_ml [NG][GC][2],
+// written before a __syncthreads) of the p.group heads into O (sink.out_row >= 0; with the
+// sink and lse of out_factor) or one partial-state slot. Each thread finishes 8 consecutive
+// outputs of one head. v_scale multiplies the accumulator (e4m3 V's dequantization scale; 1
+// otherwise), so the slots hold dequantized states.
+template <typename T, int D, int GC, int NG>
 __device__ __forceinline__ void finish_groups(const DecodeParams& p, const float* sm_acc,
                                               const float* sm_ml, int h0, Sink sink,
                                               float v_scale) {
   constexpr int LANES = D / kVec;
+  const int G = p.group;
   for (int idx = threadIdx.x; idx < G * LANES; idx += kThreads) {
     const int g = idx / LANES;
     const int d0 = (idx % LANES) * kVec;
     float m_all = -INFINITY;
 #pragma unroll 4
-    for (int gi = 0; gi < NG; ++gi) m_all = fmaxf(m_all, sm_ml[(gi * G + g) * 2]);
+    for (int gi = 0; gi < NG; ++gi) m_all = fmaxf(m_all, sm_ml[(gi * GC + g) * 2]);
     float l_all = 0.f, a[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) a[e] = 0.f;
 #pragma unroll 4
     for (int gi = 0; gi < NG; ++gi) {
-      const float w = rescale(sm_ml[(gi * G + g) * 2], m_all);
-      l_all += w * sm_ml[(gi * G + g) * 2 + 1];
-      const float* src = sm_acc + (gi * G + g) * D + d0;
+      const float w = rescale(sm_ml[(gi * GC + g) * 2], m_all);
+      l_all += w * sm_ml[(gi * GC + g) * 2 + 1];
+      const float* src = sm_acc + (gi * GC + g) * D + d0;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) a[e] = fmaf(w, src[e], a[e]);
     }
     const int h = h0 + g;
     if (sink.out_row >= 0) {
-      const float inv = v_scale / l_all;
+      const float inv = v_scale * out_factor(p, h, m_all, l_all);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) a[e] *= inv;
       T* o = static_cast<T*>(p.out) + ((long long)sink.out_row * p.num_qo_heads + h) * D + d0;
       *reinterpret_cast<uint4*>(o) = from_float8(a, T());
+      if (p.lse != nullptr && d0 == 0)
+        p.lse[(long long)sink.out_row * p.num_qo_heads + h] = m_all + log2f(l_all);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) a[e] *= v_scale;
@@ -383,183 +391,17 @@ __device__ __forceinline__ void finish_groups(const DecodeParams& p, const float
   }
 }
 
-// ---- SIMT body (G = 1, 2) ------------------------------------------------------------------
-//
-// A lane owns kVec = 8 consecutive elements of a token row: one 16-byte copy of fp16/bf16, one
-// 8-byte copy (cp.async.ca) of e4m3, so the lane/token mapping is the same for both.
-
-template <typename KV>
-__device__ __forceinline__ void copy_chunk(KV* smem, const KV* gmem) {
-  if constexpr (is_fp8<KV>()) cp_async8(smem, gmem);
-  else cp_async16(smem, gmem);
-}
-template <typename KV>
-__device__ __forceinline__ void load_chunk(const KV* smem, float (&f)[kVec]) {
-  if constexpr (is_fp8<KV>()) to_float8(*reinterpret_cast<const uint2*>(smem), f, KV());
-  else to_float8(*reinterpret_cast<const uint4*>(smem), f, KV());
-}
-
-template <typename T, typename KV, int D, int G>
-__device__ __forceinline__ void decode_range_simt(const DecodeParams& p, int row, int kvh,
-                                                  int tok_begin, int tok_end, Sink sink,
-                                                  unsigned char* smem) {
-  constexpr int LANES = D / kVec;            // lanes per token row
-  constexpr int GROUPS = kThreads / LANES;   // token groups per CTA
-  constexpr int TPG = kTileTokens / GROUPS;  // tokens per group per tile
-  constexpr int STAGES = stages<D, KV>();
-  static_assert(D % kVec == 0 && kThreads % LANES == 0 && kTileTokens % GROUPS == 0, "shape");
-  static_assert(GROUPS * G * (D + 2) * 4 <= smem_bytes<D, G, KV>(), "group merge must fit in smem");
-
-  const int lane = threadIdx.x % LANES;
-  const int grp = threadIdx.x / LANES;
-  const int h0 = kvh * G;
-  if (p.early_kv) {  // this body copies nothing early: wait before touching Q
-    pdl_enter();
-    trace_mark(p.trace, kWaited);
-  }
-
-  // Q: this lane's 8 elements of each of the G heads, pre-scaled into the log2 domain (and by
-  // the K scale of an e4m3 cache: q . (k * s) = (q * s) . k).
-  float sm_scale = p.sm_scale_log2, v_scale = 1.f;
-  if constexpr (is_fp8<KV>()) {
-    sm_scale *= kv_scale(p.k_scale, p.k_scale_per_head, kvh);
-    v_scale = kv_scale(p.v_scale, p.v_scale_per_head, kvh);
-  }
-  float q[G][kVec];
-  {
-    const T* qrow = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0) * D;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      uint4 raw = *reinterpret_cast<const uint4*>(qrow + g * D + lane * kVec);
-      to_float8(raw, q[g], T());
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) q[g][i] *= sm_scale;
-    }
-  }
-
-  // Stage s holds K then V of one tile: [kTileTokens][D] each.
-  KV* stage_base = reinterpret_cast<KV*>(smem);
-  const KV* kc = static_cast<const KV*>(p.k_cache);
-  const KV* vc = static_cast<const KV*>(p.v_cache);
-  const int* bt = p.block_tables + (long long)row * p.bt_stride;
-  const int pmask = (1 << p.page_size_log2) - 1;
-  const int num_tiles = (tok_end - tok_begin + kTileTokens - 1) / kTileTokens;
-
-  // Copy this thread's chunks of tile `t` into stage `t % STAGES` (tokens past tok_end skipped).
-  auto issue = [&](int t) {
-    KV* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
-    KV* vs = ks + kTileTokens * D;
-#pragma unroll
-    for (int i = 0; i < TPG; ++i) {
-      const int j = grp + i * GROUPS;  // token within the tile
-      const int tok = tok_begin + t * kTileTokens + j;
-      if (tok < tok_end) {
-        const long long page = bt[tok >> p.page_size_log2];
-        const int in_page = tok & pmask;
-        const KV* ksrc = kc + page * p.k_page_stride + kvh * p.k_head_stride + (long long)in_page * D;
-        const KV* vsrc = vc + page * p.v_page_stride + kvh * p.v_head_stride + (long long)in_page * D;
-        copy_chunk(ks + j * D + lane * kVec, ksrc + lane * kVec);
-        copy_chunk(vs + j * D + lane * kVec, vsrc + lane * kVec);
-      }
-    }
-  };
-
-  float m[G], l[G], acc[G][kVec];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
-  }
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) issue(s);
-    cp_async_commit();
-  }
-
-  for (int t = 0; t < num_tiles; ++t) {
-    if (t + STAGES - 1 < num_tiles) issue(t + STAGES - 1);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();  // this thread's copies of tile t have landed
-
-    const KV* ks = stage_base + (t % STAGES) * 2 * kTileTokens * D;
-    const KV* vs = ks + kTileTokens * D;
-    float x[TPG][G];
-    float tile_max[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) tile_max[g] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < TPG; ++i) {
-      const int j = grp + i * GROUPS;
-      const bool valid = tok_begin + t * kTileTokens + j < tok_end;
-      float kf[kVec];
-      load_chunk(ks + j * D + lane * kVec, kf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float s = 0.f;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) s = fmaf(q[g][e], kf[e], s);
-#pragma unroll
-        for (int off = LANES / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-        x[i][g] = valid ? s : -INFINITY;
-        tile_max[g] = fmaxf(tile_max[g], x[i][g]);
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float m_new = fmaxf(m[g], tile_max[g]);
-      const float r = rescale(m[g], m_new);
-      m[g] = m_new;
-      l[g] *= r;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[g][e] *= r;
-    }
-#pragma unroll
-    for (int i = 0; i < TPG; ++i) {
-      const int j = grp + i * GROUPS;
-      if (tok_begin + t * kTileTokens + j < tok_end) {
-        float vf[kVec];
-        load_chunk(vs + j * D + lane * kVec, vf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float w = fast_exp2(x[i][g] - m[g]);
-          l[g] += w;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
-        }
-      }
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // all stages drained: the pipeline smem is reused for the group merge
-
-  float* sm_acc = reinterpret_cast<float*>(smem);
-  float* sm_ml = sm_acc + GROUPS * G * D;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    float* dst = sm_acc + (grp * G + g) * D + lane * kVec;
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) dst[e] = acc[g][e];
-    if (lane == 0) {
-      sm_ml[(grp * G + g) * 2] = m[g];
-      sm_ml[(grp * G + g) * 2 + 1] = l[g];
-    }
-  }
-  __syncthreads();
-  finish_groups<T, D, G, GROUPS>(p, sm_acc, sm_ml, h0, sink, v_scale);
-}
-
-// ---- tensor-core body (G = 4, 8) -----------------------------------------------------------
+// ---- tensor-core body ----------------------------------------------------------------------
 //
 // Warp w owns 16-token tiles w, w+4, w+8, ... of the range and keeps its own (m, l, O) for
 // the G heads; S = Q K^T and O += P V are mma.sync.m16n8k16 with the G heads as rows 0..G-1
-// of the 16-row A operand (rows 8..15 are zero). Per tile and warp: D/16 ldmatrix.x4 of K,
-// D/8 mma for S, one online-softmax update (quad shuffles), D/16 ldmatrix.x4.trans of V and
-// D/8 mma for O. Shared-memory rows are XOR-swizzled in 16-byte chunks (chunk ^ (token & 7))
-// so ldmatrix's 8 row reads hit 8 different bank groups. Tokens past tok_end are zero-filled
-// by cp.async (never read from the cache) and masked to -inf before the softmax.
+// of the 16-row A operand (GC <= 8: rows 8..15 are zero and left out of the instruction's
+// inputs; GC = 16: rows 8..15 are heads 8..15, a second online-softmax state per thread). Per
+// tile and warp: D/16 ldmatrix.x4 of K, D/8 mma for S, one online-softmax update (quad
+// shuffles), D/16 ldmatrix.x4.trans of V and D/8 mma for O. Shared-memory rows are XOR-swizzled
+// in 16-byte chunks (chunk ^ (token & 7); D = 96: padded rows instead, tile_row) so ldmatrix's
+// 8 row reads hit 8 different bank groups. Tokens past tok_end are zero-filled by cp.async
+// (never read from the cache) and masked to -inf before the softmax.
 
 #ifndef PKV_L2_PREFETCH
 #define PKV_L2_PREFETCH 0
@@ -603,6 +445,29 @@ __device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a2
                "{%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+// d[0..3] += A(16x16) * B(16x8) with all four A registers: a0 (row grp, k 2tig..), a1 (row grp
+// + 8, k 2tig..), a2 (row grp, k 2tig + 8..), a3 (row grp + 8, k 2tig + 8..).
+__device__ __forceinline__ void mma16816_a4(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                            unsigned a3, unsigned b0, unsigned b1, __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma16816_a4(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                            unsigned a3, unsigned b0, unsigned b1, __nv_bfloat16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The mma of a warp's R = 1 or 2 row halves: R = 1 leaves rows 8..15 out (zero).
+template <int R, typename T>
+__device__ __forceinline__ void mma_rows(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  if constexpr (R == 1) mma16816(d, a0, a2, b0, b1, T());
+  else mma16816_a4(d, a0, a1, a2, a3, b0, b1, T());
 }
 __device__ __forceinline__ unsigned pack2(float lo, float hi, __half) {
   __half2 h = __floats2half2_rn(lo, hi);
@@ -662,7 +527,8 @@ __device__ __forceinline__ int e4m3_swizzle(int a) {
 template <typename KV, int D>
 __device__ __forceinline__ int tile_chunk(int t, int c) {
   if constexpr (is_fp8<KV>()) return e4m3_swizzle<D>(t * D + c * 16);
-  else return t * D + (c ^ (t & 7)) * kVec;
+  else if constexpr (swizzled<D, KV>()) return t * D + (c ^ (t & 7)) * kVec;
+  else return t * tile_row<D, KV>() + c * kVec;
 }
 
 // A thread's e4m3 fragment offsets inside a K or V tile, computed once per CTA (keeping one
@@ -691,13 +557,13 @@ __device__ __forceinline__ E4m3Frags e4m3_frags(int grp, int tig) {
 
 // Q as A fragments in the e4m3 head-dim order above: qa[4*kb + s] holds
 // d = 64*kb + 16*tig + 4*s + {0,1} / {2,3} of row grp (zero for rows >= G).
-template <typename T, int D, int G>
-__device__ __forceinline__ void q_frags_e4m3(unsigned (&qa)[D / 16][2], const T* qh, int grp,
+template <typename T, int D>
+__device__ __forceinline__ void q_frags_e4m3(unsigned (&qa)[D / 16][2], const T* qh, bool head,
                                              int tig) {
 #pragma unroll
   for (int kb = 0; kb < D / 64; ++kb) {
     uint4 x0 = make_uint4(0u, 0u, 0u, 0u), x1 = x0;
-    if (grp < G) {
+    if (head) {
       const T* src = qh + 64 * kb + 16 * tig;
       x0 = *reinterpret_cast<const uint4*>(src);      // d + 0 .. 7
       x1 = *reinterpret_cast<const uint4*>(src + 8);  // d + 8 .. 15
@@ -709,10 +575,12 @@ __device__ __forceinline__ void q_frags_e4m3(unsigned (&qa)[D / 16][2], const T*
   }
 }
 
-// S = Q K^T over one e4m3 K tile: s[nt] covers tokens nt*8 .. nt*8+7 (thread: token grp + 8nt).
-template <typename T, int D>
+// S = Q K^T over one e4m3 K tile: s[nt] covers tokens nt*8 .. nt*8+7 (thread: token grp + 8nt);
+// qa the A fragments of rows 0..7, qb of rows 8..15 (read when R = 2).
+template <typename T, int D, int R>
 __device__ __forceinline__ void qk_e4m3(float (&s)[2][4], const unsigned (&qa)[D / 16][2],
-                                        const unsigned char* ks, const E4m3Frags& f) {
+                                        const unsigned (&qb)[D / 16][2], const unsigned char* ks,
+                                        const E4m3Frags& f) {
 #pragma unroll
   for (int kb = 0; kb < D / 64; ++kb) {
     unsigned w[2][4];
@@ -726,25 +594,25 @@ __device__ __forceinline__ void qk_e4m3(float (&s)[2][4], const unsigned (&qa)[D
     for (int st = 0; st < 4; ++st)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        mma16816(s[nt], qa[4 * kb + st][0], qa[4 * kb + st][1],
-                 e4m3x2_to(w[nt][st] & 0xFFFFu, T()), e4m3x2_to(w[nt][st] >> 16, T()), T());
+        mma_rows<R, T>(s[nt], qa[4 * kb + st][0], qb[4 * kb + st][0], qa[4 * kb + st][1],
+                       qb[4 * kb + st][1], e4m3x2_to(w[nt][st] & 0xFFFFu, T()),
+                       e4m3x2_to(w[nt][st] >> 16, T()));
   }
 }
 
 // m16n8k16 with all four A registers (rows 0..15): d += A(16x16) * B(16x8), fp16 in.
 __device__ __forceinline__ void mma16816_full(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                               unsigned a3, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-               "{%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  mma16816_a4(d, a0, a1, a2, a3, b0, b1, __half());
 }
 
 // O^T += V^T P^T over one e4m3 V tile (fp16 mma: P in [0, 1] and e4m3 V are exact in fp16).
-// pb0, pb1: P of head grp at tokens 2*tig, 2*tig + 1 and 2*tig + 8, 2*tig + 9 (f16x2).
-template <int D>
-__device__ __forceinline__ void pv_e4m3(float (&o)[D / 16][4], unsigned pb0, unsigned pb1,
-                                        const unsigned char* vs, const E4m3Frags& f) {
+// pb0[r], pb1[r]: P of head grp + 8r at tokens 2*tig, 2*tig + 1 and 2*tig + 8, 2*tig + 9
+// (f16x2); o[r] the O^T of heads 8r .. 8r + 7. The V fragments are converted once for both.
+template <int D, int R>
+__device__ __forceinline__ void pv_e4m3(float (&o)[R][D / 16][4], const unsigned (&pb0)[R],
+                                        const unsigned (&pb1)[R], const unsigned char* vs,
+                                        const E4m3Frags& f) {
   constexpr int BLK = D < 128 ? D : 128;  // bytes of a row block
   constexpr int EB = BLK / 8;             // bytes per thread and block: 8 or 16
   constexpr int W = EB / 4;               // 32-bit words per load (8- or 16-byte loads)
@@ -771,10 +639,15 @@ __device__ __forceinline__ void pv_e4m3(float (&o)[D / 16][4], unsigned pb0, uns
       const unsigned k23 = __byte_perm(w[0][i], w[1][i], 0x7362);  //                      p+2, p+3
       const unsigned h01 = __byte_perm(w[2][i], w[3][i], 0x5140);  // tokens 2tig+8, 2tig+9
       const unsigned h23 = __byte_perm(w[2][i], w[3][i], 0x7362);
-      mma16816_full(o[mt], e4m3x2_to_f16x2(k01 & 0xFFFFu), e4m3x2_to_f16x2(k01 >> 16),
-                    e4m3x2_to_f16x2(h01 & 0xFFFFu), e4m3x2_to_f16x2(h01 >> 16), pb0, pb1);
-      mma16816_full(o[mt + 1], e4m3x2_to_f16x2(k23 & 0xFFFFu), e4m3x2_to_f16x2(k23 >> 16),
-                    e4m3x2_to_f16x2(h23 & 0xFFFFu), e4m3x2_to_f16x2(h23 >> 16), pb0, pb1);
+      const unsigned a0 = e4m3x2_to_f16x2(k01 & 0xFFFFu), a1 = e4m3x2_to_f16x2(k01 >> 16);
+      const unsigned a2 = e4m3x2_to_f16x2(h01 & 0xFFFFu), a3 = e4m3x2_to_f16x2(h01 >> 16);
+      const unsigned c0 = e4m3x2_to_f16x2(k23 & 0xFFFFu), c1 = e4m3x2_to_f16x2(k23 >> 16);
+      const unsigned c2 = e4m3x2_to_f16x2(h23 & 0xFFFFu), c3 = e4m3x2_to_f16x2(h23 >> 16);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        mma16816_full(o[r][mt], a0, a1, a2, a3, pb0[r], pb1[r]);
+        mma16816_full(o[r][mt + 1], c0, c1, c2, c3, pb0[r], pb1[r]);
+      }
     }
   }
 }
@@ -786,21 +659,33 @@ __device__ __forceinline__ int e4m3_o_elem(int mt, int r) {
   return BLK * (mt / (EB / 2)) + EB * (r & 7) + 2 * (mt % (EB / 2)) + (r >> 3);
 }
 
-template <typename T, typename KV, int D, int G>
+// The online-softmax score of a raw product s = q . k in the log2 domain is s * scale; with a
+// soft cap c it is c * tanh(s * sm_scale / c) * log2(e): cap_pre = sm_scale / c, cap_log2 =
+// c * log2(e) (both scales include an e4m3 K scale). tanhf, not tanh.approx: the
+// approximation's relative error of 2^-11 would move a capped logit of 50 by 0.02.
+__device__ __forceinline__ float capped_log2(float s, float cap_pre, float cap_log2) {
+  return cap_log2 * tanhf(s * cap_pre);
+}
+
+template <typename T, typename KV, int D, int GC>
 __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, int kvh,
                                                 int tok_begin, int tok_end, Sink sink,
                                                 unsigned char* smem) {
   constexpr bool kFp8 = is_fp8<KV>();
+  constexpr int R = GC > 8 ? 2 : 1;             // 8-row halves of the A operand in use
   constexpr int STAGES = tc_stages<D, KV>();
   constexpr int CVEC = 16 / (int)sizeof(KV);   // elements per 16-byte copy: 8, or 16 of e4m3
   constexpr int CHUNKS = D / CVEC;              // 16-byte chunks per token row
   constexpr int KSTEPS = D / 16;                // mma k-steps over the head dim (S = Q K^T)
   constexpr int NT = D / 8;                     // n8 tiles of O (e4m3: D/16 m16 tiles of O^T)
   constexpr int NO = kFp8 ? D / 16 : NT;
-  constexpr int TILE_ELEMS = kTcTile * D;       // one K (or V) tile
-  static_assert(G <= 8, "heads beyond 8 would need A rows 8..15");
-  static_assert(kWarps * G * (D + 2) * 4 <= smem_bytes<D, G, KV>(), "warp merge must fit in smem");
+  constexpr int TILE_ELEMS = kTcTile * tile_row<D, KV>();  // one K (or V) tile
+  static_assert(GC <= 16, "at most 16 heads: the 16 rows of the A operand");
+  static_assert(D % 16 == 0 && (CHUNKS * kTcTile) % 32 == 0, "head dim: a multiple of 16");
+  static_assert(!kFp8 || swizzled<D, KV>(), "e4m3 tiles: D in 64, 128, 256");
+  static_assert(kWarps * GC * (D + 2) * 4 <= smem_bytes<D, GC, KV>(), "warp merge must fit in smem");
 
+  const int G = p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grp = lane / 4, tig = lane % 4;     // mma fragment coordinates
   const int h0 = kvh * G;
@@ -830,7 +715,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     // Chunk-major: consecutive lanes copy consecutive 16-byte chunks of one token row, so a
     // warp instruction covers whole rows (D=128: 2 rows = 4 lines of 128 B; e4m3: 4 rows). A
     // lane-per-row mapping (32 B of 16 rows per instruction) ran at 3.0 TB/s instead of 4.1
-    // (NOTES.md, v3).
+    // (benches/NOTES.md, chunk-major copies).
 #pragma unroll
     for (int j = 0; j < CHUNKS * kTcTile / 32; ++j) {
       const int idx = lane + 32 * j;
@@ -838,10 +723,12 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
       const int tok = tok0 + t;
       const bool valid = tok < tok_end;
       const long long page = __shfl_sync(0xffffffffu, page_here, t);
-      const long long in_page = (long long)(tok & pmask) * D + c * CVEC;
+      const long long in_page = tok & pmask;
       const int sc = tile_chunk<KV, D>(t, c);  // swizzled destination
-      cp_async16_zfill(ks + sc, valid ? kc + page * p.k_page_stride + in_page : kc, valid);
-      cp_async16_zfill(vs + sc, valid ? vc + page * p.v_page_stride + in_page : vc, valid);
+      cp_async16_zfill(ks + sc, valid ? kc + page * p.k_page_stride + in_page * p.k_tok_stride + c * CVEC : kc,
+                       valid);
+      cp_async16_zfill(vs + sc, valid ? vc + page * p.v_page_stride + in_page * p.v_tok_stride + c * CVEC : vc,
+                       valid);
     }
   };
 
@@ -868,30 +755,50 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     cp_async_commit();
   }
 
-  // Q as A fragments (row = head grp, k = 2*tig..+1 and +8), zero for rows >= G.
+  // Q as A fragments: qa of row grp (head h0 + grp), qb of row grp + 8 (R = 2), zero for rows
+  // >= G.
   E4m3Frags frags{};  // e4m3 only
   if constexpr (kFp8) frags = e4m3_frags<D>(grp, tig);
-  unsigned qa[KSTEPS][2];
+  unsigned qa[KSTEPS][2], qb[KSTEPS][2];
   {
     const T* qh = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D;
     if constexpr (kFp8) {
-      q_frags_e4m3<T, D, G>(qa, qh, grp, tig);
+      q_frags_e4m3<T, D>(qa, qh, grp < G, tig);
+      q_frags_e4m3<T, D>(qb, qh + 8 * D, R == 2 && grp + 8 < G, tig);
     } else {
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
         qa[kk][0] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
         qa[kk][1] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
+        qb[kk][0] = qb[kk][1] = 0u;   // rows 8..15: left out of the mma when R = 1
+        if constexpr (R == 2) {
+          const T* qh8 = qh + 8 * D;
+          qb[kk][0] = grp + 8 < G ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 2 * tig) : 0u;
+          qb[kk][1] = grp + 8 < G ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 8 + 2 * tig) : 0u;
+        }
       }
     }
   }
   // e4m3: the K scale of this KV head joins the softmax scale (read after the PDL wait, like Q).
-  float sm_scale = p.sm_scale_log2;
-  if constexpr (kFp8) sm_scale *= kv_scale(p.k_scale, p.k_scale_per_head, kvh);
+  float sm_scale = p.sm_scale_log2, cap_pre = p.softcap_scale;
+  if constexpr (kFp8) {
+    const float ks = kv_scale(p.k_scale, p.k_scale_per_head, kvh);
+    sm_scale *= ks;
+    cap_pre *= ks;
+  }
+  const bool capped = p.softcap_scale > 0.f;
 
-  float o[NO][4];
+  float o[R][NO][4];
 #pragma unroll
-  for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m = -INFINITY, l = 0.f;  // row grp of this warp's state (l: this thread's columns)
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[r][n][0] = o[r][n][1] = o[r][n][2] = o[r][n][3] = 0.f;
+  float m[R], l[R];  // rows grp (+ 8) of this warp's state (l: this thread's columns)
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
   for (int i = 0; i < my_tiles; ++i) {
     // The stage refilled below was read (ldmatrix) by every lane in iteration i - 1: order
     // those reads before these writes (compute-sanitizer racecheck flags the bare WAR hazard).
@@ -903,124 +810,159 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 
     const KV* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
     const KV* vs = ks + TILE_ELEMS;
-    // S = Q K^T for 16 tokens: s[nt] covers tokens nt*8 .. nt*8+7.
+    // S = Q K^T for 16 tokens: s[nt] covers tokens nt*8 .. nt*8+7 (c0, c1: row grp; c2, c3:
+    // row grp + 8).
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     if constexpr (kFp8) {
-      qk_e4m3<T, D>(s, qa, reinterpret_cast<const unsigned char*>(ks), frags);
+      qk_e4m3<T, D, R>(s, qa, qb, reinterpret_cast<const unsigned char*>(ks), frags);
     } else {
-      const int mat = lane / 8, r = lane % 8;
-      const int tok = (mat >> 1) * 8 + r;
+      const int mat = lane / 8, r8 = lane % 8;
+      const int tok = (mat >> 1) * 8 + r8;
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
         unsigned b[4];
         const int c = kk * 2 + (mat & 1);
-        ldmatrix_x4(b, ks + tok * D + (c ^ (tok & 7)) * kVec);
-        mma16816(s[0], qa[kk][0], qa[kk][1], b[0], b[1], T());
-        mma16816(s[1], qa[kk][0], qa[kk][1], b[2], b[3], T());
+        ldmatrix_x4(b, ks + tile_chunk<KV, D>(tok, c));
+        mma_rows<R, T>(s[0], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[0], b[1]);
+        mma_rows<R, T>(s[1], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[2], b[3]);
       }
     }
-    // Online softmax on row grp (c0, c1 of each n8 tile); rows 8..15 are padding.
+    // Online softmax on rows grp (+ 8): c0, c1 (c2, c3) of each n8 tile.
     const int tile_tok = tok_begin + (warp + i * kWarps) * kTcTile;
-    float x[4];
+    float pr[R][4], alpha[R];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int r = 0; r < R; ++r) {
+      float x[4];
+      if (capped) {  // a uniform branch around the tanh, so that plain kernels never run it
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool valid = tile_tok + nt * 8 + 2 * tig + e < tok_end;
-        x[nt * 2 + e] = valid ? s[nt][e] * (kFp8 ? sm_scale : p.sm_scale_log2) : -INFINITY;
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s[nt][2 * r + e] = capped_log2(s[nt][2 * r + e], cap_pre, p.softcap_log2);
       }
-    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx);
-    const float alpha = rescale(m, m_new);
-    const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    float pr[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) pr[e] = fast_exp2(x[e] - m_use);
-    l = l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
-    m = m_new;
-    if constexpr (kFp8) {  // o[mt][c] belongs to head 2*tig + (c & 1), whose alpha lane 4*head has
-      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * tig);
-      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * tig + 4);
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        o[n][0] *= alpha0;
-        o[n][1] *= alpha1;
-        o[n][2] *= alpha0;
-        o[n][3] *= alpha1;
+        for (int e = 0; e < 2; ++e) {
+          const bool valid = tile_tok + nt * 8 + 2 * tig + e < tok_end;
+          x[nt * 2 + e] = valid ? (capped ? s[nt][2 * r + e] : s[nt][2 * r + e] * sm_scale) : -INFINITY;
+        }
+      float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[r], mx);
+      alpha[r] = rescale(m[r], m_new);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pr[r][e] = fast_exp2(x[e] - m_use);
+      l[r] = l[r] * alpha[r] + (pr[r][0] + pr[r][1]) + (pr[r][2] + pr[r][3]);
+      m[r] = m_new;
+    }
+    if constexpr (kFp8) {  // o[r][mt][c] belongs to head 8r + 2*tig + (c & 1), whose alpha lane
+                           // 4 * (2*tig + (c & 1)) holds (its row grp is that head's)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float alpha0 = __shfl_sync(0xffffffffu, alpha[r], 8 * tig);
+        const float alpha1 = __shfl_sync(0xffffffffu, alpha[r], 8 * tig + 4);
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+          o[r][n][0] *= alpha0;
+          o[r][n][1] *= alpha1;
+          o[r][n][2] *= alpha0;
+          o[r][n][3] *= alpha1;
+        }
       }
-    } else {
+    } else {  // o[0][n][0..1]: row grp, o[0][n][2..3]: row grp + 8 (the padding when R = 1)
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        o[n][0] *= alpha;
-        o[n][1] *= alpha;
+        o[0][n][0] *= alpha[0];
+        o[0][n][1] *= alpha[0];
+        if constexpr (R == 2) {
+          o[0][n][2] *= alpha[R - 1];
+          o[0][n][3] *= alpha[R - 1];
+        }
       }
     }
-    // O += P V: P (row grp, tokens 2*tig.. and +8) is the A operand straight from registers.
+    // O += P V: P (rows grp, grp + 8; tokens 2*tig.. and +8) is the A operand straight from
+    // registers.
     if constexpr (kFp8) {
-      pv_e4m3<D>(o, pack2(pr[0], pr[1], __half()), pack2(pr[2], pr[3], __half()),
-                 reinterpret_cast<const unsigned char*>(vs), frags);
+      unsigned pb0[R], pb1[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        pb0[r] = pack2(pr[r][0], pr[r][1], __half());
+        pb1[r] = pack2(pr[r][2], pr[r][3], __half());
+      }
+      pv_e4m3<D, R>(o, pb0, pb1, reinterpret_cast<const unsigned char*>(vs), frags);
     } else {
-      const unsigned pa0 = pack2(pr[0], pr[1], T());
-      const unsigned pa2 = pack2(pr[2], pr[3], T());
-      const int mat = lane / 8, r = lane % 8;
-      const int tok = (mat & 1) * 8 + r;
+      const unsigned pa0 = pack2(pr[0][0], pr[0][1], T());
+      const unsigned pa2 = pack2(pr[0][2], pr[0][3], T());
+      const unsigned pa1 = R == 2 ? pack2(pr[R - 1][0], pr[R - 1][1], T()) : 0u;
+      const unsigned pa3 = R == 2 ? pack2(pr[R - 1][2], pr[R - 1][3], T()) : 0u;
+      const int mat = lane / 8, r8 = lane % 8;
+      const int tok = (mat & 1) * 8 + r8;
 #pragma unroll
       for (int n2 = 0; n2 < NT / 2; ++n2) {
         unsigned b[4];
         const int c = n2 * 2 + (mat >> 1);
-        ldmatrix_x4_trans(b, vs + tok * D + (c ^ (tok & 7)) * kVec);
-        mma16816(o[2 * n2], pa0, pa2, b[0], b[1], T());
-        mma16816(o[2 * n2 + 1], pa0, pa2, b[2], b[3], T());
+        ldmatrix_x4_trans(b, vs + tile_chunk<KV, D>(tok, c));
+        mma_rows<R, T>(o[0][2 * n2], pa0, pa1, pa2, pa3, b[0], b[1]);
+        mma_rows<R, T>(o[0][2 * n2 + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
       }
     }
   }
   cp_async_wait<0>();
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
   __syncthreads();  // every warp's pipeline is drained: reuse its smem for the warp merge
 
-  float* sm_acc = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
-  float* sm_ml = sm_acc + kWarps * G * D;          // [kWarps][G][2]
-  if constexpr (kFp8) {  // o[mt][c]: head 2*tig + (c & 1), elements d(mt, grp), d(mt, grp + 8) = +1
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [kWarps][GC][D]
+  float* sm_ml = sm_acc + kWarps * GC * D;         // [kWarps][GC][2]
+  if constexpr (kFp8) {  // o[r][mt][c]: head 8r + 2*tig + (c & 1), elements d(mt, grp), +1
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      if (2 * tig + c < G) {
-        float* dst = sm_acc + (warp * G + 2 * tig + c) * D;
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int mt = 0; mt < NO; ++mt)
-          *reinterpret_cast<float2*>(dst + e4m3_o_elem<D>(mt, grp)) = make_float2(o[mt][c], o[mt][c + 2]);
+      for (int c = 0; c < 2; ++c) {
+        const int head = 8 * r + 2 * tig + c;
+        if (head < G) {
+          float* dst = sm_acc + (warp * GC + head) * D;
+#pragma unroll
+          for (int mt = 0; mt < NO; ++mt)
+            *reinterpret_cast<float2*>(dst + e4m3_o_elem<D>(mt, grp)) =
+                make_float2(o[r][mt][c], o[r][mt][c + 2]);
+        }
       }
-    }
   }
-  if (grp < G) {
-    if constexpr (!kFp8) {
-      float* dst = sm_acc + (warp * G + grp) * D + 2 * tig;
 #pragma unroll
-      for (int n = 0; n < NT; ++n) *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][0], o[n][1]);
-    }
-    if (tig == 0) {
-      sm_ml[(warp * G + grp) * 2] = m;
-      sm_ml[(warp * G + grp) * 2 + 1] = l;
+  for (int r = 0; r < R; ++r) {
+    const int head = grp + 8 * r;
+    if (head < G) {
+      if constexpr (!kFp8) {
+        float* dst = sm_acc + (warp * GC + head) * D + 2 * tig;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[0][n][2 * r], o[0][n][2 * r + 1]);
+      }
+      if (tig == 0) {
+        sm_ml[(warp * GC + head) * 2] = m[r];
+        sm_ml[(warp * GC + head) * 2 + 1] = l[r];
+      }
     }
   }
   __syncthreads();
   const float v_scale = kFp8 ? kv_scale(p.v_scale, p.v_scale_per_head, kvh) : 1.f;
-  finish_groups<T, D, G, kWarps>(p, sm_acc, sm_ml, h0, sink, v_scale);
+  finish_groups<T, D, GC, kWarps>(p, sm_acc, sm_ml, h0, sink, v_scale);
 }
 
-// Attention of the G query heads of (row, kvh) over tokens [tok_begin, tok_end) of the row,
-// tok_begin < tok_end <= seq_len, q and out in T, K/V in KV (T or e4m3). `smem` holds
-// smem_bytes<D, G, KV>() bytes.
-template <typename T, typename KV, int D, int G>
+// Attention of the G = p.group <= GC query heads of (row, kvh) over tokens [tok_begin, tok_end)
+// of the row, tok_begin < tok_end <= seq_len, q and out in T, K/V in KV (T or e4m3). `smem`
+// holds smem_bytes<D, GC, KV>() bytes.
+template <typename T, typename KV, int D, int GC>
 __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int kvh,
                                              int tok_begin, int tok_end, Sink sink,
                                              unsigned char* smem) {
-  if constexpr (use_tensor_cores<G>())
-    decode_range_tc<T, KV, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
-  else
-    decode_range_simt<T, KV, D, G>(p, row, kvh, tok_begin, tok_end, sink, smem);
+  decode_range_tc<T, KV, D, GC>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
 // Exact merge of the partial states in slots [slot_begin, slot_end) of query head h into
@@ -1033,18 +975,21 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 //     take batches of BATCH slots whose loads are all issued before the first FMA, the weight
 //     of each broadcast from its lane by shuffle: ceil(n / BATCH) round trips, the first of
 //     them issued together with step 1's loads.
-// The first version looped over the slots three times with one dependent load per iteration:
-// 9 us for 16 slots, 28 us for 64 on the H200 (benches/NOTES.md, "The merge was latency-bound").
+// A loop over the slots three times with one dependent load per iteration measured 9 us for 16
+// slots, 28 us for 64 on the H200 (benches/NOTES.md, the merge).
 // Loads bypass L1 (__ldcg): in the fused kernel the slots were written by other CTAs.
 // WIDE = 2 doubles the slots in flight (<= 128 registers for them): the fused kernel's tail at
-// G = 8. ptxas sizes the whole kernel for it (fp16 D 128: 193 -> 195 registers, e4m3 D 128:
+// G > 4. ptxas sizes the whole kernel for it (fp16 D 128: 193 -> 195 registers, e4m3 D 128:
 // 145 -> 180); occupancy stays 2 CTAs per SM, bounded by shared memory. The merge kernel keeps 1
 // (its occupancy counts).
+// sink_log2: the head's attention sink in the log2 domain (-inf: none), which joins the
+// denominator; lse: null, or where lane 0 writes the head's log2-sum-exp m_all + log2(l_all).
 template <typename T, int D, int WIDE = 1>
 __device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
                                            int num_qo_heads, int slot_begin, int slot_end, int h,
-                                           T* o, int lane) {
-  constexpr int E = D / 32;                  // outputs per lane: 2, 4 or 8
+                                           T* o, int lane, float sink_log2 = -INFINITY,
+                                           float* lse = nullptr) {
+  constexpr int E = D / 32;                  // outputs per lane: 2, 3, 4 or 8
   constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
   constexpr int BATCH = (E >= 8 ? 8 : 16) * WIDE;  // slots in flight per lane (<= 64 * WIDE registers)
   static_assert(BATCH <= 32, "a batch's weights are shuffled from the lanes of one 32-slot round");
@@ -1060,6 +1005,9 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
           const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
           v[j][0] = x.x;
           v[j][1] = x.y;
+        } else if constexpr (E % 4 != 0) {   // D = 96: 12-byte runs, scalar loads
+#pragma unroll
+          for (int e = 0; e < E; ++e) v[j][e] = __ldcg(src + e);
         } else {
 #pragma unroll
           for (int q = 0; q < V; ++q) {
@@ -1099,7 +1047,13 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
     l_acc = l_acc * rescale(m_acc, m_new) + lo * rescale(mo, m_new);
     m_acc = m_new;
   }
-  const float m_all = m_acc, inv_l = 1.f / l_acc;
+  const float m_all = m_acc;
+  float inv_l = 1.f / l_acc;
+  if (sink_log2 != -INFINITY) {   // the sink in the denominator (out_factor's rule)
+    const float m2 = fmaxf(m_all, sink_log2), w = fast_exp2(m_all - m2);
+    inv_l = w / (l_acc * w + fast_exp2(sink_log2 - m2));
+  }
+  if (lse != nullptr && lane == 0) *lse = m_all + log2f(l_acc);
 
   // 2. sum_s w_s a_s over the lane's E outputs.
   float acc[E];
@@ -1133,22 +1087,41 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
   T* dst = o + lane * E;
   if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = raw;
   else if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(raw.x, raw.y);
-  else *reinterpret_cast<unsigned*>(dst) = raw.x;
+  else if constexpr (E == 2) *reinterpret_cast<unsigned*>(dst) = raw.x;
+  else {   // E = 3 (D = 96): three elements at a 6-byte stride
+    const T* r = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = r[e];
+  }
+}
+
+// The merge of a row's query head h where O is written: its sink (log2 domain, -inf: none)
+// and where its lse goes (null: not asked).
+__device__ __forceinline__ float sink_log2_of(const float* sinks, int h) {
+  return sinks != nullptr ? sinks[h] * 1.4426950408889634f : -INFINITY;
+}
+__device__ __forceinline__ float* lse_at(float* lse, int num_qo_heads, int row, int h) {
+  return lse != nullptr ? lse + (long long)row * num_qo_heads + h : nullptr;
 }
 
 }  // namespace pkv
 
-// Instantiates an extern "C" entry point per (q/out dtype, K/V dtype, head dim, group size) so
-// cubin symbols are stable: NAME_<dtype><kv>_d<D>_g<G> (pkvrt/_buildspec.py symbol()), where
-// <kv> is empty for K/V of the q dtype and _e4m3 for FP8 K/V: pkv_split_decode_f16_d128_g4,
-// pkv_split_decode_f16_e4m3_d128_g4. M(NAME, TN, T, KN, KV, D, G) defines one entry.
-#define PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, D) \
-  M(NAME, TN, T, KN, KV, D, 1) M(NAME, TN, T, KN, KV, D, 2) M(NAME, TN, T, KN, KV, D, 4) M(NAME, TN, T, KN, KV, D, 8)
-#define PKV_FOR_DIMS_GROUPS(M, NAME, TN, T, KN, KV) \
-  PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, 64) PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, 128) \
-  PKV_FOR_GROUPS(M, NAME, TN, T, KN, KV, 256)
-#define PKV_INSTANTIATE_DECODE(M, NAME)                                   \
-  PKV_FOR_DIMS_GROUPS(M, NAME, f16, __half, , __half)                     \
-  PKV_FOR_DIMS_GROUPS(M, NAME, bf16, __nv_bfloat16, , __nv_bfloat16)      \
-  PKV_FOR_DIMS_GROUPS(M, NAME, f16, __half, _e4m3, pkv::e4m3)             \
-  PKV_FOR_DIMS_GROUPS(M, NAME, bf16, __nv_bfloat16, _e4m3, pkv::e4m3)
+// Instantiates an extern "C" entry point per (q/out dtype, K/V dtype, head dim, group capacity)
+// so cubin symbols are stable: NAME_<dtype><kv>_d<D>_gc<GC> (pkvrt/_buildspec.py symbol()), where
+// <kv> is empty for K/V of the q dtype and _e4m3 for FP8 K/V: pkv_split_decode_f16_d128_gc4
+// serves G 1..4, _gc8 G 5..8, _gc16 G 9..16. M(NAME, TN, T, KN, KV, D, GC) defines one entry.
+// e4m3: D 64, 128, 256 (no D 96), and group capacity 16 at D <= 128 (at D = 256 the second half
+// of the O^T accumulators would not fit the registers).
+#define PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, D) \
+  M(NAME, TN, T, KN, KV, D, 4) M(NAME, TN, T, KN, KV, D, 8) M(NAME, TN, T, KN, KV, D, 16)
+#define PKV_FOR_DIMS_CLASSES(M, NAME, TN, T, KN, KV)                                           \
+  PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 64) PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 96)     \
+  PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 128) PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 256)
+#define PKV_FOR_DIMS_CLASSES_E4M3(M, NAME, TN, T, KN, KV)                                      \
+  PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 64) PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 128)    \
+  M(NAME, TN, T, KN, KV, 256, 4) M(NAME, TN, T, KN, KV, 256, 8)
+#define PKV_INSTANTIATE_DECODE(M, NAME)                                     \
+  PKV_FOR_DIMS_CLASSES(M, NAME, f16, __half, , __half)                      \
+  PKV_FOR_DIMS_CLASSES(M, NAME, bf16, __nv_bfloat16, , __nv_bfloat16)       \
+  PKV_FOR_DIMS_CLASSES_E4M3(M, NAME, f16, __half, _e4m3, pkv::e4m3)         \
+  PKV_FOR_DIMS_CLASSES_E4M3(M, NAME, bf16, __nv_bfloat16, _e4m3, pkv::e4m3)

@@ -9,7 +9,9 @@
 //        slot exit too (the decode kernel already wrote O for them).
 // Block: 128 threads; warp w merges head 4*blockIdx.x + w (decode_common.cuh, merge_head:
 //        few dependent L2 round trips, the merge is latency-bound); no shared memory.
-// Layout: part_a [slots, H_q, D] f32, part_ml [slots, H_q, 2] f32, out [B, H_q, D] (T).
+// Layout: part_a [slots, H_q, D] f32, part_ml [slots, H_q, 2] f32, out [B, H_q, D] (T);
+//        sinks [H_q] f32 or null (attention-sink logits, joining each head's denominator);
+//        lse [B, H_q] f32 or null (each output row's and head's log2-sum-exp, written).
 //        The states of e4m3 K/V are already dequantized (the decode applied v_scale to a), so
 //        one merge serves every K/V dtype.
 // Bytes: reads (D + 2) * 4 bytes per slot and head, writes D * 2 bytes per row and head.
@@ -30,6 +32,8 @@ struct MergeParams {
   int skip_single;
   unsigned long long* trace;  // null, or [grid, kTraceMarks] %globaltimer marks (pkv::trace_mark)
   int early_trigger;          // 1: launch_dependents before the PDL wait (above)
+  const float* sinks;         // null, or [H_q]
+  float* lse;                 // null, or [B, H_q]
 };
 
 template <typename T, int D>
@@ -47,7 +51,8 @@ __device__ __forceinline__ void merge_states(const MergeParams& p) {
   const int h = blockIdx.x * HPC + threadIdx.x / 32;
   if (h >= p.num_qo_heads) return;
   T* o = static_cast<T*>(p.out) + ((long long)out_row * p.num_qo_heads + h) * D;
-  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e, h, o, threadIdx.x % 32);
+  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e, h, o, threadIdx.x % 32,
+                        pkv::sink_log2_of(p.sinks, h), pkv::lse_at(p.lse, p.num_qo_heads, out_row, h));
   pkv::trace_warp_done(p.trace);
 }
 
@@ -57,8 +62,10 @@ __device__ __forceinline__ void merge_states(const MergeParams& p) {
     merge_states<T, D>(p);                                                               \
   }
 PKV_MERGE_ENTRY(f16, __half, 64)
+PKV_MERGE_ENTRY(f16, __half, 96)
 PKV_MERGE_ENTRY(f16, __half, 128)
 PKV_MERGE_ENTRY(f16, __half, 256)
 PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 64)
+PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 96)
 PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 128)
 PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 256)

@@ -5,8 +5,12 @@
 // an engine's own CUDA graph while the lengths change between replays, with no host work
 // proportional to the batch.
 //
+// Sliding window (window_left >= 0): row r attends to [start_r, len_r), start_r = len_r - 1 -
+// window_left when positive (else 0), and everything below is planned on its attended length
+// len_r - start_r: tiles, the split rule, the task order's key; a task's range is offset by
+// start_r, and only the block-table entries of the attended range are checked (and copied).
 // Split rule: the balanced partition (planner.balanced_partition, planner.partition_costs).
-// tiles_r = ceil(len_r / tile_tokens); L = max tiles, W = sum tiles. For every candidate s (an
+// tiles_r = ceil((len_r - start_r) / tile_tokens); L = max tiles, W = sum tiles. For every candidate s (an
 // allowed count with ceil(L/s) >= min_split_tiles; if none, max(1, L / min_split_tiles)) the
 // chunk is c = ceil(L/s), row r gets n_r = ceil(tiles_r / c) splits, N = H_kv * sum n_r CTAs,
 // N_big = H_kv * sum of n_r over rows whose largest split ceil(tiles_r / n_r) exceeds c/2 (the
@@ -90,6 +94,7 @@ struct PlanParams {
   int room_slots;               // a last wave leaving free < room_slots slots is charged
   int room8;                    // room8 * S * (room_slots - free) / room_slots (eighths of a tile)
   int room_chunk;               // ... on cuts whose chunk is at most room_chunk tiles
+  int window_left;              // -1, or each row attends to its last window_left + 1 tokens
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -175,6 +180,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     const int src_stride = p.src_block_tables != nullptr ? p.src_bt_stride : p.bt_stride;
     for (int r = g; r < rows; r += groups) {
       const int n = (tiles_of[r] + (1 << p.page_size_log2) - 1) >> p.page_size_log2;
+      const int first = tiles_of[r] > 0 ? pkv::window_start(tiles_of[r], p.window_left) >> p.page_size_log2 : 0;
       const int* row = src + (long long)r * src_stride;
       int* dst = p.block_tables + (long long)r * p.bt_stride;
       // Batches of 8 independent loads before their checks (and direct mode's stores): the
@@ -184,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
       constexpr int kBatch = 8;
       const bool copy = p.src_block_tables != nullptr;
       bool bad = false;
-      int j = gl;
+      int j = first + gl;
       for (; j + (kBatch - 1) * group < n; j += kBatch * group) {
         int v[kBatch];
 #pragma unroll
@@ -208,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
       atomicOr(&bad_rows, 2);
     }
   }
-  const int t = len > 0 ? ceil_div(len, p.tile_tokens) : 0;
+  const int t = len > 0 ? ceil_div(len - pkv::window_start(len, p.window_left), p.tile_tokens) : 0;
   tiles_of[tid] = t;
   len_of[tid] = len;
   int mx = t;
@@ -307,7 +313,8 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   int total_slots;
   const int excl = block_exclusive_scan(s, warp_sums, &total_slots);
   splits_of[tid] = s;
-  key_of[tid] = s > 0 ? len / s : -1;  // tokens per split; rows with no work last
+  key_of[tid] = s > 0 ? (len - pkv::window_start(len, p.window_left)) / s : -1;  // tokens per
+                                       // split of the attended range; rows with no work last
   __syncthreads();
   if (tid < rows) {
     const int k = key_of[tid];
@@ -345,9 +352,10 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     }
     const int r = rank_row[lo], split = j - offs[lo], S = splits_of[r];
     const int len = len_of[r];
+    const int start = pkv::window_start(len, p.window_left);
     const int tiles = tiles_of[r];
-    const int b = split * tiles / S * p.tile_tokens;
-    const int e = min(len, (split + 1) * tiles / S * p.tile_tokens);
+    const int b = start + split * tiles / S * p.tile_tokens;
+    const int e = min(len, start + (split + 1) * tiles / S * p.tile_tokens);
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const int tk = j * p.num_kv_heads + h;
       if (tk < p.task_capacity) {

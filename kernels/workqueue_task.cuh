@@ -66,20 +66,21 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
 // for the CTA): at 53-64 splits the tail after the last decode (arrival + merge) is 8-9 us, a
 // third of the layer. Twice the slots in flight (WIDE) cut ~1.2 us there and cost ~0.8 us at
 // 2-16 splits; at G = 8 the trace gained, at G = 4 the wider merge's registers (179 -> 223) cost
-// the short steps more than it saved, so it is G = 8's only.
-template <typename T, int D, int G>
+// the short steps more than it saved, so it is the wide classes' only (GC >= 8: G 5..16).
+template <typename T, int D, int GC>
 __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first,
                                         int nsplit) {
+  const int G = p.group;
   for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {  // one warp per head
     const int h = kvh * G + g;
     T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
-    merge_head<T, D, (G >= PKV_TAIL_WIDE_MIN_GROUP ? 2 : 1)>(p.part_a, p.part_ml, p.num_qo_heads,
-                                                             first, first + nsplit, h, o,
-                                                             threadIdx.x % 32);
+    merge_head<T, D, (GC >= PKV_TAIL_WIDE_MIN_GROUP ? 2 : 1)>(
+        p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o, threadIdx.x % 32,
+        sink_log2_of(p.sinks, h), lse_at(p.lse, p.num_qo_heads, row, h));
   }
 }
 
-template <typename T, typename KV, int D, int G, bool kTailMerge>
+template <typename T, typename KV, int D, int GC, bool kTailMerge>
 __device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
   if (!p.early_kv) pdl_enter();  // else decode_range enters after its first copies
   const int task = blockIdx.x;
@@ -91,12 +92,12 @@ __device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
   const int first = p.split_offsets[row];
   const int nsplit = p.split_offsets[row + 1] - first;
   extern __shared__ uint4 smem[];
-  decode_range<T, KV, D, G>(p, row, kvh, begin, end, Sink{nsplit == 1 ? row : -1, first + split},
-                        reinterpret_cast<unsigned char*>(smem));
+  decode_range<T, KV, D, GC>(p, row, kvh, begin, end, Sink{nsplit == 1 ? row : -1, first + split},
+                             reinterpret_cast<unsigned char*>(smem));
   trace_mark(p.trace, kDecoded);
   if constexpr (kTailMerge) {
     if (nsplit > 1 && arrive_last(p.counters + row * p.num_kv_heads + kvh, nsplit))
-      tail_merge<T, D, G>(p, row, kvh, first, nsplit);
+      tail_merge<T, D, GC>(p, row, kvh, first, nsplit);
   }
   trace_mark(p.trace, kDone);
 }

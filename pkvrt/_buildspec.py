@@ -18,10 +18,61 @@ DTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}   # q and out (and K/V, unle
 # without a K/V tag reads K/V of its q dtype; with one, K/V of that type (float scales [1] or
 # [H_kv] in DecodeParams). "e4m3": torch.float8_e4m3fn, 1 byte (kernels/decode_common.cuh).
 KV_TAGS = {"e4m3": "pkv::e4m3"}
-HEAD_DIMS = (64, 128, 256)
-GROUP_SIZES = (1, 2, 4, 8)
-PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-MAX_PAGE_SIZE = 64
+HEAD_DIMS = (64, 96, 128, 256)
+GROUP_SIZES = tuple(range(1, 17))   # G = H_q / H_kv the decode kernels serve
+# A decode kernel serves every group size up to its group capacity (the G heads are rows of a
+# 16-row mma operand; G itself is a run-time argument): capacity 4 serves G 1..4, 8 serves 5..8
+# and 16 serves 9..16 (kernels/decode_common.cuh). 4 and 8 differ only in the fused tail merge.
+GROUP_CLASSES = (4, 8, 16)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_PAGE_SIZE = 128
+# e4m3 K/V: head dims whose tiles the e4m3 fragment maps cover, and the largest group capacity
+# per head dim (at D = 256 capacity 16 would need twice the O^T accumulators in registers).
+E4M3_HEAD_DIMS = (64, 128, 256)
+E4M3_MAX_CLASS = {64: 16, 128: 16, 256: 8}
+
+
+# Kernels that ptxas builds with a small spill, accepted with the reason (tests/test_build.py
+# checks that no other kernel spills and that these stay within the bytes given):
+# (arch, symbol suffix) -> (most spill-store bytes, reason).
+ACCEPTED_SPILLS = {
+    ("sm_90", "_d256_gc16"): (8, "D 256 at group capacity 16: 64 registers of Q fragments and "
+                                 "128 of accumulators; no model of the coverage table has G > 8 "
+                                 "at D 256"),
+    ("sm_80", "_e4m3_d64_gc4"): (4, "e4m3 on sm_80 (bit-shift conversion), split decode at D 64"),
+    ("sm_80", "_e4m3_d64_gc8"): (4, "e4m3 on sm_80 (bit-shift conversion), split decode at D 64"),
+}
+
+
+def accepted_spill(arch: str, symbol_name: str) -> int:
+    """The spill-store bytes :data:`ACCEPTED_SPILLS` allows a kernel (0 for every other)."""
+    return max((b for (a, suffix), (b, _) in ACCEPTED_SPILLS.items()
+                if a == arch and symbol_name.endswith(suffix)), default=0)
+
+
+def group_class(group: int) -> int:
+    """The group capacity of the kernels that serve group size ``group`` (KeyError-free:
+    ValueError for a group size no kernel serves)."""
+    for c in GROUP_CLASSES:
+        if 1 <= group <= c:
+            return c
+    raise ValueError(f"group size {group}: the decode kernels serve 1..{GROUP_CLASSES[-1]}")
+
+
+def unserved(head_dim: int, group: int, kv_dtype: str | None = None) -> str | None:
+    """Why no decode kernel serves (head dim, group size, K/V dtype tag), or None if one does."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (kernels: {', '.join(map(str, HEAD_DIMS))})"
+    if group not in GROUP_SIZES:
+        return f"group size {group} (kernels: 1..{GROUP_SIZES[-1]})"
+    if kv_dtype == "e4m3":
+        if head_dim not in E4M3_HEAD_DIMS:
+            return f"e4m3 K/V at head_dim {head_dim} (e4m3 kernels: {', '.join(map(str, E4M3_HEAD_DIMS))})"
+        if group_class(group) > E4M3_MAX_CLASS[head_dim]:
+            return (f"e4m3 K/V at head_dim {head_dim} with group size {group} (e4m3 kernels at "
+                    f"head_dim {head_dim}: group sizes 1..{E4M3_MAX_CLASS[head_dim]})")
+    return None
+
 
 # Tuning constants the kernels are compiled with (passed as -D defines, echoed in the manifest).
 # TILE_TOKENS: tokens per pipeline stage; the planners cut split boundaries at multiples of it.
@@ -29,11 +80,9 @@ TUNING = {
     "PKV_TILE_TOKENS": 32,
     "PKV_THREADS": 128,
     "PKV_TC_STAGES": 3,         # per-warp K+V stages of the tensor-core body (2 at D=256)
-    "PKV_SMEM_BYTES": 65536,    # shared-memory budget of one SIMT decode CTA (G < 4)
     "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
-    "PKV_TC_MIN_GROUP": 1,      # smallest group size on the tensor-core body (4: SIMT for G < 4)
     "PKV_TAIL_ACQREL": 1,       # fused tail: arrive with one acq_rel atomic (0: two SC fences, the ablation)
-    "PKV_TAIL_WIDE_MIN_GROUP": 8,  # fused tail merge: twice the slots in flight from this group size (16: never)
+    "PKV_TAIL_WIDE_MIN_GROUP": 8,  # fused tail merge: twice the slots in flight from this group capacity (32: never)
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 
@@ -52,9 +101,10 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo")
 
 def symbol(family: str, dtype: str | None = None, head_dim: int | None = None,
            group: int | None = None, kv_dtype: str | None = None) -> str:
-    """Exported (extern "C") kernel name, e.g. ``pkv_split_decode_f16_d128_g4`` (fp16 q, out and
-    K/V) or, with ``kv_dtype="e4m3"``, ``pkv_split_decode_f16_e4m3_d128_g4`` (fp16 q and out,
-    FP8 K/V). ``kv_dtype``: None (K/V of the q dtype) or a :data:`KV_TAGS` tag."""
+    """Exported (extern "C") kernel name, e.g. ``pkv_split_decode_f16_d128_gc4`` (fp16 q, out and
+    K/V, group sizes 1..4: ``group`` is the group size, its kernel the one of its
+    :func:`group_class`) or, with ``kv_dtype="e4m3"``, ``pkv_split_decode_f16_e4m3_d128_gc4``
+    (fp16 q and out, FP8 K/V). ``kv_dtype``: None (K/V of the q dtype) or a :data:`KV_TAGS` tag."""
     if family not in FAMILIES:
         raise KeyError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
     if not FAMILIES[family]["variants"]:
@@ -69,13 +119,14 @@ def symbol(family: str, dtype: str | None = None, head_dim: int | None = None,
     name = f"pkv_{family}_{dtype}{kv}_d{head_dim}"
     if "group" in FAMILIES[family]["variants"]:
         if group is None:
-            raise ValueError(f"{family} kernels are instantiated per group size; pass group=")
-        name += f"_g{group}"
+            raise ValueError(f"{family} kernels are instantiated per group capacity; pass group=")
+        name += f"_gc{group_class(group)}"
     return name
 
 
 def symbols(family: str) -> list[str]:
-    """Every symbol one cubin of ``family`` must export."""
+    """Every symbol one cubin of ``family`` must export (kernels/decode_common.cuh
+    PKV_INSTANTIATE_DECODE: e4m3 per :func:`unserved`)."""
     if not FAMILIES[family]["variants"]:
         return [symbol(family)]
     grouped = "group" in FAMILIES[family]["variants"]
@@ -84,6 +135,8 @@ def symbols(family: str) -> list[str]:
     for kv in kvs:
         for dt in DTYPES:
             for d in HEAD_DIMS:
-                for g in GROUP_SIZES if grouped else (None,):
+                for g in GROUP_CLASSES if grouped else (None,):
+                    if grouped and unserved(d, g, kv) is not None:
+                        continue
                     out.append(symbol(family, dt, d, g, kv))
     return out

@@ -11,6 +11,12 @@ FP8 K/V: k_cache / v_cache in torch.float8_e4m3fn with float32 scales ``k_scale`
 tests use to make FP8 caches. Error of FP8 K/V against attention over the unquantized values:
 :func:`fp8_error_bound`.
 
+Attention variants (the kernels' and FlashInfer's meanings): ``window_left`` >= 0 keeps each
+row's last window_left + 1 tokens (-1: all); ``logits_soft_cap`` c > 0 replaces a score s by
+c * tanh(s / c) (s = sm_scale * q . k); ``sinks`` [H_q] adds one logit per query head to the
+softmax denominator only; ``return_lse`` also returns each row's and head's log2-sum-exp of its
+scores (the sink not counted), FlashInfer's base-2 convention.
+
 Split states use the kernels' convention: scores in the log2 domain,
 x_j = (q . k_j) * sm_scale * log2(e); m = max x_j; l = sum 2^(x_j - m); a = sum 2^(x_j - m) v_j.
 The empty state is (m=-inf, l=0, a=0).
@@ -77,41 +83,66 @@ def quantize_kv(cache: torch.Tensor, *, per_head: bool, scale_error: float = 1.0
     return q, (scale * scale_error).to(torch.float32)
 
 
+def window_start(seq_len: int, window_left: int = -1) -> int:
+    """The first token a row of ``seq_len`` tokens attends to: its last window_left + 1 tokens
+    with a sliding window (window_left >= 0), all of them with -1 (kernels' window_start)."""
+    return max(0, seq_len - 1 - window_left) if window_left >= 0 else 0
+
+
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, sm_scale: float | None = None,
                      dtype=torch.float32, *, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact GQA decode attention. Returns out [B, H_q, D] in ``dtype``.
+                     v_scale: torch.Tensor | None = None, window_left: int = -1,
+                     logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                     return_lse: bool = False):
+    """Exact GQA decode attention. Returns out [B, H_q, D] in ``dtype`` (and lse [B, H_q] float32
+    with ``return_lse``: log2 of the sum of 2^(score * log2 e) over the attended tokens).
 
+    k_cache, v_cache : [num_pages, H_kv, page_size, D] as indexed (any strides: an NHD cache is
+        ``cache.transpose(1, 2)``).
     k_scale, v_scale : None for fp16/bf16/fp32 caches; float32 [1] or [H_kv] for FP8 caches
         (the tokens read are dequantized with :func:`dequantize_kv`, then the same attention).
+    window_left, logits_soft_cap, sinks : the variants of the module docstring.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     out = torch.empty(b, hq, d, dtype=dtype, device=q.device)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     lens = seq_lens.tolist()
     for i in range(b):
-        k = dequantize_kv(gather_kv(k_cache, block_tables[i], lens[i]), k_scale, dtype)  # [H_kv, N, D]
-        v = dequantize_kv(gather_kv(v_cache, block_tables[i], lens[i]), v_scale, dtype)
+        start = window_start(lens[i], window_left)
+        k = dequantize_kv(gather_kv(k_cache, block_tables[i], lens[i]), k_scale, dtype)[:, start:]
+        v = dequantize_kv(gather_kv(v_cache, block_tables[i], lens[i]), v_scale, dtype)[:, start:]
         qi = q[i].to(dtype).view(hkv, g, d)                              # [H_kv, G, D]
         scores = torch.einsum("hgd,hnd->hgn", qi, k) * scale             # [H_kv, G, N]
-        p = torch.softmax(scores, dim=-1)
+        if logits_soft_cap and logits_soft_cap > 0:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        lse[i] = (torch.logsumexp(scores, dim=-1) * LOG2E).reshape(hq).float()
+        if sinks is not None:   # one more logit per head in the denominator, no value
+            sink = sinks.to(dtype).view(hkv, g, 1)
+            p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hgn,hnd->hgd", p, v).reshape(hq, d)
-    return out
+    return (out, lse) if return_lse else out
 
 
-def split_state(q_row, k, v, sm_scale: float):
+def split_state(q_row, k, v, sm_scale: float, logits_soft_cap: float = 0.0):
     """State (m, l, a) of one row over the tokens given. q_row [H_q, D]; k, v [H_kv, N, D].
 
-    Returns m [H_q], l [H_q], a [H_q, D] in float32; N = 0 gives the empty state.
+    Returns m [H_q], l [H_q], a [H_q, D] in float32; N = 0 gives the empty state. With a soft
+    cap c > 0 the scores are c * tanh(sm_scale * q . k / c) before the log2 domain.
     """
     hq, d = q_row.shape
     hkv = k.shape[0]
     g = hq // hkv
     if k.shape[1] == 0:
         return (torch.full((hq,), -math.inf), torch.zeros(hq), torch.zeros(hq, d))
-    x = torch.einsum("hgd,hnd->hgn", q_row.float().view(hkv, g, d), k.float()) * (sm_scale * LOG2E)
+    x = torch.einsum("hgd,hnd->hgn", q_row.float().view(hkv, g, d), k.float()) * sm_scale
+    if logits_soft_cap and logits_soft_cap > 0:
+        x = logits_soft_cap * torch.tanh(x / logits_soft_cap)
+    x = x * LOG2E
     m = x.amax(dim=-1)                                                   # [H_kv, G]
     w = torch.exp2(x - m[..., None])
     l = w.sum(-1)
@@ -119,16 +150,21 @@ def split_state(q_row, k, v, sm_scale: float):
     return m.reshape(hq), l.reshape(hq), a.reshape(hq, d)
 
 
-def merge_states(m: torch.Tensor, l: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Exact merge of S split states. m, l [S, H]; a [S, H, D] -> O [H, D].
+def merge_states(m: torch.Tensor, l: torch.Tensor, a: torch.Tensor, sinks=None,
+                 return_lse: bool = False):
+    """Exact merge of S split states. m, l [S, H]; a [S, H, D] -> O [H, D] (and lse [H]).
 
     m* = max_s m_s;  l* = sum_s 2^(m_s - m*) l_s;  O = sum_s 2^(m_s - m*) a_s / l*.
-    Empty states (m_s = -inf) weigh 0.
+    Empty states (m_s = -inf) weigh 0. sinks [H] (natural-log logits) join the denominator:
+    O = sum_s 2^(m_s - m*) a_s / (l* + 2^(sink * log2 e - m*)). lse = m* + log2(l*), the sink
+    not counted.
     """
     m_all = m.amax(dim=0)                                                # [H]
     w = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), torch.exp2(m - m_all))
     l_all = (w * l).sum(0)
-    return (w[..., None] * a).sum(0) / l_all[:, None]
+    den = l_all if sinks is None else l_all + torch.exp2(sinks.float() * LOG2E - m_all)
+    out = (w[..., None] * a).sum(0) / den[:, None]
+    return (out, m_all + torch.log2(l_all)) if return_lse else out
 
 
 def split_ranges(seq_len: int, num_splits: int, tile: int) -> list[tuple[int, int]]:

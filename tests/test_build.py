@@ -28,13 +28,17 @@ def test_every_kernel_built_for_every_target(manifest):
 
 
 def test_no_spills_or_stack_in_shipped_cubins(manifest):
+    """No kernel spills, but the few _buildspec.ACCEPTED_SPILLS name (with their reason), and
+    those no more than the bytes they are allowed."""
     cubins = [e for e in manifest.entries if e.kind == "cubin"]
     assert cubins
     for e in cubins:
         assert set(e.resources) == set(_buildspec.symbols(e.family)), e.file
+        arch = e.file.split(".")[1]
         for sym, r in e.resources.items():
-            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (e.file, sym, r)
-            assert r["stack"] == 0, (e.file, sym, r)
+            allowed = _buildspec.accepted_spill(arch, sym)
+            assert r["spill_stores"] <= allowed and r["spill_loads"] <= allowed, (e.file, sym, r)
+            assert r["stack"] <= (8 if allowed else 0), (e.file, sym, r)
 
 
 def test_cubins_export_declared_symbols(manifest):

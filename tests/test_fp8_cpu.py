@@ -1,4 +1,4 @@
-"""FP8 K/V (issue 14) on the CPU: the FP32 twin over float8_e4m3fn caches, the scale checks and
+"""FP8 K/V on the CPU: the FP32 twin over float8_e4m3fn caches, the scale checks and
 where the launch paths call them, routes.toml's kv_dtypes, the router's K/V dtype and the bytes
 it counts. (The kernels' e4m3 index math: test_e4m3_layout.py; the kernels themselves and the
 Runtime on the GPU: tests/gpu/test_fp8.py; the Runtime's FP8 path on the emulated device:
@@ -249,17 +249,25 @@ def test_decode_params_carry_the_scale_pointers_and_shapes():
 def test_fp8_decode_smem_equals_fp16(head_dim, group, monkeypatch):
     """The e4m3 pipelines double their stages: the same bytes per CTA, the same occupancy."""
     assert ops.decode_smem_bytes(head_dim, group, 1) == ops.decode_smem_bytes(head_dim, group)
-    monkeypatch.setattr(ops, "_tuning", lambda: {**ops._buildspec.TUNING, "PKV_TC_MIN_GROUP": 4})
-    assert ops.decode_smem_bytes(head_dim, group, 1) == ops.decode_smem_bytes(head_dim, group)
 
 
 def test_fp8_symbols():
     from pkvrt import _buildspec
-    assert _buildspec.symbol("split_decode", "f16", 128, 4) == "pkv_split_decode_f16_d128_g4"
-    assert _buildspec.symbol("fused_decode", "bf16", 64, 8, "e4m3") == "pkv_fused_decode_bf16_e4m3_d64_g8"
+    # a group size is served by the kernel of its group capacity (4: G 1..4, 8: 5..8, 16: 9..16)
+    assert _buildspec.symbol("split_decode", "f16", 128, 4) == "pkv_split_decode_f16_d128_gc4"
+    assert _buildspec.symbol("split_decode", "f16", 128, 3) == "pkv_split_decode_f16_d128_gc4"
+    assert _buildspec.symbol("fused_decode", "bf16", 64, 7, "e4m3") == "pkv_fused_decode_bf16_e4m3_d64_gc8"
+    assert _buildspec.symbol("fused_decode", "bf16", 96, 16) == "pkv_fused_decode_bf16_d96_gc16"
     syms = _buildspec.symbols("workqueue_decode")
-    assert len(syms) == 2 * len(_buildspec.DTYPES) * len(_buildspec.HEAD_DIMS) * len(_buildspec.GROUP_SIZES)
-    assert "pkv_workqueue_decode_f16_e4m3_d256_g1" in syms and "pkv_workqueue_decode_f16_d256_g1" in syms
+    plain = len(_buildspec.DTYPES) * len(_buildspec.HEAD_DIMS) * len(_buildspec.GROUP_CLASSES)
+    e4m3 = len(_buildspec.DTYPES) * sum(1 for d in _buildspec.E4M3_HEAD_DIMS for c in _buildspec.GROUP_CLASSES
+                                        if c <= _buildspec.E4M3_MAX_CLASS[d])
+    assert len(syms) == plain + e4m3 == len(set(syms))
+    assert "pkv_workqueue_decode_f16_e4m3_d256_gc4" in syms and "pkv_workqueue_decode_f16_d256_gc16" in syms
+    assert "pkv_workqueue_decode_f16_e4m3_d256_gc16" not in syms   # e4m3 D 256: G <= 8
+    assert "pkv_workqueue_decode_f16_e4m3_d96_gc4" not in syms     # e4m3: no D 96
+    assert _buildspec.unserved(96, 4, "e4m3") and _buildspec.unserved(256, 12, "e4m3")
+    assert _buildspec.unserved(256, 12) is None and _buildspec.unserved(96, 16) is None
     assert _buildspec.symbols("merge") == [_buildspec.symbol("merge", dt, d)
                                            for dt in _buildspec.DTYPES for d in _buildspec.HEAD_DIMS]
     with pytest.raises(ValueError, match="not instantiated per K/V dtype"):

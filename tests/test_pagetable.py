@@ -95,7 +95,7 @@ def test_layout_arrays_are_read_only_and_block_table_copies():
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"page_size": 3}, "page_size=3"),
-    ({"page_size": 128}, "page_size=128"),
+    ({"page_size": 256}, "page_size=256"),
     ({"page_size": 0}, "page_size=0"),
     ({"page_size": 16, "hole_fraction": 1.0}, "hole_fraction=1.0"),
     ({"page_size": 16, "hole_fraction": -0.1}, "hole_fraction=-0.1"),

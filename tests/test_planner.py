@@ -148,7 +148,7 @@ def test_balanced_partition_is_the_least_cost_candidate(seq, sb, cal, hd):
 
 def test_balanced_partition_examples():
     """H200-like constants (132 SMs, two resident CTAs per SM, slowdown 1.4, CTA overhead 6 tiles,
-    64-token floor): the worked example of partition_costs and the ragged steps issue 12 names."""
+    64-token floor): the worked example of partition_costs and ragged steps of the engine protocol."""
     cal = attrs.evolve(SEED, sm_count=132, splits=SplitPoints(
         bucket_ctas_per_sm=0.97, workqueue_ctas_per_sm=2.0, min_split_tokens=64, cta_overhead_tiles=6.0,
         co_resident_slowdown=1.4))

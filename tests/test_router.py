@@ -220,15 +220,15 @@ def test_force_does_not_bypass_validity(tmp_path):
     reg = registry(tmp_path)
     with pytest.raises(ValueError, match=r"force='pkv_turbo': no such route .* known: flashinfer, pkv_bucket"):
         router(reg).decide(B1, force="pkv_turbo")
-    with pytest.raises(ValueError, match="head_dim 96"):
-        router(reg, head_dim=96).decide(B1, force="pkv_workqueue")
+    with pytest.raises(ValueError, match="head_dim 80"):
+        router(reg, head_dim=80).decide(B1, force="pkv_workqueue")
     with pytest.raises(ValueError, match=r"seq_lens\[0\] = 0"):
         router(reg).decide(np.array([0]), force="pkv_workqueue")
 
 
 def test_shape_without_kernel_refuses_pkv_routes(tmp_path):
-    d = router(registry(tmp_path), head_dim=96).decide(B1)
-    assert d.route == "flashinfer" and d.refused["pkv_bucket"].startswith("no PersistentKV kernel: head_dim 96")
+    d = router(registry(tmp_path), head_dim=80).decide(B1)
+    assert d.route == "flashinfer" and d.refused["pkv_bucket"].startswith("no PersistentKV kernel: head_dim 80")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -362,8 +362,8 @@ def test_memo_routes_agree_with_exact_decisions_on_traces(family, b, timed):
             return True
         # else only on the promotion boundary: the memo reused the decision of a step of its key
         # whose predicted speedup was on the other side of the margin, and on this step the two
-        # routes' predicted ratio is within 0.5 % of it (the session-11 calibration: 7 of 359
-        # uniform B8 steps at 1.048 against 1.05)
+        # routes' predicted ratio is within 0.5 % of it (the 2026-12-01 calibration, 208e68a: 7 of
+        # 359 uniform B8 steps at 1.048 against 1.05)
         pkv = b if a.route == "flashinfer" else a
         margin = exact.registry.margin_for(exact.registry.route(pkv.route), len(s.seq_lens))
         ratio = a.predicted_us["flashinfer"] / a.predicted_us[pkv.route]
@@ -416,9 +416,10 @@ def test_a_time_model_calibration_predicts_every_route_with_it(tmp_path, seq, gr
 
 
 @pytest.mark.parametrize("seq, route, speedup", [
-    # measured in calibrate-sweeps.json (session 18, 0179f6e's kernels): FlashInfer's faster path
-    # vs the workqueue route at its planned cut; predictions of the time model refitted in session
-    # 23 (depth, merge and room terms; the least largest error) at the cuts the room charge picks
+    # measured in calibrate-sweeps.json (2026-12-02, 0179f6e's kernels): FlashInfer's faster path
+    # vs the workqueue route at its planned cut; predictions of the time model refitted 2026-12-03
+    # (cbdbfde: depth, merge and room terms; the least largest error) at the cuts the room charge
+    # picks
     (B1, "pkv_workqueue", 1.250),                 # 44.9 vs 36.8 us (1.22x), predicted 46.1 vs 36.9
     (np.array([131072], dtype=np.int32), "pkv_workqueue", 1.076),   # 140.3 vs 128.6 (1.09x), 141.0 vs 131.1
     # 261.8 vs 258.8 us (1.01x), predicted 261.0 vs 253.9 (1.028 < the 1.05 margin): FlashInfer

@@ -60,11 +60,11 @@ def table(seq, page=16, pad=-1, width=None, seed=0):
     (dict(head_dim=100), "head_dim"),
     (dict(head_dim=512), "head_dim"),
     (dict(page_size=3), "page_size"),
-    (dict(page_size=128), "page_size"),
+    (dict(page_size=256), "page_size"),
     (dict(page_size=0), "page_size"),
     (dict(num_qo_heads=30), "num_qo_heads"),            # 30 % 8 != 0
-    (dict(num_qo_heads=48, num_kv_heads=4), "group"),    # G = 12
-    (dict(num_qo_heads=24, num_kv_heads=8), "group"),    # G = 3
+    (dict(num_qo_heads=68, num_kv_heads=4), "group"),    # G = 17
+    (dict(num_qo_heads=40, num_kv_heads=2), "group"),    # G = 20
     (dict(num_kv_heads=True), "num_kv_heads"),
     (dict(dtype=torch.float32), "dtype"),
 ])
@@ -94,7 +94,7 @@ def test_runtime_on_this_cpu_machine_raises():
 
 
 @pytest.mark.parametrize("kw, name", [
-    (dict(head_dim=96), "head_dim"), (dict(max_batch=0), "max_batch"),
+    (dict(head_dim=80), "head_dim"), (dict(max_batch=0), "max_batch"),
     (dict(max_pages_per_row=-1), "max_pages_per_row"), (dict(max_graphs=0), "max_graphs"),
     (dict(dtype=torch.float32), "dtype"), (dict(layers_per_plan=0), "layers_per_plan"),
     (dict(layers_per_plan=True), "layers_per_plan"),
@@ -204,7 +204,7 @@ RUN_KW = dict(batch=3, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=
     (lambda t: t.update(q=torch.randn(3, 16, 128).half()), "q: expected a contiguous"),
     (lambda t: t.update(k_cache=torch.randn(10, 8, 32, 128).half()), "k_cache: expected .*page_size=16"),
     (lambda t: t.update(k_cache=torch.randn(10, 4, 16, 128).half()), "k_cache: expected .*H_kv=8"),
-    (lambda t: t.update(k_cache=torch.randn(10, 16, 8, 128).half().transpose(1, 2)), "k_cache: expected contiguous"),
+    (lambda t: t.update(k_cache=torch.randn(10, 8, 16, 132).half()[..., :128]), "k_cache: expected contiguous"),
     (lambda t: t.update(v_cache=torch.randn(12, 8, 16, 128).half()), "v_cache: expected the shape of k_cache"),
     (lambda t: t.update(v_cache=t["v_cache"].bfloat16()), "v_cache: expected dtype"),
     (lambda t: t.update(out=torch.zeros(4, 32, 128).half()), "out: expected a contiguous"),
@@ -546,8 +546,18 @@ class Emu:
         assert int(ids.min()) >= 0 and int(ids.max()) < cache.shape[0], "read a page it must not"
         return reference.dequantize_kv(reference.gather_kv(cache, bt_row, n), scale)
 
+    @staticmethod
+    def _finish(out, lse, row, heads, m, l, a, sinks):
+        """O (and lse) of one row's heads from a finished state, as the kernels write them."""
+        o, ls = reference.merge_states(m[None], l[None], a[None], None if sinks is None else sinks[heads],
+                                       return_lse=True)
+        out[row, heads] = o.to(out.dtype)
+        if lse is not None:
+            lse[row, heads] = ls
+
     def split_decode(self, q, k, v, seq, bt, row_ids, s, out, pa=None, pm=None, sm_scale=None, *,
-                     k_scale=None, v_scale=None):
+                     k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=0.0, sinks=None,
+                     lse=None):
         ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
         if s > 1 and pa.shape[0] < row_ids.shape[0] * s:
@@ -557,17 +567,18 @@ class Emu:
             if row < 0:
                 continue
             n = int(seq[row])
+            start = reference.window_start(n, window_left)
             kk, vv = self._kv(k, bt[row], n, k_scale), self._kv(v, bt[row], n, v_scale)
-            per = -(-(-(-n // TILE)) // s)
+            per = -(-(-(-(n - start) // TILE)) // s)
             for j in range(s):
-                b, e = min(n, j * per * TILE), min(n, (j + 1) * per * TILE)
-                m, l, a = reference.split_state(q[row], kk[:, b:e], vv[:, b:e], scale)
+                b, e = min(n, start + j * per * TILE), min(n, start + (j + 1) * per * TILE)
+                m, l, a = reference.split_state(q[row], kk[:, b:e], vv[:, b:e], scale, logits_soft_cap)
                 if s == 1:
-                    out[row] = (a / l[:, None]).to(out.dtype)
+                    self._finish(out, lse, row, slice(None), m, l, a, sinks)
                 else:
                     pa[z * s + j], pm[z * s + j, :, 0], pm[z * s + j, :, 1] = a, m, l
 
-    def merge(self, pa, pm, offsets, out, *, row_ids=None, skip_single=False):
+    def merge(self, pa, pm, offsets, out, *, row_ids=None, skip_single=False, sinks=None, lse=None):
         self.launches += 1
         off = offsets.tolist()
         for r in range(len(off) - 1):
@@ -575,10 +586,14 @@ class Emu:
             b, e = off[r], off[r + 1]
             if orow < 0 or e - b <= 0 or (skip_single and e - b == 1):
                 continue
-            out[orow] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
+            o, ls = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e], sinks, return_lse=True)
+            out[orow] = o.to(out.dtype)
+            if lse is not None:
+                lse[orow] = ls
 
     def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
-                         sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None):
+                         sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None,
+                         logits_soft_cap=0.0, sinks=None, lse=None):
         ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
         self.early.append(bool(early_kv))
@@ -593,16 +608,20 @@ class Emu:
             first, ns = int(offsets[row]), int(offsets[row + 1] - offsets[row])
             kk, vv = self._kv(k, bt[row], n, k_scale), self._kv(v, bt[row], n, v_scale)
             h = slice(kvh * g, kvh * g + g)
-            m, l, a = reference.split_state(q[row, h], kk[kvh:kvh + 1, b:e], vv[kvh:kvh + 1, b:e], scale)
+            m, l, a = reference.split_state(q[row, h], kk[kvh:kvh + 1, b:e], vv[kvh:kvh + 1, b:e], scale,
+                                            logits_soft_cap)
             if ns == 1:
-                out[row, h] = (a / l[:, None]).to(out.dtype)
+                self._finish(out, lse, row, h, m, l, a, sinks)
             else:
                 pa[first + split, h], pm[first + split, h, 0], pm[first + split, h, 1] = a, m, l
                 merged.add(row)
         if counters is not None:  # fused: the last CTA of each (row, kvh) merges in-kernel
             for row in merged:
                 b, e = int(offsets[row]), int(offsets[row + 1])
-                out[row] = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e]).to(out.dtype)
+                o, ls = reference.merge_states(pm[b:e, :, 0], pm[b:e, :, 1], pa[b:e], sinks, return_lse=True)
+                out[row] = o.to(out.dtype)
+                if lse is not None:
+                    lse[row] = ls
 
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
@@ -610,14 +629,15 @@ class Emu:
                               slowdown8, overhead8, max_ctas, max_seq_len, free_slots=0, room_slots=0,
                               room8=0, room_chunk=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
-                              src_block_tables=None, rows=None, max_seq=None):
+                              src_block_tables=None, rows=None, max_seq=None, window_left=-1):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
         average load at the best throughput), chosen at the least cost + the last wave's room
         charge), tasks in the host's order (rows by decreasing
         tokens per split, then split, then KV head); rows with a bad length or a page id outside
         [0, num_pages) get no work. Refuses what ops.plan_workqueue_device refuses: a block
-        table of fewer rows than seq_lens."""
+        table of fewer rows than seq_lens. A sliding window plans each row's attended range
+        (its window's tiles and pages; task ranges offset by the window start)."""
         self.launches += 1
         max_rows = seq_lens.shape[0]
         if block_tables is not None and block_tables.shape[0] < max_rows:
@@ -631,21 +651,26 @@ class Emu:
         if src_seq_lens is not None:   # direct mode: the kernel copies what it reads
             self.direct += 1
             seq_lens[:rows] = src_seq_lens[:rows]
+        start = [0] * max_rows
+        for r in range(rows):
+            n = int(seq_lens[r])
+            start[r] = reference.window_start(n, window_left) if 1 <= n <= max_len else 0
         if src_block_tables is not None:
             for r in range(rows):
                 n = int(seq_lens[r])
                 if 1 <= n <= max_len:
-                    w = -(-n // page_size)
-                    block_tables[r, :w] = src_block_tables[r, :w]
+                    p0, w = start[r] // page_size, -(-n // page_size)
+                    block_tables[r, p0:w] = src_block_tables[r, p0:w]
         tiles, bad, bad_page = [0] * max_rows, False, False
         for r in range(rows):
             n = int(seq_lens[r])
             if not 1 <= n <= max_len:
                 bad = True
-            elif bound and not all(0 <= int(x) < bound for x in block_tables[r, :-(-n // page_size)]):
+            elif bound and not all(0 <= int(x) < bound
+                                   for x in block_tables[r, start[r] // page_size:-(-n // page_size)]):
                 bad_page = True
             else:
-                tiles[r] = -(-n // TILE)
+                tiles[r] = -(-(n - start[r]) // TILE)
         longest, total = max(tiles), sum(tiles)
         cands = [c for c in candidates.tolist() if longest and -(-longest // c) >= min_split_tiles]
         cands = cands or [max(1, longest // min_split_tiles)]
@@ -682,11 +707,12 @@ class Emu:
         split_offsets[:] = torch.as_tensor(offs, dtype=torch.int32)
         num_splits[:] = torch.as_tensor(splits, dtype=torch.int32)
         t = []
-        lens = [int(seq_lens[r]) if tiles[r] else 0 for r in range(rows)]
+        lens = [int(seq_lens[r]) - start[r] if tiles[r] else 0 for r in range(rows)]   # attended
         for r in sorted(range(rows), key=lambda r: -(lens[r] // splits[r]) if splits[r] else 1):
             n, s = lens[r], splits[r]
             for j in range(s):
-                b, e = j * tiles[r] // s * TILE, min(n, (j + 1) * tiles[r] // s * TILE)
+                b = start[r] + j * tiles[r] // s * TILE
+                e = start[r] + min(n, (j + 1) * tiles[r] // s * TILE)
                 t += [[r, h, j, b, e] for h in range(num_kv_heads)]
         num_tasks[0] = min(len(t), tasks.shape[0])
         if t:
@@ -810,7 +836,7 @@ def test_fake_device_decode_loop_matches_reference(fake_device, pool, route, use
 
 @pytest.mark.parametrize("mode", ["eager", "engine_capture"])
 def test_fake_device_a_dropped_runtime_is_freed_at_once(fake_device, pool, mode):
-    """No reference cycle in a Runtime (session 24): with the collector off, a Runtime that
+    """No reference cycle in a Runtime (285b2a6): with the collector off, a Runtime that
     planned and ran every PersistentKV route dies at ``del``. engine_capture with host lengths
     once kept its deferred planning launch as a closure over the Runtime, a cycle. (The fake
     device's graphs hold their launch closures, which a real CUDA graph does not: the graphs

@@ -45,6 +45,10 @@ class DecodeParams(ctypes.Structure):
         ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
         ("trace", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("k_scale_per_head", ctypes.c_int), ("v_scale_per_head", ctypes.c_int),
+        ("k_tok_stride", ctypes.c_longlong), ("v_tok_stride", ctypes.c_longlong),
+        ("group", ctypes.c_int), ("window_left", ctypes.c_int),
+        ("softcap_scale", ctypes.c_float), ("softcap_log2", ctypes.c_float),
+        ("sinks", ctypes.c_void_p), ("lse", ctypes.c_void_p),
     ]
 
 
@@ -54,7 +58,7 @@ class MergeParams(ctypes.Structure):
         ("part_a", ctypes.c_void_p), ("part_ml", ctypes.c_void_p),
         ("split_offsets", ctypes.c_void_p), ("row_ids", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("num_qo_heads", ctypes.c_int), ("skip_single", ctypes.c_int), ("trace", ctypes.c_void_p),
-        ("early_trigger", ctypes.c_int),
+        ("early_trigger", ctypes.c_int), ("sinks", ctypes.c_void_p), ("lse", ctypes.c_void_p),
     ]
 
 
@@ -75,19 +79,17 @@ def _tuning() -> dict:
 
 
 def decode_smem_bytes(head_dim: int, group: int, kv_bytes: int = 2) -> int:
-    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, G, KV>() (decode_common.cuh).
-
-    G >= PKV_TC_MIN_GROUP (tensor-core body): 4 warps x tc_stages x (K + V) x 16 tokens x D x
-    kv_bytes (D=128: 3 * 4 * 2 * 16 * 128 * 2 = 96 KB; e4m3, kv_bytes 1: twice the stages, the
-    same 96 KB). Below it (SIMT body): as many 32-token K+V stages as fit PKV_SMEM_BYTES, at least
-    2 (D=128: 4 * 16 KB = 64 KB; e4m3 8 * 8 KB).
-    """
+    """Dynamic shared memory of a decode CTA; mirrors pkv::smem_bytes<D, GC, KV>()
+    (decode_common.cuh) for the group capacity GC that serves ``group``: the larger of the
+    pipeline, 4 warps x tc_stages x (K + V) x 16 tokens x row x kv_bytes (D=128: 3 * 4 * 2 * 16
+    * 128 * 2 = 96 KB; e4m3, kv_bytes 1: twice the stages, the same 96 KB; a row is D elements,
+    D + 8 at D = 96), and the warps' states at the end, 4 x GC x (D + 2) x 4 bytes."""
     t = _tuning()
-    if group >= t["PKV_TC_MIN_GROUP"]:
-        stages = (2 if head_dim >= 256 else t["PKV_TC_STAGES"]) * (2 if kv_bytes == 1 else 1)
-        return stages * (t["PKV_THREADS"] // 32) * 2 * 16 * head_dim * kv_bytes
-    stage = 2 * t["PKV_TILE_TOKENS"] * head_dim * kv_bytes
-    return max(2, t["PKV_SMEM_BYTES"] // stage) * stage
+    stages = (2 if head_dim >= 256 else t["PKV_TC_STAGES"]) * (2 if kv_bytes == 1 else 1)
+    row = head_dim if head_dim & (head_dim - 1) == 0 else head_dim + 8
+    warps = t["PKV_THREADS"] // 32
+    pipe = stages * warps * 2 * 16 * row * kv_bytes
+    return max(pipe, warps * _buildspec.group_class(group) * (head_dim + 2) * 4)
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -106,7 +108,10 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          ) -> tuple[str, str | None, int, int, int]:
     """Validate the tensors shared by every decode launch, the K/V scales included
     (:func:`check_kv_scales`, metadata only, first: a scale problem is the first thing said).
-    Returns (q dtype tag, K/V dtype tag or None for K/V of q's dtype, D, G, log2 page)."""
+    The caches are indexed [page, KV head, token, D] with any strides whose token rows are
+    contiguous and 16-byte aligned (an NHD cache is passed as ``cache.transpose(1, 2)``; K and V
+    may be views of one tensor). Returns (q dtype tag, K/V dtype tag or None for K/V of q's
+    dtype, D, G, log2 page)."""
     check_kv_scales(k_cache, v_cache, k_scale, v_scale, q=q, out=out)
     if q.dtype not in _DTYPES:
         _fail("q", "dtype float16 or bfloat16", q.dtype)
@@ -122,19 +127,19 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (c.dtype != q.dtype and c.dtype not in KV_TAG) or c.device != q.device:
             _fail(name, f"{q.dtype} (like q) or float8_e4m3fn on {q.device}", f"{c.dtype} on {c.device}")
-        if c.dim() != 4 or c.shape[3] != d or c.stride(3) != 1 or c.stride(2) != d:
-            _fail(name, f"[num_pages, H_kv, page_size, {d}] with contiguous token rows",
+        if c.dim() != 4 or c.shape[3] != d or c.stride(3) != 1:
+            _fail(name, f"[num_pages, H_kv, page_size, {d}] (as indexed) with contiguous token rows",
                   f"shape {tuple(c.shape)} strides {c.stride()}")
-        if c.data_ptr() % 16 or c.stride(0) % per16 or c.stride(1) % per16:
-            _fail(name, "16-byte aligned pages and heads", f"strides {c.stride()}")
+        if c.data_ptr() % 16 or any(c.stride(i) % per16 for i in range(3)):
+            _fail(name, "16-byte aligned pages, heads and token rows", f"strides {c.stride()}")
     if k_cache.shape != v_cache.shape:
         _fail("v_cache", f"the shape of k_cache {tuple(k_cache.shape)}", tuple(v_cache.shape))
     hkv, page = k_cache.shape[1], k_cache.shape[2]
     if hq % hkv:
         _fail("q", f"H_q a multiple of H_kv={hkv}", hq)
     g = hq // hkv
-    if g not in _buildspec.GROUP_SIZES:
-        _fail("q", f"H_q / H_kv in {_buildspec.GROUP_SIZES}", g)
+    if (why := _buildspec.unserved(d, g, kv_tag)) is not None:
+        _fail("q/k_cache", "a shape the decode kernels serve", why)
     if page not in _buildspec.PAGE_SIZES:
         _fail("k_cache", f"page_size in {_buildspec.PAGE_SIZES}", page)
     if out.dtype != q.dtype or out.device != q.device or not out.is_contiguous() or out.dim() != 3 \
@@ -142,6 +147,42 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         _fail("out", f"a contiguous {q.dtype} [*, {hq}, {d}] tensor on {q.device}",
               f"{out.dtype} {tuple(out.shape)} on {out.device}")
     return _DTYPES[q.dtype], kv_tag, d, g, int(math.log2(page))
+
+
+def _check_sinks_lse(p, out: torch.Tensor, sinks, lse, lse_rows: int | None = None) -> None:
+    """sinks (None or a contiguous float32 [H_q] tensor on out's device) and lse (None or a
+    contiguous float32 [rows, H_q] tensor there, rows = out's batch, or >= lse_rows) into p."""
+    hq, rows = out.shape[1], out.shape[0]
+    if sinks is not None:
+        if sinks.dtype != torch.float32 or sinks.device != out.device or tuple(sinks.shape) != (hq,) \
+                or not sinks.is_contiguous():
+            _fail("sinks", f"a contiguous float32 [{hq}] tensor on {out.device}",
+                  f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+        p.sinks = sinks.data_ptr()
+    if lse is not None:
+        want = rows if lse_rows is None else lse_rows
+        if lse.dtype != torch.float32 or lse.device != out.device or lse.dim() != 2 \
+                or lse.shape[1] != hq or lse.shape[0] < want or not lse.is_contiguous():
+            _fail("lse", f"a contiguous float32 [{want}, {hq}] tensor on {out.device}",
+                  f"{lse.dtype} {tuple(lse.shape)} on {lse.device}")
+        p.lse = lse.data_ptr()
+
+
+def _variant_params(p, q: torch.Tensor, *, window_left: int, logits_soft_cap: float, sm_scale,
+                    sinks, lse, lse_rows: int) -> None:
+    """The attention variant's fields of a DecodeParams (checked): window_left (-1 or >= 0),
+    the soft cap (0: none; cap * tanh(score / cap) otherwise), sinks and lse
+    (:func:`_check_sinks_lse`)."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        _fail("window_left", "-1 (no window) or an int >= 0", window_left)
+    p.window_left = window_left
+    cap = float(logits_soft_cap or 0.0)
+    if not math.isfinite(cap) or cap < 0:
+        _fail("logits_soft_cap", "0 (none) or a finite cap > 0", logits_soft_cap)
+    if cap > 0:
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+        p.softcap_scale, p.softcap_log2 = scale / cap, cap * LOG2E
+    _check_sinks_lse(p, q, sinks, lse, lse_rows)
 
 
 def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
@@ -208,7 +249,10 @@ def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_ta
     p.block_tables = _int32("block_tables", block_tables, dev, 2)
     p.k_page_stride, p.k_head_stride = k_cache.stride(0), k_cache.stride(1)
     p.v_page_stride, p.v_head_stride = v_cache.stride(0), v_cache.stride(1)
+    p.k_tok_stride, p.v_tok_stride = k_cache.stride(2), v_cache.stride(2)
     p.num_qo_heads, p.num_kv_heads = q.shape[1], k_cache.shape[1]
+    p.group = q.shape[1] // k_cache.shape[1]
+    p.window_left = -1
     p.page_size_log2 = log2_page
     p.bt_stride = block_tables.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
@@ -221,7 +265,8 @@ def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_ta
 
 def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_splits: int, out,
                  part_a=None, part_ml=None, sm_scale: float | None = None, *, k_scale=None,
-                 v_scale=None) -> None:
+                 v_scale=None, window_left: int = -1, logits_soft_cap: float = 0.0, sinks=None,
+                 lse=None) -> None:
     """Sequence-split decode over the rows ``row_ids`` (one bucket), grid (S, H_kv, rows).
 
     q [B, H_q, D] fp16/bf16; k_cache, v_cache [P, H_kv, page, D], q's dtype or float8_e4m3fn;
@@ -232,6 +277,12 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
     head) device tensors, each independently; read by the kernel at run time (a replayed graph
     sees new values). The partial states are dequantized (``merge`` is the same for every K/V
     dtype).
+
+    Variants: window_left (-1, or each row attends to its last window_left + 1 tokens, its
+    splits over that range), logits_soft_cap (0, or cap * tanh(score / cap)), sinks (float32
+    [H_q], one logit per head in the softmax denominator) and lse (float32 [B, H_q], each row's
+    log2-sum-exp of its scores, written) apply where O is written here (num_splits == 1);
+    with more splits pass sinks and lse to :func:`merge`.
     """
     tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_splits < 1:
@@ -243,6 +294,8 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
                        sm_scale, log2_page, k_scale, v_scale)
     p.row_ids = _int32("row_ids", row_ids, q.device, 1)
     p.num_splits = num_splits
+    _variant_params(p, q, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                    sm_scale=sm_scale, sinks=sinks, lse=lse, lse_rows=out.shape[0])
     k = _driver.get_kernel("split_decode", _buildspec.symbol("split_decode", tag, d, g, kv_tag),
                            decode_smem_bytes(d, g, k_cache.element_size()))
     _driver.launch(k, (num_splits, k_cache.shape[1], row_ids.shape[0]), THREADS, p)
@@ -251,7 +304,7 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
 def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
                      counters=None, early_kv: bool = False, trace=None, *, k_scale=None,
-                     v_scale=None) -> None:
+                     v_scale=None, logits_soft_cap: float = 0.0, sinks=None, lse=None) -> None:
     """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
@@ -270,6 +323,10 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     (benches/layer_timeline.py).
 
     K/V in float8_e4m3fn: k_scale, v_scale as :func:`split_decode`'s.
+
+    logits_soft_cap, sinks, lse: as :func:`split_decode`'s, where O is written here (rows of
+    one split; with ``counters`` every row); a sliding window is the planner's (the tasks'
+    token ranges). Without counters pass sinks and lse to the :func:`merge` that follows.
     """
     tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if tasks.dim() != 2 or tasks.shape[1] != 5:
@@ -285,6 +342,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
         p.counters = _int32("counters", counters, q.device, 2)
     p.early_kv = int(bool(early_kv))
     p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
+    _variant_params(p, q, window_left=-1, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                    sinks=sinks, lse=lse, lse_rows=out.shape[0])
     k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g, kv_tag),
                            decode_smem_bytes(d, g, k_cache.element_size()))
     _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)
@@ -303,11 +362,13 @@ def _trace(trace, grid_ctas: int, device) -> int:
 
 
 def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: bool = False,
-          trace=None) -> None:
+          trace=None, sinks=None, lse=None) -> None:
     """Segmented exact merge, grid (head blocks, rows); rows = split_offsets.numel() - 1.
 
     part_a [slots, H_q, D] f32; part_ml [slots, H_q, 2] f32; split_offsets [rows+1] int32;
     row_ids [rows] int32 output row per merge row (None: identity; -1: idle); out [B, H_q, D].
+    sinks: None or float32 [H_q] attention-sink logits (each head's denominator); lse: None or
+    float32 [B, H_q], each merged row's and head's log2-sum-exp (written).
     trace: None or a zeroed int64 [>= grid CTAs, TRACE_MARKS] timeline buffer (benches/layer_timeline.py).
     """
     if out.dtype not in _DTYPES or not out.is_cuda or not out.is_contiguous() or out.dim() != 3:
@@ -330,6 +391,7 @@ def merge(part_a, part_ml, split_offsets, out, *, row_ids=None, skip_single: boo
         return
     p.num_qo_heads, p.skip_single = hq, int(skip_single)
     p.early_trigger = _MERGE_EARLY_TRIGGER
+    _check_sinks_lse(p, out, sinks, lse)
     heads_per_cta = THREADS // 32  # one warp per head (kernels/merge.cu)
     grid = ((hq + heads_per_cta - 1) // heads_per_cta, rows, 1)
     p.trace = _trace(trace, grid[0] * grid[1], out.device)
@@ -366,7 +428,7 @@ class PlanParams(ctypes.Structure):
         ("src_seq_lens", ctypes.c_void_p), ("src_block_tables", ctypes.c_void_p),
         ("src_bt_stride", ctypes.c_int), ("rows", ctypes.c_int), ("max_seq", ctypes.c_int),
         ("free_slots", ctypes.c_int), ("room_slots", ctypes.c_int), ("room8", ctypes.c_int),
-        ("room_chunk", ctypes.c_int),
+        ("room_chunk", ctypes.c_int), ("window_left", ctypes.c_int),
     ]
 
 
@@ -410,7 +472,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
                           free_slots: int = 0, room_slots: int = 0, room8: int = 0, room_chunk: int = 0,
                           max_seq_len=None, block_tables=None, num_pages=None,
                           page_size: int | None = None, src_seq_lens=None, src_block_tables=None,
-                          rows: int | None = None, max_seq: int | None = None) -> None:
+                          rows: int | None = None, max_seq: int | None = None,
+                          window_left: int = -1) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
@@ -436,6 +499,10 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     (device, contiguous): the entries each valid length uses are copied into block_tables
     (which must be given); :func:`check_plan_direct_args`. ``candidates`` are read before the
     kernel's PDL wait: they must not be written by the kernel just before it in the stream.
+
+    window_left: -1, or each row attends to its last window_left + 1 tokens: the plan covers
+    that range (its tasks' token ranges start there; only its block-table entries are checked
+    and copied), as ``planner.plan_workqueue(..., window_left=)``.
     """
     dev = seq_lens.device
     max_rows = seq_lens.shape[0]
@@ -469,6 +536,9 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     p.task_capacity, p.sms, p.resident, p.slowdown8 = tasks.shape[0], sms, resident, slowdown8
     p.overhead8, p.max_ctas, p.free_slots = overhead8, max_ctas, free_slots
     p.room_slots, p.room8, p.room_chunk = room_slots, room8, room_chunk
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        _fail("window_left", "-1 (no window) or an int >= 0", window_left)
+    p.window_left = window_left
     if block_tables is not None:
         if num_pages is None or page_size is None:
             _fail("num_pages/page_size", "both given with block_tables", (num_pages, page_size))

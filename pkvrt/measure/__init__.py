@@ -7,6 +7,8 @@
   cuDNN) as baseline engines.
 - :mod:`~pkvrt.measure.model`, :mod:`~pkvrt.measure.model_attention`,
   :mod:`~pkvrt.measure.model_tp`: a Llama-shaped model step (one GPU and tensor-parallel).
+- :mod:`~pkvrt.measure.model_shapes`: the attention shapes of served models (group sizes, head
+  dims, windows, soft caps, sinks) and the steps ``benches/model_shapes.py`` measures them on.
 - :mod:`~pkvrt.measure.results`, :mod:`~pkvrt.measure.model_results`,
   :mod:`~pkvrt.measure.tp_results`: results files with the GPU, versions, seeds and hashes.
 

@@ -573,11 +573,23 @@ def workqueue_counters_of(seq, num_splits, *, num_kv_heads, num_qo_heads, head_d
         merge_bytes=state_bytes(slots, num_qo_heads=num_qo_heads, head_dim=head_dim), merge_launches=1)
 
 
+def window_starts(seq: np.ndarray, window_left: int = -1) -> np.ndarray:
+    """The first token each row attends to: seq - 1 - window_left where positive with a sliding
+    window (window_left >= 0: the last window_left + 1 tokens), else 0 (kernels' window_start)."""
+    if window_left < 0:
+        return np.zeros_like(seq)
+    return np.maximum(seq - 1 - window_left, 0).astype(seq.dtype)
+
+
 def workqueue_from_checked(seq, *, num_kv_heads, num_qo_heads, head_dim, dtype_bytes, splits, cal, tile_tokens,
-                           tasks: bool, longest_splits: int | None = None, kind: str = "workqueue"):
+                           tasks: bool, longest_splits: int | None = None, kind: str = "workqueue",
+                           window_left: int = -1):
     """:func:`plan_workqueue` (``tasks=True``) or only its counters (``tasks=False``) for a
     ``seq`` already checked by :func:`check_seq_lens`; ``kind`` "fused" cuts for the fused
-    kernel (no merge launch: :meth:`PartitionModel.of`)."""
+    kernel (no merge launch: :meth:`PartitionModel.of`). With a sliding window the plan is the
+    one of the attended lengths, its token ranges offset by each row's window start."""
+    start = window_starts(seq, window_left)
+    full, seq = seq, seq - start          # the attended lengths: what the partition cuts
     ns = balanced_partition(seq, num_kv_heads=num_kv_heads, splits=splits, cal=cal, tile_tokens=tile_tokens,
                             longest_splits=longest_splits, kind=kind).num_splits
     counters = workqueue_counters_of(seq, ns, num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads,
@@ -606,8 +618,8 @@ def workqueue_from_checked(seq, *, num_kv_heads, num_qo_heads, head_dim, dtype_b
     out[:, :, 0] = row[:, None]
     out[:, :, 1] = np.arange(num_kv_heads)
     out[:, :, 2] = split[:, None]
-    out[:, :, 3] = (t0 * tile_tokens)[:, None]
-    out[:, :, 4] = np.minimum(t1 * tile_tokens, row_len)[:, None]
+    out[:, :, 3] = (start[row] + t0 * tile_tokens)[:, None]
+    out[:, :, 4] = np.minimum(start[row] + t1 * tile_tokens, full[row])[:, None]
     out = out.reshape(ctas, 5)
     return WorkqueuePlan(tasks=out, split_offsets=offsets, num_splits=ns.astype(np.int32), counters=counters)
 
@@ -624,7 +636,8 @@ def workqueue_counters(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_d
 
 def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype_bytes: int,
                    splits, cal: Calibration, tile_tokens: int = TILE_TOKENS,
-                   longest_splits: int | None = None, kind: str = "workqueue") -> WorkqueuePlan:
+                   longest_splits: int | None = None, kind: str = "workqueue",
+                   window_left: int = -1) -> WorkqueuePlan:
     """Compact ``(row, kvh, split, tok_begin, tok_end)`` tasks, only non-empty ones, cut by the
     balanced partition (:func:`balanced_partition`).
 
@@ -635,6 +648,8 @@ def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: 
     longest_splits : force the partition's candidate (the longest row's split count): sweeps.
     kind : "workqueue" (decode + merge launch) or "fused" (the fused kernel's cut: no merge
         launch to leave resident slots for, :meth:`PartitionModel.of`).
+    window_left : -1, or each row attends to its last window_left + 1 tokens: the plan of those
+        lengths, each task's range offset by its row's window start (as the planning kernel).
 
     Returns
     -------
@@ -645,7 +660,7 @@ def plan_workqueue(seq_lens, *, num_kv_heads: int, num_qo_heads: int, head_dim: 
     return workqueue_from_checked(
         check_seq_lens(seq_lens), num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads,
         head_dim=head_dim, dtype_bytes=dtype_bytes, splits=splits, cal=cal, tile_tokens=tile_tokens,
-        tasks=True, longest_splits=longest_splits, kind=kind)
+        tasks=True, longest_splits=longest_splits, kind=kind, window_left=window_left)
 
 
 def fused_counters(counters: Counters) -> Counters:

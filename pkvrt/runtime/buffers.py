@@ -121,6 +121,7 @@ class StaticBuffers:
             self._counters = torch.zeros(gmax, self.num_kv_heads, dtype=torch.int32, device=dev)
             self._sq = torch.zeros(gmax, hq, d, dtype=self.dtype, device=dev)
             self._so = torch.zeros(gmax, hq, d, dtype=self.dtype, device=dev)
+            self._slse = torch.zeros(gmax, hq, dtype=torch.float32, device=dev)   # lse of static runs
             self._sq_ptr, self._so_ptr = self._sq.data_ptr(), self._so.data_ptr()
             self._fi_indices = torch.zeros(nb * npg, dtype=torch.int32, device=dev) if fi else None
             self._ring = []

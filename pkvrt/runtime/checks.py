@@ -27,12 +27,16 @@ NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with use_cuda_gr
                   "whole steps in your own graph")
 
 
+KV_LAYOUTS = ("HND", "NHD")
+
+
 def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype=None) -> int:
     """Check an attention shape against the kernels built (``pkvrt/_buildspec.py``); return G.
 
-    Raises ValueError naming the argument: head_dim in (64, 128, 256); page_size a power of
-    two <= 64; num_qo_heads a multiple of num_kv_heads with G in (1, 2, 4, 8); dtype (q and out)
-    fp16/bf16; kv_dtype None (= dtype), dtype or float8_e4m3fn.
+    Raises ValueError naming the argument: head_dim in (64, 96, 128, 256); page_size a power of
+    two <= 128; num_qo_heads a multiple of num_kv_heads with G in 1..16; dtype (q and out)
+    fp16/bf16; kv_dtype None (= dtype), dtype or float8_e4m3fn (head dims 64, 128, 256; at 256
+    G <= 8: ``_buildspec.unserved``).
     """
     for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim), ("page_size", page_size)):
@@ -60,7 +64,36 @@ def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype
     if kv_dtype is not None and kv_dtype not in (dtype, ops.FP8):
         raise ValueError(f"Runtime: kv_dtype={kv_dtype}: expected None (the dtype, {dtype}) or "
                          "torch.float8_e4m3fn")
+    if (why := _buildspec.unserved(head_dim, g, ops.KV_TAG.get(kv_dtype))) is not None:
+        raise ValueError(f"Runtime: no decode kernel serves {why}")
     return g
+
+
+def check_variant(kv_layout, window_left, logits_soft_cap, sinks) -> tuple[str, int, float, bool]:
+    """The Runtime's cache layout and attention variant, checked: kv_layout "HND" or "NHD";
+    window_left -1 or an int >= 0; logits_soft_cap 0 or a finite number > 0; sinks a bool.
+    Raises ValueError naming the argument."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"Runtime: kv_layout={kv_layout!r}: expected one of {KV_LAYOUTS}")
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) or window_left < -1:
+        raise ValueError(f"Runtime: window_left={window_left!r}: expected -1 (no window) or an int >= 0 "
+                         "(each row attends to its last window_left + 1 tokens)")
+    try:
+        cap = float(logits_soft_cap)
+    except (TypeError, ValueError):
+        cap = float("nan")
+    if isinstance(logits_soft_cap, bool) or not np.isfinite(cap) or cap < 0:
+        raise ValueError(f"Runtime: logits_soft_cap={logits_soft_cap!r}: expected 0 (none) or a "
+                         "finite cap > 0")
+    if not isinstance(sinks, bool):
+        raise ValueError(f"Runtime: sinks={sinks!r}: expected True (every run() takes sinks=) or False")
+    return kv_layout, int(window_left), cap, sinks
+
+
+def hnd_view(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """A cache as the kernels index it, [num_pages, H_kv, page_size, D]: itself (HND), or the
+    view ``cache.transpose(1, 2)`` of an NHD cache [num_pages, page_size, H_kv, D] (no copy)."""
+    return cache if kv_layout == "HND" or cache.dim() != 4 else cache.transpose(1, 2)
 
 
 def host_int_array(x, name: str) -> np.ndarray:
@@ -211,7 +244,7 @@ def check_page_bound(max_page_id: int, num_pages: int, *,
                          f"{num_pages}")
 
 
-def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int):
+def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int, sinks=None, lse=None):
     """Everything :func:`check_run_args` reads of its tensors besides the step's page bound, as a
     hashable key (each tensor's ``(data_ptr, shape, strides, dtype)`` and device, ``batch``), or
     None when an argument is not a tensor (the full check then says which). The checks are a
@@ -219,7 +252,7 @@ def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int):
     checks each key once (its attribute reads: ~3 us per call on the dev box, per layer; a flat
     tuple measured no faster)."""
     sig = [batch]
-    for t in (q, k_cache, v_cache, out, k_scale, v_scale):
+    for t in (q, k_cache, v_cache, out, k_scale, v_scale, sinks, lse):
         if t is None:
             sig.append(None)
         elif isinstance(t, torch.Tensor):
@@ -232,15 +265,18 @@ def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int):
 
 def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, num_kv_heads: int,
                    head_dim: int, page_size: int, dtype, device, max_page_id: int = -1,
-                   kv_dtype=None, k_scale=None, v_scale=None) -> None:
+                   kv_dtype=None, k_scale=None, v_scale=None, kv_layout: str = "HND",
+                   sinks=None, lse=None, want_sinks: bool = False) -> None:
     """Check run()'s tensors against the runtime's shape and the planned batch; raise ValueError
     naming the tensor. Pure metadata checks (no device access): out is never touched here.
 
-    q, out [batch, H_q, D] contiguous, ``dtype``; k_cache, v_cache [num_pages, H_kv, page_size,
-    D] with contiguous 16-byte-aligned token rows, same shape, ``kv_dtype`` (None: ``dtype``);
+    q, out [batch, H_q, D] contiguous, ``dtype``; k_cache, v_cache as the kernels index them
+    (:func:`hnd_view` of the ``kv_layout`` the caller uses): [num_pages, H_kv, page_size, D]
+    with contiguous 16-byte-aligned token rows, same shape, ``kv_dtype`` (None: ``dtype``);
     all on ``device``; ``max_page_id`` (the step's largest page id, -1 = not validated) <
     num_pages. k_scale, v_scale: float32 [1] or [H_kv] on ``device`` for float8_e4m3fn caches,
-    None otherwise (``ops.check_kv_scales``, metadata only).
+    None otherwise (``ops.check_kv_scales``, metadata only). sinks: a float32 [H_q] tensor
+    iff ``want_sinks``; lse: None or a float32 [batch, H_q] tensor.
     """
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
@@ -263,15 +299,17 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
                              f"(B = the batch of the last plan()), got shape {tuple(t.shape)}"
                              f"{'' if t.is_contiguous() else ' (not contiguous)'}")
     per16 = 16 // k_cache.element_size()   # elements per 16 bytes: 8 (fp16/bf16), 16 (FP8)
-    for name, c in named[1:3]:
+    for name, c in named[1:3]:   # as the kernels index them (hnd_view): an NHD cache transposed
+        nhd = kv_layout == "NHD"
         if c.dim() != 4 or tuple(c.shape[1:]) != (num_kv_heads, page_size, head_dim):
-            raise ValueError(f"Runtime.run: {name}: expected [num_pages, H_kv={num_kv_heads}, "
-                             f"page_size={page_size}, D={head_dim}] (HND), got shape {tuple(c.shape)}")
-        if c.stride(3) != 1 or c.stride(2) != head_dim or c.stride(0) % per16 or c.stride(1) % per16 \
-                or c.data_ptr() % 16:
+            shape = tuple(c.shape) if not nhd or c.dim() != 4 else tuple(c.transpose(1, 2).shape)
+            want = (f"[num_pages, page_size={page_size}, H_kv={num_kv_heads}, D={head_dim}] (NHD)"
+                    if nhd else f"[num_pages, H_kv={num_kv_heads}, page_size={page_size}, D={head_dim}] (HND)")
+            raise ValueError(f"Runtime.run: {name}: expected {want}, got shape {shape}")
+        if c.stride(3) != 1 or any(c.stride(i) % per16 for i in range(3)) or c.data_ptr() % 16:
             raise ValueError(f"Runtime.run: {name}: expected contiguous, 16-byte aligned token rows "
-                             f"and page/head strides that are multiples of {per16} elements, got "
-                             f"strides {c.stride()}")
+                             f"and page/head/token strides that are multiples of {per16} elements, "
+                             f"got strides {c.stride()} ({kv_layout} as [pages, heads, tokens, D])")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"Runtime.run: v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
                          f"got {tuple(v_cache.shape)}")
@@ -280,3 +318,14 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
         ops.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     except ops.KernelArgumentError as e:
         raise ValueError(f"Runtime.run: {e}") from None
+    if want_sinks != (sinks is not None):
+        raise ValueError("Runtime.run: sinks: " + (
+            "expected a float32 [H_q] tensor of attention-sink logits (the Runtime was built with "
+            "sinks=True)" if want_sinks else
+            "given, but the Runtime was built without sinks (construct it with sinks=True)"))
+    for name, t, shape in (("sinks", sinks, (num_qo_heads,)), ("lse", lse, (batch, num_qo_heads))):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
+                              or t.device != device or tuple(t.shape) != shape or not t.is_contiguous()):
+            raise ValueError(f"Runtime.run: {name}: expected a contiguous float32 {list(shape)} tensor "
+                             f"on {device}, got " + (f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                                                     if isinstance(t, torch.Tensor) else type(t).__name__))

@@ -21,7 +21,7 @@ from pkvrt.policy.registry import DEVICE_PLANNED, KIND_KERNELS, Registry, kv_dty
 from pkvrt.policy.router import RouteDecision, Router
 from pkvrt.runtime import fi_route, graphs
 from pkvrt.runtime.buffers import StaticBuffers, _Step
-from pkvrt.runtime.checks import DTYPES, MAX_SEQ_LEN, check_shape
+from pkvrt.runtime.checks import DTYPES, MAX_SEQ_LEN, check_shape, check_variant
 from pkvrt.runtime.graphs import Capacities, initial_capacities
 from pkvrt.runtime.planning import Planning
 from pkvrt.runtime.running import Running
@@ -97,7 +97,21 @@ class Runtime(StaticBuffers, Planning, Running):
     max_graphs : graphs kept (LRU; evicted graphs are freed).
     validate : O(B * pages) checks of the block tables at plan() and of page ids vs num_pages at
         run(); the O(B) checks that guard the static buffers always run.
-    sm_scale : softmax scale (None: 1/sqrt(head_dim)).
+    sm_scale : softmax scale (None: 1/sqrt(head_dim)); any value (Gemma-3-27B: 168 ** -0.5).
+    kv_layout : "HND" (caches ``[num_pages, H_kv, page_size, D]``) or "NHD" (``[num_pages,
+        page_size, H_kv, D]``, vLLM's, SGLang's and FlashInfer's default). Strides come from the
+        tensors run() is given: K and V may be strided views of one tensor (FlashInfer's
+        ``[pages, 2, ...]``, vLLM's K/V packed in the last dimension) as long as each token row
+        of D elements is contiguous and 16-byte aligned.
+    window_left : -1, or a sliding window: each row attends to its last ``window_left + 1``
+        tokens (FlashInfer's meaning). Plans cover the window only (a windowed row's work is its
+        window's pages). A model that mixes local and global layers uses one Runtime per layer
+        kind, each planned once per step: a plan is per window, and one Runtime per kind keeps
+        each kind's graphs and plans as few as one kind's.
+    logits_soft_cap : 0, or a cap c > 0: scores become ``c * tanh(score / c)`` (Gemma-2).
+    sinks : the model has attention sinks (gpt-oss): every run() takes ``sinks=``, one float32
+        logit per query head that joins the softmax denominator. FlashInfer is not used then
+        (its FA2 decode accepts sinks and ignores them: a wrong answer, not a baseline).
     flashinfer : use FlashInfer as the baseline route; False, or FlashInfer failing to import,
         makes it unavailable: steps the policy sends to it run on the fastest PersistentKV route.
     flashinfer_tensor_cores : FlashInfer's tensor-core decode (H200, G=4: 44 vs 52 us at B1 32K).
@@ -210,8 +224,11 @@ class Runtime(StaticBuffers, Planning, Running):
                  decision_memo: int = 4096,
                  device_planning: bool = False, num_pages: int | None = None,
                  engine_capture: bool = False, capture_routing: str = "device_planning",
-                 layers_per_plan: int | None = None):
+                 layers_per_plan: int | None = None, kv_layout: str = "HND",
+                 window_left: int = -1, logits_soft_cap: float = 0.0, sinks: bool = False):
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
+        self.kv_layout, self.window_left, self.logits_soft_cap, self.sinks = check_variant(
+            kv_layout, window_left, logits_soft_cap, sinks)
         if capture_routing not in CAPTURE_ROUTING:
             raise ValueError(f"Runtime: capture_routing={capture_routing!r}: expected one of "
                              f"{', '.join(map(repr, CAPTURE_ROUTING))}")
@@ -308,6 +325,9 @@ class Runtime(StaticBuffers, Planning, Running):
                 self._fi_reason = ("not used with kv_dtype=float8_e4m3fn (FlashInfer's decode takes "
                                    "k_scale / v_scale as host floats: a device read per call, and a "
                                    "captured graph would keep the old values)")
+            if flashinfer and (why := fi_route.unserved(self.head_dim, self.sinks)) is not None:
+                flashinfer = False
+                self._fi_reason = why
             fi_mod = None
             if flashinfer:
                 fi_mod, self._fi_reason = fi_route.load_flashinfer()
@@ -333,6 +353,8 @@ class Runtime(StaticBuffers, Planning, Running):
                         fi_mod, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, page_size=self.page_size, dtype=dtype, device=self.device,
                         sm_scale=sm_scale, tensor_cores=flashinfer_tensor_cores,
+                        kv_layout=self.kv_layout, window_left=self.window_left,
+                        logits_soft_cap=self.logits_soft_cap,
                         # a graph replayed after a re-plan needs FlashInfer's graph mode
                         cuda_graph=(self.use_cuda_graph and flashinfer_cuda_graph) or self.engine_capture,
                         indices_buffer=self._fi_indices, direct_run=flashinfer_direct_run,
@@ -420,7 +442,8 @@ class Runtime(StaticBuffers, Planning, Running):
         cal = self.calibration
         kv = "" if self.kv_dtype == self.dtype else f", KV {self._kv_dtype}"
         lines = [f"pkvrt.Runtime: H_q={self.num_qo_heads} H_kv={self.num_kv_heads} D={self.head_dim} "
-                 f"page={self.page_size} {str(self.dtype).replace('torch.', '')}{kv}; "
+                 f"page={self.page_size} {str(self.dtype).replace('torch.', '')}{kv} {self.kv_layout}"
+                 f"{self._variant_note()}; "
                  f"{'CUDA graphs' if self.use_cuda_graph else 'eager launches'}; calibration "
                  f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
                  + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
@@ -433,6 +456,19 @@ class Runtime(StaticBuffers, Planning, Running):
                                    "on the fastest predicted PersistentKV route")]
         lines.append(self.last_decision.explain() if self.last_decision is not None else "no step planned yet")
         return "\n".join(lines)
+
+    def _variant_note(self) -> str:
+        """explain()'s words for the attention variant (empty for plain attention)."""
+        parts = []
+        if self.window_left >= 0:
+            parts.append(f"window {self.window_left + 1} tokens")
+        if self.logits_soft_cap > 0:
+            parts.append(f"soft cap {self.logits_soft_cap:g}")
+        if self.sinks:
+            parts.append("attention sinks")
+        if self.sm_scale is not None:
+            parts.append(f"sm_scale {self.sm_scale:.6g}")
+        return f" ({', '.join(parts)})" if parts else ""
 
     def _capture_note(self) -> str:
         """explain()'s words for engine_capture with host lengths (empty otherwise)."""

@@ -152,6 +152,23 @@ class DirectCall:
         self.fn(*a)
 
 
+# FlashInfer's decode has no kernel for these head dims (its tensor-core path raises "Unsupported
+# head_dim: 96" from its merge after its decode kernel ran, and the next call in that process
+# hit an illegal memory access, on the H200 with 0.7.2, 2026-12-04).
+NO_DECODE_HEAD_DIMS = (96,)
+
+
+def unserved(head_dim: int, sinks: bool) -> str | None:
+    """Why the FlashInfer route must not run this attention (a wrong answer or a crash, not a
+    slower baseline), or None."""
+    if head_dim in NO_DECODE_HEAD_DIMS:
+        return f"FlashInfer has no decode kernel for head_dim {head_dim}"
+    if sinks:
+        return ("not used with attention sinks: FlashInfer's FA2 decode (tensor and CUDA cores) "
+                "accepts sinks and ignores them, a wrong answer")
+    return None
+
+
 class FlashInferRoute:
     """FlashInfer decode over HND pages, planned per step, run per layer.
 
@@ -170,19 +187,23 @@ class FlashInferRoute:
     record : ``record(event)`` records an event on the current stream (the Runtime's, which
         skips ``torch.cuda.current_stream()``); None: ``event.record()``.
     indices_buffer : int32 [capacity] device buffer every wrapper reads its page ids from.
+    kv_layout : "HND" or "NHD", the layout of the caches run() is given (FlashInfer's own).
+    window_left, logits_soft_cap : the attention variant (FlashInfer's meanings), passed to plan.
     max_wrappers : wrappers kept in graph mode (least recently used dropped first).
     """
 
     def __init__(self, flashinfer, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, dtype, device, sm_scale: float | None, tensor_cores: bool,
                  cuda_graph: bool, indices_buffer, max_wrappers: int = 16,
-                 direct_run: bool = True, record=None):
+                 direct_run: bool = True, record=None, kv_layout: str = "HND",
+                 window_left: int = -1, logits_soft_cap: float = 0.0):
         import torch
 
         self._fi = flashinfer
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype = head_dim, page_size, dtype
         self.device, self.sm_scale = device, sm_scale
+        self.kv_layout, self.window_left, self.logits_soft_cap = kv_layout, window_left, logits_soft_cap
         self.tensor_cores, self.cuda_graph = tensor_cores, cuda_graph
         self.max_wrappers = max_wrappers
         version = str(getattr(flashinfer, "__version__", ""))
@@ -202,7 +223,7 @@ class FlashInferRoute:
         self.wrappers_built = 0
         if not cuda_graph:
             self._eager = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "HND", use_tensor_cores=tensor_cores, backend=BACKEND)
+                self._workspace, kv_layout, use_tensor_cores=tensor_cores, backend=BACKEND)
 
     def _wrapper(self, batch: int) -> tuple[int, object]:
         """The graph-mode wrapper for ``batch`` rows and its serial number (built on first use)."""
@@ -214,7 +235,7 @@ class FlashInferRoute:
             return hit
         self._serial += 1
         w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
+            self._workspace, self.kv_layout, use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
             backend=BACKEND,
             paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
             paged_kv_indices_buffer=self._indices,
@@ -258,15 +279,29 @@ class FlashInferRoute:
             ev = self._plan_events[serial] = torch.cuda.Event()
         w.plan(indptr, indices, last_page_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
-               sm_scale=self.sm_scale, non_blocking=True)
+               sm_scale=self.sm_scale, non_blocking=True, **self._variant())
         self._record_event(ev)
         self._current = w
         return serial
 
-    def run(self, q, k_cache, v_cache, out) -> None:
+    def _variant(self) -> dict:
+        """plan()'s keyword arguments of the attention variant (none for plain attention, so a
+        plain step plans exactly as before)."""
+        kw = {}
+        if self.window_left >= 0:
+            kw["window_left"] = self.window_left
+        if self.logits_soft_cap > 0:
+            kw["logits_soft_cap"] = self.logits_soft_cap
+        return kw
+
+    def run(self, q, k_cache, v_cache, out, lse=None) -> None:
         """Launch FlashInfer's decode on the current stream (capturable in graph mode). q, out
-        [B, H_q, D]; k_cache, v_cache [num_pages, H_kv, page_size, D] (HND); the caller has
+        [B, H_q, D]; k_cache, v_cache in ``kv_layout`` (HND [num_pages, H_kv, page_size, D] or
+        NHD [num_pages, page_size, H_kv, D]); the caller has
         checked them (dtypes, shapes, device) against the Runtime's shape and the planned batch."""
+        if lse is not None:   # FlashInfer's run() with its lse output; no direct call for it
+            self._current.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=True)
+            return
         direct = self._direct
         if direct is not None:
             direct(q, k_cache, v_cache, out)

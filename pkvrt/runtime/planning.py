@@ -13,6 +13,7 @@ scalars and the planning graph.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pkvrt import _buildspec
@@ -109,9 +110,13 @@ class Planning:
             # the pages check_step counted (the router's to_csr would check and copy them again)
             if self._step is not None and self._step.runs:
                 self._layers = self._step.runs   # the last step's run() calls: layers per plan
-            d = fallback.decide(self.router, step.seq, None, force=force,
+            seq, lens = step.seq, step.lens
+            if self.window_left >= 0:   # a windowed row's work is its window: route on that
+                seq = np.minimum(seq, self.window_left + 1)
+                lens = seq.tolist()
+            d = fallback.decide(self.router, seq, None, force=force,
                                 flashinfer_unavailable=self._fi_reason,
-                                fallback_memo=self._fallback_memo, lens=step.lens, layers=self._layers)
+                                fallback_memo=self._fallback_memo, lens=lens, layers=self._layers)
         on_gpu = d.kind in DEVICE_PLANNED
         if on_gpu and b > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows on route {d.route!r}: its plan "
@@ -287,7 +292,8 @@ class Planning:
             num_kv_heads=self.num_kv_heads,
             min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
             max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch], num_pages=self._d_num_pages,
-            page_size=self.page_size, **device_plan_targets(cal, route.kind), **src)
+            page_size=self.page_size, window_left=self.window_left,
+            **device_plan_targets(cal, route.kind), **src)
 
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):

@@ -13,7 +13,8 @@ from pkvrt.launch import _driver, ops
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import _Step
-from pkvrt.runtime.checks import NESTED_CAPTURE, check_page_bound, check_run_args, run_signature
+from pkvrt.runtime.checks import (NESTED_CAPTURE, check_page_bound, check_run_args, hnd_view,
+                                  run_signature)
 from pkvrt.runtime.graphs import bucket_sections
 
 
@@ -36,14 +37,23 @@ class Running:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, return_lse: bool = False):
         """Decode attention of the planned step for one layer. Call once per layer.
 
         Parameters
         ----------
-        q : [B, H_q, D], B = the batch of the last plan(). k_cache, v_cache :
-            [num_pages, H_kv, page_size, D] (HND), the Runtime's kv_dtype. out : [B, H_q, D] or
-            None (allocated then: pass ``out`` for an allocation-free call).
+        q : [B, H_q, D], B = the batch of the last plan(). k_cache, v_cache : the Runtime's
+            kv_layout, HND [num_pages, H_kv, page_size, D] or NHD [num_pages, page_size, H_kv,
+            D] (strided views allowed: token rows of D contiguous, 16-byte aligned), the
+            Runtime's kv_dtype. out : [B, H_q, D] or None (allocated then: pass ``out`` for an
+            allocation-free call).
+        sinks : float32 [H_q] contiguous on the device, the layer's attention-sink logits:
+            required with ``Runtime(sinks=True)``, refused otherwise. Read by the kernels when
+            they run (a replay uses its current values; another tensor is another graph key).
+        lse : None, or a float32 [B, H_q] contiguous tensor that receives each row's and head's
+            log2-sum-exp of its scores (the sink not counted; FlashInfer's base-2 convention).
+            ``return_lse=True`` allocates one (when ``lse`` is None) and returns ``(out, lse)``.
         k_scale, v_scale : FP8 KV cache (``kv_dtype=torch.float8_e4m3fn``) only, and required
             then: float32 [1] (per tensor) or [H_kv] (per KV head) contiguous tensors on the
             Runtime's device, this layer's dequantization scales (K = e4m3 * k_scale[head]). The
@@ -55,7 +65,7 @@ class Running:
 
         Returns
         -------
-        out : [B, H_q, D].
+        out : [B, H_q, D]; ``(out, lse)`` with ``return_lse``.
 
         With graphs, a call replays the graph keyed by the step and these tensors
         (:mod:`pkvrt.runtime.graphs`). q/out that are :meth:`static_q`/:meth:`static_out` are read and
@@ -74,13 +84,18 @@ class Running:
         if st is None:
             raise RuntimeError("Runtime.run: no step planned; call plan(seq_lens, block_tables) once "
                                "per decode step first")
-        sig = run_signature(q, k_cache, v_cache, out, k_scale, v_scale, st.batch)
+        if return_lse and lse is None and isinstance(q, torch.Tensor):
+            lse = torch.empty(st.batch, self.num_qo_heads, dtype=torch.float32, device=self.device)
+        fi_caches = (k_cache, v_cache)   # the FlashInfer route takes them in the caller's layout
+        k_cache, v_cache = hnd_view(k_cache, self.kv_layout), hnd_view(v_cache, self.kv_layout)
+        sig = run_signature(q, k_cache, v_cache, out, k_scale, v_scale, st.batch, sinks, lse)
         if sig is None or sig not in self._run_checked:
             check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            page_size=self.page_size, dtype=self.dtype, device=self.device,
                            max_page_id=st.max_page_id, kv_dtype=self.kv_dtype, k_scale=k_scale,
-                           v_scale=v_scale)
+                           v_scale=v_scale, kv_layout=self.kv_layout, sinks=sinks, lse=lse,
+                           want_sinks=self.sinks)
             if sig is not None:
                 if len(self._run_checked) >= 4096:   # bounded: keys of freed tensors are dropped
                     self._run_checked.clear()
@@ -104,11 +119,11 @@ class Running:
         if st.kind == "flashinfer" and not self._fi.cuda_graph:
             # FlashInfer's eager wrapper (its direct call from the third layer on): no planning
             # kernel to launch, no graph, no early_kv; nothing else between run() and FlashInfer
-            self._fi.run(q, k_cache, v_cache, out)
+            self._fi.run(q, *fi_caches, out, lse)
             st.runs += 1
             self._counts["eager_runs"] += 1
-            return out
-        scales = (k_scale, v_scale)
+            return (out, lse) if return_lse else out
+        scales = (k_scale, v_scale, sinks, lse, fi_caches)
         if not self.use_cuda_graph:
             # early_kv from the second run() of the step on, except on a run() that launches the
             # step's planning kernel itself (engine_capture with host lengths: the first eager
@@ -122,7 +137,7 @@ class Running:
             self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0 and not planned)
             st.runs += 1
             self._counts["eager_runs"] += 1
-            return out
+            return (out, lse) if return_lse else out
         # a device-planned first step, planned before any cache was seen: its planning launch,
         # now that _check_page_bound set the bound (Planning._plan_on_device)
         self._launch_deferred_plan(st, capturing)
@@ -133,12 +148,14 @@ class Running:
         kv = (sig[2][:4], sig[3][:4])
         if self._fp8:
             kv += (sig[5][:4], sig[6][:4])
+        if sinks is not None or lse is not None:   # baked in by address, like the caches
+            kv += (sig[7] and sig[7][:4], sig[8] and sig[8][:4])
         head = (*self.step_key, kv)
         qk = sig[1][:4]
         ok = sig[4][:4] if sig[4] is not None else graphs.tensor_key(out)   # out=None: allocated
         if qk[0] == self._sq_ptr and ok[0] == self._so_ptr:
             self._run_static(st, head, k_cache, v_cache, scales)
-            return out
+            return (out, lse) if return_lse else out
         key = head + ((qk, ok),)
         e = self._graphs.get(key)
         if e is not None:
@@ -151,7 +168,7 @@ class Running:
             self._run_static(st, head, k_cache, v_cache, scales)
             out.copy_(self._so[:st.batch])
             self._counts["staging_copies"] += 2
-        return out
+        return (out, lse) if return_lse else out
 
     def _launch_deferred_plan(self, st: _Step, capturing: bool) -> bool:
         """The step's planning kernel, which plan() left to the step's first run()
@@ -185,16 +202,23 @@ class Running:
         for s in (k_scale, v_scale):
             self._scale_versions[s.data_ptr()] = s._version
 
-    def _run_static(self, st: _Step, head: tuple, k_cache, v_cache, scales=(None, None)) -> None:
+    def _run_static(self, st: _Step, head: tuple, k_cache, v_cache,
+                    scales=(None, None, None, None, None)) -> None:
+        """The static graph of the step: q and out are the static buffers of the padded batch,
+        and so is an lse output (copied to the caller's after the replay: one small copy)."""
         key = head + (graphs.STATIC,)
+        gb, lse = st.gbatch, scales[3]
+        if lse is not None:
+            scales = (*scales[:3], self._slse[:gb], scales[4])
         e = self._graphs.get(key)
         if e is not None:
             e.graph.replay()
             self._counts["replays"] += 1
-            return
-        gb = st.gbatch
-        self._capture(key, lambda: self._launch(st, self._sq[:gb], k_cache, v_cache, self._so[:gb],
-                                                scales))
+        else:
+            self._capture(key, lambda: self._launch(st, self._sq[:gb], k_cache, v_cache,
+                                                    self._so[:gb], scales))
+        if lse is not None:
+            lse.copy_(self._slse[:st.batch])
 
     def _check_page_bound(self, cache_pages: int) -> None:
         """The planning kernel checks page ids against ``num_pages``. Device planning: a cache
@@ -231,11 +255,13 @@ class Running:
                 st.views = (tasks, offsets, counters)
         return st.views
 
-    def _launch(self, st: _Step, q, k_cache, v_cache, out, scales=(None, None),
+    def _launch(self, st: _Step, q, k_cache, v_cache, out, scales=(None, None, None, None, None),
                 early_kv: bool = False) -> None:
         """The step's kernel launches on the current stream (what a graph captures).
 
-        ``scales``: (k_scale, v_scale) of an FP8 cache (pointers the kernels read at run time).
+        ``scales``: (k_scale, v_scale, sinks, lse, the caches in the caller's layout): an FP8
+        cache's scales, the layer's sinks and lse output (pointers the kernels read or write
+        at run time), and what a FlashInfer step is given.
 
         ``early_kv``: the workqueue decode may read the plan and copy its first K/V tiles before
         the previous kernel of the stream has finished (``ops.workqueue_decode``). Set by
@@ -244,21 +270,25 @@ class Running:
         planning kernel just before it (engine_capture): the kernel before it is then the
         previous layer's, never the plan's. The runtime's own per-layer graphs start with a graph
         boundary, where nothing overlaps, so they never set it."""
+        k_scale, v_scale, sinks, lse, fi_caches = scales
         if st.kind == "flashinfer":
-            self._fi.run(q, k_cache, v_cache, out)
+            self._fi.run(q, *(fi_caches or (k_cache, v_cache)), out, lse)
             return
         views = self._views(st)
         seq = self._d_seq if st.kind in DEVICE_PLANNED else self._v_seq
         pa, pm, bt = self._part_a, self._part_ml, self._bt
-        sk = dict(k_scale=scales[0], v_scale=scales[1]) if self._fp8 else {}
+        sk = dict(k_scale=k_scale, v_scale=v_scale) if self._fp8 else {}
+        var = dict(logits_soft_cap=self.logits_soft_cap, sinks=sinks, lse=lse)
+        tail = dict(sinks=sinks, lse=lse)   # the merge: where O of multi-split rows is written
         if st.kind == "bucket":
             for rows, s, moffs in views:
-                ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale, **sk)
+                ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale,
+                                 window_left=self.window_left, **var, **sk)
                 if moffs is not None:
-                    ops.merge(pa, pm, moffs, out, row_ids=rows)
+                    ops.merge(pa, pm, moffs, out, row_ids=rows, **tail)
             return
         tasks, offsets, counters = views
         ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
-                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **sk)
+                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **var, **sk)
         if st.kind == "workqueue":
-            ops.merge(pa, pm, offsets, out, skip_single=True)
+            ops.merge(pa, pm, offsets, out, skip_single=True, **tail)

@@ -206,7 +206,7 @@ def test_no_local_memory_in_the_fp8_kernels():
     run_split(x, 2)
     run_workqueue(x, 2, fused=True)
     for fam in ("split_decode", "fused_decode"):
-        sym = f"pkv_{fam}_bf16_e4m3_d256_g4"
+        sym = f"pkv_{fam}_bf16_e4m3_d256_gc4"
         k = _driver.get_kernel(fam, sym, ops.decode_smem_bytes(256, 4, 1))
         assert _driver.function_attributes(k)["local_bytes"] == 0, sym
 

@@ -213,7 +213,7 @@ def test_capture_replay_after_inplace_change():
 def test_no_local_memory_in_loaded_kernels():
     b = make_batch([64], seed=1)
     run_split(b, 2)
-    k = _driver.get_kernel("split_decode", "pkv_split_decode_f16_d128_g4", ops.decode_smem_bytes(128, 4))
+    k = _driver.get_kernel("split_decode", "pkv_split_decode_f16_d128_gc4", ops.decode_smem_bytes(128, 4))
     assert _driver.function_attributes(k)["local_bytes"] == 0
 
 
