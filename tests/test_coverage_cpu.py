@@ -432,3 +432,23 @@ def test_decode_smem_is_the_pipeline_at_d128():
         assert ops.decode_smem_bytes(256, g, 2) == 2 * 4 * 2 * 16 * 256 * 2 == 128 * 1024
     assert ops.decode_smem_bytes(256, 8, 1) == 4 * 4 * 2 * 16 * 256 * 1
     assert ops.decode_smem_bytes(64, 16, 2) == max(3 * 4 * 2 * 16 * 64 * 2, 4 * 16 * 66 * 4)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def test_a_group_size_without_its_own_constants_takes_the_nearest_calibrated_ones():
+    """The H200 file holds G 1, 4 (top level) and 8: a group size without its entry takes the
+    nearest on a log scale (ties to the top level), and the Router sees the same constants."""
+    import pathlib
+
+    from pkvrt.policy.calibration import load_calibration
+    cal = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
+    want = {1: 1, 2: 4, 3: 4, 4: 4, 5: 4, 6: 8, 7: 8, 8: 8, 9: 8, 12: 8, 16: 8}
+    assert {g: cal.calibrated_group(g) for g in want} == want
+    g8 = cal.for_group(8)
+    assert cal.for_group(cal.calibrated_group(16)).splits == g8.splits
+    folded = cal.for_group(cal.calibrated_group(7))
+    assert folded.calibrated_group(7) == 4 and folded.for_group(4).splits == g8.splits   # no entries left
+    with pytest.raises(ValueError, match="group_size"):
+        cal.calibrated_group(0)

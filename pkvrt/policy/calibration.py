@@ -90,6 +90,7 @@ _GROUP_KEYS = ("workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles"
 DEFAULT_CTA_OVERHEAD_TILES = 4.0
 DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
 DEFAULT_MAX_WAVES = 2   # resident waves of CTAs the balanced partition may plan (planner.MAX_WAVES)
+TOP_GROUP = 4           # the group size of a file's top-level constants (`pkvrt calibrate`'s shape)
 _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 # time_model.<kind>: every route kind has one when the section is present
 TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")
@@ -352,6 +353,22 @@ class Calibration:
         """The measured time model of route ``kind`` ("flashinfer", "bucket", "workqueue",
         "fused"), or None when this calibration has none (the roofline predicts)."""
         return dict(self.time_model).get(kind)
+
+    def calibrated_group(self, group_size: int) -> int:
+        """The group size whose constants serve ``group_size``: itself when the file has its
+        ``by_group`` entry (or it is the calibration shape's, :data:`TOP_GROUP`), else the
+        nearest calibrated group size on a log scale, ties to :data:`TOP_GROUP` (H200 file,
+        entries 1, 4, 8: G 3 and 5 take 4's constants, G 7, 12 and 16 take 8's, G 2 takes 4's).
+        The partition constants describe a CTA of the kernel, whose cost per token does not
+        depend on G but whose tail merge grows with it, and the grid, whose width is H_kv: the
+        nearest calibrated G is the closest measured stand-in until a calibration at that G."""
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"calibrated_group: group_size must be a positive int, got {group_size!r}")
+        have = {TOP_GROUP, *(g for g, _ in self.splits.by_group), *(g for g, _ in self.time_model_by_group)}
+        if group_size in have:
+            return group_size
+        dist = lambda g: abs(math.log2(g / group_size))  # noqa: E731
+        return min(sorted(have), key=lambda g: (round(dist(g), 9), g != TOP_GROUP))
 
     def for_group(self, group_size: int) -> "Calibration":
         """This calibration as seen by a shape with ``group_size`` query heads per KV head: the

@@ -307,9 +307,11 @@ class Runtime(StaticBuffers, Planning, Running):
                 self.calibration = find_calibration(torch.cuda.get_device_name(self.device))
             else:
                 self.calibration = load_calibration(pathlib.Path(calibration))
-            # the partition constants fitted at this group size (splits.by_group), if any
-            self.calibration = self.calibration.for_kv_dtype(self._kv_dtype).for_group(
-                self.num_qo_heads // self.num_kv_heads)
+            # the partition constants fitted at this group size (splits.by_group), or at the
+            # nearest calibrated one (Calibration.calibrated_group)
+            cal = self.calibration.for_kv_dtype(self._kv_dtype)
+            self.calibration_group = cal.calibrated_group(self.num_qo_heads // self.num_kv_heads)
+            self.calibration = cal.for_group(self.calibration_group)
             self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                  page_size=self.page_size, kv_dtype=self._kv_dtype,
@@ -446,6 +448,8 @@ class Runtime(StaticBuffers, Planning, Running):
                  f"{self._variant_note()}; "
                  f"{'CUDA graphs' if self.use_cuda_graph else 'eager launches'}; calibration "
                  f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
+                 + (f" (constants of G {self.calibration_group}, the nearest calibrated group size)"
+                    if self.calibration_group != self.num_qo_heads // self.num_kv_heads else "")
                  + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
                  + ("; device planning (no host routing)" if self.device_planning else "")
                  + self._capture_note()
