@@ -98,6 +98,8 @@ The package, in the order a step flows through it:
 - :mod:`~pkvrt.runtime.running`: ``run()``: the graph of a step's key, captured once, replayed.
 - :mod:`~pkvrt.runtime.graphs`: graph keys, the graph cache, capture, arena layout.
 - :mod:`~pkvrt.runtime.fi_route`: the FlashInfer route (its wrapper over the same pages).
+- :mod:`~pkvrt.runtime.wrapper`: ``pkvrt.BatchDecodeWithPagedKVCacheWrapper``, FlashInfer's decode
+  wrapper API over a Runtime (one import to switch an engine).
 
 May import: torch, the policy, the launch layer. Never the tools or ``pkvrt.measure`` (they
 import the runtime).

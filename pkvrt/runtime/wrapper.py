@@ -1,0 +1,375 @@
+"""``pkvrt.BatchDecodeWithPagedKVCacheWrapper``: FlashInfer 0.7's decode wrapper, served by pkvrt.
+
+An engine that calls ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (SGLang's and vLLM's
+FlashInfer backends) switches by one import: the constructor, ``plan()`` and ``run()`` take the
+same arguments with the same meanings, and each planned step runs on pkvrt's routes, chosen by
+routes.toml and the calibration, or on FlashInfer's own wrapper for what pkvrt does not serve
+(``fallback_reason`` says why). What FlashInfer would answer wrongly (attention sinks on its FA2
+decode) is refused, never passed on.
+
+How a plan maps onto a :class:`pkvrt.Runtime` (one per wrapper, built at the first plan() from
+the shape and the attention variant, rebuilt when they change):
+
+- CSR ``(indptr, indices, last_page_len)`` -> ``seq_lens = (pages - 1) * page_size +
+  last_page_len`` and a block table of each row's pages (:func:`csr_to_block_tables`), on the
+  host, as FlashInfer's plan() reads indptr on the host too.
+- ``use_cuda_graph=True`` (the engine captures ``run()`` and calls ``plan()`` outside its graph
+  before each replay): ``Runtime(engine_capture=True)``, so the engine's graph holds the planning
+  kernel and every layer and a replay plans from the lengths the last plan() copied; the batch
+  size is fixed by the indptr buffer, as in FlashInfer. Without it: the default Runtime (host
+  routing, a graph replayed per layer).
+- ``window_left``, ``logits_soft_cap``, ``sm_scale``, the layout and the dtypes go to the Runtime;
+  ``sinks`` given to run() make it a sinks Runtime (rebuilt once, before any capture: the first
+  run() with sinks must not be inside one).
+
+Served: decode (one query token per request), no RoPE inside attention, q fp16/bf16, K/V of q's
+dtype or float8_e4m3fn (the FP8 scales as floats, as FlashInfer takes them), the shapes
+``pkvrt._buildspec.unserved`` accepts, without ``fixed_split_size`` / ``disable_split_kv`` (the
+batch-invariance controls are FlashInfer's split rule). Everything else plans and runs
+FlashInfer's wrapper, built with the same constructor arguments.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pkvrt import _buildspec
+from pkvrt.launch import ops
+from pkvrt.runtime import fi_route
+
+KV_LAYOUTS = ("NHD", "HND")
+MAX_CONTEXT = 131072   # tokens of the longest row the block-table buffer holds (constructor)
+
+
+def canonical_dtype(dt, name: str):
+    """A dtype given as a torch dtype or its name ("float16", "bfloat16", "float8_e4m3fn")."""
+    if dt is None or isinstance(dt, torch.dtype):
+        return dt
+    if isinstance(dt, str) and isinstance(getattr(torch, dt, None), torch.dtype):
+        return getattr(torch, dt)
+    raise ValueError(f"{name}={dt!r}: expected a torch dtype or its name")
+
+
+def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
+    """FlashInfer's paged-KV CSR as pkvrt's step: ``(seq_lens int32 [B], block_tables int32
+    [B, max pages])`` on the host; a row's unused entries are 0 (never read).
+
+    Raises ValueError naming the argument: indptr not [B + 1] non-decreasing from 0, an empty
+    row, last_page_len outside [1, page_size], indices shorter than indptr[-1]."""
+    ip = np.asarray(indptr.cpu() if isinstance(indptr, torch.Tensor) else indptr, dtype=np.int64)
+    lpl = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
+                     dtype=np.int64)
+    b = lpl.shape[0]
+    if ip.ndim != 1 or ip.shape[0] != b + 1 or ip[0] != 0:
+        raise ValueError(f"indptr: expected [batch_size + 1 = {b + 1}] starting at 0, got shape "
+                         f"{tuple(ip.shape)}" + (f", indptr[0] = {ip[0]}" if ip.size else ""))
+    pages = np.diff(ip)
+    if (pages < 1).any():
+        r = int(np.nonzero(pages < 1)[0][0])
+        raise ValueError(f"indptr: row {r} has {int(pages[r])} pages; a decode row has at least one")
+    if ((lpl < 1) | (lpl > page_size)).any():
+        r = int(np.nonzero((lpl < 1) | (lpl > page_size))[0][0])
+        raise ValueError(f"last_page_len[{r}] = {int(lpl[r])}: expected 1..page_size = {page_size}")
+    nnz = int(ip[-1])
+    ind = indices[:nnz].cpu() if isinstance(indices, torch.Tensor) else indices[:nnz]
+    ind = np.asarray(ind, dtype=np.int32)
+    if ind.shape[0] < nnz:
+        raise ValueError(f"indices: expected at least indptr[-1] = {nnz} entries, got {ind.shape[0]}")
+    seq = ((pages - 1) * page_size + lpl).astype(np.int32)
+    bt = np.zeros((b, int(pages.max()) if b else 0), dtype=np.int32)
+    rows = np.repeat(np.arange(b), pages)
+    bt[rows, np.arange(nnz) - np.repeat(ip[:-1], pages)] = ind
+    return seq, bt
+
+
+def split_paged_kv_cache(paged_kv_cache, kv_layout: str):
+    """``run()``'s cache as ``(k_cache, v_cache)``: a tuple of two 4-D tensors, or one 5-D tensor
+    ``[pages, 2, H_kv, page, D]`` (HND) / ``[pages, 2, page, H_kv, D]`` (NHD) whose K and V are
+    the views ``[:, 0]`` and ``[:, 1]`` (no copy)."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"paged_kv_cache: expected (k_cache, v_cache), got {len(paged_kv_cache)} tensors")
+        return paged_kv_cache[0], paged_kv_cache[1]
+    if not isinstance(paged_kv_cache, torch.Tensor) or paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+        shape = tuple(paged_kv_cache.shape) if isinstance(paged_kv_cache, torch.Tensor) else type(paged_kv_cache)
+        raise ValueError(f"paged_kv_cache: expected (k_cache, v_cache) or one [pages, 2, ...] tensor "
+                         f"({kv_layout}), got {shape}")
+    return paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """FlashInfer 0.7's decode wrapper (``flashinfer.BatchDecodeWithPagedKVCacheWrapper``), served
+    by pkvrt's routes where they serve the plan (module docstring).
+
+    Parameters
+    ----------
+    float_workspace_buffer : torch.Tensor, uint8 on the device (FlashInfer's fallback uses it;
+        pkvrt keeps its own buffers).
+    kv_layout : "NHD" (default, as FlashInfer's) or "HND".
+    use_cuda_graph : FlashInfer's CUDA-graph mode: ``plan()`` outside the engine's graph before
+        each replay, ``run()`` captured; needs the three buffers below, whose sizes fix the batch
+        size (``paged_kv_indptr_buffer [B + 1]``) and the most pages a step holds
+        (``paged_kv_indices_buffer``); each plan() copies its CSR into them, as FlashInfer does.
+    use_tensor_cores, backend, jit_args : FlashInfer's; used by its wrapper where it runs
+        (fallback) and, for use_tensor_cores, by the Runtime's FlashInfer route.
+    routes, calibration : pkvrt's policy (``pkvrt.Runtime``'s; defaults: the shipped routes.toml
+        and the calibration of this GPU). max_context : the longest row (tokens) a plan may hold
+        in CUDA-graph mode (the block-table buffer's width; default 131072).
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+                 backend: str = "auto", jit_args=None, *, routes=None, calibration="auto",
+                 max_context: int = MAX_CONTEXT):
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"Invalid kv_layout {kv_layout!r}: expected one of {KV_LAYOUTS}")
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise ValueError("float_workspace_buffer: expected a torch.Tensor")
+        self._workspace = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self.use_tensor_cores = bool(use_tensor_cores)
+        self._backend, self._jit_args = backend, jit_args
+        self._routes, self._calibration = routes, calibration
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"max_context={max_context!r}: expected a positive int")
+        self._max_context = max_context
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self._fixed_batch_size = None
+        if self._use_cuda_graph:
+            for name, t in zip(("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                                "paged_kv_last_page_len_buffer"), self._buffers):
+                if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                    raise ValueError(f"{name}: expected a 1-D torch.Tensor when use_cuda_graph is True")
+            self._fixed_batch_size = int(paged_kv_indptr_buffer.shape[0]) - 1
+            if paged_kv_last_page_len_buffer.shape[0] != self._fixed_batch_size:
+                raise ValueError(f"paged_kv_last_page_len_buffer: expected [{self._fixed_batch_size}] "
+                                 f"(the batch size of paged_kv_indptr_buffer), got "
+                                 f"{tuple(paged_kv_last_page_len_buffer.shape)}")
+        self._rt = None            # the Runtime, and what it was built for (_rt_key)
+        self._rt_key = None
+        self._fi = None            # FlashInfer's wrapper, built on the first fallback
+        self._planned = None       # the last plan: dict of what run() needs
+        self.fallback_reason: str | None = None
+
+    # ------------------------------------------------------------------ properties (FlashInfer's)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    @property
+    def runtime(self):
+        """The pkvrt Runtime serving the plans (None before the first served plan)."""
+        return self._rt
+
+    def explain(self) -> str:
+        """Where the last plan runs and why (the Runtime's explain(), or the fallback's reason)."""
+        if self._planned is None:
+            return "BatchDecodeWithPagedKVCacheWrapper: nothing planned yet"
+        if self.fallback_reason is not None:
+            return f"FlashInfer's own wrapper: {self.fallback_reason}"
+        return self._rt.explain()
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+             pos_encoding_mode: str = "NONE", window_left: int = -1, window_right: int = 0,
+             logits_soft_cap: float | None = None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, data_type=None, sm_scale: float | None = None,
+             rope_scale: float | None = None, rope_theta: float | None = None,
+             non_blocking: bool = True, block_tables: torch.Tensor | None = None,
+             seq_lens: torch.Tensor | None = None, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False, q_len_per_req: int = 1, is_causal=None) -> None:
+        """Plan a decode step (FlashInfer's arguments and meanings). Call outside any CUDA-graph
+        capture, before the step's run() calls (before each replay in CUDA-graph mode)."""
+        if data_type is not None:
+            q_data_type = q_data_type if q_data_type is not None else data_type
+            kv_data_type = kv_data_type if kv_data_type is not None else data_type
+        q_dt = canonical_dtype(q_data_type, "q_data_type") or torch.float16
+        kv_dt = canonical_dtype(kv_data_type, "kv_data_type") or q_dt
+        o_dt = canonical_dtype(o_data_type, "o_data_type") or q_dt
+        cap = float(logits_soft_cap or 0.0)
+        batch = len(last_page_len)
+        if self._use_cuda_graph:
+            if batch != self._fixed_batch_size:
+                raise ValueError(f"The batch size should be fixed in cudagraph mode, the runtime batch "
+                                 f"size {batch} mismatches the batch size set during initialization "
+                                 f"{self._fixed_batch_size}")
+            if len(indices) > len(self._buffers[1]):
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+        fi_kwargs = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                         logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+                         kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=sm_scale,
+                         rope_scale=rope_scale, rope_theta=rope_theta, non_blocking=non_blocking,
+                         block_tables=block_tables, seq_lens=seq_lens,
+                         fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                         q_len_per_req=q_len_per_req, is_causal=is_causal, window_right=window_right)
+        reason = self._unserved(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+                                window_right, q_dt, kv_dt, o_dt, fixed_split_size, disable_split_kv,
+                                q_len_per_req, is_causal)
+        self._planned = None
+        if reason is not None:
+            self._plan_flashinfer(reason, indptr, indices, last_page_len, num_qo_heads,
+                                  num_kv_heads, head_dim, page_size, fi_kwargs)
+            return
+        seq, bt = csr_to_block_tables(indptr, indices, last_page_len, page_size)
+        key = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   page_size=page_size, dtype=q_dt, kv_dtype=kv_dt, window_left=int(window_left),
+                   logits_soft_cap=cap, sm_scale=sm_scale)
+        rt = self._runtime(key, batch, bt.shape[1])
+        if self._use_cuda_graph:   # FlashInfer fills the caller's buffers: so do we
+            self._buffers[0].copy_(torch.as_tensor(indptr), non_blocking=non_blocking)
+            self._buffers[2].copy_(torch.as_tensor(last_page_len), non_blocking=non_blocking)
+            self._buffers[1][:len(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
+        rt.plan(seq, bt)
+        self.fallback_reason = None
+        self._planned = dict(seq=seq, bt=bt, window_left=int(window_left), kv_dtype=kv_dt)
+
+    def _unserved(self, hq, hkv, d, page, pos_encoding_mode, window_right, q_dt, kv_dt, o_dt,
+                  fixed_split_size, disable_split_kv, q_len_per_req, is_causal) -> str | None:
+        """Why pkvrt does not serve a plan (FlashInfer's wrapper runs it then), or None."""
+        if pos_encoding_mode != "NONE":
+            return f"pos_encoding_mode={pos_encoding_mode!r}: pkvrt applies no RoPE inside attention"
+        if q_len_per_req != 1 or is_causal:
+            return f"q_len_per_req={q_len_per_req}: pkvrt decodes one query token per request"
+        if window_right != 0:
+            return f"window_right={window_right}: pkvrt's windows are left windows"
+        if fixed_split_size is not None or disable_split_kv:
+            return ("fixed_split_size / disable_split_kv: FlashInfer's batch-invariant split rule "
+                    "(pkvrt's cut depends on the batch)")
+        if q_dt not in ops._DTYPES or o_dt != q_dt:
+            return f"q_data_type={q_dt}, o_data_type={o_dt}: pkvrt takes fp16/bf16 q and out of q's dtype"
+        if kv_dt not in (q_dt, ops.FP8):
+            return f"kv_data_type={kv_dt}: pkvrt reads K/V of q's dtype or float8_e4m3fn"
+        if hkv <= 0 or hq % hkv:
+            return None   # the Runtime refuses it, naming the argument (FlashInfer would too)
+        if page not in _buildspec.PAGE_SIZES:
+            return f"page_size={page}: pkvrt's kernels take powers of two up to {_buildspec.MAX_PAGE_SIZE}"
+        return _buildspec.unserved(d, hq // hkv, ops.KV_TAG.get(kv_dt))
+
+    def _runtime(self, key: dict, batch: int, pages: int):
+        """The Runtime for this plan's shape and variant, built (or rebuilt) when they change or
+        a non-graph plan outgrows its buffers; a sinks Runtime once run() has seen sinks."""
+        from pkvrt.runtime import Runtime
+
+        sinks = bool(self._rt_key and self._rt_key.get("sinks"))
+        want = dict(key, sinks=sinks)
+        if self._use_cuda_graph:
+            width = max(1, -(-self._max_context // key["page_size"]))
+            if pages > width:
+                raise ValueError(f"plan: a row of {pages} pages; this wrapper's block-table buffer "
+                                 f"holds rows of {width} (max_context={self._max_context} tokens): "
+                                 "construct it with a larger max_context")
+            size = dict(max_batch=self._fixed_batch_size, max_pages_per_row=width)
+        else:
+            have = self._rt_key or {}
+            size = dict(max_batch=max(have.get("max_batch", 0), 1 << max(batch - 1, 0).bit_length(), 8),
+                        max_pages_per_row=max(have.get("max_pages_per_row", 0), 1 << max(pages - 1, 0).bit_length(), 256))
+        if self._rt is not None and want == {k: self._rt_key[k] for k in want} and all(
+                size[k] <= self._rt_key[k] for k in size):
+            return self._rt
+        self._rt = Runtime(key["num_qo_heads"], key["num_kv_heads"], key["head_dim"], key["page_size"],
+                           key["dtype"], kv_dtype=None if key["kv_dtype"] == key["dtype"] else key["kv_dtype"],
+                           device=self.device, routes=self._routes, calibration=self._calibration,
+                           sm_scale=key["sm_scale"], kv_layout=self._kv_layout,
+                           window_left=key["window_left"], logits_soft_cap=key["logits_soft_cap"],
+                           sinks=sinks, engine_capture=self._use_cuda_graph, **size)
+        self._rt_key = dict(want, **size)
+        return self._rt
+
+    def _plan_flashinfer(self, reason, indptr, indices, last_page_len, hq, hkv, d, page, kwargs):
+        """Plan FlashInfer's own wrapper (built with this wrapper's constructor arguments)."""
+        if self._fi is None:
+            fi, why = fi_route.load_flashinfer()
+            if fi is None:
+                raise RuntimeError(f"plan: pkvrt does not serve this plan ({reason}) and FlashInfer's "
+                                   f"wrapper is unavailable ({why})")
+            ip, ind, lpl = self._buffers
+            self._fi = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, self._kv_layout, use_cuda_graph=self._use_cuda_graph,
+                use_tensor_cores=self.use_tensor_cores, paged_kv_indptr_buffer=ip,
+                paged_kv_indices_buffer=ind, paged_kv_last_page_len_buffer=lpl,
+                backend=self._backend, jit_args=self._jit_args)
+        self._fi.plan(indptr, indices, last_page_len, hq, hkv, d, page, **kwargs)
+        self.fallback_reason = reason
+        self._planned = dict(fallback=True)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale: float | None = None,
+            k_scale: float | None = None, v_scale: float | None = None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False, enable_pdl: bool | None = None,
+            window_left: int | None = None, sinks: torch.Tensor | None = None, **kwargs):
+        """Decode attention of the planned step for one layer (FlashInfer's arguments and
+        meanings; capturable in CUDA-graph mode). Returns ``out`` or ``(out, lse)``; lse is
+        each row's and head's log2-sum-exp of its scores, FlashInfer's convention."""
+        if self._planned is None:
+            raise RuntimeError("run: plan() must be called before run()")
+        if self.fallback_reason is not None:
+            if sinks is not None:
+                raise ValueError(f"sinks: this plan runs FlashInfer's wrapper ({self.fallback_reason}), "
+                                 "whose FA2 decode accepts sinks and ignores them; pkvrt refuses "
+                                 "rather than return a wrong answer")
+            return self._fi.run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale,
+                                v_scale=v_scale, out=out, lse=lse, return_lse=return_lse,
+                                enable_pdl=enable_pdl, window_left=window_left, **kwargs)
+        extra = [k for k, v in kwargs.items() if v is not None]
+        if args or extra:
+            raise ValueError(f"run: arguments pkvrt does not serve: {extra or f'{len(args)} positional'}")
+        if window_left is not None and window_left != self._planned["window_left"]:
+            raise ValueError(f"window_left={window_left}: expected None or the planned "
+                             f"{self._planned['window_left']}")
+        if q_scale not in (None, 1.0):
+            raise ValueError(f"q_scale={q_scale}: pkvrt takes fp16/bf16 q (no q scale)")
+        if sinks is not None and not self._rt.sinks:
+            self._rebuild_with_sinks()
+        k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        scales = self._scales(k_scale, v_scale) if self._planned["kv_dtype"] == ops.FP8 else {}
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        out = self._rt.run(q, k_cache, v_cache, out=out, sinks=sinks, lse=lse, **scales)
+        return (out, lse) if return_lse else out
+
+    def _rebuild_with_sinks(self) -> None:
+        """The first run() with sinks: a sinks Runtime (FlashInfer off), planned again."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("run: the first run() with sinks is inside a CUDA-graph capture; "
+                               "call plan() and run(..., sinks=) once before capturing")
+        self._rt_key = dict(self._rt_key, sinks=True)
+        key = {k: self._rt_key[k] for k in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size",
+                                            "dtype", "kv_dtype", "window_left", "logits_soft_cap",
+                                            "sm_scale")}
+        self._rt = None
+        rt = self._runtime(key, len(self._planned["seq"]), self._planned["bt"].shape[1])
+        rt.plan(self._planned["seq"], self._planned["bt"])
+
+    def _scales(self, k_scale, v_scale) -> dict:
+        """FP8 caches: FlashInfer takes the scales as floats; the kernels read device scalars,
+        rewritten here when a value changes (in a capture: a memset node with the value, as
+        FlashInfer bakes its floats into a captured launch)."""
+        if getattr(self, "_scale_buf", None) is None:
+            self._scale_buf = torch.ones(2, dtype=torch.float32, device=self.device)
+            self._scale_vals = [1.0, 1.0]
+        for i, s in enumerate((k_scale, v_scale)):
+            v = 1.0 if s is None else float(s)
+            if not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{('k_scale', 'v_scale')[i]}={s!r}: expected a finite scale > 0")
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if v != self._scale_vals[i] or capturing:
+                self._scale_buf[i:i + 1].fill_(v)
+                self._scale_vals[i] = v
+        return dict(k_scale=self._scale_buf[0:1], v_scale=self._scale_buf[1:2])
+
+    def forward(self, *args, **kwargs):
+        """FlashInfer's deprecated alias of :meth:`run`."""
+        return self.run(*args, **kwargs)
