@@ -4,7 +4,7 @@ FlashInfer's fastest correct decode path, per step, with the model's own layer p
 Protocol (per model and step; 32 layers, each its own K/V cache, page 16, fp16):
 - pkvrt: one ``Runtime(device_planning=True, use_cuda_graph=False)`` per layer kind (window,
   soft cap, sinks, scale), the whole step (every kind's plan() and all 32 run() calls) captured
-  in one CUDA graph; CUDA-event time of its replays (median).
+  in one CUDA graph; CUDA-event time of its replays (median, ``harness.median_us``).
 - FlashInfer: its tensor-core and CUDA-core FA2 decode (``BatchDecodeWithPagedKVCacheWrapper``
   in CUDA-graph mode, planned outside the graph with the kind's window, soft cap and scale) and
   XQA (``trtllm_batch_decode_with_kv_cache(backend="xqa")``, window and sinks; it has no soft
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,8 +38,8 @@ from pkvrt.measure import results
 from pkvrt.measure.model_shapes import (LAYERS, MODELS, LayerKind, ModelShape, floor_us, geomean,
                                         isolated_steps, sample_steps)
 from pkvrt.runtime import Runtime
+from pkvrt.measure.harness import median_us
 from pkvrt.runtime.fi_route import NO_DECODE_HEAD_DIMS
-from pkvrt.runtime.graphs import capture
 
 PAGE = 16
 REPLAYS = 15
@@ -101,21 +100,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(e) if torch.isfinite(e) else float("inf")
 
 
-def time_graph(graph) -> float:
-    """Median CUDA-event time of ``REPLAYS`` replays of a graph (us), after two warm replays."""
-    for _ in range(2):
-        graph.replay()
-    ts = []
-    for _ in range(REPLAYS):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(ts)
-
-
 # --------------------------------------------------------------------------- pkvrt
 
 def pkvrt_step(model: ModelShape, st: Step) -> dict:
@@ -142,10 +126,8 @@ def pkvrt_step(model: ModelShape, st: Step) -> dict:
         rt.device_status()
     errs = {k.name: rel_err(st.out[kinds.index(k)], st.reference(model, k, kinds.index(k)))
             for k in model.kinds()}
-    entry = capture(step)
-    us = time_graph(entry.graph)
-    del entry
-    return {"median_us": us, "max_err": max(errs.values()), "errors": errs}
+    return {"median_us": median_us(step, repeats=REPLAYS), "max_err": max(errs.values()),
+            "errors": errs}
 
 
 # --------------------------------------------------------------------------- FlashInfer
@@ -217,15 +199,7 @@ def fi_kind(fi, label: str, model: ModelShape, kind: LayerKind, st: Step, ws) ->
     def body():
         for l in layers:
             path.run(l)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        body()
-    return {"status": "ok", "median_us": time_graph(g), "max_err": err}
+    return {"status": "ok", "median_us": median_us(body, repeats=REPLAYS), "max_err": err}
 
 
 def probe_paths(fi, model: ModelShape, ws) -> dict:
