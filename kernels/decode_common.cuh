@@ -140,8 +140,8 @@ struct DecodeParams {
   const float* v_scale;       // [1] or [H_kv]
   int k_scale_per_head;       // e4m3: 1 = k_scale indexed by KV head ([H_kv]), 0 = one scale ([1])
   int v_scale_per_head;       // same for v_scale
-  long long k_tok_stride;     // elements between token rows of one page and KV head of k_cache
-  long long v_tok_stride;
+  int k_tok_stride;           // elements between token rows of one page and KV head of k_cache
+  int v_tok_stride;           // (32-bit: page_size * stride < 2^31, checked by the host)
   int group;                  // G = H_q / H_kv, at most the instantiation's group capacity GC
   int window_left;            // split decode: -1, or a row attends to its last window_left + 1
                               // tokens (workqueue tasks carry their ranges from the planner)
@@ -686,6 +686,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   static_assert(kWarps * GC * (D + 2) * 4 <= smem_bytes<D, GC, KV>(), "warp merge must fit in smem");
 
   const int G = p.group;
+  if (G > GC) __trap();  // the host picks the capacity of G (_buildspec.group_class): never taken
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grp = lane / 4, tig = lane % 4;     // mma fragment coordinates
   const int h0 = kvh * G;
@@ -723,11 +724,11 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
       const int tok = tok0 + t;
       const bool valid = tok < tok_end;
       const long long page = __shfl_sync(0xffffffffu, page_here, t);
-      const long long in_page = tok & pmask;
+      const int in_page = tok & pmask;  // the in-page offsets in 32 bits: one IMAD each
       const int sc = tile_chunk<KV, D>(t, c);  // swizzled destination
-      cp_async16_zfill(ks + sc, valid ? kc + page * p.k_page_stride + in_page * p.k_tok_stride + c * CVEC : kc,
+      cp_async16_zfill(ks + sc, valid ? kc + page * p.k_page_stride + (in_page * p.k_tok_stride + c * CVEC) : kc,
                        valid);
-      cp_async16_zfill(vs + sc, valid ? vc + page * p.v_page_stride + in_page * p.v_tok_stride + c * CVEC : vc,
+      cp_async16_zfill(vs + sc, valid ? vc + page * p.v_page_stride + (in_page * p.v_tok_stride + c * CVEC) : vc,
                        valid);
     }
   };

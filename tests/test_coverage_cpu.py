@@ -452,3 +452,29 @@ def test_a_group_size_without_its_own_constants_takes_the_nearest_calibrated_one
     assert folded.calibrated_group(7) == 4 and folded.for_group(4).splits == g8.splits   # no entries left
     with pytest.raises(ValueError, match="group_size"):
         cal.calibrated_group(0)
+
+
+def test_a_windowed_router_routes_on_the_window_and_plans_from_the_window_start():
+    """Router(window_left=W): decide() prices each row at its last W + 1 tokens (a row of 30000
+    tokens under a 128-token window is a short row for the gates and costs), and full_plan's
+    workqueue tasks cover [len - W - 1, len) of each row."""
+    import pathlib
+
+    from pkvrt.policy.calibration import load_calibration
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.policy.router import Router
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    reg = load_routes(repo / "routes.toml")
+    cal = load_calibration(repo / "calibration" / "rtx3060-seed.json")
+    kw = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    seq = np.array([30000, 2000, 100, 45000], np.int32)
+    win = Router(reg, cal, window_left=127, **kw)
+    d = win.decide(seq)
+    assert d.max_context == 128 and "min_context" in d.refused.get("pkv_workqueue", "min_context")
+    short = Router(reg, cal, **kw).decide(np.minimum(seq, 128))
+    assert d.predicted_us == short.predicted_us
+    plan = win.full_plan("pkv_workqueue", seq)
+    for row, n in enumerate(seq.tolist()):
+        spans = sorted((b, e) for r, h, _, b, e in plan.tasks.tolist() if r == row and h == 0)
+        assert spans[0][0] == max(0, n - 128) and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))

@@ -45,7 +45,7 @@ class DecodeParams(ctypes.Structure):
         ("num_splits", ctypes.c_int), ("sm_scale_log2", ctypes.c_float), ("early_kv", ctypes.c_int),
         ("trace", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("k_scale_per_head", ctypes.c_int), ("v_scale_per_head", ctypes.c_int),
-        ("k_tok_stride", ctypes.c_longlong), ("v_tok_stride", ctypes.c_longlong),
+        ("k_tok_stride", ctypes.c_int), ("v_tok_stride", ctypes.c_int),
         ("group", ctypes.c_int), ("window_left", ctypes.c_int),
         ("softcap_scale", ctypes.c_float), ("softcap_log2", ctypes.c_float),
         ("sinks", ctypes.c_void_p), ("lse", ctypes.c_void_p),
@@ -119,6 +119,9 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         _fail("q", "a CUDA tensor", q.device)
     if q.dim() != 3 or not q.is_contiguous():
         _fail("q", "a contiguous [B, H_q, D] tensor", f"shape {tuple(q.shape)}")
+    for name, t in (("q", q), ("out", out)):   # read and written 16 bytes at a time
+        if t.data_ptr() % 16:
+            _fail(name, "a 16-byte aligned tensor", f"address {t.data_ptr():#x}")
     _, hq, d = q.shape
     if d not in _buildspec.HEAD_DIMS:
         _fail("q", f"head_dim in {_buildspec.HEAD_DIMS}", d)
@@ -130,8 +133,12 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if c.dim() != 4 or c.shape[3] != d or c.stride(3) != 1:
             _fail(name, f"[num_pages, H_kv, page_size, {d}] (as indexed) with contiguous token rows",
                   f"shape {tuple(c.shape)} strides {c.stride()}")
-        if c.data_ptr() % 16 or any(c.stride(i) % per16 for i in range(3)):
+        # (a dimension of size 1 is never stepped over: its stride does not matter)
+        if c.data_ptr() % 16 or any(c.stride(i) % per16 for i in range(3) if c.shape[i] > 1):
             _fail(name, "16-byte aligned pages, heads and token rows", f"strides {c.stride()}")
+        if c.stride(2) * c.shape[2] >= 2**31:
+            _fail(name, "a page of fewer than 2^31 elements between its first and last token row",
+                  f"strides {c.stride()}")
     if k_cache.shape != v_cache.shape:
         _fail("v_cache", f"the shape of k_cache {tuple(k_cache.shape)}", tuple(v_cache.shape))
     hkv, page = k_cache.shape[1], k_cache.shape[2]
@@ -173,8 +180,8 @@ def _variant_params(p, q: torch.Tensor, *, window_left: int, logits_soft_cap: fl
     """The attention variant's fields of a DecodeParams (checked): window_left (-1 or >= 0),
     the soft cap (0: none; cap * tanh(score / cap) otherwise), sinks and lse
     (:func:`_check_sinks_lse`)."""
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        _fail("window_left", "-1 (no window) or an int >= 0", window_left)
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or not -1 <= window_left < 2**31:
+        _fail("window_left", "-1 (no window) or an int in [0, 2**31)", window_left)
     p.window_left = window_left
     cap = float(logits_soft_cap or 0.0)
     if not math.isfinite(cap) or cap < 0:
@@ -536,8 +543,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     p.task_capacity, p.sms, p.resident, p.slowdown8 = tasks.shape[0], sms, resident, slowdown8
     p.overhead8, p.max_ctas, p.free_slots = overhead8, max_ctas, free_slots
     p.room_slots, p.room8, p.room_chunk = room_slots, room8, room_chunk
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        _fail("window_left", "-1 (no window) or an int >= 0", window_left)
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or not -1 <= window_left < 2**31:
+        _fail("window_left", "-1 (no window) or an int in [0, 2**31)", window_left)
     p.window_left = window_left
     if block_tables is not None:
         if num_pages is None or page_size is None:

@@ -54,6 +54,8 @@ def decide(router: Router, seq, block_tables, *, force: str | None = None,
                          f"the FlashInfer route is unavailable ({flashinfer_unavailable}): no route "
                          "can run")
     seq64 = np.asarray(seq, dtype=np.int64)
+    if router.window_left >= 0:   # the window is the rows' work (as Router.decide predicts it)
+        seq64 = np.minimum(seq64, router.window_left + 1)
 
     def t_us(r) -> float:
         t = d.predicted_us.get(r.name)

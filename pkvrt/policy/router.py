@@ -41,6 +41,7 @@ memoized) and 23-39 µs after. A miss predicts every route: 350-390 µs (470-530
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from pkvrt._buildspec import GROUP_SIZES, HEAD_DIMS, PAGE_SIZES, TILE_TOKENS
 from pkvrt.policy.calibration import Calibration
@@ -161,7 +162,8 @@ class Router:
 
     def __init__(self, registry, calibration: Calibration, *, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, kv_dtype="float16", dtype_bytes: int | None = None,
-                 graphs: bool = True, memo_size: int = 0, device_plan_kinds=(), weigh_host: bool = False):
+                 graphs: bool = True, memo_size: int = 0, device_plan_kinds=(), weigh_host: bool = False,
+                 window_left: int = -1):
         kv_dtype = kv_dtype_name(kv_dtype)
         if dtype_bytes is None:
             dtype_bytes = KV_DTYPES[kv_dtype]
@@ -190,6 +192,9 @@ class Router:
         self.kv_dtype = kv_dtype
         self.group_size = num_qo_heads // num_kv_heads
         self.graphs = graphs
+        # -1, or a sliding window: each row attends to its last window_left + 1 tokens; decide()
+        # routes on those lengths, full_plan's workqueue tasks start at each row's window
+        self.window_left = int(window_left)
         self._invalid = self._kernel_gap()
         self._shape = dict(num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads, head_dim=head_dim,
                            dtype_bytes=dtype_bytes)
@@ -255,10 +260,11 @@ class Router:
         """Counters of ``route`` (``full=False``, closed form) or its whole plan (``full=True``).
         ``seq`` is already validated (int64 [B])."""
         kw = dict(self._shape, splits=route.splits, cal=self.cal, tile_tokens=TILE_TOKENS)
-        if route.kind == "bucket":
-            return bucket_from_checked(seq, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths,
+        if route.kind == "bucket":   # planned on the attended lengths (the kernel offsets the window)
+            att = seq if self.window_left < 0 else np.minimum(seq, self.window_left + 1)
+            return bucket_from_checked(att, bucketing=route.bucketing, coarse_lengths=route.coarse_lengths,
                                        rows=full, **kw)
-        out = workqueue_from_checked(seq, tasks=full, kind=route.kind, **kw)
+        out = workqueue_from_checked(seq, tasks=full, kind=route.kind, window_left=self.window_left, **kw)
         if route.kind != "fused":
             return out
         return attrs.evolve(out, counters=fused_counters(out.counters)) if full else fused_counters(out)
@@ -307,6 +313,11 @@ class Router:
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise ValueError(f"Router.decide: layers={layers!r}: expected a positive integer (run() "
                              "calls per plan)")
+        plan_seq = None   # the lengths the plans are built from: the real ones
+        if self.window_left >= 0:   # a windowed row's work is its window: gates, memo, costs
+            plan_seq = check_seq_lens(seq_lens) if lens is None else seq_lens
+            seq_lens = np.minimum(plan_seq, self.window_left + 1)
+            lens = seq_lens.tolist()
         host = self._host
         mforce = force if host is None else (force, layers)   # the memo's and the window's key
         if lens is None:
@@ -314,6 +325,7 @@ class Router:
             lens = seq.tolist()
         else:
             seq = seq_lens
+        plan_seq = seq if plan_seq is None else plan_seq
         active, max_ctx = len(lens), max(lens)
         key = hit = None
         if self.memo_size:
@@ -328,7 +340,7 @@ class Router:
                 self.memo_hits += 1
                 # the constructor, not attrs.evolve: 1.7 vs 4.8 us on the dev box, per step
                 return RouteDecision(route=hit.route, kind=hit.kind,
-                                     plan=self._plan_for(self.registry.route(hit.route), seq, block_tables),
+                                     plan=self._plan_for(self.registry.route(hit.route), plan_seq, block_tables),
                                      predicted_us=hit.predicted_us, refused=hit.refused, speedup=hit.speedup,
                                      active=active, max_context=max_ctx, forced=hit.forced, reused=True,
                                      wall_us=hit.wall_us, layers=hit.layers, host_bound=hit.host_bound)
@@ -435,7 +447,7 @@ class Router:
             speedup = walls[base.name] / walls[chosen.name]
         else:
             speedup = t_fi / predicted[chosen.name]
-        d = RouteDecision(route=chosen.name, kind=chosen.kind, plan=self._plan_for(chosen, seq, block_tables),
+        d = RouteDecision(route=chosen.name, kind=chosen.kind, plan=self._plan_for(chosen, plan_seq, block_tables),
                           predicted_us=predicted, refused=refused, speedup=speedup,
                           active=active, max_context=max_ctx, forced=force is not None,
                           wall_us=walls, layers=layers if host is not None else 0, host_bound=admitted)

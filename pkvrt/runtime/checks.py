@@ -294,6 +294,9 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
             raise ValueError(f"Runtime.run: {name}: expected a tensor on {device}, got {t.device}")
     want = (batch, num_qo_heads, head_dim)
     for name, t in named[:1] + named[3:]:
+        if t.data_ptr() % 16:
+            raise ValueError(f"Runtime.run: {name}: expected a 16-byte aligned tensor (the kernels "
+                             f"read and write it 16 bytes at a time), got address {t.data_ptr():#x}")
         if tuple(t.shape) != want or not t.is_contiguous():
             raise ValueError(f"Runtime.run: {name}: expected a contiguous [B, H_q, D] = {want} tensor "
                              f"(B = the batch of the last plan()), got shape {tuple(t.shape)}"
@@ -306,7 +309,8 @@ def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, n
             want = (f"[num_pages, page_size={page_size}, H_kv={num_kv_heads}, D={head_dim}] (NHD)"
                     if nhd else f"[num_pages, H_kv={num_kv_heads}, page_size={page_size}, D={head_dim}] (HND)")
             raise ValueError(f"Runtime.run: {name}: expected {want}, got shape {shape}")
-        if c.stride(3) != 1 or any(c.stride(i) % per16 for i in range(3)) or c.data_ptr() % 16:
+        if (c.stride(3) != 1 or c.data_ptr() % 16 or c.stride(2) * c.shape[2] >= 2**31
+                or any(c.stride(i) % per16 for i in range(3) if c.shape[i] > 1)):
             raise ValueError(f"Runtime.run: {name}: expected contiguous, 16-byte aligned token rows "
                              f"and page/head/token strides that are multiples of {per16} elements, "
                              f"got strides {c.stride()} ({kv_layout} as [pages, heads, tokens, D])")

@@ -317,7 +317,7 @@ class Runtime(StaticBuffers, Planning, Running):
                                  page_size=self.page_size, kv_dtype=self._kv_dtype,
                                  graphs=self.use_cuda_graph or self.engine_capture,
                                  memo_size=decision_memo,
-                                 device_plan_kinds=DEVICE_PLANNED)
+                                 device_plan_kinds=DEVICE_PLANNED, window_left=self.window_left)
             self._load_kernels()
             self._fi_reason = None if flashinfer else (
                 "disabled: Runtime(device_planning=True)" if self.device_planning

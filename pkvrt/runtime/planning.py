@@ -13,7 +13,6 @@ scalars and the planning graph.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pkvrt import _buildspec
@@ -110,13 +109,10 @@ class Planning:
             # the pages check_step counted (the router's to_csr would check and copy them again)
             if self._step is not None and self._step.runs:
                 self._layers = self._step.runs   # the last step's run() calls: layers per plan
-            seq, lens = step.seq, step.lens
-            if self.window_left >= 0:   # a windowed row's work is its window: route on that
-                seq = np.minimum(seq, self.window_left + 1)
-                lens = seq.tolist()
-            d = fallback.decide(self.router, seq, None, force=force,
+            # (a windowed Runtime's router routes on the window: Router(window_left=))
+            d = fallback.decide(self.router, step.seq, None, force=force,
                                 flashinfer_unavailable=self._fi_reason,
-                                fallback_memo=self._fallback_memo, lens=lens, layers=self._layers)
+                                fallback_memo=self._fallback_memo, lens=step.lens, layers=self._layers)
         on_gpu = d.kind in DEVICE_PLANNED
         if on_gpu and b > ops.PLAN_MAX_ROWS:
             raise ValueError(f"Runtime.plan: seq_lens: batch of {b} rows on route {d.route!r}: its plan "
