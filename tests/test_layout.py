@@ -1,8 +1,8 @@
 """The package layout is the architecture: who may import whom, checked from the source.
 
 A step flows routes.toml -> ``pkvrt.policy`` (route, plan) -> ``pkvrt.runtime`` (staging, graphs)
--> ``pkvrt.launch`` (kernels); ``pkvrt.measure`` (workloads, harness, results) and ``pkvrt.tools``
-(the CLI) sit around it. Each package's docstring says what it may import; this test reads every
+-> ``pkvrt.launch`` (kernels); ``pkvrt.measure`` (workloads, harness, results), ``pkvrt.tools``
+(the CLI) and ``pkvrt.integrations`` (other libraries' models on the runtime) sit around it. Each package's docstring says what it may import; this test reads every
 import statement (function-level ones included) and fails on one that crosses a rule, so the
 layering cannot erode silently.
 """
@@ -27,6 +27,7 @@ ALLOWED = {
     "runtime": ("pkvrt._buildspec", "pkvrt._paths", "pkvrt.policy", "pkvrt.launch", "pkvrt.runtime"),
     "measure": ("pkvrt._buildspec", "pkvrt._paths", "pkvrt.policy", "pkvrt.launch", "pkvrt.runtime",
                 "pkvrt.measure", "pkvrt.reference"),
+    "integrations": ("pkvrt._paths", "pkvrt.runtime", "pkvrt.reference", "pkvrt.integrations"),
     "tools": None,
 }
 # the policy runs where no GPU stack is needed (`pkvrt plan`, the router): not even indirectly

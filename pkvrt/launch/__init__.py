@@ -8,5 +8,5 @@
   planning kernel): argument checks, grids, shared memory, FP8 scales.
 
 May import: torch, cuda-python, ``pkvrt._buildspec`` and ``pkvrt._paths``. Never the policy,
-the runtime, ``pkvrt.measure`` or the tools: a kernel call knows tensors and grids, not routes.
+the runtime, ``pkvrt.measure``, the integrations or the tools: a kernel call knows tensors and grids, not routes.
 """

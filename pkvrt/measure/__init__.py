@@ -13,5 +13,5 @@
   :mod:`~pkvrt.measure.tp_results`: results files with the GPU, versions, seeds and hashes.
 
 May import: the runtime, the policy, the launch layer, ``pkvrt.reference`` (the FP32 answer the
-benches check against). Never the tools (the commands import it).
+benches check against). Never the tools (the commands import it) or the integrations.
 """

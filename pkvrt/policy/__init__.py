@@ -16,6 +16,6 @@ The data flow of a step starts here::
   tables (what the FlashInfer plan and the baselines read).
 
 May import: the standard library, numpy, attrs, tomli, ``pkvrt._buildspec`` (what kernels exist)
-and ``pkvrt._paths``. Never torch, the launch layer, the runtime, ``pkvrt.measure`` or the
-tools: a planner that works without a GPU is what lets ``pkvrt plan`` and the CPU tests check every decision.
+and ``pkvrt._paths``. Never torch, the launch layer, the runtime, ``pkvrt.measure``, the integrations or
+the tools: a planner that works without a GPU is what lets ``pkvrt plan`` and the CPU tests check every decision.
 """

@@ -101,8 +101,8 @@ The package, in the order a step flows through it:
 - :mod:`~pkvrt.runtime.wrapper`: ``pkvrt.BatchDecodeWithPagedKVCacheWrapper``, FlashInfer's decode
   wrapper API over a Runtime (one import to switch an engine).
 
-May import: torch, the policy, the launch layer. Never the tools or ``pkvrt.measure`` (they
-import the runtime).
+May import: torch, the policy, the launch layer. Never the tools, ``pkvrt.measure`` or the
+integrations (they import the runtime).
 """
 
 from pkvrt.policy.registry import DEVICE_PLANNED
