@@ -5,6 +5,8 @@ the fallback to FlashInfer's own wrapper for what pkvrt does not serve."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -222,3 +224,107 @@ def test_run_before_plan_is_refused():
     w = wrapper()
     with pytest.raises(RuntimeError, match="plan\\(\\) must be called before run\\(\\)"):
         w.run(torch.zeros(1, HQ, D).half(), (torch.zeros(1), torch.zeros(1)))
+
+
+# ----------------------------------------------------------------------------- engines' calls
+
+
+def token_slots(b, rows, short=0):
+    """The step as page-size-1 token slots (SGLang's cache): slot = page * PAGE + offset."""
+    seq = np.array([max(1, POOL_LENS[r] - short) for r in rows], dtype=np.int32)
+    bt = b.block_tables[rows].numpy()
+    ind = np.concatenate([bt[i, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+                          for i, n in enumerate(seq)]).astype(np.int32)
+    ip = np.concatenate([[0], np.cumsum(seq)]).astype(np.int32)
+    return seq, bt, torch.as_tensor(ip), torch.as_tensor(ind), torch.ones(len(rows), dtype=torch.int32)
+
+
+def test_sglang_calls_page_size_one_begin_forward_and_forward_with_the_scale(fake_device, pool):  # noqa: F811
+    """SGLang: 3-D token-slot K/V (NHD, page 1), plan through begin_forward with data_type=,
+    the indices written into _paged_kv_indices_buf, the scale and soft cap given to forward()."""
+    b, _ = pool
+    k3 = b.k_cache.permute(0, 2, 1, 3).reshape(-1, HKV, D)     # [slots, H_kv, D]
+    v3 = b.v_cache.permute(0, 2, 1, 3).reshape(-1, HKV, D)
+    rows = [0, 1, 3]
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(4, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(8192, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(3, dtype=torch.int32))
+    w = wrapper(kv_layout="NHD", use_cuda_graph=True, **bufs)
+    assert w._paged_kv_indices_buf is bufs["paged_kv_indices_buffer"]
+    rt = None
+    for i, (short, scale, cap) in enumerate([(3, D ** -0.5, 0.0), (2, 0.2, 20.0), (1, 0.2, 20.0)]):
+        seq, bt, ip, ind, lpl = token_slots(b, rows, short)
+        w._paged_kv_indices_buf[:len(ind)] = ind
+        w.begin_forward(ip, w._paged_kv_indices_buf[:len(ind)], lpl, HQ, HKV, D, 1,
+                        data_type=torch.float16, q_data_type=torch.float16, non_blocking=True)
+        q = torch.randn(len(rows), HQ, D, generator=torch.Generator().manual_seed(i)).half() * 2
+        out = w.forward(q, (k3, v3), sm_scale=scale, logits_soft_cap=cap, k_scale=None, v_scale=None)
+        ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq),
+                                         torch.as_tensor(bt), sm_scale=scale, logits_soft_cap=cap)
+        assert rel(out, ref) < TOL, i
+        if i == 2:   # the scale forward() gave at step 1 is kept: no re-plan, no new Runtime
+            assert w.runtime is rt
+        rt = w.runtime
+    assert w.fallback_reason is None
+
+
+def test_sglang_fast_decode_plan_replacement_keeps_pkvrts_plan(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    w = wrapper()
+    calls = []
+
+    def fast_decode_plan(wrapper, *args, **kwargs):   # FlashInfer's, as SGLang binds it
+        calls.append(args)
+
+    w.begin_forward = functools.partial(fast_decode_plan, w)
+    seq, bt, ip, ind, lpl = step(b, [0, 2])
+    w.begin_forward(ip.to(torch.int64) * 0, ind, lpl, HQ, HKV, D, PAGE, q_data_type=torch.float16,
+                    global_override_indptr_cpu=ip)
+    assert not calls and w.fallback_reason is None
+    assert w._planned["seq"].tolist() == seq.tolist()   # planned from the host indptr it was given
+    with pytest.raises(TypeError, match="does not take: \\['no_such'\\]"):
+        w.begin_forward(ip, ind, lpl, HQ, HKV, D, PAGE, no_such=1)
+    other = object()
+    w.begin_forward = other                               # anything else is kept as given
+    assert w.begin_forward is other
+
+
+def test_vllm_calls_packed_kv_strided_q_and_its_plan_arguments(fake_device, pool):  # noqa: F811
+    """vLLM: K/V packed in the last dimension (strided views), fixed_split_size=-1 (no pinned
+    split), the plan attributes it asserts on, vllm_first_call, q a view of fused QKV rows."""
+    b, _ = pool
+    kv = torch.cat([b.k_cache.transpose(1, 2), b.v_cache.transpose(1, 2)], dim=-1)   # [P, page, H_kv, 2D]
+    k, v = kv[..., :D], kv[..., D:]
+    seq, bt, ip, ind, lpl = step(b, [0, 1, 2, 4], 2)
+    w = wrapper(kv_layout="NHD")
+    w.plan(indptr=ip, indices=ind, last_page_len=lpl, num_qo_heads=HQ, num_kv_heads=HKV,
+           head_dim=D, page_size=PAGE, pos_encoding_mode="NONE", sm_scale=0.11, window_left=-1,
+           logits_soft_cap=None, q_data_type=torch.float16, kv_data_type=torch.float16,
+           o_data_type=torch.float16, data_type=None, rope_scale=None, rope_theta=None,
+           non_blocking=True, block_tables=None, seq_lens=torch.as_tensor(seq),
+           fixed_split_size=-1, disable_split_kv=False, q_len_per_req=1)
+    assert w.fallback_reason is None
+    assert (w._window_left, w._logits_soft_cap, w._sm_scale) == (-1, 0.0, 0.11)
+    w.vllm_first_call = False
+    assert w.vllm_first_call
+    qkv = torch.randn(4, HQ + 2 * HKV, D, generator=torch.Generator().manual_seed(3)).half()
+    q = qkv[:, :HQ]
+    assert not q.is_contiguous()
+    out = torch.full((4, HQ, D), float("nan"), dtype=torch.float16)
+    w.run(q, (k, v), q_scale=None, k_scale=None, v_scale=None, out=out, kv_cache_sf=None, sinks=None)
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq),
+                                     torch.as_tensor(bt), sm_scale=0.11)
+    assert rel(out, ref) < TOL
+
+
+def test_page_size_one_cache_as_one_4d_tensor(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    k3 = b.k_cache.permute(0, 2, 1, 3).reshape(-1, HKV, D)
+    v3 = b.v_cache.permute(0, 2, 1, 3).reshape(-1, HKV, D)
+    kv4 = torch.stack([k3, v3], dim=1)                       # [slots, 2, H_kv, D]
+    seq, bt, ip, ind, lpl = token_slots(b, [1, 2])
+    w = wrapper(kv_layout="NHD")
+    w.plan(ip, ind, lpl, HQ, HKV, D, 1, q_data_type=torch.float16)
+    q = torch.randn(2, HQ, D).half()
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(w.run(q, kv4), ref) < TOL

@@ -31,6 +31,8 @@ FlashInfer's wrapper, built with the same constructor arguments.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import numpy as np
@@ -85,14 +87,25 @@ def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
     return seq, bt
 
 
+def _page_dim(x: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """A page-size-1 cache given without its page dimension gets it back (FlashInfer's rule:
+    NHD before the head dimension, HND after it); a view, no copy."""
+    return x.unsqueeze(-3) if kv_layout == "NHD" else x.unsqueeze(-2)
+
+
 def split_paged_kv_cache(paged_kv_cache, kv_layout: str):
     """``run()``'s cache as ``(k_cache, v_cache)``: a tuple of two 4-D tensors, or one 5-D tensor
     ``[pages, 2, H_kv, page, D]`` (HND) / ``[pages, 2, page, H_kv, D]`` (NHD) whose K and V are
-    the views ``[:, 0]`` and ``[:, 1]`` (no copy)."""
+    the views ``[:, 0]`` and ``[:, 1]`` (no copy). Page size 1 may drop the page dimension, as
+    FlashInfer allows (SGLang's token slots): 3-D K and V ``[slots, H_kv, D]``, or one 4-D
+    ``[slots, 2, H_kv, D]``."""
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"paged_kv_cache: expected (k_cache, v_cache), got {len(paged_kv_cache)} tensors")
-        return paged_kv_cache[0], paged_kv_cache[1]
+        return tuple(_page_dim(t, kv_layout) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+                     for t in paged_kv_cache)
+    if isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 4 and paged_kv_cache.shape[1] == 2:
+        paged_kv_cache = _page_dim(paged_kv_cache, kv_layout)
     if not isinstance(paged_kv_cache, torch.Tensor) or paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
         shape = tuple(paged_kv_cache.shape) if isinstance(paged_kv_cache, torch.Tensor) else type(paged_kv_cache)
         raise ValueError(f"paged_kv_cache: expected (k_cache, v_cache) or one [pages, 2, ...] tensor "
@@ -153,6 +166,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"paged_kv_last_page_len_buffer: expected [{self._fixed_batch_size}] "
                                  f"(the batch size of paged_kv_indptr_buffer), got "
                                  f"{tuple(paged_kv_last_page_len_buffer.shape)}")
+        # FlashInfer's names for the caller's buffers: SGLang writes a step's indices straight
+        # into _paged_kv_indices_buf before plan()
+        self._paged_kv_indptr_buf, self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf = \
+            self._buffers
+        self._begin_forward = self.plan
+        self._variant_override = None   # forward()'s window / soft cap / scale, kept for later plans
+        # what FlashInfer's plan() leaves in these (vLLM asserts on them before each run)
+        self._window_left, self._logits_soft_cap, self._sm_scale = -1, 0.0, None
+        self._plan_args = None     # the last plan()'s arguments (forward() may re-plan with them)
         self._rt = None            # the Runtime, and what it was built for (_rt_key)
         self._rt_key = None
         self._fi = None            # FlashInfer's wrapper, built on the first fallback
@@ -191,6 +213,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
              disable_split_kv: bool = False, q_len_per_req: int = 1, is_causal=None) -> None:
         """Plan a decode step (FlashInfer's arguments and meanings). Call outside any CUDA-graph
         capture, before the step's run() calls (before each replay in CUDA-graph mode)."""
+        self._plan_args = ((indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                            page_size), dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                            window_right=window_right, logits_soft_cap=logits_soft_cap,
+                            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+                            data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
+                            rope_theta=rope_theta, non_blocking=non_blocking, block_tables=block_tables,
+                            seq_lens=seq_lens, fixed_split_size=fixed_split_size,
+                            disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req,
+                            is_causal=is_causal))
+        # FlashInfer's plan() leaves these for run(); vLLM asserts on them
+        self._window_left, self._sm_scale = window_left, sm_scale
+        self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap
+        if self._variant_override is not None:   # forward() gave the variant: it wins (FlashInfer's rule)
+            pos_encoding_mode, window_left, logits_soft_cap, sm_scale = (
+                self._variant_override[k] for k in ("pos_encoding_mode", "window_left",
+                                                    "logits_soft_cap", "sm_scale"))
         if data_type is not None:
             q_data_type = q_data_type if q_data_type is not None else data_type
             kv_data_type = kv_data_type if kv_data_type is not None else data_type
@@ -232,7 +270,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._buffers[1][:len(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
         rt.plan(seq, bt)
         self.fallback_reason = None
-        self._planned = dict(seq=seq, bt=bt, window_left=int(window_left), kv_dtype=kv_dt)
+        self._planned = dict(seq=seq, bt=bt, window_left=int(window_left), kv_dtype=kv_dt,
+                             variant=self._variant(pos_encoding_mode, window_left, logits_soft_cap,
+                                                   sm_scale, head_dim))
 
     def _unserved(self, hq, hkv, d, page, pos_encoding_mode, window_right, q_dt, kv_dt, o_dt,
                   fixed_split_size, disable_split_kv, q_len_per_req, is_causal) -> str | None:
@@ -243,7 +283,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return f"q_len_per_req={q_len_per_req}: pkvrt decodes one query token per request"
         if window_right != 0:
             return f"window_right={window_right}: pkvrt's windows are left windows"
-        if fixed_split_size is not None or disable_split_kv:
+        if (fixed_split_size is not None and fixed_split_size > 0) or disable_split_kv:
             return ("fixed_split_size / disable_split_kv: FlashInfer's batch-invariant split rule "
                     "(pkvrt's cut depends on the batch)")
         if q_dt not in ops._DTYPES or o_dt != q_dt:
@@ -264,7 +304,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         sinks = bool(self._rt_key and self._rt_key.get("sinks"))
         want = dict(key, sinks=sinks)
         if self._use_cuda_graph:
-            width = max(1, -(-self._max_context // key["page_size"]))
+            # a row holds at most the indices buffer's pages: page size 1 with a long max_context
+            # would otherwise give every captured batch size a huge block table
+            width = max(1, min(-(-self._max_context // key["page_size"]), len(self._buffers[1])))
             if pages > width:
                 raise ValueError(f"plan: a row of {pages} pages; this wrapper's block-table buffer "
                                  f"holds rows of {width} (max_context={self._max_context} tokens): "
@@ -301,7 +343,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 backend=self._backend, jit_args=self._jit_args)
         self._fi.plan(indptr, indices, last_page_len, hq, hkv, d, page, **kwargs)
         self.fallback_reason = reason
-        self._planned = dict(fallback=True)
+        self._planned = dict(fallback=True, variant=self._variant(
+            kwargs["pos_encoding_mode"], kwargs["window_left"], kwargs["logits_soft_cap"],
+            kwargs["sm_scale"], d))
 
     # ------------------------------------------------------------------ run
 
@@ -333,6 +377,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"q_scale={q_scale}: pkvrt takes fp16/bf16 q (no q scale)")
         if sinks is not None and not self._rt.sinks:
             self._rebuild_with_sinks()
+        if not q.is_contiguous():   # vLLM passes rows of its fused QKV output; the kernels read [B, H_q, D]
+            q = q.contiguous()
         k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
         scales = self._scales(k_scale, v_scale) if self._planned["kv_dtype"] == ops.FP8 else {}
         if return_lse and lse is None:
@@ -370,6 +416,78 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 self._scale_vals[i] = v
         return dict(k_scale=self._scale_buf[0:1], v_scale=self._scale_buf[1:2])
 
-    def forward(self, *args, **kwargs):
-        """FlashInfer's deprecated alias of :meth:`run`."""
-        return self.run(*args, **kwargs)
+    @staticmethod
+    def _variant(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, head_dim) -> tuple:
+        """A plan's attention variant with FlashInfer's defaults filled in (None soft cap: 0;
+        None scale: 1/sqrt(head_dim)), for comparing plan() with forward()."""
+        return (pos_encoding_mode, int(-1 if window_left is None else window_left),
+                float(logits_soft_cap or 0.0),
+                float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim))
+
+    def forward(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE",
+                q_scale: float | None = None, k_scale: float | None = None,
+                v_scale: float | None = None, window_left: int = -1,
+                logits_soft_cap: float | None = None, sm_scale: float | None = None,
+                rope_scale: float | None = None, rope_theta: float | None = None):
+        """FlashInfer's deprecated run(): as in FlashInfer, its RoPE mode, window, soft cap and
+        scale replace the planned ones for this call (SGLang passes the layer's scale and soft
+        cap here, not to plan()). pkvrt builds its Runtime for a variant, so a different one
+        re-plans the step with the last plan()'s arguments (refused inside a CUDA-graph capture:
+        run forward() once before capturing, as engines warm up) and later plans take it."""
+        if self._planned is None:
+            raise RuntimeError("forward: plan() must be called before forward()")
+        head_dim = self._plan_args[0][5]
+        want = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                    logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
+        wv = self._variant(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, head_dim)
+        pv = self._planned["variant"]
+        if not (wv[:3] == pv[:3] and math.isclose(wv[3], pv[3], rel_tol=1e-6)):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"forward: variant {wv} differs from the planned {pv} inside a "
+                                   "CUDA-graph capture; call forward() once before capturing")
+            self._variant_override = want
+            args, kwargs = self._plan_args
+            self.plan(*args, **kwargs)
+        if self.fallback_reason is not None:
+            return self._fi.forward(q, paged_kv_cache, pos_encoding_mode=pos_encoding_mode,
+                                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                    window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                    sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+
+    # ------------------------------------------------------------------ engines' FlashInfer habits
+
+    @property
+    def begin_forward(self):
+        """FlashInfer's alias of :meth:`plan` (SGLang plans through it)."""
+        return self._begin_forward
+
+    @begin_forward.setter
+    def begin_forward(self, fn) -> None:
+        # After capturing, SGLang sets begin_forward = partial(flashinfer.fast_decode_plan, wrapper):
+        # FlashInfer's fast plan edits FlashInfer's private plan state, which this wrapper does not
+        # have. pkvrt's plan() in CUDA-graph mode is already host work and copies only, so that
+        # replacement keeps plan(), taking the host indptr the fast plan is handed.
+        if isinstance(fn, functools.partial) and fn.args[:1] == (self,) and \
+                getattr(fn.func, "__name__", "") == "fast_decode_plan":
+            fn = self._fast_decode_plan
+        self._begin_forward = fn
+
+    def _fast_decode_plan(self, indptr, indices, last_page_len, *args,
+                          global_override_indptr_cpu=None, **kwargs):
+        extra = sorted(set(kwargs) - set(inspect.signature(self.plan).parameters))
+        if extra:
+            raise TypeError(f"fast_decode_plan: arguments pkvrt's plan() does not take: {extra}")
+        host = global_override_indptr_cpu if global_override_indptr_cpu is not None else indptr
+        return self.plan(host, indices, last_page_len, *args, **kwargs)
+
+    @property
+    def vllm_first_call(self) -> bool:
+        """Always True. vLLM's ``fast_plan_decode`` calls ``plan()`` while this is True and
+        FlashInfer's fast plan (FlashInfer's private state) after; pkvrt's plan() is its own
+        fast path, so every vLLM plan comes to it."""
+        return True
+
+    @vllm_first_call.setter
+    def vllm_first_call(self, value) -> None:
+        pass
