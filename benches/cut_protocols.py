@@ -37,6 +37,7 @@ import sys
 import tempfile
 
 import numpy as np
+from pkvrt.runtime.options import RuntimeOptions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -209,8 +210,8 @@ def main(argv=None) -> int:
         for s, routes, c, how in configs:
             rt = Runtime(hq, hkv, d, wl.shape.page_size, wl.shape.torch_dtype, routes=routes,
                          calibration=c, max_batch=b, max_pages_per_row=wl.layout.max_pages,
-                         use_cuda_graph=False, validate=False, device_planning=True,
-                         num_pages=wl.k[0].shape[0])
+                         device_planning=True, num_pages=wl.k[0].shape[0],
+                         options=RuntimeOptions(use_cuda_graph=False, validate=False))
 
             def body():
                 rt.plan(dseq, bt, force="pkv_fused" if how == "forced" else None)

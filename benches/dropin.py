@@ -215,7 +215,7 @@ def main(argv=None) -> int:
             results.write_results(out, meta, rows)
             del st
     results.write_results(out, meta, rows)
-    print(f"\n| style | steps | ratio min | ratio geomean | plan() host, pkvrt / FlashInfer (median us) |")
+    print("\n| style | steps | ratio min | ratio geomean | plan() host, pkvrt / FlashInfer (median us) |")
     print("|---|---|---|---|---|")
     for style in styles:
         rs = [r for r in rows if r["style"] == style and r["engine"] == "ratio" and r["ratio"]]

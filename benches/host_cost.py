@@ -266,6 +266,7 @@ def main(argv=None) -> int:
     from pkvrt.measure.harness import CudaClock
     from pkvrt.runtime import fi_route
     from pkvrt.runtime import Runtime
+    from pkvrt.runtime.options import with_options
 
     fi_mod, fi_reason = fi_route.load_flashinfer()
     clock = CudaClock()
@@ -287,7 +288,8 @@ def main(argv=None) -> int:
                 eng = RawFlashInfer(len(lens), bt.shape[1])
             else:
                 eng = Runtime(32, 8, 128, 16, torch.float16, max_batch=max(8, len(lens)),
-                              max_pages_per_row=bt.shape[1], validate=False, **kw)
+                              max_pages_per_row=bt.shape[1],
+                              **with_options(kw, validate=False))
                 for attr, value in ABLATIONS.get(name, {}).items():
                     setattr(eng, attr, value)
             steps_in = [(d, bt_dev, force) if on_device else (h, bt, force)

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from pkvrt.runtime.options import RuntimeOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +88,8 @@ def main(argv=None) -> int:
           f"{args.rounds} rounds of {args.calls} calls; grow {args.grow})  predictions per 1000 calls")
     for b in (int(x) for x in args.rows.split(",")):
         rt = Runtime(32, 8, 128, 16, torch.float16, routes=load_routes(REPO / "routes.toml"),
-                     calibration=cal, max_batch=max(b, 8), max_pages_per_row=width, flashinfer=False)
+                     calibration=cal, max_batch=max(b, 8), max_pages_per_row=width,
+                     options=RuntimeOptions(flashinfer=False))
         seq = np.full(b, 1500, dtype=np.int32)
         seq[0] = args.context
         if args.grow == "all":

@@ -40,6 +40,7 @@ from pkvrt.measure.model_shapes import (LAYERS, MODELS, LayerKind, ModelShape, f
 from pkvrt.runtime import Runtime
 from pkvrt.measure.harness import median_us
 from pkvrt.runtime.fi_route import NO_DECODE_HEAD_DIMS
+from pkvrt.runtime.options import RuntimeOptions
 
 PAGE = 16
 REPLAYS = 15
@@ -106,10 +107,10 @@ def pkvrt_step(model: ModelShape, st: Step) -> dict:
     """pkvrt's whole step in one graph; its time and its error on each kind's first layer."""
     kinds = model.layer_kinds()
     rts = {k: Runtime(model.num_qo_heads, model.num_kv_heads, model.head_dim, PAGE, torch.float16,
-                      device_planning=True, use_cuda_graph=False, num_pages=st.num_pages,
-                      max_batch=max(8, len(st.seq)), max_pages_per_row=st.width, flashinfer=False,
-                      window_left=k.window_left, logits_soft_cap=k.logits_soft_cap, sinks=k.sinks,
-                      sm_scale=k.sm_scale)
+                      device_planning=True, num_pages=st.num_pages, max_batch=max(8, len(st.seq)),
+                      max_pages_per_row=st.width, window_left=k.window_left,
+                      logits_soft_cap=k.logits_soft_cap, sinks=k.sinks, sm_scale=k.sm_scale,
+                      options=RuntimeOptions(use_cuda_graph=False, flashinfer=False))
            for k in model.kinds()}
 
     def step():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pkvrt.runtime.options import RuntimeOptions
 
 CASES = [(1, 1600), (1, 32768), (8, 1500), (8, 32768), (8, 131072), (64, 32768), (256, 8192)]
 
@@ -31,7 +32,8 @@ def runtime_plan_us(b, width, seq, bt, num_pages, page) -> dict:
     out = {}
     for how in ("copied", "direct"):
         rt = Runtime(32, 8, 128, page, torch.float16, max_batch=b, max_pages_per_row=width,
-                     use_cuda_graph=False, validate=False, device_planning=True, num_pages=num_pages)
+                     device_planning=True, num_pages=num_pages,
+                     options=RuntimeOptions(use_cuda_graph=False, validate=False))
         # The copy path on purpose (strided inputs take it; the 2026-12-01 run passed a strided
         # view, which at one row is contiguous, so its B1 "copied" times were direct ones).
         rt._direct_plan = how == "direct"

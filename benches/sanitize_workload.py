@@ -58,6 +58,7 @@ from pkvrt.runtime.graphs import collector_paused  # noqa: E402
 from pkvrt.policy.calibration import find_calibration  # noqa: E402
 from pkvrt.policy.registry import load_routes  # noqa: E402
 from pkvrt.runtime import Runtime  # noqa: E402
+from pkvrt.runtime.options import RuntimeOptions  # noqa: E402
 
 F16, BF16 = torch.float16, torch.bfloat16
 TOL = {F16: 5e-3, BF16: 2e-2}  # loose: 2-2.5x the GPU tests' (tests/gpu/test_kernels.py)
@@ -406,8 +407,8 @@ def runtime_case(t: Tally, name: str, route: str, buf: Buffers) -> None:
     rows, hq, d = b.q.shape
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no FlashInfer asked for; calibration fallback warnings
-        rt = Runtime(hq, H_KV, d, 16, F16, max_batch=4, max_pages_per_row=256, flashinfer=False,
-                     use_cuda_graph=True)
+        rt = Runtime(hq, H_KV, d, 16, F16, max_batch=4, max_pages_per_row=256,
+                     options=RuntimeOptions(flashinfer=False, use_cuda_graph=True))
     bt = b.block_tables.numpy()
     for i, lens in enumerate([RUNTIME_LENS, [n - 3 if n > 3 else n for n in RUNTIME_LENS]]):
         rt.plan(np.array(lens, dtype=np.int32), bt, force=route)
@@ -427,8 +428,8 @@ def runtime_layers_case(t: Tally, name: str, buf: Buffers) -> None:
     rows, hq, d = b.q.shape
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rt = Runtime(hq, H_KV, d, 16, F16, max_batch=4, max_pages_per_row=256, use_cuda_graph=False,
-                     device_planning=True)
+        rt = Runtime(hq, H_KV, d, 16, F16, max_batch=4, max_pages_per_row=256, device_planning=True,
+                     options=RuntimeOptions(use_cuda_graph=False))
     rt.plan(dev.seq_lens.to(torch.int32), dev.block_tables.to(torch.int32))
     outs = [torch.full_like(dev.q, float("nan")) for _ in range(3)]
     for out in outs:

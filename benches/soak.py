@@ -109,15 +109,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="page-layout holes of the traces (default 0, as the serving harness)")
     p.add_argument("--max-active", type=positive_int, default=8, metavar="N",
                    help="decode slots, the largest batch (default 8)")
-    p.add_argument("--max-graphs", type=positive_int, default=64, help="Runtime(max_graphs=...) (default 64)")
+    p.add_argument("--max-graphs", type=positive_int, default=64, help="RuntimeOptions(max_graphs=...) (default 64)")
     p.add_argument("--decision-memo", type=int, default=4096,
-                   help="Runtime(decision_memo=...) (default 4096)")
+                   help="RuntimeOptions(decision_memo=...) (default 4096)")
     p.add_argument("--force", metavar="ROUTE", help="force this route on every soak step (default: policy)")
     p.add_argument("--validate", action="store_true",
-                   help="Runtime(validate=True) (default off, as the serving harness)")
+                   help="RuntimeOptions(validate=True) (default off, as the serving harness)")
     p.add_argument("--flashinfer-cuda-graph", action="store_true",
-                   help="Runtime(flashinfer_cuda_graph=True): FlashInfer steps inside graphs too")
-    p.add_argument("--no-flashinfer", action="store_true", help="Runtime(flashinfer=False)")
+                   help="RuntimeOptions(flashinfer_cuda_graph=True): FlashInfer steps inside graphs too")
+    p.add_argument("--no-flashinfer", action="store_true", help="RuntimeOptions(flashinfer=False)")
     p.add_argument("--device-planning", action="store_true",
                    help="Runtime(device_planning=True) (where this Runtime has it): workqueue plans "
                         "built on the GPU from the step's int32 arrays; golden routes: workqueue/fused")
@@ -313,6 +313,7 @@ class Soak:
         from pkvrt.policy import calibration as calib
         from pkvrt.policy.registry import load_routes
         from pkvrt.runtime import Runtime
+        from pkvrt.runtime.options import with_options
 
         self.args, self.torch = args, torch
         self.case = f"soak-{Path(args.trace).stem}-B{args.max_active}"
@@ -323,13 +324,14 @@ class Soak:
         self.cal = (calib.load_calibration(args.calibration) if args.calibration
                     else calib.find_calibration(torch.cuda.get_device_name()))
         extra = dict(device_planning=True) if args.device_planning else {}
-        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
-                          routes=self.registry, calibration=self.cal,
+        self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
+                          sh.torch_dtype, routes=self.registry, calibration=self.cal,
                           max_batch=max(args.max_active, len(GOLDEN_LENS)),
-                          max_pages_per_row=-(-args.max_context // sh.page_size), use_cuda_graph=True,
-                          max_graphs=args.max_graphs, validate=args.validate,
-                          flashinfer=not args.no_flashinfer, decision_memo=args.decision_memo,
-                          flashinfer_cuda_graph=args.flashinfer_cuda_graph, **extra)
+                          max_pages_per_row=-(-args.max_context // sh.page_size),
+                          **with_options(extra, use_cuda_graph=True, max_graphs=args.max_graphs,
+                                         validate=args.validate, flashinfer=not args.no_flashinfer,
+                                         decision_memo=args.decision_memo,
+                                         flashinfer_cuda_graph=args.flashinfer_cuda_graph))
         dev, dt = self.rt.device, sh.torch_dtype
         self.num_requests = len(draw_trace(args, args.seed))
         g_seq, g_bt, g_pages = golden_inputs(args, args.max_context)

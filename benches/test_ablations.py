@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch  # noqa: E402
+from pkvrt.runtime.options import RuntimeOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -71,8 +72,8 @@ def test_graph_replay_ablation(benchmark, case, mode):
 
     lens = CASES[case]
     b = make_batch(lens, hole_fraction=0.0, seed=20260623)
-    rt = Runtime(32, 8, 128, 16, torch.float16, max_batch=16, use_cuda_graph=mode != "eager",
-                 device_planning=mode == "device-plan")
+    rt = Runtime(32, 8, 128, 16, torch.float16, max_batch=16, device_planning=mode == "device-plan",
+                 options=RuntimeOptions(use_cuda_graph=mode != "eager"))
     if mode == "device-plan":
         seq, bt = b.seq_lens.int(), b.block_tables.int()
     else:

@@ -1,7 +1,7 @@
 """A whole decode step (32 layers of attention) captured in the engine's own CUDA graph and
 replayed every step with new lengths, in either of the two ways an engine can embed pkvrt.
 
-Device lengths (the default): ``Runtime(device_planning=True, use_cuda_graph=False)``. The engine
+Device lengths (the default): ``Runtime(...)`` given its lengths on the GPU. The engine
 keeps the batch's lengths and block tables in device tensors (its scheduler updates them in
 place); ``plan()`` then only launches work on the current stream (a copy of the lengths, a copy of
 the block tables, the planning kernel), so the engine captures it together with every layer's
@@ -64,9 +64,10 @@ def main(argv=None) -> int:
     if args.host_routing:
         return host_routed(args, rt_args=(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16), width=width,
                            q=q, k_all=k_all, v_all=v_all, outs=outs, block_tables=block_tables)
+    # GPU lengths at plan() make it device planning; inside the capture its launches go into
+    # the graph (page ids are checked on the GPU against num_pages)
     rt = pkvrt.Runtime(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16, max_batch=8,
-                       max_pages_per_row=width, device_planning=True, use_cuda_graph=False,
-                       num_pages=k_all[0].shape[0])   # page ids are checked on the GPU
+                       max_pages_per_row=width, num_pages=k_all[0].shape[0])
 
     def step():
         rt.plan(seq_lens, block_tables)

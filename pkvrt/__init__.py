@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Runtime": "pkvrt.runtime",
+    "RuntimeOptions": "pkvrt.runtime.options",
     "BatchDecodeWithPagedKVCacheWrapper": "pkvrt.runtime.wrapper",
     "load_routes": "pkvrt.policy.registry",
     "load_calibration": "pkvrt.policy.calibration",

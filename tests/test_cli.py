@@ -59,7 +59,7 @@ def test_routes_say_what_device_planning_runs(capsys, tmp_path):
     rows, small = reg.device_small
     assert role[main] == f"rows > {rows}" and role[small] == f"rows <= {rows}"
     assert role["pkv_bucket"] == role["flashinfer"] == "-"
-    assert "device planning: Runtime(device_planning=True) and engine-captured steps run" in out
+    assert "device planning (lengths on the GPU) and engine-captured steps run" in out
     assert "ablation: the host router never picks the route on its own" in out
     assert "runs only when forced" not in out
     # without small_rows / small_route: one route on every step

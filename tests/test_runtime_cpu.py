@@ -105,7 +105,7 @@ def test_runtime_argument_errors_come_before_the_cuda_check(monkeypatch, kw, nam
     args.update({k: v for k, v in kw.items() if k in args})
     rest = {k: v for k, v in kw.items() if k not in args}
     with pytest.raises(ValueError, match=name):
-        Runtime(**args, **rest)
+        Runtime(**args, **with_options(rest))
 
 
 # ----------------------------------------------------------------------------- plan() checks
@@ -526,6 +526,7 @@ from paged import make_batch, rel_err  # noqa: E402
 
 from pkvrt import reference  # noqa: E402
 from pkvrt.launch import ops  # noqa: E402
+from pkvrt.runtime.options import with_options  # noqa: E402
 
 TILE = 32
 
@@ -784,7 +785,7 @@ def pool():
 def fake_runtime(**kw):
     args = dict(routes=ROUTES, calibration=SEED, max_batch=8, max_pages_per_row=256, flashinfer=False)
     args.update(kw)
-    return Runtime(*FAKE_SHAPE.values(), torch.float16, **args)
+    return Runtime(*FAKE_SHAPE.values(), torch.float16, **with_options(args))
 
 
 # (rows of the pool, how many tokens each is short of its longest length): lengths grow by one a
@@ -1673,3 +1674,82 @@ def test_fake_device_flashinfer_step_stages_the_csr_of_its_pages(fake_device, po
         lax.plan(seq, bad, force="flashinfer")
     out = lax.run(q, *cache, out=torch.full_like(q, float("nan")))
     assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+
+
+# ----------------------------------------------------------------------------- the constructor's surface
+
+
+def test_ablation_switches_live_in_runtime_options():
+    from pkvrt.runtime.options import RuntimeOptions
+
+    with pytest.raises(TypeError, match=r"use_cuda_graph, max_graphs: ablation switches, set through "
+                                        r"options=pkvrt.RuntimeOptions\(use_cuda_graph=False, max_graphs=4\)"):
+        Runtime(8, 2, 64, 16, use_cuda_graph=False, max_graphs=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) 'layers'"):
+        Runtime(8, 2, 64, 16, layers=32)
+    with pytest.raises(ValueError, match="options=.*expected a pkvrt.RuntimeOptions"):
+        Runtime(8, 2, 64, 16, options=dict(use_cuda_graph=False))
+    for bad, match in ((dict(use_cuda_graph=1), "use_cuda_graph=1: expected True or False"),
+                       (dict(max_graphs=0), "max_graphs=0: expected an int >= 1"),
+                       (dict(decision_memo=-1), "decision_memo=-1"),
+                       (dict(capture_routing="fast"), "capture_routing='fast'"),
+                       (dict(layers_per_plan=0), "layers_per_plan=0")):
+        with pytest.raises(ValueError, match=match):
+            RuntimeOptions(**bad)
+
+
+def test_the_first_plans_lengths_decide_device_planning(fake_device, pool, monkeypatch):  # noqa: F811
+    """Built without device_planning: lengths on the GPU at the first plan() make it a
+    device-planning Runtime (routes.toml's [device_planning] route, no FlashInfer, no host time
+    weighed); host lengths keep it a host-routing one, and the first plan() decides for good."""
+    from pkvrt.runtime import core
+
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt, q = step_inputs(b, [0, 1, 2], 1, seed=2)
+    monkeypatch.setattr(core, "lengths_on_gpu", lambda s: isinstance(s, torch.Tensor))
+    rt = fake_runtime()
+    assert rt._mode_open and not rt.device_planning
+    d = rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rt.device_planning and d.route == rt.registry.device_planning_route(3).name
+    assert not rt.router.weigh_host and not rt.flashinfer_available
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    host = fake_runtime()
+    host.plan(seq, bt)                                   # numpy lengths: host routing, for good
+    host.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    assert not host.device_planning and not host._mode_open
+    fixed = fake_runtime(device_planning=False)          # said at construction: never switches
+    fixed.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    assert not fixed.device_planning
+    big = fake_runtime(max_batch=ops.PLAN_MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="max_batch=1025: device planning plans every step"):
+        big.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    assert big._mode_open and not big.device_planning    # nothing changed
+
+
+def test_device_planning_inside_an_engine_capture_launches_into_it(fake_device, pool):  # noqa: F811
+    """Device planning with the Runtime's graphs on: outside a capture it replays its own graphs;
+    inside an engine's capture plan() and run() launch their kernels (the planning kernel in its
+    direct mode) into the engine's graph instead of refusing. Host lengths with the Runtime's
+    graphs still refuse a capture: their plan was staged outside it."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = fake_runtime(device_planning=True, num_pages=b.k_cache.shape[0])
+    seq, bt, q = step_inputs(b, [0, 1, 3], 0, seed=8)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    rt.run(q, *cache)
+    before = rt.stats()
+    direct = fake_device.direct
+    rt._capturing = lambda: True
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+    after = rt.stats()
+    assert fake_device.direct == direct + 1                  # one direct planning launch
+    assert after["eager_runs"] == before["eager_runs"] + 1 and after["captures"] == before["captures"]
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    host = fake_runtime()
+    host.plan(seq, bt)
+    host._capturing = lambda: True
+    with pytest.raises(RuntimeError, match="a replay would run a stale plan"):
+        host.run(q, *cache)

@@ -71,6 +71,7 @@ import torch
 
 from pkvrt import reference
 from pkvrt.measure.fi_engines import FI_VARIANTS
+from pkvrt.runtime.options import with_options
 from pkvrt.measure.fi_engines import WORKSPACE_BYTES as FI_WORKSPACE_BYTES  # noqa: F401 (calibrate.py)
 from pkvrt.measure.pagetable import build_layout
 from pkvrt.measure.traces import Step, decode_steps
@@ -740,7 +741,7 @@ class RuntimeEngine:
             raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
                              "argument, so a route cannot be forced")
         self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size,
-                          sh.torch_dtype, **self.kwargs)
+                          sh.torch_dtype, **with_options(self.kwargs))
         if name == ADAPTIVE_DEVICE_TIME:
             self.rt.router.weigh_host = False   # device time only: the routing before [host_time]
         self.decision = None
@@ -801,7 +802,7 @@ class RuntimeEngine:
         self.rt = Runtime(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
                           device=wl.device, routes=routes, calibration=calibration,
                           max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-                          validate=False, num_pages=wl.k[0].shape[0], **fp8, **runtime_kw)
+                          num_pages=wl.k[0].shape[0], **with_options(dict(fp8, **runtime_kw), validate=False))
 
     def stats(self) -> dict:
         """Scalar entries of ``Runtime.stats()``, those of a nested dict as ``key_subkey`` (the

@@ -15,7 +15,7 @@ A backend is what :class:`pkvrt.measure.model.DecodeLoop` and :meth:`pkvrt.measu
 =================  ===========================================================================
 engine             what runs
 =================  ===========================================================================
-pkvrt              ``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)``: plan() from
+pkvrt              ``pkvrt.Runtime(...)`` given GPU lengths (device planning), captured: plan() from
                    the device lengths in the graph, run() per layer (examples/engine_graph.py)
 flashinfer-tc      FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` in CUDA-graph mode,
                    tensor-core decode (``use_tensor_cores=True``), plan() on the host per step
@@ -35,6 +35,7 @@ import torch
 
 from pkvrt import reference
 from pkvrt.measure.model import ModelConfig, Staged
+from pkvrt.runtime.options import RuntimeOptions
 
 FI_WORKSPACE_BYTES = 128 * 2**20   # FlashInfer's documented example size
 XQA_WORKSPACE_BYTES = 256 * 2**20  # XQA keeps its semaphores in the first 8 MiB
@@ -97,11 +98,12 @@ class PkvrtAttention(NoAttention):
     def __init__(self, cfg: ModelConfig, loop, *, routes=None, calibration="auto"):
         from pkvrt.runtime import Runtime
 
-        self.rt = Runtime(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size, cfg.dtype,
-                          device=loop.tokens.device, routes=routes, calibration=calibration,
-                          max_batch=loop.batch, max_pages_per_row=loop.pool.block_tables.shape[1],
-                          use_cuda_graph=False, validate=False, device_planning=True,
-                          num_pages=loop.caches.num_pages)
+        self.rt = Runtime(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size,
+                          cfg.dtype, device=loop.tokens.device, routes=routes,
+                          calibration=calibration, max_batch=loop.batch,
+                          max_pages_per_row=loop.pool.block_tables.shape[1], device_planning=True,
+                          num_pages=loop.caches.num_pages,
+                          options=RuntimeOptions(use_cuda_graph=False, validate=False))
 
     def begin_step(self, seq_lens, block_tables) -> None:
         self.rt.plan(seq_lens, block_tables)

@@ -33,7 +33,7 @@ graphs for every step of that padded batch while the lengths change. Three ways 
   know to pick the graph (:meth:`Runtime._stage_bucket`). A FlashInfer step runs FlashInfer's
   own host plan. The Python plan of a workqueue step (``planner.plan_workqueue``,
   ``graphs.stage_workqueue``) is now only the planning kernel's reference twin in the tests.
-* device lengths (``device_planning=True``): no host routing, every step runs routes.toml's
+* device lengths (int32 CUDA tensors at the first plan(), or ``device_planning=True``): no host routing, every step runs routes.toml's
   ``[device_planning] route`` (``small_route`` on steps of at most ``small_rows`` rows: the row
   count is known on the host); nothing synchronizes, and plan()/run() can be captured in an
   engine's own graph, where plan() is one launch of the planning kernel (it copies the step's
@@ -44,7 +44,7 @@ graphs for every step of that padded batch while the lengths change. Three ways 
   run() launches the planning kernel before its decode, so the engine, which captures every
   layer's run() in one graph per :attr:`Runtime.step_key` and replays it, replays the planning
   too: one graph launch per step. The route is routes.toml's ``[device_planning]`` one, the policy measured for
-  captured steps (``capture_routing="router"``: the router's, the ablation).
+  captured steps (``RuntimeOptions(capture_routing="router")``: the router's, the ablation).
 
 Which route a step takes thus depends on how its layers launch: a layer at a time (the Runtime's
 own graphs, eager), the router's gates and cost model, measured on such steps; with the
@@ -62,9 +62,9 @@ key, capturing it on a miss (:mod:`pkvrt.runtime.graphs` says what a key holds).
 
 Host cost of a host-lengths ``plan``: the router (a memo hit: 15-35 us on the 2-core dev box
 at B8, no planner call for a workqueue/fused step; a miss, about once per ``quantum / B`` steps
-of a decode loop, 100-600 us), the O(B * pages) validation (``validate=True``: ~21-25 us for
+of a decode loop, 100-600 us), the O(B * pages) validation (``RuntimeOptions.validate``: ~21-25 us for
 the whole check at B8 with 2048-page rows on the dev box, one pass over the page ids,
-``test_bench_check_step_b8_32k``; ``validate=False`` skips the page ids),
+``test_bench_check_step_b8_32k``; ``RuntimeOptions(validate=False)`` skips the page ids),
 a few numpy writes, one tensor copy and one planning-graph replay (a bucket step: two
 copies), and one event record; it
 allocates no device or pinned memory. The block-table copy moves rows 0..B-1 at the buffer's
@@ -91,6 +91,7 @@ The package, in the order a step flows through it:
 
 - :mod:`~pkvrt.runtime.checks`: a step's metadata and a run's tensors checked on the host,
   ValueError naming the argument (nothing is written before they pass).
+- :mod:`~pkvrt.runtime.options`: :class:`RuntimeOptions`, the ablation and tuning switches.
 - :mod:`~pkvrt.runtime.core`: :class:`Runtime`, its construction and reporting; it is
   assembled from the three pieces below, one per seam, each readable alone.
 - :mod:`~pkvrt.runtime.buffers`: the static device buffers and pinned staging, their sizes.
@@ -109,6 +110,7 @@ from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime.checks import (DTYPES, MAX_SEQ_LEN, StepInput, check_device_step, check_run_args,
                                   check_shape, check_step, host_int_array, used_page_id_max)
 from pkvrt.runtime.core import Runtime
+from pkvrt.runtime.options import RuntimeOptions
 
-__all__ = ["Runtime", "DEVICE_PLANNED", "DTYPES", "MAX_SEQ_LEN", "StepInput", "check_device_step",
+__all__ = ["Runtime", "RuntimeOptions", "DEVICE_PLANNED", "DTYPES", "MAX_SEQ_LEN", "StepInput", "check_device_step",
            "check_run_args", "check_shape", "check_step", "host_int_array", "used_page_id_max"]

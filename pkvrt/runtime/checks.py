@@ -20,11 +20,11 @@ from pkvrt.launch import ops
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 MAX_SEQ_LEN = ops.MAX_SEQ_LEN   # longest row in tokens: int32 lengths, tile arithmetic included
-NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with use_cuda_graph=True; the Runtime "
-                  "would replay or capture its own graphs inside yours. Build it with "
-                  "engine_capture=True (host routing: plan() outside your capture, a graph per "
-                  "Runtime.step_key) or device_planning=True, use_cuda_graph=False to capture "
-                  "whole steps in your own graph")
+NESTED_CAPTURE = ("Runtime.{}: called during CUDA-graph capture with host lengths and the Runtime's "
+                  "own graphs; the step was planned outside your capture, so a replay would run "
+                  "a stale plan. Build it with engine_capture=True (plan() outside your capture, "
+                  "a graph per Runtime.step_key), or give plan() the lengths on the GPU (device "
+                  "planning) and capture plan() with the layers")
 
 
 KV_LAYOUTS = ("HND", "NHD")

@@ -23,11 +23,12 @@ from pkvrt.runtime import fi_route, graphs
 from pkvrt.runtime.buffers import StaticBuffers, _Step
 from pkvrt.runtime.checks import DTYPES, MAX_SEQ_LEN, check_shape, check_variant
 from pkvrt.runtime.graphs import Capacities, initial_capacities
+from pkvrt.runtime.options import FIELDS as OPTION_FIELDS
+from pkvrt.runtime.options import RuntimeOptions
 from pkvrt.runtime.planning import Planning
 from pkvrt.runtime.running import Running
 
 # Runtime(capture_routing=...): how an engine-captured step of host lengths picks its route
-CAPTURE_ROUTING = ("device_planning", "router")
 
 
 def _resolve_device(device) -> torch.device:
@@ -67,140 +68,69 @@ class _StreamRecorder:
         event.record(self._stream)
 
 
+def lengths_on_gpu(seq_lens) -> bool:
+    """Whether plan() was given its lengths in a CUDA tensor (device planning)."""
+    return isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cuda"
+
+
+def moved_arguments(moved: dict) -> str:
+    """The TypeError of a Runtime given constructor keywords it does not take: ablation switches
+    (now :class:`RuntimeOptions` fields) are named with where they went."""
+    opts = [k for k in moved if k in OPTION_FIELDS]
+    other = [k for k in moved if k not in OPTION_FIELDS]
+    parts = []
+    if opts:
+        inner = ", ".join(f"{k}={moved[k]!r}" for k in opts)
+        parts.append(f"{', '.join(opts)}: ablation switches, set through "
+                     f"options=pkvrt.RuntimeOptions({inner})")
+    if other:
+        parts.append(f"unexpected keyword argument(s) {', '.join(map(repr, other))}")
+    return "Runtime: " + "; ".join(parts)
+
+
 class Runtime(StaticBuffers, Planning, Running):
     """Paged-KV decode attention with a per-step route choice, replayed as CUDA graphs.
 
-    Per step, :meth:`plan` chooses the route (host lengths: the router; ``device_planning``:
-    routes.toml's device-planning route) and every workqueue/fused plan is built on the GPU by
-    the planning kernel into static buffers; per layer, :meth:`run` replays the graph of the
-    step's (route, padded batch, grid) key. A bucket step is planned on the host (its buckets
-    are its graph's launch structure), a FlashInfer step by FlashInfer's plan (the package
+    Per step, :meth:`plan` chooses the route and every workqueue/fused plan is built on the GPU
+    by the planning kernel; per layer, :meth:`run` launches the step's kernels (the package
     docstring, :mod:`pkvrt.runtime`, tells the whole model).
+
+    The mode follows from what the caller passes:
+
+    - lengths and block tables as CUDA int32 tensors at the first plan(): **device planning**,
+      no host routing, routes.toml's ``[device_planning]`` route; plan() and run() inside the
+      caller's CUDA-graph capture go into that graph (the fastest way to run pkvrt: the
+      README's first snippet). ``device_planning=True/False`` fixes the mode at construction.
+    - host lengths (numpy, lists, CPU tensors): the router picks each step's route; the Runtime
+      replays a graph of its own per layer. An engine that captures its steps with host
+      lengths says ``engine_capture=True``: plan() outside its capture, a graph of the step's
+      run() calls per :attr:`step_key`.
 
     Parameters
     ----------
-    num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape (module-level checks in
-        :func:`check_shape`). dtype : torch.float16 or torch.bfloat16, the dtype of q and out
-        (and of the KV cache unless ``kv_dtype`` says otherwise).
-    kv_dtype : None (the KV cache is ``dtype``) or torch.float8_e4m3fn: an FP8 KV cache, whose
-        dequantization scales each :meth:`run` takes (``k_scale``, ``v_scale``). The router then
-        counts 1 byte per K/V element. FlashInfer is not used with it (its decode takes the
-        scales as host floats, which a captured graph cannot re-read; ``explain()`` says so):
-        steps the policy sends to FlashInfer run on the fastest PersistentKV route.
-    device : the CUDA device of the caches ("cuda" = the current one).
-    routes : routes.toml path (None: ``pkvrt.policy.registry.load_routes()``'s default) or a Registry.
-    calibration : "auto" (``find_calibration(torch.cuda.get_device_name(device))``), a path or a
-        Calibration; its ``splits.by_group`` entry for this group size, if there is one, replaces
-        the balanced partition's constants (``Calibration.for_group``).
-    max_batch : most rows of a step. max_pages_per_row : most pages of one row (block-table width).
-    use_cuda_graph : replay CUDA graphs (default) or launch eagerly (the ablation).
-    max_graphs : graphs kept (LRU; evicted graphs are freed).
-    validate : O(B * pages) checks of the block tables at plan() and of page ids vs num_pages at
-        run(); the O(B) checks that guard the static buffers always run.
-    sm_scale : softmax scale (None: 1/sqrt(head_dim)); any value (Gemma-3-27B: 168 ** -0.5).
-    kv_layout : "HND" (caches ``[num_pages, H_kv, page_size, D]``) or "NHD" (``[num_pages,
-        page_size, H_kv, D]``, vLLM's, SGLang's and FlashInfer's default). Strides come from the
-        tensors run() is given: K and V may be strided views of one tensor (FlashInfer's
-        ``[pages, 2, ...]``, vLLM's K/V packed in the last dimension) as long as each token row
-        of D elements is contiguous and 16-byte aligned.
-    window_left : -1, or a sliding window: each row attends to its last ``window_left + 1``
-        tokens (FlashInfer's meaning). Plans cover the window only (a windowed row's work is its
-        window's pages). A model that mixes local and global layers uses one Runtime per layer
-        kind, each planned once per step: a plan is per window, and one Runtime per kind keeps
-        each kind's graphs and plans as few as one kind's.
-    logits_soft_cap : 0, or a cap c > 0: scores become ``c * tanh(score / c)`` (Gemma-2).
-    sinks : the model has attention sinks (gpt-oss): every run() takes ``sinks=``, one float32
-        logit per query head that joins the softmax denominator. FlashInfer is not used then
-        (its FA2 decode accepts sinks and ignores them: a wrong answer, not a baseline).
-    flashinfer : use FlashInfer as the baseline route; False, or FlashInfer failing to import,
-        makes it unavailable: steps the policy sends to it run on the fastest PersistentKV route.
-    flashinfer_tensor_cores : FlashInfer's tensor-core decode (H200, G=4: 44 vs 52 us at B1 32K).
-    decision_memo : decisions the router remembers and reuses (``Router(memo_size=...)``: keyed by
-        force, active rows, distinct lengths and each length at split granularity; plans stay
-        exact: a workqueue/fused plan is built on the GPU from the exact lengths, a bucket or
-        FlashInfer plan on the host). Cuts ``plan()``'s router time 5-20x (B8, dev box); 0
-        predicts every step from scratch.
-    flashinfer_cuda_graph : run the FlashInfer route in FlashInfer's CUDA-graph mode inside the
-        runtime's graphs. Off by default: on the H200 (2026-12-02, docs/integration.md "Host cost") it halves
-        a FlashInfer step's host time (plan() 145-217 vs 316-384 us, run() 10-18 vs 21-43 us per
-        layer through FlashInfer's eager run(); the direct calls bring the eager run()
-        to FlashInfer's own cost, see ``flashinfer_direct_run``) but costs device time, +2 to
-        +5 % at 32 layers on 32K steps and +19 % on the Azure conversation trace (a graph
-        boundary at every layer, a grid fixed per batch size), and adds one wrapper per batch
-        size. Worth it only where the host, not the GPU,
-        bounds the step; an engine that captures its whole step (``engine_capture``) gets graph
-        mode without the per-layer boundaries. (The "illegal memory access" once seen with it was a race on pinned buffers,
-        FlashInfer's own and the serving harness's, both guarded now: see
-        fi_route.FlashInferRoute.plan and tests/gpu/test_runtime.py.)
-    flashinfer_direct_run : eager FlashInfer steps (the default mode): from a step's third layer
-        on, call FlashInfer's compiled kernel entry with the arguments its ``run()`` built for the
-        second, the layer's q, caches and out swapped in, instead of re-running that Python
-        at every layer (``fi_route.DirectCall``; falls back to ``wrapper.run`` for any call it
-        cannot record exactly, and is off with a FlashInfer its GPU test has not checked,
-        ``fi_route.DIRECT_RUN_VERSIONS``: 0.7.x). False: FlashInfer's ``run()`` at every layer
-        (the ablation).
-    num_pages : the pages of the KV cache that run() will be given (``k_cache.shape[0]``); the
-        planning kernel checks the page ids of every workqueue/fused step against it on the GPU.
-        Device planning: run() refuses a cache with fewer pages; None: taken from the first
-        run()'s cache, and a step planned before any run() has its planning kernel launched by
-        that run(), after the bound is set, so no step's ids go unchecked (engine_capture with
-        host lengths: likewise; plan() checks them on the host too with ``validate``). Host
-        lengths: the bound is lowered to the smallest cache run() is given (never an error),
-        on top of the host checks (``validate``).
-    device_planning : take each step's lengths and block tables as device tensors and skip host
-        routing (both modes build every workqueue/fused plan with the planning kernel,
-        kernels/plan_workqueue.cu; this one has no host part). ``plan()`` then does no work
-        proportional to the batch and never synchronizes: with ``use_cuda_graph=False`` (an
-        engine capturing its step) one launch of the planning kernel, which copies the lengths
-        and the block-table entries they use itself (contiguous device tensors); otherwise two
-        device copies (lengths, block tables), the device scalars and one replay of a captured
-        planning graph. Every step runs routes.toml's ``[device_planning] route``
-        (pkv_fused, the merge in the decode tail, as shipped; without that table the first
-        non-ablation workqueue or fused route), except steps of at most ``small_rows`` rows,
-        which run ``small_route`` (shipped: pkv_workqueue on one-row steps, where the tail
-        merge is exposed); ``force=`` may name another workqueue or fused route. FlashInfer and the bucket route are not used. Lengths and page ids are checked
-        on the GPU by the planning kernel: a row whose seq_len is outside [1, block-table columns
-        * page_size], or whose block table holds a page id outside [0, num_pages) among the
-        pages its length uses, gets no work (its output row is not computed) and sets a flag
-        that :meth:`device_status` reports for the last planned step. With
-        ``use_cuda_graph=False`` plan() and run() are capturable, so an engine can capture a whole
-        step (all layers) in its own CUDA graph and replay it with new lengths (same batch size)
-        and no host planning at all: the fastest way to run pkvrt (H200 engine protocol,
-        README). The split of every step is the balanced partition (planner.balanced_partition).
+    num_qo_heads, num_kv_heads, head_dim, page_size : the attention shape (:func:`check_shape`).
+    dtype : torch.float16 or torch.bfloat16: q and out, and the KV cache unless ``kv_dtype``.
+    kv_dtype : None or torch.float8_e4m3fn (each run() then takes ``k_scale``, ``v_scale``).
+    kv_layout : "HND" (``[num_pages, H_kv, page_size, D]``) or "NHD" (``[num_pages, page_size,
+        H_kv, D]``); K and V may be strided views of one tensor, each token row contiguous.
+    sm_scale, window_left, logits_soft_cap, sinks : the attention variant: scale (None:
+        1/sqrt(D)); a sliding window of the last window_left + 1 tokens (-1: none); scores
+        ``c * tanh(s / c)`` (0: none); one learned sink logit per query head, given to each
+        run() as ``sinks=`` (FlashInfer is then not used: its FA2 decode ignores sinks).
+        A model mixing layer kinds uses one Runtime per kind, each planned once per step.
+    max_batch, max_pages_per_row : the most rows of a step and pages of a row.
+    num_pages : the cache's pages; page ids are checked against it on the GPU (None: the first
+        run()'s cache, and no step is planned before that bound is known).
+    device_planning : None (the first plan() decides, above), True or False.
+    engine_capture : host lengths in the caller's CUDA graphs (above).
+    device, routes, calibration : the CUDA device; routes.toml (path or Registry; None: the
+        shipped one); "auto" (this GPU's calibration file), a path or a Calibration.
+    options : :class:`~pkvrt.runtime.options.RuntimeOptions`, the ablation and tuning switches
+        (graphs off, FlashInfer's modes, the router's memo, validation); the defaults are the
+        measured product. Passing one of its fields here is a TypeError naming it.
 
-    engine_capture : the engine captures each decode step's ``run()`` calls (every layer) in its
-        own CUDA graph and replays it, with host lengths: per step it calls :meth:`plan` outside
-        any capture and replays its graph for :attr:`step_key`, capturing one the first time a key
-        is seen (``examples/engine_graph.py --host-routing``). plan() checks and copies the
-        step; a workqueue/fused step's planning kernel is launched by the step's first run()
-        (the first of each capture, and the first eager one), so the engine's graph holds it and
-        a replay plans from the lengths the last plan() copied and runs every layer in one graph
-        launch (an engine that splits a step over several graphs gets the planning kernel in
-        each: correct, one launch more per graph). Implies ``use_cuda_graph=False``
-        (no graphs of the Runtime's own) and runs a FlashInfer route in FlashInfer's CUDA-graph
-        mode (a wrapper per batch size, whose grid a re-plan keeps). The replays call no run(),
-        so with ``validate`` plan() checks the page ids against ``num_pages`` (or, without it,
-        the smallest cache a run() was given); the planning kernel checks a workqueue/fused
-        step's ids on the GPU too, nothing checks a bucket or FlashInfer step's with
-        ``validate=False``. A graph bakes in the addresses of the tensors its run() calls were
-        given: q, out, the caches (and FP8 scales) must be the same tensors at every replay of
-        a key (e.g. views of :meth:`static_q` / :meth:`static_out` of the padded batch, or one
-        graph per (key, batch size) as the harness keeps). With ``device_planning`` it only sets
-        ``use_cuda_graph=False`` (plan() is captured too then).
-    capture_routing : how ``engine_capture`` with host lengths chooses a step's route.
-        ``"device_planning"`` (default): routes.toml's ``[device_planning]`` route, as device
-        planning does: the policy of captured steps, measured in the 32-layer engine protocol
-        (README), where those routes beat FlashInfer's fastest path on every trace; the plan is
-        built on the GPU from the host lengths (one copy), no router. ``"router"``: the router's
-        gates and cost model, as the default mode (graph launches charged per kernel); the
-        ablation: its gates and constants were measured on steps launched a layer at a time, and
-        in captured steps they send to FlashInfer steps the PersistentKV routes run faster
-        (benches/NOTES.md, the captured step's routing).
-    layers_per_plan : run() calls per plan() the router assumes until a step has run (None: 1);
-        from then on it uses the last step's count. Used where host time is weighed (the default
-        mode with FlashInfer, routes.toml ``[host_time]``, the calibration's ``host_time``): the
-        predicted wall time of a step is ``plan_us + L * max(run_us, T)``. An engine of 32 layers
-        passes 32, so that its first step is decided as the ones after it.
+    Details a user rarely needs, by topic: FP8 scales, layouts, variants, page-id checks and
+    the captured modes in docs/integration.md; each switch in :class:`RuntimeOptions`.
 
     Ordering contract with PDL (sm_90+, eager launches or an engine's captured step): from the
     second run() after a plan(), the decode kernel reads the plan and copies K/V of each row's
@@ -216,24 +146,31 @@ class Runtime(StaticBuffers, Planning, Running):
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype=torch.float16, *, kv_dtype=None, device="cuda", routes=None, calibration="auto",
-                 max_batch: int = 256, max_pages_per_row: int = 8192, use_cuda_graph: bool = True,
-                 max_graphs: int = 64, validate: bool = True, sm_scale: float | None = None,
-                 flashinfer: bool = True, flashinfer_tensor_cores: bool = True,
-                 flashinfer_cuda_graph: bool = False, flashinfer_direct_run: bool = True,
-                 decision_memo: int = 4096,
-                 device_planning: bool = False, num_pages: int | None = None,
-                 engine_capture: bool = False, capture_routing: str = "device_planning",
-                 layers_per_plan: int | None = None, kv_layout: str = "HND",
-                 window_left: int = -1, logits_soft_cap: float = 0.0, sinks: bool = False):
+                 dtype=torch.float16, *, kv_dtype=None, kv_layout: str = "HND",
+                 sm_scale: float | None = None, window_left: int = -1,
+                 logits_soft_cap: float = 0.0, sinks: bool = False, max_batch: int = 256,
+                 max_pages_per_row: int = 8192, num_pages: int | None = None,
+                 device_planning: bool | None = None, engine_capture: bool = False,
+                 device="cuda", routes=None, calibration="auto",
+                 options: RuntimeOptions | None = None, **moved):
+        if moved:
+            raise TypeError(moved_arguments(moved))
+        if options is None:
+            options = RuntimeOptions()
+        elif not isinstance(options, RuntimeOptions):
+            raise ValueError(f"Runtime: options={options!r}: expected a pkvrt.RuntimeOptions")
+        self.options = options
+        (use_cuda_graph, max_graphs, validate, flashinfer, flashinfer_tensor_cores,
+         flashinfer_cuda_graph, flashinfer_direct_run, decision_memo, capture_routing,
+         layers_per_plan) = (getattr(options, f) for f in OPTION_FIELDS)
+        # device_planning None: the first plan() decides, from where its lengths are (_decide_mode)
+        self._mode_open = device_planning is None
+        device_planning = bool(device_planning)
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         self.kv_layout, self.window_left, self.logits_soft_cap, self.sinks = check_variant(
             kv_layout, window_left, logits_soft_cap, sinks)
-        if capture_routing not in CAPTURE_ROUTING:
-            raise ValueError(f"Runtime: capture_routing={capture_routing!r}: expected one of "
-                             f"{', '.join(map(repr, CAPTURE_ROUTING))}")
         if capture_routing != "device_planning" and (not engine_capture or device_planning):
-            raise ValueError(f"Runtime: capture_routing={capture_routing!r} applies to "
+            raise ValueError(f"Runtime: options.capture_routing={capture_routing!r} applies to "
                              "engine_capture=True with host lengths (device_planning=False) only")
         # a captured step of host lengths runs routes.toml's [device_planning] route (not the router)
         self._captured_policy = bool(engine_capture and not device_planning
@@ -268,32 +205,15 @@ class Runtime(StaticBuffers, Planning, Running):
         # engine_capture: the engine's graphs replace the Runtime's own (its launches are captured)
         self.engine_capture = bool(engine_capture)
         self.use_cuda_graph = bool(use_cuda_graph) and not self.engine_capture
-        # How a host-routed workqueue/fused step's planning kernel is launched: "graph", a replay
-        # of the Runtime's planning graph in plan(); "eager", launched by plan() (graphs off);
-        # "run", under engine_capture with host lengths: launched by the step's first run(), so
-        # the engine's graph of the step holds it and a replay plans and runs the layers in one
-        # graph launch, as device planning's captured step does (benches/NOTES.md, host routing in a captured step).
-        self._plan_launch = ("run" if self.engine_capture and not device_planning
-                             else "graph" if self.use_cuda_graph else "eager")
         self.validate, self.sm_scale = bool(validate), sm_scale
         self.registry = routes if isinstance(routes, Registry) else load_routes(routes)
         self.device_planning = bool(device_planning)
         # every workqueue/fused step is planned on the GPU, host-routed or not
         self._dp_routes = {r.name: r for r in self.registry.routes if r.kind in DEVICE_PLANNED}
         if self.device_planning or self._captured_policy:
-            try:
-                self._dp_default = self.registry.device_planning_route().name
-            except KeyError as e:
-                raise ValueError(f"Runtime ({mode}): {e.args[0]}") from None
+            self._dp_default = self._device_planning_route(mode)
             if self.device_planning:
                 flashinfer = False  # device planning runs the PersistentKV workqueue routes only
-            small = self.registry.device_small
-            for dp_route in map(self.registry.route, dict.fromkeys(filter(None, (self._dp_default,
-                                                                                small and small[1])))):
-                if self._kv_dtype not in dp_route.kv_dtypes:
-                    raise ValueError(f"Runtime ({mode}): dtype={self.kv_dtype}: the device-planning "
-                                     f"route {dp_route.name!r} does not serve it (kv_dtypes = "
-                                     f"{list(dp_route.kv_dtypes)} in {self.registry.path})")
 
         self.device = _resolve_device(device)
         self._cuda = self.device.type == "cuda"
@@ -404,6 +324,56 @@ class Runtime(StaticBuffers, Planning, Running):
             except Exception as exc:
                 raise RuntimeError(f"pkvrt.Runtime: kernel {sym} (family {fam}) cannot be loaded on "
                                    f"{torch.cuda.get_device_name(self.device)}: {exc}") from exc
+
+    def _device_planning_route(self, mode: str) -> str:
+        """routes.toml's device-planning route, checked: it exists and serves the K/V dtype
+        (ValueError naming the mode otherwise)."""
+        try:
+            name = self.registry.device_planning_route().name
+        except KeyError as e:
+            raise ValueError(f"Runtime ({mode}): {e.args[0]}") from None
+        small = self.registry.device_small
+        for dp_route in map(self.registry.route, dict.fromkeys(filter(None, (name, small and small[1])))):
+            if self._kv_dtype not in dp_route.kv_dtypes:
+                raise ValueError(f"Runtime ({mode}): dtype={self.kv_dtype}: the device-planning "
+                                 f"route {dp_route.name!r} does not serve it (kv_dtypes = "
+                                 f"{list(dp_route.kv_dtypes)} in {self.registry.path})")
+        return name
+
+    def _decide_mode(self, seq_lens) -> None:
+        """The first plan() of a Runtime built without ``device_planning``: lengths in a CUDA
+        tensor make it a device-planning Runtime from now on (checked as the constructor checks
+        ``device_planning=True``; nothing changes if that fails); anything else, host lengths."""
+        self._mode_open = False
+        if not lengths_on_gpu(seq_lens):
+            return
+        mode = "device_planning: the first plan() was given lengths on the GPU"
+        try:
+            if self.max_batch > ops.PLAN_MAX_ROWS:
+                raise ValueError(f"Runtime ({mode}): max_batch={self.max_batch}: device planning "
+                                 f"plans every step with the planning kernel, which plans at most "
+                                 f"{ops.PLAN_MAX_ROWS} rows (one CTA)")
+            default = self._device_planning_route(mode)
+        except ValueError:
+            self._mode_open = True
+            raise
+        self.device_planning, self._captured_policy, self._dp_default = True, False, default
+        self._fi = None   # device planning runs the PersistentKV workqueue routes only
+        self._fi_reason = "disabled: device planning (the lengths are on the GPU)"
+        self.router.weigh_host = False
+
+    @property
+    def _plan_launch(self) -> str:
+        """How a workqueue/fused step's planning kernel is launched: "run", under engine_capture
+        with host lengths: by the step's first run(), so the engine's graph of the step holds it
+        and a replay plans and runs the layers in one graph launch, as device planning's
+        captured step does (benches/NOTES.md, host routing in a captured step); "graph", a
+        replay of the Runtime's planning graph in plan(); "eager", launched by plan(): the
+        Runtime's graphs off, or device planning inside an engine's capture (the launch goes
+        into the engine's graph)."""
+        if self.engine_capture and not self.device_planning:
+            return "run"
+        return "graph" if self.use_cuda_graph and not self._capturing() else "eager"
 
     # -- shared by plan() and run() ---------------------------------------------------------
 

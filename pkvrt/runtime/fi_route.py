@@ -7,7 +7,7 @@ with its FA2 decode kernels named (``backend="fa2"``, :data:`BACKEND`) over the 
 the PersistentKV kernels read (the CSR of ``pkvrt.policy.blocktables.to_csr``, which the Runtime
 writes straight into its pinned staging with ``blocktables.write_csr``):
 
-* CUDA-graph mode (``Runtime(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
+* CUDA-graph mode (``RuntimeOptions(flashinfer_cuda_graph=True)``): FlashInfer's own graph mode
   (``use_cuda_graph=True`` with fixed ``paged_kv_*_buffer`` tensors). Such a wrapper is built for
   one batch size, so there is one wrapper per batch size, in an LRU of ``max_wrappers``
   (8 MiB device + 8 MiB pinned int workspace each, FlashInfer's own). ``plan`` runs on the host

@@ -24,7 +24,7 @@ from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.policy.router import RouteDecision
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import RING, _Staging, _Step
-from pkvrt.runtime.checks import (NESTED_CAPTURE, StepInput, check_device_step, check_page_bound,
+from pkvrt.runtime.checks import (StepInput, check_device_step, check_page_bound,
                                   check_step, used_page_id_max)
 from pkvrt.runtime.graphs import Capacities, grow, needed_capacities, stage_bucket
 
@@ -81,6 +81,8 @@ class Planning:
         checked on the host, the lengths and the page ids each length uses on the GPU, against
         ``num_pages`` (:meth:`device_status`).
         """
+        if self._mode_open:   # built without device_planning: these lengths decide
+            self._decide_mode(seq_lens)
         capturing = self._capturing()
         if capturing:
             if not self.device_planning:
@@ -88,10 +90,7 @@ class Planning:
                                    "stages the plan in host memory and cannot be captured. Call "
                                    "plan() before your capture and capture only run() (with "
                                    "engine_capture=True, a graph per Runtime.step_key), or build "
-                                   "the Runtime with device_planning=True, use_cuda_graph=False "
-                                   "to capture plan() too")
-            if self.use_cuda_graph:
-                raise RuntimeError(NESTED_CAPTURE.format("plan"))
+                                   "the lengths on the GPU (device planning) to capture plan() too")
         if self.device_planning:
             return self._plan_on_device(seq_lens, block_tables, force, capturing)
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
@@ -176,7 +175,8 @@ class Planning:
         # first run(), which sets the bound from its cache (Running._check_page_bound) and then
         # launches it: no step is ever planned with unchecked page ids.
         deferred = None
-        direct = (self._direct_plan and not self.use_cuda_graph and seq.device == self.device
+        # (inside an engine's capture the Runtime's own graphs are off: launches go into it)
+        direct = (self._direct_plan and (capturing or not self.use_cuda_graph) and seq.device == self.device
                   and bt.device == self.device and seq.is_contiguous() and bt.is_contiguous())
         if self._num_pages is None:
             if not direct:

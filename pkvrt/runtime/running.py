@@ -1,7 +1,8 @@
 """``Runtime.run()``: one layer of the planned step, as a replay of the graph of its key.
 
 The key (route, padded batch, structure, tensors: :func:`pkvrt.runtime.graphs.graph_key`) is
-captured on its first use and replayed after; eager launches with ``use_cuda_graph=False``.
+captured on its first use and replayed after; eager launches with
+``RuntimeOptions(use_cuda_graph=False)`` and inside an engine's capture (device planning).
 q/out that are the static buffers are read and written in place; others are copied through them.
 """
 
@@ -114,7 +115,7 @@ class Running:
             self._check_scale_values(k_cache, v_cache, k_scale, v_scale)
         if out is None:
             out = torch.empty_like(q)
-        if self.use_cuda_graph and capturing:
+        if self.use_cuda_graph and capturing and not self.device_planning:
             raise RuntimeError(NESTED_CAPTURE.format("run"))
         if st.kind == "flashinfer" and not self._fi.cuda_graph:
             # FlashInfer's eager wrapper (its direct call from the third layer on): no planning
@@ -124,7 +125,7 @@ class Running:
             self._counts["eager_runs"] += 1
             return (out, lse) if return_lse else out
         scales = (k_scale, v_scale, sinks, lse, fi_caches)
-        if not self.use_cuda_graph:
+        if not self.use_cuda_graph or capturing:   # (capturing: device planning in the engine's graph)
             # early_kv from the second run() of the step on, except on a run() that launches the
             # step's planning kernel itself (engine_capture with host lengths: the first eager
             # run() after plan() and the first of every capture), whose decode must wait for the

@@ -28,6 +28,7 @@ import numpy as np
 
 from pkvrt.policy import calibration as calib
 from pkvrt.tools.calibrate import SEED, SHAPE, format_rows
+from pkvrt.runtime.options import with_options
 
 CASES = {
     "B1-32K": (32768,),
@@ -101,8 +102,8 @@ def measure_host_time(reg, cal: calib.Calibration, *, rounds: int = ROUNDS, comm
     width = max(-(-(max(lens) + WARMUP + STEPS) // SHAPE["page_size"]) for lens in CASES.values())
     runtimes = {}
     for kind, name in routes.items():
-        rt = Runtime(**SHAPE, routes=reg, calibration=cal, max_batch=8, max_pages_per_row=width,
-                     validate=False)
+        rt = Runtime(routes=reg, calibration=cal, max_batch=8, max_pages_per_row=width,
+                     **with_options(SHAPE, validate=False))
         if kind == "flashinfer" and not rt.flashinfer_available:
             raise RuntimeError(f"FlashInfer is unavailable ({rt.explain().splitlines()[1]}); host_time "
                                "weighs FlashInfer's host time against the other routes'")

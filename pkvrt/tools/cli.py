@@ -252,7 +252,7 @@ def _device_planning_note(reg: registry.Registry) -> str:
     """What the "device planning" column means, and which table of routes.toml sets it."""
     where = ("[device_planning] in routes.toml" if reg.device_route is not None else
              "no [device_planning] table: the first non-ablation workqueue or fused route")
-    return (f"device planning: Runtime(device_planning=True) and engine-captured steps run the routes "
+    return (f"device planning (lengths on the GPU) and engine-captured steps run the routes "
             f"of the column 'device planning' ({where}), with no host routing: the gates, margins "
             "and the ablation flag are the host router's\n"
             "ablation: the host router never picks the route on its own; it runs there only when "

@@ -31,6 +31,7 @@ from pkvrt.policy import planner
 from pkvrt.policy.calibration import find_calibration
 from pkvrt.policy.registry import load_routes
 from pkvrt.runtime import Runtime
+from pkvrt.runtime.options import with_options
 
 pytestmark = pytest.mark.gpu
 
@@ -496,7 +497,7 @@ def test_device_plan_with_a_window_equals_the_host_plan(window_left, kind):
 def _runtime(*shape, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the calibration fallback warning on a GPU with no file
-        return Runtime(*shape, **dict(dict(max_batch=8), **kw))
+        return Runtime(*shape, **with_options(dict(dict(max_batch=8), **kw)))
 
 
 # host: the router (FlashInfer off: a FlashInfer instantiation per variant costs ~40 s of JIT and

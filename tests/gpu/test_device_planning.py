@@ -13,6 +13,7 @@ import pytest
 from test_runtime import POOL_LENS, SHAPE, STEPS, check, pool, step_inputs  # noqa: F401
 
 from pkvrt.runtime import Runtime, graphs
+from pkvrt.runtime.options import RuntimeOptions, with_options
 
 pytestmark = pytest.mark.gpu
 
@@ -26,8 +27,8 @@ def dev(x):
 def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa: F811
     b, caches = pool
     kw = dict(max_batch=8, max_pages_per_row=b.block_tables.shape[1], use_cuda_graph=use_graphs)
-    rt_dev = Runtime(*SHAPE.values(), torch.float16, device_planning=True, **kw)
-    rt_host = Runtime(*SHAPE.values(), torch.float16, flashinfer=False, **kw)
+    rt_dev = Runtime(*SHAPE.values(), torch.float16, device_planning=True, **with_options(kw))
+    rt_host = Runtime(*SHAPE.values(), torch.float16, **with_options(kw, flashinfer=False))
     for i, (rows, short) in enumerate(STEPS):
         seq, bt, q = step_inputs(b, rows, short, seed=i)
         rt_dev.plan(dev(seq), dev(bt), force=force)
@@ -42,16 +43,21 @@ def test_device_planning_equals_host_planning(pool, use_graphs, force):  # noqa:
         assert rt_dev.stats()["replays"] > 0
 
 
+@pytest.mark.parametrize("how", ["inferred", "graphs off"])
 @pytest.mark.parametrize("force", [None, "pkv_workqueue", "pkv_fused"])
-def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool, force):  # noqa: F811
-    """plan() + run() for 4 layers inside the engine's own torch.cuda.graph (graphs off in the
-    Runtime, so every launch lands in the engine's graph, with early K/V copies from layer 2 on);
-    lengths change between replays. pkv_fused (the default): the merge in the decode tail,
-    whose completion counters must come back to zero after every layer and replay."""
+def test_engine_captures_a_whole_step_and_replays_it_with_new_lengths(pool, force, how):  # noqa: F811
+    """plan() + run() for 4 layers inside the engine's own torch.cuda.graph (every launch lands
+    in the engine's graph, with early K/V copies from layer 2 on); lengths change between
+    replays. "inferred": the README's Runtime, no mode given: the GPU lengths make it device
+    planning, and its own graphs (used by the warm-up) give way to launches inside the capture;
+    "graphs off": RuntimeOptions(use_cuda_graph=False). pkv_fused (the default): the merge in the
+    decode tail, whose completion counters must come back to zero after every layer and replay."""
     b, caches = pool
     rows = [0, 1, 2, 3]
-    rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, use_cuda_graph=False,
-                 max_batch=8, max_pages_per_row=b.block_tables.shape[1])
+    kw = (dict(device_planning=True, options=RuntimeOptions(use_cuda_graph=False))
+          if how == "graphs off" else {})
+    rt = Runtime(*SHAPE.values(), torch.float16, max_batch=8,
+                 max_pages_per_row=b.block_tables.shape[1], **kw)
     seq0, bt, q = step_inputs(b, rows, 40, seed=7)
     seq_dev, bt_dev = dev(seq0), dev(bt)
     layers = [caches[i % 2] for i in range(4)]
@@ -90,8 +96,9 @@ def test_a_bad_row_is_flagged_and_never_read(pool, bad, use_graphs, bound):  # n
     b, caches = pool
     pages = caches[0][0].shape[0]
     rt = Runtime(*SHAPE.values(), torch.float16, device_planning=True, max_batch=8,
-                 max_pages_per_row=b.block_tables.shape[1], use_cuda_graph=use_graphs,
-                 num_pages=pages if bound == "num_pages" else None)
+                 max_pages_per_row=b.block_tables.shape[1],
+                 num_pages=pages if bound == "num_pages" else None,
+                 options=RuntimeOptions(use_cuda_graph=use_graphs))
     seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=3)
     bad_seq, bad_bt = seq.copy(), bt.copy()
     if bad == "length":
@@ -118,18 +125,16 @@ def test_a_bad_row_is_flagged_and_never_read(pool, bad, use_graphs, bound):  # n
     assert rt.device_status() == 0
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(device_planning=False, use_cuda_graph=False), "host planning .* cannot be captured"),
-    (dict(device_planning=True, use_cuda_graph=True), "use_cuda_graph=True"),
-])
-def test_capturing_plan_in_an_engine_graph_needs_device_planning_without_runtime_graphs(pool, kw, match):  # noqa: F811
+def test_capturing_plan_of_host_lengths_is_refused(pool):  # noqa: F811
+    """Host lengths are planned on the host: such a plan() inside an engine's capture is refused
+    (engine_capture=True plans outside the capture); GPU lengths capture (the test above)."""
     b, caches = pool
-    rt = Runtime(*SHAPE.values(), torch.float16, max_batch=8, flashinfer=False,
-                 max_pages_per_row=b.block_tables.shape[1], **kw)
+    rt = Runtime(*SHAPE.values(), torch.float16, max_batch=8, device_planning=False,
+                 max_pages_per_row=b.block_tables.shape[1],
+                 options=RuntimeOptions(flashinfer=False, use_cuda_graph=False))
     seq, bt, _ = step_inputs(b, [0, 1], 0, seed=1)
-    args = (dev(seq), dev(bt)) if kw["device_planning"] else (seq, bt)
-    rt.plan(*args)   # warm-up outside capture works
+    rt.plan(seq, bt)   # warm-up outside capture works
     g = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(RuntimeError, match="host planning .* cannot be captured"):
         with torch.cuda.graph(g):
-            rt.plan(*args)
+            rt.plan(seq, bt)

@@ -23,6 +23,7 @@ from paged import make_batch, rel_err, simple_tasks
 from pkvrt import reference
 from pkvrt.launch import _driver, ops
 from pkvrt.runtime import Runtime, graphs
+from pkvrt.runtime.options import with_options
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -254,7 +255,7 @@ def check(out, q, layer, seq, bt, what):
 
 def fp8_runtime(b, **kw):
     return Runtime(*SHAPE.values(), torch.float16, kv_dtype=FP8, max_batch=8,
-                   max_pages_per_row=b.block_tables.shape[1], **kw)
+                   max_pages_per_row=b.block_tables.shape[1], **with_options(kw))
 
 
 @pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])

@@ -23,6 +23,7 @@ from pkvrt import reference
 from pkvrt.launch import _driver
 from pkvrt.runtime import fi_route, graphs
 from pkvrt.runtime import Runtime
+from pkvrt.runtime.options import RuntimeOptions, with_options
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +94,7 @@ def runtime(**kw):
     kw = dict(dict(max_batch=16, max_pages_per_row=2048, flashinfer_cuda_graph=True), **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the calibration fallback warning on a GPU with no file
-        return Runtime(*SHAPE.values(), torch.float16, **kw)
+        return Runtime(*SHAPE.values(), torch.float16, **with_options(kw))
 
 
 @pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
@@ -572,9 +573,10 @@ def test_the_router_weighs_host_time_at_the_layers_of_the_last_step(pool):
             rt.run(q, *caches[0], out)
     assert d.layers == 3 and set(d.wall_us) >= {"flashinfer", d.route}
     assert rel_err(out, ref_out(q, caches[0], seq, bt)) < 2e-3
-    hinted = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1], layers_per_plan=32)
+    hinted = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1],
+                     options=RuntimeOptions(layers_per_plan=32))
     assert hinted.plan(seq, bt).layers == 32          # the first step, decided at the hint
     for kw in (dict(engine_capture=True), dict(flashinfer_cuda_graph=True), dict(use_cuda_graph=False)):
-        other = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1], **kw)
+        other = Runtime(**SHAPE, max_batch=8, max_pages_per_row=b.block_tables.shape[1], **with_options(kw))
         assert not other.router.weigh_host, kw
         assert other.plan(seq, bt).layers == 0

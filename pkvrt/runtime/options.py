@@ -1,0 +1,90 @@
+"""``RuntimeOptions``: the Runtime's ablation and tuning switches, out of its constructor.
+
+The defaults are the measured product; the benches and the ablation tests set the others
+(``pkvrt.Runtime(..., options=RuntimeOptions(use_cuda_graph=False))``). A serving engine needs
+none of them: what it must say (the shape, the attention variant, the sizes) is the Runtime's own
+constructor, and its mode follows from what it passes (:class:`pkvrt.Runtime`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+CAPTURE_ROUTING = ("device_planning", "router")
+
+
+def _bool(inst, attribute, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"RuntimeOptions: {attribute.name}={value!r}: expected True or False")
+
+
+def _count(minimum: int):
+    def check(inst, attribute, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"RuntimeOptions: {attribute.name}={value!r}: expected an int >= {minimum}")
+    return check
+
+
+def _layers(inst, attribute, value) -> None:
+    if value is not None:
+        _count(1)(inst, attribute, value)
+
+
+def _routing(inst, attribute, value) -> None:
+    if value not in CAPTURE_ROUTING:
+        raise ValueError(f"RuntimeOptions: capture_routing={value!r}: expected one of "
+                         f"{', '.join(map(repr, CAPTURE_ROUTING))}")
+
+
+@attrs.frozen
+class RuntimeOptions:
+    """Switches a user leaves alone. Each was measured against its default (benches/NOTES.md).
+
+    use_cuda_graph : replay the Runtime's own CUDA graphs (default) or launch eagerly (the
+        ablation; an engine capturing its own step needs neither: inside a capture the Runtime
+        launches its kernels into it).
+    max_graphs : the Runtime's graphs kept (LRU; evicted graphs are freed).
+    validate : O(B * pages) checks of the block tables at plan() and of page ids against the cache
+        at run(); the O(B) checks that guard the static buffers always run.
+    flashinfer : FlashInfer as the baseline route. False, or FlashInfer failing to import, makes it
+        unavailable: steps the policy sends to it run on the fastest PersistentKV route.
+    flashinfer_tensor_cores : FlashInfer's tensor-core decode (H200, G 4: 44 vs 52 us at B1 32K).
+    flashinfer_cuda_graph : the FlashInfer route in FlashInfer's CUDA-graph mode inside the
+        Runtime's graphs: half a FlashInfer step's host time, +2 to +5 % device time at 32 layers
+        on 32K steps and +19 % on the Azure conversation trace (H200, 2026-12-02), so off.
+    flashinfer_direct_run : eager FlashInfer steps call FlashInfer's compiled entry with the
+        arguments its run() built for the step's second layer, from the third layer on
+        (``fi_route.DirectCall``, bit for bit FlashInfer's output); False: its run() every layer.
+    decision_memo : router decisions remembered (keyed by force, rows, lengths at split
+        granularity); 0 decides every step from scratch. Plans stay exact either way.
+    capture_routing : ``engine_capture`` with host lengths: ``"device_planning"`` (routes.toml's
+        ``[device_planning]`` route, measured in the engine protocol) or ``"router"`` (the
+        router's gates and time model, measured on steps launched a layer at a time: the ablation).
+    layers_per_plan : run() calls per plan() the router assumes before a step has run (None: 1),
+        where host time is weighed (host lengths with the Runtime's graphs and FlashInfer,
+        routes.toml ``[host_time]``); after a step it counts that step's calls.
+    """
+
+    use_cuda_graph: bool = attrs.field(default=True, validator=_bool)
+    max_graphs: int = attrs.field(default=64, validator=_count(1))
+    validate: bool = attrs.field(default=True, validator=_bool)
+    flashinfer: bool = attrs.field(default=True, validator=_bool)
+    flashinfer_tensor_cores: bool = attrs.field(default=True, validator=_bool)
+    flashinfer_cuda_graph: bool = attrs.field(default=False, validator=_bool)
+    flashinfer_direct_run: bool = attrs.field(default=True, validator=_bool)
+    decision_memo: int = attrs.field(default=4096, validator=_count(0))
+    capture_routing: str = attrs.field(default="device_planning", validator=_routing)
+    layers_per_plan: int | None = attrs.field(default=None, validator=_layers)
+
+
+FIELDS = tuple(a.name for a in attrs.fields(RuntimeOptions))
+
+
+def with_options(kwargs: dict | None = None, **more) -> dict:
+    """Runtime keyword arguments from a flat mapping (the benches' and tests' configurations):
+    its RuntimeOptions fields gathered into ``options=`` (on top of an ``options`` it holds)."""
+    kw = dict(kwargs or {}, **more)
+    opts = {k: kw.pop(k) for k in FIELDS if k in kw}
+    if opts:
+        kw["options"] = attrs.evolve(kw.pop("options", None) or RuntimeOptions(), **opts)
+    return kw
