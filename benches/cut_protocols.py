@@ -14,9 +14,10 @@ times one step at a few cuts three ways, so the difference can be localized:
   calibrate`` times cuts now)
   (``planner.device_grid_ctas``), the slots past the plan's tasks exiting at once;
   ``padded-no-early-kv``: and no layer's K/V copies start before the previous layer ends;
-- ``runtime``: ``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` captured as the
-  engine protocol's step graph (plan + ``layers`` runs): the planning kernel, and a decode grid
-  sized for the most CTAs the partition may plan, the slots past the step's tasks exiting at
+- ``runtime``: ``pkvrt.Runtime(device_planning=True)``, graphs off
+  (``RuntimeOptions(use_cuda_graph=False)``), captured as the engine protocol's step graph (plan +
+  ``layers`` runs): the planning kernel, and a decode grid sized for the most CTAs the partition may
+  plan, the slots past the step's tasks exiting at
   once. The cut is forced by a routes.toml copy whose fused route allows that one split count
   (which also caps the grid at every row at that count: ``grid`` in the output) and by forcing
   ``pkv_fused`` (routes.toml runs one-row steps on pkv_workqueue: the B1 rows of
@@ -37,7 +38,6 @@ import sys
 import tempfile
 
 import numpy as np
-from pkvrt.runtime.options import RuntimeOptions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     from pkvrt.policy.registry import load_routes
     from pkvrt.measure import results
     from pkvrt.runtime import Runtime, graphs
+    from pkvrt.runtime.options import RuntimeOptions
     from pkvrt.tools import calibrate
 
     seq = np.array([int(x) for x in args.lengths.split(",")], dtype=np.int64)

@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from pkvrt.runtime.options import RuntimeOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,6 +77,7 @@ def main(argv=None) -> int:
     from pkvrt.policy.calibration import load_calibration
     from pkvrt.policy.registry import load_routes
     from pkvrt.runtime import Runtime, planning
+    from pkvrt.runtime.options import RuntimeOptions
 
     acc = timed_in_place({"check_step": (planning, "check_step"),
                           "route decision": (planning.fallback, "decide"),

@@ -2,9 +2,10 @@
 FlashInfer's fastest correct decode path, per step, with the model's own layer pattern.
 
 Protocol (per model and step; 32 layers, each its own K/V cache, page 16, fp16):
-- pkvrt: one ``Runtime(device_planning=True, use_cuda_graph=False)`` per layer kind (window,
-  soft cap, sinks, scale), the whole step (every kind's plan() and all 32 run() calls) captured
-  in one CUDA graph; CUDA-event time of its replays (median, ``harness.median_us``).
+- pkvrt: one ``Runtime(device_planning=True)`` (graphs off: ``RuntimeOptions(use_cuda_graph=
+  False)``) per layer kind (window, soft cap, sinks, scale), the whole step (every kind's plan() and
+  all 32 run() calls) captured in one CUDA graph; CUDA-event time of its replays (median,
+  ``harness.median_us``).
 - FlashInfer: its tensor-core and CUDA-core FA2 decode (``BatchDecodeWithPagedKVCacheWrapper``
   in CUDA-graph mode, planned outside the graph with the kind's window, soft cap and scale) and
   XQA (``trtllm_batch_decode_with_kv_cache(backend="xqa")``, window and sinks; it has no soft

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pkvrt.runtime.options import RuntimeOptions
 
 CASES = [(1, 1600), (1, 32768), (8, 1500), (8, 32768), (8, 131072), (64, 32768), (256, 8192)]
 
@@ -28,6 +27,7 @@ def runtime_plan_us(b, width, seq, bt, num_pages, page) -> dict:
     import torch
 
     from pkvrt.runtime import Runtime
+    from pkvrt.runtime.options import RuntimeOptions
 
     out = {}
     for how in ("copied", "direct"):

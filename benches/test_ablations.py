@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged import make_batch  # noqa: E402
-from pkvrt.runtime.options import RuntimeOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -69,6 +68,7 @@ def test_graph_replay_ablation(benchmark, case, mode):
     """plan() + run() per step: host planning with graph replay, host planning with eager
     launches, and device-side planning (lengths on the GPU) with graph replay."""
     from pkvrt.runtime import Runtime
+    from pkvrt.runtime.options import RuntimeOptions
 
     lens = CASES[case]
     b = make_batch(lens, hole_fraction=0.0, seed=20260623)

@@ -28,7 +28,6 @@ import sys
 
 import numpy as np
 import torch
-from pkvrt.runtime.options import RuntimeOptions
 
 H_Q, H_KV, HEAD_DIM, PAGE = 32, 8, 128, 16
 # Request id -> context length at step 0. Two rows past the 16K gate, so the policy may pick a
@@ -80,9 +79,9 @@ def main(argv=None) -> int:
     # planning graph: room for two padded batches' worth without evicting.
     rt = pkvrt.Runtime(H_Q, H_KV, HEAD_DIM, PAGE, torch.float16, max_batch=16,
                        max_pages_per_row=width,
-                       options=RuntimeOptions(use_cuda_graph=not args.eager,
-                                              max_graphs=max(64, 2 * (args.layers + 1)),
-                                              layers_per_plan=args.layers))
+                       options=pkvrt.RuntimeOptions(use_cuda_graph=not args.eager,
+                                                    max_graphs=max(64, 2 * (args.layers + 1)),
+                                                    layers_per_plan=args.layers))
     active = dict(REQUESTS)  # request -> current length
     ok = True
     for step in range(args.steps):

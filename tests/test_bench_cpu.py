@@ -628,6 +628,11 @@ def test_runtime_kwargs_filter():
         pass
     with pytest.raises(ValueError, match=r"expected keyword argument\(s\) \['max_batch'\]"):
         harness.runtime_kwargs(inspect.signature(old_runtime), wanted)
+    # today's Runtime: switches are RuntimeOptions fields, and its **moved accepts nothing else
+    from pkvrt.runtime import Runtime
+    from pkvrt.runtime.options import FIELDS
+    kept, dropped = harness.runtime_kwargs(inspect.signature(Runtime), dict(wanted, bogus=1), FIELDS)
+    assert dropped == ("bogus",) and kept["max_graphs"] == 64 and kept["use_cuda_graph"] is True
 
 
 # --------------------------------------------------------------------------- the loop on the CPU

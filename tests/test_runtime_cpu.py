@@ -1317,11 +1317,11 @@ def test_fake_device_run_before_plan(fake_device, pool):
 def test_fake_device_without_flashinfer_warns_and_explains(fake_device, pool, monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     b, _ = pool
-    with pytest.warns(RuntimeWarning, match="FlashInfer route is unavailable"):
-        rt = fake_runtime(flashinfer=True)
-    assert not rt.flashinfer_available
+    rt = fake_runtime(flashinfer=True)   # its mode (and so its FlashInfer route) waits for plan()
     seq, bt, q = step_inputs(b, [2, 3], 0, seed=4)   # short contexts: the policy says FlashInfer
-    d = rt.plan(seq, bt)
+    with pytest.warns(RuntimeWarning, match="FlashInfer route is unavailable"):
+        d = rt.plan(seq, bt)
+    assert not rt.flashinfer_available
     assert d.kind in ("bucket", "workqueue")
     text = rt.explain()
     assert "flashinfer: unavailable (flashinfer failed to import" in text and "FlashInfer unavailable" in text
@@ -1722,6 +1722,15 @@ def test_the_first_plans_lengths_decide_device_planning(fake_device, pool, monke
     fixed = fake_runtime(device_planning=False)          # said at construction: never switches
     fixed.plan(torch.as_tensor(seq), torch.as_tensor(bt))
     assert not fixed.device_planning
+    for bad_seq, bad_bt, force, match in (
+            (torch.as_tensor(seq).long(), torch.as_tensor(bt), None, "int32"),
+            (torch.as_tensor(seq), torch.as_tensor(bt), "pkv_bucket", "force='pkv_bucket'")):
+        undecided = fake_runtime()
+        with pytest.raises(ValueError, match=match):
+            undecided.plan(bad_seq, bad_bt, force=force)
+        assert undecided._mode_open and not undecided.device_planning   # nothing changed
+        undecided.plan(seq, bt)                                          # then host lengths decide
+        assert not undecided._mode_open and not undecided.device_planning
     big = fake_runtime(max_batch=ops.PLAN_MAX_ROWS + 1)
     with pytest.raises(ValueError, match="max_batch=1025: device planning plans every step"):
         big.plan(torch.as_tensor(seq), torch.as_tensor(bt))

@@ -71,7 +71,6 @@ import torch
 
 from pkvrt import reference
 from pkvrt.measure.fi_engines import FI_VARIANTS
-from pkvrt.runtime.options import with_options
 from pkvrt.measure.fi_engines import WORKSPACE_BYTES as FI_WORKSPACE_BYTES  # noqa: F401 (calibrate.py)
 from pkvrt.measure.pagetable import build_layout
 from pkvrt.measure.traces import Step, decode_steps
@@ -198,8 +197,8 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     ``flashinfer-cuda`` / ``flashinfer-tc`` / ``flashinfer-cudnn`` / ``flashinfer-xqa`` (one
     FlashInfer path for the whole run, :data:`FI_VARIANTS`), ``flashinfer-graph``
     (the Runtime with its FlashInfer route forced: FlashInfer's CUDA-graph mode), ``adaptive``,
-    ``adaptive-eager`` (the same Runtime with ``use_cuda_graph=False``: each ``run()`` launches its
-    kernels, which programmatic dependent launch chains across layers), ``adaptive-figraph``
+    ``adaptive-eager`` (the same Runtime with ``RuntimeOptions(use_cuda_graph=False)``: each
+    ``run()`` launches its kernels, which programmatic dependent launch chains across layers), ``adaptive-figraph``
     (the same Runtime with ``flashinfer_cuda_graph=True``: its FlashInfer steps replay a graph
     per layer too), ``adaptive-fiwrapper`` (the same Runtime with ``flashinfer_direct_run=False``:
     FlashInfer's own ``run()`` at every layer of its FlashInfer steps, the ablation of the direct
@@ -677,14 +676,17 @@ RUNTIME_REQUIRED = ("device", "routes", "calibration", "max_batch", "max_pages_p
 RUNTIME_OPTIONAL = ("max_graphs", "validate", "flashinfer_tensor_cores")
 
 
-def runtime_kwargs(signature: inspect.Signature, wanted: dict) -> tuple[dict, tuple[str, ...]]:
-    """Split ``wanted`` Runtime keyword arguments into those ``signature`` (of ``Runtime``)
-    accepts and the optional ones it does not (dropped, recorded in the results). A missing
-    required one is an error naming it; a ``**kwargs`` signature accepts everything."""
+def runtime_kwargs(signature: inspect.Signature, wanted: dict,
+                   option_fields=()) -> tuple[dict, tuple[str, ...]]:
+    """Split ``wanted`` Runtime keyword arguments into those ``signature`` (of ``Runtime``) or
+    its ``RuntimeOptions`` (``option_fields``, given to the Runtime through ``with_options``)
+    accept and the optional ones neither does (dropped, recorded in the results). A missing
+    required one is an error naming it; a ``**kwargs`` signature without option fields
+    accepts everything."""
     params = signature.parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    if not option_fields and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(wanted), ()
-    names = set(params)
+    names = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD} | set(option_fields)
     missing = [k for k in RUNTIME_REQUIRED if k in wanted and k not in names]
     if missing:
         raise ValueError(f"pkvrt.runtime.Runtime: expected keyword argument(s) {missing} "
@@ -714,6 +716,8 @@ class RuntimeEngine:
         self._on_device: dict[int, tuple] = {}
         try:
             from pkvrt.runtime import Runtime
+            from pkvrt.runtime.options import FIELDS as option_fields
+            from pkvrt.runtime.options import with_options
         except ModuleNotFoundError as e:
             if e.name != "pkvrt.runtime":
                 raise
@@ -736,7 +740,7 @@ class RuntimeEngine:
             wanted.update(device_planning=True, num_pages=wl.k[0].shape[0])
         if wl.fp8:
             wanted.update(kv_dtype=FP8)
-        self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime), wanted)
+        self.kwargs, self.dropped = runtime_kwargs(inspect.signature(Runtime), wanted, option_fields)
         if self.force is not None and "force" not in inspect.signature(Runtime.plan).parameters:
             raise ValueError(f"engine {name!r}: pkvrt.runtime.Runtime.plan has no force= "
                              "argument, so a route cannot be forced")
@@ -792,6 +796,7 @@ class RuntimeEngine:
         engines): no host validation, ``num_pages`` of the workload's caches, FP8 when the
         workload is; ``runtime_kw`` picks the mode (device planning or engine_capture)."""
         from pkvrt.runtime import Runtime
+        from pkvrt.runtime.options import with_options
 
         sh = wl.shape
         self.device_planning = bool(runtime_kw.get("device_planning", False))
@@ -840,8 +845,8 @@ def capture_layers(rt, wl: Workload, b: int, phase: int, out: torch.Tensor,
 
 
 class StepGraphEngine(RuntimeEngine):
-    """``pkvrt.Runtime(device_planning=True, use_cuda_graph=False)`` with the whole decode step
-    captured as one CUDA graph, as an engine that captures its decode step runs it
+    """``pkvrt.Runtime(device_planning=True)``, graphs off (``RuntimeOptions(use_cuda_graph=
+    False)``), with the whole decode step captured as one CUDA graph, as an engine that captures its decode step runs it
     (``examples/engine_graph.py``): per step, the step's lengths and block-table rows are copied
     into static device buffers, then the graph of (plan + every layer's attention, and the MLP
     tail with ``mlp``) for this batch size and cache phase is replayed. A graph is captured the

@@ -35,7 +35,6 @@ import torch
 
 from pkvrt import reference
 from pkvrt.measure.model import ModelConfig, Staged
-from pkvrt.runtime.options import RuntimeOptions
 
 FI_WORKSPACE_BYTES = 128 * 2**20   # FlashInfer's documented example size
 XQA_WORKSPACE_BYTES = 256 * 2**20  # XQA keeps its semaphores in the first 8 MiB
@@ -97,6 +96,7 @@ class PkvrtAttention(NoAttention):
 
     def __init__(self, cfg: ModelConfig, loop, *, routes=None, calibration="auto"):
         from pkvrt.runtime import Runtime
+        from pkvrt.runtime.options import RuntimeOptions
 
         self.rt = Runtime(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size,
                           cfg.dtype, device=loop.tokens.device, routes=routes,

@@ -109,7 +109,7 @@ class StaticBuffers:
         first = not hasattr(self, "_cap")
         if first:
             nb, npg, gmax = self.max_batch, self.max_pages_per_row, graphs.padded_batch(self.max_batch)
-            fi = self._fi_reason is None
+            fi = self._fi_wanted   # the FlashInfer route may be set up (Runtime._setup_flashinfer)
             # gmax rows: device planning passes the graph batch's rows (padded_batch(b) may exceed
             # max_batch, e.g. 4 for max_batch 3); rows past the step's are never read. The
             # planning head (_alloc_device_planning) sits right before the block tables, so a

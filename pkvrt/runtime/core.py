@@ -21,14 +21,12 @@ from pkvrt.policy.registry import DEVICE_PLANNED, KIND_KERNELS, Registry, kv_dty
 from pkvrt.policy.router import RouteDecision, Router
 from pkvrt.runtime import fi_route, graphs
 from pkvrt.runtime.buffers import StaticBuffers, _Step
-from pkvrt.runtime.checks import DTYPES, MAX_SEQ_LEN, check_shape, check_variant
+from pkvrt.runtime.checks import DTYPES, MAX_SEQ_LEN, check_device_step, check_shape, check_variant
 from pkvrt.runtime.graphs import Capacities, initial_capacities
 from pkvrt.runtime.options import FIELDS as OPTION_FIELDS
 from pkvrt.runtime.options import RuntimeOptions
 from pkvrt.runtime.planning import Planning
 from pkvrt.runtime.running import Running
-
-# Runtime(capture_routing=...): how an engine-captured step of host lengths picks its route
 
 
 def _resolve_device(device) -> torch.device:
@@ -165,6 +163,7 @@ class Runtime(StaticBuffers, Planning, Running):
          layers_per_plan) = (getattr(options, f) for f in OPTION_FIELDS)
         # device_planning None: the first plan() decides, from where its lengths are (_decide_mode)
         self._mode_open = device_planning is None
+        self._plan_launch_forced = None
         device_planning = bool(device_planning)
         check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         self.kv_layout, self.window_left, self.logits_soft_cap, self.sinks = check_variant(
@@ -239,56 +238,18 @@ class Runtime(StaticBuffers, Planning, Running):
                                  memo_size=decision_memo,
                                  device_plan_kinds=DEVICE_PLANNED, window_left=self.window_left)
             self._load_kernels()
-            self._fi_reason = None if flashinfer else (
-                "disabled: Runtime(device_planning=True)" if self.device_planning
-                else "disabled: Runtime(flashinfer=False)")
-            if flashinfer and self._fp8:
-                flashinfer = False
-                self._fi_reason = ("not used with kv_dtype=float8_e4m3fn (FlashInfer's decode takes "
-                                   "k_scale / v_scale as host floats: a device read per call, and a "
-                                   "captured graph would keep the old values)")
-            if flashinfer and (why := fi_route.unserved(self.head_dim, self.sinks)) is not None:
-                flashinfer = False
-                self._fi_reason = why
-            fi_mod = None
-            if flashinfer:
-                fi_mod, self._fi_reason = fi_route.load_flashinfer()
-            if self._fi_reason is not None and flashinfer:
-                warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}; "
-                              "steps the policy sends to it run on the fastest PersistentKV route",
-                              RuntimeWarning, stacklevel=2)
-            if self._fi_reason is not None and not any(r.kind != "flashinfer" and self._kv_dtype in r.kv_dtypes
-                                                       for r in self.registry.routes):
-                raise ValueError(f"{self.registry.path}: no PersistentKV route serves KV dtype "
-                                 f"{self._kv_dtype}, and the FlashInfer route is unavailable "
-                                 f"({self._fi_reason}): no route can run")
+            self._fi_wanted = bool(flashinfer and not self.device_planning and not self._fp8
+                                   and fi_route.unserved(self.head_dim, self.sinks) is None)
             cap = initial_capacities(self.registry, max_batch=max_batch, num_kv_heads=self.num_kv_heads)
             self._dp_grid: dict[tuple[str, int], int] = {}
             if self._dp_routes:
                 dp = self._device_capacities()
                 cap = Capacities(slots=max(cap.slots, dp.slots), tasks=max(cap.tasks, dp.tasks))
             self._alloc(cap)
-            self._fi = None
-            if fi_mod is not None:
-                try:
-                    self._fi = fi_route.FlashInferRoute(
-                        fi_mod, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, page_size=self.page_size, dtype=dtype, device=self.device,
-                        sm_scale=sm_scale, tensor_cores=flashinfer_tensor_cores,
-                        kv_layout=self.kv_layout, window_left=self.window_left,
-                        logits_soft_cap=self.logits_soft_cap,
-                        # a graph replayed after a re-plan needs FlashInfer's graph mode
-                        cuda_graph=(self.use_cuda_graph and flashinfer_cuda_graph) or self.engine_capture,
-                        indices_buffer=self._fi_indices, direct_run=flashinfer_direct_run,
-                        record=self._record)
-                except Exception as exc:  # noqa: BLE001 - reported, the route becomes unavailable
-                    self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
-                    warnings.warn(f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}",
-                                  RuntimeWarning, stacklevel=2)
-            # Host time is weighed in the mode the calibration's host_time was measured in (host
-            # lengths, a graph per layer, FlashInfer eager): plan() passes the layers per plan
-            self.router.weigh_host = (self.use_cuda_graph and not self.engine_capture and not self.device_planning
-                                      and self._fi is not None and not self._fi.cuda_graph)
+            # the FlashInfer route (host lengths only): a Runtime whose first plan() decides its
+            # mode sets it up now and says it is unavailable only if that plan() has host lengths
+            self._fi_warning = None
+            self._setup_flashinfer(flashinfer and not self.device_planning, warn=not self._mode_open)
             # run() calls per plan: the hint, then those of the last step that ran any (Planning.plan)
             self._layers = 1 if layers_per_plan is None else layers_per_plan
             self._side = torch.cuda.Stream(self.device)
@@ -325,6 +286,56 @@ class Runtime(StaticBuffers, Planning, Running):
                 raise RuntimeError(f"pkvrt.Runtime: kernel {sym} (family {fam}) cannot be loaded on "
                                    f"{torch.cuda.get_device_name(self.device)}: {exc}") from exc
 
+    def _setup_flashinfer(self, flashinfer: bool, warn: bool = True) -> None:
+        """The FlashInfer route of a host-lengths Runtime (device planning runs the PersistentKV
+        workqueue routes only): import, build, or the reason it is unavailable; whether host
+        time is weighed (it is where the calibration's host_time was measured: host lengths, a
+        graph per layer, FlashInfer eager)."""
+        o = self.options
+        self._fi_reason = None if flashinfer else (
+            "disabled: device planning" if self.device_planning
+            else "disabled: RuntimeOptions(flashinfer=False)")
+        if flashinfer and self._fp8:
+            flashinfer = False
+            self._fi_reason = ("not used with kv_dtype=float8_e4m3fn (FlashInfer's decode takes "
+                               "k_scale / v_scale as host floats: a device read per call, and a "
+                               "captured graph would keep the old values)")
+        if flashinfer and (why := fi_route.unserved(self.head_dim, self.sinks)) is not None:
+            flashinfer = False
+            self._fi_reason = why
+        fi_mod = None
+        if flashinfer:
+            fi_mod, self._fi_reason = fi_route.load_flashinfer()
+        if self._fi_reason is not None and flashinfer:
+            self._fi_warning = (f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}; "
+                                "steps the policy sends to it run on the fastest PersistentKV route")
+        if self._fi_reason is not None and not any(r.kind != "flashinfer" and self._kv_dtype in r.kv_dtypes
+                                                   for r in self.registry.routes):
+            raise ValueError(f"{self.registry.path}: no PersistentKV route serves KV dtype "
+                             f"{self._kv_dtype}, and the FlashInfer route is unavailable "
+                             f"({self._fi_reason}): no route can run")
+        self._fi = None
+        if fi_mod is not None:
+            with torch.cuda.device(self.device):
+                try:
+                    self._fi = fi_route.FlashInferRoute(
+                        fi_mod, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, page_size=self.page_size, dtype=self.dtype,
+                        device=self.device, sm_scale=self.sm_scale,
+                        tensor_cores=o.flashinfer_tensor_cores, kv_layout=self.kv_layout,
+                        window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
+                        # a graph replayed after a re-plan needs FlashInfer's graph mode
+                        cuda_graph=(self.use_cuda_graph and o.flashinfer_cuda_graph) or self.engine_capture,
+                        indices_buffer=self._fi_indices, direct_run=o.flashinfer_direct_run,
+                        record=self._record)
+                except Exception as exc:  # noqa: BLE001 - reported, the route becomes unavailable
+                    self._fi_reason = f"building its wrapper failed ({type(exc).__name__}: {exc})"
+                    self._fi_warning = f"pkvrt.Runtime: the FlashInfer route is unavailable: {self._fi_reason}"
+        if warn:
+            self._warn_flashinfer()
+        self.router.weigh_host = (self.use_cuda_graph and not self.engine_capture and not self.device_planning
+                                  and self._fi is not None and not self._fi.cuda_graph)
+
     def _device_planning_route(self, mode: str) -> str:
         """routes.toml's device-planning route, checked: it exists and serves the K/V dtype
         (ValueError naming the mode otherwise)."""
@@ -340,27 +351,45 @@ class Runtime(StaticBuffers, Planning, Running):
                                  f"{list(dp_route.kv_dtypes)} in {self.registry.path})")
         return name
 
-    def _decide_mode(self, seq_lens) -> None:
-        """The first plan() of a Runtime built without ``device_planning``: lengths in a CUDA
-        tensor make it a device-planning Runtime from now on (checked as the constructor checks
-        ``device_planning=True``; nothing changes if that fails); anything else, host lengths."""
-        self._mode_open = False
-        if not lengths_on_gpu(seq_lens):
-            return
+    def _gpu_lengths(self, seq_lens) -> bool:
+        return lengths_on_gpu(seq_lens)
+
+    def _enter_device_planning(self, seq_lens, block_tables, force) -> None:
+        """The first plan() of a Runtime built without ``device_planning``, given its lengths in
+        a CUDA tensor: from now on a device-planning Runtime. Everything the constructor checks
+        for ``device_planning=True`` and this plan()'s own device checks come first: if one
+        fails, nothing has changed (the next plan() decides again)."""
         mode = "device_planning: the first plan() was given lengths on the GPU"
-        try:
-            if self.max_batch > ops.PLAN_MAX_ROWS:
-                raise ValueError(f"Runtime ({mode}): max_batch={self.max_batch}: device planning "
-                                 f"plans every step with the planning kernel, which plans at most "
-                                 f"{ops.PLAN_MAX_ROWS} rows (one CTA)")
-            default = self._device_planning_route(mode)
-        except ValueError:
-            self._mode_open = True
-            raise
+        if self.max_batch > ops.PLAN_MAX_ROWS:
+            raise ValueError(f"Runtime ({mode}): max_batch={self.max_batch}: device planning "
+                             f"plans every step with the planning kernel, which plans at most "
+                             f"{ops.PLAN_MAX_ROWS} rows (one CTA)")
+        if self.engine_capture and self.options.capture_routing != "device_planning":
+            raise ValueError(f"Runtime ({mode}): options.capture_routing="
+                             f"{self.options.capture_routing!r} applies to engine_capture=True "
+                             "with host lengths only")
+        default = self._device_planning_route(mode)
+        check_device_step(seq_lens, block_tables, device=self.device, max_batch=self.max_batch)
+        if force is not None and force not in self._dp_routes:
+            raise ValueError(f"Runtime.plan: force={force!r}: with device planning (lengths on the "
+                             f"GPU) expected one of the workqueue/fused routes {sorted(self._dp_routes)}")
+        self._mode_open = False
         self.device_planning, self._captured_policy, self._dp_default = True, False, default
-        self._fi = None   # device planning runs the PersistentKV workqueue routes only
-        self._fi_reason = "disabled: device planning (the lengths are on the GPU)"
+        self._fi, self._fi_reason = None, "disabled: device planning (the lengths are on the GPU)"
+        self._fi_warning = None
         self.router.weigh_host = False
+
+    def _enter_host_lengths(self) -> None:
+        """The first plan() of a Runtime built without ``device_planning``, with host lengths
+        that passed their checks: a host-routing Runtime from now on (now it says if its
+        FlashInfer route is unavailable)."""
+        self._mode_open = False
+        self._warn_flashinfer()
+
+    def _warn_flashinfer(self) -> None:
+        if self._fi_warning is not None:
+            warnings.warn(self._fi_warning, RuntimeWarning, stacklevel=4)
+            self._fi_warning = None
 
     @property
     def _plan_launch(self) -> str:
@@ -371,9 +400,16 @@ class Runtime(StaticBuffers, Planning, Running):
         replay of the Runtime's planning graph in plan(); "eager", launched by plan(): the
         Runtime's graphs off, or device planning inside an engine's capture (the launch goes
         into the engine's graph)."""
-        if self.engine_capture and not self.device_planning:
-            return "run"
+        if self._plan_launch_forced is not None:
+            return self._plan_launch_forced
+        if not self.device_planning:   # (host planning inside a capture is refused by plan())
+            return "run" if self.engine_capture else "graph" if self.use_cuda_graph else "eager"
         return "graph" if self.use_cuda_graph and not self._capturing() else "eager"
+
+    @_plan_launch.setter
+    def _plan_launch(self, how: str) -> None:
+        # benches/host_cost.py's ablations force a device-planned step's planning launch
+        self._plan_launch_forced = how
 
     # -- shared by plan() and run() ---------------------------------------------------------
 

@@ -51,12 +51,14 @@ class Planning:
 
         Parameters
         ----------
-        seq_lens : int [B], tokens per row including the new one (>= 1). Fastest: a CPU int32
-            numpy array or (pinned) CPU tensor. A CUDA tensor works but costs one synchronizing
-            D2H copy (the router runs on the host).
+        seq_lens : int [B], tokens per row including the new one (>= 1): a CPU int32 numpy
+            array or (pinned) CPU tensor for host routing. int32 CUDA tensors at a Runtime's
+            first plan() make it a device-planning Runtime (unless built with
+            ``device_planning=False``: then a CUDA tensor costs one synchronizing D2H copy, the
+            router runs on the host).
         block_tables : int [B, max_pages], logical -> physical page; entries past a row's
-            ceil(seq_len / page_size) pages are never read (padding, e.g. -1). Same host/device
-            advice as seq_lens.
+            ceil(seq_len / page_size) pages are never read (padding, e.g. -1). On the same side
+            as seq_lens.
         force : a route name of routes.toml to run regardless of gates and margins (ablations,
             tests); None: the policy decides.
 
@@ -81,8 +83,8 @@ class Planning:
         checked on the host, the lengths and the page ids each length uses on the GPU, against
         ``num_pages`` (:meth:`device_status`).
         """
-        if self._mode_open:   # built without device_planning: these lengths decide
-            self._decide_mode(seq_lens)
+        if self._mode_open and self._gpu_lengths(seq_lens):   # built without device_planning
+            self._enter_device_planning(seq_lens, block_tables, force)
         capturing = self._capturing()
         if capturing:
             if not self.device_planning:
@@ -95,6 +97,8 @@ class Planning:
             return self._plan_on_device(seq_lens, block_tables, force, capturing)
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
                           max_pages_per_row=self.max_pages_per_row, validate=self.validate)
+        if self._mode_open:   # host lengths that passed their checks decide the mode
+            self._enter_host_lengths()
         b = len(step.lens)
         if self.engine_capture and self._num_pages is not None:
             # the engine replays its graph without calling run(), where ids are checked otherwise

@@ -28,7 +28,6 @@ import numpy as np
 
 from pkvrt.policy import calibration as calib
 from pkvrt.tools.calibrate import SEED, SHAPE, format_rows
-from pkvrt.runtime.options import with_options
 
 CASES = {
     "B1-32K": (32768,),
@@ -91,6 +90,7 @@ def measure_host_time(reg, cal: calib.Calibration, *, rounds: int = ROUNDS, comm
     import torch
 
     from pkvrt.runtime import Runtime
+    from pkvrt.runtime.options import with_options
 
     routes = {}
     for r in reg.routes:
