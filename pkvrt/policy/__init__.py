@@ -13,7 +13,9 @@ The data flow of a step starts here::
 - :mod:`~pkvrt.policy.router`: the route of a step, from gates, predictions and margins, memoized.
 - :mod:`~pkvrt.policy.fallback`: the route when FlashInfer is unavailable.
 - :mod:`~pkvrt.policy.blocktables`: a step's block tables as FlashInfer's CSR and as dense
-  tables (what the FlashInfer plan and the baselines read).
+  tables (what the FlashInfer plan and the baselines read), and the page runs rows share.
+- :mod:`~pkvrt.policy.sharing`: a step whose rows share pages as shared chunks (each shared page
+  read once per chunk of rows) and own segments, merged exactly.
 
 May import: the standard library, numpy, attrs, tomli, ``pkvrt._buildspec`` (what kernels exist)
 and ``pkvrt._paths``. Never torch, the launch layer, the runtime, ``pkvrt.measure``, the integrations or

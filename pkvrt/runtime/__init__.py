@@ -99,6 +99,8 @@ The package, in the order a step flows through it:
 - :mod:`~pkvrt.runtime.running`: ``run()``: the graph of a step's key, captured once, replayed.
 - :mod:`~pkvrt.runtime.graphs`: graph keys, the graph cache, capture, arena layout.
 - :mod:`~pkvrt.runtime.fi_route`: the FlashInfer route (its wrapper over the same pages).
+- :mod:`~pkvrt.runtime.shared`: ``SharedPagesRuntime``, steps whose rows share pages read each
+  shared page once per chunk of rows (two Runtimes and an exact merge).
 - :mod:`~pkvrt.runtime.wrapper`: ``pkvrt.BatchDecodeWithPagedKVCacheWrapper``, FlashInfer's decode
   wrapper API over a Runtime (one import to switch an engine).
 

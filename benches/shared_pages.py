@@ -1,0 +1,263 @@
+"""Rows that share pages, in the engine protocol: pkvrt's SharedPagesRuntime (each shared page
+read once per chunk of rows) against FlashInfer's plain decode and pkvrt's plain device
+planning, on the steps of the sharing workloads (prefix caching, parallel sampling).
+
+Protocol (per step; Llama-3.1-8B attention: H_q 32, H_kv 8, D 128, fp16, page 16, HND; 32
+layers, each its own K/V cache while 24 GiB holds them, cycled past that; the whole step in one
+CUDA graph, CUDA-event time of its replays, median of REPLAYS, ``harness.median_us``):
+- ``flashinfer-tc`` / ``flashinfer-cuda``: FlashInfer's decode wrapper (tensor cores / CUDA
+  cores) in CUDA-graph mode, planned outside the graph; the baseline is the faster.
+- ``flashinfer-cascade``: ``MultiLevelCascadeAttentionWrapper`` given the true sharing levels
+  (level 0: the shared prefix, one query group per prefix; level 1: each row's own pages), where
+  this FlashInfer builds it (its Hopper prefill path JIT-compiles against CUTLASS, which the
+  slimmed travel wheel drops: then recorded unavailable with the reason).
+- ``pkvrt-device-plan``: ``pkvrt.Runtime`` given GPU lengths, plan() and the 32 run() calls in
+  the graph (no sharing: every row reads its pages).
+- ``pkvrt-shared``: ``pkvrt.SharedPagesRuntime(engine_capture=True)``: plan() outside the graph
+  (the sharing found from the block tables), the 32 run() calls (query gather, shared chunks,
+  own segments, merge) in it.
+Every engine's layer-0 output is checked against the FP32 reference first. Floors: the step's
+K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
+once (``floor_once_us``).
+
+usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
+Writes benches/results/h200/shared-pages.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import pkvrt
+from pkvrt import reference
+from pkvrt.measure import results
+from pkvrt.measure.harness import median_us
+from pkvrt.runtime.graphs import capture
+
+H_Q, H_KV, D, PAGE, LAYERS = 32, 8, 128, 16, 32
+REPLAYS = 15
+TOLERANCE = 5e-3
+CACHE_BUDGET = 24 * 2**30
+FLOOR_BYTES_PER_US = 4.2e6
+SEED = 20260623
+# name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
+CASES = {
+    "8x(8K+512)": ([(8, 8192)], 512),
+    "8x(32K+128)": ([(8, 32768)], 128),
+    "32x(4K+256)": ([(32, 4096)], 256),
+    "64x(2K+1K)": ([(64, 2048)], 1024),
+    "16x(1K+1K)": ([(16, 1024)], 1024),
+    "parallel-8x(2K..16K)x4": ([(8, 2048), (8, 4096), (8, 8192), (8, 16384)], 64),
+}
+
+
+class Step:
+    """A step's block tables (each group's rows share its prefix pages, then pages of their
+    own, all scattered over the pool), its per-layer caches and queries."""
+
+    def __init__(self, groups, own: int, gen: torch.Generator):
+        lens = [shared + own for rows, shared in groups for _ in range(rows)]
+        self.seq = np.array(lens, np.int32)
+        b = len(lens)
+        own_pages = -(-own // PAGE) + 1
+        total = sum(-(-s // PAGE) for _, s in groups) + b * own_pages
+        perm = torch.randperm(total, generator=gen).numpy().astype(np.int32)
+        width = int(max(-(-s // PAGE) for s in self.seq))
+        bt = np.zeros((b, width), np.int32)
+        at, r = 0, 0
+        self.levels = []   # (rows, prefix pages) per group: the cascade's level 0
+        for rows, shared in groups:
+            n = shared // PAGE
+            prefix = perm[at:at + n]
+            at += n
+            self.levels.append((list(range(r, r + rows)), prefix))
+            for i in range(r, r + rows):
+                pages = -(-int(self.seq[i]) // PAGE)
+                bt[i, :n] = prefix
+                bt[i, n:pages] = perm[at:at + pages - n]
+                at += pages - n
+            r += rows
+        self.bt = bt
+        self.num_pages = total
+        self.seq_d = torch.as_tensor(self.seq, device="cuda")
+        self.bt_d = torch.as_tensor(bt, device="cuda")
+        shape = (total, H_KV, PAGE, D)
+        per_layer = 2 * math.prod(shape) * 2
+        n = min(LAYERS, max(2, CACHE_BUDGET // per_layer))
+        ks = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(n)]
+        vs = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(n)]
+        self.k = [ks[l % n] for l in range(LAYERS)]
+        self.v = [vs[l % n] for l in range(LAYERS)]
+        self.distinct_caches = n
+        self.q = torch.randn((LAYERS, b, H_Q, D), device="cuda", dtype=torch.float16)
+        self.out = torch.empty_like(self.q)
+        self.ref = reference.decode_attention(self.q[0], self.k[0], self.v[0], self.seq_d, self.bt_d)
+        per_token = 2 * H_KV * D * 2 * LAYERS
+        self.floor_us = float(self.seq.sum()) * per_token / FLOOR_BYTES_PER_US
+        used = np.concatenate([bt[i, :-(-int(s) // PAGE)] for i, s in enumerate(self.seq)])
+        self.floor_once_us = np.unique(used).size * PAGE * per_token / FLOOR_BYTES_PER_US
+
+
+def rel_err(out, ref) -> float:
+    e = (out.float() - ref).norm() / ref.norm()
+    return float(e) if torch.isfinite(e) else float("inf")
+
+
+def timed(st: Step, plan, body) -> dict:
+    """Check layer 0, capture plan + body (plan=None: planned outside), time the replays."""
+    if plan is not None:
+        plan()
+    st.out.fill_(float("nan"))
+    body()
+    torch.cuda.synchronize()
+    err = rel_err(st.out[0], st.ref)
+    if not err <= TOLERANCE:
+        return {"status": f"wrong: rel. error {err:.3g} against the FP32 reference", "max_err_ref": err}
+    graph = capture(body).graph
+    return {"status": "ok", "median_us": median_us(graph.replay, repeats=REPLAYS), "max_err_ref": err}
+
+
+def fi_plain(fi, st: Step, *, tensor_cores: bool) -> dict:
+    b = len(st.seq)
+    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+    bufs = (torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
+            torch.zeros(st.num_pages * 2, dtype=torch.int32, device="cuda"),
+            torch.zeros(b, dtype=torch.int32, device="cuda"))
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                                              paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
+                                              paged_kv_last_page_len_buffer=bufs[2])
+    pages = -(-st.seq // PAGE)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = np.concatenate([st.bt[i, :p] for i, p in enumerate(pages)]).astype(np.int32)
+    last = (st.seq - (pages - 1) * PAGE).astype(np.int32)
+    w.plan(torch.as_tensor(indptr), torch.as_tensor(indices), torch.as_tensor(last), H_Q, H_KV, D, PAGE,
+           q_data_type=torch.float16, kv_data_type=torch.float16)
+
+    def body():
+        for l in range(LAYERS):
+            w.run(st.q[l], (st.k[l], st.v[l]), out=st.out[l])
+    return timed(st, None, body)
+
+
+def fi_cascade(fi, st: Step) -> dict:
+    """Two levels: each group's prefix (its rows one query group), then each row's own pages."""
+    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+    w = fi.MultiLevelCascadeAttentionWrapper(2, ws, "HND")
+    qo0, kv0, idx0, last0 = [0], [0], [], []
+    for rows, prefix in st.levels:
+        qo0.append(qo0[-1] + len(rows))
+        kv0.append(kv0[-1] + len(prefix))
+        idx0 += list(prefix)
+        last0.append(PAGE)
+    qo1, kv1, idx1, last1 = [0], [0], [], []
+    for i, s in enumerate(st.seq):
+        n_pre = next(len(p) for rows, p in st.levels if i in rows)
+        pages = -(-int(s) // PAGE)
+        qo1.append(i + 1)
+        kv1.append(kv1[-1] + pages - n_pre)
+        idx1 += list(st.bt[i, n_pre:pages])
+        last1.append(int(s) - (pages - 1) * PAGE)
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    w.plan([t(qo0), t(qo1)], [t(kv0), t(kv1)], [t(idx0), t(idx1)], [t(last0), t(last1)],
+           H_Q, H_KV, D, PAGE, causal=False, q_data_type=torch.float16)
+
+    def body():
+        for l in range(LAYERS):
+            st.out[l].copy_(w.run(st.q[l], (st.k[l], st.v[l])))
+    return timed(st, None, body)
+
+
+def pkvrt_plain(st: Step) -> dict:
+    rt = pkvrt.Runtime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
+                       max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages)
+
+    def body():
+        rt.plan(st.seq_d, st.bt_d)
+        for l in range(LAYERS):
+            rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
+    return timed(st, None, body)
+
+
+def pkvrt_shared(st: Step) -> dict:
+    rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
+                                  max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
+                                  engine_capture=True)
+    t0 = time.perf_counter()
+    rt.plan(st.seq, st.bt)
+    plan_us = (time.perf_counter() - t0) * 1e6
+
+    def body():
+        for l in range(LAYERS):
+            rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
+    row = timed(st, None, body)
+    row.update(plan_host_us_first=plan_us, explain=rt.explain())
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out", default="benches/results/h200/shared-pages.json")
+    ap.add_argument("--max-seconds", type=float, default=540.0)
+    ap.add_argument("--no-flashinfer", action="store_true")
+    args = ap.parse_args(argv)
+    names = [c for c in args.cases.split(",") if c]
+    if any(n not in CASES for n in names):
+        ap.error(f"--cases: expected names of {', '.join(CASES)}")
+    if not torch.cuda.is_available():
+        print("benches/shared_pages.py needs a CUDA GPU (torch sees none); nothing to run here.")
+        return 0
+    fi = None
+    if not args.no_flashinfer:
+        import flashinfer as fi
+    deadline = time.monotonic() + args.max_seconds
+    meta = results.make_meta(seeds=[SEED], kind="shared-pages", layers=LAYERS, page_size=PAGE,
+                             replays=REPLAYS, tolerance=TOLERANCE, protocol=__doc__.split("\n\n")[1])
+    rows, out = [], Path(args.out)
+    gen = torch.Generator().manual_seed(SEED)
+    print(f"{'case':<26} {'floor':>8} {'once':>7}  engine times (us)")
+    for name in names:
+        if time.monotonic() > deadline:
+            print(f"time budget spent: {name} and later not measured")
+            break
+        groups, own = CASES[name]
+        st = Step(groups, own, gen)
+        rec = {}
+        engines = {"pkvrt-shared": pkvrt_shared, "pkvrt-device-plan": pkvrt_plain}
+        if fi is not None:
+            engines.update({"flashinfer-tc": functools.partial(fi_plain, fi, tensor_cores=True),
+                            "flashinfer-cuda": functools.partial(fi_plain, fi, tensor_cores=False),
+                            "flashinfer-cascade": functools.partial(fi_cascade, fi)})
+        for label, fn in engines.items():
+            try:
+                rec[label] = fn(st)
+            except Exception as exc:  # noqa: BLE001 - recorded as unavailable, the rest run
+                rec[label] = {"status": f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            rows.append({"case": name, "engine": label, "rows": int(len(st.seq)),
+                         "floor_us": st.floor_us, "floor_once_us": st.floor_once_us,
+                         "distinct_caches": st.distinct_caches, **rec[label]})
+        ok = {k: v["median_us"] for k, v in rec.items() if v.get("status") == "ok"}
+        base = min((ok[k], k) for k in ok if k.startswith("flashinfer")) if any(
+            k.startswith("flashinfer") for k in ok) else None
+        ratio = base[0] / ok["pkvrt-shared"] if base and "pkvrt-shared" in ok else None
+        rows.append({"case": name, "engine": "ratio", "baseline": base and base[1], "ratio": ratio,
+                     "ratio_plain": (base[0] / ok["pkvrt-device-plan"]) if base and "pkvrt-device-plan" in ok else None})
+        print(f"{name:<26} {st.floor_us:8.0f} {st.floor_once_us:7.0f}  "
+              + "  ".join(f"{k} {v:.0f}" for k, v in ok.items())
+              + f"  ratio {ratio if ratio is None else round(ratio, 3)}", flush=True)
+        results.write_results(out, meta, rows)
+        del st
+    results.write_results(out, meta, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Rows that share pages, read once: a step split into shared chunks and own segments.
+
+Prefix caching and parallel sampling give several rows the same physical pages at the same
+logical positions. Attention is a sum over keys, so a row's output is the exact merge of partial
+states over any partition of its keys. :func:`plan_sharing` partitions each row's pages into
+
+- **shared chunks**: a shared page run (:func:`~pkvrt.policy.blocktables.shared_page_runs`, on
+  the pages before each row's last one: the last page holds the new token and is the row's own)
+  and at most ``capacity // G`` of its rows. A chunk is one row of a decode whose group is
+  ``rows x G``: its query heads are its rows' heads side by side, so each K/V tile of the run is
+  read once for all of them (tensor cores at M = rows x G), and a partial state comes out per
+  row;
+- **own segments**: each maximal range of a row's pages outside its chunks (at least its last
+  page), one decode row each, at the model's own group size;
+
+and records, per row, where its segments' states are (``slots``), so that they merge exactly
+(``out = sum_k 2^lse_k o_k / sum_k 2^lse_k``, a sink's ``e^s`` added once).
+
+numpy only (no GPU); the runtime side is :class:`pkvrt.runtime.shared.SharedPagesRuntime`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from pkvrt.policy.blocktables import _checked_pages, shared_page_runs
+
+CAPACITY = 16   # query vectors per KV head a decode kernel takes (the largest group capacity)
+
+
+@attrs.frozen
+class SharingPlan:
+    """A step's shared chunks and own segments (numpy int32 / bool arrays).
+
+    chunk_rows [V, C] : each chunk's rows (a chunk of fewer than C repeats its first row;
+        ``chunk_valid`` says which are real). chunk_seq [V], chunk_bt [V, W] : the run's tokens
+        (whole pages) and pages, a decode row each.
+    own_rows [S], own_seq [S], own_bt [S, W'] : each own segment's row, tokens and pages.
+    slots [B, K] : per row, the states to merge: ``v * C + c`` (chunk v, position c), ``V * C +
+        s`` (own segment s), ``V * C + S`` (none: an empty state).
+    pages_read, pages_unshared : K/V pages the plan reads, and the step without sharing.
+    """
+
+    capacity_rows: int
+    chunk_rows: np.ndarray = attrs.field(eq=False)
+    chunk_valid: np.ndarray = attrs.field(eq=False)
+    chunk_seq: np.ndarray = attrs.field(eq=False)
+    chunk_bt: np.ndarray = attrs.field(eq=False)
+    own_rows: np.ndarray = attrs.field(eq=False)
+    own_seq: np.ndarray = attrs.field(eq=False)
+    own_bt: np.ndarray = attrs.field(eq=False)
+    slots: np.ndarray = attrs.field(eq=False)
+    pages_read: int
+    pages_unshared: int
+
+    @property
+    def saved_fraction(self) -> float:
+        return 1.0 - self.pages_read / self.pages_unshared
+
+
+def _table(rows: list[np.ndarray]) -> np.ndarray:
+    width = max(1, max(len(r) for r in rows))
+    out = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
+                 capacity: int = CAPACITY, min_saved: float = 0.0) -> SharingPlan | None:
+    """The step's sharing plan, or None when no chunk of two rows or more exists (G above
+    capacity / 2, no shared run) or it would save less than ``min_saved`` of the page reads.
+
+    O(B * max_pages) on the host (shared_page_runs); callers that plan every step first check
+    cheaply whether any page id repeats (:func:`any_page_repeats`)."""
+    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "plan_sharing")
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"plan_sharing: group={group!r}: expected a positive int")
+    per_chunk = capacity // group
+    if per_chunk < 2 or seq.size < 2:
+        return None
+    # only the whole pages before each row's last page are shared: the others get ids no other
+    # entry has (negative, one per entry), so no run reaches a row's last page
+    shareable = (seq - 1) // page_size
+    width = bt.shape[1]
+    marked = np.array(bt, dtype=np.int64, copy=True)
+    own = np.arange(width) >= shareable[:, None]
+    marked[own] = -1 - np.nonzero(own.ravel())[0]
+    runs = shared_page_runs(seq, marked, page_size)
+    covered: list[list[tuple[int, int, int]]] = [[] for _ in range(seq.size)]  # (first, end, slot)
+    chunks: list[tuple[list[int], int, int]] = []                              # (rows, first, n)
+    for run in runs:
+        rows = list(run.rows)
+        parts = -(-len(rows) // per_chunk)      # as few chunks as fit, of near-equal sizes
+        for sub in (rows[i::parts] for i in range(parts)):
+            v = len(chunks)
+            chunks.append((sub, run.first_page, run.num_pages))
+            for c, r in enumerate(sub):
+                covered[r].append((run.first_page, run.first_page + run.num_pages, v * per_chunk + c))
+    if not chunks:
+        return None
+    n_chunk_slots = len(chunks) * per_chunk
+    own_rows, own_seq, own_pages, row_slots = [], [], [], []
+    for r in range(seq.size):
+        segs = sorted(covered[r])
+        slots = [s for _, _, s in segs]
+        at = 0
+        for first, end in [(f, e) for f, e, _ in segs] + [(int(pages[r]), int(pages[r]))]:
+            if first > at:    # own pages [at, first)
+                slots.append(n_chunk_slots + len(own_rows))
+                own_rows.append(r)
+                own_seq.append(min(int(seq[r]), first * page_size) - at * page_size)
+                own_pages.append(bt[r, at:first])
+            at = max(at, end)
+        row_slots.append(slots)
+    empty = n_chunk_slots + len(own_rows)
+    k = max(len(s) for s in row_slots)
+    slots = np.full((seq.size, k), empty, np.int32)
+    for r, s in enumerate(row_slots):
+        slots[r, :len(s)] = s
+    chunk_rows = np.array([sub + [sub[0]] * (per_chunk - len(sub)) for sub, _, _ in chunks], np.int32)
+    chunk_valid = np.array([[c < len(sub) for c in range(per_chunk)] for sub, _, _ in chunks])
+    pages_read = sum(n for _, _, n in chunks) + sum(len(p) for p in own_pages)
+    plan = SharingPlan(
+        capacity_rows=per_chunk, chunk_rows=chunk_rows, chunk_valid=chunk_valid,
+        chunk_seq=np.array([n * page_size for _, _, n in chunks], np.int32),
+        chunk_bt=_table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
+        own_rows=np.array(own_rows, np.int32), own_seq=np.array(own_seq, np.int32),
+        own_bt=_table(own_pages), slots=slots, pages_read=int(pages_read),
+        pages_unshared=int(pages.sum()))
+    return plan if plan.saved_fraction >= min_saved else None
+
+
+def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | None = None) -> bool:
+    """Whether two used block-table entries of the step name the same page: the cheap test
+    before :func:`plan_sharing` (a bincount over the used ids when ``num_pages`` bounds them)."""
+    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "any_page_repeats")
+    ids = bt[np.arange(bt.shape[1]) < pages[:, None]]
+    if ids.size < 2:
+        return False
+    if num_pages is not None and ids.min() >= 0 and ids.max() < num_pages:
+        return bool((np.bincount(ids, minlength=1) > 1).any())
+    return np.unique(ids).size < ids.size

@@ -1,0 +1,173 @@
+"""``SharedPagesRuntime``: decode steps whose rows share pages read each shared page once per
+chunk of rows instead of once per row, exactly.
+
+Per step, :meth:`~SharedPagesRuntime.plan` looks for repeated page ids in the block tables (a
+bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.sharing.plan_sharing`:
+
+- the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``, C = 16 // G
+  rows per chunk) runs one decode row per chunk over the chunk's shared pages, its query heads
+  the chunk's rows' heads side by side: a K/V tile of the run is read once for C rows;
+- the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
+  outside its chunks, its last page at least);
+- each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries, runs both, and merges each
+  row's partial states with their lse (base 2): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k +
+  e^sink)``, in float32.
+
+A step without shared pages (or where sharing would save less than ``min_saved`` of its page
+reads) runs on the plain Runtime as it would without this class. Host lengths only (the sharing
+is found on the host); no sliding window (a window cuts the shared run differently per row).
+The merge and the query gather are torch operations: launched eagerly per layer, or captured
+with the step by an engine (``engine_capture=True``: plan() outside the capture, run() inside,
+a graph per :attr:`~SharedPagesRuntime.step_key`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pkvrt.policy import sharing
+from pkvrt.runtime.core import Runtime
+
+LOG2E = 1.4426950408889634
+
+
+class SharedPagesRuntime:
+    """:class:`pkvrt.Runtime`'s ``plan()`` / ``run()`` for steps whose rows may share pages.
+
+    Parameters: those of :class:`pkvrt.Runtime` (shape, variant, sizes, routes, calibration,
+    ``engine_capture``, ``options``), except ``window_left`` (refused: no sliding window) and
+    ``device_planning`` (host lengths). ``min_saved``: the least fraction of a step's page reads
+    sharing must save to be used (default 0.1). ``num_pages``: also bounds the page-id bincount
+    that finds repeats.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype=torch.float16, *, sinks: bool = False, min_saved: float = 0.1,
+                 num_pages: int | None = None, **runtime_kw):
+        for bad in ("window_left", "device_planning"):
+            if runtime_kw.get(bad) not in (None, -1, False):
+                raise ValueError(f"SharedPagesRuntime: {bad}={runtime_kw[bad]!r}: shared pages are "
+                                 "found on the host and attended whole (no sliding window)")
+            runtime_kw.pop(bad, None)
+        if not 0.0 <= min_saved < 1.0:
+            raise ValueError(f"SharedPagesRuntime: min_saved={min_saved!r}: expected 0 <= min_saved < 1")
+        self.group = num_qo_heads // num_kv_heads
+        self.chunk = sharing.CAPACITY // self.group
+        self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        common = dict(runtime_kw, num_pages=num_pages, device_planning=False)
+        sm_scale = common.pop("sm_scale", None)
+        sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        self.plain = Runtime(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sinks=sinks,
+                             sm_scale=sm_scale, **common)
+        # the own segments merge with the chunks: their sink is added once, at the merge
+        self.own = (Runtime(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                            sm_scale=sm_scale, **common) if sinks else self.plain)
+        self.shared = (Runtime(num_kv_heads * self.chunk * self.group, num_kv_heads, head_dim,
+                               page_size, dtype, sm_scale=sm_scale, **common)
+                       if self.chunk >= 2 else None)
+        self.device = self.plain.device
+        self.plan_used: sharing.SharingPlan | None = None   # the last step's, None: plain
+        # the step's index tensors, static (a captured run() reads them by address): grown,
+        # never shrunk; a regrowth is a new generation (step_key)
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._generation = 0
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, seq_lens, block_tables, *, force: str | None = None):
+        """Plan the step: shared chunks and own segments where rows share pages, else the plain
+        Runtime's plan. ``force``: the plain Runtime's route, no sharing. Returns the own (or
+        plain) Runtime's RouteDecision."""
+        seq = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+        bt = np.asarray(block_tables.cpu() if isinstance(block_tables, torch.Tensor) else block_tables)
+        sp = None
+        if force is None and self.shared is not None and \
+                sharing.any_page_repeats(seq, bt, self.page_size, self.num_pages):
+            sp = sharing.plan_sharing(seq, bt, self.page_size, self.group, min_saved=self.min_saved)
+        if sp is None:
+            self.plan_used = None
+            return self.plain.plan(seq, bt, force=force)
+        self.shared.plan(sp.chunk_seq, sp.chunk_bt)
+        d = self.own.plan(sp.own_seq, sp.own_bt)
+        self._chunk_rows = self._stage("chunk_rows", sp.chunk_rows)
+        self._own_rows = self._stage("own_rows", sp.own_rows)
+        self._slots = self._stage("slots", sp.slots)
+        self.plan_used = sp
+        return d
+
+    def _stage(self, name: str, a: np.ndarray) -> torch.Tensor:
+        """``a`` in the static int64 device buffer ``name`` (a view of its shape)."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < a.size:
+            buf = self._bufs[name] = torch.zeros(max(a.size, 2 * (0 if buf is None else buf.numel())),
+                                                 dtype=torch.int64, device=self.device)
+            self._generation += 1
+        view = buf[:a.size].view(a.shape)
+        view.copy_(torch.from_numpy(a.astype(np.int64)))
+        return view
+
+    @property
+    def step_key(self) -> tuple | None:
+        """What a graph of the planned step's run() calls bakes in (``engine_capture``): the
+        plain Runtime's key, or the sharing structure (chunks, own segments, states per row,
+        buffer generation) with both Runtimes' keys."""
+        sp = self.plan_used
+        if sp is None:
+            return self.plain.step_key
+        return ("shared", sp.chunk_rows.shape, sp.own_rows.size, sp.slots.shape, self._generation,
+                self.shared.step_key, self.own.step_key)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, q: torch.Tensor, k_cache, v_cache, *, out: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None, **scales) -> torch.Tensor:
+        """One layer of the planned step: q ``[B, H_q, D]`` -> out (the Runtime's arguments;
+        ``sinks`` float32 ``[H_q]`` when built with ``sinks=True``)."""
+        if self.sinks != (sinks is not None):
+            raise ValueError(f"SharedPagesRuntime.run: sinks={'given' if sinks is not None else None}"
+                             f" but the Runtime was built with sinks={self.sinks}")
+        sp = self.plan_used
+        if sp is None:
+            kw = {"sinks": sinks} if sinks is not None else {}
+            return self.plain.run(q, k_cache, v_cache, out=out, **kw, **scales)
+        b, hq, d = q.shape
+        hkv, g, c = self.num_kv_heads, self.group, self.chunk
+        v_rows = sp.chunk_rows.shape[0]
+        # the chunks' queries: head h * C * G + c * G + j is row chunk_rows[v, c]'s head h * G + j
+        qv = q.view(b, hkv, g, d)[self._chunk_rows].permute(0, 2, 1, 3, 4).reshape(v_rows, hkv * c * g, d)
+        lse_v = torch.empty(v_rows, hkv * c * g, dtype=torch.float32, device=q.device)
+        out_v = self.shared.run(qv, k_cache, v_cache, lse=lse_v, **scales)
+        q_own = q[self._own_rows]
+        lse_o = torch.empty(q_own.shape[0], hq, dtype=torch.float32, device=q.device)
+        out_o = self.own.run(q_own, k_cache, v_cache, lse=lse_o, **scales)
+        # every state as [slot, H_q(, D)]: the chunks' per row, the own segments', one empty
+        o_all = torch.cat([
+            out_v.view(v_rows, hkv, c, g, d).permute(0, 2, 1, 3, 4).reshape(v_rows * c, hq, d).float(),
+            out_o.float(), torch.zeros(1, hq, d, device=q.device)])
+        l_all = torch.cat([
+            lse_v.view(v_rows, hkv, c, g).permute(0, 2, 1, 3).reshape(v_rows * c, hq),
+            lse_o, torch.full((1, hq), -math.inf, device=q.device)])
+        lse = l_all[self._slots]                                   # [B, K, H_q]
+        top = lse.amax(dim=1, keepdim=True)
+        w = torch.exp2(lse - top)
+        den = w.sum(dim=1)
+        if sinks is not None:
+            den = den + torch.exp2(sinks.float() * LOG2E - top.squeeze(1))
+        merged = (w.unsqueeze(-1) * o_all[self._slots]).sum(dim=1) / den.unsqueeze(-1)
+        if out is None:
+            return merged.to(q.dtype)
+        out.copy_(merged)
+        return out
+
+    def explain(self) -> str:
+        sp = self.plan_used
+        if sp is None:
+            return "SharedPagesRuntime: no sharing this step (plain Runtime)\n" + self.plain.explain()
+        return (f"SharedPagesRuntime: {sp.chunk_rows.shape[0]} shared chunk(s) of up to "
+                f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
+                f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)")

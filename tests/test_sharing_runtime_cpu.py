@@ -1,0 +1,148 @@
+"""Rows that share pages, read once: the sharing plan (numpy) and SharedPagesRuntime on the fake
+device (emulated kernels, tests/test_runtime_cpu.py), exact against the FP32 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_runtime_cpu import FAKE_SHAPE, ROUTES, SEED, fake_device, pool, ref, rel_err  # noqa: F401
+
+from pkvrt.policy import sharing
+from pkvrt.runtime.options import RuntimeOptions
+from pkvrt.runtime.shared import SharedPagesRuntime
+
+PAGE = FAKE_SHAPE["page_size"]
+G = FAKE_SHAPE["num_qo_heads"] // FAKE_SHAPE["num_kv_heads"]
+
+
+SOURCES = [0, 1, 4, 2, 0, 1, 4, 2]   # pool rows of at least 900 tokens (test_runtime_cpu.POOL_LENS)
+
+
+def shared_step(b, lens, prefix_pages, groups):
+    """Rows of the pool's pages (row i: pool row SOURCES[i]; lengths up to 900), where the rows
+    of each group take their group's first row's first ``prefix_pages`` pages (prefix caching):
+    a block table with shared runs."""
+    assert max(lens) <= 900
+    bt = b.block_tables[SOURCES[:len(lens)]].numpy().copy()
+    for rows in groups:
+        for r in rows[1:]:
+            bt[r, :prefix_pages] = bt[rows[0], :prefix_pages]
+    return np.array(lens, np.int32), bt
+
+
+def runtime(**kw):
+    args = dict(routes=ROUTES, calibration=SEED, max_batch=8, max_pages_per_row=256,
+                options=RuntimeOptions(flashinfer=False), min_saved=0.0)
+    args.update(kw)
+    return SharedPagesRuntime(*FAKE_SHAPE.values(), torch.float16, **args)
+
+
+@pytest.mark.parametrize("lens, prefix, groups", [
+    ([800, 850, 900, 700], 40, [[0, 1, 2, 3]]),                   # one prefix, every row
+    ([800, 850, 900, 700, 880, 600], 30, [[0, 1, 2, 3, 4]]),      # 5 rows: chunks of 3 + 2
+    ([800, 850, 900, 700, 880, 860], 20, [[0, 1, 2], [3, 4, 5]]),  # two groups
+    ([641, 640, 656, 900], 40, [[0, 1, 2, 3]]),                   # rows ending at the prefix's end
+])
+@pytest.mark.parametrize("engine_capture", [False, True], ids=["own graphs", "engine capture"])
+def test_shared_pages_are_exact(fake_device, pool, lens, prefix, groups, engine_capture):  # noqa: F811
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt = shared_step(b, lens, prefix, groups)
+    rt = runtime(engine_capture=engine_capture)
+    rt.plan(seq, bt)
+    sp = rt.plan_used
+    assert sp is not None and sp.saved_fraction > 0.2, rt.explain()
+    q = torch.randn(len(lens), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                    generator=torch.Generator().manual_seed(len(lens))).half()
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3
+    assert "saved" in rt.explain()
+    key = rt.step_key
+    assert key[0] == "shared"
+    rt.plan(seq, bt)                                      # the same structure: the same key
+    assert rt.step_key == key
+
+
+def test_sinks_count_once_across_segments(fake_device, pool):  # noqa: F811
+    from pkvrt import reference
+
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime(sinks=True)
+    rt.plan(seq, bt)
+    assert rt.plan_used is not None and rt.own is not rt.plain
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half() * 2
+    sinks = torch.linspace(-1, 6, FAKE_SHAPE["num_qo_heads"])
+    out = rt.run(q, b.k_cache, b.v_cache, sinks=sinks)
+    want = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq),
+                                      torch.as_tensor(bt), sinks=sinks)
+    assert rel_err(out, want) < 2e-3
+    with pytest.raises(ValueError, match="sinks=None but the Runtime was built with sinks=True"):
+        rt.run(q, b.k_cache, b.v_cache)
+
+
+def test_steps_without_sharing_run_the_plain_runtime(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    seq = np.array([900, 1000, 40], np.int32)
+    bt = b.block_tables[[0, 1, 3]].numpy()
+    rt = runtime()
+    d = rt.plan(seq, bt)
+    assert rt.plan_used is None and d.route
+    q = torch.randn(3, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+    assert rel_err(rt.run(q, b.k_cache, b.v_cache), ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
+    assert "no sharing" in rt.explain()
+    shared_seq, shared_bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    rt.plan(shared_seq, shared_bt, force="pkv_workqueue")      # a forced route: no sharing
+    assert rt.plan_used is None
+
+
+def test_constructor_refusals():
+    with pytest.raises(ValueError, match="window_left=127: shared pages are found on the host"):
+        SharedPagesRuntime(8, 2, 64, 16, window_left=127)
+    with pytest.raises(ValueError, match="min_saved=1.5"):
+        SharedPagesRuntime(8, 2, 64, 16, min_saved=1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=2, max_size=9), st.integers(0, 2**31 - 1),
+       st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 4, 16]))
+def test_sharing_plan_covers_every_page_once(lens, seed, group, page):
+    """Any sharing structure: every row's pages are covered exactly once by its chunks and own
+    segments, a chunk's rows use the chunk's pages at those positions, only whole pages before a
+    row's last one are shared, and each row ends in an own segment."""
+    rng = np.random.default_rng(seed)
+    seq = np.array(lens, np.int32)
+    pages = -(-seq // page)
+    width = int(pages.max())
+    bt = rng.permutation(10_000)[:len(lens) * width].reshape(len(lens), width).astype(np.int32)
+    for _ in range(3):   # nested prefixes: a random group takes a random row's first pages
+        rows = rng.choice(len(lens), size=rng.integers(2, len(lens) + 1), replace=False)
+        n = int(rng.integers(1, width + 1))
+        bt[rows, :n] = bt[rows[0], :n]
+    sp = sharing.plan_sharing(seq, bt, page, group)
+    if sp is None:
+        return
+    c = sp.capacity_rows
+    n_chunk = sp.chunk_rows.shape[0] * c
+    for r in range(len(lens)):
+        got = []
+        for s in sp.slots[r]:
+            if s < n_chunk:
+                v, pos = divmod(int(s), c)
+                assert sp.chunk_rows[v, pos] == r and sp.chunk_valid[v, pos]
+                n = sp.chunk_seq[v] // page
+                first = next(j for j in range(width - n + 1) if (bt[r, j:j + n] == sp.chunk_bt[v, :n]).all())
+                assert first + n <= (seq[r] - 1) // page      # whole pages, before the last one
+                got += list(range(first, first + n))
+            elif s < n_chunk + sp.own_rows.size:
+                o = int(s) - n_chunk
+                assert sp.own_rows[o] == r
+                n = -(-int(sp.own_seq[o]) // page)
+                first = next(j for j in range(width - n + 1) if (bt[r, j:j + n] == sp.own_bt[o, :n]).all())
+                got += list(range(first, first + n))
+        assert sorted(got) == list(range(pages[r])), r
+    assert sp.pages_read <= sp.pages_unshared
