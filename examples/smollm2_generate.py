@@ -129,8 +129,8 @@ def main(argv=None) -> int:
     if bad or (not gpu and names != ["reference"]):
         ap.error(f"--decoders: {bad or names}: expected names of {DECODERS}" +
                  ("" if gpu else "; without a GPU only 'reference' runs"))
-    if args.cuda_graph and not gpu:
-        ap.error("--cuda-graph needs a CUDA GPU")
+    if args.cuda_graph and (not gpu or "reference" in names):
+        ap.error("--cuda-graph needs a CUDA GPU and the wrappers' CUDA-graph mode (not 'reference')")
 
     from pkvrt.integrations import transformers as pt
 

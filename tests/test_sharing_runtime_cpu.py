@@ -146,3 +146,36 @@ def test_sharing_plan_covers_every_page_once(lens, seed, group, page):
                 got += list(range(first, first + n))
         assert sorted(got) == list(range(pages[r])), r
     assert sp.pages_read <= sp.pages_unshared
+
+
+def test_more_chunks_than_a_batch_runs_unshared(fake_device, pool):  # noqa: F811
+    """Sharing that alternates between row pairs page after page makes more chunks than the
+    batch holds: the step runs on the plain Runtime, exact, and a failed plan leaves no
+    sharing plan behind."""
+    b, _ = pool
+    base = b.block_tables[0].numpy()
+    pairs = [((0, 1), (2, 3)), ((0, 2), (1, 3)), ((0, 3), (1, 2))]
+    bt = np.zeros((4, 20), np.int32)
+    for j in range(20):
+        for k, rows in enumerate(pairs[j % 3]):
+            bt[list(rows), j] = base[2 * j + k]
+    seq = np.array([20 * PAGE - 3] * 4, np.int32)
+    sp = sharing.plan_sharing(seq, bt, PAGE, G)
+    assert sp is not None and sp.chunk_rows.shape[0] > 4
+    rt = runtime(max_batch=4)
+    rt.plan(seq, bt)
+    assert rt.plan_used is None
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+    out = rt.run(q, b.k_cache, b.v_cache)
+    assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
+
+
+def test_chunk_rows_follow_the_kernels_served(fake_device):  # noqa: F811
+    """Rows per chunk: the most whose rows x G heads a kernel serves (FP8 K/V at D 256: 8)."""
+    rt16 = SharedPagesRuntime(8, 2, 256, 16, torch.float16, routes=ROUTES, calibration=SEED,
+                              max_batch=8, max_pages_per_row=64, options=RuntimeOptions(flashinfer=False))
+    assert rt16.chunk == 4
+    rt8 = SharedPagesRuntime(8, 2, 256, 16, torch.float16, kv_dtype=torch.float8_e4m3fn,
+                             routes=ROUTES, calibration=SEED, max_batch=8, max_pages_per_row=64,
+                             options=RuntimeOptions(flashinfer=False))
+    assert rt8.chunk == 2 and rt8.shared.num_qo_heads == 2 * 2 * 4

@@ -170,3 +170,21 @@ def test_smollm2_checkpoint_on_cpu_matches_sdpa():
     got = pt.generate_paged(model, pt.PagedKVCache.for_model(model, pt.ReferenceDecode(),
                                                              num_pages=64), ps, 16)
     assert got.tokens == ref.tokens
+
+
+class FailingPlan(pt.ReferenceDecode):
+    def plan(self, *args, **kwargs):
+        raise ValueError("plan refused")
+
+
+def test_a_failed_decode_plan_takes_no_page():
+    m = tiny_llama()
+    cache = pt.PagedKVCache.for_model(m, FailingPlan(), num_pages=8, page_size=PAGE)
+    r = cache.add_row()
+    cache.begin_prefill(r, 8)        # two full pages: the next token starts a third
+    cache.end_step()
+    free = cache.free_pages
+    for _ in range(2):
+        with pytest.raises(ValueError, match="plan refused"):
+            cache.begin_decode([r])
+        assert cache.free_pages == free and cache.pages(r) == [0, 1] and cache._step is None

@@ -189,18 +189,24 @@ class PagedKVCache:
         for i, r in zip(rows, rs):
             if not r.length:
                 raise ValueError(f"begin_decode: row {i} is empty (prefill its prompt first)")
-        self._take_pages([(r, 1) for r in rs if r.length % self.page_size == 0])
+        grow = [r for r in rs if r.length % self.page_size == 0]   # the new token starts a page
+        if len(grow) > len(self._free):
+            raise ValueError(f"out of pages: the step needs {len(grow)} new pages, {len(self._free)} "
+                             f"are free of num_pages={self.num_pages}")
+        new = {id(r): self._free[-1 - i] for i, r in enumerate(grow)}   # taken once plan() passed
+        pages = [r.pages + ([new[id(r)]] if id(r) in new else []) for r in rs]
         lens = np.array([r.length for r in rs], dtype=np.int64)
-        last_page = np.array([r.pages[-1] for r in rs], dtype=np.int64)
-        self._slots[:len(rows)].copy_(torch.from_numpy(last_page * self.page_size + lens % self.page_size))
-        counts = np.array([len(r.pages) for r in rs], dtype=np.int32)
+        last_page = np.array([p[-1] for p in pages], dtype=np.int64)
+        counts = np.array([len(p) for p in pages], dtype=np.int32)
         indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-        indices = torch.from_numpy(np.concatenate([np.asarray(r.pages, dtype=np.int32) for r in rs]))
+        indices = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int32) for p in pages]))
         last_page_len = torch.from_numpy((lens % self.page_size + 1).astype(np.int32))
         dev = self.device
         self.decoder.plan(indptr.to(dev), indices.to(dev), last_page_len.to(dev),
                           self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                           sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._take_pages([(r, 1) for r in grow])      # the pages named above, in that order
+        self._slots[:len(rows)].copy_(torch.from_numpy(last_page * self.page_size + lens % self.page_size))
         self._step = ("decode", rows, len(rows))
         return torch.from_numpy(lens).view(-1, 1).to(dev)
 
@@ -287,7 +293,8 @@ def register() -> str:
 @attrs.frozen
 class Generation:
     """Greedy tokens per prompt, and at each step the top-1 minus top-2 logit (the margin by
-    which the argmax won); decode timing over the batched steps (prefill excluded)."""
+    which the argmax won); decode timing over the batched steps from the second on (prefill, the
+    decoders' first plan and a CUDA graph's capture excluded)."""
 
     tokens: list[list[int]]
     margins: list[list[float]]
@@ -338,9 +345,11 @@ def generate_paged(model, cache: PagedKVCache, prompts: Sequence[Sequence[int]],
     ids = torch.cat(first).view(b, 1)
     toks, margins = [ids[:, 0].clone()], [torch.cat(first_margin)]
     static = None
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(max_new_tokens - 1):
+    t0 = None
+    for step in range(max_new_tokens - 1):
+        if step == 1:   # timed from the second decode step: builds, warm-up and capture excluded
+            _sync(dev)
+            t0 = time.perf_counter()
         pos = cache.begin_decode(rows)
         if cuda_graph:
             if static is None:
@@ -357,10 +366,10 @@ def generate_paged(model, cache: PagedKVCache, prompts: Sequence[Sequence[int]],
         margins.append(margin.clone())
         ids = tok.view(b, 1)
     _sync(dev)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 if t0 is not None else 0.0
     tok_rows = torch.stack(toks, dim=1).tolist()
     margin_rows = torch.stack(margins, dim=1).tolist()
-    return Generation(tok_rows, margin_rows, max_new_tokens - 1, seconds)
+    return Generation(tok_rows, margin_rows, max(0, max_new_tokens - 2), seconds)
 
 
 def _capture_decode(model, cache: PagedKVCache, ids, pos) -> dict:
@@ -412,6 +421,8 @@ def first_divergence(ref: Generation, got: Generation) -> list[dict]:
     """Per prompt: the first step where ``got``'s token differs from ``ref``'s (None: none in
     the shorter of the two), with both margins there: a small reference margin marks a near-tie
     that fp16 rounding can flip."""
+    if len(ref.tokens) != len(got.tokens):
+        raise ValueError(f"first_divergence: {len(ref.tokens)} reference prompts, {len(got.tokens)} compared")
     out = []
     for p, (rt, gt) in enumerate(zip(ref.tokens, got.tokens)):
         n = min(len(rt), len(gt))

@@ -77,6 +77,8 @@ def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
     seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "plan_sharing")
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ValueError(f"plan_sharing: group={group!r}: expected a positive int")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= CAPACITY:
+        raise ValueError(f"plan_sharing: capacity={capacity!r}: expected 1..{CAPACITY}")
     per_chunk = capacity // group
     if per_chunk < 2 or seq.size < 2:
         return None

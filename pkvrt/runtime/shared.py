@@ -55,7 +55,7 @@ class SharedPagesRuntime:
         if not 0.0 <= min_saved < 1.0:
             raise ValueError(f"SharedPagesRuntime: min_saved={min_saved!r}: expected 0 <= min_saved < 1")
         self.group = num_qo_heads // num_kv_heads
-        self.chunk = sharing.CAPACITY // self.group
+        self.chunk = self._chunk_rows_served(head_dim, runtime_kw.get("kv_dtype"))
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
@@ -77,6 +77,18 @@ class SharedPagesRuntime:
         self._bufs: dict[str, torch.Tensor] = {}
         self._generation = 0
 
+    def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
+        """Rows per chunk: the most whose rows x G query heads a decode kernel of this head dim
+        and K/V dtype serves (16 at most; FP8 at D 256: 8)."""
+        from pkvrt import _buildspec
+        from pkvrt.launch import ops
+
+        tag = ops.KV_TAG.get(kv_dtype) if kv_dtype is not None else None
+        for rows in range(sharing.CAPACITY // self.group, 1, -1):
+            if _buildspec.unserved(head_dim, rows * self.group, tag) is None:
+                return rows
+        return 1
+
     # ------------------------------------------------------------------ plan
 
     def plan(self, seq_lens, block_tables, *, force: str | None = None):
@@ -85,12 +97,17 @@ class SharedPagesRuntime:
         plain) Runtime's RouteDecision."""
         seq = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         bt = np.asarray(block_tables.cpu() if isinstance(block_tables, torch.Tensor) else block_tables)
-        sp = None
+        self.plan_used = sp = None   # a failure below leaves no sharing plan in effect
         if force is None and self.shared is not None and \
                 sharing.any_page_repeats(seq, bt, self.page_size, self.num_pages):
-            sp = sharing.plan_sharing(seq, bt, self.page_size, self.group, min_saved=self.min_saved)
+            sp = sharing.plan_sharing(seq, bt, self.page_size, self.group,
+                                      capacity=self.chunk * self.group, min_saved=self.min_saved)
+            # more chunks or own segments than a Runtime's batch (nested or alternating sharing
+            # of a full batch): the step runs unshared
+            if sp is not None and (sp.chunk_rows.shape[0] > self.shared.max_batch
+                                   or sp.own_rows.size > self.own.max_batch):
+                sp = None
         if sp is None:
-            self.plan_used = None
             return self.plain.plan(seq, bt, force=force)
         self.shared.plan(sp.chunk_seq, sp.chunk_bt)
         d = self.own.plan(sp.own_seq, sp.own_bt)
@@ -101,14 +118,19 @@ class SharedPagesRuntime:
         return d
 
     def _stage(self, name: str, a: np.ndarray) -> torch.Tensor:
-        """``a`` in the static int64 device buffer ``name`` (a view of its shape)."""
+        """``a`` in the static int64 device buffer ``name`` (a view of its shape), copied from
+        pinned memory without waiting for the stream (torch's pinned allocator keeps the
+        source until the copy ran)."""
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < a.size:
             buf = self._bufs[name] = torch.zeros(max(a.size, 2 * (0 if buf is None else buf.numel())),
                                                  dtype=torch.int64, device=self.device)
             self._generation += 1
         view = buf[:a.size].view(a.shape)
-        view.copy_(torch.from_numpy(a.astype(np.int64)))
+        src = torch.from_numpy(a.astype(np.int64))
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        view.copy_(src, non_blocking=True)
         return view
 
     @property
@@ -139,7 +161,7 @@ class SharedPagesRuntime:
         hkv, g, c = self.num_kv_heads, self.group, self.chunk
         v_rows = sp.chunk_rows.shape[0]
         # the chunks' queries: head h * C * G + c * G + j is row chunk_rows[v, c]'s head h * G + j
-        qv = q.view(b, hkv, g, d)[self._chunk_rows].permute(0, 2, 1, 3, 4).reshape(v_rows, hkv * c * g, d)
+        qv = q.reshape(b, hkv, g, d)[self._chunk_rows].permute(0, 2, 1, 3, 4).reshape(v_rows, hkv * c * g, d)
         lse_v = torch.empty(v_rows, hkv * c * g, dtype=torch.float32, device=q.device)
         out_v = self.shared.run(qv, k_cache, v_cache, lse=lse_v, **scales)
         q_own = q[self._own_rows]
