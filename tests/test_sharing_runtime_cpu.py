@@ -179,3 +179,27 @@ def test_chunk_rows_follow_the_kernels_served(fake_device):  # noqa: F811
                              routes=ROUTES, calibration=SEED, max_batch=8, max_pages_per_row=64,
                              options=RuntimeOptions(flashinfer=False))
     assert rt8.chunk == 2 and rt8.shared.num_qo_heads == 2 * 2 * 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=9), st.integers(0, 2**31 - 1),
+       st.sampled_from([1, 4, 16]), st.booleans())
+def test_vectorized_runs_equal_the_reference_loop(lens, seed, page, alternate):
+    """sharing.shared_runs (one sort) gives blocktables.shared_page_runs's runs (a loop over
+    positions), for nested prefixes and for sharing that alternates between row pairs."""
+    from pkvrt.policy.blocktables import shared_page_runs
+
+    rng = np.random.default_rng(seed)
+    seq = np.array(lens, np.int32)
+    width = int((-(-seq // page)).max()) + int(rng.integers(0, 3))
+    bt = rng.permutation(20_000)[:len(lens) * width].reshape(len(lens), width).astype(np.int32)
+    for _ in range(int(rng.integers(0, 4))):
+        rows = rng.choice(len(lens), size=int(rng.integers(1, len(lens) + 1)), replace=False)
+        n = int(rng.integers(1, width + 1))
+        bt[rows, :n] = bt[rows[0], :n]
+    if alternate:
+        for j in range(width):
+            perm = rng.permutation(len(lens))
+            for k in range(0, len(lens) - 1, 2):
+                bt[perm[k + 1], j] = bt[perm[k], j]
+    assert sharing.shared_runs(seq, bt, page) == shared_page_runs(seq, bt, page)
