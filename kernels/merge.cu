@@ -69,3 +69,109 @@ PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 64)
 PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 96)
 PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 128)
 PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 256)
+
+// ---------------------------------------------------------------------------------------------
+// merge_segments — the exact merge of a row's segment states, read where two decodes wrote them
+// (pkvrt/runtime/shared.py: rows that share pages).
+//
+// Sources: "a", the chunk states: out_a [Va, H_kv * C * G, D] (T), lse_a [Va, H_kv * C * G] f32,
+//          chunk v's row c holding query head h = hk * G + j at head hk * C * G + c * G + j;
+//          "b", the own states: out_b [Sb, H_q, D] (T), lse_b [Sb, H_q] f32.
+// slots [B, K] int64: per output row its states: s < Va * C: chunk s / C, row s % C; s < Va * C
+//          + Sb: own state s - Va * C; otherwise none (padding).
+// For row r and head h: m = max_k lse_k; O = sum_k 2^(lse_k - m) o_k / (sum_k 2^(lse_k - m) +
+//          2^(sink * log2 e - m)); lse_out = m + log2(sum_k 2^(lse_k - m)) (the sink not counted).
+// Grid:  blockIdx.x = block of 4 query heads (a warp each), blockIdx.y = row. Block: 128 threads.
+// A clear first version: scalar loads of the D / 32 elements of each lane, K states in a loop.
+struct SegmentParams {
+  const void* out_a;
+  const float* lse_a;
+  const void* out_b;
+  const float* lse_b;
+  const long long* slots;  // [B, K]
+  void* out;               // [B, H_q, D]
+  const float* sinks;      // null, or [H_q]
+  float* lse;              // null, or [B, H_q]
+  int num_qo_heads;
+  int group;               // G
+  int chunk_rows;          // C
+  int slots_a;             // Va * C
+  int slots_b;             // Sb
+  int k;                   // states per row (slots' columns)
+};
+
+__device__ __forceinline__ float seg_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float seg_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void seg_from_float(float x, __half* d) { *d = __float2half_rn(x); }
+__device__ __forceinline__ void seg_from_float(float x, __nv_bfloat16* d) { *d = __float2bfloat16_rn(x); }
+
+template <typename T, int D>
+__device__ __forceinline__ void merge_segments(const SegmentParams& p) {
+  pkv::pdl_enter();
+  constexpr int E = D / 32;
+  const int r = blockIdx.y;
+  const int h = blockIdx.x * (pkv::kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (h >= p.num_qo_heads) return;
+  const int g = p.group, c_rows = p.chunk_rows;
+  const int hk = h / g, j = h % g;
+  const int heads_a = (p.num_qo_heads / g) * c_rows * g;
+  // where state k of this row and head is: (values, lse), or null
+  auto state = [&](int k, const T** o, float* l) {
+    const long long s = p.slots[(long long)r * p.k + k];
+    if (s < p.slots_a) {
+      const long long v = s / c_rows, c = s % c_rows;
+      const long long head = (long long)hk * c_rows * g + c * g + j;
+      *o = static_cast<const T*>(p.out_a) + (v * heads_a + head) * D;
+      *l = p.lse_a[v * heads_a + head];
+    } else if (s < (long long)p.slots_a + p.slots_b) {
+      const long long o_row = s - p.slots_a;
+      *o = static_cast<const T*>(p.out_b) + (o_row * p.num_qo_heads + h) * D;
+      *l = p.lse_b[o_row * p.num_qo_heads + h];
+    } else {
+      *o = nullptr;
+      *l = -INFINITY;
+    }
+  };
+  float m = -INFINITY;
+  for (int k = 0; k < p.k; ++k) {
+    const T* o;
+    float l;
+    state(k, &o, &l);
+    m = fmaxf(m, l);
+  }
+  float den = 0.f, acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
+  for (int k = 0; k < p.k; ++k) {
+    const T* o;
+    float l;
+    state(k, &o, &l);
+    if (o == nullptr || l == -INFINITY) continue;
+    const float w = exp2f(l - m);
+    den += w;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = fmaf(w, seg_to_float(o[lane * E + e]), acc[e]);
+  }
+  const float sum = den;
+  if (p.sinks != nullptr) den += exp2f(p.sinks[h] * 1.4426950408889634f - m);
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  T* dst = static_cast<T*>(p.out) + ((long long)r * p.num_qo_heads + h) * D + lane * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) seg_from_float(acc[e] * inv, dst + e);
+  if (p.lse != nullptr && lane == 0) p.lse[(long long)r * p.num_qo_heads + h] = m + log2f(sum);
+}
+
+#define PKV_MERGE_SEGMENTS_ENTRY(TN, T, D)                                               \
+  extern "C" __global__ void __launch_bounds__(pkv::kThreads)                            \
+      pkv_merge_segments_##TN##_d##D(const __grid_constant__ SegmentParams p) {          \
+    merge_segments<T, D>(p);                                                             \
+  }
+PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 64)
+PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 96)
+PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 128)
+PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 256)
+PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 64)
+PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 96)
+PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 128)
+PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 256)

@@ -212,7 +212,15 @@ def _previous_entries(out_dir: Path, version: str) -> dict:
     return {(e["family"], e["arch"]): e for e in old.get("entries", [])}
 
 
+USAGE = ("usage: python -m pkvrt._build [DIR]\n  compile kernels/*.cu to cubins and PTX in DIR "
+         "(default pkvrt/_cubins); PKVRT_CUDA_ARCHS=sm_90 narrows the targets")
+
 if __name__ == "__main__":
+    if len(sys.argv) > 2 or (len(sys.argv) == 2 and sys.argv[1].startswith("-")):
+        if sys.argv[1:] in (["-h"], ["--help"]):
+            print(USAGE)
+            sys.exit(0)
+        sys.exit(f"pkvrt build: {sys.argv[1:]}: {USAGE}")
     dest = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "pkvrt" / "_cubins"
     try:
         build(dest)

@@ -95,7 +95,8 @@ FAMILIES = {
     "split_decode": {"source": "kernels/split_decode.cu", "variants": "dtype,kv_dtype,head_dim,group"},
     "workqueue_decode": {"source": "kernels/workqueue_decode.cu", "variants": "dtype,kv_dtype,head_dim,group"},
     "fused_decode": {"source": "kernels/fused_decode.cu", "variants": "dtype,kv_dtype,head_dim,group"},
-    "merge": {"source": "kernels/merge.cu", "variants": "dtype,head_dim"},
+    "merge": {"source": "kernels/merge.cu", "variants": "dtype,head_dim",
+              "also": "merge_segments"},   # its second kernel: the merge of shared-page segments
     "plan_workqueue": {"source": "kernels/plan_workqueue.cu", "variants": ""},
 }
 HEADERS = ("kernels/decode_common.cuh", "kernels/workqueue_task.cuh")
@@ -143,4 +144,6 @@ def symbols(family: str) -> list[str]:
                     if grouped and unserved(d, g, kv) is not None:
                         continue
                     out.append(symbol(family, dt, d, g, kv))
+    if FAMILIES[family].get("also"):
+        out += [f"pkv_{FAMILIES[family]['also']}_{dt}_d{d}" for dt in DTYPES for d in HEAD_DIMS]
     return out

@@ -268,8 +268,9 @@ def test_fp8_symbols():
     assert "pkv_workqueue_decode_f16_e4m3_d96_gc4" not in syms     # e4m3: no D 96
     assert _buildspec.unserved(96, 4, "e4m3") and _buildspec.unserved(256, 12, "e4m3")
     assert _buildspec.unserved(256, 12) is None and _buildspec.unserved(96, 16) is None
-    assert _buildspec.symbols("merge") == [_buildspec.symbol("merge", dt, d)
-                                           for dt in _buildspec.DTYPES for d in _buildspec.HEAD_DIMS]
+    merges = [_buildspec.symbol("merge", dt, d) for dt in _buildspec.DTYPES for d in _buildspec.HEAD_DIMS]
+    assert _buildspec.symbols("merge") == merges + [m.replace("pkv_merge_", "pkv_merge_segments_")
+                                                    for m in merges]   # merge.cu's second kernel
     with pytest.raises(ValueError, match="not instantiated per K/V dtype"):
         _buildspec.symbol("merge", "f16", 128, None, "e4m3")
     with pytest.raises(KeyError, match="unknown K/V dtype tag 'e5m2'"):

@@ -592,6 +592,24 @@ class Emu:
             if lse is not None:
                 lse[orow] = ls
 
+    def merge_segments(self, out_a, lse_a, out_b, lse_b, slots, out, *, group, chunk_rows,
+                       sinks=None, lse=None):
+        """kernels/merge.cu merge_segments: each row's states, gathered by their slots from the
+        chunk states (chunk v's row c at heads hk * C * G + c * G + j) and the own states."""
+        self.launches += 1
+        b, hq, d = out.shape
+        va, hkv = out_a.shape[0], hq // group
+        sa = out_a.view(va, hkv, chunk_rows, group, d).permute(0, 2, 1, 3, 4).reshape(-1, hq, d)
+        la = lse_a.view(va, hkv, chunk_rows, group).permute(0, 2, 1, 3).reshape(-1, hq)
+        states, lses = torch.cat([sa.float(), out_b.float()]), torch.cat([la, lse_b])
+        for r in range(b):
+            ks = [int(x) for x in slots[r] if int(x) < states.shape[0]]
+            o, ls = reference.merge_states(lses[ks], torch.ones_like(lses[ks]), states[ks], sinks,
+                                           return_lse=True)
+            out[r] = o.to(out.dtype)
+            if lse is not None:
+                lse[r] = ls
+
     def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
                          sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None,
                          logits_soft_cap=0.0, sinks=None, lse=None):
@@ -760,7 +778,7 @@ def install_fake_device(set_attr, kernels, *, replay_runs_launches: bool = True)
                                  nodes=1, mem_bytes=0)
 
     set_attr(graphs, "capture", capture)
-    for name in ("split_decode", "merge", "workqueue_decode", "plan_workqueue_device"):
+    for name in ("split_decode", "merge", "merge_segments", "workqueue_decode", "plan_workqueue_device"):
         set_attr(ops, name, kernels(name))
 
 

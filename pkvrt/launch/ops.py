@@ -418,6 +418,60 @@ def workqueue_tensors(plan, *, num_qo_heads: int, head_dim: int, device="cuda"):
             torch.empty(slots, num_qo_heads, 2, device=device))
 
 
+class SegmentParams(ctypes.Structure):
+    """Mirror of SegmentParams in kernels/merge.cu."""
+    _fields_ = [
+        ("out_a", ctypes.c_void_p), ("lse_a", ctypes.c_void_p), ("out_b", ctypes.c_void_p),
+        ("lse_b", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("sinks", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int),
+        ("group", ctypes.c_int), ("chunk_rows", ctypes.c_int), ("slots_a", ctypes.c_int),
+        ("slots_b", ctypes.c_int), ("k", ctypes.c_int),
+    ]
+
+
+def merge_segments(out_a, lse_a, out_b, lse_b, slots, out, *, group: int, chunk_rows: int,
+                   sinks=None, lse=None) -> None:
+    """Exact merge of each row's segment states from two decodes (kernels/merge.cu,
+    merge_segments): out_a [Va, H_kv * C * G, D] / lse_a [Va, H_kv * C * G] the chunk states
+    (chunk v's row c holds head hk * G + j at hk * C * G + c * G + j), out_b [Sb, H_q, D] / lse_b
+    [Sb, H_q] the own states, slots int64 [B, K] (< Va * C: a chunk's row; < Va * C + Sb: an own
+    state; else none), out [B, H_q, D]; sinks None or float32 [H_q]; lse None or float32 [B,
+    H_q] (written). One launch, grid (head blocks, B)."""
+    if out.dtype not in _DTYPES or not out.is_cuda or not out.is_contiguous() or out.dim() != 3:
+        _fail("out", "a contiguous CUDA float16/bfloat16 [B, H_q, D] tensor",
+              f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    b, hq, d = out.shape
+    if group < 1 or hq % group or chunk_rows < 1:
+        _fail("group/chunk_rows", f"G dividing H_q = {hq} and C >= 1", (group, chunk_rows))
+    ha = hq * chunk_rows
+    for name, t, shape in (("out_a", out_a, (None, ha, d)), ("out_b", out_b, (None, hq, d))):
+        if t.dtype != out.dtype or t.device != out.device or not t.is_contiguous() or t.dim() != 3 \
+                or tuple(t.shape[1:]) != shape[1:]:
+            _fail(name, f"a contiguous {out.dtype} [n, {shape[1]}, {d}] tensor on {out.device}",
+                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    for name, t, src in (("lse_a", lse_a, out_a), ("lse_b", lse_b, out_b)):
+        if t.dtype != torch.float32 or t.device != out.device or not t.is_contiguous() \
+                or tuple(t.shape) != tuple(src.shape[:2]):
+            _fail(name, f"a contiguous float32 {list(src.shape[:2])} tensor on {out.device}",
+                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if slots.dtype != torch.int64 or slots.device != out.device or slots.dim() != 2 \
+            or slots.shape[0] != b or not slots.is_contiguous():
+        _fail("slots", f"a contiguous int64 [{b}, K] tensor on {out.device}",
+              f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")
+    p = SegmentParams()
+    p.out_a, p.lse_a, p.out_b, p.lse_b = out_a.data_ptr(), lse_a.data_ptr(), out_b.data_ptr(), lse_b.data_ptr()
+    p.slots, p.out = slots.data_ptr(), out.data_ptr()
+    p.num_qo_heads, p.group, p.chunk_rows = hq, group, chunk_rows
+    p.slots_a, p.slots_b, p.k = out_a.shape[0] * chunk_rows, out_b.shape[0], slots.shape[1]
+    _check_sinks_lse(p, out, sinks, lse)
+    if b == 0:
+        return
+    heads_per_cta = THREADS // 32
+    grid = ((hq + heads_per_cta - 1) // heads_per_cta, b, 1)
+    name = f"pkv_merge_segments_{_DTYPES[out.dtype]}_d{d}"   # merge.cu's second kernel (_buildspec.symbols)
+    _driver.launch(_driver.get_kernel("merge", name), grid, THREADS, p)
+
+
 class PlanParams(ctypes.Structure):
     """Mirror of PlanParams in kernels/plan_workqueue.cu."""
     _fields_ = [

@@ -10,13 +10,13 @@ bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.shari
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
 - each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries, runs both, and merges each
-  row's partial states with their lse (base 2): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k +
-  e^sink)``, in float32.
+  row's partial states with their lse (base 2) in one launch (kernels/merge.cu,
+  merge_segments): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k + e^sink)``, in float32.
 
 A step without shared pages (or where sharing would save less than ``min_saved`` of its page
 reads) runs on the plain Runtime as it would without this class. Host lengths only (the sharing
 is found on the host); no sliding window (a window cuts the shared run differently per row).
-The merge and the query gather are torch operations: launched eagerly per layer, or captured
+The query gathers are torch operations and the merge one kernel: launched eagerly per layer, or captured
 with the step by an engine (``engine_capture=True``: plan() outside the capture, run() inside,
 a graph per :attr:`~SharedPagesRuntime.step_key`).
 """
@@ -28,10 +28,10 @@ import math
 import numpy as np
 import torch
 
+from pkvrt.launch import ops
 from pkvrt.policy import sharing
 from pkvrt.runtime.core import Runtime
 
-LOG2E = 1.4426950408889634
 
 
 class SharedPagesRuntime:
@@ -167,23 +167,10 @@ class SharedPagesRuntime:
         q_own = q[self._own_rows]
         lse_o = torch.empty(q_own.shape[0], hq, dtype=torch.float32, device=q.device)
         out_o = self.own.run(q_own, k_cache, v_cache, lse=lse_o, **scales)
-        # every state as [slot, H_q(, D)]: the chunks' per row, the own segments', one empty
-        o_all = torch.cat([
-            out_v.view(v_rows, hkv, c, g, d).permute(0, 2, 1, 3, 4).reshape(v_rows * c, hq, d).float(),
-            out_o.float(), torch.zeros(1, hq, d, device=q.device)])
-        l_all = torch.cat([
-            lse_v.view(v_rows, hkv, c, g).permute(0, 2, 1, 3).reshape(v_rows * c, hq),
-            lse_o, torch.full((1, hq), -math.inf, device=q.device)])
-        lse = l_all[self._slots]                                   # [B, K, H_q]
-        top = lse.amax(dim=1, keepdim=True)
-        w = torch.exp2(lse - top)
-        den = w.sum(dim=1)
-        if sinks is not None:
-            den = den + torch.exp2(sinks.float() * LOG2E - top.squeeze(1))
-        merged = (w.unsqueeze(-1) * o_all[self._slots]).sum(dim=1) / den.unsqueeze(-1)
         if out is None:
-            return merged.to(q.dtype)
-        out.copy_(merged)
+            out = torch.empty_like(q)
+        ops.merge_segments(out_v, lse_v, out_o, lse_o, self._slots, out, group=g, chunk_rows=c,
+                           sinks=sinks)
         return out
 
     def explain(self) -> str:

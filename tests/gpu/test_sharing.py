@@ -63,3 +63,36 @@ def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
                                      torch.as_tensor(bt, device="cuda"))
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < 2e-3, (err, rt.explain())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_merge_segments_kernel_matches_torch(dtype, d, sinks):
+    """kernels/merge.cu merge_segments against the merge written out in torch (FP32): states from
+    the chunk decode (heads side by side) and the own decode, a padded slot, sinks, lse."""
+    from pkvrt.launch import ops
+
+    g, c, hkv, va, sb, b = 4, 3, 2, 3, 7, 5
+    hq = hkv * g
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    out_a = torch.randn(va, hkv * c * g, d, device="cuda", generator=gen).to(dtype)
+    lse_a = torch.randn(va, hkv * c * g, device="cuda", generator=gen) * 4
+    out_b = torch.randn(sb, hq, d, device="cuda", generator=gen).to(dtype)
+    lse_b = torch.randn(sb, hq, device="cuda", generator=gen) * 4
+    slots = torch.tensor([[0, 9, va * c + sb], [4, 10, 11], [8, 12, 13], [2, 14, va * c + sb],
+                          [15, va * c + sb, va * c + sb]], device="cuda", dtype=torch.int64)
+    sk = torch.randn(hq, device="cuda", generator=gen) if sinks else None
+    out = torch.full((b, hq, d), float("nan"), device="cuda", dtype=dtype)
+    lse = torch.empty(b, hq, device="cuda")
+    ops.merge_segments(out_a, lse_a, out_b, lse_b, slots, out, group=g, chunk_rows=c, sinks=sk, lse=lse)
+    sa = out_a.view(va, hkv, c, g, d).permute(0, 2, 1, 3, 4).reshape(-1, hq, d)
+    la = lse_a.view(va, hkv, c, g).permute(0, 2, 1, 3).reshape(-1, hq)
+    states, lses = torch.cat([sa.float(), out_b.float()]), torch.cat([la, lse_b])
+    for r in range(b):
+        ks = [int(x) for x in slots[r] if int(x) < states.shape[0]]
+        w = torch.exp2(lses[ks] - lses[ks].amax(0))                    # [K, H_q]
+        den = w.sum(0) + (torch.exp2(sk * 1.4426950408889634 - lses[ks].amax(0)) if sinks else 0)
+        want = (w.unsqueeze(-1) * states[ks]).sum(0) / den.unsqueeze(-1)
+        torch.testing.assert_close(out[r].float(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[r], lses[ks].amax(0) + torch.log2(w.sum(0)), atol=1e-4, rtol=1e-5)
