@@ -56,19 +56,6 @@ __device__ __forceinline__ void merge_states(const MergeParams& p) {
   pkv::trace_warp_done(p.trace);
 }
 
-#define PKV_MERGE_ENTRY(TN, T, D)                                                        \
-  extern "C" __global__ void __launch_bounds__(pkv::kThreads)                            \
-      pkv_merge_##TN##_d##D(const __grid_constant__ MergeParams p) {                     \
-    merge_states<T, D>(p);                                                               \
-  }
-PKV_MERGE_ENTRY(f16, __half, 64)
-PKV_MERGE_ENTRY(f16, __half, 96)
-PKV_MERGE_ENTRY(f16, __half, 128)
-PKV_MERGE_ENTRY(f16, __half, 256)
-PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 64)
-PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 96)
-PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 128)
-PKV_MERGE_ENTRY(bf16, __nv_bfloat16, 256)
 
 // ---------------------------------------------------------------------------------------------
 // merge_segments — the exact merge of a row's segment states, read where two decodes wrote them
@@ -162,16 +149,21 @@ __device__ __forceinline__ void merge_segments(const SegmentParams& p) {
   if (p.lse != nullptr && lane == 0) p.lse[(long long)r * p.num_qo_heads + h] = m + log2f(sum);
 }
 
-#define PKV_MERGE_SEGMENTS_ENTRY(TN, T, D)                                               \
+// Both kernels of this file for one dtype and head dim (_buildspec.symbols("merge")).
+#define PKV_MERGE_ENTRIES(TN, T, D)                                                      \
+  extern "C" __global__ void __launch_bounds__(pkv::kThreads)                            \
+      pkv_merge_##TN##_d##D(const __grid_constant__ MergeParams p) {                     \
+    merge_states<T, D>(p);                                                               \
+  }                                                                                      \
   extern "C" __global__ void __launch_bounds__(pkv::kThreads)                            \
       pkv_merge_segments_##TN##_d##D(const __grid_constant__ SegmentParams p) {          \
     merge_segments<T, D>(p);                                                             \
   }
-PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 64)
-PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 96)
-PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 128)
-PKV_MERGE_SEGMENTS_ENTRY(f16, __half, 256)
-PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 64)
-PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 96)
-PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 128)
-PKV_MERGE_SEGMENTS_ENTRY(bf16, __nv_bfloat16, 256)
+PKV_MERGE_ENTRIES(f16, __half, 64)
+PKV_MERGE_ENTRIES(f16, __half, 96)
+PKV_MERGE_ENTRIES(f16, __half, 128)
+PKV_MERGE_ENTRIES(f16, __half, 256)
+PKV_MERGE_ENTRIES(bf16, __nv_bfloat16, 64)
+PKV_MERGE_ENTRIES(bf16, __nv_bfloat16, 96)
+PKV_MERGE_ENTRIES(bf16, __nv_bfloat16, 128)
+PKV_MERGE_ENTRIES(bf16, __nv_bfloat16, 256)
