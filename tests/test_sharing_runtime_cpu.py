@@ -60,6 +60,10 @@ def test_shared_pages_are_exact(fake_device, pool, lens, prefix, groups, engine_
                     generator=torch.Generator().manual_seed(len(lens))).half()
     out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
     assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3
+    out2 = rt.run(q, *cache)                     # a second layer: the same static buffers
+    assert torch.equal(out2, out)
+    for inner in (rt.shared, rt.own):            # the decodes ran on their static q/out
+        assert inner.stats()["staging_copies"] == 0
     assert "saved" in rt.explain()
     key = rt.step_key
     assert key[0] == "shared"

@@ -76,6 +76,13 @@ class SharedPagesRuntime:
         # never shrunk; a regrowth is a new generation (step_key)
         self._bufs: dict[str, torch.Tensor] = {}
         self._generation = 0
+        # the two decodes run on the Runtimes' static q/out and these static lse buffers: their
+        # graphs (own or an engine's) see the same addresses every layer and step
+        if self.shared is not None:
+            self._lse_v = torch.empty(self.shared.max_batch, self.shared.num_qo_heads,
+                                      dtype=torch.float32, device=self.device)
+            self._lse_o = torch.empty(self.own.max_batch, num_qo_heads, dtype=torch.float32,
+                                      device=self.device)
 
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
         """Rows per chunk: the most whose rows x G query heads a decode kernel of this head dim
@@ -111,7 +118,13 @@ class SharedPagesRuntime:
             return self.plain.plan(seq, bt, force=force)
         self.shared.plan(sp.chunk_seq, sp.chunk_bt)
         d = self.own.plan(sp.own_seq, sp.own_bt)
-        self._chunk_rows = self._stage("chunk_rows", sp.chunk_rows)
+        # the chunk queries as one gather: chunk v's head hk * C * G + c * G + j is row
+        # chunk_rows[v, c]'s head hk * G + j
+        hq, g = self.num_qo_heads, self.group
+        hk = np.arange(self.num_kv_heads)[None, :, None, None]
+        j = np.arange(g)[None, None, None, :]
+        q_index = sp.chunk_rows[:, None, :, None].astype(np.int64) * hq + hk * g + j
+        self._q_index = self._stage("q_index", q_index.reshape(-1))
         self._own_rows = self._stage("own_rows", sp.own_rows)
         self._slots = self._stage("slots", sp.slots)
         self.plan_used = sp
@@ -158,15 +171,17 @@ class SharedPagesRuntime:
             kw = {"sinks": sinks} if sinks is not None else {}
             return self.plain.run(q, k_cache, v_cache, out=out, **kw, **scales)
         b, hq, d = q.shape
-        hkv, g, c = self.num_kv_heads, self.group, self.chunk
+        g, c = self.group, self.chunk
         v_rows = sp.chunk_rows.shape[0]
-        # the chunks' queries: head h * C * G + c * G + j is row chunk_rows[v, c]'s head h * G + j
-        qv = q.reshape(b, hkv, g, d)[self._chunk_rows].permute(0, 2, 1, 3, 4).reshape(v_rows, hkv * c * g, d)
-        lse_v = torch.empty(v_rows, hkv * c * g, dtype=torch.float32, device=q.device)
-        out_v = self.shared.run(qv, k_cache, v_cache, lse=lse_v, **scales)
-        q_own = q[self._own_rows]
-        lse_o = torch.empty(q_own.shape[0], hq, dtype=torch.float32, device=q.device)
-        out_o = self.own.run(q_own, k_cache, v_cache, lse=lse_o, **scales)
+        s_own = self._own_rows.shape[0]
+        qv, lse_v = self.shared.static_q(v_rows), self._lse_v[:v_rows]
+        torch.index_select(q.reshape(b * hq, d), 0, self._q_index, out=qv.view(-1, d))
+        out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(v_rows),
+                                lse=lse_v, **scales)
+        q_own, lse_o = self.own.static_q(s_own), self._lse_o[:s_own]
+        torch.index_select(q, 0, self._own_rows, out=q_own)
+        out_o = self.own.run(q_own, k_cache, v_cache, out=self.own.static_out(s_own), lse=lse_o,
+                             **scales)
         if out is None:
             out = torch.empty_like(q)
         ops.merge_segments(out_v, lse_v, out_o, lse_o, self._slots, out, group=g, chunk_rows=c,
