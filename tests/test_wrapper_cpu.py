@@ -328,3 +328,21 @@ def test_page_size_one_cache_as_one_4d_tensor(fake_device, pool):  # noqa: F811
     q = torch.randn(2, HQ, D).half()
     ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
     assert rel(w.run(q, kv4), ref) < TOL
+
+
+@pytest.mark.parametrize("b", [3, 97, 200])   # both fills: a slice per row (B <= 96), one scatter
+def test_csr_to_block_tables_large_batches(b):
+    rng = np.random.default_rng(b)
+    lens = rng.integers(1, 400, b)
+    pages = -(-lens // 16)
+    bt = np.full((b, int(pages.max())), -1, np.int32)
+    perm = rng.permutation(int(pages.sum())).astype(np.int32)
+    at = 0
+    for r, n in enumerate(pages):
+        bt[r, :n] = perm[at:at + n]
+        at += n
+    ip, ind, lpl = to_csr(lens.astype(np.int32), bt, 16)
+    seq, got = csr_to_block_tables(torch.as_tensor(ip), torch.as_tensor(ind), torch.as_tensor(lpl), 16)
+    assert seq.tolist() == lens.tolist()
+    for r, n in enumerate(pages):
+        assert got[r, :n].tolist() == bt[r, :n].tolist()

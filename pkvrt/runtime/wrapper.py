@@ -82,8 +82,12 @@ def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
         raise ValueError(f"indices: expected at least indptr[-1] = {nnz} entries, got {ind.shape[0]}")
     seq = ((pages - 1) * page_size + lpl).astype(np.int32)
     bt = np.zeros((b, int(pages.max()) if b else 0), dtype=np.int32)
-    rows = np.repeat(np.arange(b), pages)
-    bt[rows, np.arange(nnz) - np.repeat(ip[:-1], pages)] = ind
+    if b <= 96:   # a slice copy per row: 16 us at B 8 x 32K tokens where one scatter takes 100
+        for r, (lo, hi) in enumerate(zip(ip[:-1].tolist(), ip[1:].tolist())):
+            bt[r, :hi - lo] = ind[lo:hi]
+    else:
+        rows = np.repeat(np.arange(b), pages)
+        bt[rows, np.arange(nnz) - np.repeat(ip[:-1], pages)] = ind
     return seq, bt
 
 
