@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from test_runtime_cpu import FAKE_SHAPE, ROUTES, SEED, fake_device, pool, ref, rel_err  # noqa: F401
 
 from pkvrt.policy import sharing
+from pkvrt.policy.blocktables import SharedRun, shared_page_runs
 from pkvrt.runtime.options import RuntimeOptions
 from pkvrt.runtime.shared import SharedPagesRuntime
 
@@ -185,14 +186,32 @@ def test_chunk_rows_follow_the_kernels_served(fake_device):  # noqa: F811
     assert rt8.chunk == 2 and rt8.shared.num_qo_heads == 2 * 2 * 4
 
 
+def loop_runs(seq, bt, page, min_rows=2):
+    """The definition of shared_page_runs written as a loop over positions (the reference)."""
+    pages = -(-np.asarray(seq, np.int64) // page)
+    runs, open_runs = [], {}
+    width = int(pages.max()) if pages.size else 0
+    for j in range(width + 1):
+        groups = {}
+        if j < width:
+            for r in np.nonzero(pages > j)[0].tolist():
+                groups.setdefault(int(bt[r, j]), []).append(r)
+        here = {tuple(g) for g in groups.values() if len(g) >= min_rows}
+        for rows in list(open_runs):
+            if rows not in here:
+                first = open_runs.pop(rows)
+                runs.append(SharedRun(rows, first, j - first))
+        for rows in here:
+            open_runs.setdefault(rows, j)
+    return sorted(runs, key=lambda r: (r.first_page, r.rows))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=9), st.integers(0, 2**31 - 1),
-       st.sampled_from([1, 4, 16]), st.booleans())
-def test_vectorized_runs_equal_the_reference_loop(lens, seed, page, alternate):
-    """sharing.shared_runs (one sort) gives blocktables.shared_page_runs's runs (a loop over
+       st.sampled_from([1, 4, 16]), st.booleans(), st.sampled_from([2, 3]))
+def test_shared_page_runs_equal_the_loop_definition(lens, seed, page, alternate, min_rows):
+    """blocktables.shared_page_runs (one sort) gives the runs of its definition (a loop over
     positions), for nested prefixes and for sharing that alternates between row pairs."""
-    from pkvrt.policy.blocktables import shared_page_runs
-
     rng = np.random.default_rng(seed)
     seq = np.array(lens, np.int32)
     width = int((-(-seq // page)).max()) + int(rng.integers(0, 3))
@@ -206,4 +225,4 @@ def test_vectorized_runs_equal_the_reference_loop(lens, seed, page, alternate):
             perm = rng.permutation(len(lens))
             for k in range(0, len(lens) - 1, 2):
                 bt[perm[k + 1], j] = bt[perm[k], j]
-    assert sharing.shared_runs(seq, bt, page) == shared_page_runs(seq, bt, page)
+    assert shared_page_runs(seq, bt, page, min_rows=min_rows) == loop_runs(seq, bt, page, min_rows)

@@ -26,7 +26,7 @@ import hashlib
 import attrs
 import numpy as np
 
-from pkvrt.policy.blocktables import SharedRun, _checked_pages, shared_page_runs
+from pkvrt.policy.blocktables import SharedRun, _checked_pages, shared_page_runs, used_ids
 
 CAPACITY = 16   # query vectors per KV head a decode kernel takes (the largest group capacity)
 
@@ -74,7 +74,7 @@ def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
     """The step's sharing plan, or None when no chunk of two rows or more exists (G above
     capacity / 2, no shared run) or it would save less than ``min_saved`` of the page reads.
 
-    O(B * max_pages log) on the host (:func:`shared_runs`); callers that plan every step first
+    O(B * max_pages log) on the host (one sort, ``shared_page_runs``); callers that plan every step first
     check cheaply whether any page id repeats (:func:`any_page_repeats`)."""
     seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "plan_sharing")
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
@@ -136,63 +136,12 @@ def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
     return plan if plan.saved_fraction >= min_saved else None
 
 
-_ROW_WEIGHTS = np.random.default_rng(20261204).integers(1, 2**45, size=4096).astype(np.float64)
-
-
-def shared_runs(seq_lens, block_tables, page_size: int) -> list[SharedRun]:
-    """:func:`~pkvrt.policy.blocktables.shared_page_runs`, vectorized (the same runs, in the
-    same order): at each position the rows are grouped by page id in one sort over the whole
-    table; a group's row set is named by the sum of its rows' random weights (exact in float64,
-    distinct sets collide with probability ~B^2 / 2^45); a row's runs are its maximal stretches
-    of one shared set. O(B * W log(B * W)) in numpy: about 0.1-1 ms where the loop took 1-8 ms.
-    """
-    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "shared_runs")
-    b, w = bt.shape
-    if b > _ROW_WEIGHTS.size:
-        return shared_page_runs(seq, bt, page_size)
-    if b == 0 or w == 0:
-        return []
-    used = np.arange(w) < pages[:, None]
-    vals = np.where(used, bt.astype(np.int64), -1 - np.arange(b * w, dtype=np.int64).reshape(b, w))
-    cols = np.broadcast_to(np.arange(w), (b, w)).ravel()
-    flat = vals.ravel()
-    order = np.lexsort((flat, cols))
-    sv, sc = flat[order], cols[order]
-    first = np.ones(sv.size, bool)
-    first[1:] = (sv[1:] != sv[:-1]) | (sc[1:] != sc[:-1])
-    gid = np.empty(sv.size, np.int64)
-    gid[order] = np.cumsum(first) - 1
-    rows = np.repeat(np.arange(b), w)
-    counts = np.bincount(gid)
-    sig_g = np.bincount(gid, weights=_ROW_WEIGHTS[rows])
-    shared = (counts[gid] >= 2).reshape(b, w)
-    sig = np.where(shared, sig_g[gid].reshape(b, w), 0.0)
-    change = np.ones((b, w), bool)
-    change[:, 1:] = sig[:, 1:] != sig[:, :-1]
-    rs, js = np.nonzero(change)
-    ends = np.append(js[1:], w)
-    ends = np.where(np.append(rs[1:] == rs[:-1], False), ends, w)
-    keep = shared[rs, js]
-    rs, js, ends = rs[keep], js[keep], ends[keep]
-    if rs.size == 0:
-        return []
-    key = np.stack([sig[rs, js], js.astype(np.float64), ends.astype(np.float64)], axis=1)
-    uniq, inverse = np.unique(key, axis=0, return_inverse=True)
-    inverse = inverse.ravel()
-    by = np.argsort(inverse, kind="stable")
-    bounds = np.searchsorted(inverse[by], np.arange(uniq.shape[0] + 1))
-    runs = [SharedRun(tuple(int(r) for r in np.sort(rs[by[bounds[i]:bounds[i + 1]]])),
-                      int(uniq[i, 1]), int(uniq[i, 2] - uniq[i, 1]))
-            for i in range(uniq.shape[0])]
-    return sorted(runs, key=lambda r: (r.first_page, r.rows))
-
-
 _RUNS_MEMO: dict[tuple, list] = {}
 _RUNS_MEMO_SIZE = 16
 
 
 def _memo_runs(seq, marked: np.ndarray, page_size: int) -> list[SharedRun]:
-    """:func:`shared_runs` of the marked table, remembered by its bytes: consecutive decode steps
+    """:func:`~pkvrt.policy.blocktables.shared_page_runs` of the marked table, remembered by its bytes: consecutive decode steps
     change a row's shareable pages once per page_size tokens, so most steps find their runs
     here (a digest of the table, ~20 us, instead of the sort)."""
     key = (hashlib.blake2b(marked.tobytes(), digest_size=16).digest(), marked.shape, page_size)
@@ -200,7 +149,7 @@ def _memo_runs(seq, marked: np.ndarray, page_size: int) -> list[SharedRun]:
     if hit is None:
         if len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
             _RUNS_MEMO.pop(next(iter(_RUNS_MEMO)))
-        hit = _RUNS_MEMO[key] = shared_runs(seq, marked, page_size)
+        hit = _RUNS_MEMO[key] = shared_page_runs(seq, marked, page_size)
     return hit
 
 
@@ -208,7 +157,7 @@ def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | No
     """Whether two used block-table entries of the step name the same page: the cheap test
     before :func:`plan_sharing` (a bincount over the used ids when ``num_pages`` bounds them)."""
     seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "any_page_repeats")
-    ids = bt[np.arange(bt.shape[1]) < pages[:, None]]
+    ids = used_ids(bt, pages)
     if ids.size < 2:
         return False
     if num_pages is not None and ids.min() >= 0 and ids.max() < num_pages:

@@ -1,0 +1,99 @@
+"""Host time of two new plan() paths, on a machine without a GPU: the drop-in wrapper's plan() in
+CUDA-graph mode, and finding a step's shared pages (the numbers in benches/NOTES.md).
+
+- ``dropin``: ``pkvrt.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True).plan()`` on the
+  tests' fake device (tests/test_runtime_cpu.py: CPU tensors, kernel launches no-ops), so only
+  its Python and numpy run: the CSR to block tables, the checks, the Runtime's staging. Median of
+  ``--calls`` calls on one step (H_q 8, H_kv 2, D 64, page 16).
+- ``sharing``: on the sharing workloads' steps (rows x (shared + own) tokens, page 16, G 4), the
+  repeat test (``sharing.any_page_repeats``), the plan for a new sharing structure
+  (``sharing.plan_sharing`` after clearing its memo) and for the last steps' structure (a memo
+  hit, lengths moved), each a median over ``--calls``.
+
+usage: python benches/host_sharing_cpu.py [--calls 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DROPIN_STEPS = ((8, 32768), (64, 2048), (1, 32768))          # (rows, tokens each)
+SHARING_STEPS = ((8, 8192, 512), (8, 32768, 128), (32, 4096, 256), (64, 2048, 1024), (16, 1024, 1024))
+
+
+def median_us(fn, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def dropin(calls: int) -> None:
+    import torch
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import test_runtime_cpu as fake   # the tests' fake device, not a copy of it
+
+    from pkvrt.policy.blocktables import to_csr
+    from pkvrt.runtime.wrapper import BatchDecodeWithPagedKVCacheWrapper
+
+    fake.install_fake_device(setattr, lambda name: (lambda *a, **k: None), replay_runs_launches=False)
+    print("drop-in plan(), CUDA-graph mode (fake device)")
+    for b, n in DROPIN_STEPS:
+        pages = -(-n // 16)
+        bt = np.arange(b * pages, dtype=np.int32).reshape(b, pages)
+        ip, ind, lpl = (torch.as_tensor(x) for x in to_csr(np.full(b, n, np.int32), bt, 16))
+        i32 = dict(dtype=torch.int32)
+        w = BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(8, dtype=torch.uint8), "HND", use_cuda_graph=True, routes=fake.ROUTES,
+            calibration=fake.SEED, paged_kv_indptr_buffer=torch.zeros(b + 1, **i32),
+            paged_kv_indices_buffer=torch.zeros(b * pages, **i32),
+            paged_kv_last_page_len_buffer=torch.zeros(b, **i32))
+        plan = lambda: w.plan(ip, ind, lpl, 8, 2, 64, 16, q_data_type=torch.float16)  # noqa: E731
+        plan()
+        print(f"  B {b:3d} x {n:6d} tokens: {median_us(plan, calls):7.0f} us")
+
+
+def sharing_cost(calls: int) -> None:
+    from pkvrt.policy import sharing
+
+    rng = np.random.default_rng(0)
+    print("finding shared pages (page 16, G 4)")
+    for rows, shared, own in SHARING_STEPS:
+        n = shared // 16
+        per = -(-(shared + own) // 16) + 1
+        bt = rng.permutation(rows * per + n).astype(np.int32)[:rows * per].reshape(rows, per).copy()
+        bt[:, :n] = bt[0, :n]
+        seq = np.full(rows, shared + own, np.int32)
+        repeats = median_us(lambda: sharing.any_page_repeats(seq, bt, 16, rows * per + n), calls)
+
+        def new():
+            sharing._RUNS_MEMO.clear()
+            sharing.plan_sharing(seq, bt, 16, 4)
+        fresh = median_us(new, calls)
+        step = iter(range(10**9))
+        hit = median_us(lambda: sharing.plan_sharing(seq + next(step) % 3, bt, 16, 4), calls)
+        print(f"  {rows:2d} x ({shared} + {own}): repeat test {repeats:5.0f} us, new structure "
+              f"{fresh / 1e3:5.2f} ms, memo hit {hit / 1e3:5.2f} ms")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=50)
+    args = ap.parse_args(argv)
+    dropin(args.calls)
+    sharing_cost(args.calls)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
