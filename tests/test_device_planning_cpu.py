@@ -449,3 +449,31 @@ def test_direct_mode_arguments_accepted():
     bt = torch.zeros(8, 16, **I32)
     assert ops.check_plan_direct_args(8, bt, 16, None, None, None, None) is False
     assert ops.check_plan_direct_args(8, bt, 16, torch.ones(3, **I32), torch.zeros(3, 4, **I32), 3, 64)
+
+
+def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device, monkeypatch):  # noqa: F811
+    """A shape whose decode kernel keeps fewer CTAs resident per SM than the calibrated shape's
+    (the H200: one at D 256, two at D 128) plans its cuts in waves of its own: the Runtime's
+    calibration, the partition's model, the planning kernel's targets and explain() say so, and
+    an eight-row 32K step is cut to fit one real wave (132 CTAs on the H200 constants, where two
+    resident CTAs per SM would fill 264). At the calibrated head dim nothing changes."""
+    from pkvrt.policy.calibration import load_calibration
+    from pkvrt.runtime import Runtime, RuntimeOptions
+
+    h200 = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
+    fake_device.occupancy = {("fused_decode", 256): 1, ("fused_decode", 128): 2}
+    kw = dict(calibration=h200, max_batch=8, max_pages_per_row=2100, options=RuntimeOptions(flashinfer=False))
+    wide = Runtime(16, 8, 256, 16, torch.float16, **kw)
+    plain = Runtime(16, 8, 128, 16, torch.float16, **kw)
+    assert wide.residency == (1, 2) and plain.residency is None
+    assert wide.calibration.splits.workqueue_ctas_per_sm == 1
+    assert plain.calibration.splits == h200.for_group(plain.calibration_group).splits
+    assert planner.device_plan_targets(wide.calibration)["resident"] == 1
+    assert "partition waves of 1 decode CTAs per SM" in wide.explain()
+    assert "partition waves" not in plain.explain()
+    bounds = wide.registry.device_planning_route().splits
+    seq = np.full(8, 32768)
+    cut = {rt.head_dim: planner.balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=rt.calibration,
+                                                   kind="fused")
+           for rt in (wide, plain)}
+    assert cut[128].ctas == 256 and cut[256].ctas <= 132 * 1

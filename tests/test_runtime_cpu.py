@@ -538,6 +538,11 @@ class Emu:
         self.launches = 0
         self.direct = 0   # planning launches in direct mode (they copied the step's inputs)
         self.early = []   # early_kv of every workqueue launch
+        # decode CTAs resident per SM by (family, head_dim): 2 everywhere unless a test sets some
+        self.occupancy: dict[tuple[str, int], int] = {}
+
+    def decode_occupancy(self, family, dtype, head_dim, group, kv_dtype=None):
+        return self.occupancy.get((family, head_dim), 2)
 
     @staticmethod
     def _kv(cache, bt_row, n, scale=None):
@@ -778,7 +783,8 @@ def install_fake_device(set_attr, kernels, *, replay_runs_launches: bool = True)
                                  nodes=1, mem_bytes=0)
 
     set_attr(graphs, "capture", capture)
-    for name in ("split_decode", "merge", "merge_segments", "workqueue_decode", "plan_workqueue_device"):
+    for name in ("split_decode", "merge", "merge_segments", "workqueue_decode", "plan_workqueue_device",
+                 "decode_occupancy"):
         set_attr(ops, name, kernels(name))
 
 

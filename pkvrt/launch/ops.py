@@ -92,6 +92,18 @@ def decode_smem_bytes(head_dim: int, group: int, kv_bytes: int = 2) -> int:
     return max(pipe, warps * _buildspec.group_class(group) * (head_dim + 2) * 4)
 
 
+def decode_occupancy(family: str, dtype: torch.dtype, head_dim: int, group: int,
+                     kv_dtype: torch.dtype | None = None) -> int:
+    """Decode CTAs of ``family`` (``workqueue_decode``, ``fused_decode``, ``split_decode``)
+    resident per SM for this shape: the driver's occupancy query of the kernel this shape
+    launches, with its block size and dynamic shared memory (registers and shared memory grow
+    with D: on the H200 two CTAs at D 128, one at D 256). Loads the kernel."""
+    kv = dtype if kv_dtype is None else kv_dtype
+    sym = _buildspec.symbol(family, _DTYPES[dtype], head_dim, group, KV_TAG.get(kv))
+    kernel = _driver.get_kernel(family, sym, decode_smem_bytes(head_dim, group, kv.itemsize))
+    return _driver.occupancy(kernel, THREADS)
+
+
 def _fail(name: str, expected: str, got) -> None:
     raise KernelArgumentError(f"{name}: expected {expected}, got {got}")
 

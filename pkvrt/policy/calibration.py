@@ -91,6 +91,7 @@ DEFAULT_CTA_OVERHEAD_TILES = 4.0
 DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
 DEFAULT_MAX_WAVES = 2   # resident waves of CTAs the balanced partition may plan (planner.MAX_WAVES)
 TOP_GROUP = 4           # the group size of a file's top-level constants (`pkvrt calibrate`'s shape)
+CALIBRATION_HEAD_DIM = 128   # the head dim `pkvrt calibrate` times its kernels at
 _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 # time_model.<kind>: every route kind has one when the section is present
 TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")

@@ -12,11 +12,12 @@ import pathlib
 import time
 import warnings
 
+import attrs
 import torch
 
 from pkvrt import _buildspec
 from pkvrt.launch import _driver, ops
-from pkvrt.policy.calibration import Calibration, find_calibration, load_calibration
+from pkvrt.policy.calibration import CALIBRATION_HEAD_DIM, Calibration, find_calibration, load_calibration
 from pkvrt.policy.registry import DEVICE_PLANNED, KIND_KERNELS, Registry, kv_dtype_name, load_routes
 from pkvrt.policy.router import RouteDecision, Router
 from pkvrt.runtime import fi_route, graphs
@@ -231,6 +232,8 @@ class Runtime(StaticBuffers, Planning, Running):
             cal = self.calibration.for_kv_dtype(self._kv_dtype)
             self.calibration_group = cal.calibrated_group(self.num_qo_heads // self.num_kv_heads)
             self.calibration = cal.for_group(self.calibration_group)
+            # the partition's waves are this shape's decode kernel's, not the calibrated shape's
+            self.calibration, self.residency = self._residency_of_shape(self.calibration)
             self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                  page_size=self.page_size, kv_dtype=self._kv_dtype,
@@ -263,6 +266,27 @@ class Runtime(StaticBuffers, Planning, Running):
         self.last_decision: RouteDecision | None = None
 
     # -- construction ----------------------------------------------------------------------
+
+    def _residency_of_shape(self, cal: Calibration) -> tuple[Calibration, tuple[int, int] | None]:
+        """``cal`` with ``splits.workqueue_ctas_per_sm`` set to the CTAs per SM this shape's
+        decode kernel (the device-planning route's) keeps resident, when that differs from the
+        calibrated shape's kernel (D 128, the calibration group, fp16 q; the same K/V kind); and
+        ``(here, calibrated)``, None when unchanged. The partition plans waves of resident CTAs,
+        and a larger D holds more registers and shared memory: on the H200 one CTA per SM at
+        D 256 where the calibration counted two. Both occupancies come from the driver, so at
+        the calibrated shape nothing changes."""
+        try:
+            family = KIND_KERNELS[self.registry.device_planning_route().kind]
+        except KeyError:   # no workqueue or fused route: no partition to plan
+            return cal, None
+        group = self.num_qo_heads // self.num_kv_heads
+        calibrated_kv = self.kv_dtype if self._fp8 else torch.float16
+        here = ops.decode_occupancy(family, self.dtype, self.head_dim, group, self.kv_dtype)
+        there = ops.decode_occupancy(family, torch.float16, CALIBRATION_HEAD_DIM, self.calibration_group,
+                                     calibrated_kv)
+        if here == there:
+            return cal, None
+        return attrs.evolve(cal, splits=attrs.evolve(cal.splits, workqueue_ctas_per_sm=float(here))), (here, there)
 
     def _load_kernels(self) -> None:
         """Load every kernel the routes need now: a missing cubin is a construction error."""
@@ -457,6 +481,8 @@ class Runtime(StaticBuffers, Planning, Running):
                  + (f" (constants of G {self.calibration_group}, the nearest calibrated group size)"
                     if self.calibration_group != self.num_qo_heads // self.num_kv_heads else "")
                  + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
+                 + (f"; partition waves of {self.residency[0]} decode CTAs per SM (this shape's kernel;"
+                    f" {self.residency[1]} at the calibrated D {CALIBRATION_HEAD_DIM})" if self.residency else "")
                  + ("; device planning (no host routing)" if self.device_planning else "")
                  + self._capture_note()
                  + ("; workqueue/fused plans built on the GPU" if self._dp_routes else ""),

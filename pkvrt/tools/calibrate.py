@@ -81,7 +81,7 @@ from pkvrt.tools import sweeps
 from pkvrt.tools.cli import positive_int
 
 SEED = 20260622
-SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=calib.CALIBRATION_HEAD_DIM, page_size=16)
 GROUPS = (4, 1, 8)   # group sizes whose partition constants are fitted; 4 gives the top level
 
 
@@ -491,13 +491,9 @@ def decode_occupancy(family: str = "workqueue_decode", group: int = 4, kv_dtype:
     size and dynamic shared memory): the partition's waves."""
     import torch
 
-    from pkvrt import _buildspec
-    from pkvrt.launch import _driver, ops
+    from pkvrt.launch import ops
 
-    kv = getattr(torch, kv_dtype)
-    sym = _buildspec.symbol(family, "f16", SHAPE["head_dim"], group, ops.KV_TAG.get(kv))
-    smem = ops.decode_smem_bytes(SHAPE["head_dim"], group, kv.itemsize)
-    return _driver.occupancy(_driver.get_kernel(family, sym, smem), ops.THREADS)
+    return ops.decode_occupancy(family, torch.float16, SHAPE["head_dim"], group, getattr(torch, kv_dtype))
 
 
 def measure_torch_read(gib: int, repeats: int) -> float:
