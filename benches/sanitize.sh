@@ -4,7 +4,7 @@
 #
 # Runs benches/sanitize_workload.py once plainly (baseline: its time and mismatches with no tool),
 # then under memcheck, initcheck, synccheck and racecheck (--quick: racecheck is the slowest),
-# each under `timeout` (limits below: the four tools sum to 4 minutes). Writes the full output
+# each under `timeout` (limits below: the four tools sum to 6 minutes). Writes the full output
 # of each run to OUT/sanitize-<tool>.log and a summary to OUT/sanitize.json, prints a table.
 #   rc per run: 0 clean; 3 the tool reported errors (--error-exitcode 3); 1 the workload's
 #   outputs mismatched the FP32 reference; 2 no GPU; 124 (137) timed out (killed).
@@ -23,7 +23,7 @@ out=${1:?usage: bash benches/sanitize.sh OUT}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-declare -A LIMIT=([plain]=40 [memcheck]=70 [initcheck]=60 [synccheck]=40 [racecheck]=150)
+declare -A LIMIT=([plain]=60 [memcheck]=110 [initcheck]=90 [synccheck]=60 [racecheck]=150)
 declare -A WORKLOAD_ARGS=([plain]="" [memcheck]="" [initcheck]="--poison none" [synccheck]=""
                           [racecheck]="")
 tools=${SANITIZE_TOOLS:-plain memcheck initcheck synccheck racecheck}

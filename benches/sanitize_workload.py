@@ -4,13 +4,18 @@
 small (H_kv = 2, at most 4 rows, at most 3000 tokens a row) so that it takes seconds on a GPU and
 a minute or two under a sanitizer (50-100x slower). What runs:
 
-* the decode sweep: all 12 (head_dim, G) pairs, D in 64/128/256 and G in 1/2 (SIMT body) and
-  4/8 (tensor-core body), fp16 and bf16 and page sizes 1, 16, 64 alternating so that every head
-  dim and every body sees both dtypes and pages 1 and 16; ragged rows (length 1, a row of one
-  tile whose splits are all but one empty, page-boundary lengths). Per shape: split_decode with
-  S = 1 (writes O), split_decode with S > 1 over permuted rows plus an idle (-1) grid row, then
-  merge; workqueue_decode + merge (skip_single) on row-local splits with idle task slots past
-  num_tasks; workqueue_decode with counters= (fused decode + merge, counters must end at zero);
+* the decode sweep: every head dim (64, 96, 128, 256) with a group size of each group capacity
+  the kernels are built for (G 1-4, 5-8, 9-16), fp16 and bf16, page sizes 1 to 128; ragged rows
+  (length 1, a row of one tile whose splits are all but one empty, page-boundary lengths). Per
+  shape: split_decode with S = 1 (writes O), split_decode with S > 1 over permuted rows plus an
+  idle (-1) grid row, then merge; workqueue_decode + merge (skip_single) on row-local splits
+  with idle task slots past num_tasks; workqueue_decode with counters= (fused decode + merge,
+  counters must end at zero);
+* the variants and layouts sweep (tests/gpu/test_coverage.py's cases, built on the host): sliding
+  windows, soft cap, sinks, sm_scale and lse, alone and together (gpt-oss, Gemma-2), over the
+  NHD, combined and vLLM-packed cache layouts and e4m3 K/V, on every route;
+* merge_segments (the shared-pages merge) against its torch write-out, and one
+  SharedPagesRuntime step with nested shared prefixes (tests/gpu/test_sharing.py);
 * merge alone, with empty states (m = -inf), a one-slot row and an idle row;
 * plan_workqueue_device, checked against the host planner, then decode + merge on its plan;
 * one CUDA graph of (device plan, workqueue decode, merge) captured once and replayed twice
@@ -67,17 +72,18 @@ H_KV = 2
 DEV = "cuda"
 SEED = 20260707
 
-# (head_dim, G, dtype, page): every (D, G) pair once. Per G and per D both dtypes and pages 1 and
-# 16 occur (the tensor-core body serves every G as built, PKV_TC_MIN_GROUP = 1; the SIMT body
-# only in a PKV_TC_MIN_GROUP=4 build; D = 256 runs 2 TC stages, not 3).
+# (head_dim, G, dtype, page): every head dim with a G of each group capacity (4, 8, 16: G 1-4,
+# 5-8, 9-16 run the capacity's kernel with G a run-time value), both dtypes and page sizes 1-128
+# spread over them (D = 256 runs 2 pipeline stages, not 3; D = 96 pads its shared-memory rows).
 SHAPES = [
-    (64, 1, F16, 1), (64, 2, BF16, 16), (64, 4, BF16, 1), (64, 8, F16, 16),
-    (128, 1, BF16, 16), (128, 2, F16, 1), (128, 4, F16, 64), (128, 8, BF16, 1),
-    (256, 1, F16, 16), (256, 2, BF16, 1), (256, 4, BF16, 16), (256, 8, F16, 1),
+    (64, 1, F16, 1), (64, 5, BF16, 16), (64, 16, F16, 128),
+    (96, 3, F16, 16), (96, 7, BF16, 1), (96, 12, F16, 32),
+    (128, 2, BF16, 8), (128, 4, F16, 64), (128, 8, BF16, 1), (128, 16, F16, 16),
+    (256, 1, BF16, 16), (256, 6, F16, 1), (256, 16, BF16, 64),
 ]
-# --quick (racecheck): D 64/128/256, both bodies with both dtypes, pages 1 and 16.
-QUICK_SHAPES = [(64, 1, F16, 1), (64, 8, F16, 16), (128, 8, BF16, 1), (256, 2, BF16, 1),
-                (256, 4, BF16, 16)]
+# --quick (racecheck): every head dim and every group capacity once, both dtypes, pages 1-128.
+QUICK_SHAPES = [(64, 16, F16, 1), (96, 7, BF16, 16), (128, 3, F16, 128), (256, 9, BF16, 1),
+                (128, 8, BF16, 16)]
 QUICK_MAX_LEN = 800
 # Ragged rows, cycled over the shapes: 1 token; 17 and 31 tokens (one tile: with S > 1 all
 # splits but one are empty); 33 (two tiles); 2048 (a page boundary at every page size).
@@ -459,6 +465,84 @@ def runtime_fp8_case(t: Tally, name: str, buf: Buffers) -> None:
                 f"route {rt.last_decision.route}, captures {s['captures']}, replays {s['replays']}")
 
 
+# ----------------------------------------------------------------------------- variants, layouts
+
+
+# (route, variant of test_coverage.VARIANTS, make_case arguments): every variant alone and
+# together, every layout, page sizes 1 and 128, e4m3 K/V, every route and group capacity.
+COVERAGE_CASES = [
+    ("fused", "gpt-oss", dict(g=8, d=64, dtype=F16)),
+    ("split5", "all", dict(g=5, d=96, dtype=F16)),
+    ("workqueue", "sinks", dict(g=7, d=96, dtype=BF16, layout="NHD")),
+    ("fused", "all", dict(g=16, d=128, dtype=F16, layout="vllm")),
+    ("split1", "all", dict(g=3, d=128, dtype=F16)),
+    ("fused", "gemma2", dict(g=2, d=256, dtype=BF16, lens=(1, 300, 4097, 6000))),
+    ("split5", "window127", dict(g=4, d=128, dtype=F16, layout="combined")),
+    ("fused", "cap30", dict(g=12, d=128, dtype=BF16, layout="combined-nhd")),
+    ("workqueue", "all", dict(g=3, d=128, dtype=F16, page=1)),
+    ("fused", "window0", dict(g=8, d=64, dtype=F16, page=128)),
+    ("fused", "gpt-oss", dict(g=3, d=128, dtype=F16, fp8=True)),
+    ("split5", "sm_scale", dict(g=16, d=128, dtype=BF16, fp8=True, layout="NHD")),
+]
+QUICK_COVERAGE = [0, 3, 5, 10]   # gpt-oss at D 64, everything at G 16 packed, Gemma-2 at D 256, e4m3
+
+
+def _gpu_tests(name: str):
+    """A module of tests/gpu (its case builders and checks), imported once."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def coverage_case(t: Tally, name: str, route: str, var_name: str, kw: dict) -> None:
+    """tests/gpu/test_coverage.py's case built and its FP32 reference computed on the host (no
+    torch kernels under the sanitizer beyond copies), the layout's views made on the device,
+    then the route's launches (NaN-poisoned out, lse and partial states) and the checks of out
+    and lse on the host."""
+    cov = _gpu_tests("test_coverage")
+    var = cov.VARIANTS[var_name]
+    layout = kw.get("layout", "HND")
+    cov.DEV = "cpu"
+    try:
+        c = cov.make_case(var, **{**kw, "layout": "HND"})
+        ref = cov.reference_of(c, var)
+    finally:
+        cov.DEV = DEV
+    k, v = cov.as_layout(c.k.to(DEV), c.v.to(DEV), layout)
+    moved = {f.name: (x.to(DEV) if isinstance(x, torch.Tensor) else x)
+             for f in attrs.fields(type(c)) for x in [getattr(c, f.name)]}
+    dev = attrs.evolve(c, **{**moved, "k": k, "v": v})
+    out, lse, note = cov.launch(route, dev, var)
+    tol = TOL[kw["dtype"]]
+    try:
+        cov.check(out.cpu(), None if lse is None else lse.cpu(), ref, name, tol)
+    except AssertionError as exc:
+        t.record(name, False, str(exc).splitlines()[0])
+        return
+    t.record(name, True, f"out and {'lse' if lse is not None else 'no lse'} within {tol:.0e}; {note}")
+
+
+def coverage_sweep(t: Tally, quick: bool) -> None:
+    for i, (route, var_name, kw) in enumerate(COVERAGE_CASES):
+        if quick and i not in QUICK_COVERAGE:
+            continue
+        if _buildspec.unserved(kw["d"], kw["g"], "e4m3" if kw.get("fp8") else None) is not None:
+            continue
+        tag = " ".join(f"{k}={v}" for k, v in kw.items() if k not in ("dtype", "lens"))
+        t.guarded(f"{route} {var_name} {str(kw['dtype'])[6:]} {tag}", coverage_case, route, var_name, kw)
+
+
+def gpu_test_case(t: Tally, name: str, module: str, test: str, *args) -> None:
+    """One tests/gpu test function called with ``args``: passes, or its assertion is the detail."""
+    try:
+        getattr(_gpu_tests(module), test)(*args)
+    except AssertionError as exc:
+        t.record(name, False, str(exc).splitlines()[0])
+        return
+    t.record(name, True, f"{module}.{test} passed")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -472,6 +556,10 @@ def main(argv=None) -> int:
           f"{'quick' if args.quick else 'full'}, poison {args.poison}", flush=True)
     decode_sweep(t, QUICK_SHAPES if args.quick else SHAPES, args.quick, buf)
     fp8_sweep(t, args.quick, buf)
+    coverage_sweep(t, args.quick)
+    for d, dtype, sinks in [(128, F16, True), (96, BF16, False)][:1 if args.quick else 2]:
+        t.guarded(f"merge_segments D{d} {str(dtype)[6:]} sinks={sinks}", gpu_test_case, "test_sharing",
+                  "test_merge_segments_kernel_matches_torch", dtype, d, sinks)
     for d, dtype in [(64, BF16), (128, F16), (256, BF16)][:1 if args.quick else 3]:
         t.guarded(f"merge alone D{d} {str(dtype)[6:]}", merge_case, d, dtype, buf)
     t.guarded("plan_workqueue_device", device_plan_case, buf)
@@ -482,6 +570,9 @@ def main(argv=None) -> int:
                 t.guarded(f"Runtime force={r.name}", runtime_case, r.name, buf)
         t.guarded("Runtime device planning, eager layers", runtime_layers_case, buf)
         t.guarded("Runtime FP8 device planning", runtime_fp8_case, buf)
+        sharing = _gpu_tests("test_sharing")
+        t.guarded("SharedPagesRuntime, nested prefixes, eager", gpu_test_case, "test_sharing",
+                  "test_shared_pages_match_the_reference", *sharing.CASES[2], False)
     torch.cuda.synchronize()
     print(f"sanitize_workload: {t.cases} cases, {t.bad} mismatches "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
