@@ -4,7 +4,7 @@
 #
 # Runs benches/sanitize_workload.py once plainly (baseline: its time and mismatches with no tool),
 # then under memcheck, initcheck, synccheck and racecheck (--quick: racecheck is the slowest),
-# each under `timeout` (limits below: the four tools sum to 6 minutes). Writes the full output
+# each under `timeout` (limits below: the five runs sum to under 8 minutes). Writes the full output
 # of each run to OUT/sanitize-<tool>.log and a summary to OUT/sanitize.json, prints a table.
 #   rc per run: 0 clean; 3 the tool reported errors (--error-exitcode 3); 1 the workload's
 #   outputs mismatched the FP32 reference; 2 no GPU; 124 (137) timed out (killed).
