@@ -466,7 +466,7 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device, mon
     wide = Runtime(16, 8, 256, 16, torch.float16, **kw)
     plain = Runtime(16, 8, 128, 16, torch.float16, **kw)
     assert wide.residency == (1, 2) and plain.residency is None
-    assert wide.calibration.splits.workqueue_ctas_per_sm == 1
+    assert wide.calibration.splits.workqueue_ctas_per_sm == wide.router.cal.splits.workqueue_ctas_per_sm == 1
     assert plain.calibration.splits == h200.for_group(plain.calibration_group).splits
     assert planner.device_plan_targets(wide.calibration)["resident"] == 1
     assert "partition waves of 1 decode CTAs per SM" in wide.explain()
