@@ -154,7 +154,7 @@ def test_cuda_graph_mode_fixes_the_batch_and_fills_the_buffers(fake_device, pool
         out = w.run(q, (b.k_cache, b.v_cache))
         ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
         assert rel(out, ref) < TOL
-    assert w.runtime.engine_capture
+    assert w.runtime.device_planning
     seq, bt, ip, ind, lpl = step(b, [0, 1], 0)
     with pytest.raises(ValueError, match="batch size should be fixed in cudagraph mode"):
         plan(w, ip, ind, lpl)
@@ -162,6 +162,43 @@ def test_cuda_graph_mode_fixes_the_batch_and_fills_the_buffers(fake_device, pool
     seq, bt, ip, ind, lpl = step(b, [0, 1, 4], 0)
     with pytest.raises(ValueError, match="size of indices should be less than or equal"):
         plan(small, ip, ind, lpl)
+
+
+def test_cuda_graph_mode_never_reads_the_page_ids_on_the_host(fake_device, pool, monkeypatch):  # noqa: F811
+    """CUDA-graph mode builds the block tables where the indices are (an engine's indices live on
+    the GPU: reading them on the host would make every plan() wait for the GPU, which
+    FlashInfer's plan() does not): the host conversion is never called, the step equals the
+    host twin's, SGLang's habit of writing the indices into the buffer itself is served, and a
+    page id outside the cache gives that row no work and a device_status() error, not a read."""
+    from pkvrt.runtime import wrapper as wmod
+
+    b, _ = pool
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(4, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.full((2048,), -5, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(3, dtype=torch.int32))
+    w = wrapper(use_cuda_graph=True, **bufs)
+    monkeypatch.setattr(wmod, "csr_to_block_tables", lambda *a, **k: pytest.fail("read page ids on the host"))
+    seq, bt, ip, ind, lpl = step(b, [5, 2, 0])
+    host_seq, host_bt = wmod.csr_lengths(ip, lpl, PAGE)[1], bt
+    dev_seq, dev_bt = wmod.device_step(ip.numpy().astype(np.int64), host_seq, ind)
+    assert dev_seq.tolist() == seq.tolist()
+    for r, n in enumerate(seq.tolist()):
+        p = -(-n // PAGE)
+        assert dev_bt[r, :p].tolist() == host_bt[r, :p].tolist() and not dev_bt[r, p:].any()
+    bufs["paged_kv_indices_buffer"][:len(ind)] = ind          # SGLang writes the buffer itself
+    plan(w, ip, bufs["paged_kv_indices_buffer"][:len(ind)], lpl)
+    q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(9)).half()
+    out = w.run(q, (b.k_cache, b.v_cache))
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(out, ref) < TOL and w.runtime.device_status() == 0
+    bad = ind.clone()
+    bad[int(ip[1])] = b.k_cache.shape[0] + 3                  # row 1's first page: past the cache
+    plan(w, ip, bad, lpl)
+    w.run(q, (b.k_cache, b.v_cache))
+    with pytest.raises(RuntimeError):
+        w.runtime.device_status()
+    with pytest.raises(ValueError, match="indices: expected at least"):
+        plan(w, ip, ind[:3], lpl)
 
 
 def test_constructor_refusals():

@@ -11,13 +11,17 @@ How a plan maps onto a :class:`pkvrt.Runtime` (one per wrapper, built at the fir
 the shape and the attention variant, rebuilt when they change):
 
 - CSR ``(indptr, indices, last_page_len)`` -> ``seq_lens = (pages - 1) * page_size +
-  last_page_len`` and a block table of each row's pages (:func:`csr_to_block_tables`), on the
-  host, as FlashInfer's plan() reads indptr on the host too.
+  last_page_len`` (on the host, where FlashInfer's plan() reads indptr and last_page_len too)
+  and a block table of each row's pages.
 - ``use_cuda_graph=True`` (the engine captures ``run()`` and calls ``plan()`` outside its graph
-  before each replay): ``Runtime(engine_capture=True)``, so the engine's graph holds the planning
-  kernel and every layer and a replay plans from the lengths the last plan() copied; the batch
-  size is fixed by the indptr buffer, as in FlashInfer. Without it: the default Runtime (host
-  routing, a graph replayed per layer).
+  before each replay): a device-planning Runtime. plan() copies the lengths to the GPU, builds
+  the block tables there from the indices buffer (:func:`device_step`: the page ids are never
+  read on the host, so plan() does not wait for the GPU) and launches the planning kernel; the
+  engine's graph holds every layer's launches, which read that plan. The batch size is fixed by
+  the indptr buffer, as in FlashInfer. A page id outside the cache is caught by the planning
+  kernel (the row gets no work; ``runtime.device_status()`` raises), where FlashInfer reads it.
+- Without it: the default Runtime (host routing, a graph replayed per layer), the block tables
+  built on the host (:func:`csr_to_block_tables`).
 - ``window_left``, ``logits_soft_cap``, ``sm_scale``, the layout and the dtypes go to the Runtime;
   ``sinks`` given to run() make it a sinks Runtime (rebuilt once, before any capture: the first
   run() with sinks must not be inside one).
@@ -55,12 +59,12 @@ def canonical_dtype(dt, name: str):
     raise ValueError(f"{name}={dt!r}: expected a torch dtype or its name")
 
 
-def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
-    """FlashInfer's paged-KV CSR as pkvrt's step: ``(seq_lens int32 [B], block_tables int32
-    [B, max pages])`` on the host; a row's unused entries are 0 (never read).
+def csr_lengths(indptr, last_page_len, page_size: int):
+    """The lengths of FlashInfer's paged-KV CSR on the host: ``(indptr int64 [B + 1], seq_lens
+    int32 [B] = (pages - 1) * page_size + last_page_len)``.
 
     Raises ValueError naming the argument: indptr not [B + 1] non-decreasing from 0, an empty
-    row, last_page_len outside [1, page_size], indices shorter than indptr[-1]."""
+    row, last_page_len outside [1, page_size]."""
     ip = np.asarray(indptr.cpu() if isinstance(indptr, torch.Tensor) else indptr, dtype=np.int64)
     lpl = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
                      dtype=np.int64)
@@ -75,12 +79,26 @@ def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
     if ((lpl < 1) | (lpl > page_size)).any():
         r = int(np.nonzero((lpl < 1) | (lpl > page_size))[0][0])
         raise ValueError(f"last_page_len[{r}] = {int(lpl[r])}: expected 1..page_size = {page_size}")
-    nnz = int(ip[-1])
+    return ip, ((pages - 1) * page_size + lpl).astype(np.int32)
+
+
+def _check_indices_length(indices, nnz: int) -> None:
+    if len(indices) < nnz:
+        raise ValueError(f"indices: expected at least indptr[-1] = {nnz} entries, got {len(indices)}")
+
+
+def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
+    """FlashInfer's paged-KV CSR as pkvrt's step: ``(seq_lens int32 [B], block_tables int32
+    [B, max pages])`` on the host; a row's unused entries are 0 (never read). Reads the page
+    ids on the host (a device-to-host copy when ``indices`` is on the GPU).
+
+    Raises ValueError naming the argument: as :func:`csr_lengths`, and indices shorter than
+    indptr[-1]."""
+    ip, seq = csr_lengths(indptr, last_page_len, page_size)
+    b, pages, nnz = seq.shape[0], np.diff(ip), int(ip[-1])
+    _check_indices_length(indices, nnz)
     ind = indices[:nnz].cpu() if isinstance(indices, torch.Tensor) else indices[:nnz]
     ind = np.asarray(ind, dtype=np.int32)
-    if ind.shape[0] < nnz:
-        raise ValueError(f"indices: expected at least indptr[-1] = {nnz} entries, got {ind.shape[0]}")
-    seq = ((pages - 1) * page_size + lpl).astype(np.int32)
     bt = np.zeros((b, int(pages.max()) if b else 0), dtype=np.int32)
     if b <= 96:   # a slice copy per row: 16 us at B 8 x 32K tokens where one scatter takes 100
         for r, (lo, hi) in enumerate(zip(ip[:-1].tolist(), ip[1:].tolist())):
@@ -89,6 +107,26 @@ def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
         rows = np.repeat(np.arange(b), pages)
         bt[rows, np.arange(nnz) - np.repeat(ip[:-1], pages)] = ind
     return seq, bt
+
+
+def device_step(indptr_host: np.ndarray, seq: np.ndarray, indices: torch.Tensor):
+    """The step of a CSR whose page ids are on the device, built there: ``(seq_lens int32 [B],
+    block_tables int32 [B, max pages])`` on ``indices``' device, each row its slice of
+    ``indices`` (entries past a row's pages 0). Only the lengths and the rows' offsets cross
+    from the host (one copy each, not waited for); the page ids are never read on the host, as
+    FlashInfer's plan() reads none, so an engine's plan() does not wait for the GPU."""
+    dev = indices.device
+    b, nnz = seq.shape[0], int(indptr_host[-1])
+    _check_indices_length(indices, nnz)
+    width = int(np.diff(indptr_host).max()) if b else 0
+    host = torch.from_numpy(np.stack([indptr_host[:-1], np.diff(indptr_host), seq.astype(np.int64)]))
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    meta = host.to(dev, non_blocking=True)                  # [3, B]: first entry, pages, length
+    col = torch.arange(width, device=dev)
+    used = col[None, :] < meta[1][:, None]
+    bt = indices[torch.where(used, meta[0][:, None] + col[None, :], 0)].to(torch.int32)
+    return meta[2].to(torch.int32), bt.masked_fill_(~used, 0)
 
 
 def _page_dim(x: torch.Tensor, kv_layout: str) -> torch.Tensor:
@@ -263,15 +301,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._plan_flashinfer(reason, indptr, indices, last_page_len, num_qo_heads,
                                   num_kv_heads, head_dim, page_size, fi_kwargs)
             return
-        seq, bt = csr_to_block_tables(indptr, indices, last_page_len, page_size)
         key = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, dtype=q_dt, kv_dtype=kv_dt, window_left=int(window_left),
                    logits_soft_cap=cap, sm_scale=sm_scale)
-        rt = self._runtime(key, batch, bt.shape[1])
-        if self._use_cuda_graph:   # FlashInfer fills the caller's buffers: so do we
+        if self._use_cuda_graph:
+            # the lengths on the host (FlashInfer's plan() reads indptr and last_page_len there
+            # too), the page ids where the engine wrote them: the step is built on the device
+            # from the caller's indices buffer and planned there (device planning)
+            ip, seq = csr_lengths(indptr, last_page_len, page_size)
+            _check_indices_length(indices, int(ip[-1]))
+            rt = self._runtime(key, batch, int(np.diff(ip).max()))
+            # FlashInfer fills the caller's buffers: so do we (SGLang wrote indices there already)
             self._buffers[0].copy_(torch.as_tensor(indptr), non_blocking=non_blocking)
             self._buffers[2].copy_(torch.as_tensor(last_page_len), non_blocking=non_blocking)
-            self._buffers[1][:len(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
+            ind = self._buffers[1]
+            if not (isinstance(indices, torch.Tensor) and indices.data_ptr() == ind.data_ptr()):
+                ind[:len(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
+            seq, bt = device_step(ip, seq, ind)
+        else:
+            seq, bt = csr_to_block_tables(indptr, indices, last_page_len, page_size)
+            rt = self._runtime(key, batch, bt.shape[1])
         rt.plan(seq, bt)
         self.fallback_reason = None
         self._planned = dict(seq=seq, bt=bt, window_left=int(window_left), kv_dtype=kv_dt,
@@ -328,7 +377,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                            device=self.device, routes=self._routes, calibration=self._calibration,
                            sm_scale=key["sm_scale"], kv_layout=self._kv_layout,
                            window_left=key["window_left"], logits_soft_cap=key["logits_soft_cap"],
-                           sinks=sinks, engine_capture=self._use_cuda_graph, **size)
+                           sinks=sinks, device_planning=self._use_cuda_graph, **size)
         self._rt_key = dict(want, **size)
         return self._rt
 
