@@ -96,6 +96,7 @@ DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
 HOST_STEP = "host-step"          # host lengths, every layer of a step in one graph per step_key
 HOST_STEP_ROUTER = "adaptive-step"  # the same with the router's policy (capture_routing="router")
+SHARED_STEP = "shared-step"      # SharedPagesRuntime: host-step that reads shared page runs once
 ROUTE_VARIANTS = ("flashinfer-cuda", "flashinfer-tc")  # the wrappers the Runtime's FlashInfer route runs
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8 = torch.float8_e4m3fn
@@ -184,7 +185,7 @@ def engine_label(name: str) -> str:
     keep their name."""
     if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
-    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER):
+    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP):
         return "pkvrt-" + name
     base, _, route = name.partition(":")
     if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
@@ -211,13 +212,15 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     the default one, e.g. ``device-plan-step:pkv_fused``), ``host-step`` (host lengths, every
     layer of the step captured in one graph per ``Runtime.step_key``:
     ``Runtime(engine_capture=True)``), ``adaptive-step`` (the same with the router's policy,
-    ``capture_routing="router"``), or a PersistentKV route name of
+    ``capture_routing="router"``), ``shared-step`` (host-step with ``pkvrt.SharedPagesRuntime``:
+    rows that share pages read each shared run once per chunk of rows), or a PersistentKV route name of
     routes.toml (that route forced on every step). Duplicates are dropped."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
     known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, *ADAPTIVE_ENGINES,
-                                  DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, *route_names)))
+                                  DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP,
+                                  *route_names)))
     for n in names:
         base, colon, route = n.partition(":")
         if colon and base in (DEVICE_PLAN, STEP_GRAPH):
@@ -923,6 +926,56 @@ class HostStepGraphEngine(RuntimeEngine):
         out = super().stats()
         out["step_graphs"] = len(self.graphs)
         return out
+
+
+class SharedStepGraphEngine(HostStepGraphEngine):
+    """``pkvrt.SharedPagesRuntime(engine_capture=True)``: :class:`HostStepGraphEngine` for steps
+    whose rows may share pages (a trace with prefix hashes, served with prefix caching:
+    ``pagetable.build_layout``). Per step ``plan(seq_lens, block_tables)`` finds the shared page
+    runs from the block tables themselves; steps with sharing run the chunk decode, the own
+    decode and the merge, the others the plain Runtime's route; the graph of every layer is
+    captured per (``step_key``, batch, cache phase), the first time it is seen. The route
+    recorded for a step with sharing is ``shared-pages``, its counters the K/V bytes of the pages
+    the plan reads (each shared run once per chunk)."""
+
+    SHARED_ROUTE = "shared-pages"
+
+    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
+                 tensor_cores: bool):
+        from pkvrt.runtime.options import RuntimeOptions
+        from pkvrt.runtime.shared import SharedPagesRuntime
+
+        sh = wl.shape
+        self.device_planning, self.force, self.label = False, None, engine_label(name)
+        self._on_device: dict[int, tuple] = {}
+        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
+        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
+        self.rt = SharedPagesRuntime(
+            sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
+            num_pages=wl.k[0].shape[0], device=wl.device, routes=routes, calibration=calibration,
+            max_batch=max_active, max_pages_per_row=wl.layout.max_pages, engine_capture=True,
+            options=RuntimeOptions(validate=False, flashinfer_tensor_cores=tensor_cores), **fp8)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.decision = None
+
+    def step_info(self):
+        sp = self.rt.plan_used
+        if sp is None:   # no sharing this step: the plain Runtime's route, as host-step records it
+            shared, self.rt = self.rt, self.rt.plain
+            try:
+                return super().step_info()
+            finally:
+                self.rt = shared
+        sh = self.rt
+        kv = sp.pages_read * sh.page_size * 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
+        # the two query gathers, the merge, and each decode's launches (fused: 1, else with a merge)
+        launches = 3 + sum(1 if rt.last_decision.kind == "fused" else 2 for rt in (sh.shared, sh.own))
+        return self.SHARED_ROUTE, (), planner.Counters(
+            launches=launches, decode_ctas=0, cta_work_per_sm=0.0, useful_kv_bytes=int(kv),
+            merge_bytes=0, merge_launches=1)
+
+    def stats(self) -> dict:
+        return {"step_graphs": len(self.graphs)}
 
 
 # --------------------------------------------------------------------------- passes

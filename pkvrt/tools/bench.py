@@ -78,6 +78,8 @@ ENGINES = {
                         "likewise",
     harness.HOST_STEP: "host lengths, the step's layers in one graph per step key",
     harness.HOST_STEP_ROUTER: "host-step with the router's policy",
+    harness.SHARED_STEP: "host-step with pkvrt.SharedPagesRuntime: shared page runs read once "
+                         "per chunk of rows (traces with prefix hashes)",
 }
 PLANNER_ENGINES = (harness.BASELINE, harness.ADAPTIVE, harness.DEVICE_PLAN)
 DEVICE_KINDS = ("workqueue", "fused")   # the route kinds device planning runs
@@ -441,6 +443,10 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
             return harness.HostStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                                max_active=config.max_active, routing=routing,
                                                tensor_cores=fi_route == "flashinfer-tc")
+        if name == harness.SHARED_STEP:
+            return harness.SharedStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
+                                                 max_active=config.max_active,
+                                                 tensor_cores=fi_route == "flashinfer-tc")
         if route:
             force = route
         elif base in (*harness.ADAPTIVE_ENGINES, harness.DEVICE_PLAN):
