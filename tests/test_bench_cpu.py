@@ -21,7 +21,7 @@ from pkvrt.measure.traces import Request, Trace
 from pkvrt.policy import calibration, planner
 from pkvrt.policy.registry import load_routes
 from pkvrt.policy.router import Router
-from pkvrt.tools import bench, calibrate, cli
+from pkvrt.tools import bench, calibrate, cli, sweeps
 from pkvrt.tools.plan_cmd import seed_calibration
 
 ROUTES = [r.name for r in load_routes(None).routes]
@@ -310,23 +310,43 @@ def test_merge_free_slots_is_kept_across_a_recalibration(tmp_path):
     assert calibrate.kept_merge_free_slots(argparse.Namespace(out=str(tmp_path / "new.json")), "x") == 0
 
 
-@pytest.mark.parametrize("text, expected", [("4,1,8", (4, 1, 8)), ("4", (4,)), ("1,4", (1, 4))])
+@pytest.mark.parametrize("text, expected", [("4,1,8", (4, 1, 8)), ("4", (4,)), ("1,4", (1, 4)),
+                                            ("4,1,8,2,3,5,7,16", (4, 1, 8, 2, 3, 5, 7, 16))])
 def test_parse_groups(text, expected):
     assert calibrate.parse_groups(text) == expected
 
 
 @pytest.mark.parametrize("text, match", [("4,x", "comma-separated positive integers"),
                                          ("4,4", "distinct"), ("1,8", "must include 4"),
-                                         ("4,3", "does not divide H_q = 32"), ("4,0", "does not divide")])
+                                         ("4,17", "group size 17: expected one of 1..16"),
+                                         ("4,0", "group size 0: expected one of 1..16")])
 def test_parse_groups_refuses(text, match):
     with pytest.raises(ValueError, match=match):
         calibrate.parse_groups(text)
 
 
-def test_group_shape_keeps_32_query_heads():
+def test_group_shape_keeps_32_query_heads_where_g_divides_them():
+    """G dividing 32: H_q 32 over 32 / G KV heads; any other G: the models' 8 KV heads, H_q 8 G
+    (Llama-3.2-3B's 24 / 8 at G 3); the time model's sweeps read the same heads."""
     assert calibrate.group_shape(1)["num_kv_heads"] == 32
     assert calibrate.group_shape(8)["num_kv_heads"] == 4
     assert calibrate.group_shape(4) == calibrate.SHAPE
+    for g, heads in ((3, (24, 8)), (5, (40, 8)), (7, (56, 8)), (16, (32, 2)), (12, (96, 8))):
+        s = calibrate.group_shape(g)
+        assert (s["num_qo_heads"], s["num_kv_heads"]) == heads == sweeps.group_heads(g)
+        assert s["num_qo_heads"] == g * s["num_kv_heads"]
+        assert sweeps.group_shape(g)["num_kv_heads"] == heads[1]
+
+
+def test_flashinfer_paths_at_group_sizes_it_has_no_kernel_for():
+    """FlashInfer's CUDA-core decode has kernels for G 1, 2, 3, 4, 6, 8, 16 only: at G 5 a
+    Runtime asked for it says so instead of failing at plan(); the tensor-core path serves it."""
+    from pkvrt.runtime import fi_route
+    assert fi_route.unserved(128, False, 5, tensor_cores=False).startswith(
+        "FlashInfer's CUDA-core decode has no kernel for group size 5")
+    assert fi_route.unserved(128, False, 5, tensor_cores=True) is None
+    assert fi_route.unserved(128, False, 16, tensor_cores=False) is None
+    assert fi_route.unserved(96, False, 4).startswith("FlashInfer has no decode kernel for head_dim 96")
 
 
 def test_by_group_fit_reaches_the_router_of_that_group_size():

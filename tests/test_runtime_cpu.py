@@ -650,8 +650,8 @@ class Emu:
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
-                              slowdown8, overhead8, max_ctas, max_seq_len, free_slots=0, room_slots=0,
-                              room8=0, room_chunk=0, block_tables=None,
+                              slowdown8, overhead8, max_ctas, max_seq_len=None, free_slots=0,
+                              room_slots=0, room8=0, room_chunk=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
                               src_block_tables=None, rows=None, max_seq=None, window_left=-1):
         """The planning kernel's balanced partition written out again in plain loops (candidate
@@ -670,7 +670,8 @@ class Emu:
         ops.check_plan_direct_args(max_rows, block_tables, page_size, src_seq_lens, src_block_tables,
                                    rows, max_seq)   # what the wrapper refuses, refused here too
         rows = min(int(num_rows[0]) if rows is None else rows, max_rows)
-        max_len = int(max_seq_len[0]) if max_seq is None else max_seq
+        max_len = max_seq if max_seq is not None else \
+            ops.MAX_SEQ_LEN if max_seq_len is None else int(max_seq_len[0])   # None: the wrapper's default
         bound = int(num_pages[0]) if block_tables is not None else 0
         if src_seq_lens is not None:   # direct mode: the kernel copies what it reads
             self.direct += 1
@@ -777,7 +778,7 @@ def install_fake_device(set_attr, kernels, *, replay_runs_launches: bool = True)
     set_attr(torch.cuda, "Event", FakeEvent)
     set_attr(torch.cuda, "graph_pool_handle", lambda: None)
 
-    def capture(launch, *, side_stream, pool, device):
+    def capture(launch, *, side_stream=None, pool=None, device=None, capture_error_mode="global"):
         launch()  # the warm-up run computes this call's result
         return graphs.GraphEntry(ReplayGraph(launch if replay_runs_launches else lambda: None),
                                  nodes=1, mem_bytes=0)
@@ -1352,6 +1353,26 @@ def test_fake_device_without_flashinfer_warns_and_explains(fake_device, pool, mo
     assert rel_err(rt.run(q, b.k_cache, b.v_cache), ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
     with pytest.raises(ValueError, match="force='flashinfer'"):
         rt.plan(seq, bt, force="flashinfer")
+
+
+def test_flashinfer_cuda_cores_at_a_group_size_it_has_no_kernel_for(fake_device, monkeypatch):
+    """G 5 with FlashInfer's CUDA-core path asked for: the FlashInfer route is unavailable with
+    the reason (FlashInfer would raise "Unsupported group_size" at plan()), as for D 96: no
+    warning, steps run on pkvrt's routes, explain() says why; at G 4 it is not refused."""
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    rt = fake_runtime(flashinfer=True, flashinfer_tensor_cores=False)   # G 4: served
+    assert rt._fi_unserved() is None
+    hq, hkv, d, page = 10, 2, 64, 16
+    rt = Runtime(hq, hkv, d, page, torch.float16, **with_options(dict(
+        routes=ROUTES, calibration=SEED, max_batch=8, max_pages_per_row=256, flashinfer=True,
+        flashinfer_tensor_cores=False)))
+    b = make_batch([300, 40], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+                   dtype=torch.float16, device="cpu", seed=3)
+    rt.plan(b.seq_lens.numpy(), b.block_tables.numpy())
+    assert not rt.flashinfer_available
+    assert "CUDA-core decode has no kernel for group size 5" in rt.explain()
+    out = rt.run(b.q, b.k_cache, b.v_cache)
+    assert rel_err(out, reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)) < 2e-3
 
 
 def test_flashinfer_route_waits_for_a_wrappers_last_plan_copy_before_replanning(monkeypatch):

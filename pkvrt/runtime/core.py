@@ -242,7 +242,7 @@ class Runtime(StaticBuffers, Planning, Running):
                                  device_plan_kinds=DEVICE_PLANNED, window_left=self.window_left)
             self._load_kernels()
             self._fi_wanted = bool(flashinfer and not self.device_planning and not self._fp8
-                                   and fi_route.unserved(self.head_dim, self.sinks) is None)
+                                   and self._fi_unserved() is None)
             cap = initial_capacities(self.registry, max_batch=max_batch, num_kv_heads=self.num_kv_heads)
             self._dp_grid: dict[tuple[str, int], int] = {}
             if self._dp_routes:
@@ -310,6 +310,11 @@ class Runtime(StaticBuffers, Planning, Running):
                 raise RuntimeError(f"pkvrt.Runtime: kernel {sym} (family {fam}) cannot be loaded on "
                                    f"{torch.cuda.get_device_name(self.device)}: {exc}") from exc
 
+    def _fi_unserved(self) -> str | None:
+        """Why the FlashInfer route must not run this Runtime's attention (fi_route.unserved)."""
+        return fi_route.unserved(self.head_dim, self.sinks, self.num_qo_heads // self.num_kv_heads,
+                                 self.options.flashinfer_tensor_cores)
+
     def _setup_flashinfer(self, flashinfer: bool, warn: bool = True) -> None:
         """The FlashInfer route of a host-lengths Runtime (device planning runs the PersistentKV
         workqueue routes only): import, build, or the reason it is unavailable; whether host
@@ -324,7 +329,7 @@ class Runtime(StaticBuffers, Planning, Running):
             self._fi_reason = ("not used with kv_dtype=float8_e4m3fn (FlashInfer's decode takes "
                                "k_scale / v_scale as host floats: a device read per call, and a "
                                "captured graph would keep the old values)")
-        if flashinfer and (why := fi_route.unserved(self.head_dim, self.sinks)) is not None:
+        if flashinfer and (why := self._fi_unserved()) is not None:
             flashinfer = False
             self._fi_reason = why
         fi_mod = None

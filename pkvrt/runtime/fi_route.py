@@ -158,11 +158,21 @@ class DirectCall:
 NO_DECODE_HEAD_DIMS = (96,)
 
 
-def unserved(head_dim: int, sinks: bool) -> str | None:
+# The group sizes FlashInfer 0.7's CUDA-core decode is compiled for (DISPATCH_GQA_GROUP_SIZE in
+# include/flashinfer/utils.cuh); any other raises "Unsupported group_size" at plan(). Its
+# tensor-core decode takes every group size.
+CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8, 16)
+
+
+def unserved(head_dim: int, sinks: bool, group: int | None = None, tensor_cores: bool = True) -> str | None:
     """Why the FlashInfer route must not run this attention (a wrong answer or a crash, not a
-    slower baseline), or None."""
+    slower baseline), or None. ``group`` and ``tensor_cores``: the path's group sizes (its
+    CUDA-core decode has kernels for :data:`CUDA_CORE_GROUPS` only)."""
     if head_dim in NO_DECODE_HEAD_DIMS:
         return f"FlashInfer has no decode kernel for head_dim {head_dim}"
+    if not tensor_cores and group is not None and group not in CUDA_CORE_GROUPS:
+        return (f"FlashInfer's CUDA-core decode has no kernel for group size {group} (it has "
+                f"{', '.join(map(str, CUDA_CORE_GROUPS))}); its tensor-core decode has")
     if sinks:
         return ("not used with attention sinks: FlashInfer's FA2 decode (tensor and CUDA cores) "
                 "accepts sinks and ignores them, a wrong answer")

@@ -17,7 +17,9 @@ checked against the FP32 reference first:
   share them) timed at every cut their split bounds allow on eleven steps (:func:`calibration_steps`),
   fitted together by ``calibration.fit_partition`` with the device-planning route's kernel
   occupancy (``[device_planning] route``, the fused kernel as shipped); once per group size of
-  ``--groups`` (H_q 32 over H_kv 32 / G): the first (4) gives the top-level keys, the others a
+  ``--groups`` (H_q 32 over H_kv 32 / G where G divides 32, else H_kv 8 and H_q 8 G: the models'
+  shapes, e.g. 24 / 8 at G 3; FlashInfer's CUDA-core path only at the group sizes it has
+  kernels for): the first (4) gives the top-level keys, the others a
   ``splits.by_group`` entry each, which the Runtime uses for that G;
 - c_min: the occupancy target that makes the cost model best fit every timed split
   configuration (least squares in log time, :func:`fit_c_min`);
@@ -77,6 +79,7 @@ from pkvrt.measure.traces import Request, Trace, decode_steps, synthetic
 from pkvrt.policy import calibration as calib
 from pkvrt.policy.costmodel import route_time_us
 from pkvrt.policy.registry import KV_DTYPES, SplitBounds, load_routes
+from pkvrt.runtime import fi_route
 from pkvrt.tools import sweeps
 from pkvrt.tools.cli import positive_int
 
@@ -86,11 +89,13 @@ GROUPS = (4, 1, 8)   # group sizes whose partition constants are fitted; 4 gives
 
 
 def group_shape(group: int) -> dict:
-    """SHAPE with ``group`` query heads per KV head (H_q fixed at 32): G 1 -> H_kv 32."""
-    hq = SHAPE["num_qo_heads"]
-    if group <= 0 or hq % group:
-        raise ValueError(f"--groups: group size {group} does not divide H_q = {hq}")
-    return {**SHAPE, "num_kv_heads": hq // group}
+    """SHAPE with ``group`` query heads per KV head (``sweeps.group_heads``: H_q 32 over
+    32 / G KV heads where G divides 32, else 8 KV heads and 8 G query heads)."""
+    try:
+        hq, hkv = sweeps.group_heads(group)
+    except ValueError as e:
+        raise ValueError(f"--groups: {e}") from None
+    return {**SHAPE, "num_qo_heads": hq, "num_kv_heads": hkv}
 
 
 def parse_groups(text: str) -> tuple[int, ...]:
@@ -527,9 +532,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", metavar="PATH",
                         help="also write every timed configuration as a results JSON (pkvrt report)")
     parser.add_argument("--groups", type=parse_groups, default=GROUPS, metavar="LIST",
-                        help="group sizes (query heads per KV head, H_q 32) whose partition constants "
-                             "are fitted; must include 4, which gives the top-level keys, the others "
-                             "go to splits.by_group (default: 4,1,8)")
+                        help="group sizes 1-16 (query heads per KV head: H_q 32 over 32 / G KV heads, "
+                             "or 8 KV heads where G does not divide 32) whose partition constants are "
+                             "fitted; must include 4, which gives the top-level keys, the others go to "
+                             "splits.by_group (default: 4,1,8; the models' table: 4,1,8,2,3,5,7,16)")
     parser.add_argument("--suggest-routes", metavar="PATH",
                         help="also write the gates the calibration steps measured (group sizes, "
                              "minimum context and active rows where each route beat FlashInfer) as a "
@@ -796,6 +802,8 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
                     fit_recs += records
             kv_g = kv * group_shape(g)["num_kv_heads"] // hkv
             for tc in (False, True) if flashinfer else ():
+                if fi_route.unserved(d, False, g, tc) is not None:   # no CUDA-core kernel at this G
+                    continue
                 us = time_flashinfer(wl, tc, ref, repeats)
                 raw.append(dict(case=name, engine="flashinfer-tc" if tc else "flashinfer-cuda",
                                 kv_dtype=kv_dtype, group=g, median_us=float(us), gbps=kv_g / (us * 1e3),
@@ -901,7 +909,8 @@ def measure(args, env) -> tuple[calib.Calibration, list[dict], dict]:
         f"({_routes_text(partition_cases[4])}, timed at every cut of the balanced partition in the grid the Runtime launches, "
         f"max_waves {max_waves}; the "
         f"middle of the best-scoring plateau) at G = 4 (H_q 32, H_kv 8); splits.by_group: the same fit at "
-        f"G = {', '.join(str(g) for g in by_group) or '(none)'} (H_kv = 32 / G). Regret of the "
+        f"G = {', '.join(str(g) for g in by_group) or '(none)'} (sweeps.group_heads: H_kv 32 / G, or 8 "
+        f"with H_q 8 G where G does not divide 32). Regret of the "
         f"fitted rule (its pick over the fastest cut): " + _regret_text(regrets) + ". "
         f"lambda_us / lambda_graph_us:"
         f" a 1-token pkvrt split decode launched eagerly from Python (median of {repeats} loops of "

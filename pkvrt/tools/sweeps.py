@@ -40,7 +40,7 @@ from pkvrt.policy.planner import (balanced_partition, bucket_from_checked,
                                   workqueue_from_checked)
 from pkvrt.policy.registry import KV_DTYPES
 
-SHAPE = dict(num_qo_heads=32, head_dim=128)   # pkvrt calibrate's: H_kv = 32 / G, fp16 q
+SHAPE = dict(num_qo_heads=32, head_dim=128)   # pkvrt calibrate's (group_heads), fp16 q
 ENGINE_KIND = {"pkvrt-bucket": "bucket", "pkvrt-workqueue": "workqueue", "pkvrt-fused": "fused",
                "flashinfer-tc": "flashinfer", "flashinfer-cuda": "flashinfer"}
 NEAR_BEST = 1.03   # a cut within 3 % of its step's fastest is fitted beside the planned one
@@ -141,10 +141,25 @@ def read_rows(rows, seed: int = 20260622, kv_dtype: str = "float16") -> list[Tim
     return out
 
 
+def group_heads(group: int) -> tuple[int, int]:
+    """``(H_q, H_kv)`` that ``pkvrt calibrate`` times at ``group`` query heads per KV head: H_q
+    32 over H_kv 32 / G where G divides 32 (G 4: 32 / 8, the file's top level; G 1: 32 / 32; G 8:
+    32 / 4); otherwise H_kv 8 and H_q 8 G, the shape of the models with such a group (G 3:
+    Llama-3.2-3B's 24 / 8; G 5: Qwen2.5-14B's 40 / 8; G 7: 56 / 8). Raises ValueError outside
+    the kernels' group sizes."""
+    from pkvrt._buildspec import GROUP_SIZES
+
+    if isinstance(group, bool) or not isinstance(group, int) or group not in GROUP_SIZES:
+        raise ValueError(f"group size {group!r}: expected one of {GROUP_SIZES[0]}..{GROUP_SIZES[-1]} "
+                         "(the kernels' group sizes)")
+    hq = SHAPE["num_qo_heads"]
+    return (hq, hq // group) if hq % group == 0 else (8 * group, 8)
+
+
 def group_shape(group: int, kv_dtype: str = "float16") -> dict:
-    """The timed shape at ``group`` query heads per KV head: H_q 32, H_kv 32 / G, D 128, and
+    """The timed shape at ``group`` query heads per KV head (:func:`group_heads`), D 128, and
     the bytes of one K/V element of ``kv_dtype`` (2 for fp16, 1 for FP8)."""
-    return dict(num_kv_heads=SHAPE["num_qo_heads"] // group, head_dim=SHAPE["head_dim"],
+    return dict(num_kv_heads=group_heads(group)[1], head_dim=SHAPE["head_dim"],
                 dtype_bytes=KV_DTYPES[kv_dtype])
 
 
@@ -380,7 +395,7 @@ def error_rows(timed, cal: calib.Calibration, registry, fits: dict | None = None
 
 def _roofline_us(t: Timed, route, cal, shape) -> float:
     seq, hkv = t.seq, shape["num_kv_heads"]
-    kw = dict(num_kv_heads=hkv, num_qo_heads=SHAPE["num_qo_heads"], head_dim=shape["head_dim"],
+    kw = dict(num_kv_heads=hkv, num_qo_heads=group_heads(t.group)[0], head_dim=shape["head_dim"],
               dtype_bytes=shape["dtype_bytes"], cal=cal, tile_tokens=TILE_TOKENS)
     if t.kind == "flashinfer":
         c = flashinfer_counters_from_checked(seq, num_kv_heads=hkv, head_dim=shape["head_dim"],
