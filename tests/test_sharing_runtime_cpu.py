@@ -57,6 +57,8 @@ def test_shared_pages_are_exact(fake_device, pool, lens, prefix, groups, engine_
     rt.plan(seq, bt)
     sp = rt.plan_used
     assert sp is not None and sp.saved_fraction > 0.2, rt.explain()
+    # a row's own pages in one segment: with engine capture the own decode reads q itself
+    assert rt._own_identity == (engine_capture and sp.own_rows.size == len(lens))
     q = torch.randn(len(lens), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
                     generator=torch.Generator().manual_seed(len(lens))).half()
     out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))

@@ -9,7 +9,8 @@ bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.shari
   the chunk's rows' heads side by side: a K/V tile of the run is read once for C rows;
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
-- each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries, runs both, and merges each
+- each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries (and the own segments' where
+  a row has more than one), runs both, and merges each
   row's partial states with their lse (base 2) in one launch (kernels/merge.cu,
   merge_segments): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k + e^sink)``, in float32.
 
@@ -125,6 +126,13 @@ class SharedPagesRuntime:
         j = np.arange(g)[None, None, None, :]
         q_index = sp.chunk_rows[:, None, :, None].astype(np.int64) * hq + hk * g + j
         self._q_index = self._stage("q_index", q_index.reshape(-1))
+        # every row one own segment (its pages after its prefix: the common case) -> the own
+        # decode's rows are the step's rows in order, and where it launches into the caller's
+        # stream or graph (engine capture, or no graphs of its own) it reads q itself: no gather
+        # launch (its own graphs read their static q, which the gather fills)
+        direct = self.own.engine_capture or not self.own.use_cuda_graph
+        self._own_identity = direct and sp.own_rows.size == len(seq) and bool(
+            (sp.own_rows == np.arange(len(seq))).all())
         self._own_rows = self._stage("own_rows", sp.own_rows)
         self._slots = self._stage("slots", sp.slots)
         self.plan_used = sp
@@ -154,8 +162,8 @@ class SharedPagesRuntime:
         sp = self.plan_used
         if sp is None:
             return self.plain.step_key
-        return ("shared", sp.chunk_rows.shape, sp.own_rows.size, sp.slots.shape, self._generation,
-                self.shared.step_key, self.own.step_key)
+        return ("shared", sp.chunk_rows.shape, sp.own_rows.size, self._own_identity, sp.slots.shape,
+                self._generation, self.shared.step_key, self.own.step_key)
 
     # ------------------------------------------------------------------ run
 
@@ -178,8 +186,12 @@ class SharedPagesRuntime:
         torch.index_select(q.reshape(b * hq, d), 0, self._q_index, out=qv.view(-1, d))
         out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(v_rows),
                                 lse=lse_v, **scales)
-        q_own, lse_o = self.own.static_q(s_own), self._lse_o[:s_own]
-        torch.index_select(q, 0, self._own_rows, out=q_own)
+        lse_o = self._lse_o[:s_own]
+        if self._own_identity and q.is_contiguous():
+            q_own = q
+        else:
+            q_own = self.own.static_q(s_own)
+            torch.index_select(q, 0, self._own_rows, out=q_own)
         out_o = self.own.run(q_own, k_cache, v_cache, out=self.own.static_out(s_own), lse=lse_o,
                              **scales)
         if out is None:
