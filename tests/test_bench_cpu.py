@@ -931,3 +931,18 @@ def test_interleaved_wall_passes_rotate_the_engines_and_take_each_steps_median()
     for walls, infos in got:
         assert len(walls) == 4 and infos == [("r", (), None)] * 4
         assert max(walls) < 15_000   # b's 20 ms rounds are outvoted by its two fast ones
+
+
+def test_calibrate_models_add_their_group_sizes(capsys):
+    """--models: the named models' group sizes join --groups (once each, after it); a head dim
+    other than 128 is said to run on the D 128 constants; an unknown name is refused naming the
+    known ones."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    args = parser.parse_args(["--groups", "4,1", "--models", "llama-3.2-3b,gemma-2-9b,llama-3.1-8b"])
+    assert calibrate.check_arguments(args) == "float16"
+    assert args.groups == (4, 1, 3, 2)
+    assert "gemma-2-9b (D 256) run on those constants" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown model 'llama-9'; expected one of llama-3.1-8b"):
+        calibrate.parse_models("llama-9")

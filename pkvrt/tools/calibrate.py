@@ -79,6 +79,7 @@ from pkvrt.measure.traces import Request, Trace, decode_steps, synthetic
 from pkvrt.policy import calibration as calib
 from pkvrt.policy.costmodel import route_time_us
 from pkvrt.policy.registry import KV_DTYPES, SplitBounds, load_routes
+from pkvrt.measure.model_shapes import MODELS
 from pkvrt.runtime import fi_route
 from pkvrt.tools import sweeps
 from pkvrt.tools.cli import positive_int
@@ -536,6 +537,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or 8 KV heads where G does not divide 32) whose partition constants are "
                              "fitted; must include 4, which gives the top-level keys, the others go to "
                              "splits.by_group (default: 4,1,8; the models' table: 4,1,8,2,3,5,7,16)")
+    parser.add_argument("--models", type=parse_models, default=(), metavar="NAMES",
+                        help="comma-separated model names of the served models' table (e.g. "
+                             "llama-3.2-3b,qwen2.5-14b): their group sizes join --groups (their head "
+                             "dims other than 128 run on the D 128 constants with their own kernel's "
+                             f"waves); known: {', '.join(MODELS)}")
     parser.add_argument("--suggest-routes", metavar="PATH",
                         help="also write the gates the calibration steps measured (group sizes, "
                              "minimum context and active rows where each route beat FlashInfer) as a "
@@ -561,9 +567,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "constant kept")
 
 
+def parse_models(text: str) -> tuple:
+    """``--models`` as ModelShapes of ``pkvrt.measure.model_shapes.MODELS`` (ValueError naming an
+    unknown name and the known ones)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--models: expected comma-separated model names, e.g. llama-3.2-3b")
+    for n in names:
+        if n not in MODELS:
+            raise ValueError(f"--models: unknown model {n!r}; expected one of {', '.join(MODELS)}")
+    return tuple(MODELS[n] for n in dict.fromkeys(names))
+
+
+def with_model_groups(args) -> tuple[int, ...]:
+    """``--groups`` followed by the group sizes of ``--models`` it lacks; says which models'
+    head dims the run does not time (they run on the D 128 constants, with their kernel's own
+    waves: Runtime.residency)."""
+    groups = tuple(dict.fromkeys((*args.groups, *(m.group for m in args.models))))
+    other = [f"{m.name} (D {m.head_dim})" for m in args.models if m.head_dim != calib.CALIBRATION_HEAD_DIM]
+    if other:
+        print(f"pkvrt calibrate: --models: timed at D {calib.CALIBRATION_HEAD_DIM}; "
+              f"{', '.join(other)} run on those constants with their own kernel's resident CTAs "
+              "per SM", file=sys.stderr)
+    return groups
+
+
 def check_arguments(args) -> str:
     """The routes.toml name of ``--kv-dtype``, after refusing combinations that do not apply to
-    it (ValueError naming the option): ``--base`` without FP8, ``--suggest-routes`` with FP8."""
+    it (ValueError naming the option): ``--base`` without FP8, ``--suggest-routes`` with FP8.
+    ``--models`` adds their group sizes to ``args.groups``."""
+    if getattr(args, "models", ()):
+        args.groups = with_model_groups(args)
     kv = KV_DTYPE_ARGS[args.kv_dtype]
     if getattr(args, "host_time", False):
         if kv not in calib.TOP_KV_DTYPES:
