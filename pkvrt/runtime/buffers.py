@@ -87,6 +87,9 @@ class _Step:
     # the capture sequence's id
     plan_launch: object = None
     planned_in: object = None
+    # a device-planned step deferred for its page-id bound, planned outside any capture: its
+    # first run() plans it, once (a capture of a later run() replays the plan, not the planning)
+    plan_once: bool = False
 
 
 def _pinned(n: int, dtype=torch.int32) -> torch.Tensor:

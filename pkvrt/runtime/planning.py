@@ -196,7 +196,7 @@ class Planning:
             self._stage_device_inputs(seq, bt, b, w, rows, max_seq, capturing)
             grid = self._enqueue_device_plan(route, gb)
         self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
-                           max_page_id=-1, plan_launch=deferred)
+                           max_page_id=-1, plan_launch=deferred, plan_once=not capturing)
         self.last_decision = self._route_decision(route, b, forced=force is not None)
         self._counts["plans"] += 1
         return self.last_decision

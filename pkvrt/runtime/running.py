@@ -178,8 +178,9 @@ class Running:
         is launched by the first run() after the plan() eagerly and by the first run() of every
         capture (each capture sequence has its own id: an engine's warm-up-then-capture plans in
         both, so the graph holds the planning kernel and every replay plans from the lengths its
-        plan() copied). Returns whether it launched."""
-        if st.plan_launch is None:
+        plan() copied); a device-planned step whose plan() ran outside any capture
+        (``st.plan_once``) is planned by its first run() only. Returns whether it launched."""
+        if st.plan_launch is None or (st.plan_once and st.planned_in is not None):
             return False
         where = _driver.capture_id() if capturing else "eager"
         if where == st.planned_in:
