@@ -179,12 +179,15 @@ def test_cuda_graph_mode_never_reads_the_page_ids_on_the_host(fake_device, pool,
     w = wrapper(use_cuda_graph=True, **bufs)
     monkeypatch.setattr(wmod, "csr_to_block_tables", lambda *a, **k: pytest.fail("read page ids on the host"))
     seq, bt, ip, ind, lpl = step(b, [5, 2, 0])
-    host_seq, host_bt = wmod.csr_lengths(ip, lpl, PAGE)[1], bt
-    dev_seq, dev_bt = wmod.device_step(ip.numpy().astype(np.int64), host_seq, ind)
-    assert dev_seq.tolist() == seq.tolist()
-    for r, n in enumerate(seq.tolist()):
-        p = -(-n // PAGE)
-        assert dev_bt[r, :p].tolist() == host_bt[r, :p].tolist() and not dev_bt[r, p:].any()
+    ip64 = ip.numpy().astype(np.int64)
+    for kw in (dict(seq=wmod.csr_lengths(ip, lpl, PAGE)[1]), dict(last_page_len=lpl, page_size=PAGE)):
+        dev_seq = torch.full((4,), -1, dtype=torch.int32)
+        dev_bt = torch.full((4, 300), -1, dtype=torch.int32)
+        wmod.device_step(ip64, ind, dev_seq, dev_bt, **kw)   # lengths from the host, or the device's
+        assert dev_seq[:3].tolist() == seq.tolist() and dev_seq[3] == -1
+        for r, n in enumerate(seq.tolist()):
+            p = -(-n // PAGE)
+            assert dev_bt[r, :p].tolist() == bt[r, :p].tolist() and (dev_bt[r, p:] == -1).all()
     bufs["paged_kv_indices_buffer"][:len(ind)] = ind          # SGLang writes the buffer itself
     plan(w, ip, bufs["paged_kv_indices_buffer"][:len(ind)], lpl)
     q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(9)).half()
@@ -195,10 +198,59 @@ def test_cuda_graph_mode_never_reads_the_page_ids_on_the_host(fake_device, pool,
     bad[int(ip[1])] = b.k_cache.shape[0] + 3                  # row 1's first page: past the cache
     plan(w, ip, bad, lpl)
     w.run(q, (b.k_cache, b.v_cache))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="page id outside"):
         w.runtime.device_status()
     with pytest.raises(ValueError, match="indices: expected at least"):
         plan(w, ip, ind[:3], lpl)
+
+
+class NoHostRead(torch.Tensor):
+    """A tensor that may not be read on the host (as a GPU tensor would need a copy that waits)."""
+
+    def _refuse(self, *a, **k):
+        raise AssertionError("read on the host")
+
+    cpu = numpy = tolist = item = __array__ = _refuse
+
+
+@pytest.mark.parametrize("page", [1, PAGE])
+def test_cuda_graph_mode_reads_neither_page_ids_nor_a_gpu_last_page_len_on_the_host(
+        fake_device, pool, monkeypatch, page):  # noqa: F811
+    """As SGLang calls it: indices written into the buffer, last_page_len on the GPU. Neither is
+    read on the host (SGLang's own fast plan avoids that copy at page size 1, where the lengths
+    are the page counts; at other page sizes the lengths are computed on the device), and the
+    step still equals the reference."""
+    from pkvrt.runtime import wrapper as wmod
+
+    b, _ = pool
+    k, v = b.k_cache, b.v_cache
+    if page == 1:   # the same tokens as page-1 slots: [P * 16, H_kv, 1, D]
+        k = b.k_cache.transpose(1, 2).reshape(-1, HKV, 1, D)
+        v = b.v_cache.transpose(1, 2).reshape(-1, HKV, 1, D)
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(4, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(8192, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(3, dtype=torch.int32))
+    w = wrapper(use_cuda_graph=True, **bufs)
+    monkeypatch.setattr(wmod, "_host_side", lambda x: not isinstance(x, torch.Tensor))
+    seq, bt, ip, ind, lpl = step(b, [1, 4, 3], 2)
+    if page == 1:
+        slots = (bt[:, :, None] * PAGE + np.arange(PAGE)).reshape(len(seq), -1)
+        ip, ind, lpl = wmod_csr(seq, slots)
+        bt = slots
+    bufs["paged_kv_indices_buffer"][:len(ind)] = ind
+    w.plan(ip, bufs["paged_kv_indices_buffer"][:len(ind)].as_subclass(NoHostRead),
+           lpl.as_subclass(NoHostRead), HQ, HKV, D, page, q_data_type=torch.float16)
+    q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(8)).half()
+    out = w.run(q, (k, v))
+    ref = reference.decode_attention(q, k, v, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(out, ref) < TOL
+
+
+def wmod_csr(seq, slots):
+    """The page-size-1 CSR of rows whose tokens are ``slots`` (one page a token)."""
+    ip = np.concatenate([[0], np.cumsum(seq)]).astype(np.int32)
+    ind = np.concatenate([slots[r, :n] for r, n in enumerate(seq)]).astype(np.int32)
+    return torch.as_tensor(ip), torch.as_tensor(ind), torch.ones(len(seq), dtype=torch.int32)
 
 
 def test_constructor_refusals():

@@ -14,10 +14,12 @@ the shape and the attention variant, rebuilt when they change):
   last_page_len`` (on the host, where FlashInfer's plan() reads indptr and last_page_len too)
   and a block table of each row's pages.
 - ``use_cuda_graph=True`` (the engine captures ``run()`` and calls ``plan()`` outside its graph
-  before each replay): a device-planning Runtime. plan() copies the lengths to the GPU, builds
-  the block tables there from the indices buffer (:func:`device_step`: the page ids are never
-  read on the host, so plan() does not wait for the GPU) and launches the planning kernel; the
-  engine's graph holds every layer's launches, which read that plan. The batch size is fixed by
+  before each replay): a device-planning Runtime without graphs of its own. plan() writes the
+  lengths and block tables into this wrapper's static device buffers from the indices buffer
+  (:func:`device_step`: neither the page ids nor a GPU ``last_page_len`` is read on the host,
+  so plan() does not wait for the GPU) and launches the planning kernel; the engine's graph
+  holds every layer's launches, which read that plan. A GPU ``indptr`` is read on the host, as
+  FlashInfer's plan() reads it (engines pass it on the host). The batch size is fixed by
   the indptr buffer, as in FlashInfer. A page id outside the cache is caught by the planning
   kernel (the row gets no work; ``runtime.device_status()`` raises), where FlashInfer reads it.
 - Without it: the default Runtime (host routing, a graph replayed per layer), the block tables
@@ -59,27 +61,41 @@ def canonical_dtype(dt, name: str):
     raise ValueError(f"{name}={dt!r}: expected a torch dtype or its name")
 
 
-def csr_lengths(indptr, last_page_len, page_size: int):
-    """The lengths of FlashInfer's paged-KV CSR on the host: ``(indptr int64 [B + 1], seq_lens
-    int32 [B] = (pages - 1) * page_size + last_page_len)``.
+def csr_pages(indptr, batch: int) -> np.ndarray:
+    """FlashInfer's ``indptr`` on the host as int64 ``[batch + 1]`` (a device-to-host copy when
+    it is on the GPU, as in FlashInfer's plan(); engines pass it on the host).
 
-    Raises ValueError naming the argument: indptr not [B + 1] non-decreasing from 0, an empty
-    row, last_page_len outside [1, page_size]."""
+    Raises ValueError naming the argument: indptr not [batch + 1] starting at 0, a row of no
+    pages."""
     ip = np.asarray(indptr.cpu() if isinstance(indptr, torch.Tensor) else indptr, dtype=np.int64)
-    lpl = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
-                     dtype=np.int64)
-    b = lpl.shape[0]
-    if ip.ndim != 1 or ip.shape[0] != b + 1 or ip[0] != 0:
-        raise ValueError(f"indptr: expected [batch_size + 1 = {b + 1}] starting at 0, got shape "
+    if ip.ndim != 1 or ip.shape[0] != batch + 1 or ip[0] != 0:
+        raise ValueError(f"indptr: expected [batch_size + 1 = {batch + 1}] starting at 0, got shape "
                          f"{tuple(ip.shape)}" + (f", indptr[0] = {ip[0]}" if ip.size else ""))
     pages = np.diff(ip)
     if (pages < 1).any():
         r = int(np.nonzero(pages < 1)[0][0])
         raise ValueError(f"indptr: row {r} has {int(pages[r])} pages; a decode row has at least one")
+    return ip
+
+
+def csr_lengths(indptr, last_page_len, page_size: int):
+    """The lengths of FlashInfer's paged-KV CSR on the host: ``(indptr int64 [B + 1], seq_lens
+    int32 [B] = (pages - 1) * page_size + last_page_len)``.
+
+    Raises ValueError naming the argument: as :func:`csr_pages`, last_page_len outside [1,
+    page_size]."""
+    lpl = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
+                     dtype=np.int64)
+    ip = csr_pages(indptr, lpl.shape[0])
     if ((lpl < 1) | (lpl > page_size)).any():
         r = int(np.nonzero((lpl < 1) | (lpl > page_size))[0][0])
         raise ValueError(f"last_page_len[{r}] = {int(lpl[r])}: expected 1..page_size = {page_size}")
-    return ip, ((pages - 1) * page_size + lpl).astype(np.int32)
+    return ip, ((np.diff(ip) - 1) * page_size + lpl).astype(np.int32)
+
+
+def _host_side(x) -> bool:
+    """Whether reading ``x`` on the host costs no device-to-host copy (not a GPU tensor)."""
+    return not isinstance(x, torch.Tensor) or x.device.type == "cpu"
 
 
 def _check_indices_length(indices, nnz: int) -> None:
@@ -109,24 +125,34 @@ def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
     return seq, bt
 
 
-def device_step(indptr_host: np.ndarray, seq: np.ndarray, indices: torch.Tensor):
-    """The step of a CSR whose page ids are on the device, built there: ``(seq_lens int32 [B],
-    block_tables int32 [B, max pages])`` on ``indices``' device, each row its slice of
-    ``indices`` (entries past a row's pages 0). Only the lengths and the rows' offsets cross
-    from the host (one copy each, not waited for); the page ids are never read on the host, as
-    FlashInfer's plan() reads none, so an engine's plan() does not wait for the GPU."""
-    dev = indices.device
-    b, nnz = seq.shape[0], int(indptr_host[-1])
+def device_step(ip: np.ndarray, indices: torch.Tensor, seq_out: torch.Tensor, bt_out: torch.Tensor, *,
+                seq: np.ndarray | None = None, last_page_len: torch.Tensor | None = None,
+                page_size: int = 1) -> None:
+    """A CSR step whose page ids are on the device, written there: ``seq_out[:B]`` int32 the
+    lengths, ``bt_out[:B]`` int32 each row's pages in its first entries (the others are left as
+    they were: nothing reads past a row's pages). ``ip``: the host indptr (:func:`csr_pages`);
+    the lengths are ``seq`` (host, int32 [B]) or, with ``last_page_len`` on the device,
+    ``(pages - 1) * page_size + last_page_len`` computed there. Only ``ip`` (and ``seq``) cross
+    from the host, in one copy that is not waited for; the page ids and ``last_page_len`` are
+    never read on the host, so plan() does not wait for the GPU. The block tables take
+    O(nnz) work: each entry's row by ``repeat_interleave`` (its output size known), its column
+    from the row's first entry, one scatter."""
+    dev = bt_out.device
+    b, nnz = ip.shape[0] - 1, int(ip[-1])
     _check_indices_length(indices, nnz)
-    width = int(np.diff(indptr_host).max()) if b else 0
-    host = torch.from_numpy(np.stack([indptr_host[:-1], np.diff(indptr_host), seq.astype(np.int64)]))
+    pages = np.diff(ip)
+    host = torch.from_numpy(np.stack([ip[:-1], pages, np.zeros(b, np.int64) if seq is None
+                                      else seq.astype(np.int64)]))
     if dev.type == "cuda":
         host = host.pin_memory()
     meta = host.to(dev, non_blocking=True)                  # [3, B]: first entry, pages, length
-    col = torch.arange(width, device=dev)
-    used = col[None, :] < meta[1][:, None]
-    bt = indices[torch.where(used, meta[0][:, None] + col[None, :], 0)].to(torch.int32)
-    return meta[2].to(torch.int32), bt.masked_fill_(~used, 0)
+    if seq is None:
+        seq_out[:b].copy_((meta[1] - 1) * page_size + last_page_len.to(dev))
+    else:
+        seq_out[:b].copy_(meta[2])
+    row = torch.repeat_interleave(torch.arange(b, device=dev), meta[1], output_size=nnz)
+    col = torch.arange(nnz, device=dev) - meta[0][row]
+    bt_out[row, col] = indices[:nnz].to(device=dev, dtype=torch.int32)
 
 
 def _page_dim(x: torch.Tensor, kv_layout: str) -> torch.Tensor:
@@ -305,11 +331,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    page_size=page_size, dtype=q_dt, kv_dtype=kv_dt, window_left=int(window_left),
                    logits_soft_cap=cap, sm_scale=sm_scale)
         if self._use_cuda_graph:
-            # the lengths on the host (FlashInfer's plan() reads indptr and last_page_len there
-            # too), the page ids where the engine wrote them: the step is built on the device
-            # from the caller's indices buffer and planned there (device planning)
-            ip, seq = csr_lengths(indptr, last_page_len, page_size)
+            # indptr on the host (engines pass it there; FlashInfer's plan() reads it there too);
+            # the page ids, and last_page_len where it is on the GPU (SGLang's), never read on
+            # the host: the step is written on the device into this wrapper's static buffers,
+            # from the caller's indices buffer, and planned there (device planning)
+            ip = csr_pages(indptr, batch)
             _check_indices_length(indices, int(ip[-1]))
+            if _host_side(last_page_len):
+                seq_host = csr_lengths(ip, last_page_len, page_size)[1]
+            elif page_size == 1:     # every page holds one token: the lengths are the page counts
+                seq_host = np.diff(ip).astype(np.int32)
+            else:                    # computed on the device; a bad one is the planner's to flag
+                seq_host = None
             rt = self._runtime(key, batch, int(np.diff(ip).max()))
             # FlashInfer fills the caller's buffers: so do we (SGLang wrote indices there already)
             self._buffers[0].copy_(torch.as_tensor(indptr), non_blocking=non_blocking)
@@ -317,7 +350,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             ind = self._buffers[1]
             if not (isinstance(indices, torch.Tensor) and indices.data_ptr() == ind.data_ptr()):
                 ind[:len(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
-            seq, bt = device_step(ip, seq, ind)
+            device_step(ip, ind, self._seq_buf, self._bt_buf, seq=seq_host,
+                        last_page_len=self._buffers[2] if seq_host is None else None, page_size=page_size)
+            seq, bt = self._seq_buf[:batch], self._bt_buf[:batch]
         else:
             seq, bt = csr_to_block_tables(indptr, indices, last_page_len, page_size)
             rt = self._runtime(key, batch, bt.shape[1])
@@ -372,12 +407,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._rt is not None and want == {k: self._rt_key[k] for k in want} and all(
                 size[k] <= self._rt_key[k] for k in size):
             return self._rt
+        from pkvrt.runtime.options import RuntimeOptions
+
+        # CUDA-graph mode: device planning with no graphs of its own (the engine's graph holds
+        # the layers; plan() is one planning launch reading the static buffers below)
+        options = RuntimeOptions(use_cuda_graph=False) if self._use_cuda_graph else None
         self._rt = Runtime(key["num_qo_heads"], key["num_kv_heads"], key["head_dim"], key["page_size"],
                            key["dtype"], kv_dtype=None if key["kv_dtype"] == key["dtype"] else key["kv_dtype"],
                            device=self.device, routes=self._routes, calibration=self._calibration,
                            sm_scale=key["sm_scale"], kv_layout=self._kv_layout,
                            window_left=key["window_left"], logits_soft_cap=key["logits_soft_cap"],
-                           sinks=sinks, device_planning=self._use_cuda_graph, **size)
+                           sinks=sinks, device_planning=self._use_cuda_graph, options=options, **size)
+        shape = (size["max_batch"], size["max_pages_per_row"])
+        if self._use_cuda_graph and getattr(self, "_bt_buf", None) is None or \
+                self._use_cuda_graph and tuple(self._bt_buf.shape) != shape:
+            # the step's lengths and block tables, at fixed addresses (kept across rebuilds: a
+            # planned step's views stay valid)
+            self._seq_buf = torch.ones(shape[0], dtype=torch.int32, device=self.device)
+            self._bt_buf = torch.zeros(shape, dtype=torch.int32, device=self.device)
         self._rt_key = dict(want, **size)
         return self._rt
 
