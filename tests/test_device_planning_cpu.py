@@ -451,7 +451,7 @@ def test_direct_mode_arguments_accepted():
     assert ops.check_plan_direct_args(8, bt, 16, torch.ones(3, **I32), torch.zeros(3, 4, **I32), 3, 64)
 
 
-def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device, monkeypatch):  # noqa: F811
+def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device):  # noqa: F811
     """A shape whose decode kernel keeps fewer CTAs resident per SM than the calibrated shape's
     (the H200: one at D 256, two at D 128) plans its cuts in waves of its own: the Runtime's
     calibration, the partition's model, the planning kernel's targets and explain() say so, and
@@ -476,4 +476,11 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device, mon
     cut = {rt.head_dim: planner.balanced_partition(seq, num_kv_heads=8, splits=bounds, cal=rt.calibration,
                                                    kind="fused")
            for rt in (wide, plain)}
-    assert cut[128].ctas == 256 and cut[256].ctas <= 132 * 1
+    assert cut[128].ctas == 256 and cut[256].ctas == 128
+    # the least over the partition routes' kernels: a workqueue kernel holding fewer CTAs than
+    # the fused one at D 64 sets the waves of both
+    fake_device.occupancy = {("fused_decode", 64): 4, ("workqueue_decode", 64): 3}
+    assert Runtime(16, 8, 64, 16, torch.float16, **kw).residency == (3, 2)
+    # a kernel that fits no CTA changes nothing here (loading the kernels reports it)
+    fake_device.occupancy = {("fused_decode", 256): 0}
+    assert Runtime(16, 8, 256, 16, torch.float16, **kw).residency is None

@@ -269,22 +269,28 @@ class Runtime(StaticBuffers, Planning, Running):
 
     def _residency_of_shape(self, cal: Calibration) -> tuple[Calibration, tuple[int, int] | None]:
         """``cal`` with ``splits.workqueue_ctas_per_sm`` set to the CTAs per SM this shape's
-        decode kernel (the device-planning route's) keeps resident, when that differs from the
-        calibrated shape's kernel (D 128, the calibration group, fp16 q; the same K/V kind); and
-        ``(here, calibrated)``, None when unchanged. The partition plans waves of resident CTAs,
-        and a larger D holds more registers and shared memory: on the H200 one CTA per SM at
-        D 256 where the calibration counted two. Both occupancies come from the driver, so at
-        the calibrated shape nothing changes."""
-        try:
-            family = KIND_KERNELS[self.registry.device_planning_route().kind]
-        except KeyError:   # no workqueue or fused route: no partition to plan
+        decode kernels keep resident, when that differs from the calibrated shape's kernels (D
+        128, the calibration group, fp16 q; the same K/V kind); and ``(here, calibrated)``, None
+        when unchanged. The partition plans waves of resident CTAs, and a larger D holds more
+        registers and shared memory: on the H200 one CTA per SM at D 256 where the calibration
+        counted two. Both are the driver's occupancy, the least over the workqueue and fused
+        kernels the routes run (they share the partition's constants), so at the calibrated
+        shape nothing changes. A kernel that does not load (or fits no CTA) changes nothing
+        here: loading the Runtime's kernels says why, next."""
+        families = sorted({KIND_KERNELS[r.kind] for r in self.registry.routes
+                           if r.kind in ("workqueue", "fused")})
+        if not families:   # no workqueue or fused route: no partition to plan
             return cal, None
         group = self.num_qo_heads // self.num_kv_heads
-        calibrated_kv = self.kv_dtype if self._fp8 else torch.float16
-        here = ops.decode_occupancy(family, self.dtype, self.head_dim, group, self.kv_dtype)
-        there = ops.decode_occupancy(family, torch.float16, CALIBRATION_HEAD_DIM, self.calibration_group,
-                                     calibrated_kv)
-        if here == there:
+        calibrated_kv = self.kv_dtype if self._fp8 and not cal.kv_dtype_fallback else torch.float16
+        try:
+            here = min(ops.decode_occupancy(f, self.dtype, self.head_dim, group, self.kv_dtype)
+                       for f in families)
+            there = min(ops.decode_occupancy(f, torch.float16, CALIBRATION_HEAD_DIM, self.calibration_group,
+                                             calibrated_kv) for f in families)
+        except Exception:  # noqa: BLE001 - _load_kernels reports a kernel that cannot be loaded
+            return cal, None
+        if here == there or here < 1 or there < 1:
             return cal, None
         return attrs.evolve(cal, splits=attrs.evolve(cal.splits, workqueue_ctas_per_sm=float(here))), (here, there)
 
