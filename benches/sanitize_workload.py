@@ -29,7 +29,9 @@ block-table padding holds an out-of-range page id. Every output is compared on t
 the FP32 reference (pkvrt.reference) at a loose tolerance. ``--poison nan`` (default) fills
 outputs and partial states with NaN first, so an element left unwritten shows as a mismatch;
 ``--poison none`` leaves them as torch.empty returns them, so that initcheck (with
-PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor its own cudaMalloc) flags a read before a write.
+PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor its own cudaMalloc) flags a read before a write;
+the variants-and-layouts, merge_segments and SharedPagesRuntime cases poison with NaN either way
+(the GPU tests' own buffers), so initcheck sees their reads of written memory only.
 
 Prints one line per case and ``sanitize_workload: N cases, M mismatches``; exits 1 on any
 mismatch (or exception: counted as a mismatch), 2 without a GPU.

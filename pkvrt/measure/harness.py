@@ -706,6 +706,20 @@ def graphs_per_layer_key(wl: Workload) -> int:
     return wl.copies * (wl.layers if wl.fp8 else 1)
 
 
+def _runtime_step_info(rt, d, seq, kv_dtype_bytes: int):
+    """(route, splits, counters) of a Runtime's last step ``d`` on lengths ``seq``. A
+    workqueue/fused plan lives on the GPU (device planning, or host lengths): the host planner's
+    identical rule gives its splits and counters (off the timed path); the fused route's merge
+    runs in the decode kernel."""
+    if d.plan is None:
+        make = planner.plan_fused if d.kind == "fused" else planner.plan_workqueue
+        p = make(seq, num_kv_heads=rt.num_kv_heads, num_qo_heads=rt.num_qo_heads,
+                 head_dim=rt.head_dim, dtype_bytes=kv_dtype_bytes,
+                 splits=rt.registry.route(d.route).splits, cal=rt.calibration)
+        return d.route, tuple(plan_splits(p)), p.counters
+    return d.route, tuple(plan_splits(d.plan)), d.plan.counters
+
+
 class RuntimeEngine:
     """``pkvrt.Runtime`` with CUDA graphs (``adaptive-eager``: without, each ``run()`` launches
     its kernels): ``plan(seq_lens, block_tables)`` once per step
@@ -782,16 +796,7 @@ class RuntimeEngine:
         self.rt.run(q, k_cache, v_cache, out=out, **scales)
 
     def step_info(self):
-        d = self.decision
-        if d.plan is None:   # a workqueue/fused plan lives on the GPU (device planning, or host
-            rt = self.rt     # lengths): the host planner's identical rule gives its splits and
-            # counters (off the timed path); the fused route's merge runs in the decode kernel
-            make = planner.plan_fused if d.kind == "fused" else planner.plan_workqueue
-            p = make(self._last_seq, num_kv_heads=rt.num_kv_heads, num_qo_heads=rt.num_qo_heads,
-                     head_dim=rt.head_dim, dtype_bytes=self.kv_dtype_bytes,
-                     splits=rt.registry.route(d.route).splits, cal=rt.calibration)
-            return d.route, tuple(plan_splits(p)), p.counters
-        return d.route, tuple(plan_splits(d.plan)), d.plan.counters
+        return _runtime_step_info(self.rt, self.decision, self._last_seq, self.kv_dtype_bytes)
 
     def _init_captured(self, wl: Workload, *, name: str, force: str | None, routes, calibration,
                        max_active: int, **runtime_kw) -> None:
@@ -959,23 +964,30 @@ class SharedStepGraphEngine(HostStepGraphEngine):
         self.decision = None
 
     def step_info(self):
-        sp = self.rt.plan_used
+        sp, sh = self.rt.plan_used, self.rt
         if sp is None:   # no sharing this step: the plain Runtime's route, as host-step records it
-            shared, self.rt = self.rt, self.rt.plain
-            try:
-                return super().step_info()
-            finally:
-                self.rt = shared
-        sh = self.rt
-        kv = sp.pages_read * sh.page_size * 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
-        # the two query gathers, the merge, and each decode's launches (fused: 1, else with a merge)
-        launches = 3 + sum(1 if rt.last_decision.kind == "fused" else 2 for rt in (sh.shared, sh.own))
+            return _runtime_step_info(sh.plain, self.decision, self._last_seq, self.kv_dtype_bytes)
+        # the tokens the plan reads: each shared run once per chunk, each own segment once
+        tokens = int(sp.chunk_seq.sum()) + int(sp.own_seq.sum())
+        kv = tokens * 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
+        # the two query gathers (one where the own decode reads q itself), the merge, and each
+        # decode's launches (fused: 1, else with its merge)
+        launches = (2 if sh._own_identity else 3) + sum(
+            1 if rt.last_decision.kind == "fused" else 2 for rt in (sh.shared, sh.own))
         return self.SHARED_ROUTE, (), planner.Counters(
             launches=launches, decode_ctas=0, cta_work_per_sm=0.0, useful_kv_bytes=int(kv),
             merge_bytes=0, merge_launches=1)
 
     def stats(self) -> dict:
-        return {"step_graphs": len(self.graphs)}
+        """The plain, chunk and own Runtimes' scalar stats (``plain_*``, ``shared_*``,
+        ``own_*``) and the step graphs."""
+        out = {"step_graphs": len(self.graphs)}
+        for name in ("plain", "shared", "own"):
+            rt = getattr(self.rt, name)
+            if rt is not None and (name == "plain" or rt is not self.rt.plain):
+                out.update({f"{name}_{k}": v for k, v in rt.stats().items()
+                            if isinstance(v, (int, float, str, bool))})
+        return out
 
 
 # --------------------------------------------------------------------------- passes
