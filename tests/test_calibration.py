@@ -85,11 +85,9 @@ def host_times(draw) -> dict:
 
 
 @st.composite
-def sections(draw) -> tuple:
-    """Calibration keywords: no by_kv_dtype (every file before FP8 calibration), or an FP8
-    section with some split keys and/or route kinds, each maybe with by_group entries."""
-    if not draw(st.booleans()):
-        return {}
+def one_section(draw) -> "C.KvDtypeSection":
+    """A by_kv_dtype / by_head_dim section: some split keys and/or route kinds, each maybe with
+    by_group entries."""
     split_vals = {"bucket_ctas_per_sm": pos, "workqueue_ctas_per_sm": pos, "min_split_tokens": st.integers(1, 4096),
                   "cta_overhead_tiles": non_neg, "co_resident_slowdown": pos, "max_waves": st.integers(1, 8),
                   "wave_room_slots": st.integers(0, 600), "wave_room_tiles": non_neg,
@@ -99,14 +97,27 @@ def sections(draw) -> tuple:
     group_keys = draw(st.lists(st.sampled_from(C._GROUP_KEYS), unique=True)) if keys else []
     group_kinds = draw(st.lists(st.sampled_from(C.TIME_KINDS), unique=True)) if kinds else []
     g = draw(st.integers(1, 8))
-    return dict(by_kv_dtype=(("float8_e4m3fn", C.KvDtypeSection(
+    return C.KvDtypeSection(
         splits=tuple((k, draw(split_vals[k])) for k in C._SECTION_SPLIT_KEYS if k in keys),
         splits_by_group=((g, tuple((k, draw(split_vals[k])) for k in C._GROUP_KEYS if k in group_keys)),)
         if group_keys else (),
         time_model=tuple((k, draw(route_times)) for k in C.TIME_KINDS if k in kinds),
         time_model_by_group=((g, tuple((k, draw(route_times)) for k in C.TIME_KINDS if k in group_kinds)),)
         if group_kinds else (),
-        date=draw(st.dates()).isoformat(), command=draw(names), provenance=draw(names))),))
+        date=draw(st.dates()).isoformat(), command=draw(names), provenance=draw(names))
+
+
+@st.composite
+def sections(draw) -> dict:
+    """Calibration keywords: no by_kv_dtype (every file before FP8 calibration) or an FP8
+    section, and no by_head_dim or sections of some head dims."""
+    out = {}
+    if draw(st.booleans()):
+        out["by_kv_dtype"] = (("float8_e4m3fn", draw(one_section())),)
+    dims = draw(st.lists(st.sampled_from(C.SECTION_HEAD_DIMS), unique=True))
+    if dims:
+        out["by_head_dim"] = tuple((d, draw(one_section())) for d in sorted(dims))
+    return out
 
 
 @st.composite
@@ -823,3 +834,70 @@ def test_calibration_knows_every_kv_dtype_of_routes_toml():
 
     assert set(C.TOP_KV_DTYPES) | set(C.SECTION_KV_DTYPES) == set(KV_DTYPES)
     assert {KV_DTYPES[n] for n in C.TOP_KV_DTYPES} == {2} and {KV_DTYPES[n] for n in C.SECTION_KV_DTYPES} == {1}
+
+
+# ----------------------------------------------------------------------------- head-dim sections
+
+def _with_head_dim_256(doc: dict) -> dict:
+    doc = dict(doc)
+    doc["by_head_dim"] = {"256": {"splits": {"workqueue_ctas_per_sm": 1.0, "cta_overhead_tiles": 2.5,
+                                             "by_group": {"8": {"min_split_tokens": 512}}},
+                                  "date": "2026-12-05", "command": "pkvrt calibrate --head-dim 256",
+                                  "source": "test"}}
+    return doc
+
+
+def test_head_dim_sections_are_the_kernels_other_head_dims():
+    from pkvrt import _buildspec
+    assert set(C.SECTION_HEAD_DIMS) == set(_buildspec.HEAD_DIMS) - {C.CALIBRATION_HEAD_DIM}
+
+
+@pytest.mark.parametrize("key, expected", [("128", "keys among ['64', '96', '256']"),
+                                           ("0256", "keys among"), ("abc", "keys among"), ("32", "keys among")])
+def test_a_head_dim_section_of_another_key_is_refused(tmp_path, key, expected):
+    doc = _with_head_dim_256(seed_doc())
+    doc["by_head_dim"] = {key: doc["by_head_dim"]["256"]}
+    with pytest.raises(CalibrationError, match=f"by_head_dim.{key}.*{re.escape(expected)}"):
+        load_calibration(write(tmp_path, doc))
+
+
+def test_a_head_dim_section_that_overrides_nothing_or_an_unknown_key_is_refused(tmp_path):
+    doc = _with_head_dim_256(seed_doc())
+    del doc["by_head_dim"]["256"]["splits"]
+    with pytest.raises(CalibrationError, match="by_head_dim.256.splits.*splits or time_model"):
+        load_calibration(write(tmp_path, doc))
+    doc = _with_head_dim_256(seed_doc())
+    doc["by_head_dim"]["256"]["splits"]["c_min"] = 1.0
+    with pytest.raises(CalibrationError, match="by_head_dim.256.splits.c_min"):
+        load_calibration(write(tmp_path, doc, "b.json"))
+
+
+def test_for_head_dim_lays_its_section_over_the_file(tmp_path):
+    """D 256 takes its section's constants (and its G 8 entry at G 8), keeps the file's others;
+    D 64 has none: the file's, marked a fallback and said so; D 128 is the file's, unmarked. An
+    FP8 section lies over the head dim's; either order with for_group; a resolved view answers
+    only for its head dim, and is not a file."""
+    cal = load_calibration(write(tmp_path, _with_head_dim_256(seed_doc())))
+    d256 = cal.for_head_dim(256)
+    assert (d256.splits.workqueue_ctas_per_sm, d256.splits.cta_overhead_tiles) == (1.0, 2.5)
+    assert d256.splits.min_split_tokens == cal.splits.min_split_tokens and d256.beta_gbps == cal.beta_gbps
+    assert d256.for_group(8).splits.min_split_tokens == 512 == cal.for_group(8).for_head_dim(256).splits.min_split_tokens
+    assert d256.head_dim_note() == "D 256: the by_head_dim section's constants" and not d256.head_dim_fallback
+    d64 = cal.for_head_dim(64)
+    assert d64.splits == cal.splits and d64.head_dim_fallback and "pkvrt calibrate --head-dim 64" in d64.head_dim_note()
+    assert cal.for_head_dim(128).head_dim_note() == "" and not cal.for_head_dim(128).head_dim_fallback
+    assert d256.for_head_dim(256) is d256
+    with pytest.raises(ValueError, match="already the D 256 view"):
+        d256.for_head_dim(64)
+    with pytest.raises(ValueError, match="ask it before for_kv_dtype"):
+        cal.for_kv_dtype("float16").for_head_dim(256)
+    with pytest.raises(ValueError, match="not a file's calibration"):
+        C.calibration_to_dict(d256)
+    fp8 = C.with_kv_dtype_section(cal, "float8_e4m3fn", C.KvDtypeSection(
+        splits=(("cta_overhead_tiles", 7.0),), date="2026-12-05", command="x", provenance="y"))
+    both = fp8.for_head_dim(256).for_kv_dtype("float8_e4m3fn")
+    assert (both.splits.cta_overhead_tiles, both.splits.workqueue_ctas_per_sm) == (7.0, 1.0)
+    added = C.with_head_dim_section(cal, 64, dict(cal.by_head_dim)[256])
+    assert [d for d, _ in added.by_head_dim] == [64, 256]
+    with pytest.raises(ValueError, match="expected one of \\[64, 96, 256\\]"):
+        C.with_head_dim_section(cal, 128, dict(cal.by_head_dim)[256])

@@ -484,3 +484,13 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device):  #
     # a kernel that fits no CTA changes nothing here (loading the kernels reports it)
     fake_device.occupancy = {("fused_decode", 256): 0}
     assert Runtime(16, 8, 256, 16, torch.float16, **kw).residency is None
+    # a by_head_dim section measured at D 256 is this shape's own: its constants, no residency
+    from pkvrt.policy import calibration as C
+    fake_device.occupancy = {("fused_decode", 256): 1, ("fused_decode", 128): 2}
+    sec = C.KvDtypeSection(splits=(("workqueue_ctas_per_sm", 1.0), ("cta_overhead_tiles", 3.25)),
+                           date="2026-12-05", command="pkvrt calibrate --head-dim 256", provenance="test")
+    own = Runtime(16, 8, 256, 16, torch.float16,
+                  **dict(kw, calibration=C.with_head_dim_section(h200, 256, sec)))
+    assert own.residency is None and own.calibration.splits.cta_overhead_tiles == 3.25
+    assert "D 256: the by_head_dim section's constants" in own.explain()
+    assert "no by_head_dim section" in wide.explain()

@@ -48,6 +48,11 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        _SECTION_SPLIT_KEYS, "by_group" as splits.by_group), "time_model"
                        (optional: some of the four kinds, "by_group" as time_model.by_group), at
                        least one of the two; "date", "command", "source": its own provenance}
+    by_head_dim       optional: {"<D>": section} for D in SECTION_HEAD_DIMS: the partition's
+                       constants measured at head dim D (``pkvrt calibrate --head-dim D``; a
+                       section as by_kv_dtype's, fp16 caches), laid over the rest of the file
+                       (measured at D 128) for a Runtime or Router of that head dim
+                       (:meth:`Calibration.for_head_dim`), under an FP8 section's
     versions          {"torch", "cuda", "flashinfer", "driver"}: string or null
     date              ISO date the file was produced, "2026-11-29"
     seed              calibration trace seed, int
@@ -79,7 +84,7 @@ _TOP_KEYS = (
     "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
-_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype", "host_time")
+_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype", "by_head_dim", "host_time")
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
                "co_resident_slowdown", "max_waves", "merge_free_slots", "wave_room_slots",
                "wave_room_tiles", "wave_room_chunk_tiles", "by_group")
@@ -92,6 +97,9 @@ DEFAULT_CO_RESIDENT_SLOWDOWN = 1.5
 DEFAULT_MAX_WAVES = 2   # resident waves of CTAs the balanced partition may plan (planner.MAX_WAVES)
 TOP_GROUP = 4           # the group size of a file's top-level constants (`pkvrt calibrate`'s shape)
 CALIBRATION_HEAD_DIM = 128   # the head dim `pkvrt calibrate` times its kernels at
+# head dims a by_head_dim section may be measured at (`pkvrt calibrate --head-dim`): the kernels'
+# others (_buildspec.HEAD_DIMS)
+SECTION_HEAD_DIMS = (64, 96, 256)
 _VERSION_KEYS = ("torch", "cuda", "flashinfer", "driver")
 # time_model.<kind>: every route kind has one when the section is present
 TIME_KINDS = ("flashinfer", "bucket", "workqueue", "fused")
@@ -320,6 +328,8 @@ class Calibration:
     ``kv_dtype``: None for a file's calibration; the KV dtype name once :meth:`for_kv_dtype` has
     resolved it, with ``kv_dtype_fallback`` True when that dtype has no section (its constants
     are then the fp16-measured ones; the router still counts its bytes per element).
+    ``by_head_dim``: ``((D, section), ...)`` sorted by D, constants measured at that head dim;
+    ``head_dim`` / ``head_dim_fallback`` as ``kv_dtype`` once :meth:`for_head_dim` resolved it.
     """
 
     gpu: str
@@ -344,6 +354,9 @@ class Calibration:
     by_kv_dtype: tuple[tuple[str, KvDtypeSection], ...] = ()
     kv_dtype: str | None = None
     kv_dtype_fallback: bool = False
+    by_head_dim: tuple[tuple[int, KvDtypeSection], ...] = ()
+    head_dim: int | None = None
+    head_dim_fallback: bool = False
     host_time: HostTime | None = None   # the file's host_time section (None: not measured)
 
     def version(self, name: str) -> str | None:
@@ -383,14 +396,16 @@ class Calibration:
         """
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
             raise ValueError(f"for_group: group_size must be a positive int, got {group_size!r}")
-        sections_grouped = any(s.splits_by_group or s.time_model_by_group for _, s in self.by_kv_dtype)
+        sections_grouped = any(s.splits_by_group or s.time_model_by_group
+                               for _, s in (*self.by_kv_dtype, *self.by_head_dim))
         if not self.splits.by_group and not self.time_model_by_group and not sections_grouped:
             return self
         over = dict(dict(self.splits.by_group).get(group_size, ()))
         times = dict(self.time_model) | dict(dict(self.time_model_by_group).get(group_size, ()))
         return attrs.evolve(self, splits=attrs.evolve(self.splits, by_group=(), **over),
                             time_model=_ordered(times, TIME_KINDS), time_model_by_group=(),
-                            by_kv_dtype=tuple((n, s.at_group(group_size)) for n, s in self.by_kv_dtype))
+                            by_kv_dtype=tuple((n, s.at_group(group_size)) for n, s in self.by_kv_dtype),
+                            by_head_dim=tuple((d, s.at_group(group_size)) for d, s in self.by_head_dim))
 
     def for_kv_dtype(self, kv_dtype) -> "Calibration":
         """This calibration as seen by a Runtime or Router whose K/V cache is ``kv_dtype`` (a
@@ -430,6 +445,50 @@ class Calibration:
         return attrs.evolve(view, splits=SplitPoints(**split_top, by_group=split_groups),
                             time_model=_ordered(times, TIME_KINDS), time_model_by_group=time_groups,
                             provenance=f"{self.provenance} by_kv_dtype.{name}: {section.provenance}")
+
+    def for_head_dim(self, head_dim: int) -> "Calibration":
+        """This calibration as seen by a Runtime or Router of ``head_dim``: the ``by_head_dim``
+        section of that head dim laid over the file's constants (as :meth:`for_kv_dtype` lays a
+        KV dtype's), ``head_dim`` set and ``by_head_dim`` emptied. Ask it before
+        :meth:`for_kv_dtype` (an FP8 section, measured at D 128, then lies over it); with
+        :meth:`for_group` in either order. A head dim without a section keeps the file's
+        constants (measured at :data:`CALIBRATION_HEAD_DIM`), marked ``head_dim_fallback``
+        unless it is that head dim. Asking a resolved calibration again for its head dim returns
+        it; for another, or after :meth:`for_kv_dtype`, is a ValueError."""
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"for_head_dim: head_dim must be a positive int, got {head_dim!r}")
+        if self.head_dim is not None:
+            if head_dim != self.head_dim:
+                raise ValueError(f"for_head_dim({head_dim}): this calibration is already the D "
+                                 f"{self.head_dim} view; ask the file's calibration")
+            return self
+        if self.kv_dtype is not None and self.by_head_dim:
+            raise ValueError(f"for_head_dim({head_dim}): ask it before for_kv_dtype (this is the "
+                             f"{self.kv_dtype} view)")
+        section = dict(self.by_head_dim).get(head_dim)
+        view = attrs.evolve(self, by_head_dim=(), head_dim=head_dim,
+                            head_dim_fallback=section is None and head_dim != CALIBRATION_HEAD_DIM)
+        if section is None:
+            return view
+        split_top = {k: v for k, v in attrs.asdict(self.splits, recurse=False).items() if k != "by_group"}
+        split_top, split_groups = _overlay(split_top, self.splits.by_group, dict(section.splits),
+                                           section.splits_by_group, _GROUP_KEYS)
+        times, time_groups = _overlay(dict(self.time_model), self.time_model_by_group,
+                                      dict(section.time_model), section.time_model_by_group, TIME_KINDS)
+        return attrs.evolve(view, splits=SplitPoints(**split_top, by_group=split_groups),
+                            time_model=_ordered(times, TIME_KINDS), time_model_by_group=time_groups,
+                            provenance=f"{self.provenance} by_head_dim.{head_dim}: {section.provenance}")
+
+    def head_dim_note(self) -> str:
+        """What a resolved calibration's constants are at its head dim, for ``explain()``; ""
+        at :data:`CALIBRATION_HEAD_DIM` or unresolved."""
+        if self.head_dim is None or self.head_dim == CALIBRATION_HEAD_DIM:
+            return ""
+        if self.head_dim_fallback:
+            return (f"D {self.head_dim}: no by_head_dim section in {self.slug}, so the constants "
+                    f"measured at D {CALIBRATION_HEAD_DIM} (pkvrt calibrate --head-dim {self.head_dim} "
+                    f"measures them)")
+        return f"D {self.head_dim}: the by_head_dim section's constants"
 
     def kv_dtype_note(self) -> str:
         """What a resolved FP8 calibration's constants are, for ``explain()``; "" for a 16-bit
@@ -582,29 +641,50 @@ def _by_kv_dtype(v, path) -> tuple[tuple[str, KvDtypeSection], ...]:
         if name not in SECTION_KV_DTYPES:
             raise _fail(path, where, f"keys among {list(SECTION_KV_DTYPES)} (the top level holds "
                                      f"{' and '.join(TOP_KV_DTYPES)}'s constants)")
-        if not isinstance(sec, dict):
-            raise _fail(path, where, f"a JSON object of {list(_SECTION_KEYS)}", sec)
-        _take({"splits": None, "time_model": None} | sec, _SECTION_KEYS, path, where + ".")
-        if "splits" not in sec and "time_model" not in sec:
-            raise _fail(path, f"{where}.splits", "splits or time_model to be present (the section "
-                                                 "overrides nothing)")
-        splits, split_groups = (), ()
-        if "splits" in sec:
-            sp, at = sec["splits"], f"{where}.splits"
-            if not isinstance(sp, dict) or not sp:
-                raise _fail(path, at, f"a non-empty object of some of {list(_SECTION_SPLIT_KEYS)}", sp)
-            extra = sorted(set(sp) - set(_SECTION_SPLIT_KEYS))
-            if extra:
-                raise _fail(path, f"{at}.{extra[0]}", f"one of {list(_SECTION_SPLIT_KEYS)} (unknown key)")
-            splits = tuple((k, _split_value(sp, k, path, at + ".")) for k in _SECTION_SPLIT_KEYS[:-1] if k in sp)
-            split_groups = _by_group(sp["by_group"], path, f"{at}.by_group") if "by_group" in sp else ()
-        times, time_groups = (_time_model(sec["time_model"], path, f"{where}.time_model", every_kind=False)
-                              if "time_model" in sec else ((), ()))
-        out.append((name, KvDtypeSection(splits=splits, splits_by_group=split_groups, time_model=times,
-                                         time_model_by_group=time_groups, date=_date(sec, path, where + "."),
-                                         command=_str(sec, "command", path, where + "."),
-                                         provenance=_str(sec, "source", path, where + "."))))
+        out.append((name, _section(sec, path, where)))
     return tuple(out)
+
+
+def _by_head_dim(v, path) -> tuple[tuple[int, KvDtypeSection], ...]:
+    """``by_head_dim`` -> Calibration.by_head_dim: keys the decimal head dims of
+    ``SECTION_HEAD_DIMS``, each a section as by_kv_dtype's."""
+    if not isinstance(v, dict):
+        raise _fail(path, "by_head_dim", 'a JSON object {"<head dim>": {...}}', v)
+    out = []
+    for key, sec in v.items():
+        where = f"by_head_dim.{key}"
+        if not (isinstance(key, str) and key.isdigit() and int(key) in SECTION_HEAD_DIMS and str(int(key)) == key):
+            raise _fail(path, where, f"keys among {[str(d) for d in SECTION_HEAD_DIMS]} (the top level "
+                                     f"holds D {CALIBRATION_HEAD_DIM}'s constants)")
+        out.append((int(key), _section(sec, path, where)))
+    return tuple(sorted(out))
+
+
+def _section(sec, path, where: str) -> KvDtypeSection:
+    """One by_kv_dtype / by_head_dim section: its own date, command and source and some splits
+    and/or time_model overrides."""
+    if not isinstance(sec, dict):
+        raise _fail(path, where, f"a JSON object of {list(_SECTION_KEYS)}", sec)
+    _take({"splits": None, "time_model": None} | sec, _SECTION_KEYS, path, where + ".")
+    if "splits" not in sec and "time_model" not in sec:
+        raise _fail(path, f"{where}.splits", "splits or time_model to be present (the section "
+                                             "overrides nothing)")
+    splits, split_groups = (), ()
+    if "splits" in sec:
+        sp, at = sec["splits"], f"{where}.splits"
+        if not isinstance(sp, dict) or not sp:
+            raise _fail(path, at, f"a non-empty object of some of {list(_SECTION_SPLIT_KEYS)}", sp)
+        extra = sorted(set(sp) - set(_SECTION_SPLIT_KEYS))
+        if extra:
+            raise _fail(path, f"{at}.{extra[0]}", f"one of {list(_SECTION_SPLIT_KEYS)} (unknown key)")
+        splits = tuple((k, _split_value(sp, k, path, at + ".")) for k in _SECTION_SPLIT_KEYS[:-1] if k in sp)
+        split_groups = _by_group(sp["by_group"], path, f"{at}.by_group") if "by_group" in sp else ()
+    times, time_groups = (_time_model(sec["time_model"], path, f"{where}.time_model", every_kind=False)
+                          if "time_model" in sec else ((), ()))
+    return KvDtypeSection(splits=splits, splits_by_group=split_groups, time_model=times,
+                          time_model_by_group=time_groups, date=_date(sec, path, where + "."),
+                          command=_str(sec, "command", path, where + "."),
+                          provenance=_str(sec, "source", path, where + "."))
 
 
 def _host_time(v, path) -> HostTime:
@@ -719,6 +799,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         time_model=time_model,
         time_model_by_group=time_by_group,
         by_kv_dtype=_by_kv_dtype(doc["by_kv_dtype"], path) if "by_kv_dtype" in doc else (),
+        by_head_dim=_by_head_dim(doc["by_head_dim"], path) if "by_head_dim" in doc else (),
         host_time=_host_time(doc["host_time"], path) if "host_time" in doc else None,
     )
 
@@ -728,9 +809,10 @@ def calibration_to_dict(cal: Calibration) -> dict:
     ``time_model`` and ``by_kv_dtype`` only when the calibration has them, so older files
     round-trip unchanged). A :meth:`Calibration.for_kv_dtype` view is refused (ValueError): it
     has lost its file's other sections."""
-    if cal.kv_dtype is not None:
-        raise ValueError(f"calibration_to_dict: this is the {cal.kv_dtype} view of {cal.source} "
-                         "(Calibration.for_kv_dtype), not a file's calibration")
+    if cal.kv_dtype is not None or cal.head_dim is not None:
+        view = cal.kv_dtype if cal.kv_dtype is not None else f"D {cal.head_dim}"
+        raise ValueError(f"calibration_to_dict: this is the {view} view of {cal.source} "
+                         "(Calibration.for_kv_dtype / for_head_dim), not a file's calibration")
     return {
         "schema": SCHEMA,
         "gpu": cal.gpu,
@@ -750,6 +832,7 @@ def calibration_to_dict(cal: Calibration) -> dict:
         "source": cal.provenance,
     } | ({"time_model": _time_model_dict(cal)} if cal.time_model else {}) | (
         {"by_kv_dtype": {n: sec.to_dict() for n, sec in cal.by_kv_dtype}} if cal.by_kv_dtype else {}) | (
+        {"by_head_dim": {str(d): sec.to_dict() for d, sec in cal.by_head_dim}} if cal.by_head_dim else {}) | (
         {"host_time": cal.host_time.to_dict()} if cal.host_time is not None else {})
 
 
@@ -761,6 +844,16 @@ def with_kv_dtype_section(cal: Calibration, name: str, section: KvDtypeSection) 
     if cal.kv_dtype is not None:
         raise ValueError(f"with_kv_dtype_section: this is the {cal.kv_dtype} view, not a file's calibration")
     return attrs.evolve(cal, by_kv_dtype=tuple(sorted({**dict(cal.by_kv_dtype), name: section}.items())))
+
+
+def with_head_dim_section(cal: Calibration, head_dim: int, section: KvDtypeSection) -> Calibration:
+    """``cal`` (a file's calibration) with its ``by_head_dim`` section of ``head_dim`` added or
+    replaced; every other constant, the other sections included, unchanged."""
+    if head_dim not in SECTION_HEAD_DIMS:
+        raise ValueError(f"with_head_dim_section: {head_dim!r}: expected one of {list(SECTION_HEAD_DIMS)}")
+    if cal.kv_dtype is not None or cal.head_dim is not None:
+        raise ValueError("with_head_dim_section: this is a resolved view, not a file's calibration")
+    return attrs.evolve(cal, by_head_dim=tuple(sorted({**dict(cal.by_head_dim), head_dim: section}.items())))
 
 
 def _time_model_dict(cal: Calibration) -> dict:

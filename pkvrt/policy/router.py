@@ -183,9 +183,10 @@ class Router:
             raise ValueError(f"Router: num_qo_heads={num_qo_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}; expected H_q = G * H_kv")
         self.registry = registry
-        # by_kv_dtype (an FP8 section), then splits/time_model by_group, where the file has them
+        # by_head_dim (this head dim's section), by_kv_dtype (an FP8 section), then splits/time_model
+        # by_group, where the file has them
         # (the nearest calibrated group size's where the file has none of this one's)
-        cal = calibration.for_kv_dtype(kv_dtype)
+        cal = calibration.for_head_dim(head_dim).for_kv_dtype(kv_dtype)
         self.cal = cal.for_group(cal.calibrated_group(num_qo_heads // num_kv_heads))
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype_bytes = head_dim, page_size, dtype_bytes

@@ -229,7 +229,7 @@ class Runtime(StaticBuffers, Planning, Running):
                 self.calibration = load_calibration(pathlib.Path(calibration))
             # the partition constants fitted at this group size (splits.by_group), or at the
             # nearest calibrated one (Calibration.calibrated_group)
-            cal = self.calibration.for_kv_dtype(self._kv_dtype)
+            cal = self.calibration.for_head_dim(self.head_dim).for_kv_dtype(self._kv_dtype)
             self.calibration_group = cal.calibrated_group(self.num_qo_heads // self.num_kv_heads)
             self.calibration = cal.for_group(self.calibration_group)
             # the partition's waves are this shape's decode kernel's, not the calibrated shape's
@@ -283,10 +283,13 @@ class Runtime(StaticBuffers, Planning, Running):
             return cal, None
         group = self.num_qo_heads // self.num_kv_heads
         calibrated_kv = self.kv_dtype if self._fp8 and not cal.kv_dtype_fallback else torch.float16
+        # the head dim the partition constants were measured at: this one's (a by_head_dim
+        # section), else the calibration's
+        calibrated_d = CALIBRATION_HEAD_DIM if cal.head_dim_fallback else self.head_dim
         try:
             here = min(ops.decode_occupancy(f, self.dtype, self.head_dim, group, self.kv_dtype)
                        for f in families)
-            there = min(ops.decode_occupancy(f, torch.float16, CALIBRATION_HEAD_DIM, self.calibration_group,
+            there = min(ops.decode_occupancy(f, torch.float16, calibrated_d, self.calibration_group,
                                              calibrated_kv) for f in families)
         except Exception:  # noqa: BLE001 - _load_kernels reports a kernel that cannot be loaded
             return cal, None
@@ -491,6 +494,7 @@ class Runtime(StaticBuffers, Planning, Running):
                  f"{cal.slug}{' (fallback: no file for this GPU)' if cal.fallback else ''}"
                  + (f" (constants of G {self.calibration_group}, the nearest calibrated group size)"
                     if self.calibration_group != self.num_qo_heads // self.num_kv_heads else "")
+                 + (f" ({cal.head_dim_note()})" if cal.head_dim_note() else "")
                  + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
                  + (f"; partition waves of {self.residency[0]} decode CTAs per SM (this shape's kernel;"
                     f" {self.residency[1]} at the calibrated D {CALIBRATION_HEAD_DIM})" if self.residency else "")
