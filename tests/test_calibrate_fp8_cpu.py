@@ -94,9 +94,56 @@ def test_an_fp16_run_names_the_sections_it_drops(tmp_path):
     plain = tmp_path / "plain.json"
     calib.save_calibration(h200, plain)
     assert calibrate.replaced_sections(plain) == [] and calibrate.replaced_sections(tmp_path / "none.json") == []
-    assert calibrate.replaced_sections(H200) == [FP8]   # the shipped file has its measured section
+    assert calibrate.replaced_sections(H200) == [f"by_kv_dtype.{FP8}"]   # the shipped file's measured section
     sec = calib.KvDtypeSection(splits=(("min_split_tokens", 64),), date="2026-12-08", command="c", provenance="p")
     path = tmp_path / "with.json"
     calib.save_calibration(calib.with_kv_dtype_section(attrs.evolve(h200), FP8, sec), path)
-    assert calibrate.replaced_sections(path) == [FP8]
+    assert calibrate.replaced_sections(path) == [f"by_kv_dtype.{FP8}"]
     assert "by_kv_dtype" in json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------- head-dim sections
+
+def test_head_dim_arguments_and_their_refusals():
+    """--head-dim D: one of the kernels' other head dims; not with FP8, --host-time or
+    --suggest-routes (it times no FlashInfer path); an fp16 run names the head-dim sections it
+    drops."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    assert calibrate.check_arguments(parser.parse_args(["--head-dim", "256"])) == "float16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--head-dim", "128"])          # the file's own head dim: a plain run
+    for argv, match in ((["--head-dim", "64", "--kv-dtype", "fp8"], "--head-dim: not with --kv-dtype fp8"),
+                        (["--head-dim", "64", "--host-time"], "--head-dim: not with --host-time"),
+                        (["--head-dim", "96", "--suggest-routes", "x.toml"], "--suggest-routes: not with --head-dim")):
+        with pytest.raises(ValueError, match=match):
+            calibrate.check_arguments(parser.parse_args(argv))
+
+
+def test_a_head_dim_section_holds_the_fitted_points_and_round_trips(tmp_path):
+    """G 4's points at the section's top level with the bucket constant, the other G's in
+    by_group (group keys only); written into this GPU's file, read back, and seen by a Router of
+    that head dim; a later fp16 run says it drops it."""
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.policy.router import Router
+
+    points = {4: {"workqueue_ctas_per_sm": 1.0, "co_resident_slowdown": 1.3, "cta_overhead_tiles": 3.0,
+                  "min_split_tokens": 256},
+              8: {"workqueue_ctas_per_sm": 1.0, "co_resident_slowdown": 1.2, "cta_overhead_tiles": 5.0,
+                  "min_split_tokens": 512}}
+    sec = calibrate.head_dim_section(points, 9.87654, None, provenance="test")
+    assert dict(sec.splits) == {"bucket_ctas_per_sm": 9.877, **points[4]}
+    assert dict(dict(sec.splits_by_group)[8]) == points[8]
+    path = tmp_path / "h200.json"
+    calib.save_calibration(calib.with_head_dim_section(calib.load_calibration(H200), 256, sec), path)
+    back = calib.load_calibration(path)
+    assert dict(back.by_head_dim)[256] == sec
+    reg = load_routes()
+    r = Router(reg, back, num_qo_heads=16, num_kv_heads=8, head_dim=256, page_size=16)
+    assert (r.cal.splits.cta_overhead_tiles, r.cal.splits.min_split_tokens) == (3.0, 256)
+    r8 = Router(reg, back, num_qo_heads=64, num_kv_heads=8, head_dim=256, page_size=16)
+    assert r8.cal.splits.cta_overhead_tiles == 5.0
+    assert Router(reg, back, num_qo_heads=16, num_kv_heads=8, head_dim=128, page_size=16).cal.splits == \
+        calib.load_calibration(H200).for_group(4).splits
+    assert "by_head_dim.256" in calibrate.replaced_sections(path)

@@ -38,6 +38,12 @@ router uses to predict the FlashInfer baseline's time before it promotes a Persi
 be measured without FlashInfer, but a calibration file needs all of them (schema 1), so without
 FlashInfer calibrate stops before measuring anything.
 
+Another head dim (``--head-dim D``, D 64, 96 or 256): the calibration steps' partition and bucket
+sweeps at that head dim (fp16 caches, FlashInfer not timed), fitted into the
+``by_head_dim.<D>`` section of this GPU's file (``--base``): splits.bucket_ctas_per_sm and the
+partition constants per G of ``--groups``, with the kernel's occupancy at that head dim; the
+time model and every other constant stay the file's (``Calibration.for_head_dim``).
+
 FP8 K/V (``--kv-dtype fp8``): the same bucket and partition sweeps with
 float8_e4m3fn caches (``harness.quantize_fp8`` "unit", scales as float32 [1] device tensors,
 outputs checked against the FP32 reference over the dequantized caches), fitted into the
@@ -89,14 +95,14 @@ SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=calib.CALIBRATION_HEAD_DI
 GROUPS = (4, 1, 8)   # group sizes whose partition constants are fitted; 4 gives the top level
 
 
-def group_shape(group: int) -> dict:
+def group_shape(group: int, head_dim: int = SHAPE["head_dim"]) -> dict:
     """SHAPE with ``group`` query heads per KV head (``sweeps.group_heads``: H_q 32 over
-    32 / G KV heads where G divides 32, else 8 KV heads and 8 G query heads)."""
+    32 / G KV heads where G divides 32, else 8 KV heads and 8 G query heads), at ``head_dim``."""
     try:
         hq, hkv = sweeps.group_heads(group)
     except ValueError as e:
         raise ValueError(f"--groups: {e}") from None
-    return {**SHAPE, "num_qo_heads": hq, "num_kv_heads": hkv}
+    return {**SHAPE, "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head_dim}
 
 
 def parse_groups(text: str) -> tuple[int, ...]:
@@ -428,7 +434,7 @@ def time_partition(case: str, seq, group: int, route, base: calib.Calibration, w
     own CTAs)."""
     from pkvrt.policy import planner
 
-    shape = group_shape(group)
+    shape = group_shape(group, wl.shape.head_dim)
     hq, hkv, d = shape["num_qo_heads"], shape["num_kv_heads"], shape["head_dim"]
     cands = planner.partition_candidates(int(-(-seq.max() // TILE_TOKENS)), route.splits, 1).tolist()
     cands = cands[::3] + cands[-1:] if quick else cands
@@ -490,7 +496,8 @@ def measure_launch(repeats: int) -> dict[str, float]:
     return res
 
 
-def decode_occupancy(family: str = "workqueue_decode", group: int = 4, kv_dtype: str = "float16") -> int:
+def decode_occupancy(family: str = "workqueue_decode", group: int = 4, kv_dtype: str = "float16",
+                     head_dim: int = SHAPE["head_dim"]) -> int:
     """Resident CTAs per SM of a workqueue-kind decode kernel (``workqueue_decode`` or
     ``fused_decode``) at the seed shape with ``group`` query heads per KV head and ``kv_dtype``
     K/V (its ``_e4m3`` variant for float8_e4m3fn) (the driver's occupancy query with its block
@@ -499,7 +506,7 @@ def decode_occupancy(family: str = "workqueue_decode", group: int = 4, kv_dtype:
 
     from pkvrt.launch import ops
 
-    return ops.decode_occupancy(family, torch.float16, SHAPE["head_dim"], group, getattr(torch, kv_dtype))
+    return ops.decode_occupancy(family, torch.float16, head_dim, group, getattr(torch, kv_dtype))
 
 
 def measure_torch_read(gib: int, repeats: int) -> float:
@@ -542,6 +549,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama-3.2-3b,qwen2.5-14b): their group sizes join --groups (their head "
                              "dims other than 128 run on the D 128 constants with their own kernel's "
                              f"waves); known: {', '.join(MODELS)}")
+    parser.add_argument("--head-dim", type=int, choices=calib.SECTION_HEAD_DIMS, metavar="D",
+                        help="measure the partition's constants at head dim D (one of "
+                             f"{', '.join(map(str, calib.SECTION_HEAD_DIMS))}; the file's are D "
+                             f"{calib.CALIBRATION_HEAD_DIM}'s) and write them as the by_head_dim.D "
+                             "section of --base (this GPU's file, written by a run without it first)")
     parser.add_argument("--suggest-routes", metavar="PATH",
                         help="also write the gates the calibration steps measured (group sizes, "
                              "minimum context and active rows where each route beat FlashInfer) as a "
@@ -599,6 +611,16 @@ def check_arguments(args) -> str:
     if getattr(args, "models", ()):
         args.groups = with_model_groups(args)
     kv = KV_DTYPE_ARGS[args.kv_dtype]
+    if getattr(args, "head_dim", None) is not None:
+        if kv not in calib.TOP_KV_DTYPES:
+            raise ValueError("--head-dim: not with --kv-dtype fp8 (a head-dim section is measured with "
+                             "fp16 caches; the FP8 section, at D 128, lies over it)")
+        if getattr(args, "host_time", False):
+            raise ValueError("--head-dim: not with --host-time (host time does not depend on it)")
+        if args.suggest_routes:
+            raise ValueError("--suggest-routes: not with --head-dim (a head-dim run times no "
+                             "FlashInfer path to judge gates against)")
+        return kv
     if getattr(args, "host_time", False):
         if kv not in calib.TOP_KV_DTYPES:
             raise ValueError("--host-time: not with --kv-dtype fp8 (host_time is measured in the mode "
@@ -654,7 +676,8 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"pkvrt calibrate: cannot measure here: {why}", file=sys.stderr)
         return 2
-    if not fp8 and str(env.get("flashinfer", "")).startswith("unavailable"):
+    if not fp8 and getattr(args, "head_dim", None) is None and \
+            str(env.get("flashinfer", "")).startswith("unavailable"):
         print(f"pkvrt calibrate: FlashInfer is {env['flashinfer']}. Calibration needs it: it times "
               "FlashInfer's decode to fit flashinfer.ctas_per_sm, the cost model the router uses "
               "to predict the FlashInfer baseline before promoting a PersistentKV route. Install "
@@ -667,7 +690,11 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "host_time", False):
         return run_host_time(args, out, device)
     try:
-        if fp8:
+        if getattr(args, "head_dim", None) is not None:
+            cal, raw, meta = measure_head_dim(
+                args, load_base(Path(args.base) if args.base else out, device, f"head-dim {args.head_dim}"),
+                args.head_dim)
+        elif fp8:
             cal, raw, meta = measure_kv_dtype(args, load_base(Path(args.base) if args.base else out, device),
                                               kv_dtype)
         else:
@@ -680,9 +707,10 @@ def run(args: argparse.Namespace) -> int:
             cal = attrs.evolve(cal, host_time=ht)
             print("host_time (this machine's host, per step: plan_us + layers x run_us)\n" + host_table(ht) + "\n")
             if dropped:
-                print(f"pkvrt calibrate: the {', '.join(dropped)} section of {out} is not kept (its time "
-                      f"model was fitted against that file's beta): run pkvrt calibrate --kv-dtype fp8 "
-                      "again", file=sys.stderr)
+                print(f"pkvrt calibrate: the {', '.join(dropped)} section(s) of {out} are not kept (an "
+                      f"FP8 time model is fitted against that file's beta, and a section belongs to the "
+                      f"kernels it timed): run pkvrt calibrate --kv-dtype fp8 / --head-dim D again",
+                      file=sys.stderr)
     except RuntimeError as e:
         print(f"pkvrt calibrate: {e}", file=sys.stderr)
         return 1
@@ -693,8 +721,10 @@ def run(args: argparse.Namespace) -> int:
                                  kind="calibration-sweeps", **meta)
         results.write_results(args.raw, meta, raw)
         print(f"wrote {args.raw}")
-    print(f"wrote {out}" + (f" (its by_kv_dtype.{kv_dtype} section; every other constant as in "
-                            f"{args.base or 'the file before'})" if fp8 else ""))
+    section = (f"by_head_dim.{args.head_dim}" if getattr(args, "head_dim", None) is not None
+               else f"by_kv_dtype.{kv_dtype}" if fp8 else None)
+    print(f"wrote {out}" + (f" (its {section} section; every other constant as in "
+                            f"{args.base or 'the file before'})" if section else ""))
     if cal.time_model:
         errors, gates = report(raw, cal, load_routes(args.routes), header=f"{cal.gpu}, {cal.date}, seed {SEED}",
                                kv_dtype=kv_dtype)
@@ -731,9 +761,13 @@ def run_host_time(args, out: Path, device: str) -> int:
 
 
 def replaced_sections(out: Path) -> list[str]:
-    """The ``by_kv_dtype`` sections of the file a 16-bit run replaces (it writes none)."""
+    """The ``by_kv_dtype`` and ``by_head_dim`` sections of the file a 16-bit run replaces (it
+    writes none)."""
     try:
-        return [name for name, _ in calib.load_calibration(out).by_kv_dtype] if out.is_file() else []
+        if not out.is_file():
+            return []
+        cal = calib.load_calibration(out)
+        return [f"by_kv_dtype.{n}" for n, _ in cal.by_kv_dtype] + [f"by_head_dim.{d}" for d, _ in cal.by_head_dim]
     except calib.CalibrationError:
         return []
 
@@ -766,7 +800,8 @@ def kept_max_waves(args, slug: str) -> int:
 
 
 def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: int,
-               t_start: float, max_waves: int) -> tuple[list[dict], list[dict], dict[int, dict]]:
+               t_start: float, max_waves: int, head_dim: int = SHAPE["head_dim"],
+               flashinfer: bool | None = None) -> tuple[list[dict], list[dict], dict[int, dict]]:
     """Every calibration step timed with ``kv_dtype`` caches: the bucket route at each candidate
     S (G 4), the workqueue-or-fused routes of routes.toml at every cut (the device-planning
     route first; in the grid the Runtime launches, :func:`runtime_grid`, with the device-planning
@@ -778,7 +813,8 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
     Returns (fit records: the bucket sweeps and the device-planning route at G 4; the raw rows of
     ``--raw``, each with its ``kv_dtype``; {G: {"case [kind]": (seq_lens, {cut: us}, the route's
     split bounds)}} of both partition routes, for ``fit_partition``: the names and tuples of
-    ``sweeps.partition_cases``).
+    ``sweeps.partition_cases``). ``head_dim``: the shape's (a ``--head-dim`` run); ``flashinfer``
+    False: FlashInfer not timed (default: with 16-bit caches).
     """
     import torch
 
@@ -790,17 +826,18 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
     # every workqueue-or-fused kind is timed at every cut (its time model); dp_route first
     partition_routes = [dp_route] + [r for k in ("workqueue", "fused") if k != dp_route.kind
                                      for r in [sweeps.route_of_kind(reg, k)] if r is not None]
-    hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], SHAPE["head_dim"]
+    hkv, hq, d = SHAPE["num_kv_heads"], SHAPE["num_qo_heads"], head_dim
     kv_tok = 2 * hkv * d * KV_DTYPES[kv_dtype]
-    flashinfer = kv_dtype in calib.TOP_KV_DTYPES
+    if flashinfer is None:
+        flashinfer = kv_dtype in calib.TOP_KV_DTYPES
     raw, fit_recs = [], []
     partition_cases: dict[int, dict] = {g: {} for g in args.groups}
     # the device-planning kernel's occupancy per G: the Runtime's grid (runtime_grid) is sized by it
-    resident = {g: decode_occupancy(dp_route.kernel, g, kv_dtype) for g in args.groups}
+    resident = {g: decode_occupancy(dp_route.kernel, g, kv_dtype, d) for g in args.groups}
     for case, kind, seq in calibration_steps():
         kv = int(seq.sum()) * kv_tok
         if kind == "bucket":
-            wl = _workload(seq, l2, kv_dtype=kv_dtype)
+            wl = _workload(seq, l2, {**SHAPE, "head_dim": d}, kv_dtype=kv_dtype)
             ref = _reference(wl)
             for s in split_candidates(bucket_bounds, quick):
                 us = time_bucket(wl, s, ref, repeats)
@@ -816,7 +853,7 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
             continue
         for g in args.groups:   # the partition routes at every cut, then FlashInfer, per group size
             name = case if g == 4 else f"{case}-G{g}"
-            wl = _workload(seq, l2, group_shape(g), kv_dtype)   # one workload and reference for every engine
+            wl = _workload(seq, l2, group_shape(g, d), kv_dtype)   # one workload and reference for every engine
             ref = _reference(wl)
             for route in partition_routes:
                 grid = runtime_grid(len(seq), num_kv_heads=group_shape(g)["num_kv_heads"], splits=route.splits,
@@ -848,7 +885,7 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
 
 
 def fit_groups(partition_cases: dict, reg, *, sm_count: int, kv_dtype: str,
-               max_waves: int) -> tuple[dict, dict, dict]:
+               max_waves: int, head_dim: int = SHAPE["head_dim"]) -> tuple[dict, dict, dict]:
     """``calibration.fit_partition`` per G of :func:`time_steps`' partition sweeps (the workqueue
     and fused routes share the constants), with the occupancy of the device-planning route's
     kernel (``kv_dtype`` variant) at each G from the driver:
@@ -856,7 +893,7 @@ def fit_groups(partition_cases: dict, reg, *, sm_count: int, kv_dtype: str,
     dp_route = reg.device_planning_route()
     fitted, regrets, resident = {}, {}, {}
     for g, cases in partition_cases.items():
-        resident[g] = decode_occupancy(dp_route.kernel, g, kv_dtype)
+        resident[g] = decode_occupancy(dp_route.kernel, g, kv_dtype, head_dim)
         fitted[g], regrets[g] = calib.fit_partition(
             cases, sm_count=sm_count, resident=resident[g], num_kv_heads=group_shape(g)["num_kv_heads"],
             splits=dp_route.splits, max_waves=max_waves)
@@ -1033,6 +1070,68 @@ def measure_kv_dtype(args, base: calib.Calibration, kv_dtype: str) -> tuple[cali
     _print_sweeps(cal.for_kv_dtype(kv_dtype), fit_recs, regrets, time.perf_counter() - t_start)
     return cal, raw, {"kv_dtype": kv_dtype, "fp8_scales": "unit",
                       "occupancy": {str(g): n for g, n in resident.items()}}
+
+
+def measure_head_dim(args, base: calib.Calibration, head_dim: int) -> tuple[calib.Calibration, list[dict], dict]:
+    """The ``by_head_dim`` section of ``head_dim``: the calibration steps timed at that head dim
+    (fp16 caches, the workqueue and fused routes at every cut, the bucket route's split
+    candidates), fitted as :func:`measure` fits them (``fit_split_points``; ``fit_partition``
+    per G of ``--groups`` with the device-planning kernel's occupancy at that head dim), and
+    ``base`` (this GPU's file, :func:`load_base`) with the section added or replaced. FlashInfer
+    is not timed and no time model is fitted: the router predicts with the file's (measured at D
+    128, bytes counted at this head dim); the partition, which device planning and every captured
+    step run, gets this head dim's constants. Returns as :func:`measure`."""
+    import torch
+
+    t_start = time.perf_counter()
+    repeats = 10 if args.quick else 30
+    reg = load_routes(args.routes)
+    dp_route = reg.device_planning_route()
+    props = torch.cuda.get_device_properties(0)
+    timing = attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
+                          splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), by_head_dim=(),
+                          time_model=(), time_model_by_group=())
+    max_waves = args.max_waves or base.splits.max_waves
+    fit_recs, raw, partition_cases = time_steps(args, reg, timing, kv_dtype="float16", repeats=repeats,
+                                                t_start=t_start, max_waves=max_waves, head_dim=head_dim,
+                                                flashinfer=False)
+    for r in raw:
+        r["head_dim"] = head_dim
+    bucket = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"], sm_count=base.sm_count,
+                                    num_kv_heads=SHAPE["num_kv_heads"])["bucket_ctas_per_sm"]
+    fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=base.sm_count, kv_dtype="float16",
+                                           max_waves=max_waves, head_dim=head_dim)
+    section = head_dim_section(fitted, bucket, max_waves if args.max_waves else None, provenance=(
+        f"Measured by pkvrt calibrate --head-dim {head_dim}{' --quick' if args.quick else ''} on "
+        f"{torch.cuda.get_device_name(0)}: every calibration step at head dim {head_dim} (H_q and "
+        f"H_kv as the D {calib.CALIBRATION_HEAD_DIM} run's, fp16 caches), outputs checked against the "
+        f"FP32 reference. splits.bucket_ctas_per_sm: fit_split_points over bucket B1 "
+        f"{'/'.join(f'{n // 1024}K' for n in B1_CONTEXTS)}; splits.workqueue_ctas_per_sm: the "
+        f"{dp_route.kernel} kernel's occupancy at D {head_dim} (driver query, {resident[4]} CTAs per SM "
+        f"at G 4); co_resident_slowdown / cta_overhead_tiles / min_split_tokens: fit_partition over "
+        f"{len(partition_cases[4])} sweeps ({_routes_text(partition_cases[4])}) timed at every cut, in "
+        f"the grid the Runtime launches (max_waves {max_waves}), per G of {', '.join(map(str, fitted))}. "
+        f"Regret of the fitted rule: {_regret_text(regrets)}. Not measured at this head dim, so the "
+        f"file's: beta_gbps, lambda, c_min, FlashInfer's constants and the time model."))
+    cal = calib.with_head_dim_section(base, head_dim, section)
+    _print_sweeps(cal.for_head_dim(head_dim), fit_recs, regrets, time.perf_counter() - t_start)
+    return cal, raw, {"kv_dtype": "float16", "head_dim": head_dim,
+                      "occupancy": {str(g): n for g, n in resident.items()}}
+
+
+def head_dim_section(points: dict, bucket_ctas_per_sm: float, max_waves: int | None, *,
+                     provenance: str) -> calib.KvDtypeSection:
+    """A ``by_head_dim`` section of ``fit_partition``'s points per G (G 4 at its top level, the
+    others by_group) and the bucket route's fitted constant (and ``max_waves`` when given)."""
+    order = [a.name for a in attrs.fields(calib.SplitPoints)]
+    top = dict(points.get(4, {}), bucket_ctas_per_sm=round(bucket_ctas_per_sm, 3))
+    if max_waves is not None:
+        top["max_waves"] = max_waves
+    return calib.KvDtypeSection(
+        splits=tuple((k, top[k]) for k in calib._SECTION_SPLIT_KEYS[:-1] if k in top),
+        splits_by_group=tuple(sorted((g, tuple((k, p[k]) for k in order if k in p and k in calib._GROUP_KEYS))
+                                     for g, p in points.items() if g != 4)),
+        date=datetime.date.today().isoformat(), command=_command(), provenance=provenance)
 
 
 def _command() -> str:
