@@ -435,16 +435,7 @@ class Calibration:
         section = dict(self.by_kv_dtype).get(name)
         view = attrs.evolve(self, by_kv_dtype=(), kv_dtype=name,
                             kv_dtype_fallback=section is None and name not in TOP_KV_DTYPES)
-        if section is None:
-            return view
-        split_top = {k: v for k, v in attrs.asdict(self.splits, recurse=False).items() if k != "by_group"}
-        split_top, split_groups = _overlay(split_top, self.splits.by_group, dict(section.splits),
-                                           section.splits_by_group, _GROUP_KEYS)
-        times, time_groups = _overlay(dict(self.time_model), self.time_model_by_group,
-                                      dict(section.time_model), section.time_model_by_group, TIME_KINDS)
-        return attrs.evolve(view, splits=SplitPoints(**split_top, by_group=split_groups),
-                            time_model=_ordered(times, TIME_KINDS), time_model_by_group=time_groups,
-                            provenance=f"{self.provenance} by_kv_dtype.{name}: {section.provenance}")
+        return view if section is None else view._laid_over(section, f"by_kv_dtype.{name}")
 
     def for_head_dim(self, head_dim: int) -> "Calibration":
         """This calibration as seen by a Runtime or Router of ``head_dim``: the ``by_head_dim``
@@ -468,16 +459,19 @@ class Calibration:
         section = dict(self.by_head_dim).get(head_dim)
         view = attrs.evolve(self, by_head_dim=(), head_dim=head_dim,
                             head_dim_fallback=section is None and head_dim != CALIBRATION_HEAD_DIM)
-        if section is None:
-            return view
+        return view if section is None else view._laid_over(section, f"by_head_dim.{head_dim}")
+
+    def _laid_over(self, section: KvDtypeSection, name: str) -> "Calibration":
+        """This calibration with ``section`` laid over its split constants and time model (per
+        G: ``_overlay``), its provenance naming the section ``name``."""
         split_top = {k: v for k, v in attrs.asdict(self.splits, recurse=False).items() if k != "by_group"}
         split_top, split_groups = _overlay(split_top, self.splits.by_group, dict(section.splits),
                                            section.splits_by_group, _GROUP_KEYS)
         times, time_groups = _overlay(dict(self.time_model), self.time_model_by_group,
                                       dict(section.time_model), section.time_model_by_group, TIME_KINDS)
-        return attrs.evolve(view, splits=SplitPoints(**split_top, by_group=split_groups),
+        return attrs.evolve(self, splits=SplitPoints(**split_top, by_group=split_groups),
                             time_model=_ordered(times, TIME_KINDS), time_model_by_group=time_groups,
-                            provenance=f"{self.provenance} by_head_dim.{head_dim}: {section.provenance}")
+                            provenance=f"{self.provenance} {name}: {section.provenance}")
 
     def head_dim_note(self) -> str:
         """What a resolved calibration's constants are at its head dim, for ``explain()``; ""
