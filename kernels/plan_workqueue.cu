@@ -42,7 +42,8 @@
 //         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
 //         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
 // Status (*status, written every launch): bit 0 = the plan needs more than task_capacity tasks
-//         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [1, *max_seq_len]
+//         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [0, *max_seq_len]
+//         (a row of length 0 is idle: an engine's padding row, given no work and not flagged)
 //         (max_seq in direct mode);
 //         bit 2 = some active row's block table holds a page id outside [0, *num_pages) in one
 //         of the ceil(seq_len / page_size) entries the decode would read (checked when
@@ -157,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   if (tid < rows) {
     len = p.src_seq_lens != nullptr ? p.src_seq_lens[tid] : p.seq_lens[tid];
     if (p.src_seq_lens != nullptr) p.seq_lens[tid] = len;
-    if (len < 1 || len > max_len) {
+    if (len < 0 || len > max_len) {  // 0: an idle row (an engine's padding), no work, no flag
       atomicOr(&bad_rows, 1);
       len = 0;
     }

@@ -120,9 +120,14 @@ def test_device_planning_flags_bad_lengths_and_skips_their_rows(fake_device, poo
     assert rt.device_status(raise_on_error=False) == 2
     with pytest.raises(RuntimeError, match="seq_len was outside"):
         rt.device_status()
-    bad[1] = 0
+    bad[1] = -1
     rt.plan(torch.as_tensor(bad), torch.as_tensor(bt))
     assert rt.device_status(raise_on_error=False) == 2
+    bad[1] = 0                          # an idle row (an engine's padding): no work, not flagged
+    rt.plan(torch.as_tensor(bad), torch.as_tensor(bt))
+    out = rt.run(rt.static_q(3), *cache, out=rt.static_out(3).fill_(7.0))
+    assert rt.device_status() == 0 and torch.all(out[1] == 7.0)
+    assert rel_err(out[[0, 2]], want[[0, 2]]) < 2e-3
     rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))  # the word is rewritten every step
     assert rt.device_status() == 0
 

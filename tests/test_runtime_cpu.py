@@ -689,6 +689,8 @@ class Emu:
         tiles, bad, bad_page = [0] * max_rows, False, False
         for r in range(rows):
             n = int(seq_lens[r])
+            if n == 0:   # an idle row (an engine's padding): no work, not flagged
+                continue
             if not 1 <= n <= max_len:
                 bad = True
             elif bound and not all(0 <= int(x) < bound

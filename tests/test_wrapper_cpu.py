@@ -253,6 +253,27 @@ def wmod_csr(seq, slots):
     return torch.as_tensor(ip), torch.as_tensor(ind), torch.ones(len(seq), dtype=torch.int32)
 
 
+def test_cuda_graph_mode_serves_vllms_padding_rows(fake_device, pool):  # noqa: F811
+    """vLLM pads a CUDA-graph decode batch to its captured size with rows of no pages (indptr
+    flat, last_page_len 1): they get no work and no flag (the planning kernel's idle rows), the
+    real rows equal the reference; without CUDA-graph mode such a row is refused, naming it."""
+    b, _ = pool
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(6, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(2048, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(5, dtype=torch.int32))
+    w = wrapper(use_cuda_graph=True, **bufs)
+    seq, bt, ip, ind, lpl = step(b, [0, 2, 3], 1)
+    ip5 = torch.cat([ip, ip[-1:].repeat(2)])                  # two padding rows
+    lpl5 = torch.cat([lpl, torch.ones(2, dtype=lpl.dtype)])
+    plan(w, ip5, ind, lpl5)
+    q = torch.randn(5, HQ, D, generator=torch.Generator().manual_seed(12)).half()
+    out = w.run(q, (b.k_cache, b.v_cache))
+    ref = reference.decode_attention(q[:3], b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(out[:3], ref) < TOL and w.runtime.device_status() == 0
+    with pytest.raises(ValueError, match="row 3 has 0 pages.*only in CUDA-graph mode"):
+        plan(wrapper(), ip5, ind, lpl5)
+
+
 def test_constructor_refusals():
     with pytest.raises(ValueError, match="Invalid kv_layout"):
         wrapper(kv_layout="HDN")

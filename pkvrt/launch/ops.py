@@ -553,7 +553,7 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     [1] int32 (device; None: MAX_SEQ_LEN, through a temporary tensor);
     tasks [capacity, 5]; num_tasks [1]; split_offsets [max_rows+1]; num_splits [max_rows];
     status [1] int32, written every launch: bit 0 = the plan needs more than capacity tasks
-    (num_tasks clamped), bit 1 = an active row's seq_len is outside [1, max_seq_len], bit 2 =
+    (num_tasks clamped), bit 1 = an active row's seq_len is outside [0, max_seq_len] (0: an idle row), bit 2 =
     an active row's block table holds a page id outside [0, num_pages) among the entries its
     length uses (either way that row gets no split: nothing reads its block table or the cache
     for it, nor writes its output). Page ids are checked when ``block_tables`` [>= max_rows,

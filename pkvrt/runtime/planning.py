@@ -298,7 +298,8 @@ class Planning:
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):
         0 = fine; bit 0 = task capacity exceeded (cannot happen with the runtime's own sizing);
-        bit 1 = a row's seq_len was outside [1, block-table columns * page_size]; bit 2 = a row's
+        bit 1 = a row's seq_len was outside [0, block-table columns * page_size] (0 is an idle
+        row: an engine's padding, given no work and not flagged); bit 2 = a row's
         block table held a page id outside [0, num_pages) among the pages its length uses
         (either way that row got no work and its output row was not computed). Raises
         RuntimeError on a nonzero word unless ``raise_on_error`` is False. Host routing: the
@@ -326,7 +327,7 @@ class Planning:
         if word and raise_on_error:
             what = []
             if word & 2:
-                what.append("a row's seq_len was outside [1, block_tables columns * page_size]: "
+                what.append("a row's seq_len was outside [0, block_tables columns * page_size]: "
                             "that row got no work and its output row was not computed")
             if word & 4:
                 what.append(f"a row's block table held a page id outside [0, num_pages = "

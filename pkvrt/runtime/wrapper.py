@@ -61,24 +61,27 @@ def canonical_dtype(dt, name: str):
     raise ValueError(f"{name}={dt!r}: expected a torch dtype or its name")
 
 
-def csr_pages(indptr, batch: int) -> np.ndarray:
+def csr_pages(indptr, batch: int, *, padding: bool = False) -> np.ndarray:
     """FlashInfer's ``indptr`` on the host as int64 ``[batch + 1]`` (a device-to-host copy when
-    it is on the GPU, as in FlashInfer's plan(); engines pass it on the host).
+    it is on the GPU, as in FlashInfer's plan(); engines pass it on the host). ``padding``: rows
+    of no pages are allowed (an engine's padding rows of a captured batch size, which vLLM
+    gives an indptr that stays flat; they get no work).
 
-    Raises ValueError naming the argument: indptr not [batch + 1] starting at 0, a row of no
-    pages."""
+    Raises ValueError naming the argument: indptr not [batch + 1] starting at 0, decreasing, or
+    (without ``padding``) a row of no pages."""
     ip = np.asarray(indptr.cpu() if isinstance(indptr, torch.Tensor) else indptr, dtype=np.int64)
     if ip.ndim != 1 or ip.shape[0] != batch + 1 or ip[0] != 0:
         raise ValueError(f"indptr: expected [batch_size + 1 = {batch + 1}] starting at 0, got shape "
                          f"{tuple(ip.shape)}" + (f", indptr[0] = {ip[0]}" if ip.size else ""))
     pages = np.diff(ip)
-    if (pages < 1).any():
-        r = int(np.nonzero(pages < 1)[0][0])
-        raise ValueError(f"indptr: row {r} has {int(pages[r])} pages; a decode row has at least one")
+    if (pages < (0 if padding else 1)).any():
+        r = int(np.nonzero(pages < (0 if padding else 1))[0][0])
+        raise ValueError(f"indptr: row {r} has {int(pages[r])} pages; a decode row has at least one"
+                         + ("" if padding else " (rows of none, an engine's padding, only in CUDA-graph mode)"))
     return ip
 
 
-def csr_lengths(indptr, last_page_len, page_size: int):
+def csr_lengths(indptr, last_page_len, page_size: int, *, padding: bool = False):
     """The lengths of FlashInfer's paged-KV CSR on the host: ``(indptr int64 [B + 1], seq_lens
     int32 [B] = (pages - 1) * page_size + last_page_len)``.
 
@@ -86,11 +89,14 @@ def csr_lengths(indptr, last_page_len, page_size: int):
     page_size]."""
     lpl = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
                      dtype=np.int64)
-    ip = csr_pages(indptr, lpl.shape[0])
-    if ((lpl < 1) | (lpl > page_size)).any():
-        r = int(np.nonzero((lpl < 1) | (lpl > page_size))[0][0])
+    ip = csr_pages(indptr, lpl.shape[0], padding=padding)
+    pages = np.diff(ip)
+    bad = ((lpl < 1) | (lpl > page_size)) & (pages > 0)
+    if bad.any():
+        r = int(np.nonzero(bad)[0][0])
         raise ValueError(f"last_page_len[{r}] = {int(lpl[r])}: expected 1..page_size = {page_size}")
-    return ip, ((np.diff(ip) - 1) * page_size + lpl).astype(np.int32)
+    # a row of no pages (padding, csr_pages(padding=True)) has length 0
+    return ip, np.where(pages > 0, (pages - 1) * page_size + lpl, 0).astype(np.int32)
 
 
 def _host_side(x) -> bool:
@@ -146,8 +152,8 @@ def device_step(ip: np.ndarray, indices: torch.Tensor, seq_out: torch.Tensor, bt
     if dev.type == "cuda":
         host = host.pin_memory()
     meta = host.to(dev, non_blocking=True)                  # [3, B]: first entry, pages, length
-    if seq is None:
-        seq_out[:b].copy_((meta[1] - 1) * page_size + last_page_len.to(dev))
+    if seq is None:   # rows of no pages (padding) have length 0
+        seq_out[:b].copy_(torch.where(meta[1] > 0, (meta[1] - 1) * page_size + last_page_len.to(dev), 0))
     else:
         seq_out[:b].copy_(meta[2])
     row = torch.repeat_interleave(torch.arange(b, device=dev), meta[1], output_size=nnz)
@@ -335,15 +341,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # the page ids, and last_page_len where it is on the GPU (SGLang's), never read on
             # the host: the step is written on the device into this wrapper's static buffers,
             # from the caller's indices buffer, and planned there (device planning)
-            ip = csr_pages(indptr, batch)
+            ip = csr_pages(indptr, batch, padding=True)
             _check_indices_length(indices, int(ip[-1]))
             if _host_side(last_page_len):
-                seq_host = csr_lengths(ip, last_page_len, page_size)[1]
+                seq_host = csr_lengths(ip, last_page_len, page_size, padding=True)[1]
             elif page_size == 1:     # every page holds one token: the lengths are the page counts
                 seq_host = np.diff(ip).astype(np.int32)
             else:                    # computed on the device; a bad one is the planner's to flag
                 seq_host = None
-            rt = self._runtime(key, batch, int(np.diff(ip).max()))
+            rt = self._runtime(key, batch, max(1, int(np.diff(ip).max())))
             # FlashInfer fills the caller's buffers: so do we (SGLang wrote indices there already)
             self._buffers[0].copy_(torch.as_tensor(indptr), non_blocking=non_blocking)
             self._buffers[2].copy_(torch.as_tensor(last_page_len), non_blocking=non_blocking)

@@ -136,9 +136,10 @@ def test_plan_decode_merge_in_one_graph_with_changing_lengths():
 
 
 def test_device_plan_flags_lengths_outside_the_block_table():
-    """Rows with seq_len 0 or beyond max_seq_len get no split and set status bit 1; the others
-    still get their splits."""
-    seq = np.array([4000, 0, 700, 4097, 33], dtype=np.int32)
+    """Rows with a negative seq_len or one beyond max_seq_len get no split and set status bit 1;
+    a row of length 0 (an engine's padding) gets no split and no flag; the others still get
+    their splits."""
+    seq = np.array([4000, -1, 700, 4097, 33, 0], dtype=np.int32)
     splits = load_routes().route("pkv_workqueue").splits
     cal = find_calibration(torch.cuda.get_device_name())
     bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
@@ -155,9 +156,9 @@ def test_device_plan_flags_lengths_outside_the_block_table():
     torch.cuda.synchronize()
     assert bufs["status"].item() == 2
     got = bufs["num_splits"].cpu().numpy()[: len(seq)]
-    assert got[1] == 0 and got[3] == 0 and (got[[0, 2, 4]] > 0).all()
+    assert got[1] == 0 and got[3] == 0 and got[5] == 0 and (got[[0, 2, 4]] > 0).all()
     n = bufs["num_tasks"].item()
-    assert not np.isin(bufs["tasks"].cpu().numpy()[:n, 0], [1, 3]).any()
+    assert not np.isin(bufs["tasks"].cpu().numpy()[:n, 0], [1, 3, 5]).any()
 
 
 @pytest.mark.parametrize("seed", range(6))
