@@ -68,6 +68,33 @@ def test_csr_to_block_tables_inverts_to_csr(lens, page, seed):
         assert bt2[r, :n].tolist() == bt[r, :n].tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=8), st.sampled_from([1, 4, 16]),
+       st.integers(0, 2**31 - 1), st.booleans())
+def test_device_step_is_the_host_conversion(lens, page, seed, device_lengths):
+    """device_step (CUDA-graph mode: the step written where the indices are) gives the host
+    conversion's lengths and each row's pages, from host lengths or from last_page_len on the
+    device, rows of no pages (padding) included as length 0; entries past a row's pages are left
+    as they were."""
+    from pkvrt.runtime import wrapper as wmod
+
+    rng = np.random.default_rng(seed)
+    pages = [-(-n // page) for n in lens]
+    ids = rng.permutation(sum(pages) + 3).astype(np.int32)
+    ip = np.concatenate([[0], np.cumsum(pages)]).astype(np.int64)
+    lpl = np.array([n - (p - 1) * page if p else 1 for n, p in zip(lens, pages)], np.int32)
+    ind = torch.as_tensor(ids)
+    seq_out = torch.full((len(lens) + 1,), -7, dtype=torch.int32)
+    bt_out = torch.full((len(lens) + 1, max(pages) + 3), -7, dtype=torch.int32)
+    kw = (dict(last_page_len=torch.as_tensor(lpl), page_size=page) if device_lengths
+          else dict(seq=wmod.csr_lengths(ip, lpl, page, padding=True)[1]))
+    wmod.device_step(wmod.csr_pages(ip, len(lens), padding=True), ind, seq_out, bt_out, **kw)
+    assert seq_out[:len(lens)].tolist() == lens and seq_out[-1] == -7
+    for r, p in enumerate(pages):
+        assert bt_out[r, :p].tolist() == ids[ip[r]:ip[r + 1]].tolist() and (bt_out[r, p:] == -7).all()
+    assert (bt_out[-1] == -7).all()
+
+
 @pytest.mark.parametrize("ip, ind, lpl, match", [
     ([1, 2], [0, 1], [1], r"indptr: expected \[batch_size \+ 1 = 2\] starting at 0"),
     ([0, 1, 3], [0, 1, 2], [1], r"indptr: expected \[batch_size \+ 1 = 2\]"),
