@@ -7,6 +7,7 @@ out by hand (e.g. baseline 1000 tok/s, engine 1200 tok/s -> ratio 1.200); none i
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -749,8 +750,8 @@ def test_progress_lines_on_stderr(capsys, tmp_path, serving_dir):
     assert lines[0] == f"pkvrt report: reading 3 results file(s) (*.json) from {serving_dir}"
     n = len(report.SECTIONS)
     assert [ln for ln in lines if " section " in ln][::n - 1] == [
-        "pkvrt report: section 1/15: Table 1: isolated decode attention",
-        "pkvrt report: section 15/15: Results files read"] and n == 15
+        "pkvrt report: section 1/18: Table 1: isolated decode attention",
+        "pkvrt report: section 18/18: Results files read"] and n == 18
     assert "pkvrt report: plot: ratio_vs_context.png" in lines
     assert "pkvrt report: appendix: appendix-steps-trace0-B8.csv (4 rows)" in lines
     assert lines[-1].startswith(f"pkvrt report: writing {tmp_path / 'o' / 'report.md'} (")
@@ -794,3 +795,65 @@ def test_rows_without_case_and_engine_in_a_file_of_no_kind_are_plain_rows(capsys
     assert rc == 0, err
     md = (tmp_path / "o" / "report.md").read_text()
     assert "| rows | tokens | checked_us |\n| --- | --- | --- |\n| 1 | 1600 | 19.35 |" in md
+
+
+def test_coverage_benchmarks_get_their_own_tables(capsys, tmp_path):
+    """model-shapes (two files: the newer one's rows win), dropin and shared-pages results each
+    render their section: ratios, geometric means, baseline paths, unavailable paths, and none
+    of them in "Other results"."""
+    d = tmp_path / "cov"
+    step = dict(engine="pkvrt-device-plan-step", median_us=100.0, floor_us=80.0, status="ok")
+    old = [dict(case="llama-3.2-3b-bimodal-B8-step0", model="llama-3.2-3b", **dict(step, median_us=999.0)),
+           dict(case="llama-3.2-3b-bimodal-B8", engine="summary", model="llama-3.2-3b", trace="bimodal-B8",
+                steps=1, pkvrt_us=999.0, baseline_us=150.0, ratio=0.15, pkvrt_floor_fraction=0.08,
+                baseline_floor_fraction=0.53)]
+    new = [dict(case="llama-3.2-3b-probe", engine="flashinfer-cuda", kind="global", status="ok"),
+           dict(case="phi-3-mini-probe", engine="flashinfer-tc", kind="global",
+                status="unavailable: FlashInfer has no decode kernel for head_dim 96"),
+           dict(case="llama-3.2-3b-bimodal-B8", engine="summary", model="llama-3.2-3b", trace="bimodal-B8",
+                steps=1, pkvrt_us=100.0, baseline_us=150.0, ratio=1.5, pkvrt_floor_fraction=0.8,
+                baseline_floor_fraction=0.53),
+           dict(case="llama-3.2-3b-bimodal-B8-step0", engine="flashinfer-fastest-correct",
+                model="llama-3.2-3b", median_us=150.0, paths={"global": "flashinfer-tc"}, floor_us=80.0),
+           dict(case="phi-3-mini-bimodal-B8", engine="summary", model="phi-3-mini", trace="bimodal-B8",
+                steps=1, pkvrt_us=90.0, baseline_us=None, ratio=None, pkvrt_floor_fraction=0.9,
+                baseline_floor_fraction=None),
+           dict(case="gemma-2-9b", engine="pkvrt-device-plan-step", status="failed: RuntimeError: x")]
+    write(d / "model-shapes-a.json", "model-shapes", old, date="2026-12-05T01:00:00+00:00")
+    write(d / "model-shapes-b.json", "model-shapes", new, date="2026-12-05T02:00:00+00:00")
+    drop = []
+    for i, (pk, fi) in enumerate(((100.0, 120.0), (100.0, 90.0))):
+        case = f"sglang-bimodal-B8-step{i}"
+        drop += [dict(case=case, style="sglang", engine="pkvrt", status="ok", median_us=pk, plan_host_us=50.0),
+                 dict(case=case, style="sglang", engine="flashinfer-tc", status="ok", median_us=fi,
+                      plan_host_us=150.0),
+                 dict(case=case, style="sglang", engine="flashinfer-cuda", status="unavailable: Unsupported"),
+                 dict(case=case, style="sglang", engine="ratio", baseline="flashinfer-tc", ratio=fi / pk)]
+    write(d / "dropin.json", "dropin", drop)
+    shared = [dict(case="8x(32K+128)", engine="pkvrt-shared", status="ok", median_us=2000.0,
+                   floor_us=8213.0, floor_once_us=1055.0),
+              dict(case="8x(32K+128)", engine="flashinfer-tc", status="ok", median_us=3931.0,
+                   floor_us=8213.0, floor_once_us=1055.0),
+              dict(case="8x(32K+128)", engine="flashinfer-cascade", status="unavailable: no CUTLASS",
+                   floor_us=8213.0, floor_once_us=1055.0),
+              dict(case="8x(32K+128)", engine="ratio", baseline="flashinfer-tc", ratio=1.9655,
+                   ratio_plain=0.75)]
+    write(d / "shared-pages.json", "shared-pages", shared)
+    rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"), "--no-plots")
+    assert rc == 0, err
+    md = (tmp_path / "o" / "report.md").read_text()
+    ms = table_section(md, "Served models' shapes")
+    assert cells(ms) == [["llama-3.2-3b", "bimodal-B8", "1", "100.0", "150.0", "1.500", "0.80", "0.53"],
+                         ["phi-3-mini", "bimodal-B8", "1", "90.0", "-", "none", "0.90", "-"]]
+    assert "Geometric mean of the ratios: 1.500 over 1 (model, trace) pairs" in ms
+    assert "llama-3.2-3b (global: flashinfer-tc)" in ms
+    assert "phi-3-mini global: flashinfer-tc: unavailable: FlashInfer has no decode kernel for head_dim 96" in ms
+    assert "- gemma-2-9b: failed: RuntimeError: x" in ms
+    dr = table_section(md, "The drop-in wrapper")
+    assert cells(dr) == [["sglang", "2", "2", "0.900", f"{math.sqrt(1.2 * 0.9):.3f}",
+                          "pkvrt 50.0, flashinfer-tc 150.0"]]
+    assert "flashinfer-cuda: unavailable: Unsupported" in dr
+    sp = table_section(md, "Rows that share pages")
+    assert cells(sp) == [["8x(32K+128)", "8213", "1055", "2000.0", "3931.0", "-", "flashinfer-tc", "1.966", "0.750"]]
+    assert "flashinfer-cascade on 8x(32K+128): unavailable: no CUTLASS" in sp
+    assert "Other results" not in md

@@ -21,6 +21,8 @@ contents), then the seed paper's tables:
   ``-fp8`` for an FP8 KV cache): the engine protocol's read-floor fractions and per-step ratios,
   the throughput ratio by context length, and the adaptive engine's route map;
 - whole-model (``kind: model-decode``) and tensor-parallel (``kind: tp-decode``) decode;
+- the served models' shapes (``kind: model-shapes``), the drop-in wrapper (``kind: dropin``) and
+  rows that share pages (``kind: shared-pages``): pkvrt/measure/coverage_results.py;
 - every other file as its rows, and the list of the files read.
 
 A table longer than 40 rows is summarised in report.md, with every row in a CSV appendix beside
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pkvrt.measure import coverage_results
 from pkvrt.measure.model_results import KIND as MODEL_KIND, model_decode_table
 from pkvrt.measure.tp_results import KIND as TP_KIND, tp_decode_table
 # The names below are this module's public interface as well (benches, tests and bench.py use
@@ -74,7 +77,7 @@ PLOTS_OFF = "Plots not drawn (pkvrt report --no-plots)."
 NO_STEPS = "No per-step records (.steps.json files) to plot."
 MAX_ROWS = 40        # a longer table is summarised in report.md, every row in a CSV appendix
 OTHER_COLUMNS = 12   # an other file with more columns than this goes to a CSV appendix whole
-HANDLED = {"isolated", "serving", "serving-steps", "plan", NCU, MODEL_KIND, TP_KIND}
+HANDLED = {"isolated", "serving", "serving-steps", "plan", NCU, MODEL_KIND, TP_KIND, *coverage_results.KINDS}
 
 Progress = Callable[[str], None]
 
@@ -252,6 +255,18 @@ def tp_section(c: Context) -> str:
     return neutral(tp_decode_table(c.files))
 
 
+def model_shapes_section(c: Context) -> str:
+    return neutral(coverage_results.model_shapes_table(c.files))
+
+
+def dropin_section(c: Context) -> str:
+    return neutral(coverage_results.dropin_table(c.files))
+
+
+def shared_pages_section(c: Context) -> str:
+    return neutral(coverage_results.shared_pages_table(c.files))
+
+
 def _other_file(path, doc, out: Outputs) -> tuple[tuple, str]:
     """The overview row of one other file, and its table when it is shown in report.md ("")."""
     name, grid = Path(path).name, generic_grid(doc)
@@ -331,6 +346,11 @@ SECTIONS: list[tuple[str, Callable[[Context], str]]] = [
      "attention share", model_section),
     ("Tensor-parallel decode (Llama-3-8B shape, TP ranks, one CUDA graph per rank and step): "
      "ms/step, tokens/s, scaling efficiency, attention and all-reduce shares", tp_section),
+    ("Served models' shapes in the engine protocol (the whole step in one graph) against "
+     "FlashInfer's fastest correct path per layer kind", model_shapes_section),
+    ("The drop-in wrapper called as engines call FlashInfer's (CUDA-graph mode)", dropin_section),
+    ("Rows that share pages: each row reading its pages, and each shared run read once per "
+     "chunk of rows", shared_pages_section),
     ("Other results", other_section),
     ("Results files read", files_section),
 ]

@@ -1,0 +1,152 @@
+"""Report tables of the coverage benchmarks: the served models' shapes (``benches/model_shapes.py``,
+``meta.kind == "model-shapes"``), the drop-in wrapper as engines call it (``benches/dropin.py``,
+``"dropin"``) and rows that share pages (``benches/shared_pages.py``, ``"shared-pages"``).
+
+Each renderer takes ``files`` as ``pkvrt.tools.report.load_dir`` returns them (``[(path, doc)]``)
+and returns Markdown ("" when no file of its kind is among them). A benchmark may be run in
+several calls (a model subset each, ``--out`` a file each); rows of one (case, engine) found in
+several files count once, from the newest file (``meta.date``). Ratios are the benchmark's own,
+formed within one file: FlashInfer's fastest correct path's time over pkvrt's (> 1: pkvrt faster).
+"""
+
+from __future__ import annotations
+
+import math
+
+MODEL_SHAPES, DROPIN, SHARED_PAGES = "model-shapes", "dropin", "shared-pages"
+KINDS = (MODEL_SHAPES, DROPIN, SHARED_PAGES)
+
+
+def _rows(files, kind: str) -> list[dict]:
+    """The rows of every ``kind`` file, a (case, engine, kind, style) seen in several files
+    taken from the newest file, in the order first seen."""
+    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
+                  key=lambda d: str(d["meta"].get("date") or ""))
+    out: dict[tuple, dict] = {}
+    for doc in docs:
+        for r in doc["rows"]:
+            out[(r.get("case"), r.get("engine"), r.get("kind"), r.get("style"))] = r
+    return list(out.values())
+
+
+def _f(v, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _geomean(values) -> float | None:
+    vals = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def _table(header, lines, text_columns: int = 1) -> str:
+    """A Markdown table, its first ``text_columns`` columns left-aligned, the rest right."""
+    rule = ["---" if i < text_columns else "---:" for i in range(len(header))]
+    return "\n".join("| " + " | ".join(str(c).replace("|", "\\|") for c in line) + " |"
+                     for line in (header, rule, *lines))
+
+
+def _short(status: str, n: int = 90) -> str:
+    return status if len(status) <= n else status[:n - 1] + "…"
+
+
+def model_shapes_table(files) -> str:
+    """Per model and trace (the benchmark's ``summary`` rows): steps, pkvrt's and FlashInfer's
+    fastest correct path's µs over the steps, the ratio and both read-floor fractions; the
+    geometric mean of the ratios; which FlashInfer path each model's layer kinds were measured
+    against; the paths found unavailable or wrong by the probe, and failed models."""
+    rows = _rows(files, MODEL_SHAPES)
+    if not rows:
+        return ""
+    summ = [r for r in rows if r.get("engine") == "summary"]
+    parts = []
+    if summ:
+        parts.append(_table(
+            ["model", "trace", "steps", "pkvrt µs", "FlashInfer fastest correct µs", "ratio",
+             "pkvrt / floor", "FlashInfer / floor"],
+            [(r["model"], r["trace"], r["steps"], _f(r["pkvrt_us"], 1), _f(r.get("baseline_us"), 1),
+              _f(r.get("ratio"), 3) if r.get("ratio") else "none", _f(r.get("pkvrt_floor_fraction"), 2),
+              _f(r.get("baseline_floor_fraction"), 2)) for r in summ], text_columns=2))
+        g = _geomean(r.get("ratio") for r in summ)
+        n = sum(1 for r in summ if r.get("ratio"))
+        parts.append(f"Geometric mean of the ratios: {_f(g, 3)} over {n} (model, trace) pairs with a "
+                     f"baseline; {len(summ) - n} without one (no correct FlashInfer path, or a pkvrt "
+                     "step that failed its check).")
+    paths: dict[str, set] = {}
+    for r in rows:
+        if r.get("engine") == "flashinfer-fastest-correct" and r.get("paths"):
+            paths.setdefault(r["model"], set()).update(f"{k}: {v}" for k, v in r["paths"].items())
+    if paths:
+        parts.append("Baseline paths (layer kind: FlashInfer path): " + "; ".join(
+            f"{m} ({', '.join(sorted(p))})" for m, p in paths.items()) + ".")
+    probe = [r for r in rows if str(r.get("case", "")).endswith("-probe") and r.get("status") != "ok"]
+    if probe:
+        parts.append("FlashInfer paths not used (the probe against the FP32 reference):\n\n" + "\n".join(
+            f"- {r['case'][:-len('-probe')]} {r.get('kind')}: {r['engine']}: {_short(str(r.get('status')))}"
+            for r in probe))
+    failed = [r for r in rows if r.get("engine") == "pkvrt-device-plan-step"
+              and str(r.get("status", "ok")) != "ok"]
+    if failed:
+        parts.append("pkvrt steps that failed:\n\n" + "\n".join(
+            f"- {r['case']}: {_short(str(r['status']))}" for r in failed))
+    return "\n\n".join(parts)
+
+
+def dropin_table(files) -> str:
+    """Per engine calling style (SGLang's, vLLM's): steps, the ratio's minimum and geometric
+    mean (FlashInfer's faster wrapper over the drop-in, CUDA-graph replays), and the median host
+    time of plan() for the drop-in and each FlashInfer wrapper; then the steps where a path was
+    unavailable or wrong."""
+    rows = _rows(files, DROPIN)
+    if not rows:
+        return ""
+    styles = list(dict.fromkeys(r["style"] for r in rows if r.get("style")))
+    lines = []
+    for style in styles:
+        mine = [r for r in rows if r.get("style") == style]
+        ratios = [r["ratio"] for r in mine if r.get("engine") == "ratio" and r.get("ratio")]
+        steps = sum(1 for r in mine if r.get("engine") == "ratio")
+        plan = {}
+        for r in mine:
+            if r.get("engine") != "ratio" and r.get("plan_host_us") is not None:
+                plan.setdefault(r["engine"], []).append(r["plan_host_us"])
+        plan_text = ", ".join(f"{e} {_f(sorted(v)[len(v) // 2], 1)}" for e, v in plan.items()) or "-"
+        lines.append((style, steps, len(ratios), _f(min(ratios), 3) if ratios else "-",
+                      _f(_geomean(ratios), 3), plan_text))
+    parts = [_table(["style", "steps", "with a ratio", "ratio min", "ratio geomean",
+                     "plan() host µs, median"], lines)]
+    bad = [r for r in rows if r.get("engine") != "ratio" and r.get("status") not in (None, "ok")]
+    if bad:
+        parts.append("Paths unavailable or wrong:\n\n" + "\n".join(
+            f"- {r['case']} {r['engine']}: {_short(str(r['status']))}" for r in bad))
+    return "\n\n".join(parts)
+
+
+def shared_pages_table(files) -> str:
+    """Per step (rows x (shared + own tokens)): the floor with each row reading its pages and
+    with each page read once, every engine's µs, the fastest FlashInfer path, and the ratios of
+    pkvrt's shared-pages path and of its plain device planning against it; then the
+    unavailable paths."""
+    rows = _rows(files, SHARED_PAGES)
+    if not rows:
+        return ""
+    engines = list(dict.fromkeys(r["engine"] for r in rows if r.get("engine") != "ratio"))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    lines = []
+    for case in cases:
+        by = {r["engine"]: r for r in rows if r["case"] == case}
+        any_row = next((r for e, r in by.items() if e != "ratio"), {})
+        ratio = by.get("ratio", {})
+        lines.append((case, _f(any_row.get("floor_us"), 0), _f(any_row.get("floor_once_us"), 0),
+                      *(_f(by[e].get("median_us"), 1) if e in by and by[e].get("status") == "ok" else "-"
+                        for e in engines),
+                      ratio.get("baseline") or "-", _f(ratio.get("ratio"), 3), _f(ratio.get("ratio_plain"), 3)))
+    parts = [_table(["step", "floor µs", "floor, pages once µs", *(f"{e} µs" for e in engines),
+                     "baseline", "shared / baseline", "plain / baseline"], lines)]
+    bad = {}
+    for r in rows:
+        if r.get("engine") != "ratio" and r.get("status") not in (None, "ok"):
+            bad.setdefault((r["engine"], _short(str(r["status"]))), []).append(r["case"])
+    if bad:
+        parts.append("Paths unavailable or wrong:\n\n" + "\n".join(
+            f"- {e} on {', '.join(cs)}: {s}" for (e, s), cs in bad.items()))
+    return "\n\n".join(parts)
