@@ -106,7 +106,10 @@ __device__ __forceinline__ void merge_segments(const SegmentParams& p) {
   // where state k of this row and head is: (values, lse), or null
   auto state = [&](int k, const T** o, float* l) {
     const long long s = p.slots[(long long)r * p.k + k];
-    if (s < p.slots_a) {
+    if (s < 0) {   // not a state, as slots_a + slots_b and above ("none", what the host writes)
+      *o = nullptr;
+      *l = -INFINITY;
+    } else if (s < p.slots_a) {
       const long long v = s / c_rows, c = s % c_rows;
       const long long head = (long long)hk * c_rows * g + c * g + j;
       *o = static_cast<const T*>(p.out_a) + (v * heads_a + head) * D;

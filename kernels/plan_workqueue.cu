@@ -355,8 +355,8 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     const int len = len_of[r];
     const int start = pkv::window_start(len, p.window_left);
     const int tiles = tiles_of[r];
-    const int b = start + split * tiles / S * p.tile_tokens;
-    const int e = min(len, start + (split + 1) * tiles / S * p.tile_tokens);
+    const int b = start + (int)((long long)split * tiles / S) * p.tile_tokens;
+    const int e = min(len, start + (int)((long long)(split + 1) * tiles / S) * p.tile_tokens);
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const int tk = j * p.num_kv_heads + h;
       if (tk < p.task_capacity) {

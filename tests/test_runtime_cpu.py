@@ -608,7 +608,7 @@ class Emu:
         la = lse_a.view(va, hkv, chunk_rows, group).permute(0, 2, 1, 3).reshape(-1, hq)
         states, lses = torch.cat([sa.float(), out_b.float()]), torch.cat([la, lse_b])
         for r in range(b):
-            ks = [int(x) for x in slots[r] if int(x) < states.shape[0]]
+            ks = [int(x) for x in slots[r] if 0 <= int(x) < states.shape[0]]
             o, ls = reference.merge_states(lses[ks], torch.ones_like(lses[ks]), states[ks], sinks,
                                            return_lse=True)
             out[r] = o.to(out.dtype)

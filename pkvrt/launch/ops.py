@@ -447,7 +447,7 @@ def merge_segments(out_a, lse_a, out_b, lse_b, slots, out, *, group: int, chunk_
     merge_segments): out_a [Va, H_kv * C * G, D] / lse_a [Va, H_kv * C * G] the chunk states
     (chunk v's row c holds head hk * G + j at hk * C * G + c * G + j), out_b [Sb, H_q, D] / lse_b
     [Sb, H_q] the own states, slots int64 [B, K] (< Va * C: a chunk's row; < Va * C + Sb: an own
-    state; else none), out [B, H_q, D]; sinks None or float32 [H_q]; lse None or float32 [B,
+    state; negative or above: none), out [B, H_q, D]; sinks None or float32 [H_q]; lse None or float32 [B,
     H_q] (written). One launch, grid (head blocks, B)."""
     if out.dtype not in _DTYPES or not out.is_cuda or not out.is_contiguous() or out.dim() != 3:
         _fail("out", "a contiguous CUDA float16/bfloat16 [B, H_q, D] tensor",
