@@ -390,12 +390,13 @@ def fake_gpu(monkeypatch, fp8_rows):
         name="NVIDIA H200", multi_processor_count=132, L2_cache_size=50 * 2**20))
     monkeypatch.setattr(_driver, "available", lambda: None)
     monkeypatch.setattr(results, "environment", lambda: {"gpu": "NVIDIA H200", "flashinfer": "unavailable: test"})
-    monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv: 3)
+    monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv, head_dim=128: 3)
     calls = []
 
-    def time_steps(args, reg, base, *, kv_dtype, repeats, t_start, max_waves):
-        calls.append((kv_dtype, base, max_waves))
-        timed = sweeps.read_rows(fp8_rows, kv_dtype=kv_dtype)
+    def time_steps(args, reg, base, *, kv_dtype, repeats, t_start, max_waves, head_dim=128, flashinfer=None):
+        calls.append((kv_dtype, base, max_waves) if head_dim == 128 else (kv_dtype, base, max_waves, head_dim,
+                                                                          flashinfer))
+        timed = sweeps.read_rows(fp8_rows, kv_dtype=FP8)   # the sweeps' times (a head-dim run reuses them)
         fit_recs = [dict(case=t.case, route="bucket", rows=1, context=int(t.seq.max()), splits=s, us=us,
                          kv_bytes=int(t.seq.sum()) * 2048, ctas=8 * s) for t in timed if t.kind == "bucket"
                     for s, us in t.times.items()]
@@ -445,6 +446,34 @@ def test_calibrate_fp8_adds_its_section_to_the_base_file(fake_gpu, tmp_path, cap
     assert fake_gpu[-1][2] == 2      # --max-waves sizes the grid the cuts were timed in
     assert dict(again.splits)["max_waves"] == 2 and len(load_calibration(out).by_kv_dtype) == 1
     assert load_calibration(out).splits == CAL.splits
+
+
+def test_calibrate_head_dim_adds_its_section_to_the_base_file(fake_gpu, tmp_path, capsys):
+    """`pkvrt calibrate --head-dim 256` with the timing faked: the steps are timed at D 256
+    without FlashInfer, the base file's constants are written unchanged beside the by_head_dim
+    section (bucket split point, partition constants at G 4 and 8 with the kernel's occupancy at
+    D 256), --raw records the head dim, and a Router at D 256 plans with the section."""
+    from pkvrt.policy.router import Router
+    from pkvrt.tools import cli
+
+    out, raw = tmp_path / "nvidia-h200.json", tmp_path / "sweeps.json"
+    argv = ["calibrate", "--head-dim", "256", "--groups", "4,8", "--base",
+            str(_saved(tmp_path, CAL, "base.json")), "--out", str(out), "--raw", str(raw)]
+    assert cli.main(argv) == 0
+    assert f"wrote {out} (its by_head_dim.256 section" in capsys.readouterr().out
+    (kv, base, waves, head_dim, flashinfer), = fake_gpu
+    assert (kv, head_dim, flashinfer, waves) == ("float16", 256, False, CAL.splits.max_waves)
+    assert base.by_head_dim == () and base.time_model == ()
+    got = load_calibration(out)
+    assert calibration_to_dict(attrs.evolve(got, by_head_dim=())) == calibration_to_dict(CAL)
+    sec = dict(got.by_head_dim)[256]
+    assert dict(sec.splits)["workqueue_ctas_per_sm"] == 3.0 and "bucket_ctas_per_sm" in dict(sec.splits)
+    assert [g for g, _ in sec.splits_by_group] == [8] and sec.time_model == ()
+    assert "--head-dim 256" in sec.provenance and "Not measured at this head dim" in sec.provenance
+    assert {r["head_dim"] for r in fp8_rows_of(raw)} == {256}
+    assert json.loads(raw.read_text())["meta"]["head_dim"] == 256
+    r = Router(load_routes(), got, num_qo_heads=16, num_kv_heads=8, head_dim=256, page_size=16)
+    assert r.cal.splits.workqueue_ctas_per_sm == 3.0 and r.cal.head_dim == 256
 
 
 def test_calibrate_fp8_refuses_another_gpus_base_before_timing(fake_gpu, tmp_path, capsys):

@@ -1095,8 +1095,7 @@ def measure_head_dim(args, base: calib.Calibration, head_dim: int) -> tuple[cali
     fit_recs, raw, partition_cases = time_steps(args, reg, timing, kv_dtype="float16", repeats=repeats,
                                                 t_start=t_start, max_waves=max_waves, head_dim=head_dim,
                                                 flashinfer=False)
-    for r in raw:
-        r["head_dim"] = head_dim
+    raw = [dict(r, head_dim=head_dim) for r in raw]
     bucket = calib.fit_split_points([r for r in fit_recs if r["route"] == "bucket"], sm_count=base.sm_count,
                                     num_kv_heads=SHAPE["num_kv_heads"])["bucket_ctas_per_sm"]
     fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=base.sm_count, kv_dtype="float16",
