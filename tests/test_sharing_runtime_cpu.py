@@ -177,6 +177,27 @@ def test_more_chunks_than_a_batch_runs_unshared(fake_device, pool):  # noqa: F81
     assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
 
 
+@pytest.mark.parametrize("engine_capture", [False, True], ids=["own graphs", "engine capture"])
+def test_shared_pages_are_exact_with_fp8_kv(fake_device, pool, engine_capture):  # noqa: F811
+    """e4m3 K/V with per-KV-head scales: the chunk and own decodes dequantize with the layer's
+    scales and the merge is exact against the FP32 reference over the dequantized caches."""
+    from pkvrt import reference
+
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 900, 700, 880], 30, [[0, 1, 2, 3, 4]])
+    k8, ks = reference.quantize_kv(b.k_cache.float(), per_head=True)
+    v8, vs = reference.quantize_kv(b.v_cache.float(), per_head=True)
+    rt = runtime(kv_dtype=torch.float8_e4m3fn, engine_capture=engine_capture)
+    rt.plan(seq, bt)
+    assert rt.plan_used is not None and rt.shared is not None
+    q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                    generator=torch.Generator().manual_seed(21)).half()
+    out = rt.run(q, k8, v8, out=torch.full_like(q, float("nan")), k_scale=ks, v_scale=vs)
+    want = reference.decode_attention(q, k8, v8, torch.as_tensor(seq), torch.as_tensor(bt),
+                                      k_scale=ks, v_scale=vs)
+    assert rel_err(out, want) < 2e-3
+
+
 def test_chunk_rows_follow_the_kernels_served(fake_device):  # noqa: F811
     """Rows per chunk: the most whose rows x G heads a kernel serves (FP8 K/V at D 256: 8)."""
     rt16 = SharedPagesRuntime(8, 2, 256, 16, torch.float16, routes=ROUTES, calibration=SEED,

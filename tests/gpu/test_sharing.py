@@ -65,6 +65,25 @@ def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
     assert err < 2e-3, (err, rt.explain())
 
 
+def test_shared_pages_with_fp8_kv_match_the_reference():
+    """e4m3 K/V with per-KV-head scales (G 4: chunks of 4 rows), against the FP32 reference over
+    the dequantized caches."""
+    hq, hkv, lens, prefixes = CASES[0]
+    seq, bt = step(lens, prefixes, 8192, seed=3)
+    k, ks = reference.quantize_kv(torch.randn(8192, hkv, PAGE, 128, device="cuda"), per_head=True)
+    v, vs = reference.quantize_kv(torch.randn(8192, hkv, PAGE, 128, device="cuda"), per_head=True)
+    q = torch.randn(len(lens), hq, 128, device="cuda", dtype=torch.float16)
+    rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, kv_dtype=torch.float8_e4m3fn,
+                                  max_batch=16, max_pages_per_row=bt.shape[1], num_pages=8192)
+    rt.plan(seq, bt)
+    assert rt.plan_used is not None, rt.explain()
+    out = rt.run(q, k, v, out=torch.full_like(q, float("nan")), k_scale=ks, v_scale=vs)
+    ref = reference.decode_attention(q, k, v, torch.as_tensor(seq, device="cuda"),
+                                     torch.as_tensor(bt, device="cuda"), k_scale=ks, v_scale=vs)
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < 2e-3, (err, rt.explain())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("sinks", [False, True])
