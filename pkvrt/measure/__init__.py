@@ -11,6 +11,8 @@
   dims, windows, soft caps, sinks) and the steps ``benches/model_shapes.py`` measures them on.
 - :mod:`~pkvrt.measure.results`, :mod:`~pkvrt.measure.model_results`,
   :mod:`~pkvrt.measure.tp_results`: results files with the GPU, versions, seeds and hashes.
+- :mod:`~pkvrt.measure.coverage_results`: the report tables of the coverage benchmarks (model
+  shapes, the drop-in wrapper, rows that share pages).
 
 May import: the runtime, the policy, the launch layer, ``pkvrt.reference`` (the FP32 answer the
 benches check against). Never the tools (the commands import it) or the integrations.
