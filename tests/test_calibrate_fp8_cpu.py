@@ -147,3 +147,14 @@ def test_a_head_dim_section_holds_the_fitted_points_and_round_trips(tmp_path):
     assert Router(reg, back, num_qo_heads=16, num_kv_heads=8, head_dim=128, page_size=16).cal.splits == \
         calib.load_calibration(H200).for_group(4).splits
     assert "by_head_dim.256" in calibrate.replaced_sections(path)
+
+
+def test_models_of_another_head_dim_are_refused_with_head_dim():
+    import argparse
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    with pytest.raises(ValueError, match=r"--models: llama-3.1-8b \(D 128\): not of --head-dim 256"):
+        calibrate.check_arguments(parser.parse_args(["--head-dim", "256", "--models", "gemma-2-9b,llama-3.1-8b"]))
+    args = parser.parse_args(["--head-dim", "256", "--models", "gemma-2-9b", "--groups", "4"])
+    calibrate.check_arguments(args)
+    assert args.groups == (4, 2)

@@ -901,3 +901,12 @@ def test_for_head_dim_lays_its_section_over_the_file(tmp_path):
     assert [d for d, _ in added.by_head_dim] == [64, 256]
     with pytest.raises(ValueError, match="expected one of \\[64, 96, 256\\]"):
         C.with_head_dim_section(cal, 128, dict(cal.by_head_dim)[256])
+
+
+def test_a_section_of_an_empty_by_group_is_refused(tmp_path):
+    """A section whose only content is an empty by_group overrides nothing (and could not be
+    written back): refused, naming it."""
+    doc = _with_head_dim_256(seed_doc())
+    doc["by_head_dim"]["256"]["splits"] = {"by_group": {}}
+    with pytest.raises(CalibrationError, match="by_head_dim.256.splits.*a constant to override"):
+        load_calibration(write(tmp_path, doc))

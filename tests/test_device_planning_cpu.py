@@ -470,7 +470,7 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device):  #
     kw = dict(calibration=h200, max_batch=8, max_pages_per_row=2100, options=RuntimeOptions(flashinfer=False))
     wide = Runtime(16, 8, 256, 16, torch.float16, **kw)
     plain = Runtime(16, 8, 128, 16, torch.float16, **kw)
-    assert wide.residency == (1, 2) and plain.residency is None
+    assert wide.residency == (1, 2, "D 128") and plain.residency is None
     assert wide.calibration.splits.workqueue_ctas_per_sm == wide.router.cal.splits.workqueue_ctas_per_sm == 1
     assert plain.calibration.splits == h200.for_group(plain.calibration_group).splits
     assert planner.device_plan_targets(wide.calibration)["resident"] == 1
@@ -485,7 +485,7 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device):  #
     # the least over the partition routes' kernels: a workqueue kernel holding fewer CTAs than
     # the fused one at D 64 sets the waves of both
     fake_device.occupancy = {("fused_decode", 64): 4, ("workqueue_decode", 64): 3}
-    assert Runtime(16, 8, 64, 16, torch.float16, **kw).residency == (3, 2)
+    assert Runtime(16, 8, 64, 16, torch.float16, **kw).residency == (3, 2, "D 128")
     # a kernel that fits no CTA changes nothing here (loading the kernels reports it)
     fake_device.occupancy = {("fused_decode", 256): 0}
     assert Runtime(16, 8, 256, 16, torch.float16, **kw).residency is None
@@ -499,3 +499,9 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device):  #
     assert own.residency is None and own.calibration.splits.cta_overhead_tiles == 3.25
     assert "D 256: the by_head_dim section's constants" in own.explain()
     assert "no by_head_dim section" in wide.explain()
+    # an FP8 Runtime there: the FP8 section (measured at D 128, every partition key) lies over
+    # the head-dim section, so its waves are corrected against D 128's e4m3 kernel
+    fp8 = Runtime(16, 8, 256, 16, torch.float16, kv_dtype=torch.float8_e4m3fn,
+                  **dict(kw, calibration=C.with_head_dim_section(h200, 256, sec)))
+    assert fp8.residency == (1, 2, "D 128 e4m3") and fp8.calibration.splits.workqueue_ctas_per_sm == 1.0
+    assert "2 at the calibrated D 128 e4m3" in fp8.explain()

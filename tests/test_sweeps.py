@@ -460,7 +460,10 @@ def test_calibrate_head_dim_adds_its_section_to_the_base_file(fake_gpu, tmp_path
     argv = ["calibrate", "--head-dim", "256", "--groups", "4,8", "--base",
             str(_saved(tmp_path, CAL, "base.json")), "--out", str(out), "--raw", str(raw)]
     assert cli.main(argv) == 0
-    assert f"wrote {out} (its by_head_dim.256 section" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"wrote {out} (its by_head_dim.256 section" in text
+    assert "measured vs predicted" not in text and "Suggested" not in text   # no time model at D 256
+    assert CAL.time_model   # (the base has one: the report was skipped, not empty)
     (kv, base, waves, head_dim, flashinfer), = fake_gpu
     assert (kv, head_dim, flashinfer, waves) == ("float16", 256, False, CAL.splits.max_waves)
     assert base.by_head_dim == () and base.time_model == ()

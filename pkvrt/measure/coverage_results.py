@@ -12,21 +12,32 @@ formed within one file: FlashInfer's fastest correct path's time over pkvrt's (>
 from __future__ import annotations
 
 import math
+import statistics
 
 MODEL_SHAPES, DROPIN, SHARED_PAGES = "model-shapes", "dropin", "shared-pages"
 KINDS = (MODEL_SHAPES, DROPIN, SHARED_PAGES)
 
 
 def _rows(files, kind: str) -> list[dict]:
-    """The rows of every ``kind`` file, a (case, engine, kind, style) seen in several files
-    taken from the newest file, in the order first seen."""
+    """The rows of every ``kind`` file, each case's from the newest file that has it (a step's
+    engines and ratio stay one file's); a model-level failure row (case = the model's name) is
+    dropped where a newer file measured that model."""
     docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
                   key=lambda d: str(d["meta"].get("date") or ""))
-    out: dict[tuple, dict] = {}
-    for doc in docs:
+    newest = {r.get("case"): i for i, doc in enumerate(docs) for r in doc["rows"]}
+    measured = {}   # model -> the newest file holding rows of it
+    for i, doc in enumerate(docs):
         for r in doc["rows"]:
-            out[(r.get("case"), r.get("engine"), r.get("kind"), r.get("style"))] = r
-    return list(out.values())
+            if r.get("model"):
+                measured[r["model"]] = i
+    out = []
+    for i, doc in enumerate(docs):
+        for r in doc["rows"]:
+            case = r.get("case")
+            if newest.get(case) != i or measured.get(case, -1) > i:
+                continue
+            out.append(r)
+    return out
 
 
 def _f(v, digits: int) -> str:
@@ -73,7 +84,7 @@ def model_shapes_table(files) -> str:
                      "step that failed its check).")
     paths: dict[str, set] = {}
     for r in rows:
-        if r.get("engine") == "flashinfer-fastest-correct" and r.get("paths"):
+        if r.get("engine") == "flashinfer-fastest-correct" and r.get("paths") and r.get("median_us"):
             paths.setdefault(r["model"], set()).update(f"{k}: {v}" for k, v in r["paths"].items())
     if paths:
         parts.append("Baseline paths (layer kind: FlashInfer path): " + "; ".join(
@@ -109,7 +120,7 @@ def dropin_table(files) -> str:
         for r in mine:
             if r.get("engine") != "ratio" and r.get("plan_host_us") is not None:
                 plan.setdefault(r["engine"], []).append(r["plan_host_us"])
-        plan_text = ", ".join(f"{e} {_f(sorted(v)[len(v) // 2], 1)}" for e, v in plan.items()) or "-"
+        plan_text = ", ".join(f"{e} {_f(statistics.median(v), 1)}" for e, v in plan.items()) or "-"
         lines.append((style, steps, len(ratios), _f(min(ratios), 3) if ratios else "-",
                       _f(_geomean(ratios), 3), plan_text))
     parts = [_table(["style", "steps", "with a ratio", "ratio min", "ratio geomean",

@@ -482,7 +482,10 @@ class Calibration:
             return (f"D {self.head_dim}: no by_head_dim section in {self.slug}, so the constants "
                     f"measured at D {CALIBRATION_HEAD_DIM} (pkvrt calibrate --head-dim {self.head_dim} "
                     f"measures them)")
-        return f"D {self.head_dim}: the by_head_dim section's constants"
+        over = (f", the by_kv_dtype.{self.kv_dtype} section's (measured at D {CALIBRATION_HEAD_DIM}) "
+                "laid over them" if self.kv_dtype not in (None, *TOP_KV_DTYPES) and not self.kv_dtype_fallback
+                else "")
+        return f"D {self.head_dim}: the by_head_dim section's constants{over}"
 
     def kv_dtype_note(self) -> str:
         """What a resolved FP8 calibration's constants are, for ``explain()``; "" for a 16-bit
@@ -675,6 +678,9 @@ def _section(sec, path, where: str) -> KvDtypeSection:
         split_groups = _by_group(sp["by_group"], path, f"{at}.by_group") if "by_group" in sp else ()
     times, time_groups = (_time_model(sec["time_model"], path, f"{where}.time_model", every_kind=False)
                           if "time_model" in sec else ((), ()))
+    if not (splits or split_groups or times or time_groups):
+        raise _fail(path, f"{where}.splits", "a constant to override (an empty by_group overrides "
+                                             "nothing, and such a section could not be written back)")
     return KvDtypeSection(splits=splits, splits_by_group=split_groups, time_model=times,
                           time_model_by_group=time_groups, date=_date(sec, path, where + "."),
                           command=_str(sec, "command", path, where + "."),

@@ -229,11 +229,12 @@ class Runtime(StaticBuffers, Planning, Running):
                 self.calibration = load_calibration(pathlib.Path(calibration))
             # the partition constants fitted at this group size (splits.by_group), or at the
             # nearest calibrated one (Calibration.calibrated_group)
-            cal = self.calibration.for_head_dim(self.head_dim).for_kv_dtype(self._kv_dtype)
+            file_cal = self.calibration
+            cal = file_cal.for_head_dim(self.head_dim).for_kv_dtype(self._kv_dtype)
             self.calibration_group = cal.calibrated_group(self.num_qo_heads // self.num_kv_heads)
             self.calibration = cal.for_group(self.calibration_group)
             # the partition's waves are this shape's decode kernel's, not the calibrated shape's
-            self.calibration, self.residency = self._residency_of_shape(self.calibration)
+            self.calibration, self.residency = self._residency_of_shape(self.calibration, file_cal)
             self.router = Router(self.registry, self.calibration, num_qo_heads=self.num_qo_heads,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                  page_size=self.page_size, kv_dtype=self._kv_dtype,
@@ -267,11 +268,12 @@ class Runtime(StaticBuffers, Planning, Running):
 
     # -- construction ----------------------------------------------------------------------
 
-    def _residency_of_shape(self, cal: Calibration) -> tuple[Calibration, tuple[int, int] | None]:
+    def _residency_of_shape(self, cal: Calibration, file_cal: Calibration
+                            ) -> tuple[Calibration, tuple[int, int, str] | None]:
         """``cal`` with ``splits.workqueue_ctas_per_sm`` set to the CTAs per SM this shape's
-        decode kernels keep resident, when that differs from the calibrated shape's kernels (D
-        128, the calibration group, fp16 q; the same K/V kind); and ``(here, calibrated)``, None
-        when unchanged. The partition plans waves of resident CTAs, and a larger D holds more
+        decode kernels keep resident, when that differs from the kernels of the shape the
+        constant in force was measured at; and ``(here, calibrated, that shape)``, None when
+        unchanged. The partition plans waves of resident CTAs, and a larger D holds more
         registers and shared memory: on the H200 one CTA per SM at D 256 where the calibration
         counted two. Both are the driver's occupancy, the least over the workqueue and fused
         kernels the routes run (they share the partition's constants), so at the calibrated
@@ -282,10 +284,7 @@ class Runtime(StaticBuffers, Planning, Running):
         if not families:   # no workqueue or fused route: no partition to plan
             return cal, None
         group = self.num_qo_heads // self.num_kv_heads
-        calibrated_kv = self.kv_dtype if self._fp8 and not cal.kv_dtype_fallback else torch.float16
-        # the head dim the partition constants were measured at: this one's (a by_head_dim
-        # section), else the calibration's
-        calibrated_d = CALIBRATION_HEAD_DIM if cal.head_dim_fallback else self.head_dim
+        calibrated_d, calibrated_kv = self._resident_constant_shape(file_cal)
         try:
             here = min(ops.decode_occupancy(f, self.dtype, self.head_dim, group, self.kv_dtype)
                        for f in families)
@@ -295,7 +294,24 @@ class Runtime(StaticBuffers, Planning, Running):
             return cal, None
         if here == there or here < 1 or there < 1:
             return cal, None
-        return attrs.evolve(cal, splits=attrs.evolve(cal.splits, workqueue_ctas_per_sm=float(here))), (here, there)
+        shape = f"D {calibrated_d}" + (" e4m3" if calibrated_kv == ops.FP8 else "")
+        return (attrs.evolve(cal, splits=attrs.evolve(cal.splits, workqueue_ctas_per_sm=float(here))),
+                (here, there, shape))
+
+    def _resident_constant_shape(self, file_cal: Calibration) -> tuple[int, torch.dtype]:
+        """(head dim, K/V dtype) of the kernel ``splits.workqueue_ctas_per_sm`` in force was
+        measured with: the last section laid over that sets it (at the calibration group or
+        its top level), an FP8 section's (measured at D 128) over a head-dim section's, else the
+        file's (D 128, fp16)."""
+        def sets(section) -> bool:
+            return section is not None and (
+                "workqueue_ctas_per_sm" in dict(section.splits)
+                or "workqueue_ctas_per_sm" in dict(dict(section.splits_by_group).get(self.calibration_group, ())))
+        if self._fp8 and sets(dict(file_cal.by_kv_dtype).get(self._kv_dtype)):
+            return CALIBRATION_HEAD_DIM, self.kv_dtype
+        if sets(dict(file_cal.by_head_dim).get(self.head_dim)):
+            return self.head_dim, torch.float16
+        return CALIBRATION_HEAD_DIM, torch.float16
 
     def _load_kernels(self) -> None:
         """Load every kernel the routes need now: a missing cubin is a construction error."""
@@ -497,7 +513,7 @@ class Runtime(StaticBuffers, Planning, Running):
                  + (f" ({cal.head_dim_note()})" if cal.head_dim_note() else "")
                  + (f" ({cal.kv_dtype_note()})" if cal.kv_dtype_note() else "")
                  + (f"; partition waves of {self.residency[0]} decode CTAs per SM (this shape's kernel;"
-                    f" {self.residency[1]} at the calibrated D {CALIBRATION_HEAD_DIM})" if self.residency else "")
+                    f" {self.residency[1]} at the calibrated {self.residency[2]})" if self.residency else "")
                  + ("; device planning (no host routing)" if self.device_planning else "")
                  + self._capture_note()
                  + ("; workqueue/fused plans built on the GPU" if self._dp_routes else ""),

@@ -55,7 +55,9 @@ class Planning:
             array or (pinned) CPU tensor for host routing. int32 CUDA tensors at a Runtime's
             first plan() make it a device-planning Runtime (unless built with
             ``device_planning=False``: then a CUDA tensor costs one synchronizing D2H copy, the
-            router runs on the host).
+            router runs on the host). With device planning a length of 0 is an idle row (an
+            engine's padding row of a captured batch size): no work, its output row not
+            written, no status flag; host lengths refuse it.
         block_tables : int [B, max_pages], logical -> physical page; entries past a row's
             ceil(seq_len / page_size) pages are never read (padding, e.g. -1). On the same side
             as seq_lens.

@@ -570,8 +570,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "into the by_kv_dtype.float8_e4m3fn section of --base, which is written "
                              "to --out with every other constant kept")
     parser.add_argument("--base", metavar="PATH",
-                        help="with --kv-dtype fp8 or --host-time: this GPU's calibration file the FP8 "
-                             "or host_time section is added to or replaced in (default: the --out file)")
+                        help="with --kv-dtype fp8, --head-dim or --host-time: this GPU's calibration file "
+                             "the FP8, head-dim or host_time section is added to or replaced in (default: "
+                             "the --out file)")
     parser.add_argument("--host-time", action="store_true",
                         help="measure only this machine's host time per route kind (the host_time "
                              "section the router weighs where routes.toml's [host_time] is enabled; "
@@ -592,15 +593,22 @@ def parse_models(text: str) -> tuple:
 
 
 def with_model_groups(args) -> tuple[int, ...]:
-    """``--groups`` followed by the group sizes of ``--models`` it lacks; says which models'
-    head dims the run does not time (they run on the D 128 constants, with their kernel's own
-    waves: Runtime.residency)."""
+    """``--groups`` followed by the group sizes of ``--models`` it lacks. With ``--head-dim D``
+    every model must have that head dim (ValueError naming the others: a section is one head
+    dim's); without it, says which models' head dims the run does not time (they run on the D
+    128 constants, with their kernel's own waves: Runtime.residency)."""
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is not None:
+        other = [f"{m.name} (D {m.head_dim})" for m in args.models if m.head_dim != head_dim]
+        if other:
+            raise ValueError(f"--models: {', '.join(other)}: not of --head-dim {head_dim}; calibrate "
+                             "each head dim's models in its own run")
     groups = tuple(dict.fromkeys((*args.groups, *(m.group for m in args.models))))
     other = [f"{m.name} (D {m.head_dim})" for m in args.models if m.head_dim != calib.CALIBRATION_HEAD_DIM]
-    if other:
+    if other and head_dim is None:
         print(f"pkvrt calibrate: --models: timed at D {calib.CALIBRATION_HEAD_DIM}; "
               f"{', '.join(other)} run on those constants with their own kernel's resident CTAs "
-              "per SM", file=sys.stderr)
+              f"per SM (--head-dim D times theirs)", file=sys.stderr)
     return groups
 
 
@@ -725,7 +733,7 @@ def run(args: argparse.Namespace) -> int:
                else f"by_kv_dtype.{kv_dtype}" if fp8 else None)
     print(f"wrote {out}" + (f" (its {section} section; every other constant as in "
                             f"{args.base or 'the file before'})" if section else ""))
-    if cal.time_model:
+    if cal.time_model and getattr(args, "head_dim", None) is None:   # a head-dim run fits no time model
         errors, gates = report(raw, cal, load_routes(args.routes), header=f"{cal.gpu}, {cal.date}, seed {SEED}",
                                kv_dtype=kv_dtype)
         print("\nmeasured vs predicted at the cut each planner picks (time_model; roofline: c_min and "

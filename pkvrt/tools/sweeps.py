@@ -115,8 +115,9 @@ def read_rows(rows, seed: int = 20260622, kv_dtype: str = "float16") -> list[Tim
     """Group the timed rows of ``kv_dtype`` caches in a calibrate-sweeps file by (route kind,
     step, G).
 
-    Rows of other engines or another KV dtype, and cases that are no calibration step of
-    ``seed``, are skipped.
+    Rows of other engines, another KV dtype or another head dim than D 128 (a ``--head-dim``
+    run's, whose time model is not fitted), and cases that are no calibration step of ``seed``,
+    are skipped.
     """
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"read_rows: kv_dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
@@ -124,7 +125,8 @@ def read_rows(rows, seed: int = 20260622, kv_dtype: str = "float16") -> list[Tim
     for r in rows:
         kind = ENGINE_KIND.get(r.get("engine"))
         if (kind is None or not isinstance(r.get("median_us"), (int, float))
-                or r.get("kv_dtype", "float16") != kv_dtype):
+                or r.get("kv_dtype", "float16") != kv_dtype
+                or r.get("head_dim", SHAPE["head_dim"]) != SHAPE["head_dim"]):
             continue
         base, g = case_group(r["case"])
         g = int(r.get("group", g))
