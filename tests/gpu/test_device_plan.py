@@ -14,20 +14,21 @@ from paged import make_batch, rel_err
 
 pytestmark = pytest.mark.gpu
 H_KV, MAX_ROWS = 8, 64
+DEV = "cuda"   # (a CPU dry run of this file's logic sets it to "cpu" with emulated kernels)
 
 
 def _buffers(max_rows, capacity):
-    i32 = dict(device="cuda", dtype=torch.int32)
+    i32 = dict(device=DEV, dtype=torch.int32)
     return dict(tasks=torch.full((capacity, 5), -7, **i32), num_tasks=torch.zeros(1, **i32),
                 split_offsets=torch.zeros(max_rows + 1, **i32), num_splits=torch.zeros(max_rows, **i32),
                 status=torch.zeros(1, **i32))
 
 
 def _device_plan(seq, bufs, splits, cal):
-    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
+    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device=DEV)
     seq_dev[: len(seq)] = torch.as_tensor(seq, dtype=torch.int32)
-    rows = torch.tensor([len(seq)], dtype=torch.int32, device="cuda")
-    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
+    rows = torch.tensor([len(seq)], dtype=torch.int32, device=DEV)
+    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device=DEV)
     ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
                               bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                               min_split_tiles=-(-cal.splits.min_split_tokens // 32),
@@ -91,18 +92,18 @@ def _assert_device_plan_equals_host(seq, free_slots=None):
 
 def test_plan_decode_merge_in_one_graph_with_changing_lengths():
     lens = [40000, 3000, 17, 9000]
-    batch = make_batch(lens, seed=11)
+    batch = make_batch(lens, seed=11, device=DEV)
     splits = load_routes().route("pkv_workqueue").splits
     cal = find_calibration(torch.cuda.get_device_name())
     bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
     slots = MAX_ROWS * 64
-    part_a = torch.empty(slots, 32, 128, device="cuda")
-    part_ml = torch.empty(slots, 32, 2, device="cuda")
+    part_a = torch.empty(slots, 32, 128, device=DEV)
+    part_ml = torch.empty(slots, 32, 2, device=DEV)
     out = torch.empty_like(batch.q)
-    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
-    rows = torch.tensor([len(lens)], dtype=torch.int32, device="cuda")
-    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
-    bt = torch.zeros(MAX_ROWS, batch.block_tables.shape[1], dtype=torch.int32, device="cuda")
+    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device=DEV)
+    rows = torch.tensor([len(lens)], dtype=torch.int32, device=DEV)
+    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device=DEV)
+    bt = torch.zeros(MAX_ROWS, batch.block_tables.shape[1], dtype=torch.int32, device=DEV)
     bt[: len(lens)] = batch.block_tables
 
     def step():
@@ -143,11 +144,11 @@ def test_device_plan_flags_lengths_outside_the_block_table():
     splits = load_routes().route("pkv_workqueue").splits
     cal = find_calibration(torch.cuda.get_device_name())
     bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
-    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
+    seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device=DEV)
     seq_dev[: len(seq)] = torch.as_tensor(seq)
-    rows = torch.tensor([len(seq)], dtype=torch.int32, device="cuda")
-    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device="cuda")
-    max_len = torch.tensor([4096], dtype=torch.int32, device="cuda")
+    rows = torch.tensor([len(seq)], dtype=torch.int32, device=DEV)
+    cand = torch.tensor(splits.candidates(), dtype=torch.int32, device=DEV)
+    max_len = torch.tensor([4096], dtype=torch.int32, device=DEV)
     ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
                               bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                               min_split_tiles=-(-cal.splits.min_split_tokens // 32),
@@ -173,12 +174,12 @@ def test_direct_mode_plans_what_the_copied_inputs_plan(seed):
     if seed % 2:
         seq[0] = width * page + 7                              # a bad length
     num_pages = 5000
-    src_bt = torch.as_tensor(rng.integers(0, num_pages, (b, width + 11)), dtype=torch.int32).cuda()
+    src_bt = torch.as_tensor(rng.integers(0, num_pages, (b, width + 11)), dtype=torch.int32).to(DEV)
     if seed % 3 == 0 and b > 1:
         src_bt[b - 1, 0] = num_pages + 2                       # a bad page id
     splits = load_routes().route("pkv_workqueue").splits
     cal = find_calibration(torch.cuda.get_device_name())
-    i32 = dict(dtype=torch.int32, device="cuda")
+    i32 = dict(dtype=torch.int32, device=DEV)
     cand = torch.tensor(splits.candidates(), **i32)
     n_pages = torch.tensor([num_pages], **i32)
     kw = dict(num_kv_heads=H_KV, min_split_tiles=-(-cal.splits.min_split_tokens // 32),
@@ -191,7 +192,7 @@ def test_direct_mode_plans_what_the_copied_inputs_plan(seed):
         rows = torch.tensor([b], **i32)
         max_len = torch.tensor([width * page], **i32)
         if direct:
-            extra = dict(src_seq_lens=torch.as_tensor(seq).cuda(), src_block_tables=src_bt, rows=b,
+            extra = dict(src_seq_lens=torch.as_tensor(seq).to(DEV), src_block_tables=src_bt, rows=b,
                          max_seq=width * page)
         else:
             seq_dev[:b] = torch.as_tensor(seq)

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 PAGE = 16
+DEV = "cuda"   # (a CPU dry run of this file's logic sets it to "cpu" with emulated kernels)
 
 
 def step(lens, prefixes, num_pages, seed):
@@ -42,9 +43,9 @@ CASES = [   # (H_q, H_kv, lens, prefixes)
 @pytest.mark.parametrize("hq, hkv, lens, prefixes", CASES)
 def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
     seq, bt = step(lens, prefixes, 8192, seed=len(lens))
-    k = torch.randn(8192, hkv, PAGE, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(8192, hkv, PAGE, 128, device=DEV, dtype=torch.float16)
     v = torch.randn_like(k)
-    q = torch.randn(len(lens), hq, 128, device="cuda", dtype=torch.float16)
+    q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
     rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=16,
                                   max_pages_per_row=bt.shape[1], num_pages=8192,
                                   engine_capture=capture)
@@ -59,8 +60,8 @@ def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
         graph.replay()
     else:
         rt.run(q, k, v, out=out)
-    ref = reference.decode_attention(q, k, v, torch.as_tensor(seq, device="cuda"),
-                                     torch.as_tensor(bt, device="cuda"))
+    ref = reference.decode_attention(q, k, v, torch.as_tensor(seq, device=DEV),
+                                     torch.as_tensor(bt, device=DEV))
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < 2e-3, (err, rt.explain())
 
@@ -70,16 +71,16 @@ def test_shared_pages_with_fp8_kv_match_the_reference():
     the dequantized caches."""
     hq, hkv, lens, prefixes = CASES[0]
     seq, bt = step(lens, prefixes, 8192, seed=3)
-    k, ks = reference.quantize_kv(torch.randn(8192, hkv, PAGE, 128, device="cuda"), per_head=True)
-    v, vs = reference.quantize_kv(torch.randn(8192, hkv, PAGE, 128, device="cuda"), per_head=True)
-    q = torch.randn(len(lens), hq, 128, device="cuda", dtype=torch.float16)
+    k, ks = reference.quantize_kv(torch.randn(8192, hkv, PAGE, 128, device=DEV), per_head=True)
+    v, vs = reference.quantize_kv(torch.randn(8192, hkv, PAGE, 128, device=DEV), per_head=True)
+    q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
     rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, kv_dtype=torch.float8_e4m3fn,
                                   max_batch=16, max_pages_per_row=bt.shape[1], num_pages=8192)
     rt.plan(seq, bt)
     assert rt.plan_used is not None, rt.explain()
     out = rt.run(q, k, v, out=torch.full_like(q, float("nan")), k_scale=ks, v_scale=vs)
-    ref = reference.decode_attention(q, k, v, torch.as_tensor(seq, device="cuda"),
-                                     torch.as_tensor(bt, device="cuda"), k_scale=ks, v_scale=vs)
+    ref = reference.decode_attention(q, k, v, torch.as_tensor(seq, device=DEV),
+                                     torch.as_tensor(bt, device=DEV), k_scale=ks, v_scale=vs)
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < 2e-3, (err, rt.explain())
 
@@ -94,16 +95,16 @@ def test_merge_segments_kernel_matches_torch(dtype, d, sinks):
 
     g, c, hkv, va, sb, b = 4, 3, 2, 3, 7, 5
     hq = hkv * g
-    gen = torch.Generator(device="cuda").manual_seed(d)
-    out_a = torch.randn(va, hkv * c * g, d, device="cuda", generator=gen).to(dtype)
-    lse_a = torch.randn(va, hkv * c * g, device="cuda", generator=gen) * 4
-    out_b = torch.randn(sb, hq, d, device="cuda", generator=gen).to(dtype)
-    lse_b = torch.randn(sb, hq, device="cuda", generator=gen) * 4
+    gen = torch.Generator(device=DEV).manual_seed(d)
+    out_a = torch.randn(va, hkv * c * g, d, device=DEV, generator=gen).to(dtype)
+    lse_a = torch.randn(va, hkv * c * g, device=DEV, generator=gen) * 4
+    out_b = torch.randn(sb, hq, d, device=DEV, generator=gen).to(dtype)
+    lse_b = torch.randn(sb, hq, device=DEV, generator=gen) * 4
     slots = torch.tensor([[0, 9, va * c + sb], [4, 10, 11], [8, 12, 13], [2, 14, va * c + sb],
-                          [15, va * c + sb, va * c + sb]], device="cuda", dtype=torch.int64)
-    sk = torch.randn(hq, device="cuda", generator=gen) if sinks else None
-    out = torch.full((b, hq, d), float("nan"), device="cuda", dtype=dtype)
-    lse = torch.empty(b, hq, device="cuda")
+                          [15, va * c + sb, va * c + sb]], device=DEV, dtype=torch.int64)
+    sk = torch.randn(hq, device=DEV, generator=gen) if sinks else None
+    out = torch.full((b, hq, d), float("nan"), device=DEV, dtype=dtype)
+    lse = torch.empty(b, hq, device=DEV)
     ops.merge_segments(out_a, lse_a, out_b, lse_b, slots, out, group=g, chunk_rows=c, sinks=sk, lse=lse)
     sa = out_a.view(va, hkv, c, g, d).permute(0, 2, 1, 3, 4).reshape(-1, hq, d)
     la = lse_a.view(va, hkv, c, g).permute(0, 2, 1, 3).reshape(-1, hq)
