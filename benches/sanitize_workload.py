@@ -14,8 +14,9 @@ a minute or two under a sanitizer (50-100x slower). What runs:
 * the variants and layouts sweep (tests/gpu/test_coverage.py's cases, built on the host): sliding
   windows, soft cap, sinks, sm_scale and lse, alone and together (gpt-oss, Gemma-2), over the
   NHD, combined and vLLM-packed cache layouts and e4m3 K/V, on every route;
-* merge_segments (the shared-pages merge) against its torch write-out, and one
-  SharedPagesRuntime step with nested shared prefixes (tests/gpu/test_sharing.py);
+* merge_segments (the shared-pages merge) against its torch write-out, one SharedPagesRuntime
+  step with nested shared prefixes, find_shared against its twin and one device-lengths
+  SharedPagesRuntime step (tests/gpu/test_sharing.py);
 * merge alone, with empty states (m = -inf), a one-slot row and an idle row;
 * plan_workqueue_device, checked against the host planner, then decode + merge on its plan;
 * one CUDA graph of (device plan, workqueue decode, merge) captured once and replayed twice
@@ -575,6 +576,10 @@ def main(argv=None) -> int:
         sharing = _gpu_tests("test_sharing")
         t.guarded("SharedPagesRuntime, nested prefixes, eager", gpu_test_case, "test_sharing",
                   "test_shared_pages_match_the_reference", *sharing.CASES[2], False)
+        t.guarded("find_shared against its twin (300 rows, C 16)", gpu_test_case, "test_sharing",
+                  "test_find_shared_kernel_matches_its_twin", 2)
+        t.guarded("SharedPagesRuntime device lengths, nested prefixes", gpu_test_case, "test_sharing",
+                  "test_device_lengths_shared_pages_match_the_reference", *sharing.CASES[2], False)
     torch.cuda.synchronize()
     print(f"sanitize_workload: {t.cases} cases, {t.bad} mismatches "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)

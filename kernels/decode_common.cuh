@@ -151,6 +151,35 @@ struct DecodeParams {
   float* lse;                 // null, or [B, H_q]: each row's and head's log2-sum-exp
 };
 
+// Block-wide exclusive scan of x (one value per thread) over a block of 1024 threads (32 warps:
+// the planning kernels); *total gets the sum. Every thread of the block must call it.
+// warp_sums: 32 ints of shared memory.
+__device__ __forceinline__ int block_exclusive_scan(int x, int* warp_sums, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int v = x;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;  // inclusive
+  }
+  __syncthreads();
+  const int excl = v - x + (warp > 0 ? warp_sums[warp - 1] : 0);
+  *total = warp_sums[31];
+  __syncthreads();  // warp_sums may be reused by the next scan
+  return excl;
+}
+
 // The first token a row of seq_len tokens attends to: a sliding window keeps the last
 // window_left + 1 (FlashInfer's window_left), -1 keeps them all.
 __device__ __forceinline__ int window_start(int seq_len, int window_left) {

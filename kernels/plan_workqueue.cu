@@ -101,34 +101,6 @@ struct PlanParams {
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __device__ __forceinline__ long long load8(int k, int slowdown8) { return 8 + (long long)(k - 1) * (slowdown8 - 8); }
 
-// Block-wide exclusive scan of x (one value per thread); *total gets the sum. Every thread of
-// the block must call it. warp_sums: 32 ints of shared memory.
-__device__ __forceinline__ int block_exclusive_scan(int x, int* warp_sums, int* total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int v = x;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int y = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += y;
-  }
-  if (lane == 31) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    int w = warp_sums[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    warp_sums[lane] = w;  // inclusive
-  }
-  __syncthreads();
-  const int excl = v - x + (warp > 0 ? warp_sums[warp - 1] : 0);
-  *total = warp_sums[31];
-  __syncthreads();  // warp_sums may be reused by the next scan
-  return excl;
-}
-
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     pkv_plan_workqueue(const __grid_constant__ PlanParams p) {
   __shared__ int cand[64];
@@ -312,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   // 3. Slots in row order (split_offsets), then the rows' rank in task order and the first
   //    task slot of each rank.
   int total_slots;
-  const int excl = block_exclusive_scan(s, warp_sums, &total_slots);
+  const int excl = pkv::block_exclusive_scan(s, warp_sums, &total_slots);
   splits_of[tid] = s;
   key_of[tid] = s > 0 ? (len - pkv::window_start(len, p.window_left)) / s : -1;  // tokens per
                                        // split of the attended range; rows with no work last
@@ -329,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   __syncthreads();
   const int ranked_splits = tid < rows ? splits_of[rank_row[tid]] : 0;
   int unused;
-  const int task_excl = block_exclusive_scan(ranked_splits, warp_sums, &unused);
+  const int task_excl = pkv::block_exclusive_scan(ranked_splits, warp_sums, &unused);
   offs[tid] = task_excl;  // first slot of rank tid in task order
   if (tid == PKV_PLAN_THREADS - 1) offs[PKV_PLAN_THREADS] = total_slots;
   __syncthreads();

@@ -98,6 +98,8 @@ FAMILIES = {
     "merge": {"source": "kernels/merge.cu", "variants": "dtype,head_dim",
               "also": "merge_segments"},   # its second kernel: the merge of shared-page segments
     "plan_workqueue": {"source": "kernels/plan_workqueue.cu", "variants": ""},
+    # rows that share pages, found on the GPU (device lengths): pkvrt.SharedPagesRuntime
+    "find_shared": {"source": "kernels/find_shared.cu", "variants": ""},
 }
 HEADERS = ("kernels/decode_common.cuh", "kernels/workqueue_task.cuh")
 

@@ -1,4 +1,4 @@
-"""`pkvrt bench serving --engines shared-step` without a GPU: the harness's whole loop with
+"""`pkvrt bench serving --engines shared-step,shared-device-step` without a GPU: the harness's whole loop with
 pkvrt.SharedPagesRuntime as an engine (host lengths, every layer of a step in one graph per
 step key) on the fake device of test_runtime_cpu.py, on a trace whose requests share prompt
 prefixes (served with prefix caching: equal prefix hashes map to the same pages), against the
@@ -34,13 +34,16 @@ def test_engine_name_and_label():
     assert harness.parse_engines("shared-step", names) == ("flashinfer", "shared-step")
     assert harness.engine_label("shared-step") == "pkvrt-shared-step"
     assert "shared-step" in bench.ENGINES
+    assert harness.engine_label("shared-device-step") == "pkvrt-shared-device-step"
+    assert "shared-device-step" in bench.ENGINES
 
 
 @pytest.mark.slow
 def test_shared_step_engine_serves_a_prefix_sharing_trace(fake_device):  # noqa: F811
     config = harness.ServingConfig(trace="shared", max_active=4, seeds=(11,), steps_limit=3,
                                    check_steps=3, probe_steps=1, layers=2,
-                                   engines=("flashinfer", "host-step", "shared-step"), shape=SHAPE)
+                                   engines=("flashinfer", "host-step", "shared-step",
+                                            "shared-device-step"), shape=SHAPE)
     made, clock = {}, VirtualClock()
 
     def flashinfer(name, wl, *, max_active):
@@ -61,3 +64,9 @@ def test_shared_step_engine_serves_a_prefix_sharing_trace(fake_device):  # noqa:
     assert shared["useful_kv_mb"] < measured["pkvrt-host-step"]["useful_kv_mb"]
     assert isinstance(made["shared-step"], harness.SharedStepGraphEngine)
     assert made["shared-step"].rt.plan_used is not None and np.all(made["shared-step"].rt.plan_used.chunk_valid.sum(1) >= 1)
+    # the same trace with the sharing found on the (emulated) GPU, the whole step in one graph
+    device = measured["pkvrt-shared-device-step"]
+    assert device["correct"] and "shared-pages-device" in device["route_mix"], rows
+    assert device["useful_kv_mb"] < measured["pkvrt-host-step"]["useful_kv_mb"]
+    assert isinstance(made["shared-device-step"], harness.SharedDeviceStepEngine)
+    assert made["shared-device-step"].rt.found().pages_saved > 0

@@ -10,7 +10,7 @@ Each GPU test checks the emulated outputs as it would the kernels' on the H200: 
 against the host planner, the shared-pages steps and merge_segments against the FP32 reference
 or the merge written out in torch. A wrong output fails here too (the last tests show it).
 
-Every parametrization of every test function of both modules runs (149 + 27 cases, ~40 s on
+Every parametrization of every test function of both modules runs (149 + 43 cases, ~40 s on
 2 cores with one torch thread). Not seen here: the kernels' own numerics (the emulation computes
 in FP32), real CUDA graph capture (test_device_plan's own torch.cuda.graph records the launches
 made in it and a replay re-runs them; SharedPagesRuntime's engine capture is the fake device's),
@@ -105,9 +105,9 @@ def test_sharing_tests_pass_on_the_fake_device(dry, test, kw):
 
 
 def test_every_test_function_of_both_modules_is_dry_run():
-    """Every case of every test function (149 of test_device_plan, 27 of test_sharing), each
+    """Every case of every test function (149 of test_device_plan, 43 of test_sharing), each
     under its own id."""
-    assert (len(PLAN_CASES), len(SHARING_CASES)) == (149, 27)
+    assert (len(PLAN_CASES), len(SHARING_CASES)) == (149, 43)
     for mod, run in ((plan, PLAN_CASES), (sharing, SHARING_CASES)):
         assert {p.values[0] for p in run} == {n for n in dir(mod) if n.startswith("test_")}
         assert len(run) == len({p.id for p in run})
@@ -148,6 +148,22 @@ def test_a_wrong_merge_fails_the_sharing_tests(dry, monkeypatch):
         assert failed.value.args[0][0] > 2e-3        # (err, rt.explain()): the reference check
     with pytest.raises(AssertionError, match="not close"):
         sharing.test_merge_segments_kernel_matches_torch(torch.float16, 64, False)
+
+
+def test_wrong_shared_prefixes_fail_the_device_lengths_tests(dry, monkeypatch):
+    """find_shared dropping a row's chunk state fails the kernel-against-twin test and the
+    device-lengths step against the FP32 reference."""
+    def drop(slots):
+        rows = (slots[:, 0] >= 0).nonzero()
+        if len(rows):
+            slots[rows[0, 0], 0] = -1
+    corrupt(monkeypatch, "find_shared", "slots", drop)
+    with pytest.raises(AssertionError, match="slots"):
+        sharing.test_find_shared_kernel_matches_its_twin(0)
+    hq, hkv, lens, prefixes = sharing.CASES[0]
+    with pytest.raises(AssertionError) as failed:
+        sharing.test_device_lengths_shared_pages_match_the_reference(hq, hkv, lens, prefixes, False)
+    assert failed.value.args[0][0] > 2e-3        # (err, rt.explain()): the reference check
 
 
 def test_the_graph_test_checks_what_its_replays_compute(dry, monkeypatch):

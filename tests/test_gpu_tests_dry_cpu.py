@@ -33,7 +33,8 @@ from test_runtime_cpu import Emu, install_fake_device
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H200 = load_calibration(ROOT / "calibration" / "nvidia-h200.json")
-KERNELS = ("split_decode", "merge", "merge_segments", "workqueue_decode", "plan_workqueue_device")
+KERNELS = ("split_decode", "merge", "merge_segments", "workqueue_decode", "plan_workqueue_device",
+           "find_shared")
 REAL = {name: getattr(ops, name) for name in KERNELS}   # taken before any fake device replaces them
 
 

@@ -526,6 +526,7 @@ from paged import make_batch, rel_err  # noqa: E402
 
 from pkvrt import reference  # noqa: E402
 from pkvrt.launch import ops  # noqa: E402
+from pkvrt.policy import sharing  # noqa: E402
 from pkvrt.runtime.options import with_options  # noqa: E402
 
 TILE = 32
@@ -609,6 +610,11 @@ class Emu:
         states, lses = torch.cat([sa.float(), out_b.float()]), torch.cat([la, lse_b])
         for r in range(b):
             ks = [int(x) for x in slots[r] if 0 <= int(x) < states.shape[0]]
+            if not ks:   # no state (an idle row): the kernel writes zeros, lse -inf
+                out[r] = 0
+                if lse is not None:
+                    lse[r] = float("-inf")
+                continue
             o, ls = reference.merge_states(lses[ks], torch.ones_like(lses[ks]), states[ks], sinks,
                                            return_lse=True)
             out[r] = o.to(out.dtype)
@@ -647,6 +653,25 @@ class Emu:
                 if lse is not None:
                     lse[row] = ls
 
+    def find_shared(self, seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_index,
+                    slots, *, page_size, chunk_rows, group, num_kv_heads):
+        """kernels/find_shared.cu: its twin's outputs (sharing.plan_prefix_chunks, which
+        tests/gpu/test_sharing.py checks against the kernel), the q gather indices of each
+        chunk position (past a chunk's rows its first row; row 0 for no chunk)."""
+        self.launches += 1
+        found = sharing.plan_prefix_chunks(seq_lens.numpy(), block_tables.numpy(), page_size,
+                                           chunk_rows)
+        b, w = block_tables.shape
+        chunk_seq[:] = torch.as_tensor(found.chunk_seq)
+        own_seq[:] = torch.as_tensor(found.own_seq)
+        for r in range(b):
+            n = -(-int(found.chunk_seq[r]) // page_size)
+            chunk_bt[r, :n] = torch.as_tensor(found.chunk_bt[r, :n])
+            if 1 <= int(seq_lens[r]) <= w * page_size:
+                k = -(-int(found.own_seq[r]) // page_size)
+                own_bt[r, :k] = torch.as_tensor(found.own_bt[r, :k])
+        slots[:] = torch.as_tensor(found.slots)
+        q_index[:] = torch.as_tensor(found.q_index(num_kv_heads, group))
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
@@ -787,7 +812,7 @@ def install_fake_device(set_attr, kernels, *, replay_runs_launches: bool = True)
 
     set_attr(graphs, "capture", capture)
     for name in ("split_decode", "merge", "merge_segments", "workqueue_decode", "plan_workqueue_device",
-                 "decode_occupancy"):
+                 "decode_occupancy", "find_shared"):
         set_attr(ops, name, kernels(name))
 
 

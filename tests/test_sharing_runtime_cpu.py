@@ -108,8 +108,10 @@ def test_steps_without_sharing_run_the_plain_runtime(fake_device, pool):  # noqa
 
 
 def test_constructor_refusals():
-    with pytest.raises(ValueError, match="window_left=127: shared pages are found on the host"):
+    with pytest.raises(ValueError, match="window_left=127: shared pages are attended whole"):
         SharedPagesRuntime(8, 2, 64, 16, window_left=127)
+    with pytest.raises(ValueError, match="device_planning='yes': expected True"):
+        SharedPagesRuntime(8, 2, 64, 16, device_planning="yes")
     with pytest.raises(ValueError, match="min_saved=1.5"):
         SharedPagesRuntime(8, 2, 64, 16, min_saved=1.5)
 
@@ -249,3 +251,148 @@ def test_shared_page_runs_equal_the_loop_definition(lens, seed, page, alternate,
             for k in range(0, len(lens) - 1, 2):
                 bt[perm[k + 1], j] = bt[perm[k], j]
     assert shared_page_runs(seq, bt, page, min_rows=min_rows) == loop_runs(seq, bt, page, min_rows)
+
+
+# ---- device lengths: the shared prefixes found on the GPU (kernels/find_shared.cu, emulated by
+# its twin sharing.plan_prefix_chunks; tests/gpu/test_sharing.py checks the kernel against it)
+
+DEVICE_STEPS = [   # (lens, prefix pages, groups)
+    ([800, 850, 900, 700], 40, [[0, 1, 2, 3]]),                    # one prefix, every row
+    ([800, 850, 900, 700, 880, 600], 30, [[0, 1, 2, 3, 4]]),       # 5 rows of a leader: 3 + 2
+    ([800, 850, 900, 700, 880, 860], 20, [[0, 1, 2], [3, 4, 5]]),  # two leaders
+    ([641, 640, 656, 900], 40, [[0, 1, 2, 3]]),                    # rows ending at the prefix's end
+    ([800, 0, 900, 700], 40, [[0, 2, 3]]),                         # an idle row (length 0)
+    ([900, 800, 40], 0, []),                                       # nothing shared
+]
+
+
+@pytest.mark.parametrize("lens, prefix, groups", DEVICE_STEPS)
+@pytest.mark.parametrize("engine_capture", [False, True], ids=["own graphs", "engine capture"])
+def test_device_lengths_shared_prefixes_are_exact(fake_device, pool, lens, prefix, groups,  # noqa: F811
+                                                  engine_capture):
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt = shared_step(b, [max(n, 1) for n in lens], prefix, groups)
+    seq[:] = lens
+    rt = runtime(device_planning=True, engine_capture=engine_capture)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    found, twin = rt.found(), sharing.plan_prefix_chunks(seq, bt, PAGE, rt.chunk)
+    for name in ("chunk_seq", "chunk_rows", "own_seq", "slots"):
+        assert np.array_equal(getattr(found, name), getattr(twin, name)), name
+    assert (found.pages_saved > 0) == bool(groups)
+    q = torch.randn(len(lens), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                    generator=torch.Generator().manual_seed(len(lens))).half()
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+    live = seq > 0
+    assert rel_err(out[live], ref(q[live], cache, seq[live], torch.as_tensor(bt[live]))) < 2e-3
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))   # an idle row: zeros
+    assert torch.equal(rt.run(q, *cache), out)                     # a second layer
+    key = rt.step_key
+    assert key[0] == "shared-device" and "found on the GPU" in rt.explain()
+    seq2 = seq.copy()
+    seq2[live] += 1                 # the next step: the same key (fixed shapes), whatever is shared
+    rt.plan(torch.as_tensor(seq2), torch.as_tensor(bt))
+    assert rt.step_key == key
+    assert rt.own.device_status() == 0 and rt.shared.device_status() == 0
+
+
+def test_device_lengths_with_sinks_and_forced_routes(fake_device, pool):  # noqa: F811
+    from pkvrt import reference
+
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime(device_planning=True, sinks=True)
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half() * 2
+    sinks = torch.linspace(-1, 6, FAKE_SHAPE["num_qo_heads"])
+    want = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq),
+                                      torch.as_tensor(bt), sinks=sinks)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel_err(rt.run(q, b.k_cache, b.v_cache, sinks=sinks), want) < 2e-3
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt), force="pkv_workqueue")   # plain, no sharing
+    assert rt.found() is None and rt.step_key[0] != "shared-device"
+    assert rel_err(rt.run(q, b.k_cache, b.v_cache, sinks=sinks), want) < 2e-3
+    with pytest.raises(ValueError, match="q has 3 rows, the planned step 4"):
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+        rt.run(q[:3], b.k_cache, b.v_cache, sinks=sinks)
+
+
+def test_device_lengths_bad_length_is_flagged_not_read(fake_device, pool):  # noqa: F811
+    """A length beyond the block table shares nothing and its own segment carries it to the
+    planning kernel, which flags it (device_status) and gives it no work."""
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    seq[2] = bt.shape[1] * PAGE + 5
+    found = sharing.plan_prefix_chunks(seq, bt, PAGE, 4)
+    assert found.slots[2, 0] == -1 and found.own_seq[2] == seq[2]
+    rt = runtime(device_planning=True)
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+    rt.run(q, b.k_cache, b.v_cache)
+    with pytest.raises(RuntimeError, match="seq_len"):
+        rt.own.device_status()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=12), st.integers(0, 2**31 - 1),
+       st.sampled_from([1, 4, 16]), st.sampled_from([2, 3, 4, 8, 16]))
+def test_prefix_chunks_cover_every_page_once(lens, seed, page, c_rows):
+    """The device rule, any block tables (nested prefixes, idle rows): a row's chunk prefix and
+    own pages cover its pages once, in order; a chunk's rows hold its pages at its positions,
+    only whole pages before their last one; chunks have 2..C rows; slots name them."""
+    rng = np.random.default_rng(seed)
+    seq = np.array(lens, np.int32)
+    width = max(1, int((-(-seq // page)).max()))
+    bt = rng.permutation(20_000)[:len(lens) * width].reshape(len(lens), width).astype(np.int32)
+    for _ in range(int(rng.integers(0, 4))):
+        rows = rng.choice(len(lens), size=int(rng.integers(1, len(lens) + 1)), replace=False)
+        n = int(rng.integers(1, width + 1))
+        bt[rows, :n] = bt[rows[0], :n]
+    f = sharing.plan_prefix_chunks(seq, bt, page, c_rows)
+    b = len(lens)
+    for v in range(b):
+        rows = [int(r) for r in f.chunk_rows[v] if r >= 0]
+        n = int(f.chunk_seq[v]) // page
+        assert (n > 0) == bool(rows) and (not rows or 2 <= len(rows) <= c_rows)
+        for c, r in enumerate(rows):
+            assert f.slots[r, 0] == v * c_rows + c
+            assert n <= (seq[r] - 1) // page and (bt[r, :n] == f.chunk_bt[v, :n]).all()
+    for r in range(b):
+        s0 = int(f.slots[r, 0])
+        run = int(f.chunk_seq[s0 // c_rows]) // page if s0 >= 0 else 0
+        assert f.slots[r, 1] == (b * c_rows + r if seq[r] else -1)
+        if seq[r] == 0:
+            assert s0 == -1 and f.own_seq[r] == 0
+            continue
+        assert f.own_seq[r] == seq[r] - run * page
+        k = -(-int(f.own_seq[r]) // page)
+        assert (f.own_bt[r, :k] == bt[r, run:run + k]).all()
+    # every leader's rows that share their first page and a whole page before the last share it
+    shareable = (seq - 1) // page
+    for r in range(b):
+        twins = [x for x in range(b) if shareable[x] >= 1 and shareable[r] >= 1 and bt[x, 0] == bt[r, 0]]
+        if len(twins) >= 2 and c_rows >= 2:
+            n_chunked = sum(1 for x in twins if f.slots[x, 0] >= 0)
+            assert n_chunked >= len(twins) - 1   # at most one chunk of one row (no chunk) per leader
+
+
+def test_find_shared_refuses_bad_arguments():
+    """ops.find_shared's host checks (no GPU needed: they run before the launch)."""
+    from pkvrt.launch import ops
+
+    b, w = 4, 8
+    i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)   # noqa: E731
+    args = dict(seq_lens=i32(b), block_tables=i32(b, w), chunk_seq=i32(b), chunk_bt=i32(b, w),
+                own_seq=i32(b), own_bt=i32(b, w), q_index=torch.zeros(b * 2 * 4 * 4, dtype=torch.int64),
+                slots=torch.zeros(b, 2, dtype=torch.int64))
+    kw = dict(page_size=16, chunk_rows=4, group=4, num_kv_heads=2)
+    for change, match in [(dict(block_tables=i32(b, w).long()), "block_tables: expected a row-contiguous int32"),
+                          (dict(q_index=torch.zeros(3, dtype=torch.int64)), "q_index: expected a contiguous int64 \\[128\\]"),
+                          (dict(slots=torch.zeros(b, 3, dtype=torch.int64)), "slots: expected"),
+                          (dict(own_bt=i32(b, w - 1)), "own_bt: expected a row-contiguous int32 \\[4, >= 8\\]"),
+                          (dict(chunk_seq=i32(b + 1)), "chunk_seq: expected \\[4\\]")]:
+        with pytest.raises(ops.KernelArgumentError, match=match):
+            ops.find_shared(**{**args, **change}, **kw)
+    for change, match in [(dict(page_size=12), "page_size: expected a power of two"),
+                          (dict(chunk_rows=1), "chunk_rows: expected an int in \\[2, 16\\]")]:
+        with pytest.raises(ops.KernelArgumentError, match=match):
+            ops.find_shared(**args, **{**kw, **change})

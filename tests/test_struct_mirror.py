@@ -39,7 +39,9 @@ def c_fields(source: str, struct: str) -> list[tuple[str, object]]:
 
 @pytest.mark.parametrize("struct, source", [("DecodeParams", "decode_common.cuh"),
                                             ("MergeParams", "merge.cu"),
-                                            ("PlanParams", "plan_workqueue.cu")])
+                                            ("SegmentParams", "merge.cu"),
+                                            ("PlanParams", "plan_workqueue.cu"),
+                                            ("FindSharedParams", "find_shared.cu")])
 def test_ctypes_mirror_matches_the_kernel_struct(struct, source):
     text = (_paths.CHECKOUT / "kernels" / source).read_text()
     assert c_fields(text, struct) == list(getattr(ops, struct)._fields_)

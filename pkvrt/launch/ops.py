@@ -634,3 +634,69 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
             p.src_bt_stride = src_block_tables.stride(0)
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
     _driver.launch(k, (1, 1, 1), 1024, p)
+
+
+class FindSharedParams(ctypes.Structure):
+    """Mirror of FindSharedParams in kernels/find_shared.cu."""
+    _fields_ = [
+        ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int),
+        ("rows", ctypes.c_int), ("width", ctypes.c_int), ("page_size_log2", ctypes.c_int),
+        ("chunk_rows", ctypes.c_int), ("group", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("chunk_seq", ctypes.c_void_p), ("chunk_bt", ctypes.c_void_p), ("own_seq", ctypes.c_void_p),
+        ("own_bt", ctypes.c_void_p), ("out_stride", ctypes.c_int), ("q_index", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+    ]
+
+
+FIND_MAX_ROWS = 1024   # one CTA of 1024 threads, a row each
+
+
+def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_index, slots, *,
+                page_size: int, chunk_rows: int, group: int, num_kv_heads: int) -> None:
+    """The step's shared prefixes, found on the GPU (kernels/find_shared.cu, one CTA): the rule
+    of ``pkvrt.policy.sharing.plan_prefix_chunks``, written into fixed-shape buffers.
+
+    seq_lens [B] int32 and block_tables [B, W] int32 (row-contiguous) on the GPU, B <= 1024;
+    outputs, on the same device: chunk_seq and own_seq [B] int32, chunk_bt and own_bt [B, W'] int32
+    (W' >= W, row-contiguous, the same row stride), q_index int64 [B * H_kv * C * G], slots int64
+    [B, 2]. ``chunk_rows`` C (2..16) rows per chunk, ``group`` G, ``num_kv_heads`` H_kv."""
+    dev = seq_lens.device
+    p = FindSharedParams()
+    p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
+    b = seq_lens.shape[0]
+    if not 1 <= b <= FIND_MAX_ROWS:
+        _fail("seq_lens", f"1 to {FIND_MAX_ROWS} rows (one CTA)", b)
+    if block_tables.dtype != torch.int32 or block_tables.device != dev or block_tables.dim() != 2 \
+            or block_tables.shape[0] != b or block_tables.stride(1) != 1:
+        _fail("block_tables", f"a row-contiguous int32 [{b}, W] tensor on {dev}",
+              f"{block_tables.dtype} {tuple(block_tables.shape)} on {block_tables.device}")
+    w = block_tables.shape[1]
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 \
+            or page_size & (page_size - 1) or w * page_size >= 2**31:
+        _fail("page_size", "a power of two (W * page_size < 2**31)", page_size)
+    for name, v, lo, hi in (("chunk_rows", chunk_rows, 2, 16), ("group", group, 1, 16),
+                            ("num_kv_heads", num_kv_heads, 1, 2**16)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            _fail(name, f"an int in [{lo}, {hi}]", v)
+    p.block_tables, p.bt_stride = block_tables.data_ptr(), block_tables.stride(0)
+    for name, t in (("chunk_seq", chunk_seq), ("own_seq", own_seq)):
+        if t.shape != (b,):
+            _fail(name, f"[{b}] int32", tuple(t.shape))
+    p.chunk_seq = _int32("chunk_seq", chunk_seq, dev, 1)
+    p.own_seq = _int32("own_seq", own_seq, dev, 1)
+    for name, t in (("chunk_bt", chunk_bt), ("own_bt", own_bt)):
+        if t.dtype != torch.int32 or t.device != dev or t.dim() != 2 or t.shape[0] != b \
+                or t.shape[1] < w or t.stride(1) != 1 or t.stride(0) != chunk_bt.stride(0):
+            _fail(name, f"a row-contiguous int32 [{b}, >= {w}] tensor on {dev} (chunk_bt's and "
+                  "own_bt's row strides equal)", f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    p.chunk_bt, p.own_bt, p.out_stride = chunk_bt.data_ptr(), own_bt.data_ptr(), chunk_bt.stride(0)
+    n_index = b * num_kv_heads * chunk_rows * group
+    for name, t, shape in (("q_index", q_index, (n_index,)), ("slots", slots, (b, 2))):
+        if t.dtype != torch.int64 or t.device != dev or tuple(t.shape) != shape or not t.is_contiguous():
+            _fail(name, f"a contiguous int64 {list(shape)} tensor on {dev}",
+                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    p.q_index, p.slots = q_index.data_ptr(), slots.data_ptr()
+    p.rows, p.width, p.page_size_log2 = b, w, page_size.bit_length() - 1
+    p.chunk_rows, p.group, p.num_kv_heads = chunk_rows, group, num_kv_heads
+    _driver.launch(_driver.get_kernel("find_shared", _buildspec.symbol("find_shared")), (1, 1, 1),
+                   FIND_MAX_ROWS, p)

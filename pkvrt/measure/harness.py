@@ -74,7 +74,7 @@ from pkvrt.measure.fi_engines import FI_VARIANTS
 from pkvrt.measure.fi_engines import WORKSPACE_BYTES as FI_WORKSPACE_BYTES  # noqa: F401 (calibrate.py)
 from pkvrt.measure.pagetable import build_layout
 from pkvrt.measure.traces import Step, decode_steps
-from pkvrt.policy import planner
+from pkvrt.policy import planner, sharing
 
 MAX_ERR = 2e-3            # vs FlashInfer and vs the FP32 reference (DESIGN.md)
 MEAN_ERR = 3e-4
@@ -97,6 +97,8 @@ STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as o
 HOST_STEP = "host-step"          # host lengths, every layer of a step in one graph per step_key
 HOST_STEP_ROUTER = "adaptive-step"  # the same with the router's policy (capture_routing="router")
 SHARED_STEP = "shared-step"      # SharedPagesRuntime: host-step that reads shared page runs once
+SHARED_DEVICE_STEP = "shared-device-step"  # SharedPagesRuntime on device lengths: device-plan-step
+                                           # whose shared prefixes are found on the GPU
 ROUTE_VARIANTS = ("flashinfer-cuda", "flashinfer-tc")  # the wrappers the Runtime's FlashInfer route runs
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8 = torch.float8_e4m3fn
@@ -185,7 +187,7 @@ def engine_label(name: str) -> str:
     keep their name."""
     if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
-    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP):
+    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP, SHARED_DEVICE_STEP):
         return "pkvrt-" + name
     base, _, route = name.partition(":")
     if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
@@ -213,14 +215,16 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     layer of the step captured in one graph per ``Runtime.step_key``:
     ``Runtime(engine_capture=True)``), ``adaptive-step`` (the same with the router's policy,
     ``capture_routing="router"``), ``shared-step`` (host-step with ``pkvrt.SharedPagesRuntime``:
-    rows that share pages read each shared run once per chunk of rows), or a PersistentKV route name of
+    rows that share pages read each shared run once per chunk of rows), ``shared-device-step``
+    (device-plan-step with ``pkvrt.SharedPagesRuntime(device_planning=True)``: the shared
+    prefixes found on the GPU from the block tables), or a PersistentKV route name of
     routes.toml (that route forced on every step). Duplicates are dropped."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
     known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, *ADAPTIVE_ENGINES,
                                   DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP,
-                                  *route_names)))
+                                  SHARED_DEVICE_STEP, *route_names)))
     for n in names:
         base, colon, route = n.partition(":")
         if colon and base in (DEVICE_PLAN, STEP_GRAPH):
@@ -988,6 +992,66 @@ class SharedStepGraphEngine(HostStepGraphEngine):
                 out.update({f"{name}_{k}": v for k, v in rt.stats().items()
                             if isinstance(v, (int, float, str, bool))})
         return out
+
+
+class SharedDeviceStepEngine(StepGraphEngine):
+    """``pkvrt.SharedPagesRuntime(device_planning=True)``, graphs off: :class:`StepGraphEngine`
+    (the step's lengths and block tables in static device buffers, the whole step captured per
+    (batch, phase)) for steps whose rows may share pages. The graph holds the detection
+    (kernels/find_shared.cu), both decodes' planning and every layer's query gather, chunk
+    decode, own decode and merge, so it replays whatever the step shares. The route recorded is
+    ``shared-pages-device``; its counters are the K/V bytes of what the GPU's rule reads (the
+    twin, ``sharing.plan_prefix_chunks``, computed off the timed path)."""
+
+    SHARED_ROUTE = "shared-pages-device"
+
+    def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int):
+        from pkvrt.runtime.options import RuntimeOptions
+        from pkvrt.runtime.shared import SharedPagesRuntime
+
+        sh = wl.shape
+        self.device_planning, self.force, self.label = True, None, engine_label(name)
+        self._on_device: dict[int, tuple] = {}
+        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
+        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
+        self.rt = SharedPagesRuntime(
+            sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
+            device_planning=True, num_pages=wl.k[0].shape[0], device=wl.device, routes=routes,
+            calibration=calibration, max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
+            options=RuntimeOptions(validate=False, use_cuda_graph=False), **fp8)
+        i32 = dict(dtype=torch.int32, device=wl.device)
+        self.seq = torch.ones(max_active, **i32)
+        self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.decisions: dict = {}
+        self.decision = None
+
+    def run_step(self, wl: Workload, step: Step, pos: int, out: torch.Tensor) -> None:
+        super().run_step(wl, step, pos, out)
+        self._last_bt = self.layout.block_table(step.rids)
+
+    def _capture(self, wl: Workload, b: int, phase: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
+        # the whole block-table width: find_shared's buffers keep one width, so one generation
+        return capture_layers(self.rt, wl, b, phase, out,
+                              plan=lambda: self.rt.plan(self.seq[:b], self.bt[:b]))
+
+    def step_info(self):
+        sh = self.rt
+        if sh.shared is None:   # G above 8: the plain device-planning Runtime's route
+            return _runtime_step_info(sh.plain, self.decision, self._last_seq, self.kv_dtype_bytes)
+        seq = np.asarray(self._last_seq, np.int64)
+        found = sharing.plan_prefix_chunks(seq, self._last_bt[:, :self.bt.shape[1]],
+                                           sh.page_size, sh.chunk)
+        tokens = int(found.chunk_seq.sum()) + int(found.own_seq.sum())
+        kv = tokens * 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
+        # per layer: the query gather, the two decodes (fused: one launch each), the merge
+        launches = 2 + sum(1 if rt.last_decision.kind == "fused" else 2 for rt in (sh.shared, sh.own))
+        return self.SHARED_ROUTE, (), planner.Counters(
+            launches=launches, decode_ctas=0, cta_work_per_sm=0.0, useful_kv_bytes=int(kv),
+            merge_bytes=0, merge_launches=1)
+
+    def stats(self) -> dict:
+        return {"step_graphs": len(self.graphs)}
 
 
 # --------------------------------------------------------------------------- passes

@@ -26,7 +26,8 @@ import hashlib
 import attrs
 import numpy as np
 
-from pkvrt.policy.blocktables import SharedRun, _checked_pages, shared_page_runs, used_ids
+from pkvrt.policy.blocktables import (SharedRun, _checked_pages, check_page_size, shared_page_runs,
+                                      used_ids)
 
 CAPACITY = 16   # query vectors per KV head a decode kernel takes (the largest group capacity)
 
@@ -163,3 +164,113 @@ def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | No
     if num_pages is not None and ids.min() >= 0 and ids.max() < num_pages:
         return bool((np.bincount(ids, minlength=1) > 1).any())
     return np.unique(ids).size < ids.size
+
+
+@attrs.frozen
+class PrefixChunks:
+    """One step's shared prefixes as the GPU finds them (kernels/find_shared.cu): fixed shapes
+    of the step's B rows, so a captured step replays whatever the sharing.
+
+    chunk_seq [B] int32 : chunk v's tokens (whole pages of its shared prefix), 0: no chunk v
+        (an idle decode row). chunk_bt [B, W] int32 : its pages (its leader's first ones; the
+        entries past chunk_seq are not used). chunk_rows [B, C] int32 : its rows, -1 past them.
+    own_seq [B] int32, own_bt [B, W] int32 : each row's pages after its chunk's prefix (all of
+        them without one), a decode row each (row r's own segment is decode row r).
+    slots [B, 2] int64 : per row, its chunk state ``v * C + c`` (or -1) and its own state
+        ``B * C + r`` (-1 for a row of length 0: its output is zeros).
+    """
+
+    chunk_seq: np.ndarray = attrs.field(eq=False)
+    chunk_bt: np.ndarray = attrs.field(eq=False)
+    chunk_rows: np.ndarray = attrs.field(eq=False)
+    own_seq: np.ndarray = attrs.field(eq=False)
+    own_bt: np.ndarray = attrs.field(eq=False)
+    slots: np.ndarray = attrs.field(eq=False)
+
+    def q_index(self, num_kv_heads: int, group: int) -> np.ndarray:
+        """int64 [B * H_kv * C * G]: the q row (of q viewed [B * H_q, D]) of each chunk decode
+        head (v, hk, c, j): row chunk_rows[v, c]'s head hk * G + j; past a chunk's rows its first
+        row, row 0 for no chunk (computed, never merged), as find_shared writes it."""
+        rows = self.chunk_rows.astype(np.int64)
+        first = np.where(rows[:, :1] >= 0, rows[:, :1], 0)
+        rows = np.where(rows >= 0, rows, first)
+        idx = (rows[:, None, :, None] * (num_kv_heads * group)
+               + np.arange(num_kv_heads)[None, :, None, None] * group + np.arange(group)[None, None, None, :])
+        return idx.reshape(-1)
+
+    @property
+    def pages_saved(self) -> int:
+        """Page reads the chunks save: each chunk's pages once instead of once per row."""
+        counts = (self.chunk_rows >= 0).sum(axis=1)
+        return int(((counts - 1).clip(min=0) * self.chunk_seq).sum())
+
+
+def plan_prefix_chunks(seq_lens, block_tables, page_size: int, chunk_rows: int) -> PrefixChunks:
+    """The prefix sharing of one step, by the rule the GPU applies (the twin of
+    kernels/find_shared.cu, which tests/gpu/test_sharing.py checks entry for entry).
+
+    - Row r's shareable pages are the whole pages before its last one: ``s_r = (len_r - 1) //
+      page_size`` (0 for a length outside [1, W * page_size]: such a row shares nothing, and its
+      own segment carries the bad length to the planning kernel, which flags it).
+    - Its leader is the lowest row whose first page is r's first page (both with s >= 1), and
+      ``lcp_r`` is the number of leading pages r has in common with its leader, at most both
+      rows' shareable pages (the leader's: its own s).
+    - A leader's rows (two or more) are ordered by decreasing lcp, then row, and cut into
+      ``ceil(n / chunk_rows)`` chunks of consecutive ranks of near-equal size; a chunk's prefix
+      is its rows' least lcp (the last one's), and a chunk of one row is no chunk.
+    - Chunks are numbered by leader row, then by their place in the order.
+
+    One level of sharing per leader: rows that share a longer prefix with each other than with
+    their leader (nested prefixes) share only the common part here; the host's
+    :func:`plan_sharing` finds every level."""
+    page_size = check_page_size(page_size, "plan_prefix_chunks")
+    seq, bt = np.asarray(seq_lens).astype(np.int64), np.asarray(block_tables)
+    if seq.ndim != 1 or bt.ndim != 2 or bt.shape[0] != seq.shape[0]:
+        raise ValueError(f"plan_prefix_chunks: expected seq_lens [B] and block_tables [B, W], got "
+                         f"shapes {seq.shape} and {bt.shape}")
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or not 2 <= chunk_rows <= CAPACITY:
+        raise ValueError(f"plan_prefix_chunks: chunk_rows={chunk_rows!r}: expected 2..{CAPACITY}")
+    b, w = bt.shape
+    c_rows = chunk_rows
+    valid = (seq >= 1) & (seq <= w * page_size)
+    s = np.where(valid, (seq - 1) // page_size, 0)
+    leader = np.arange(b)
+    lcp = np.zeros(b, np.int64)
+    for r in range(b):
+        if s[r] < 1:
+            continue
+        leader[r] = next(g for g in range(r + 1) if s[g] >= 1 and bt[g, 0] == bt[r, 0])
+        g, n = leader[r], min(s[r], s[leader[r]])
+        diff = np.nonzero(bt[r, :n] != bt[g, :n])[0]
+        lcp[r] = diff[0] if diff.size else n
+    chunk_seq = np.zeros(b, np.int32)
+    chunk_bt = np.zeros((b, w), np.int32)
+    members = np.full((b, c_rows), -1, np.int32)
+    run = np.zeros(b, np.int64)              # each row's chunk prefix (pages), 0: none
+    slot0 = np.full(b, -1, np.int64)
+    v = 0
+    for g in range(b):
+        rows = [r for r in range(b) if s[r] >= 1 and leader[r] == g]
+        if len(rows) < 2:
+            continue
+        rows.sort(key=lambda r: (-lcp[r], r))
+        n, parts = len(rows), -(-len(rows) // c_rows)
+        for j in range(parts):
+            part = rows[j * n // parts:(j + 1) * n // parts]
+            prefix = int(lcp[part[-1]])
+            if len(part) >= 2:
+                chunk_seq[v + j] = prefix * page_size
+                chunk_bt[v + j, :prefix] = bt[g, :prefix]
+                members[v + j, :len(part)] = part
+                for c, r in enumerate(part):
+                    run[r], slot0[r] = prefix, (v + j) * c_rows + c
+        v += parts
+    own_seq = np.where(valid, seq - run * page_size, seq).astype(np.int32)
+    own_bt = np.zeros((b, w), np.int32)
+    for r in range(b):
+        if valid[r]:
+            k = -(-int(own_seq[r]) // page_size)
+            own_bt[r, :k] = bt[r, run[r]:run[r] + k]
+    slot1 = np.where(seq != 0, b * c_rows + np.arange(b), -1)
+    return PrefixChunks(chunk_seq=chunk_seq, chunk_bt=chunk_bt, chunk_rows=members, own_seq=own_seq,
+                        own_bt=own_bt, slots=np.stack([slot0, slot1], axis=1).astype(np.int64))

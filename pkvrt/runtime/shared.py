@@ -15,8 +15,17 @@ bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.shari
   merge_segments): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k + e^sink)``, in float32.
 
 A step without shared pages (or where sharing would save less than ``min_saved`` of its page
-reads) runs on the plain Runtime as it would without this class. Host lengths only (the sharing
-is found on the host); no sliding window (a window cuts the shared run differently per row).
+reads) runs on the plain Runtime as it would without this class. No sliding window (a window
+cuts the shared run differently per row).
+
+Device lengths (``device_planning=True``: lengths and block tables on the GPU, nothing read by
+the host): one kernel (kernels/find_shared.cu) finds each step's shared prefixes from the block
+tables (rows whose tables begin with the same pages: one level per leader row, the rule of
+:func:`pkvrt.policy.sharing.plan_prefix_chunks`) into fixed-shape buffers, and both decodes plan
+on the GPU from them. Every step then runs the shared path (B chunk slots, idle where nothing is
+shared), so a captured step replays whatever the sharing; its cost on a step without sharing is
+the detection, the query gather, an idle chunk decode and the merge (benches/shared_pages.py
+measures it).
 The query gathers are torch operations and the merge one kernel: launched eagerly per layer, or captured
 with the step by an engine (``engine_capture=True``: plan() outside the capture, run() inside,
 a graph per :attr:`~SharedPagesRuntime.step_key`).
@@ -31,6 +40,7 @@ import torch
 
 from pkvrt.launch import ops
 from pkvrt.policy import sharing
+from pkvrt.runtime.checks import check_device_step
 from pkvrt.runtime.core import Runtime
 
 
@@ -39,20 +49,25 @@ class SharedPagesRuntime:
     """:class:`pkvrt.Runtime`'s ``plan()`` / ``run()`` for steps whose rows may share pages.
 
     Parameters: those of :class:`pkvrt.Runtime` (shape, variant, sizes, routes, calibration,
-    ``engine_capture``, ``options``), except ``window_left`` (refused: no sliding window) and
-    ``device_planning`` (host lengths). ``min_saved``: the least fraction of a step's page reads
-    sharing must save to be used (default 0.1). ``num_pages``: also bounds the page-id bincount
+    ``engine_capture``, ``options``), except ``window_left`` (refused: no sliding window).
+    ``device_planning``: False (default) host lengths, the sharing found on the host (any
+    structure); True: lengths and block tables on the GPU, the shared prefixes found there
+    (module docstring). ``min_saved``: the least fraction of a step's page reads sharing must
+    save to be used (host lengths; default 0.1). ``num_pages``: also bounds the page-id bincount
     that finds repeats.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype=torch.float16, *, sinks: bool = False, min_saved: float = 0.1,
-                 num_pages: int | None = None, **runtime_kw):
-        for bad in ("window_left", "device_planning"):
-            if runtime_kw.get(bad) not in (None, -1, False):
-                raise ValueError(f"SharedPagesRuntime: {bad}={runtime_kw[bad]!r}: shared pages are "
-                                 "found on the host and attended whole (no sliding window)")
-            runtime_kw.pop(bad, None)
+                 num_pages: int | None = None, device_planning: bool = False, **runtime_kw):
+        if runtime_kw.get("window_left") not in (None, -1):
+            raise ValueError(f"SharedPagesRuntime: window_left={runtime_kw['window_left']!r}: shared "
+                             "pages are attended whole (no sliding window)")
+        runtime_kw.pop("window_left", None)
+        if not isinstance(device_planning, bool):
+            raise ValueError(f"SharedPagesRuntime: device_planning={device_planning!r}: expected True "
+                             "(lengths on the GPU) or False (on the host)")
+        self.device_planning = device_planning
         if not 0.0 <= min_saved < 1.0:
             raise ValueError(f"SharedPagesRuntime: min_saved={min_saved!r}: expected 0 <= min_saved < 1")
         self.group = num_qo_heads // num_kv_heads
@@ -60,7 +75,7 @@ class SharedPagesRuntime:
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
-        common = dict(runtime_kw, num_pages=num_pages, device_planning=False)
+        common = dict(runtime_kw, num_pages=num_pages, device_planning=device_planning)
         sm_scale = common.pop("sm_scale", None)
         sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         self.plain = Runtime(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sinks=sinks,
@@ -84,6 +99,8 @@ class SharedPagesRuntime:
                                       dtype=torch.float32, device=self.device)
             self._lse_o = torch.empty(self.own.max_batch, num_qo_heads, dtype=torch.float32,
                                       device=self.device)
+        self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
+        self._found_rows = 0                          # the planned step's rows (0: none)
 
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
         """Rows per chunk: the most whose rows x G query heads a decode kernel of this head dim
@@ -102,7 +119,13 @@ class SharedPagesRuntime:
     def plan(self, seq_lens, block_tables, *, force: str | None = None):
         """Plan the step: shared chunks and own segments where rows share pages, else the plain
         Runtime's plan. ``force``: the plain Runtime's route, no sharing. Returns the own (or
-        plain) Runtime's RouteDecision."""
+        plain) Runtime's RouteDecision.
+
+        With ``device_planning``: int32 tensors on the GPU (``seq_lens`` [B], ``block_tables``
+        [B, W]); the shared prefixes are found there (a length of 0 is an idle row: its output
+        is zeros)."""
+        if self.device_planning:
+            return self._plan_device(seq_lens, block_tables, force)
         seq = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         bt = np.asarray(block_tables.cpu() if isinstance(block_tables, torch.Tensor) else block_tables)
         self.plan_used = sp = None   # a failure below leaves no sharing plan in effect
@@ -138,6 +161,64 @@ class SharedPagesRuntime:
         self.plan_used = sp
         return d
 
+    def _plan_device(self, seq_lens, block_tables, force: str | None):
+        """plan() of device lengths: find_shared into the static buffers, then both decodes'
+        device planning from them (or, forced or G above 8, the plain Runtime's)."""
+        self.plan_used, self._found_rows = None, 0
+        if force is not None or self.shared is None:
+            return self.plain.plan(seq_lens, block_tables, force=force)
+        seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
+                                    max_batch=self.plain.max_batch)
+        if seq.device != self.device or bt.device != self.device:
+            raise ValueError(f"SharedPagesRuntime.plan: device_planning=True: seq_lens and "
+                             f"block_tables must be int32 tensors on {self.device}")
+        b, w = seq.shape[0], bt.shape[1]
+        f = self._found_buffers(w)
+        if not bt.is_contiguous():
+            bt = bt.contiguous()
+        ops.find_shared(seq, bt, f["chunk_seq"][:b], f["chunk_bt"][:b], f["own_seq"][:b],
+                        f["own_bt"][:b], f["q_index"][:b * self.num_kv_heads * self.chunk * self.group],
+                        f["slots"][:b], page_size=self.page_size, chunk_rows=self.chunk,
+                        group=self.group, num_kv_heads=self.num_kv_heads)
+        self.shared.plan(f["chunk_seq"][:b], f["chunk_bt"][:b])
+        d = self.own.plan(f["own_seq"][:b], f["own_bt"][:b])
+        self._found_rows = b
+        return d
+
+    def _found_buffers(self, width: int) -> dict[str, torch.Tensor]:
+        """find_shared's outputs at max_batch rows and ``width`` block-table columns (made again,
+        a new generation, when a step's width differs: the decodes' planning reads them whole)."""
+        f = self._found
+        if not f or f["chunk_bt"].shape[1] != width:
+            n, dev = self.plain.max_batch, self.device
+            i32 = dict(dtype=torch.int32, device=dev)
+            f.update(chunk_seq=torch.zeros(n, **i32), own_seq=torch.zeros(n, **i32),
+                     chunk_bt=torch.zeros(n, width, **i32), own_bt=torch.zeros(n, width, **i32),
+                     q_index=torch.zeros(n * self.num_kv_heads * self.chunk * self.group,
+                                         dtype=torch.int64, device=dev),
+                     slots=torch.full((n, 2), -1, dtype=torch.int64, device=dev))
+            self._generation += 1
+        return f
+
+    def found(self) -> sharing.PrefixChunks | None:
+        """What find_shared wrote for the planned step (device lengths; None otherwise). Reads
+        the GPU buffers: it synchronizes (for tests and debugging, not the step loop)."""
+        b = self._found_rows
+        if not b:
+            return None
+        f = {k: v.cpu().numpy() for k, v in self._found.items()}
+        c, g, hkv, hq = self.chunk, self.group, self.num_kv_heads, self.num_qo_heads
+        q_rows = f["q_index"][:b * hkv * c * g].reshape(b, hkv, c, g)[:, 0, :, 0] // hq
+        slots = f["slots"][:b]
+        members = np.full((b, c), -1, np.int32)   # the rows whose chunk state a slot names
+        for r in range(b):
+            if slots[r, 0] >= 0:
+                members[slots[r, 0] // c, slots[r, 0] % c] = r
+        assert ((members < 0) | (members == q_rows)).all(), "q_index disagrees with slots"
+        return sharing.PrefixChunks(chunk_seq=f["chunk_seq"][:b], chunk_bt=f["chunk_bt"][:b],
+                                    chunk_rows=members, own_seq=f["own_seq"][:b],
+                                    own_bt=f["own_bt"][:b], slots=slots)
+
     def _stage(self, name: str, a: np.ndarray) -> torch.Tensor:
         """``a`` in the static int64 device buffer ``name`` (a view of its shape), copied from
         pinned memory without waiting for the stream (torch's pinned allocator keeps the
@@ -155,10 +236,19 @@ class SharedPagesRuntime:
         return view
 
     @property
+    def last_decision(self):
+        """The RouteDecision of the last plan(): the own decode's on a step with sharing (and
+        every device-lengths step), else the plain Runtime's."""
+        return (self.own if self._found_rows or self.plan_used is not None else self.plain).last_decision
+
+    @property
     def step_key(self) -> tuple | None:
         """What a graph of the planned step's run() calls bakes in (``engine_capture``): the
         plain Runtime's key, or the sharing structure (chunks, own segments, states per row,
         buffer generation) with both Runtimes' keys."""
+        if self._found_rows:
+            return ("shared-device", self._found_rows, self._found["chunk_bt"].shape[1],
+                    self._generation, self.shared.step_key, self.own.step_key)
         sp = self.plan_used
         if sp is None:
             return self.plain.step_key
@@ -174,6 +264,8 @@ class SharedPagesRuntime:
         if self.sinks != (sinks is not None):
             raise ValueError(f"SharedPagesRuntime.run: sinks={'given' if sinks is not None else None}"
                              f" but the Runtime was built with sinks={self.sinks}")
+        if self._found_rows:
+            return self._run_device(q, k_cache, v_cache, out, sinks, scales)
         sp = self.plan_used
         if sp is None:
             kw = {"sinks": sinks} if sinks is not None else {}
@@ -200,7 +292,31 @@ class SharedPagesRuntime:
                            sinks=sinks)
         return out
 
+    def _run_device(self, q, k_cache, v_cache, out, sinks, scales) -> torch.Tensor:
+        """run() of a device-lengths step: the chunk queries gathered by find_shared's q_index,
+        both decodes (the own one reads q as it is: row r's own segment is decode row r), and
+        the merge by its slots."""
+        b, hq, d = q.shape
+        if b != self._found_rows:
+            raise ValueError(f"SharedPagesRuntime.run: q has {b} rows, the planned step {self._found_rows}")
+        f, c = self._found, self.chunk
+        qv, lse_v = self.shared.static_q(b), self._lse_v[:b]
+        torch.index_select(q.reshape(b * hq, d), 0, f["q_index"][:qv.numel() // d], out=qv.view(-1, d))
+        out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(b), lse=lse_v, **scales)
+        lse_o = self._lse_o[:b]
+        out_o = self.own.run(q if q.is_contiguous() else q.contiguous(), k_cache, v_cache,
+                             out=self.own.static_out(b), lse=lse_o, **scales)
+        if out is None:
+            out = torch.empty_like(q)
+        ops.merge_segments(out_v, lse_v, out_o, lse_o, f["slots"][:b], out, group=self.group,
+                           chunk_rows=c, sinks=sinks)
+        return out
+
     def explain(self) -> str:
+        if self._found_rows:
+            return (f"SharedPagesRuntime: device lengths, shared prefixes found on the GPU "
+                    f"(find_shared: up to {self._found_rows} chunks of up to {self.chunk} rows, one "
+                    f"level per leader row; found() reads them)\n" + self.own.explain())
         sp = self.plan_used
         if sp is None:
             return "SharedPagesRuntime: no sharing this step (plain Runtime)\n" + self.plain.explain()

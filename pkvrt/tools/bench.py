@@ -80,6 +80,8 @@ ENGINES = {
     harness.HOST_STEP_ROUTER: "host-step with the router's policy",
     harness.SHARED_STEP: "host-step with pkvrt.SharedPagesRuntime: shared page runs read once "
                          "per chunk of rows (traces with prefix hashes)",
+    harness.SHARED_DEVICE_STEP: "device-plan-step with pkvrt.SharedPagesRuntime(device_planning="
+                                "True): shared prefixes found on the GPU, read once per chunk",
 }
 PLANNER_ENGINES = (harness.BASELINE, harness.ADAPTIVE, harness.DEVICE_PLAN)
 DEVICE_KINDS = ("workqueue", "fused")   # the route kinds device planning runs
@@ -443,6 +445,9 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
             return harness.HostStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                                max_active=config.max_active, routing=routing,
                                                tensor_cores=fi_route == "flashinfer-tc")
+        if name == harness.SHARED_DEVICE_STEP:
+            return harness.SharedDeviceStepEngine(wl, name=name, routes=registry.path,
+                                                  calibration=cal, max_active=config.max_active)
         if name == harness.SHARED_STEP:
             return harness.SharedStepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                                  max_active=config.max_active,

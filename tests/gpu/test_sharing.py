@@ -1,5 +1,6 @@
 """SharedPagesRuntime on the GPU: steps whose rows share pages (prefix caching, parallel
-sampling, nested prefixes) against the FP32 reference, eagerly and captured by an engine."""
+sampling, nested prefixes) against the FP32 reference, eagerly and captured by an engine; with
+device lengths, the shared prefixes found on the GPU (find_shared against its twin)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,114 @@ def test_merge_segments_kernel_matches_torch(dtype, d, sinks):
         want = (w.unsqueeze(-1) * states[ks]).sum(0) / den.unsqueeze(-1)
         torch.testing.assert_close(out[r].float(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse[r], lses[ks].amax(0) + torch.log2(w.sum(0)), atol=1e-4, rtol=1e-5)
+
+
+# ---- device lengths: the shared prefixes found on the GPU (kernels/find_shared.cu)
+
+
+def find_cases():
+    """(lens, bt, page, C): random steps with nested prefixes, idle rows (0), a length past the
+    block table, up to 300 rows; seeded."""
+    out = []
+    for i, (b, page, c_rows) in enumerate([(8, 16, 4), (37, 1, 2), (300, 16, 16), (64, 64, 8),
+                                           (5, 16, 3), (128, 4, 5)]):
+        rng = np.random.default_rng(100 + i)
+        lens = rng.integers(1, 40 * page, size=b).astype(np.int32)
+        lens[rng.random(b) < 0.1] = 0
+        width = int(-(-lens.max() // page)) + 1
+        bt = rng.permutation(b * width + 50).astype(np.int32)[:b * width].reshape(b, width)
+        for _ in range(4):   # prefix families, some nested in others
+            rows = rng.choice(b, size=int(rng.integers(2, max(3, b // 2))), replace=False)
+            n = int(rng.integers(1, width))
+            bt[rows, :n] = bt[rows[0], :n]
+        lens[b // 2] = width * page + 3   # past the block table: shares nothing, passed on
+        out.append((lens, bt, page, c_rows))
+    return out
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_find_shared_kernel_matches_its_twin(case):
+    """Every output of find_shared equals sharing.plan_prefix_chunks (the entries a decode or
+    the merge reads): chunk lengths, their pages, the q gather indices, own lengths and pages,
+    slots."""
+    from pkvrt.launch import ops
+    from pkvrt.policy import sharing
+
+    lens, bt, page, c_rows = find_cases()[case]
+    b, w = bt.shape
+    g, hkv = 3, 2
+    twin = sharing.plan_prefix_chunks(lens, bt, page, c_rows)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    out = dict(chunk_seq=torch.full((b,), -7, **i32), chunk_bt=torch.full((b, w), -7, **i32),
+               own_seq=torch.full((b,), -7, **i32), own_bt=torch.full((b, w), -7, **i32),
+               q_index=torch.full((b * hkv * c_rows * g,), -7, dtype=torch.int64, device=DEV),
+               slots=torch.full((b, 2), -7, dtype=torch.int64, device=DEV))
+    ops.find_shared(torch.as_tensor(lens, device=DEV), torch.as_tensor(bt, device=DEV), **out,
+                    page_size=page, chunk_rows=c_rows, group=g, num_kv_heads=hkv)
+    got = {k: v.cpu().numpy() for k, v in out.items()}
+    for name in ("chunk_seq", "own_seq", "slots"):
+        np.testing.assert_array_equal(got[name], getattr(twin, name), err_msg=name)
+    np.testing.assert_array_equal(got["q_index"], twin.q_index(hkv, g))
+    for v in range(b):
+        n = int(twin.chunk_seq[v]) // page
+        np.testing.assert_array_equal(got["chunk_bt"][v, :n], twin.chunk_bt[v, :n])
+    valid = (lens >= 1) & (lens <= w * page)
+    for r in np.nonzero(valid)[0]:
+        k = -(-int(twin.own_seq[r]) // page)
+        np.testing.assert_array_equal(got["own_bt"][r, :k], twin.own_bt[r, :k])
+    assert twin.pages_saved > 0
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "engine graph"])
+@pytest.mark.parametrize("hq, hkv, lens, prefixes", CASES)
+def test_device_lengths_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
+    """SharedPagesRuntime(device_planning=True): lengths and block tables on the GPU. Captured
+    (plan + run in one graph, as an engine captures its step), the graph is replayed on the next
+    step's lengths and a block table with other sharing, and still matches the reference."""
+    seq, bt = step(lens, prefixes, 8192, seed=len(lens))
+    k = torch.randn(8192, hkv, PAGE, 128, device=DEV, dtype=torch.float16)
+    v = torch.randn_like(k)
+    q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
+    opts = pkvrt.RuntimeOptions(use_cuda_graph=False) if capture else None
+    rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=16,
+                                  max_pages_per_row=bt.shape[1] + 1, num_pages=8192,
+                                  device_planning=True, options=opts)
+    seq_d = torch.as_tensor(seq, device=DEV)
+    bt_d = torch.zeros(len(lens), bt.shape[1] + 1, dtype=torch.int32, device=DEV)
+    bt_d[:, :bt.shape[1]] = torch.as_tensor(bt, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    if capture:
+        from pkvrt.runtime.graphs import capture as capture_step
+
+        def body():
+            rt.plan(seq_d, bt_d)
+            rt.run(q, k, v, out=out)
+        graph = capture_step(body).graph
+        out.fill_(float("nan"))
+        graph.replay()
+    else:
+        rt.plan(seq_d, bt_d)
+        rt.run(q, k, v, out=out)
+    found = rt.found() if not capture else None
+    assert capture or found.pages_saved > 0, rt.explain()
+
+    def check(seq, bt):
+        ref = reference.decode_attention(q, k, v, torch.as_tensor(seq, device=DEV),
+                                         torch.as_tensor(bt, device=DEV))
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err < 2e-3, (err, rt.explain())
+    check(seq, bt_d[:, :bt.shape[1]].cpu().numpy())
+    # the next step: one more token per row, and the last row joins the first row's prefix
+    seq2 = seq + 1
+    bt2 = bt_d.cpu().numpy()
+    bt2[-1, :2] = bt2[0, :2]
+    seq_d.copy_(torch.as_tensor(seq2))
+    bt_d.copy_(torch.as_tensor(bt2))
+    out.fill_(float("nan"))
+    if capture:
+        graph.replay()
+    else:
+        rt.plan(seq_d, bt_d)
+        rt.run(q, k, v, out=out)
+    check(seq2, bt2)
+    assert rt.own.device_status() == 0 and rt.shared.device_status() == 0
