@@ -3,6 +3,9 @@
 # pytest-benchmark ablations run once, untimed), on the kernels of this checkout.
 #
 # usage: bash benches/gpu_suite.sh OUT [PYTEST ARGS...]
+#   e.g. `-n 6 --timeout 240` (pytest-xdist, pytest-timeout): six test processes share the GPU, so
+#   FlashInfer's JIT builds (about 40 s a module on a fresh machine) overlap the kernel tests; no
+#   test in tests/ times anything, so sharing the GPU changes no result
 #   OUT/gpu-suite.log   the header (commit, GPU, driver, versions, date) and pytest's whole output;
 #                       commit it as benches/results/h200/logs/gpu-suite.log with the commit it ran on
 #   exit status         pytest's

@@ -16,6 +16,10 @@ CUDA graph, CUDA-event time of its replays, median of REPLAYS, ``harness.median_
 - ``pkvrt-shared``: ``pkvrt.SharedPagesRuntime(engine_capture=True)``: plan() outside the graph
   (the sharing found from the block tables), the 32 run() calls (query gather, shared chunks,
   own segments, merge) in it.
+- ``pkvrt-shared-device``: ``pkvrt.SharedPagesRuntime(device_planning=True)`` given GPU lengths,
+  plan() (find_shared and both decodes' planning) and the 32 run() calls in the graph; on the
+  cases without sharing (``8x(0+...)``) its time over ``pkvrt-device-plan``'s is what the
+  detection and the shared path's launches cost a step that shares nothing.
 Every engine's layer-0 output is checked against the FP32 reference first. Floors: the step's
 K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
 once (``floor_once_us``).
@@ -55,6 +59,9 @@ CASES = {
     "64x(2K+1K)": ([(64, 2048)], 1024),
     "16x(1K+1K)": ([(16, 1024)], 1024),
     "parallel-8x(2K..16K)x4": ([(8, 2048), (8, 4096), (8, 8192), (8, 16384)], 64),
+    # no sharing: what the device-lengths detection costs a step that shares nothing
+    "8x(0+8K)": ([(8, 0)], 8192),
+    "8x(0+1K)": ([(8, 0)], 1024),
 }
 
 
@@ -201,6 +208,22 @@ def pkvrt_shared(st: Step) -> dict:
     return row
 
 
+def pkvrt_shared_device(st: Step) -> dict:
+    rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
+                                  max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
+                                  device_planning=True,
+                                  options=pkvrt.RuntimeOptions(use_cuda_graph=False))
+
+    def body():
+        rt.plan(st.seq_d, st.bt_d)
+        for l in range(LAYERS):
+            rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
+    row = timed(st, None, body)
+    found = rt.found()
+    row.update(pages_saved=found.pages_saved if found is not None else 0, explain=rt.explain())
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES))
@@ -231,11 +254,13 @@ def main(argv=None) -> int:
         groups, own = CASES[name]
         st = Step(groups, own, gen)
         rec = {}
-        engines = {"pkvrt-shared": pkvrt_shared, "pkvrt-device-plan": pkvrt_plain}
+        engines = {"pkvrt-shared": pkvrt_shared, "pkvrt-shared-device": pkvrt_shared_device,
+                   "pkvrt-device-plan": pkvrt_plain}
         if fi is not None:
             engines.update({"flashinfer-tc": functools.partial(fi_plain, fi, tensor_cores=True),
-                            "flashinfer-cuda": functools.partial(fi_plain, fi, tensor_cores=False),
-                            "flashinfer-cascade": functools.partial(fi_cascade, fi)})
+                            "flashinfer-cuda": functools.partial(fi_plain, fi, tensor_cores=False)})
+            if any(shared for _, shared in groups):   # a cascade needs a shared level
+                engines["flashinfer-cascade"] = functools.partial(fi_cascade, fi)
         for label, fn in engines.items():
             try:
                 if label == "flashinfer-cascade" and cascade_unavailable:
@@ -253,8 +278,12 @@ def main(argv=None) -> int:
         base = min((ok[k], k) for k in ok if k.startswith("flashinfer")) if any(
             k.startswith("flashinfer") for k in ok) else None
         ratio = base[0] / ok["pkvrt-shared"] if base and "pkvrt-shared" in ok else None
+        per = lambda k: base[0] / ok[k] if base and k in ok else None  # noqa: E731
         rows.append({"case": name, "engine": "ratio", "baseline": base and base[1], "ratio": ratio,
-                     "ratio_plain": (base[0] / ok["pkvrt-device-plan"]) if base and "pkvrt-device-plan" in ok else None})
+                     "ratio_plain": per("pkvrt-device-plan"), "ratio_device": per("pkvrt-shared-device"),
+                     # the device-lengths shared path over plain device planning (no sharing: its cost)
+                     "device_over_plain": (ok["pkvrt-shared-device"] / ok["pkvrt-device-plan"])
+                     if {"pkvrt-shared-device", "pkvrt-device-plan"} <= ok.keys() else None})
         print(f"{name:<26} {st.floor_us:8.0f} {st.floor_once_us:7.0f}  "
               + "  ".join(f"{k} {v:.0f}" for k, v in ok.items())
               + f"  ratio {ratio if ratio is None else round(ratio, 3)}", flush=True)

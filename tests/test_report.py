@@ -833,12 +833,14 @@ def test_coverage_benchmarks_get_their_own_tables(capsys, tmp_path):
     write(d / "dropin.json", "dropin", drop)
     shared = [dict(case="8x(32K+128)", engine="pkvrt-shared", status="ok", median_us=2000.0,
                    floor_us=8213.0, floor_once_us=1055.0),
+              dict(case="8x(32K+128)", engine="pkvrt-shared-device", status="ok", median_us=2500.0,
+                   floor_us=8213.0, floor_once_us=1055.0),
               dict(case="8x(32K+128)", engine="flashinfer-tc", status="ok", median_us=3931.0,
                    floor_us=8213.0, floor_once_us=1055.0),
               dict(case="8x(32K+128)", engine="flashinfer-cascade", status="unavailable: no CUTLASS",
                    floor_us=8213.0, floor_once_us=1055.0),
               dict(case="8x(32K+128)", engine="ratio", baseline="flashinfer-tc", ratio=1.9655,
-                   ratio_plain=0.75)]
+                   ratio_device=1.5724, ratio_plain=0.75, device_over_plain=0.477)]
     write(d / "shared-pages.json", "shared-pages", shared)
     rc, _, err = run(capsys, "report", str(d), "--out", str(tmp_path / "o"), "--no-plots")
     assert rc == 0, err
@@ -855,6 +857,7 @@ def test_coverage_benchmarks_get_their_own_tables(capsys, tmp_path):
                           "pkvrt 50.0, flashinfer-tc 150.0"]]
     assert "flashinfer-cuda: unavailable: Unsupported" in dr
     sp = table_section(md, "Rows that share pages")
-    assert cells(sp) == [["8x(32K+128)", "8213", "1055", "2000.0", "3931.0", "-", "flashinfer-tc", "1.966", "0.750"]]
+    assert cells(sp) == [["8x(32K+128)", "8213", "1055", "2000.0", "2500.0", "3931.0", "-", "flashinfer-tc",
+                          "1.966", "1.572", "0.750", "0.477"]]
     assert "flashinfer-cascade on 8x(32K+128): unavailable: no CUTLASS" in sp
     assert "Other results" not in md

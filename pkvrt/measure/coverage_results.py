@@ -135,8 +135,9 @@ def dropin_table(files) -> str:
 def shared_pages_table(files) -> str:
     """Per step (rows x (shared + own tokens)): the floor with each row reading its pages and
     with each page read once, every engine's µs, the fastest FlashInfer path, and the ratios of
-    pkvrt's shared-pages path and of its plain device planning against it; then the
-    unavailable paths."""
+    pkvrt's shared-pages paths (host and device lengths) and of its plain device planning against
+    it, and the device-lengths shared path over plain device planning (on a step that shares
+    nothing: what finding the sharing costs); then the unavailable paths."""
     rows = _rows(files, SHARED_PAGES)
     if not rows:
         return ""
@@ -150,9 +151,12 @@ def shared_pages_table(files) -> str:
         lines.append((case, _f(any_row.get("floor_us"), 0), _f(any_row.get("floor_once_us"), 0),
                       *(_f(by[e].get("median_us"), 1) if e in by and by[e].get("status") == "ok" else "-"
                         for e in engines),
-                      ratio.get("baseline") or "-", _f(ratio.get("ratio"), 3), _f(ratio.get("ratio_plain"), 3)))
+                      ratio.get("baseline") or "-", _f(ratio.get("ratio"), 3),
+                      _f(ratio.get("ratio_device"), 3), _f(ratio.get("ratio_plain"), 3),
+                      _f(ratio.get("device_over_plain"), 3)))
     parts = [_table(["step", "floor µs", "floor, pages once µs", *(f"{e} µs" for e in engines),
-                     "baseline", "shared / baseline", "plain / baseline"], lines)]
+                     "baseline", "shared / baseline", "shared-device / baseline", "plain / baseline",
+                     "shared-device time / plain time"], lines)]
     bad = {}
     for r in rows:
         if r.get("engine") != "ratio" and r.get("status") not in (None, "ok"):
