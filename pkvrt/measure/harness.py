@@ -937,6 +937,23 @@ class HostStepGraphEngine(RuntimeEngine):
         return out
 
 
+def _init_shared(engine, wl: Workload, *, name: str, routes, calibration, max_active: int, **mode) -> None:
+    """The fields and ``pkvrt.SharedPagesRuntime`` of a shared-pages engine (``mode``: its
+    engine_capture or device_planning, and options): ``num_pages`` of the workload's caches,
+    FP8 when the workload is."""
+    from pkvrt.runtime.shared import SharedPagesRuntime
+
+    sh = wl.shape
+    engine.device_planning, engine.force = bool(mode.get("device_planning")), None
+    engine.label, engine._on_device = engine_label(name), {}
+    engine.layout, engine.dropped, engine.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
+    fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
+    engine.rt = SharedPagesRuntime(
+        sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
+        num_pages=wl.k[0].shape[0], device=wl.device, routes=routes, calibration=calibration,
+        max_batch=max_active, max_pages_per_row=wl.layout.max_pages, **fp8, **mode)
+
+
 class SharedStepGraphEngine(HostStepGraphEngine):
     """``pkvrt.SharedPagesRuntime(engine_capture=True)``: :class:`HostStepGraphEngine` for steps
     whose rows may share pages (a trace with prefix hashes, served with prefix caching:
@@ -952,18 +969,10 @@ class SharedStepGraphEngine(HostStepGraphEngine):
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
                  tensor_cores: bool):
         from pkvrt.runtime.options import RuntimeOptions
-        from pkvrt.runtime.shared import SharedPagesRuntime
 
-        sh = wl.shape
-        self.device_planning, self.force, self.label = False, None, engine_label(name)
-        self._on_device: dict[int, tuple] = {}
-        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
-        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
-        self.rt = SharedPagesRuntime(
-            sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
-            num_pages=wl.k[0].shape[0], device=wl.device, routes=routes, calibration=calibration,
-            max_batch=max_active, max_pages_per_row=wl.layout.max_pages, engine_capture=True,
-            options=RuntimeOptions(validate=False, flashinfer_tensor_cores=tensor_cores), **fp8)
+        _init_shared(self, wl, name=name, routes=routes, calibration=calibration,
+                     max_active=max_active, engine_capture=True,
+                     options=RuntimeOptions(validate=False, flashinfer_tensor_cores=tensor_cores))
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.decision = None
 
@@ -1007,18 +1016,10 @@ class SharedDeviceStepEngine(StepGraphEngine):
 
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int):
         from pkvrt.runtime.options import RuntimeOptions
-        from pkvrt.runtime.shared import SharedPagesRuntime
 
-        sh = wl.shape
-        self.device_planning, self.force, self.label = True, None, engine_label(name)
-        self._on_device: dict[int, tuple] = {}
-        self.layout, self.dropped, self.kv_dtype_bytes = wl.layout, (), wl.kv_dtype_bytes
-        fp8 = dict(kv_dtype=FP8) if wl.fp8 else {}
-        self.rt = SharedPagesRuntime(
-            sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.page_size, sh.torch_dtype,
-            device_planning=True, num_pages=wl.k[0].shape[0], device=wl.device, routes=routes,
-            calibration=calibration, max_batch=max_active, max_pages_per_row=wl.layout.max_pages,
-            options=RuntimeOptions(validate=False, use_cuda_graph=False), **fp8)
+        _init_shared(self, wl, name=name, routes=routes, calibration=calibration,
+                     max_active=max_active, device_planning=True,
+                     options=RuntimeOptions(validate=False, use_cuda_graph=False))
         i32 = dict(dtype=torch.int32, device=wl.device)
         self.seq = torch.ones(max_active, **i32)
         self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)
