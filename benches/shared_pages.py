@@ -220,7 +220,7 @@ def pkvrt_shared_device(st: Step) -> dict:
             rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
     row = timed(st, None, body)
     found = rt.found()
-    row.update(pages_saved=found.pages_saved if found is not None else 0, explain=rt.explain())
+    row.update(tokens_saved=found.tokens_saved if found is not None else 0, explain=rt.explain())
     return row
 
 

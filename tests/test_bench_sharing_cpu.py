@@ -69,4 +69,4 @@ def test_shared_step_engine_serves_a_prefix_sharing_trace(fake_device):  # noqa:
     assert device["correct"] and "shared-pages-device" in device["route_mix"], rows
     assert device["useful_kv_mb"] < measured["pkvrt-host-step"]["useful_kv_mb"]
     assert isinstance(made["shared-device-step"], harness.SharedDeviceStepEngine)
-    assert made["shared-device-step"].rt.found().pages_saved > 0
+    assert made["shared-device-step"].rt.found().tokens_saved > 0

@@ -279,7 +279,7 @@ def test_device_lengths_shared_prefixes_are_exact(fake_device, pool, lens, prefi
     found, twin = rt.found(), sharing.plan_prefix_chunks(seq, bt, PAGE, rt.chunk)
     for name in ("chunk_seq", "chunk_rows", "own_seq", "slots"):
         assert np.array_equal(getattr(found, name), getattr(twin, name)), name
-    assert (found.pages_saved > 0) == bool(groups)
+    assert (found.tokens_saved > 0) == bool(groups)
     q = torch.randn(len(lens), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
                     generator=torch.Generator().manual_seed(len(lens))).half()
     out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))

@@ -199,8 +199,9 @@ class PrefixChunks:
         return idx.reshape(-1)
 
     @property
-    def pages_saved(self) -> int:
-        """Page reads the chunks save: each chunk's pages once instead of once per row."""
+    def tokens_saved(self) -> int:
+        """Token reads (per KV head and layer) the chunks save: each chunk's prefix read once
+        instead of once per row."""
         counts = (self.chunk_rows >= 0).sum(axis=1)
         return int(((counts - 1).clip(min=0) * self.chunk_seq).sum())
 
