@@ -483,3 +483,43 @@ def test_csr_to_block_tables_large_batches(b):
     assert seq.tolist() == lens.tolist()
     for r, n in enumerate(pages):
         assert got[r, :n].tolist() == bt[r, :n].tolist()
+
+
+def shared_step(b, rows, prefix_pages, short=0):
+    """step() whose rows take the first row's first ``prefix_pages`` pages (prefix caching)."""
+    seq = np.array([max(1, POOL_LENS[r] - short) for r in rows], dtype=np.int32)
+    bt = b.block_tables[rows].numpy().copy()
+    bt[1:, :prefix_pages] = bt[0, :prefix_pages]
+    ip, ind, lpl = to_csr(seq, bt, PAGE)
+    return seq, bt, torch.as_tensor(ip), torch.as_tensor(ind), torch.as_tensor(lpl)
+
+
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["host lengths", "cuda graph mode"])
+def test_share_prefixes_reads_shared_pages_once_and_matches(fake_device, pool, graph_mode):  # noqa: F811
+    """share_prefixes=True: the plans run SharedPagesRuntime (in CUDA-graph mode with the
+    sharing found on the device), outputs and lse match the reference and a plain wrapper's; a
+    windowed plan runs the plain Runtime."""
+    from pkvrt.runtime.shared import SharedPagesRuntime
+
+    b, _ = pool
+    rows = [0, 1, 4, 2]
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(len(rows) + 1, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(4096, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(len(rows), dtype=torch.int32)) if graph_mode else {}
+    w = wrapper(use_cuda_graph=graph_mode, share_prefixes=True, **bufs)
+    seq, bt, ip, ind, lpl = shared_step(b, rows, 30)
+    plan(w, ip, ind, lpl)
+    assert isinstance(w.runtime, SharedPagesRuntime) and w.runtime.device_planning == graph_mode
+    q = torch.randn(len(rows), HQ, D, generator=torch.Generator().manual_seed(3)).half()
+    out, lse = w.run(q, (b.k_cache, b.v_cache), return_lse=True)
+    ref, ref_lse = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq),
+                                              torch.as_tensor(bt), return_lse=True)
+    assert rel(out, ref) < TOL and torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    if graph_mode:
+        assert w.runtime.found().tokens_saved > 0
+    else:
+        assert w.runtime.plan_used is not None and "saved" in w.explain()
+    plan(w, ip, ind, lpl, window_left=300)
+    assert not isinstance(w.runtime, SharedPagesRuntime)
+    with pytest.raises(ValueError, match="share_prefixes='yes': expected True or False"):
+        wrapper(share_prefixes="yes")

@@ -258,18 +258,25 @@ class SharedPagesRuntime:
     # ------------------------------------------------------------------ run
 
     def run(self, q: torch.Tensor, k_cache, v_cache, *, out: torch.Tensor | None = None,
-            sinks: torch.Tensor | None = None, **scales) -> torch.Tensor:
+            sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False, **scales):
         """One layer of the planned step: q ``[B, H_q, D]`` -> out (the Runtime's arguments;
-        ``sinks`` float32 ``[H_q]`` when built with ``sinks=True``)."""
+        ``sinks`` float32 ``[H_q]`` when built with ``sinks=True``; ``lse`` float32 ``[B, H_q]``
+        written with each row's and head's log2-sum-exp, the sink not counted, as
+        :meth:`pkvrt.Runtime.run`). Returns out, or (out, lse) with ``return_lse``."""
         if self.sinks != (sinks is not None):
             raise ValueError(f"SharedPagesRuntime.run: sinks={'given' if sinks is not None else None}"
                              f" but the Runtime was built with sinks={self.sinks}")
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         if self._found_rows:
-            return self._run_device(q, k_cache, v_cache, out, sinks, scales)
+            out = self._run_device(q, k_cache, v_cache, out, sinks, lse, scales)
+            return (out, lse) if return_lse else out
         sp = self.plan_used
         if sp is None:
             kw = {"sinks": sinks} if sinks is not None else {}
-            return self.plain.run(q, k_cache, v_cache, out=out, **kw, **scales)
+            out = self.plain.run(q, k_cache, v_cache, out=out, lse=lse, **kw, **scales)
+            return (out, lse) if return_lse else out
         b, hq, d = q.shape
         g, c = self.group, self.chunk
         v_rows = sp.chunk_rows.shape[0]
@@ -289,10 +296,10 @@ class SharedPagesRuntime:
         if out is None:
             out = torch.empty_like(q)
         ops.merge_segments(out_v, lse_v, out_o, lse_o, self._slots, out, group=g, chunk_rows=c,
-                           sinks=sinks)
-        return out
+                           sinks=sinks, lse=lse)
+        return (out, lse) if return_lse else out
 
-    def _run_device(self, q, k_cache, v_cache, out, sinks, scales) -> torch.Tensor:
+    def _run_device(self, q, k_cache, v_cache, out, sinks, lse, scales) -> torch.Tensor:
         """run() of a device-lengths step: the chunk queries gathered by find_shared's q_index,
         both decodes (the own one reads q as it is: row r's own segment is decode row r), and
         the merge by its slots."""
@@ -309,7 +316,7 @@ class SharedPagesRuntime:
         if out is None:
             out = torch.empty_like(q)
         ops.merge_segments(out_v, lse_v, out_o, lse_o, f["slots"][:b], out, group=self.group,
-                           chunk_rows=c, sinks=sinks)
+                           chunk_rows=c, sinks=sinks, lse=lse)
         return out
 
     def explain(self) -> str:

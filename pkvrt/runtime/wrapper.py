@@ -205,6 +205,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
     routes, calibration : pkvrt's policy (``pkvrt.Runtime``'s; defaults: the shipped routes.toml
         and the calibration of this GPU). max_context : the longest row (tokens) a plan may hold
         in CUDA-graph mode (the block-table buffer's width; default 131072).
+    share_prefixes : pkvrt's own switch (default False): serve the plans with
+        :class:`pkvrt.SharedPagesRuntime`, which reads pages that several rows share at the
+        same positions (SGLang's radix cache, vLLM's prefix caching, n > 1 sampling) once per
+        chunk of rows. In CUDA-graph mode the sharing is found on the GPU every step (rows whose
+        tables begin with the same pages); otherwise on the host. Plans with a sliding window
+        run the plain Runtime. On steps that share nothing it costs launches: turn it on where
+        the engine serves with prefix caching.
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
@@ -213,7 +220,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  paged_kv_indices_buffer: torch.Tensor | None = None,
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None,
                  backend: str = "auto", jit_args=None, *, routes=None, calibration="auto",
-                 max_context: int = MAX_CONTEXT):
+                 max_context: int = MAX_CONTEXT, share_prefixes: bool = False):
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"Invalid kv_layout {kv_layout!r}: expected one of {KV_LAYOUTS}")
         if not isinstance(float_workspace_buffer, torch.Tensor):
@@ -227,6 +234,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
             raise ValueError(f"max_context={max_context!r}: expected a positive int")
         self._max_context = max_context
+        if not isinstance(share_prefixes, bool):
+            raise ValueError(f"share_prefixes={share_prefixes!r}: expected True or False")
+        self._share_prefixes = share_prefixes
         self._use_cuda_graph = bool(use_cuda_graph)
         self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self._fixed_batch_size = None
@@ -418,12 +428,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # CUDA-graph mode: device planning with no graphs of its own (the engine's graph holds
         # the layers; plan() is one planning launch reading the static buffers below)
         options = RuntimeOptions(use_cuda_graph=False) if self._use_cuda_graph else None
-        self._rt = Runtime(key["num_qo_heads"], key["num_kv_heads"], key["head_dim"], key["page_size"],
-                           key["dtype"], kv_dtype=None if key["kv_dtype"] == key["dtype"] else key["kv_dtype"],
-                           device=self.device, routes=self._routes, calibration=self._calibration,
-                           sm_scale=key["sm_scale"], kv_layout=self._kv_layout,
-                           window_left=key["window_left"], logits_soft_cap=key["logits_soft_cap"],
-                           sinks=sinks, device_planning=self._use_cuda_graph, options=options, **size)
+        from pkvrt.runtime.shared import SharedPagesRuntime
+
+        # share_prefixes: pages that rows share read once per chunk of rows (no sliding window)
+        make = SharedPagesRuntime if self._share_prefixes and key["window_left"] == -1 else Runtime
+        self._rt = make(key["num_qo_heads"], key["num_kv_heads"], key["head_dim"], key["page_size"],
+                        key["dtype"], kv_dtype=None if key["kv_dtype"] == key["dtype"] else key["kv_dtype"],
+                        device=self.device, routes=self._routes, calibration=self._calibration,
+                        sm_scale=key["sm_scale"], kv_layout=self._kv_layout,
+                        window_left=key["window_left"], logits_soft_cap=key["logits_soft_cap"],
+                        sinks=sinks, device_planning=self._use_cuda_graph, options=options, **size)
         shape = (size["max_batch"], size["max_pages_per_row"])
         if self._use_cuda_graph and getattr(self, "_bt_buf", None) is None or \
                 self._use_cuda_graph and tuple(self._bt_buf.shape) != shape:
