@@ -234,3 +234,44 @@ def test_device_lengths_shared_pages_match_the_reference(hq, hkv, lens, prefixes
         rt.run(q, k, v, out=out)
     check(seq2, bt2)
     assert rt.own.device_status() == 0 and rt.shared.device_status() == 0
+
+
+@pytest.mark.parametrize("page", [1, PAGE])
+def test_dropin_share_prefixes_in_cuda_graph_mode(page):
+    """pkvrt.BatchDecodeWithPagedKVCacheWrapper(share_prefixes=True) called as SGLang calls it
+    (page 1: token slots, NHD, K and V apart) or at page 16: plan() outside, run() captured with
+    return_lse, replayed; against the FP32 reference, the GPU finding the shared prefix."""
+    from pkvrt.policy.blocktables import to_csr
+
+    hq, hkv, d = 32, 8, 128
+    seq = np.array([3000 + 50 * i for i in range(6)], np.int32)
+    width = -(-int(seq.max()) // page)
+    num_pages = len(seq) * width
+    bt = np.random.default_rng(7).permutation(num_pages).astype(np.int32).reshape(len(seq), width)
+    bt[1:, :1600 // page] = bt[0, :1600 // page]      # a 1 600-token prefix shared by every row
+    lens = seq.tolist()
+    k = torch.randn(num_pages, page, hkv, d, device=DEV, dtype=torch.float16)   # NHD
+    v = torch.randn_like(k)
+    q = torch.randn(len(lens), hq, d, device=DEV, dtype=torch.float16)
+    ip, ind, lpl = to_csr(seq, bt, page)
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(len(lens) + 1, dtype=torch.int32, device=DEV),
+                paged_kv_indices_buffer=torch.zeros(len(ind), dtype=torch.int32, device=DEV),
+                paged_kv_last_page_len_buffer=torch.zeros(len(lens), dtype=torch.int32, device=DEV))
+    w = pkvrt.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1024, dtype=torch.uint8, device=DEV), "NHD",
+                                                 use_cuda_graph=True, share_prefixes=True, **bufs)
+    w.plan(torch.as_tensor(ip), torch.as_tensor(ind, device=DEV), torch.as_tensor(lpl), hq, hkv, d,
+           page, q_data_type=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((len(lens), hq), float("nan"), device=DEV)
+    from pkvrt.runtime.graphs import capture as capture_step
+
+    graph = capture_step(lambda: w.run(q, (k, v), out=out, lse=lse)).graph
+    out.fill_(float("nan"))
+    graph.replay()
+    k_hnd, v_hnd = k.transpose(1, 2), v.transpose(1, 2)   # the reference reads HND views
+    ref, ref_lse = reference.decode_attention(q, k_hnd, v_hnd, torch.as_tensor(seq, device=DEV),
+                                              torch.as_tensor(bt, device=DEV), return_lse=True)
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < 2e-3, (err, w.explain())
+    assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-3)
+    assert w.runtime.found().tokens_saved > 0, w.explain()
