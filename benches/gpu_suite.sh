@@ -32,7 +32,7 @@ fi
 
 commit=${PKVRT_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (uncommitted changes)')}
 {
-  echo "# pkvrt GPU suite: python3 -m pytest -m gpu tests benches $*"
+  echo "# pkvrt GPU suite: python3 -m pytest -m 'gpu and not serial' tests benches $*; then -m 'gpu and serial' alone"
   echo "commit:     $commit"
   echo "date:       $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "gpu:        $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
@@ -48,8 +48,21 @@ EOF
   echo
 } > "$log"
 
-PYTHONUNBUFFERED=1 python3 -m pytest -m gpu tests benches -q -p no:cacheprovider -rfEs \
+# Two runs: every gpu test not marked serial (with the caller's arguments, -n N included), then
+# the serial ones alone (they measure time or need most of the GPU's memory), without -n.
+alone=()
+skip_next=0
+for a in "$@"; do
+  if [ $skip_next = 1 ]; then skip_next=0; continue; fi
+  case $a in -n) skip_next=1 ;; -n*|--numprocesses*|--dist*) ;; *) alone+=("$a") ;; esac
+done
+PYTHONUNBUFFERED=1 python3 -m pytest -m "gpu and not serial" tests benches -q -p no:cacheprovider -rfEs \
   --benchmark-disable "$@" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
+echo "== serial: the tests that run alone" | tee -a "$log"
+PYTHONUNBUFFERED=1 python3 -m pytest -m "gpu and serial" tests benches -q -p no:cacheprovider -rfEs \
+  --benchmark-disable "${alone[@]}" 2>&1 | tee -a "$log"
+rc2=${PIPESTATUS[0]}
+[ "$rc" = 0 ] && rc=$rc2
 echo "gpu_suite: pytest exit status $rc; log $log"
 exit "$rc"

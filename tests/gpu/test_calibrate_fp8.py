@@ -13,7 +13,7 @@ from pkvrt.policy import calibration
 from pkvrt.tools import cli, report
 from pkvrt.tools.plan_cmd import seed_calibration
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.serial]   # a calibration measures time
 FP8 = "float8_e4m3fn"
 
 

@@ -148,6 +148,7 @@ class _HostSlowEngine:
         return {}
 
 
+@pytest.mark.serial   # it reads device and wall times
 def test_device_time_excludes_host_gaps():
     from pkvrt.measure.traces import Request, Trace
 
@@ -164,6 +165,7 @@ def test_device_time_excludes_host_gaps():
     assert max(cudas) < 1000.0 and uncovered == 0  # ... but not device time
 
 
+@pytest.mark.serial   # it checks measured constants against plausible ranges
 def test_calibrate_quick_writes_a_loadable_file(capsys, tmp_path):
     target = tmp_path / "cal.json"
     raw = tmp_path / "raw" / "sweeps.json"
