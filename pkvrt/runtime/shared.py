@@ -174,7 +174,7 @@ class SharedPagesRuntime:
                              f"block_tables must be int32 tensors on {self.device}")
         b, w = seq.shape[0], bt.shape[1]
         f = self._found_buffers(w)
-        if not bt.is_contiguous():
+        if bt.stride(1) != 1:   # find_shared reads rows of entries (any row stride)
             bt = bt.contiguous()
         ops.find_shared(seq, bt, f["chunk_seq"][:b], f["chunk_bt"][:b], f["own_seq"][:b],
                         f["own_bt"][:b], f["q_index"][:b * self.num_kv_heads * self.chunk * self.group],
@@ -269,54 +269,47 @@ class SharedPagesRuntime:
                              f" but the Runtime was built with sinks={self.sinks}")
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        if self._found_rows:
-            out = self._run_device(q, k_cache, v_cache, out, sinks, lse, scales)
-            return (out, lse) if return_lse else out
-        sp = self.plan_used
-        if sp is None:
+        if self._found_rows:   # device lengths: find_shared's buffers, every row its own segment
+            if q.shape[0] != self._found_rows:
+                raise ValueError(f"SharedPagesRuntime.run: q has {q.shape[0]} rows, the planned "
+                                 f"step {self._found_rows}")
+            f = self._found
+            out = self._run_shared(q, k_cache, v_cache, out, sinks, lse, scales, chunks=q.shape[0],
+                                   q_index=f["q_index"], own_rows=None, slots=f["slots"][:q.shape[0]])
+        elif self.plan_used is None:
             kw = {"sinks": sinks} if sinks is not None else {}
             out = self.plain.run(q, k_cache, v_cache, out=out, lse=lse, **kw, **scales)
-            return (out, lse) if return_lse else out
+        else:
+            out = self._run_shared(q, k_cache, v_cache, out, sinks, lse, scales,
+                                   chunks=self.plan_used.chunk_rows.shape[0], q_index=self._q_index,
+                                   own_rows=None if self._own_identity else self._own_rows,
+                                   slots=self._slots)
+        return (out, lse) if return_lse else out
+
+    def _run_shared(self, q, k_cache, v_cache, out, sinks, lse, scales, *, chunks: int, q_index,
+                    own_rows, slots) -> torch.Tensor:
+        """A step with chunks: the chunk queries gathered by ``q_index`` into the chunk decode's
+        static q, the chunk decode, the own decode (of q itself when ``own_rows`` is None: row r's
+        own segment is decode row r; else of the rows ``own_rows`` gathers), and the merge by
+        ``slots``."""
         b, hq, d = q.shape
-        g, c = self.group, self.chunk
-        v_rows = sp.chunk_rows.shape[0]
-        s_own = self._own_rows.shape[0]
-        qv, lse_v = self.shared.static_q(v_rows), self._lse_v[:v_rows]
-        torch.index_select(q.reshape(b * hq, d), 0, self._q_index, out=qv.view(-1, d))
-        out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(v_rows),
-                                lse=lse_v, **scales)
-        lse_o = self._lse_o[:s_own]
-        if self._own_identity and q.is_contiguous():
-            q_own = q
+        qv, lse_v = self.shared.static_q(chunks), self._lse_v[:chunks]
+        torch.index_select(q.reshape(b * hq, d), 0, q_index[:qv.numel() // d], out=qv.view(-1, d))
+        out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(chunks), lse=lse_v,
+                                **scales)
+        s_own = b if own_rows is None else own_rows.shape[0]
+        if own_rows is None:
+            q_own = q if q.is_contiguous() else q.contiguous()
         else:
             q_own = self.own.static_q(s_own)
-            torch.index_select(q, 0, self._own_rows, out=q_own)
+            torch.index_select(q, 0, own_rows, out=q_own)
+        lse_o = self._lse_o[:s_own]
         out_o = self.own.run(q_own, k_cache, v_cache, out=self.own.static_out(s_own), lse=lse_o,
                              **scales)
         if out is None:
             out = torch.empty_like(q)
-        ops.merge_segments(out_v, lse_v, out_o, lse_o, self._slots, out, group=g, chunk_rows=c,
-                           sinks=sinks, lse=lse)
-        return (out, lse) if return_lse else out
-
-    def _run_device(self, q, k_cache, v_cache, out, sinks, lse, scales) -> torch.Tensor:
-        """run() of a device-lengths step: the chunk queries gathered by find_shared's q_index,
-        both decodes (the own one reads q as it is: row r's own segment is decode row r), and
-        the merge by its slots."""
-        b, hq, d = q.shape
-        if b != self._found_rows:
-            raise ValueError(f"SharedPagesRuntime.run: q has {b} rows, the planned step {self._found_rows}")
-        f, c = self._found, self.chunk
-        qv, lse_v = self.shared.static_q(b), self._lse_v[:b]
-        torch.index_select(q.reshape(b * hq, d), 0, f["q_index"][:qv.numel() // d], out=qv.view(-1, d))
-        out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(b), lse=lse_v, **scales)
-        lse_o = self._lse_o[:b]
-        out_o = self.own.run(q if q.is_contiguous() else q.contiguous(), k_cache, v_cache,
-                             out=self.own.static_out(b), lse=lse_o, **scales)
-        if out is None:
-            out = torch.empty_like(q)
-        ops.merge_segments(out_v, lse_v, out_o, lse_o, f["slots"][:b], out, group=self.group,
-                           chunk_rows=c, sinks=sinks, lse=lse)
+        ops.merge_segments(out_v, lse_v, out_o, lse_o, slots, out, group=self.group,
+                           chunk_rows=self.chunk, sinks=sinks, lse=lse)
         return out
 
     def explain(self) -> str:
