@@ -24,7 +24,11 @@ Every engine's layer-0 output is checked against the FP32 reference first. Floor
 K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
 once (``floor_once_us``).
 
+``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared`` with chunks of N rows
+(``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass.
+
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
+       [--chunk-rows N,...] [--engines LABEL,...]
 Writes benches/results/h200/shared-pages.json and prints a table.
 """
 
@@ -192,10 +196,11 @@ def pkvrt_plain(st: Step) -> dict:
     return timed(st, None, body)
 
 
-def pkvrt_shared(st: Step) -> dict:
+def pkvrt_shared(st: Step, chunk_rows: int | None = None) -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
-                                  engine_capture=True)
+                                  engine_capture=True,
+                                  options=pkvrt.RuntimeOptions(shared_chunk_rows=chunk_rows))
     t0 = time.perf_counter()
     rt.plan(st.seq, st.bt)
     plan_us = (time.perf_counter() - t0) * 1e6
@@ -230,7 +235,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benches/results/h200/shared-pages.json")
     ap.add_argument("--max-seconds", type=float, default=540.0)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--chunk-rows", default="",
+                    help="also run pkvrt-shared with chunks of these many rows (comma-separated; the "
+                         "ablation of options.shared_chunk_rows, engines pkvrt-shared-c<N>)")
+    ap.add_argument("--engines", default=None,
+                    help="run only these engines (comma-separated labels; default: all)")
     args = ap.parse_args(argv)
+    chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
     names = [c for c in args.cases.split(",") if c]
     if any(n not in CASES for n in names):
         ap.error(f"--cases: expected names of {', '.join(CASES)}")
@@ -261,6 +272,10 @@ def main(argv=None) -> int:
                             "flashinfer-cuda": functools.partial(fi_plain, fi, tensor_cores=False)})
             if any(shared for _, shared in groups):   # a cascade needs a shared level
                 engines["flashinfer-cascade"] = functools.partial(fi_cascade, fi)
+        engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c)
+                        for c in chunk_rows})
+        if args.engines:
+            engines = {k: v for k, v in engines.items() if k in args.engines.split(",")}
         for label, fn in engines.items():
             try:
                 if label == "flashinfer-cascade" and cascade_unavailable:

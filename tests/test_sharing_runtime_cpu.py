@@ -211,6 +211,37 @@ def test_chunk_rows_follow_the_kernels_served(fake_device):  # noqa: F811
     assert rt8.chunk == 2 and rt8.shared.num_qo_heads == 2 * 2 * 4
 
 
+@pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])
+def test_fewer_chunk_rows_are_exact(fake_device, pool, device_planning):  # noqa: F811
+    """``RuntimeOptions(shared_chunk_rows=2)``: chunks of 2 rows (the chunk decode at group 2 G)
+    where the kernels serve 4; 5 rows of one prefix take 3 chunks (rows 0 and 4 share their
+    later pages too: one more), and the step stays exact."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt = shared_step(b, [800, 850, 900, 700, 880], 30, [[0, 1, 2, 3, 4]])
+    rt = runtime(device_planning=device_planning,
+                 options=RuntimeOptions(flashinfer=False, shared_chunk_rows=2))
+    assert rt.chunk == 2 and rt.shared.num_qo_heads == FAKE_SHAPE["num_kv_heads"] * 2 * G
+    if device_planning:
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+        assert (rt.found().chunk_rows >= 0).sum(axis=1).max() == 2
+    else:
+        rt.plan(seq, bt)
+        assert rt.plan_used.chunk_rows.shape == (4, 2)
+    q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                    generator=torch.Generator().manual_seed(5)).half()
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3
+
+
+def test_chunk_rows_option_refusals(fake_device):  # noqa: F811
+    with pytest.raises(ValueError, match="serve at most 4 rows"):
+        runtime(options=RuntimeOptions(flashinfer=False, shared_chunk_rows=5))
+    with pytest.raises(ValueError, match="shared_chunk_rows=0"):
+        RuntimeOptions(shared_chunk_rows=0)
+    assert runtime(options=RuntimeOptions(flashinfer=False, shared_chunk_rows=1)).shared is None
+
+
 def loop_runs(seq, bt, page, min_rows=2):
     """The definition of shared_page_runs written as a loop over positions (the reference)."""
     pages = -(-np.asarray(seq, np.int64) // page)

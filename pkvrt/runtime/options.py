@@ -63,6 +63,9 @@ class RuntimeOptions:
     layers_per_plan : run() calls per plan() the router assumes before a step has run (None: 1),
         where host time is weighed (host lengths with the Runtime's graphs and FlashInfer,
         routes.toml ``[host_time]``); after a step it counts that step's calls.
+    shared_chunk_rows : :class:`pkvrt.SharedPagesRuntime` only (a Runtime ignores it): rows per
+        shared chunk decode, at most the most the kernels serve (None: that, 16 // G rows; 1:
+        nothing shared). The ablation of how many rows read a shared run in one pass.
     """
 
     use_cuda_graph: bool = attrs.field(default=True, validator=_bool)
@@ -75,6 +78,7 @@ class RuntimeOptions:
     decision_memo: int = attrs.field(default=4096, validator=_count(0))
     capture_routing: str = attrs.field(default="device_planning", validator=_routing)
     layers_per_plan: int | None = attrs.field(default=None, validator=_layers)
+    shared_chunk_rows: int | None = attrs.field(default=None, validator=_layers)
 
 
 FIELDS = tuple(a.name for a in attrs.fields(RuntimeOptions))

@@ -5,7 +5,7 @@ Per step, :meth:`~SharedPagesRuntime.plan` looks for repeated page ids in the bl
 bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.sharing.plan_sharing`:
 
 - the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``, C = 16 // G
-  rows per chunk) runs one decode row per chunk over the chunk's shared pages, its query heads
+  rows per chunk, or fewer by ``RuntimeOptions.shared_chunk_rows``) runs one decode row per chunk over the chunk's shared pages, its query heads
   the chunk's rows' heads side by side: a K/V tile of the run is read once for C rows;
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
@@ -72,6 +72,13 @@ class SharedPagesRuntime:
             raise ValueError(f"SharedPagesRuntime: min_saved={min_saved!r}: expected 0 <= min_saved < 1")
         self.group = num_qo_heads // num_kv_heads
         self.chunk = self._chunk_rows_served(head_dim, runtime_kw.get("kv_dtype"))
+        want = getattr(runtime_kw.get("options"), "shared_chunk_rows", None)
+        if want is not None:
+            if want > self.chunk:
+                raise ValueError(f"SharedPagesRuntime: options.shared_chunk_rows={want}: the decode "
+                                 f"kernels serve at most {self.chunk} rows of G {self.group} per "
+                                 f"chunk at head dim {head_dim}")
+            self.chunk = want
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
