@@ -12,6 +12,15 @@
 #   soak       benches/soak.py, 100 000 steps, the policy's routes -> OUT/soak.json
 #   soak-dev   benches/soak.py --device-planning, 100 000 steps -> OUT/soak-device-planning.json
 #   sanitize   benches/sanitize.sh (compute-sanitizer, 4 tools) -> OUT/sanitize*.{json,log}
+#   calibrate-groups  pkvrt calibrate at every served group size (4 first: the top level) -> OUT/nvidia-h200.json
+#   calibrate-d64 | calibrate-d96 | calibrate-d256  the by_head_dim section of that head dim, laid
+#              over calibration/nvidia-h200.json (run after calibrate-groups) -> OUT/nvidia-h200.json
+#   groups     benches/isolated.py on the group sizes the models add, every cut of the partition
+#              timed (--partition-sweep) -> OUT/isolated-groups.json
+#   models-a | models-b | models-c | models-d  benches/model_shapes.py, one group of models that
+#              share FlashInfer's JIT modules each (benches/README.md) -> OUT/model-shapes-<x>.json
+#   dropin     benches/dropin.py, SGLang's and vLLM's calling styles -> OUT/dropin.json
+#   shared     benches/shared_pages.py, every sharing step -> OUT/shared-pages.json
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -36,6 +45,30 @@ for stage in "$@"; do
     soak-dev) timeout 200 python3 benches/soak.py --max-seconds 180 --device-planning \
           --out $out/soak-device-planning.json 2>&1 | tail -25 ;;
     sanitize) bash benches/sanitize.sh $out 2>&1 | tail -20 ;;
+    calibrate-groups) timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --groups 4,1,8,2,3,5,7,16 --max-waves 3 \
+          --out calibration/nvidia-h200.json --raw $out/calibrate-groups-sweeps.json 2>&1 | tail -60
+        cp calibration/nvidia-h200.json $out/ ;;
+    calibrate-d64|calibrate-d96|calibrate-d256) d=${stage#calibrate-d}
+      timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --head-dim $d --groups 4,1,2,8,16 --max-waves 3 \
+          --base calibration/nvidia-h200.json --out calibration/nvidia-h200.json \
+          --raw $out/calibrate-d$d-sweeps.json 2>&1 | tail -40
+      cp calibration/nvidia-h200.json $out/ ;;
+    groups) timeout 300 python3 benches/isolated.py --partition-sweep --out $out/isolated-groups.json \
+          --cases G16-B2-8K,G4-B8-8K,G16-B4-1K,G16-B8-bimodal,G7-B8-bimodal 2>&1 | grep -v WARN | tail -40 ;;
+    models-a|models-b|models-c|models-d)
+      case $stage in
+        models-a) models=llama-3.1-8b,llama-3.1-70b,llama-3.2-3b,qwen2.5-7b,qwen2.5-14b,qwen3-235b-a22b ;;
+        models-b) models=qwen2.5-0.5b,smollm2-135m,gpt-oss-20b,phi-3-mini ;;
+        models-c) models=gemma-2-9b,gemma-3-12b ;;
+        models-d) models=gemma-3-27b ;;
+      esac
+      timeout 590 python3 benches/model_shapes.py --models $models --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} \
+          --max-seconds 560 --out $out/model-shapes-${stage#models-}.json 2>&1 | grep -v WARN | tail -30 ;;
+    dropin) timeout 590 python3 benches/dropin.py --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} --max-seconds 560 \
+          --out $out/dropin.json 2>&1 | grep -v WARN | tail -30 ;;
+    shared) timeout 590 python3 benches/shared_pages.py --max-seconds 560 --out $out/shared-pages.json 2>&1 \
+          | grep -v WARN | tail -30 ;;
     ablations) timeout 200 python3 -m pytest benches --benchmark-only -q -p no:cacheprovider --benchmark-json=$out/ablations.json 2>&1 | tail -15 ;;
+    *) echo "unknown stage $stage (see the head of benches/h200_run.sh)" ;;
   esac
 done
