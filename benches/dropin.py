@@ -37,10 +37,17 @@ import pkvrt
 from pkvrt import reference
 from pkvrt.measure import results
 from pkvrt.measure.harness import median_us
-from pkvrt.measure.model_shapes import LAYERS, MODELS, floor_us, geomean, isolated_steps, sample_steps
+from pkvrt.measure.model_shapes import (
+    LAYERS,
+    MODELS,
+    floor_us,
+    geomean,
+    isolated_steps,
+    sample_steps,
+)
 
 MODEL = MODELS["llama-3.1-8b"]
-STYLES = {"sglang": dict(page=1, packed=False), "vllm": dict(page=64, packed=True)}
+STYLES = {"sglang": {"page": 1, "packed": False}, "vllm": {"page": 64, "packed": True}}
 FI_LABELS = {"flashinfer-tc": True, "flashinfer-cuda": False}   # label -> use_tensor_cores
 SEED = 20260623
 REPLAYS = 15
@@ -48,13 +55,14 @@ PLAN_CALLS = 50
 TOLERANCE = 5e-3
 CACHE_BUDGET = 24 * 2**30
 WORKSPACE = 256 * 2**20
+DEVICE = "cuda"            # where every tensor lives (tests/test_dropin_dry_cpu.py: "cpu")
 
 
 class Step:
     """One step's CSR (pages scattered over the pool) and its per-layer caches in a style."""
 
     def __init__(self, seq_lens: np.ndarray, page: int, packed: bool, gen: torch.Generator):
-        sh, dev = MODEL, "cuda"
+        sh, dev = MODEL, DEVICE
         self.seq = np.asarray(seq_lens, np.int32)
         pages = -(-self.seq // page)
         self.num_pages = int(pages.sum())
@@ -96,9 +104,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def make_wrapper(label: str, st: Step, ws: torch.Tensor):
     b = len(st.seq)
-    bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
-                paged_kv_indices_buffer=torch.zeros(st.num_pages, dtype=torch.int32, device="cuda"),
-                paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device="cuda"))
+    bufs = {"paged_kv_indptr_buffer": torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
+            "paged_kv_indices_buffer": torch.zeros(st.num_pages, dtype=torch.int32, device=DEVICE),
+            "paged_kv_last_page_len_buffer": torch.zeros(b, dtype=torch.int32, device=DEVICE)}
     if label == "pkvrt":
         return pkvrt.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, **bufs)
     import flashinfer
@@ -134,6 +142,7 @@ def measure(label: str, st: Step, ws: torch.Tensor) -> dict:
     with torch.cuda.graph(graph):
         layers()
     plan()                                   # re-plan, then replay: the engines' order
+    st.out[0].fill_(float("nan"))            # checked below: what the replay wrote, not the warm-up
     graph.replay()
     torch.cuda.synchronize()
     err = max(err, rel_err(st.out[0], st.ref))
@@ -174,7 +183,7 @@ def main(argv=None) -> int:
     if args.trace_dir:
         for name in ("azure2023_conv.csv", "azure2023_code.csv"):
             cases += sample_steps(str(Path(args.trace_dir) / name), max_active=8, count=args.steps, seed=SEED)
-    ws = {lab: torch.zeros(WORKSPACE, dtype=torch.uint8, device="cuda") for lab in ("pkvrt", *FI_LABELS)}
+    ws = {lab: torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE) for lab in ("pkvrt", *FI_LABELS)}
     meta = results.make_meta(seeds=[SEED], kind="dropin", model=MODEL.name, layers=LAYERS,
                              replays=REPLAYS, plan_calls=PLAN_CALLS, tolerance=TOLERANCE,
                              protocol=__doc__.split("\n\n")[1])
@@ -196,8 +205,8 @@ def main(argv=None) -> int:
                     rec[label] = measure(label, st, ws[label])
                 except Exception as exc:  # noqa: BLE001 - recorded as the path being unavailable
                     rec[label] = {"status": f"unavailable: {type(exc).__name__}: {str(exc)[:160]}"}
-                rows.append({"case": name, "style": style, "engine": label, "rows": int(len(st.seq)),
-                             "max_context": int(st.seq.max()), "floor_us": floor_us(MODEL, st.seq),
+                rows.append({"case": name, "style": style, "engine": label, "rows": len(st.seq),
+                             "max_context": int(st.seq.max()), "floor_us": floor_us(MODEL, st.seq, layers=LAYERS),
                              "distinct_caches": st.distinct_caches, **rec[label]})
             ok_fi = [(rec[l]["median_us"], l) for l in FI_LABELS if rec[l].get("status") == "ok"]
             base = min(ok_fi) if ok_fi else None

@@ -21,6 +21,9 @@
 #              share FlashInfer's JIT modules each (benches/README.md) -> OUT/model-shapes-<x>.json
 #   dropin     benches/dropin.py, SGLang's and vLLM's calling styles -> OUT/dropin.json
 #   shared     benches/shared_pages.py, every sharing step -> OUT/shared-pages.json
+#   sharing-traces  the sharing trace families (parallel sampling, a shared system prompt) and,
+#              with TRACE_DIR/mooncake_conv.json (docs/traces.md), Mooncake's conversation trace,
+#              in the engine protocol with and without SharedPagesRuntime -> OUT/engine-<trace>.json
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -68,6 +71,15 @@ for stage in "$@"; do
           --out $out/dropin.json 2>&1 | grep -v WARN | tail -30 ;;
     shared) timeout 590 python3 benches/shared_pages.py --max-seconds 560 --out $out/shared-pages.json 2>&1 \
           | grep -v WARN | tail -30 ;;
+    sharing-traces)
+      for spec in "parallel --trace parallel" "sysprompt --trace sysprompt" \
+                  ${TRACE_DIR:+"mooncake-conv --trace $TRACE_DIR/mooncake_conv.json --num-requests 200"}; do
+        set -- $spec; name=$1; shift
+        if [[ $name == mooncake-conv && ! -f ${TRACE_DIR:-}/mooncake_conv.json ]]; then continue; fi
+        timeout 180 python3 -m pkvrt bench serving "$@" --max-active 8 --steps-limit 24 --check-steps 2 \
+          --engine-layers 32 --seeds 20260623 --out $out/engine-$name-B8.json \
+          --engines flashinfer,device-plan-step,shared-step,shared-device-step 2>&1 | grep -E "pkvrt-|flashinfer-|Error" | tail -6
+      done ;;
     ablations) timeout 200 python3 -m pytest benches --benchmark-only -q -p no:cacheprovider --benchmark-json=$out/ablations.json 2>&1 | tail -15 ;;
     *) echo "unknown stage $stage (see the head of benches/h200_run.sh)" ;;
   esac

@@ -19,7 +19,7 @@ Protocol (per model and step; 32 layers, each its own K/V cache, page 16, fp16):
 usage: python benches/model_shapes.py [--models a,b] [--steps N] [--out FILE] [--max-seconds S]
        [--trace-dir DIR]  (the Azure conversation trace: DIR/azure2023_conv.csv; docs/traces.md)
 Writes benches/results/h200/model-shapes.json (rows per (case, engine): median_us, floor_us,
-max_err; summary rows per model and trace: ratio = baseline / pkvrt over the steps' total time)
+max_err_ref; summary rows per model and trace: ratio = baseline / pkvrt over the steps' total time)
 and prints a table per model.
 """
 
@@ -36,10 +36,18 @@ import torch
 
 from pkvrt import reference
 from pkvrt.measure import results
-from pkvrt.measure.model_shapes import (LAYERS, MODELS, LayerKind, ModelShape, floor_us, geomean,
-                                        isolated_steps, sample_steps)
-from pkvrt.runtime import Runtime
 from pkvrt.measure.harness import median_us
+from pkvrt.measure.model_shapes import (
+    LAYERS,
+    MODELS,
+    LayerKind,
+    ModelShape,
+    floor_us,
+    geomean,
+    isolated_steps,
+    sample_steps,
+)
+from pkvrt.runtime import Runtime
 from pkvrt.runtime.fi_route import NO_DECODE_HEAD_DIMS
 from pkvrt.runtime.options import RuntimeOptions
 
@@ -48,8 +56,12 @@ REPLAYS = 15
 TOLERANCE = 5e-3           # ||out - ref|| / ||ref|| of fp16 out against the FP32 reference
 PATHS = ("flashinfer-tc", "flashinfer-cuda", "flashinfer-xqa")
 SEED = 20260623            # held-out seed of the synthetic traces
+PROBE_LENS = (100, 700, 5000)  # the probe step's rows: a sink still weighs at 100 tokens, and
+                               # every model's window (128, 1024, 4096) cuts the longest row
 CACHE_BUDGET = 24 * 2**30  # K/V bytes of one step's layers; past it the layers cycle through
                            # fewer caches, each still far larger than the 60 MB L2
+WORKSPACE = 256 * 2**20    # bytes of each FlashInfer workspace (FA2's, XQA's)
+DEVICE = "cuda"            # where every tensor lives (tests/test_model_shapes_dry_cpu.py: "cpu")
 
 
 def scale_of(model: ModelShape, kind: LayerKind) -> float:
@@ -61,7 +73,7 @@ class Step:
     many as CACHE_BUDGET holds, cycled), q, sinks."""
 
     def __init__(self, model: ModelShape, seq_lens: np.ndarray, gen: torch.Generator):
-        dev = "cuda"
+        dev = DEVICE
         self.seq = np.asarray(seq_lens, np.int32)
         pages = -(-self.seq // PAGE)
         self.num_pages = int(pages.sum())
@@ -106,7 +118,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def pkvrt_step(model: ModelShape, st: Step) -> dict:
     """pkvrt's whole step in one graph; its time and its error on each kind's first layer."""
-    kinds = model.layer_kinds()
+    kinds = model.layer_kinds(LAYERS)
     rts = {k: Runtime(model.num_qo_heads, model.num_kv_heads, model.head_dim, PAGE, torch.float16,
                       device_planning=True, num_pages=st.num_pages, max_batch=max(8, len(st.seq)),
                       max_pages_per_row=st.width, window_left=k.window_left,
@@ -150,7 +162,7 @@ class FiPath:
                 raise RuntimeError("XQA has no logits soft cap")
             self.entry = fi.decode.trtllm_batch_decode_with_kv_cache
             return
-        dev = "cuda"
+        dev = DEVICE
         self.indptr_buf = torch.zeros(b + 1, dtype=torch.int32, device=dev)
         self.indices_buf = torch.zeros(st.num_pages, dtype=torch.int32, device=dev)
         self.last_buf = torch.zeros(b, dtype=torch.int32, device=dev)
@@ -162,8 +174,8 @@ class FiPath:
         indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
         indices = np.concatenate([st.bt_np[r, :n] for r, n in enumerate(pages)]).astype(np.int32)
         last = (st.seq - (pages - 1) * PAGE).astype(np.int32)
-        kw = dict(q_data_type=torch.float16, kv_data_type=torch.float16,
-                  sm_scale=scale_of(model, kind))
+        kw = {"q_data_type": torch.float16, "kv_data_type": torch.float16,
+              "sm_scale": scale_of(model, kind)}
         if kind.window_left >= 0:
             kw["window_left"] = kind.window_left
         if kind.logits_soft_cap > 0:
@@ -188,7 +200,7 @@ class FiPath:
 def fi_kind(fi, label: str, model: ModelShape, kind: LayerKind, st: Step, ws) -> dict:
     """A FlashInfer path on one kind's layers of a step: its graph time, or why it is no
     candidate (unavailable: an exception; wrong: an error over the tolerance)."""
-    layers = [l for l, k in enumerate(model.layer_kinds()) if k == kind]
+    layers = [l for l, k in enumerate(model.layer_kinds(LAYERS)) if k == kind]
     try:
         path = FiPath(fi, label, model, kind, st, ws)
         st.out[layers[0]].fill_(float("nan"))
@@ -219,10 +231,10 @@ def probe_paths(fi, model: ModelShape, ws, deadline: float = math.inf) -> dict:
 
 
 def _probe(fi, model: ModelShape, ws, deadline: float = math.inf) -> dict:
-    """Which FlashInfer paths are correct per kind, on a probe step of short rows (100, 700 and
-    3000 tokens) where a window or a sink changes the answer; also compiles their kernels."""
+    """Which FlashInfer paths are correct per kind, on a probe step of short rows (PROBE_LENS)
+    where every window and sink changes the answer; also compiles their kernels."""
     gen = torch.Generator().manual_seed(1)
-    st = Step(model, np.array([100, 700, 3000], np.int32), gen)
+    st = Step(model, np.array(PROBE_LENS, np.int32), gen)
     ok = {}
     for kind in model.kinds():
         for label in PATHS:
@@ -237,13 +249,17 @@ def _probe(fi, model: ModelShape, ws, deadline: float = math.inf) -> dict:
 
 # --------------------------------------------------------------------------- driver
 
-def measure_model(fi, model: ModelShape, cases, ws, rows: list, deadline: float) -> None:
+def measure_model(fi, model: ModelShape, cases, ws, rows: list, deadline: float,
+                  save=lambda: None) -> None:
+    """The model's probe and cases, appended to ``rows``; ``save()`` after the probe and after
+    each case (what a run killed past its deadline measured stays written)."""
     if time.monotonic() > deadline:
         print(f"  {model.name}: time budget spent, not measured", flush=True)
         return
     probe = probe_paths(fi, model, ws, deadline) if fi is not None else {}
     for (label, kname), status in sorted(probe.items()):
         rows.append({"case": f"{model.name}-probe", "engine": label, "kind": kname, "status": status})
+    save()
     gen = torch.Generator().manual_seed(SEED)
     for case in cases:
         if time.monotonic() > deadline:
@@ -251,16 +267,16 @@ def measure_model(fi, model: ModelShape, cases, ws, rows: list, deadline: float)
             return
         st = Step(model, case.seq_lens, gen)
         name = f"{model.name}-{case.name}"
-        fl = floor_us(model, st.seq)
+        fl = floor_us(model, st.seq, layers=LAYERS)
         p = pkvrt_step(model, st)
         rows.append({"case": name, "engine": "pkvrt-device-plan-step", "model": model.name,
                      "median_us": p["median_us"], "floor_us": fl, "max_err_ref": p["max_err"],
                      "status": p["status"],
-                     "rows": int(len(st.seq)), "max_context": int(st.seq.max()),
+                     "rows": len(st.seq), "max_context": int(st.seq.max()),
                      "distinct_caches": st.distinct_caches})
         base, base_paths = 0.0, {}
         for kind in model.kinds():
-            n = sum(1 for k in model.layer_kinds() if k == kind)
+            n = sum(1 for k in model.layer_kinds(LAYERS) if k == kind)
             best = None
             for label in PATHS:
                 if fi is None or probe.get((label, kind.name)) != "ok":
@@ -282,6 +298,7 @@ def measure_model(fi, model: ModelShape, cases, ws, rows: list, deadline: float)
         print(f"  {name:<40} floor {fl:8.1f}  pkvrt {p['median_us']:8.1f} (err {p['max_err']:.1e})"
               f"  baseline {base or float('nan'):8.1f} {base_paths}  ratio {ratio}", flush=True)
         del st
+        save()
 
 
 def summarize(rows: list) -> list:
@@ -332,23 +349,27 @@ def main(argv=None) -> int:
     if args.trace_dir:
         conv = Path(args.trace_dir) / "azure2023_conv.csv"
         cases += [c for c in sample_steps(str(conv), max_active=8, count=args.steps, seed=SEED)]
-    ws = {"fa2": torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda"),
-          "xqa": torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")}
+    ws = {"fa2": torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE),
+          "xqa": torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE)}
     rows: list = []
     out = Path(args.out)
     meta = results.make_meta(seeds=[SEED], kind="model-shapes", layers=LAYERS, page_size=PAGE,
                              replays=REPLAYS, tolerance=TOLERANCE, protocol=__doc__.split("\n\n")[1])
+
+    def save():
+        results.write_results(out, meta, rows + summarize(rows))
+
     for name in names:
         print(f"== {name}", flush=True)
         t0 = time.monotonic()
         try:
-            measure_model(fi, MODELS[name], cases, ws, rows, deadline)
+            measure_model(fi, MODELS[name], cases, ws, rows, deadline, save)
         except Exception as exc:  # noqa: BLE001 - one model's failure is recorded, the rest run
             rows.append({"case": name, "engine": "pkvrt-device-plan-step", "status":
                          f"failed: {type(exc).__name__}: {exc}"})
             print(f"  {name} FAILED: {type(exc).__name__}: {exc}", flush=True)
         print(f"  ({time.monotonic() - t0:.0f} s)", flush=True)
-        results.write_results(out, meta, rows + summarize(rows))
+        save()
     summ = summarize(rows)
     results.write_results(out, meta, rows + summ)
     print(f"\n{'model / trace':<40} {'pkvrt us':>10} {'base us':>10} {'ratio':>7} {'pk/floor':>8} {'fi/floor':>8}")
