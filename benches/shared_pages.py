@@ -25,7 +25,9 @@ K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distin
 once (``floor_once_us``).
 
 ``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared`` with chunks of N rows
-(``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass.
+(``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
+run whatever ``--engines`` names (they were asked for by ``--chunk-rows``). ``--engines``: only
+the engines of these labels (a label that names no engine is an error, not an engine skipped).
 
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
        [--chunk-rows N,...] [--engines LABEL,...]
@@ -54,7 +56,12 @@ REPLAYS = 15
 TOLERANCE = 5e-3
 CACHE_BUDGET = 24 * 2**30
 FLOOR_BYTES_PER_US = 4.2e6
+WORKSPACE = 256 * 2**20    # bytes of each FlashInfer workspace
+DEVICE = "cuda"            # where every tensor lives (tests/test_shared_pages_dry_cpu.py: "cpu")
 SEED = 20260623
+# every engine's label, in the order a case runs them (and pkvrt-shared-c<N> of --chunk-rows)
+ENGINES = ("pkvrt-shared", "pkvrt-shared-device", "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda",
+           "flashinfer-cascade")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {
     "8x(8K+512)": ([(8, 8192)], 512),
@@ -97,17 +104,17 @@ class Step:
             r += rows
         self.bt = bt
         self.num_pages = total
-        self.seq_d = torch.as_tensor(self.seq, device="cuda")
-        self.bt_d = torch.as_tensor(bt, device="cuda")
+        self.seq_d = torch.as_tensor(self.seq, device=DEVICE)
+        self.bt_d = torch.as_tensor(bt, device=DEVICE)
         shape = (total, H_KV, PAGE, D)
         per_layer = 2 * math.prod(shape) * 2
         n = min(LAYERS, max(2, CACHE_BUDGET // per_layer))
-        ks = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(n)]
-        vs = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(n)]
+        ks = [torch.randn(shape, device=DEVICE, dtype=torch.float16) for _ in range(n)]
+        vs = [torch.randn(shape, device=DEVICE, dtype=torch.float16) for _ in range(n)]
         self.k = [ks[l % n] for l in range(LAYERS)]
         self.v = [vs[l % n] for l in range(LAYERS)]
         self.distinct_caches = n
-        self.q = torch.randn((LAYERS, b, H_Q, D), device="cuda", dtype=torch.float16)
+        self.q = torch.randn((LAYERS, b, H_Q, D), device=DEVICE, dtype=torch.float16)
         self.out = torch.empty_like(self.q)
         self.ref = reference.decode_attention(self.q[0], self.k[0], self.v[0], self.seq_d, self.bt_d)
         per_token = 2 * H_KV * D * 2 * LAYERS
@@ -122,26 +129,36 @@ def rel_err(out, ref) -> float:
 
 
 def timed(st: Step, plan, body) -> dict:
-    """Check layer 0, then time ``body`` captured in one graph (``harness.median_us``);
-    ``plan``: called once first (None: planned by the caller or inside ``body``)."""
+    """Check layer 0 eagerly, capture ``body`` in one graph, check layer 0 as one replay of it
+    writes it (the step that is timed, not its warm-up), then time its replays
+    (``harness.median_us``); ``plan``: called once first (None: planned by the caller or inside
+    ``body``)."""
+    from pkvrt.runtime import graphs
+
     if plan is not None:
         plan()
     st.out.fill_(float("nan"))
     body()
     torch.cuda.synchronize()
     err = rel_err(st.out[0], st.ref)
+    if err <= TOLERANCE:
+        graph = graphs.capture(body).graph
+        st.out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = max(err, rel_err(st.out[0], st.ref))
     if not err <= TOLERANCE:
         return {"status": f"wrong: rel. error {err:.3g} against the FP32 reference", "max_err_ref": err}
-    return {"status": "ok", "median_us": median_us(body, repeats=REPLAYS), "max_err_ref": err}
+    return {"status": "ok", "median_us": median_us(None, repeats=REPLAYS, graph=graph), "max_err_ref": err}
 
 
 def fi_plain(fi, st: Step, *, tensor_cores: bool) -> dict:
     b = len(st.seq)
-    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     pages = -(-st.seq // PAGE)
-    bufs = (torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
-            torch.zeros(int(pages.sum()), dtype=torch.int32, device="cuda"),   # shared pages repeat
-            torch.zeros(b, dtype=torch.int32, device="cuda"))
+    bufs = (torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
+            torch.zeros(int(pages.sum()), dtype=torch.int32, device=DEVICE),   # shared pages repeat
+            torch.zeros(b, dtype=torch.int32, device=DEVICE))
     w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores,
                                               paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
                                               paged_kv_last_page_len_buffer=bufs[2])
@@ -159,7 +176,7 @@ def fi_plain(fi, st: Step, *, tensor_cores: bool) -> dict:
 
 def fi_cascade(fi, st: Step) -> dict:
     """Two levels: each group's prefix (its rows one query group), then each row's own pages."""
-    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     w = fi.MultiLevelCascadeAttentionWrapper(2, ws, "HND")
     qo0, kv0, idx0, last0 = [0], [0], [], []
     for rows, prefix in st.levels:
@@ -175,7 +192,7 @@ def fi_cascade(fi, st: Step) -> dict:
         kv1.append(kv1[-1] + pages - n_pre)
         idx1 += list(st.bt[i, n_pre:pages])
         last1.append(int(s) - (pages - 1) * PAGE)
-    t = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
     w.plan([t(qo0), t(qo1)], [t(kv0), t(kv1)], [t(idx0), t(idx1)], [t(last0), t(last1)],
            H_Q, H_KV, D, PAGE, causal=False, q_data_type=torch.float16)
 
@@ -239,9 +256,14 @@ def main(argv=None) -> int:
                     help="also run pkvrt-shared with chunks of these many rows (comma-separated; the "
                          "ablation of options.shared_chunk_rows, engines pkvrt-shared-c<N>)")
     ap.add_argument("--engines", default=None,
-                    help="run only these engines (comma-separated labels; default: all)")
+                    help=f"run only these engines (comma-separated labels of {', '.join(ENGINES)}; "
+                         "default: all; --chunk-rows's run in any case)")
     args = ap.parse_args(argv)
     chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
+    only = None if args.engines is None else [e for e in args.engines.split(",") if e]
+    if only is not None and any(e not in ENGINES for e in only):
+        ap.error(f"--engines: {', '.join(e for e in only if e not in ENGINES)}: expected labels of "
+                 f"{', '.join(ENGINES)} (pkvrt-shared-c<N>: --chunk-rows N)")
     names = [c for c in args.cases.split(",") if c]
     if any(n not in CASES for n in names):
         ap.error(f"--cases: expected names of {', '.join(CASES)}")
@@ -274,8 +296,8 @@ def main(argv=None) -> int:
                 engines["flashinfer-cascade"] = functools.partial(fi_cascade, fi)
         engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c)
                         for c in chunk_rows})
-        if args.engines:
-            engines = {k: v for k, v in engines.items() if k in args.engines.split(",")}
+        if only is not None:
+            engines = {k: v for k, v in engines.items() if k in only or k.startswith("pkvrt-shared-c")}
         for label, fn in engines.items():
             try:
                 if label == "flashinfer-cascade" and cascade_unavailable:
@@ -296,6 +318,7 @@ def main(argv=None) -> int:
         per = lambda k: base[0] / ok[k] if base and k in ok else None  # noqa: E731
         rows.append({"case": name, "engine": "ratio", "baseline": base and base[1], "ratio": ratio,
                      "ratio_plain": per("pkvrt-device-plan"), "ratio_device": per("pkvrt-shared-device"),
+                     **{f"ratio_c{c}": per(f"pkvrt-shared-c{c}") for c in chunk_rows},
                      # the device-lengths shared path over plain device planning (no sharing: its cost)
                      "device_over_plain": (ok["pkvrt-shared-device"] / ok["pkvrt-device-plan"])
                      if {"pkvrt-shared-device", "pkvrt-device-plan"} <= ok.keys() else None})

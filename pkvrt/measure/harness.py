@@ -541,13 +541,14 @@ class CudaClock:
         return a.elapsed_time(b) * 1e3
 
 
-def median_us(fn, calls_per_fn: int = 1, repeats: int = 30) -> float:
+def median_us(fn, calls_per_fn: int = 1, repeats: int = 30, *, graph=None) -> float:
     """CUDA-event median per call of a CUDA graph that runs ``fn`` once (``fn`` makes
     ``calls_per_fn`` calls): warm-up on a side stream, capture, 3 untimed replays, ``repeats``
-    timed ones (the protocol of benches/isolated.py)."""
+    timed ones (the protocol of benches/isolated.py). ``graph``: time this captured graph
+    instead of capturing ``fn`` (a caller that checked what a replay of it writes)."""
     from pkvrt.runtime import graphs
 
-    g = graphs.capture(fn).graph
+    g = graph if graph is not None else graphs.capture(fn).graph
     for _ in range(3):
         g.replay()
     times = []

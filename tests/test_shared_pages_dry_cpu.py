@@ -1,0 +1,223 @@
+"""benches/shared_pages.py run end to end on the CPU (tests/dry_bench.py's fake GPU and stand-in
+FlashInfer), so that a GPU call spends its minutes on the measurement, not on the script's own
+mistakes: its real ``main()`` with ``--chunk-rows`` (engines ``pkvrt-shared-c<N>``) and
+``--engines``, every case, the cascade wrapper unavailable as the slimmed FlashInfer makes it (and
+computing, where a FlashInfer builds it), and the time budget.
+
+Made small for the CPU, by the script's module constants: 2 layers instead of 32, 1 replay, CPU
+tensors, a tiny workspace; the cases' token counts divided by 64 (names, rows and groups kept:
+every case with a shared prefix still shares whole pages, the cases without sharing still share
+none). Every engine's layer-0 output is checked against the FP32 reference by the script itself,
+as on the GPU; the dry run then checks the results file (meta, a row per case and engine with its
+status and error, the ratio rows), that it passes the report's validator and renders, and that a
+shared engine ran the shared path (its explain(), the saved tokens), not the plain one.
+
+What this cannot see: what tests/dry_bench.py lists (the kernels' numerics, everything being FP32
+on the CPU; real graph capture beyond its recording; placement, memory, and the timings and
+ratios themselves), FlashInfer's own refusals beyond the stand-in's, whether the real cascade
+wrapper builds (the stand-in's fails as the slimmed wheel's did on the H200) and how its levels
+perform, the full-size steps (32K-token prefixes, 32 layers, the 24 GiB cache budget), and the
+timed graph's output: the script checks the eager pass before the capture, not the replays.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import types
+
+import pytest
+import torch
+from dry_bench import CASCADE_BUILD_ERROR, fake_gpu  # noqa: F401
+
+from pkvrt.measure import coverage_results
+from pkvrt.runtime import core
+from pkvrt.runtime.shared import SharedPagesRuntime
+from pkvrt.tools import report
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LAYERS, SHRINK = 2, 64
+FI = ("flashinfer-tc", "flashinfer-cuda")
+UNAVAILABLE = "unavailable: RuntimeError: Ninja build failed. Ninja output:"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("shared_pages_bench", ROOT / "benches" / "shared_pages.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = load_bench()
+
+
+def shrunk(cases: dict) -> dict:
+    """Each case's token counts over SHRINK (at least one page shared where the case shares)."""
+    page = bench.PAGE
+    return {name: ([(rows, max(page, shared // SHRINK) if shared else 0) for rows, shared in groups],
+                   max(1, own // SHRINK)) for name, (groups, own) in cases.items()}
+
+
+@pytest.fixture
+def dry(fake_gpu, monkeypatch):  # noqa: F811
+    """The bench on the fake GPU, small; int32 CPU tensors count as lengths on the GPU (the
+    plain engine's Runtime turns to device planning on its first plan(), as on the GPU)."""
+    for name, value in (("DEVICE", "cpu"), ("LAYERS", LAYERS), ("REPLAYS", 1), ("WORKSPACE", 1024),
+                        ("CASES", shrunk(bench.CASES))):
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(core, "lengths_on_gpu", lambda s: isinstance(s, torch.Tensor))
+    return fake_gpu
+
+
+def run(tmp_path, *args) -> dict:
+    out = tmp_path / "shared-pages.json"
+    assert bench.main(["--out", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def rendered(tmp_path) -> str:
+    """The report's table of the results folder (every file validated first)."""
+    return coverage_results.shared_pages_table(report.load_dir(tmp_path))
+
+
+SHARING = [n for n, (groups, _) in bench.CASES.items() if any(s for _, s in groups)]
+
+
+def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
+    """``--chunk-rows 2`` as benches/h200_run.sh will run it: every case, every engine's row, the
+    chunked engine exact, the cascade tried once (on the first case) and recorded unavailable."""
+    import flashinfer
+
+    doc = run(tmp_path, "--chunk-rows", "2", "--max-seconds", "560")
+    meta, rows = doc["meta"], doc["rows"]
+    assert meta["kind"] == "shared-pages" and meta["layers"] == LAYERS and meta["gpu"] == "NVIDIA H200"
+    assert meta["protocol"].startswith("Protocol") and meta["replays"] == 1
+    names = list(bench.CASES)
+    assert list(dict.fromkeys(r["case"] for r in rows)) == names
+    engines = ("pkvrt-shared", "pkvrt-shared-device", "pkvrt-device-plan", *FI)
+    for name in names:
+        mine = [r for r in rows if r["case"] == name]
+        want = [*engines, "flashinfer-cascade"] if name in SHARING else list(engines)
+        assert [r["engine"] for r in mine] == [*want, "pkvrt-shared-c2", "ratio"], name
+        by = {r["engine"]: r for r in mine}
+        for e in (*engines, "pkvrt-shared-c2"):
+            r = by[e]
+            assert r["status"] == "ok" and r["max_err_ref"] < 1e-3 and r["median_us"] > 0, (name, r)
+            assert r["rows"] == sum(n for n, _ in bench.CASES[name][0])
+            assert r["floor_us"] >= r["floor_once_us"] > 0 and r["distinct_caches"] == LAYERS
+        ratio = by["ratio"]
+        assert ratio["baseline"] in FI and ratio["ratio"] > 0 and ratio["ratio_plain"] > 0
+        assert ratio["ratio_c2"] > 0
+        assert ratio["ratio_device"] > 0 and ratio["device_over_plain"] > 0
+        shared = (by["pkvrt-shared"], by["pkvrt-shared-c2"])
+        if name in SHARING:   # the shared path ran, in chunks of 2 rows for -c2
+            assert by["pkvrt-shared-device"]["tokens_saved"] > 0
+            assert all("shared chunk(s)" in r["explain"] for r in shared)
+            assert "of up to 2 rows" in by["pkvrt-shared-c2"]["explain"]
+            assert "of up to 2 rows" not in by["pkvrt-shared"]["explain"]
+        else:
+            assert by["pkvrt-shared-device"]["tokens_saved"] == 0
+            assert all(r["explain"].startswith("SharedPagesRuntime: no sharing") for r in shared)
+    cascade = [r["status"] for r in rows if r["engine"] == "flashinfer-cascade"]
+    assert cascade[0] == UNAVAILABLE and flashinfer.MultiLevelCascadeAttentionWrapper.plans == 1
+    assert cascade[1:] == [f"{UNAVAILABLE} (on {SHARING[0]}; not tried again)"] * (len(SHARING) - 1)
+    printed = capsys.readouterr().out
+    assert all(f"\n{name:<26} " in printed for name in names)
+    table = rendered(tmp_path)
+    assert "pkvrt-shared-c2 µs" in table and "flashinfer-cascade on" in table
+
+
+def test_the_engines_option_runs_only_those(dry, tmp_path, monkeypatch):
+    """``--engines flashinfer-tc,flashinfer-cascade,pkvrt-shared``: no other engine is built
+    (SharedPagesRuntime made once per case, host lengths only), a ratio against the
+    tensor-core path, none for the engines not run."""
+    made = []
+    init = SharedPagesRuntime.__init__
+
+    def counting(self, *a, **k):
+        made.append(k.get("device_planning", False))
+        init(self, *a, **k)
+
+    monkeypatch.setattr(SharedPagesRuntime, "__init__", counting)
+    cases = ["8x(8K+512)", "8x(0+1K)"]
+    rows = run(tmp_path, "--engines", "flashinfer-tc,flashinfer-cascade,pkvrt-shared",
+               "--cases", ",".join(cases))["rows"]
+    assert [(r["case"], r["engine"]) for r in rows] == [
+        (cases[0], "pkvrt-shared"), (cases[0], "flashinfer-tc"), (cases[0], "flashinfer-cascade"),
+        (cases[0], "ratio"), (cases[1], "pkvrt-shared"), (cases[1], "flashinfer-tc"), (cases[1], "ratio")]
+    assert made == [False, False]
+    for r in rows:
+        if r["engine"] == "ratio":
+            assert r["baseline"] == "flashinfer-tc" and r["ratio"] > 0
+            assert r["ratio_plain"] is r["ratio_device"] is r["device_over_plain"] is None
+        elif r["engine"] == "flashinfer-cascade":
+            assert r["status"] == UNAVAILABLE
+        else:
+            assert r["status"] == "ok" and r["max_err_ref"] < 1e-3
+
+
+def test_a_cascade_that_builds_is_exact(dry, tmp_path, monkeypatch):
+    """Where FlashInfer builds the cascade wrapper, its two levels (each group's prefix, each
+    row's own pages) are the step: exact on every sharing case, groups of several prefixes
+    included."""
+    import flashinfer
+
+    monkeypatch.setattr(flashinfer.MultiLevelCascadeAttentionWrapper, "builds", True)
+    cases = ["8x(8K+512)", "parallel-8x(2K..16K)x4"]
+    rows = run(tmp_path, "--engines", "flashinfer-cascade", "--cases", ",".join(cases))["rows"]
+    cascade = [r for r in rows if r["engine"] == "flashinfer-cascade"]
+    assert [r["case"] for r in cascade] == cases
+    assert all(r["status"] == "ok" and r["max_err_ref"] < 1e-3 for r in cascade), cascade
+    assert flashinfer.MultiLevelCascadeAttentionWrapper.plans == len(cases)
+    assert all(r["baseline"] == "flashinfer-cascade" for r in rows if r["engine"] == "ratio")
+
+
+def test_an_engine_label_that_names_no_engine_is_refused(dry, tmp_path, capsys):
+    """A misspelt label would have run a case without the engine it meant, silently."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(tmp_path / "x.json"), "--engines", "flashinfer-tc,flashinfer-cascde"])
+    assert e.value.code == 2 and not (tmp_path / "x.json").exists()
+    assert "--engines: flashinfer-cascde: expected labels of" in capsys.readouterr().err
+
+
+def test_a_wrong_chunked_engine_is_recorded_wrong_and_gets_no_ratio(dry, tmp_path, monkeypatch):
+    """``--chunk-rows 2`` beside ``--engines`` (its engine runs though --engines does not name
+    it), its merge off by one on one element: its row says "wrong" and has no ratio, the
+    default engine's ratio is unaffected."""
+    from pkvrt.launch import ops
+
+    merge = ops.merge_segments
+
+    def off(out_v, lse_v, out_o, lse_o, slots, out, **kw):
+        merge(out_v, lse_v, out_o, lse_o, slots, out, **kw)
+        if kw["chunk_rows"] == 2:
+            dry.launch(lambda: out[0, 0, 0].add_(1.0))
+
+    monkeypatch.setattr(ops, "merge_segments", off)
+    rows = run(tmp_path, "--engines", "flashinfer-tc,pkvrt-shared", "--chunk-rows", "2",
+               "--cases", "8x(8K+512)")["rows"]
+    by = {r["engine"]: r for r in rows}
+    assert list(by) == ["pkvrt-shared", "flashinfer-tc", "pkvrt-shared-c2", "ratio"]
+    assert by["pkvrt-shared-c2"]["status"].startswith("wrong: rel. error")
+    assert by["ratio"]["ratio_c2"] is None
+    assert by["pkvrt-shared"]["status"] == "ok" and by["ratio"]["ratio"] > 0
+
+
+def test_the_time_budget_stops_between_cases(dry, tmp_path, monkeypatch, capsys):
+    """Each case's step takes 20 s to build: with --max-seconds 30 two cases are measured and
+    the file holds them."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(monotonic=lambda: clock.now,
+                                                            perf_counter=lambda: clock.now))
+    step = bench.Step
+
+    def slow(*a, **k):
+        clock.now += 20
+        return step(*a, **k)
+
+    monkeypatch.setattr(bench, "Step", slow)
+    rows = run(tmp_path, "--max-seconds", "30", "--engines", "pkvrt-shared")["rows"]
+    names = list(bench.CASES)
+    assert [r["case"] for r in rows] == [names[0]] * 2 + [names[1]] * 2
+    assert f"time budget spent: {names[2]} and later not measured" in capsys.readouterr().out
