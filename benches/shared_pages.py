@@ -24,6 +24,9 @@ Every engine's layer-0 output is checked against the FP32 reference first. Floor
 K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
 once (``floor_once_us``).
 
+A ``pkvrt-shared`` row of a step with sharing also carries ``chunk_us`` and ``own_us``: its
+chunk decode's and its own decode's 32 layers timed alone (``parts_us``), so that the rest of
+its time is the gathers, the merges and the launch boundaries.
 ``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared`` with chunks of N rows
 (``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
 run whatever ``--engines`` names (they were asked for by ``--chunk-rows``). ``--engines``: only
@@ -227,7 +230,34 @@ def pkvrt_shared(st: Step, chunk_rows: int | None = None) -> dict:
             rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
     row = timed(st, None, body)
     row.update(plan_host_us_first=plan_us, explain=rt.explain())
+    if row["status"] == "ok" and rt.plan_used is not None:
+        row.update(parts_us(rt, st))
     return row
+
+
+def parts_us(rt, st: Step) -> dict:
+    """Where a shared step's time goes: its chunk decode's 32 layers alone and its own decode's
+    alone, each captured and timed as the whole step is (``harness.median_us``); the rest of
+    ``median_us`` is the query gathers, the merges and the launch boundaries between them. The
+    parts read the Runtimes' static buffers as the step does (their outputs are not checked:
+    the whole step was). ``parts_error`` instead where a part fails."""
+    sp = rt.plan_used
+    chunks = sp.chunk_rows.shape[0]
+    s_own = len(st.seq) if rt._own_identity else sp.own_rows.size
+
+    def chunk():
+        for l in range(LAYERS):
+            rt.shared.run(rt.shared.static_q(chunks), st.k[l], st.v[l], out=rt.shared.static_out(chunks),
+                          lse=rt._lse_v[:chunks])
+
+    def own():
+        for l in range(LAYERS):
+            q = st.q[l] if rt._own_identity else rt.own.static_q(s_own)
+            rt.own.run(q, st.k[l], st.v[l], out=rt.own.static_out(s_own), lse=rt._lse_o[:s_own])
+    try:
+        return {"chunk_us": median_us(chunk, repeats=REPLAYS), "own_us": median_us(own, repeats=REPLAYS)}
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: the step's own row stays as measured
+        return {"parts_error": f"{type(exc).__name__}: {str(exc)[:160]}"}
 
 
 def pkvrt_shared_device(st: Step) -> dict:

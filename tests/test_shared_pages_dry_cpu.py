@@ -116,6 +116,8 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
             assert all("shared chunk(s)" in r["explain"] for r in shared)
             assert "of up to 2 rows" in by["pkvrt-shared-c2"]["explain"]
             assert "of up to 2 rows" not in by["pkvrt-shared"]["explain"]
+            for r in shared:   # where its time goes: the two decodes alone
+                assert r["chunk_us"] > 0 and r["own_us"] > 0 and "parts_error" not in r, r
         else:
             assert by["pkvrt-shared-device"]["tokens_saved"] == 0
             assert all(r["explain"].startswith("SharedPagesRuntime: no sharing") for r in shared)
