@@ -12,6 +12,7 @@ formed within one file: FlashInfer's fastest correct path's time over pkvrt's (>
 from __future__ import annotations
 
 import math
+import re
 import statistics
 
 MODEL_SHAPES, DROPIN, SHARED_PAGES = "model-shapes", "dropin", "shared-pages"
@@ -132,6 +133,13 @@ def dropin_table(files) -> str:
     return "\n\n".join(parts)
 
 
+def _parts(row: dict) -> str:
+    """A shared step's two decodes timed alone (shared_pages.py ``parts_us``): "chunk + own"."""
+    if row.get("chunk_us") is None or row.get("own_us") is None:
+        return "-"
+    return f"{row['chunk_us']:.0f} + {row['own_us']:.0f}"
+
+
 def shared_pages_table(files) -> str:
     """Per step (rows x (shared + own tokens)): the floor with each row reading its pages and
     with each page read once, every engine's µs, the fastest FlashInfer path, and the ratios of
@@ -153,14 +161,15 @@ def shared_pages_table(files) -> str:
                         for e in engines),
                       ratio.get("baseline") or "-", _f(ratio.get("ratio"), 3),
                       _f(ratio.get("ratio_device"), 3), _f(ratio.get("ratio_plain"), 3),
-                      _f(ratio.get("device_over_plain"), 3)))
+                      _f(ratio.get("device_over_plain"), 3), _parts(by.get("pkvrt-shared", {}))))
     parts = [_table(["step", "floor µs", "floor, pages once µs", *(f"{e} µs" for e in engines),
                      "baseline", "shared / baseline", "shared-device / baseline", "plain / baseline",
-                     "shared-device time / plain time"], lines)]
+                     "shared-device time / plain time", "shared: chunk + own decodes alone µs"], lines)]
     bad = {}
     for r in rows:
         if r.get("engine") != "ratio" and r.get("status") not in (None, "ok"):
-            bad.setdefault((r["engine"], _short(str(r["status"]))), []).append(r["case"])
+            status = re.sub(r" \(on [^)]*; not tried again\)$", "", str(r["status"]))
+            bad.setdefault((r["engine"], _short(status)), []).append(r["case"])
     if bad:
         parts.append("Paths unavailable or wrong:\n\n" + "\n".join(
             f"- {e} on {', '.join(cs)}: {s}" for (e, s), cs in bad.items()))
