@@ -21,7 +21,7 @@
 #   models-a | models-b | models-c | models-d  benches/model_shapes.py, one group of models that
 #              share FlashInfer's JIT modules each (benches/README.md) -> OUT/model-shapes-<x>.json
 #   dropin     benches/dropin.py, SGLang's and vLLM's calling styles -> OUT/dropin.json
-#   shared     benches/shared_pages.py, every sharing step -> OUT/shared-pages.json
+#   shared     benches/shared_pages.py, every sharing step (SHARED_ARGS: more of its options) -> OUT/shared-pages.json
 #   sharing-traces  the sharing trace families (parallel sampling, a shared system prompt) and,
 #              with TRACE_DIR/mooncake_conv.json (docs/traces.md), Mooncake's conversation trace,
 #              in the engine protocol with and without SharedPagesRuntime -> OUT/engine-<trace>.json
@@ -71,7 +71,7 @@ for stage in "$@"; do
           --max-seconds 560 --out $out/model-shapes-${stage#models-}.json 2>&1 | grep -v WARN | tail -30 ;;
     dropin) timeout 590 python3 benches/dropin.py --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} --max-seconds 560 \
           --out $out/dropin.json 2>&1 | grep -v WARN | tail -30 ;;
-    shared) timeout 590 python3 benches/shared_pages.py --max-seconds 560 --out $out/shared-pages.json 2>&1 \
+    shared) timeout 590 python3 benches/shared_pages.py ${SHARED_ARGS:-} --max-seconds 560 --out $out/shared-pages.json 2>&1 \
           | grep -v WARN | tail -30 ;;
     sharing-traces)
       for spec in "parallel --trace parallel" "sysprompt --trace sysprompt" \
