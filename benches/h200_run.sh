@@ -12,7 +12,8 @@
 #   soak       benches/soak.py, 100 000 steps, the policy's routes -> OUT/soak.json
 #   soak-dev   benches/soak.py --device-planning, 100 000 steps -> OUT/soak-device-planning.json
 #   sanitize   benches/sanitize.sh (compute-sanitizer, 4 tools) -> OUT/sanitize*.{json,log}
-#   calibrate-groups  pkvrt calibrate at every served group size (4 first: the top level) -> OUT/nvidia-h200.json
+#   calibrate-groups  pkvrt calibrate --add-groups: the served group sizes the file lacks (ADD_GROUPS,
+#              default 2,3,5,7,16), laid over calibration/nvidia-h200.json -> OUT/nvidia-h200.json
 #   calibrate-d64 | calibrate-d96 | calibrate-d256  the by_head_dim section of that head dim, laid
 #              over calibration/nvidia-h200.json (run after calibrate-groups) -> OUT/nvidia-h200.json
 #   groups     benches/isolated.py on the group sizes the models add, every cut of the partition
@@ -20,7 +21,7 @@
 #   models-a | models-b | models-c | models-d  benches/model_shapes.py, one group of models that
 #              share FlashInfer's JIT modules each (benches/README.md) -> OUT/model-shapes-<x>.json
 #   dropin     benches/dropin.py, SGLang's and vLLM's calling styles -> OUT/dropin.json
-#   shared     benches/shared_pages.py, every sharing step -> OUT/shared-pages.json
+#   shared     benches/shared_pages.py, every sharing step (SHARED_ARGS: more of its options) -> OUT/shared-pages.json
 #   sharing-traces  the sharing trace families (parallel sampling, a shared system prompt) and,
 #              with TRACE_DIR/mooncake_conv.json (docs/traces.md), Mooncake's conversation trace,
 #              in the engine protocol with and without SharedPagesRuntime -> OUT/engine-<trace>.json
@@ -48,8 +49,9 @@ for stage in "$@"; do
     soak-dev) timeout 200 python3 benches/soak.py --max-seconds 180 --device-planning \
           --out $out/soak-device-planning.json 2>&1 | tail -25 ;;
     sanitize) bash benches/sanitize.sh $out 2>&1 | tail -20 ;;
-    calibrate-groups) timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --groups 4,1,8,2,3,5,7,16 --max-waves 3 \
-          --out calibration/nvidia-h200.json --raw $out/calibrate-groups-sweeps.json 2>&1 | tail -60
+    calibrate-groups) timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --add-groups ${ADD_GROUPS:-2,3,5,7,16} \
+          --base calibration/nvidia-h200.json --out calibration/nvidia-h200.json \
+          --raw $out/calibrate-groups-sweeps.json 2>&1 | tail -60
         cp calibration/nvidia-h200.json $out/ ;;
     calibrate-d64|calibrate-d96|calibrate-d256) d=${stage#calibrate-d}
       timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --head-dim $d --groups 4,1,2,8,16 --max-waves 3 \
@@ -69,7 +71,7 @@ for stage in "$@"; do
           --max-seconds 560 --out $out/model-shapes-${stage#models-}.json 2>&1 | grep -v WARN | tail -30 ;;
     dropin) timeout 590 python3 benches/dropin.py --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} --max-seconds 560 \
           --out $out/dropin.json 2>&1 | grep -v WARN | tail -30 ;;
-    shared) timeout 590 python3 benches/shared_pages.py --max-seconds 560 --out $out/shared-pages.json 2>&1 \
+    shared) timeout 590 python3 benches/shared_pages.py ${SHARED_ARGS:-} --max-seconds 560 --out $out/shared-pages.json 2>&1 \
           | grep -v WARN | tail -30 ;;
     sharing-traces)
       for spec in "parallel --trace parallel" "sysprompt --trace sysprompt" \

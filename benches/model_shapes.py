@@ -340,6 +340,9 @@ def main(argv=None) -> int:
     unknown = [m for m in names if m not in MODELS]
     if unknown:
         ap.error(f"--models: unknown {unknown}; known: {', '.join(MODELS)}")
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("benches/model_shapes.py needs a CUDA GPU (torch sees none); nothing to run here.")
+        return 0
     fi = None
     if not args.no_flashinfer:
         import flashinfer as fi

@@ -487,3 +487,97 @@ def test_calibrate_fp8_refuses_another_gpus_base_before_timing(fake_gpu, tmp_pat
                    "--out", str(out)])
     assert rc == 2 and "not of this GPU 'NVIDIA H200'" in capsys.readouterr().err
     assert fake_gpu == [] and not out.exists()
+
+
+GROUP_TRUTH = {g: {"fused": RouteTime(0.9, 1.3, 0.08, 2.9), "workqueue": RouteTime(0.92, 1.5, 0.07, 2.3),
+                   "flashinfer": RouteTime(1.0, 1.0, 0.1, 6.0)} for g in (3, 16)}
+
+
+@pytest.fixture
+def fake_gpu_groups(monkeypatch):
+    """`pkvrt calibrate --add-groups` on a CPU: an available H200 whose timed steps at each G are
+    the measured model's with GROUP_TRUTH. Yields the calls of time_steps (groups, buckets)."""
+    import torch
+
+    from pkvrt.launch import _driver
+    from pkvrt.measure import results
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
+        name="NVIDIA H200", multi_processor_count=132, L2_cache_size=50 * 2**20))
+    monkeypatch.setattr(_driver, "available", lambda: None)
+    monkeypatch.setattr(results, "environment", lambda: {"gpu": "NVIDIA H200", "flashinfer": "0.7.2"})
+    monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv, head_dim=128: 2)
+    rows = [r for r in synthetic_rows({4: TRUTH[4], **GROUP_TRUTH}) if r.get("group") in GROUP_TRUTH]
+    calls = []
+
+    def time_steps(args, reg, base, *, kv_dtype, repeats, t_start, max_waves, head_dim=128, flashinfer=None,
+                   buckets=True):
+        calls.append((tuple(args.groups), buckets, max_waves, base.time_model))
+        timed = sweeps.read_rows(rows)
+        cases = {g: sweeps.partition_cases([t for t in timed if t.kind in sweeps.PARTITION_KINDS and t.group == g],
+                                           reg) for g in args.groups}
+        return [], [r for r in rows if r["group"] in args.groups], cases
+    monkeypatch.setattr(calibrate, "time_steps", time_steps)
+    return calls
+
+
+def test_calibrate_add_groups_lays_new_group_sizes_over_the_file(fake_gpu_groups, tmp_path, capsys):
+    """`pkvrt calibrate --add-groups 3,16` with the timing faked: only G 3 and 16 are timed (no
+    bucket sweep, the file's max_waves), their splits.by_group and time_model.by_group entries
+    join the file's (G 1 and 8 kept), and every other constant, section and host_time is the
+    base file's, byte for byte; a Router at G 16 then plans with G 16's own constants."""
+    from pkvrt.policy.router import Router
+    from pkvrt.tools import cli
+
+    shipped = load_calibration(REPO / "calibration" / "nvidia-h200.json")
+    base, out, raw = _saved(tmp_path, shipped, "base.json"), tmp_path / "nvidia-h200.json", tmp_path / "raw.json"
+    assert cli.main(["calibrate", "--add-groups", "3,16", "--base", str(base), "--out", str(out),
+                     "--raw", str(raw)]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out} (its G 3, 16 entries of splits.by_group and time_model.by_group" in text
+    (groups, buckets, waves, timing_model), = fake_gpu_groups
+    assert groups == (3, 16) and buckets is False and waves == shipped.splits.max_waves and timing_model == ()
+    got = load_calibration(out)
+    keep = lambda c: {k: v for k, v in calibration_to_dict(c).items() if k not in ("splits", "time_model", "provenance", "source")}  # noqa: E731
+    assert keep(got) == keep(shipped)                      # sections, host_time, beta, FlashInfer's: the file's
+    want_split = {k: v for k, v in calibration_to_dict(shipped)["splits"].items() if k != "by_group"}
+    assert {k: v for k, v in calibration_to_dict(got)["splits"].items() if k != "by_group"} == want_split
+    assert [g for g, _ in got.splits.by_group] == [1, 3, 8, 16]
+    assert dict(got.splits.by_group)[8] == dict(shipped.splits.by_group)[8]
+    assert got.time_model == shipped.time_model
+    tm = dict(got.time_model_by_group)
+    assert sorted(tm) == [1, 3, 8, 16] and tm[8] == dict(shipped.time_model_by_group)[8]
+    assert {k for k, _ in tm[16]} == {"fused", "workqueue", "flashinfer"}
+    assert dict(tm[16])["fused"].read_scale == pytest.approx(0.9, abs=0.05)   # the fit recovers the truth
+    assert "--add-groups" in got.provenance and got.provenance.startswith(shipped.provenance)
+    assert json.loads(raw.read_text())["meta"]["added_groups"] == [3, 16]
+    assert got.calibrated_group(16) == 16 and shipped.calibrated_group(16) == 8
+    r = Router(load_routes(), got, num_qo_heads=64, num_kv_heads=4, head_dim=128, page_size=16)
+    assert r.cal.splits.co_resident_slowdown == dict(dict(got.splits.by_group)[16])["co_resident_slowdown"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--add-groups", "4,16"), "--add-groups: not 4"),
+    (("--add-groups", "16,16"), "--add-groups: expected distinct"),
+    (("--add-groups", "x"), "--add-groups: expected comma-separated"),
+    (("--add-groups", "17"), "--add-groups: "),
+])
+def test_add_groups_bad_values_are_named(argv, match):
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    with pytest.raises((ValueError, SystemExit)) as e:
+        calibrate.check_arguments(parser.parse_args(list(argv)))
+    if e.type is ValueError:
+        assert match in str(e.value)
+
+
+@pytest.mark.parametrize("extra, flag", [(("--kv-dtype", "fp8"), "--kv-dtype fp8"), (("--head-dim", "64"), "--head-dim"),
+                                         (("--groups", "4,8"), "--groups"), (("--host-time",), "--host-time"),
+                                         (("--max-waves", "2"), "--max-waves")])
+def test_add_groups_refuses_what_does_not_apply(extra, flag):
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    with pytest.raises(ValueError, match=f"--add-groups: not with {flag}"):
+        calibrate.check_arguments(parser.parse_args(["--add-groups", "16", *extra]))

@@ -38,6 +38,12 @@ router uses to predict the FlashInfer baseline's time before it promotes a Persi
 be measured without FlashInfer, but a calibration file needs all of them (schema 1), so without
 FlashInfer calibrate stops before measuring anything.
 
+More group sizes (``--add-groups LIST``, e.g. 2,3,5,7,16; not 4): the partition sweeps and
+FlashInfer at those G only (no bucket sweep), fitted as above into their ``splits.by_group`` and
+``time_model.by_group`` entries of this GPU's file (``--base``, default the ``--out`` file); every
+other constant, section and ``host_time`` stays the file's, so the cuts of the shapes the file
+already covers do not move. About 45 s per group size on an H200 (an estimate).
+
 Another head dim (``--head-dim D``, D 64, 96 or 256): the calibration steps' partition and bucket
 sweeps at that head dim (fp16 caches, FlashInfer not timed), fitted into the
 ``by_head_dim.<D>`` section of this GPU's file (``--base``): splits.bucket_ctas_per_sm and the
@@ -215,18 +221,24 @@ def fit_flashinfer_ctas(times_us: dict[int, float], *, context: int, cal: calib.
     return out
 
 
+def rounded_by_group(by_group: dict) -> tuple:
+    """{G: fit_partition points} as a file's ``splits.by_group``: ((G, ((key, value), ...)), ...),
+    sorted by G, each value rounded as the files hold it."""
+    rounded = {"workqueue_ctas_per_sm": lambda v: round(float(v), 3), "min_split_tokens": int,
+               "cta_overhead_tiles": lambda v: round(float(v), 3),
+               "co_resident_slowdown": lambda v: round(float(v), 3), "wave_room_slots": int,
+               "wave_room_tiles": lambda v: round(float(v), 3), "wave_room_chunk_tiles": int}
+    return tuple(sorted((int(g), tuple((k, rounded[k](pts[k])) for k in rounded if k in pts))
+                        for g, pts in by_group.items()))
+
+
 def make_calibration(*, gpu: str, sm_count: int, l2_bytes: int, beta_gbps: float, lambda_us: float,
                      lambda_graph_us: float, c_min: float, splits: dict, flashinfer: dict,
                      versions: dict, command: str, provenance: str, by_group: dict | None = None,
                      date: str | None = None) -> calib.Calibration:
     """A schema-1 :class:`~pkvrt.policy.calibration.Calibration` (rounded; validated by a round trip).
     ``by_group``: {G: fit_partition points} for ``splits.by_group``."""
-    rounded = {"workqueue_ctas_per_sm": lambda v: round(float(v), 3), "min_split_tokens": int,
-               "cta_overhead_tiles": lambda v: round(float(v), 3),
-               "co_resident_slowdown": lambda v: round(float(v), 3), "wave_room_slots": int,
-               "wave_room_tiles": lambda v: round(float(v), 3), "wave_room_chunk_tiles": int}
-    groups = tuple(sorted((int(g), tuple((k, rounded[k](pts[k])) for k in rounded if k in pts))
-                          for g, pts in (by_group or {}).items()))
+    groups = rounded_by_group(by_group or {})
     cal = calib.Calibration(
         gpu=gpu, slug=calib.slugify(gpu), sm_count=int(sm_count), l2_bytes=int(l2_bytes),
         beta_gbps=round(beta_gbps, 1), lambda_us=round(lambda_us, 3),
@@ -544,6 +556,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or 8 KV heads where G does not divide 32) whose partition constants are "
                              "fitted; must include 4, which gives the top-level keys, the others go to "
                              "splits.by_group (default: 4,1,8; the models' table: 4,1,8,2,3,5,7,16)")
+    parser.add_argument("--add-groups", type=parse_added_groups, default=None, metavar="LIST",
+                        help="measure only these group sizes (not 4) and add or replace their "
+                             "splits.by_group and time_model.by_group entries in --base (this GPU's "
+                             "file), every other constant, section and host_time kept: a new model's "
+                             "G without re-fitting the ones the file has (e.g. 2,3,5,7,16)")
     parser.add_argument("--models", type=parse_models, default=(), metavar="NAMES",
                         help="comma-separated model names of the served models' table (e.g. "
                              "llama-3.2-3b,qwen2.5-14b): their group sizes join --groups (their head "
@@ -578,6 +595,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "section the router weighs where routes.toml's [host_time] is enabled; "
                              "a full fp16 run measures it too) and write it into --base, every other "
                              "constant kept")
+
+
+def parse_added_groups(text: str) -> tuple[int, ...]:
+    """``--add-groups`` as distinct group sizes other than 4 (ValueError naming the option): 4's
+    constants are the file's top level, which only a whole fp16 run measures."""
+    try:
+        groups = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--add-groups: expected comma-separated positive integers, e.g. 3,5,7; "
+                         f"got {text!r}") from None
+    if not groups or len(set(groups)) != len(groups):
+        raise ValueError(f"--add-groups: expected distinct group sizes, got {text!r}")
+    if 4 in groups:
+        raise ValueError(f"--add-groups: not 4 (the file's top-level constants: a whole fp16 run "
+                         f"measures them), got {text!r}")
+    for g in groups:
+        try:
+            group_shape(g)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--groups", "--add-groups")) from None
+    return groups
 
 
 def parse_models(text: str) -> tuple:
@@ -616,9 +654,23 @@ def check_arguments(args) -> str:
     """The routes.toml name of ``--kv-dtype``, after refusing combinations that do not apply to
     it (ValueError naming the option): ``--base`` without FP8, ``--suggest-routes`` with FP8.
     ``--models`` adds their group sizes to ``args.groups``."""
+    kv = KV_DTYPE_ARGS[args.kv_dtype]
+    if getattr(args, "add_groups", None) is not None:
+        for flag, given in (("--kv-dtype fp8", kv not in calib.TOP_KV_DTYPES),
+                            ("--head-dim", getattr(args, "head_dim", None) is not None),
+                            ("--host-time", getattr(args, "host_time", False)),
+                            ("--models", bool(getattr(args, "models", ()))),
+                            ("--suggest-routes", bool(args.suggest_routes)),
+                            ("--max-waves", args.max_waves is not None)):
+            if given:
+                raise ValueError(f"--add-groups: not with {flag} (it adds group sizes to this GPU's "
+                                 f"fp16 file, in the file's own grid)")
+        if args.groups != GROUPS:
+            raise ValueError("--add-groups: not with --groups (--groups names what a whole run "
+                             "measures; --add-groups what is added to --base)")
+        return kv
     if getattr(args, "models", ()):
         args.groups = with_model_groups(args)
-    kv = KV_DTYPE_ARGS[args.kv_dtype]
     if getattr(args, "head_dim", None) is not None:
         if kv not in calib.TOP_KV_DTYPES:
             raise ValueError("--head-dim: not with --kv-dtype fp8 (a head-dim section is measured with "
@@ -637,8 +689,8 @@ def check_arguments(args) -> str:
             raise ValueError("--suggest-routes: not with --host-time (it times no route's device time)")
         return kv
     if kv in calib.TOP_KV_DTYPES and args.base:
-        raise ValueError("--base: only with --kv-dtype fp8 or --host-time (an fp16 run measures and "
-                         "writes a whole file)")
+        raise ValueError("--base: only with --kv-dtype fp8, --head-dim, --host-time or --add-groups "
+                         "(an fp16 run measures and writes a whole file)")
     if kv not in calib.TOP_KV_DTYPES and args.suggest_routes:
         raise ValueError("--suggest-routes: not with --kv-dtype fp8 (gates are judged against FlashInfer's "
                          "times, which an FP8 run does not measure: an FP8 Runtime does not run FlashInfer)")
@@ -698,7 +750,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "host_time", False):
         return run_host_time(args, out, device)
     try:
-        if getattr(args, "head_dim", None) is not None:
+        if getattr(args, "add_groups", None) is not None:
+            cal, raw, meta = measure_added_groups(
+                args, load_base(Path(args.base) if args.base else out, device, "group-size"), args.add_groups)
+        elif getattr(args, "head_dim", None) is not None:
             cal, raw, meta = measure_head_dim(
                 args, load_base(Path(args.base) if args.base else out, device, f"head-dim {args.head_dim}"),
                 args.head_dim)
@@ -730,10 +785,13 @@ def run(args: argparse.Namespace) -> int:
         results.write_results(args.raw, meta, raw)
         print(f"wrote {args.raw}")
     section = (f"by_head_dim.{args.head_dim}" if getattr(args, "head_dim", None) is not None
-               else f"by_kv_dtype.{kv_dtype}" if fp8 else None)
+               else f"by_kv_dtype.{kv_dtype}" if fp8
+               else f"G {', '.join(map(str, args.add_groups))} entries of splits.by_group and "
+                    f"time_model.by_group" if getattr(args, "add_groups", None) is not None else None)
     print(f"wrote {out}" + (f" (its {section} section; every other constant as in "
                             f"{args.base or 'the file before'})" if section else ""))
-    if cal.time_model and getattr(args, "head_dim", None) is None:   # a head-dim run fits no time model
+    if cal.time_model and getattr(args, "head_dim", None) is None \
+            and getattr(args, "add_groups", None) is None:   # a head-dim run fits no time model
         errors, gates = report(raw, cal, load_routes(args.routes), header=f"{cal.gpu}, {cal.date}, seed {SEED}",
                                kv_dtype=kv_dtype)
         print("\nmeasured vs predicted at the cut each planner picks (time_model; roofline: c_min and "
@@ -809,7 +867,7 @@ def kept_max_waves(args, slug: str) -> int:
 
 def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: int,
                t_start: float, max_waves: int, head_dim: int = SHAPE["head_dim"],
-               flashinfer: bool | None = None) -> tuple[list[dict], list[dict], dict[int, dict]]:
+               flashinfer: bool | None = None, buckets: bool = True) -> tuple[list[dict], list[dict], dict[int, dict]]:
     """Every calibration step timed with ``kv_dtype`` caches: the bucket route at each candidate
     S (G 4), the workqueue-or-fused routes of routes.toml at every cut (the device-planning
     route first; in the grid the Runtime launches, :func:`runtime_grid`, with the device-planning
@@ -822,7 +880,8 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
     ``--raw``, each with its ``kv_dtype``; {G: {"case [kind]": (seq_lens, {cut: us}, the route's
     split bounds)}} of both partition routes, for ``fit_partition``: the names and tuples of
     ``sweeps.partition_cases``). ``head_dim``: the shape's (a ``--head-dim`` run); ``flashinfer``
-    False: FlashInfer not timed (default: with 16-bit caches).
+    False: FlashInfer not timed (default: with 16-bit caches); ``buckets`` False: the bucket
+    route's steps are skipped (an ``--add-groups`` run: the bucket route is G 4's).
     """
     import torch
 
@@ -844,6 +903,8 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
     resident = {g: decode_occupancy(dp_route.kernel, g, kv_dtype, d) for g in args.groups}
     for case, kind, seq in calibration_steps():
         kv = int(seq.sum()) * kv_tok
+        if kind == "bucket" and not buckets:
+            continue
         if kind == "bucket":
             wl = _workload(seq, l2, {**SHAPE, "head_dim": d}, kv_dtype=kv_dtype)
             ref = _reference(wl)
@@ -1123,6 +1184,55 @@ def measure_head_dim(args, base: calib.Calibration, head_dim: int) -> tuple[cali
     cal = calib.with_head_dim_section(base, head_dim, section)
     _print_sweeps(cal.for_head_dim(head_dim), fit_recs, regrets, time.perf_counter() - t_start)
     return cal, raw, {"kv_dtype": "float16", "head_dim": head_dim,
+                      "occupancy": {str(g): n for g, n in resident.items()}}
+
+
+def measure_added_groups(args, base: calib.Calibration, groups: tuple[int, ...]
+                         ) -> tuple[calib.Calibration, list[dict], dict]:
+    """``--add-groups``: the calibration steps timed at each G of ``groups`` (both partition
+    routes at every cut in the grid of the file's ``max_waves``, FlashInfer's paths beside them;
+    no bucket sweep), ``fit_partition`` and ``sweeps.fit_time_model`` per G as :func:`measure`
+    fits them, and ``base`` (this GPU's file) with those G's ``splits.by_group`` and
+    ``time_model.by_group`` entries added or replaced. Everything else stays the file's: the top
+    level (G 4, beta, lambda, c_min, FlashInfer's constants), the other G's entries, the FP8 and
+    head-dim sections (whose own by_group entries are their runs'), host_time. Why: a model
+    whose G the file lacks plans on the nearest calibrated G's constants
+    (``Calibration.calibrated_group``); calibrating it alone leaves the cuts of every other shape
+    as they were. Returns as :func:`measure`."""
+    import torch
+
+    t_start = time.perf_counter()
+    repeats = 10 if args.quick else 30
+    reg = load_routes(args.routes)
+    props = torch.cuda.get_device_properties(0)
+    timing = attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
+                          splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), by_head_dim=(),
+                          time_model=(), time_model_by_group=())
+    max_waves = base.splits.max_waves
+    timed_args = argparse.Namespace(**{**vars(args), "groups": tuple(groups)})
+    _, raw, partition_cases = time_steps(timed_args, reg, timing, kv_dtype="float16", repeats=repeats,
+                                         t_start=t_start, max_waves=max_waves, buckets=False)
+    fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=base.sm_count, kv_dtype="float16",
+                                           max_waves=max_waves)
+    splits_by_group = tuple(sorted({**dict(base.splits.by_group), **dict(rounded_by_group(fitted))}.items()))
+    cal = attrs.evolve(base, splits=attrs.evolve(base.splits, by_group=splits_by_group))
+    fits = sweeps.fit_time_model(sweeps.read_rows(raw, SEED, "float16"), cal, reg)
+    missing = [g for g in groups if not fits.get(g)]
+    if missing:
+        raise RuntimeError(f"no time model could be fitted at G {missing} (too few timed cuts); "
+                           "the file is not changed")
+    times = tuple(sorted({**dict(base.time_model_by_group),
+                          **{g: sweeps.rounded_kinds(fits[g]) for g in groups}}.items()))
+    today = datetime.date.today().isoformat()
+    cal = attrs.evolve(cal, time_model_by_group=times, provenance=base.provenance + (
+        f" splits.by_group and time_model.by_group at G {', '.join(map(str, groups))}: pkvrt calibrate "
+        f"--add-groups{' --quick' if args.quick else ''} on {props.name}, {today} (the calibration steps at "
+        f"each G's shape, sweeps.group_heads; both partition routes at every cut in the grid of max_waves "
+        f"{max_waves}, FlashInfer's paths beside them; fit_partition and sweeps.fit_time_model as the "
+        f"whole run's); the rest of the file as before. Regret of the fitted rule: {_regret_text(regrets)}."))
+    cal = calib.calibration_from_dict(calib.calibration_to_dict(cal))
+    print(sweeps.format_time_model({g: fits[g] for g in groups}))
+    return cal, raw, {"kv_dtype": "float16", "added_groups": list(groups),
                       "occupancy": {str(g): n for g, n in resident.items()}}
 
 

@@ -33,6 +33,7 @@ KIND_LABELS = {"flashinfer": "FlashInfer", "bucket": "PersistentKV buckets",
                "workqueue": "PersistentKV workqueue", "fused": "PersistentKV fused",
                "device_planning": "Device planning"}
 MB = 2**20   # the paper's Table 4 "MB" (550.5 for bimodal B8 = 550.5 MiB of K+V)
+SHARED_STEP_MIN = 0.1   # SharedPagesRuntime's default min_saved: a step saving less runs unshared
 
 
 @attrs.frozen
@@ -101,6 +102,11 @@ class PlanSummary:
     predicted_ratio: float        # adaptive over FlashInfer, sum(T_fi) / sum(T_adaptive)
     notes: tuple[str, ...]
     layers: int = 1               # attention calls per step, planned once (the router's layers)
+    # the trace's prefix hashes as shared pages (pagetable.build_layout): the mean over steps of
+    # the fraction of page reads that reading each shared page once saves, and the fraction of
+    # steps that would save at least SHARED_STEP_MIN of theirs; None: the trace has no hashes
+    shared_read: float | None = None
+    shared_steps: float | None = None
 
     @property
     def case(self) -> str:
@@ -246,6 +252,7 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
             _progress(stream, i + 1, len(steps))
 
     n = len(steps)
+    shared_read, shared_steps = _sharing(trace, steps, router.page_size)
     base = reg.baseline.name
     t_base = accs[base].us
     rows = [accs[name].row(name, _engine_kind(reg, name), tokens=tokens, baseline_us=t_base)
@@ -269,7 +276,22 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
         calibration=cal.slug, calibration_gpu=cal.gpu, calibration_source=cal.source,
         calibration_fallback=cal.fallback, routes_path=reg.path, routes_sha256=reg.sha256,
         route_mix=mix_rows, engines=tuple(rows),
-        predicted_ratio=t_base / accs[ADAPTIVE].us, notes=notes, layers=layers)
+        predicted_ratio=t_base / accs[ADAPTIVE].us, notes=notes, layers=layers,
+        shared_read=shared_read, shared_steps=shared_steps)
+
+
+def _sharing(trace: Trace, steps, page_size: int) -> tuple[float | None, float | None]:
+    """(mean saved fraction, fraction of steps saving >= SHARED_STEP_MIN) of reading each shared
+    page once, with the trace's prefix hashes as shared pages; (None, None) without hashes or
+    when the hash blocks are not whole pages."""
+    from pkvrt.measure.pagetable import build_layout
+    from pkvrt.policy.blocktables import shared_read_fraction
+
+    if not any(r.prefix for r in trace.requests) or trace.block_tokens % page_size:
+        return None, None
+    table = build_layout(trace, page_size=page_size, seed=0).table
+    saved = np.array([shared_read_fraction(st.seq_lens, table[st.rids], page_size) for st in steps])
+    return float(saved.mean()), float((saved >= SHARED_STEP_MIN).mean())
 
 
 # --------------------------------------------------------------------------- output
@@ -325,6 +347,10 @@ def format_summary(s: PlanSummary) -> str:
         f"calibration  {s.calibration} ({s.calibration_gpu}) from {s.calibration_source}"
         f"{fallback}; launch overhead {s.launch_us:g} µs ({launch})",
     ]
+    if s.shared_read is not None:
+        head.insert(3, f"sharing      prefix hashes as shared pages: reading each shared page once "
+                       f"saves {100 * s.shared_read:.1f}% of a step's page reads (mean); "
+                       f"{100 * s.shared_steps:.0f}% of steps save >= {100 * SHARED_STEP_MIN:.0f}%")
     mix = text_table(("route", "kind", "steps", "share", "splits used (S:row-steps)"),
                      [(m.route, m.kind, m.steps, f"{100 * m.share:.1f}%", _splits_text(m.splits))
                       for m in s.route_mix], align="llrrl")

@@ -325,19 +325,23 @@ def format_time_model(fits: dict) -> str:
                         for g, kinds in sorted(fits.items()) for k, t in kinds.items()])
 
 
+def rounded_kinds(kinds: dict) -> tuple:
+    """{kind: RouteTime} of one G as a calibration's time-model entry: ((kind, RouteTime), ...)
+    in TIME_KINDS order, each constant rounded as the files hold them."""
+    return tuple((k, calib.RouteTime(read_scale=round(rt.read_scale, 4), tail_us=round(rt.tail_us, 4),
+                                     split_us=round(rt.split_us, 4), fixed_us=round(rt.fixed_us, 3),
+                                     depth_us=round(rt.depth_us, 4), merge_us=round(rt.merge_us, 4),
+                                     room_us=round(rt.room_us, 4)))
+                 for k, rt in ((k, kinds[k]) for k in calib.TIME_KINDS if k in kinds))
+
+
 def with_time_model(cal: calib.Calibration, fits: dict, kv_dtype: str = "float16") -> calib.Calibration:
     """``cal`` with :func:`fit_time_model`'s constants, rounded: G 4 at the top level (every kind
     of ``TIME_KINDS`` required), the others in ``time_model.by_group`` (what they have); for an
     FP8 ``kv_dtype``, the time model of its ``by_kv_dtype`` section instead, replaced by the kinds
     fitted (FlashInfer is not timed with FP8 caches: its kind is the file's)."""
-    def rounded(kinds):
-        return tuple((k, calib.RouteTime(read_scale=round(rt.read_scale, 4), tail_us=round(rt.tail_us, 4),
-                                         split_us=round(rt.split_us, 4), fixed_us=round(rt.fixed_us, 3),
-                                         depth_us=round(rt.depth_us, 4), merge_us=round(rt.merge_us, 4),
-                                         room_us=round(rt.room_us, 4)))
-                     for k, rt in ((k, kinds[k]) for k in calib.TIME_KINDS if k in kinds))
-    top = rounded(fits.get(4, {}))
-    by_group = tuple(sorted((g, rounded(f)) for g, f in fits.items() if g != 4 and f))
+    top = rounded_kinds(fits.get(4, {}))
+    by_group = tuple(sorted((g, rounded_kinds(f)) for g, f in fits.items() if g != 4 and f))
     if kv_dtype not in calib.TOP_KV_DTYPES:
         sec = attrs.evolve(kv_dtype_section(cal, kv_dtype), time_model=top, time_model_by_group=by_group)
         return calib.with_kv_dtype_section(cal, kv_dtype, sec)
