@@ -25,6 +25,8 @@
 #   sharing-traces  the sharing trace families (parallel sampling, a shared system prompt) and,
 #              with TRACE_DIR/mooncake_conv.json (docs/traces.md), Mooncake's conversation trace,
 #              in the engine protocol with and without SharedPagesRuntime -> OUT/engine-<trace>.json
+# BUDGET: seconds a models-*, dropin or shared stage may take (default 560: a call of its own);
+# CAL_TIMEOUT the same for a calibrate stage (default 580).
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -67,11 +69,13 @@ for stage in "$@"; do
         models-c) models=gemma-2-9b,gemma-3-12b ;;
         models-d) models=gemma-3-27b ;;
       esac
-      timeout 590 python3 benches/model_shapes.py --models $models --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} \
-          --max-seconds 560 --out $out/model-shapes-${stage#models-}.json 2>&1 | grep -v WARN | tail -30 ;;
-    dropin) timeout 590 python3 benches/dropin.py --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} --max-seconds 560 \
-          --out $out/dropin.json 2>&1 | grep -v WARN | tail -30 ;;
-    shared) timeout 590 python3 benches/shared_pages.py ${SHARED_ARGS:-} --max-seconds 560 --out $out/shared-pages.json 2>&1 \
+      timeout $(( ${BUDGET:-560} + 30 )) python3 benches/model_shapes.py --models $models --steps 2 \
+          ${TRACE_DIR:+--trace-dir $TRACE_DIR} --max-seconds ${BUDGET:-560} \
+          --out $out/model-shapes-${stage#models-}.json 2>&1 | grep -v WARN | tail -30 ;;
+    dropin) timeout $(( ${BUDGET:-560} + 30 )) python3 benches/dropin.py --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} \
+          --max-seconds ${BUDGET:-560} --out $out/dropin.json 2>&1 | grep -v WARN | tail -30 ;;
+    shared) timeout $(( ${BUDGET:-560} + 30 )) python3 benches/shared_pages.py ${SHARED_ARGS:-} --max-seconds ${BUDGET:-560} \
+          --out $out/shared-pages.json 2>&1 \
           | grep -v WARN | tail -30 ;;
     sharing-traces)
       for spec in "parallel --trace parallel" "sysprompt --trace sysprompt" \
