@@ -597,3 +597,25 @@ def fake_gpu(monkeypatch):
     torch.set_num_threads(1)   # many tiny ops: one thread is ~20x faster on a busy 2-core box (conftest.py)
     yield gpu
     torch.set_num_threads(threads)
+
+
+def load_bench(name: str) -> types.ModuleType:
+    """``benches/<name>.py`` imported as a module of its own (``<name>_bench``): the dry runs
+    patch its constants (DEVICE, LAYERS, ...) and call its ``main()``."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benches" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def shrunk(cases, shrink: int):
+    """The model-shape step cases with every length divided by ``shrink`` (at least 1 token)."""
+    import numpy as np
+
+    from pkvrt.measure import model_shapes as shapes
+
+    return [shapes.StepCase(c.name, np.maximum(1, c.seq_lens // shrink).astype(np.int32)) for c in cases]

@@ -20,16 +20,14 @@ refusals beyond the stand-in's, and the full-size steps (32K rows, 262 144 page-
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import shutil
 import time
 import types
 
-import numpy as np
 import pytest
-from dry_bench import RecordedGraph, fake_gpu  # noqa: F401
+from dry_bench import RecordedGraph, fake_gpu, load_bench, shrunk  # noqa: F401
 
 from pkvrt.measure import coverage_results
 from pkvrt.measure import model_shapes as shapes
@@ -41,18 +39,11 @@ LAYERS, SHRINK = 2, 64
 ENGINES = ("pkvrt", "flashinfer-tc", "flashinfer-cuda")
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("dropin_bench", ROOT / "benches" / "dropin.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-bench = load_bench()
+bench = load_bench("dropin")
 
 
-def shrunk(cases):
-    return [shapes.StepCase(c.name, np.maximum(1, c.seq_lens // SHRINK).astype(np.int32)) for c in cases]
 
 
 @pytest.fixture
@@ -60,8 +51,8 @@ def dry(fake_gpu, monkeypatch, tmp_path):  # noqa: F811
     """The bench on the fake GPU, small; a trace folder holding the shipped fixture trace as
     both Azure traces."""
     for name, value in (("DEVICE", "cpu"), ("LAYERS", LAYERS), ("REPLAYS", 1), ("PLAN_CALLS", 2),
-                        ("WORKSPACE", 1024), ("isolated_steps", lambda: shrunk(shapes.isolated_steps())),
-                        ("sample_steps", lambda *a, **k: shrunk(shapes.sample_steps(*a, **k)))):
+                        ("WORKSPACE", 1024), ("isolated_steps", lambda: shrunk(shapes.isolated_steps(), SHRINK)),
+                        ("sample_steps", lambda *a, **k: shrunk(shapes.sample_steps(*a, **k), SHRINK))):
         monkeypatch.setattr(bench, name, value)
     for name in ("azure2023_conv.csv", "azure2023_code.csv"):
         shutil.copy(ROOT / "pkvrt" / "_data" / "traces" / "mixed.csv", tmp_path / name)

@@ -20,16 +20,14 @@ time), FlashInfer's own refusals beyond the stand-in's, and the full-size steps 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import shutil
 import types
 
-import numpy as np
 import pytest
 import torch
-from dry_bench import fake_gpu  # noqa: F401
+from dry_bench import fake_gpu, load_bench, shrunk  # noqa: F401
 
 from pkvrt.measure import coverage_results
 from pkvrt.measure import model_shapes as shapes
@@ -50,18 +48,11 @@ PATHS = ("flashinfer-tc", "flashinfer-cuda", "flashinfer-xqa")
 WRONG = "wrong: rel. error"
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("model_shapes_bench", ROOT / "benches" / "model_shapes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-bench = load_bench()
+bench = load_bench("model_shapes")
 
 
-def shrunk(cases):
-    return [shapes.StepCase(c.name, np.maximum(1, c.seq_lens // SHRINK).astype(np.int32)) for c in cases]
 
 
 @pytest.fixture
@@ -69,8 +60,8 @@ def dry(fake_gpu, monkeypatch, tmp_path):  # noqa: F811
     """The bench on the fake GPU, small; a trace folder holding the shipped fixture trace as
     the Azure conversation trace."""
     for name, value in (("DEVICE", "cpu"), ("LAYERS", LAYERS), ("REPLAYS", 1), ("WORKSPACE", 1024),
-                        ("isolated_steps", lambda: shrunk(shapes.isolated_steps())),
-                        ("sample_steps", lambda *a, **k: shrunk(shapes.sample_steps(*a, **k)))):
+                        ("isolated_steps", lambda: shrunk(shapes.isolated_steps(), SHRINK)),
+                        ("sample_steps", lambda *a, **k: shrunk(shapes.sample_steps(*a, **k), SHRINK))):
         monkeypatch.setattr(bench, name, value)
     shutil.copy(ROOT / "pkvrt" / "_data" / "traces" / "mixed.csv", tmp_path / "azure2023_conv.csv")
     return fake_gpu
@@ -224,19 +215,26 @@ class Clock:
         return self.now
 
 
-def test_the_time_budget_stops_between_probe_paths_and_cases(dry, tmp_path, monkeypatch, capsys):
-    """Each FlashInfer path's first call takes 40 s (a JIT compile): with --max-seconds 100 the
-    first model probes its 3 paths and measures nothing, the second probes none, and the file
-    says so."""
+@pytest.fixture
+def compiling(monkeypatch):
+    """The bench's clock, advanced by 40 s at each FlashInfer path's first call on a kind (its
+    JIT compile on a fresh machine)."""
     clock = Clock()
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     fi_kind = bench.fi_kind
 
-    def compiling(*a, **k):
+    def first_call(*a, **k):
         clock.now += 40
         return fi_kind(*a, **k)
 
-    monkeypatch.setattr(bench, "fi_kind", compiling)
+    monkeypatch.setattr(bench, "fi_kind", first_call)
+    return clock
+
+
+def test_the_time_budget_stops_between_probe_paths_and_cases(dry, compiling, tmp_path, capsys):
+    """Each FlashInfer path's first call takes 40 s (a JIT compile): with --max-seconds 100 the
+    first model probes its 3 paths and measures nothing, the second probes none, and the file
+    says so."""
     doc = run(tmp_path, "--models", "llama-3.1-8b,gemma-3-27b", "--max-seconds", "100")
     rows = doc["rows"]
     assert [r["status"] for r in rows] == ["ok"] * 3   # llama's probe: 3 paths, then no case
@@ -246,16 +244,7 @@ def test_the_time_budget_stops_between_probe_paths_and_cases(dry, tmp_path, monk
     assert "nan over 0" in printed and rendered(tmp_path) == ""
 
 
-def test_a_budget_spent_inside_the_probe_leaves_the_rest_unprobed(dry, tmp_path, monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(monotonic=clock.monotonic))
-    fi_kind = bench.fi_kind
-
-    def compiling(*a, **k):
-        clock.now += 40
-        return fi_kind(*a, **k)
-
-    monkeypatch.setattr(bench, "fi_kind", compiling)
+def test_a_budget_spent_inside_the_probe_leaves_the_rest_unprobed(dry, compiling, tmp_path):
     rows = run(tmp_path, "--models", "gemma-3-27b", "--max-seconds", "100")["rows"]
     status = {(r["engine"], r["kind"]): r["status"] for r in rows}
     assert [status[(p, "local1024")] for p in PATHS] == ["ok"] * 3

@@ -374,11 +374,9 @@ def fp8_rows_of(raw_path) -> list:
     return json.loads(pathlib.Path(raw_path).read_text())["rows"]
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch, fp8_rows):
-    """`pkvrt calibrate --kv-dtype fp8` on a CPU: an H200 that is available, whose timed steps
-    are ``fp8_rows`` and whose e4m3 decode kernel runs 3 CTAs per SM. Yields the calls of
-    time_steps (kv_dtype, the planning base)."""
+def _an_h200(monkeypatch, *, flashinfer: str, resident: int) -> None:
+    """pkvrt calibrate's view of the machine, on a CPU: an available H200 (132 SMs, 50 MiB of
+    L2), FlashInfer as ``flashinfer`` says, and the decode kernel at ``resident`` CTAs per SM."""
     import torch
 
     from pkvrt.launch import _driver
@@ -389,8 +387,16 @@ def fake_gpu(monkeypatch, fp8_rows):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
         name="NVIDIA H200", multi_processor_count=132, L2_cache_size=50 * 2**20))
     monkeypatch.setattr(_driver, "available", lambda: None)
-    monkeypatch.setattr(results, "environment", lambda: {"gpu": "NVIDIA H200", "flashinfer": "unavailable: test"})
-    monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv, head_dim=128: 3)
+    monkeypatch.setattr(results, "environment", lambda: {"gpu": "NVIDIA H200", "flashinfer": flashinfer})
+    monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv, head_dim=128: resident)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, fp8_rows):
+    """`pkvrt calibrate --kv-dtype fp8` on a CPU: an H200 that is available, whose timed steps
+    are ``fp8_rows`` and whose e4m3 decode kernel runs 3 CTAs per SM. Yields the calls of
+    time_steps (kv_dtype, the planning base)."""
+    _an_h200(monkeypatch, flashinfer="unavailable: test", resident=3)
     calls = []
 
     def time_steps(args, reg, base, *, kv_dtype, repeats, t_start, max_waves, head_dim=128, flashinfer=None):
@@ -497,18 +503,7 @@ GROUP_TRUTH = {g: {"fused": RouteTime(0.9, 1.3, 0.08, 2.9), "workqueue": RouteTi
 def fake_gpu_groups(monkeypatch):
     """`pkvrt calibrate --add-groups` on a CPU: an available H200 whose timed steps at each G are
     the measured model's with GROUP_TRUTH. Yields the calls of time_steps (groups, buckets)."""
-    import torch
-
-    from pkvrt.launch import _driver
-    from pkvrt.measure import results
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
-        name="NVIDIA H200", multi_processor_count=132, L2_cache_size=50 * 2**20))
-    monkeypatch.setattr(_driver, "available", lambda: None)
-    monkeypatch.setattr(results, "environment", lambda: {"gpu": "NVIDIA H200", "flashinfer": "0.7.2"})
-    monkeypatch.setattr(calibrate, "decode_occupancy", lambda family, g, kv, head_dim=128: 2)
+    _an_h200(monkeypatch, flashinfer="0.7.2", resident=2)
     rows = [r for r in synthetic_rows({4: TRUTH[4], **GROUP_TRUTH}) if r.get("group") in GROUP_TRUTH]
     calls = []
 
