@@ -16,20 +16,18 @@ What this cannot see: what tests/dry_bench.py lists (the kernels' numerics, ever
 on the CPU; real graph capture beyond its recording; placement, memory, and the timings and
 ratios themselves), FlashInfer's own refusals beyond the stand-in's, whether the real cascade
 wrapper builds (the stand-in's fails as the slimmed wheel's did on the H200) and how its levels
-perform, the full-size steps (32K-token prefixes, 32 layers, the 24 GiB cache budget), and the
-timed graph's output: the script checks the eager pass before the capture, not the replays.
+perform, and the full-size steps (32K-token prefixes, 32 layers, the 24 GiB cache budget).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import types
 
 import pytest
 import torch
-from dry_bench import CASCADE_BUILD_ERROR, fake_gpu  # noqa: F401
+from dry_bench import CASCADE_BUILD_ERROR, fake_gpu, load_bench  # noqa: F401
 
 from pkvrt.measure import coverage_results
 from pkvrt.runtime import core
@@ -42,14 +40,9 @@ FI = ("flashinfer-tc", "flashinfer-cuda")
 UNAVAILABLE = "unavailable: RuntimeError: Ninja build failed. Ninja output:"
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("shared_pages_bench", ROOT / "benches" / "shared_pages.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-bench = load_bench()
+bench = load_bench("shared_pages")
 
 
 def shrunk(cases: dict) -> dict:
