@@ -111,22 +111,35 @@ def group_shape(group: int, head_dim: int = SHAPE["head_dim"]) -> dict:
     return {**SHAPE, "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head_dim}
 
 
+def _group_list(text: str, flag: str) -> tuple[int, ...]:
+    """``text`` as distinct group sizes each with a calibration shape (ValueError naming ``flag``)."""
+    try:
+        groups = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        example = "4,1,8" if flag == "--groups" else "3,5,16"
+        raise ValueError(f"{flag}: expected comma-separated positive integers, e.g. {example}; "
+                         f"got {text!r}") from None
+    if not groups or len(set(groups)) != len(groups):
+        raise ValueError(f"{flag}: expected distinct group sizes, got {text!r}")
+    for g in groups:
+        try:
+            group_shape(g)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--groups", flag)) from None
+    return groups
+
+
 def parse_groups(text: str) -> tuple[int, ...]:
     """``--groups`` as a tuple of distinct group sizes, e.g. "4,1,8" -> (4, 1, 8). It must hold 4
     (the seed shape): that fit becomes the file's top-level partition keys, the others
     ``splits.by_group``."""
-    try:
-        groups = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--groups: expected comma-separated positive integers, e.g. 4,1,8; got {text!r}") from None
-    if not groups or len(set(groups)) != len(groups):
-        raise ValueError(f"--groups: expected distinct group sizes, got {text!r}")
+    groups = _group_list(text, "--groups")
     if 4 not in groups:
         raise ValueError(f"--groups: must include 4 (the seed shape, whose fit gives the file's "
                          f"top-level partition keys), got {text!r}")
-    for g in groups:
-        group_shape(g)
     return groups
+
+
 B1_CONTEXTS = (8192, 32768, 65536)
 FI_CONTEXT = 32768
 FI_ACTIVE = (1, 2, 4, 8, 16)
@@ -600,21 +613,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_added_groups(text: str) -> tuple[int, ...]:
     """``--add-groups`` as distinct group sizes other than 4 (ValueError naming the option): 4's
     constants are the file's top level, which only a whole fp16 run measures."""
-    try:
-        groups = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--add-groups: expected comma-separated positive integers, e.g. 3,5,7; "
-                         f"got {text!r}") from None
-    if not groups or len(set(groups)) != len(groups):
-        raise ValueError(f"--add-groups: expected distinct group sizes, got {text!r}")
+    groups = _group_list(text, "--add-groups")
     if 4 in groups:
         raise ValueError(f"--add-groups: not 4 (the file's top-level constants: a whole fp16 run "
                          f"measures them), got {text!r}")
-    for g in groups:
-        try:
-            group_shape(g)
-        except ValueError as e:
-            raise ValueError(str(e).replace("--groups", "--add-groups")) from None
     return groups
 
 
@@ -1141,6 +1143,15 @@ def measure_kv_dtype(args, base: calib.Calibration, kv_dtype: str) -> tuple[cali
                       "occupancy": {str(g): n for g, n in resident.items()}}
 
 
+def timing_base(base: calib.Calibration, props) -> calib.Calibration:
+    """What a section's run plans its timed cuts with: this GPU's file (SMs, beta) on this
+    device's L2, with partition constants that leave every cut allowed and no sections or time
+    model to lay over them."""
+    return attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
+                        splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), by_head_dim=(),
+                        time_model=(), time_model_by_group=())
+
+
 def measure_head_dim(args, base: calib.Calibration, head_dim: int) -> tuple[calib.Calibration, list[dict], dict]:
     """The ``by_head_dim`` section of ``head_dim``: the calibration steps timed at that head dim
     (fp16 caches, the workqueue and fused routes at every cut, the bucket route's split
@@ -1157,9 +1168,7 @@ def measure_head_dim(args, base: calib.Calibration, head_dim: int) -> tuple[cali
     reg = load_routes(args.routes)
     dp_route = reg.device_planning_route()
     props = torch.cuda.get_device_properties(0)
-    timing = attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
-                          splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), by_head_dim=(),
-                          time_model=(), time_model_by_group=())
+    timing = timing_base(base, props)
     max_waves = args.max_waves or base.splits.max_waves
     fit_recs, raw, partition_cases = time_steps(args, reg, timing, kv_dtype="float16", repeats=repeats,
                                                 t_start=t_start, max_waves=max_waves, head_dim=head_dim,
@@ -1205,9 +1214,7 @@ def measure_added_groups(args, base: calib.Calibration, groups: tuple[int, ...]
     repeats = 10 if args.quick else 30
     reg = load_routes(args.routes)
     props = torch.cuda.get_device_properties(0)
-    timing = attrs.evolve(base, l2_bytes=getattr(props, "L2_cache_size", 0) or base.l2_bytes,
-                          splits=calib.SplitPoints(1.0, 1.0, TILE_TOKENS), by_kv_dtype=(), by_head_dim=(),
-                          time_model=(), time_model_by_group=())
+    timing = timing_base(base, props)
     max_waves = base.splits.max_waves
     timed_args = argparse.Namespace(**{**vars(args), "groups": tuple(groups)})
     _, raw, partition_cases = time_steps(timed_args, reg, timing, kv_dtype="float16", repeats=repeats,
