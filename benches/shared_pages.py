@@ -24,16 +24,24 @@ Every engine's layer-0 output is checked against the FP32 reference first. Floor
 K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
 once (``floor_once_us``).
 
+``pkvrt-shared`` shares a step's pages where the calibration's time model predicts the shared
+path faster (``shared`` and ``predicted`` in its row); ``pkvrt-shared-always`` shares every step
+with shared pages (``RuntimeOptions(shared_when_predicted_faster=False)``), the ablation of
+that rule. ``--fit-l2 RESULTS...`` (no GPU) fits the calibration's ``sharing.l2_reread_cost``
+to the ``pkvrt-device-plan`` rows of results files and writes it into ``--calibration``'s file
+(or ``--write``'s).
+
 A ``pkvrt-shared`` row of a step with sharing also carries ``chunk_us`` and ``own_us``: its
 chunk decode's and its own decode's 32 layers timed alone (``parts_us``), so that the rest of
 its time is the gathers, the merges and the launch boundaries.
-``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared`` with chunks of N rows
+``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared-always`` with chunks of N rows
 (``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
 run whatever ``--engines`` names (they were asked for by ``--chunk-rows``). ``--engines``: only
 the engines of these labels (a label that names no engine is an error, not an engine skipped).
 
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
        [--chunk-rows N,...] [--engines LABEL,...]
+       python benches/shared_pages.py --fit-l2 RESULTS... [--calibration FILE] [--write FILE]
 Writes benches/results/h200/shared-pages.json and prints a table.
 """
 
@@ -63,8 +71,8 @@ WORKSPACE = 256 * 2**20    # bytes of each FlashInfer workspace
 DEVICE = "cuda"            # where every tensor lives (tests/test_shared_pages_dry_cpu.py: "cpu")
 SEED = 20260623
 # every engine's label, in the order a case runs them (and pkvrt-shared-c<N> of --chunk-rows)
-ENGINES = ("pkvrt-shared", "pkvrt-shared-device", "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda",
-           "flashinfer-cascade")
+ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-device", "pkvrt-device-plan",
+           "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {
     "8x(8K+512)": ([(8, 8192)], 512),
@@ -216,11 +224,12 @@ def pkvrt_plain(st: Step) -> dict:
     return timed(st, None, body)
 
 
-def pkvrt_shared(st: Step, chunk_rows: int | None = None) -> dict:
+def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False) -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
                                   engine_capture=True,
-                                  options=pkvrt.RuntimeOptions(shared_chunk_rows=chunk_rows))
+                                  options=pkvrt.RuntimeOptions(shared_chunk_rows=chunk_rows,
+                                                               shared_when_predicted_faster=not always))
     t0 = time.perf_counter()
     rt.plan(st.seq, st.bt)
     plan_us = (time.perf_counter() - t0) * 1e6
@@ -229,7 +238,8 @@ def pkvrt_shared(st: Step, chunk_rows: int | None = None) -> dict:
         for l in range(LAYERS):
             rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
     row = timed(st, None, body)
-    row.update(plan_host_us_first=plan_us, explain=rt.explain())
+    row.update(plan_host_us_first=plan_us, explain=rt.explain(), shared=rt.plan_used is not None,
+               predicted=rt.sharing_prediction)
     if row["status"] == "ok" and rt.plan_used is not None:
         row.update(parts_us(rt, st))
     return row
@@ -276,6 +286,66 @@ def pkvrt_shared_device(st: Step) -> dict:
     return row
 
 
+def case_pages(name: str) -> tuple[np.ndarray, int]:
+    """A case's lengths and how many of its plain step's page reads are re-reads (its rows read
+    each group's prefix pages; the rest are their own)."""
+    groups, own = CASES[name]
+    seq = np.array([shared + own for rows, shared in groups for _ in range(rows)], np.int64)
+    each = int((-(-seq // PAGE)).sum())
+    distinct = sum(shared // PAGE + rows * (-(-(shared + own) // PAGE) - shared // PAGE)
+                   for rows, shared in groups)
+    return seq, each - distinct
+
+
+def fit_l2(files, base: str, write: str, argv) -> int:
+    """``--fit-l2``: each case with shared pages measured on ``pkvrt-device-plan`` (plain device
+    planning: every row reads its pages) against the time model's prediction of that step,
+    per layer; fit ``sharing.l2_reread_cost`` (``pkvrt.policy.sharing.fit_l2_reread_cost``) and
+    write it into the calibration file."""
+    import datetime
+    import json
+
+    import attrs
+
+    from pkvrt.policy import sharing
+    from pkvrt.policy.calibration import SharingCost, load_calibration, save_calibration
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.policy.router import Router
+
+    cal, reg = load_calibration(base), load_routes()
+    router = Router(reg, cal, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D, page_size=PAGE)
+    page_bytes = 2 * H_KV * PAGE * D * 2
+    steps, lines = [], []
+    for f in files:
+        for row in json.loads(Path(f).read_text())["rows"]:
+            if row.get("engine") != "pkvrt-device-plan" or row.get("status") != "ok" \
+                    or row["case"] not in CASES:
+                continue
+            seq, rereads = case_pages(row["case"])
+            if not rereads:
+                continue
+            measured = row["median_us"] / LAYERS
+            model = router.predict(reg.device_planning_route(len(seq)), seq)
+            x = rereads * page_bytes / (cal.beta_gbps * 1e3)
+            steps.append((measured, model, x))
+            lines.append(f"{row['case']:<26} measured {measured:7.1f}  model {model:7.1f}  "
+                         f"re-reads {x:7.1f} us  ({Path(f).name})")
+    cost = sharing.fit_l2_reread_cost(steps)
+    print("\n".join(lines))
+    err = max(abs(p - (1 - cost) * x - m) / m for m, p, x in steps)
+    print(f"l2_reread_cost {cost:.3f} over {len(steps)} steps; worst error {100 * err:.1f} %")
+    src = (f"Fitted by benches/shared_pages.py --fit-l2 ({', '.join(Path(f).name for f in files)}): "
+           f"{len(steps)} steps with shared pages on pkvrt-device-plan (32 layers, one graph), the "
+           f"time model's prediction of each against its measured time per layer; worst error of "
+           f"the fitted plain-step model {100 * err:.1f} %.")
+    sec = SharingCost(l2_reread_cost=round(cost, 4), date=datetime.date.today().isoformat(),
+                      command="python benches/shared_pages.py " + " ".join(argv or sys.argv[1:]),
+                      provenance=src)
+    save_calibration(attrs.evolve(cal, sharing=sec), write)
+    print(f"wrote {write}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES))
@@ -288,7 +358,16 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", default=None,
                     help=f"run only these engines (comma-separated labels of {', '.join(ENGINES)}; "
                          "default: all; --chunk-rows's run in any case)")
+    ap.add_argument("--fit-l2", nargs="+", metavar="RESULTS", default=None,
+                    help="no GPU: fit the calibration's sharing.l2_reread_cost to the "
+                         "pkvrt-device-plan rows of these results files (steps with shared pages) "
+                         "and write it into --calibration's file at --write")
+    ap.add_argument("--calibration", default="calibration/nvidia-h200.json")
+    ap.add_argument("--write", default=None, help="--fit-l2: the calibration file to write "
+                                                  "(default: --calibration's)")
     args = ap.parse_args(argv)
+    if args.fit_l2:
+        return fit_l2(args.fit_l2, args.calibration, args.write or args.calibration, argv)
     chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
     only = None if args.engines is None else [e for e in args.engines.split(",") if e]
     if only is not None and any(e not in ENGINES for e in only):
@@ -317,14 +396,15 @@ def main(argv=None) -> int:
         groups, own = CASES[name]
         st = Step(groups, own, gen)
         rec = {}
-        engines = {"pkvrt-shared": pkvrt_shared, "pkvrt-shared-device": pkvrt_shared_device,
-                   "pkvrt-device-plan": pkvrt_plain}
+        engines = {"pkvrt-shared": pkvrt_shared,
+                   "pkvrt-shared-always": functools.partial(pkvrt_shared, always=True),
+                   "pkvrt-shared-device": pkvrt_shared_device, "pkvrt-device-plan": pkvrt_plain}
         if fi is not None:
             engines.update({"flashinfer-tc": functools.partial(fi_plain, fi, tensor_cores=True),
                             "flashinfer-cuda": functools.partial(fi_plain, fi, tensor_cores=False)})
             if any(shared for _, shared in groups):   # a cascade needs a shared level
                 engines["flashinfer-cascade"] = functools.partial(fi_cascade, fi)
-        engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c)
+        engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c, always=True)
                         for c in chunk_rows})
         if only is not None:
             engines = {k: v for k, v in engines.items() if k in only or k.startswith("pkvrt-shared-c")}
@@ -348,6 +428,7 @@ def main(argv=None) -> int:
         per = lambda k: base[0] / ok[k] if base and k in ok else None  # noqa: E731
         rows.append({"case": name, "engine": "ratio", "baseline": base and base[1], "ratio": ratio,
                      "ratio_plain": per("pkvrt-device-plan"), "ratio_device": per("pkvrt-shared-device"),
+                     "ratio_always": per("pkvrt-shared-always"),
                      **{f"ratio_c{c}": per(f"pkvrt-shared-c{c}") for c in chunk_rows},
                      # the device-lengths shared path over plain device planning (no sharing: its cost)
                      "device_over_plain": (ok["pkvrt-shared-device"] / ok["pkvrt-device-plan"])

@@ -12,6 +12,7 @@ import pytest
 from pkvrt.measure import harness
 from pkvrt.measure.traces import Request, Trace
 from pkvrt.policy.registry import load_routes
+from pkvrt.runtime.shared import SharedPagesRuntime
 from pkvrt.tools import bench
 from pkvrt.tools.plan_cmd import seed_calibration
 from test_bench_fp8_cpu import FakeFlashInfer, VirtualClock
@@ -39,7 +40,10 @@ def test_engine_name_and_label():
 
 
 @pytest.mark.slow
-def test_shared_step_engine_serves_a_prefix_sharing_trace(fake_device):  # noqa: F811
+def test_shared_step_engine_serves_a_prefix_sharing_trace(fake_device, monkeypatch):  # noqa: F811
+    # the trace's short rows are predicted faster plain (tests/test_sharing_rule_cpu.py): shared
+    # here regardless, so that the engine's shared path runs through the harness
+    monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, bt, sp: True)
     config = harness.ServingConfig(trace="shared", max_active=4, seeds=(11,), steps_limit=3,
                                    check_steps=3, probe_steps=1, layers=2,
                                    engines=("flashinfer", "host-step", "shared-step",

@@ -85,6 +85,16 @@ def host_times(draw) -> dict:
 
 
 @st.composite
+def sharing_costs(draw) -> dict:
+    """Calibration keywords: no sharing section (files before 2026-12-05) or one."""
+    if not draw(st.booleans()):
+        return {}
+    return dict(sharing=C.SharingCost(l2_reread_cost=draw(st.floats(0.01, 1.0)),
+                                      date=draw(st.dates()).isoformat(), command=draw(names),
+                                      provenance=draw(names)))
+
+
+@st.composite
 def one_section(draw) -> "C.KvDtypeSection":
     """A by_kv_dtype / by_head_dim section: some split keys and/or route kinds, each maybe with
     by_group entries."""
@@ -134,7 +144,8 @@ def calibrations(draw) -> Calibration:
         flashinfer_ctas_per_sm=tuple(sorted(table.items())),
         versions=tuple((k, draw(st.none() | names)) for k in ("torch", "cuda", "flashinfer", "driver")),
         date=draw(st.dates()).isoformat(), seed=draw(st.integers(0, 2**40)), command=draw(names),
-        provenance=draw(names), **draw(time_models()), **draw(sections()), **draw(host_times()))
+        provenance=draw(names), **draw(time_models()), **draw(sections()), **draw(host_times()),
+        **draw(sharing_costs()))
 
 
 @settings(max_examples=60, deadline=None)

@@ -88,7 +88,7 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
     assert meta["protocol"].startswith("Protocol") and meta["replays"] == 1
     names = list(bench.CASES)
     assert list(dict.fromkeys(r["case"] for r in rows)) == names
-    engines = ("pkvrt-shared", "pkvrt-shared-device", "pkvrt-device-plan", *FI)
+    engines = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-device", "pkvrt-device-plan", *FI)
     for name in names:
         mine = [r for r in rows if r["case"] == name]
         want = [*engines, "flashinfer-cascade"] if name in SHARING else list(engines)
@@ -103,12 +103,19 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
         assert ratio["baseline"] in FI and ratio["ratio"] > 0 and ratio["ratio_plain"] > 0
         assert ratio["ratio_c2"] > 0
         assert ratio["ratio_device"] > 0 and ratio["device_over_plain"] > 0
-        shared = (by["pkvrt-shared"], by["pkvrt-shared-c2"])
+        shared = (by["pkvrt-shared-always"], by["pkvrt-shared-c2"])
+        rule = by["pkvrt-shared"]   # shares where the time model predicts a gain
+        if name in SHARING:
+            p = rule["predicted"]
+            assert rule["shared"] == (p["shared_us"] < p["plain_us"]), rule
+            assert ("shared chunk(s)" in rule["explain"]) == rule["shared"], rule
+        else:
+            assert rule["shared"] is False and rule["predicted"] is None
         if name in SHARING:   # the shared path ran, in chunks of 2 rows for -c2
             assert by["pkvrt-shared-device"]["tokens_saved"] > 0
             assert all("shared chunk(s)" in r["explain"] for r in shared)
             assert "of up to 2 rows" in by["pkvrt-shared-c2"]["explain"]
-            assert "of up to 2 rows" not in by["pkvrt-shared"]["explain"]
+            assert "of up to 2 rows" not in by["pkvrt-shared-always"]["explain"]
             for r in shared:   # where its time goes: the two decodes alone
                 assert r["chunk_us"] > 0 and r["own_us"] > 0 and "parts_error" not in r, r
         else:

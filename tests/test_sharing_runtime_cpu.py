@@ -37,7 +37,8 @@ def shared_step(b, lens, prefix_pages, groups):
 
 def runtime(**kw):
     args = dict(routes=ROUTES, calibration=SEED, max_batch=8, max_pages_per_row=256,
-                options=RuntimeOptions(flashinfer=False), min_saved=0.0)
+                options=RuntimeOptions(flashinfer=False, shared_when_predicted_faster=False),
+                min_saved=0.0)
     args.update(kw)
     return SharedPagesRuntime(*FAKE_SHAPE.values(), torch.float16, **args)
 
@@ -220,7 +221,8 @@ def test_fewer_chunk_rows_are_exact(fake_device, pool, device_planning):  # noqa
     cache = (b.k_cache, b.v_cache)
     seq, bt = shared_step(b, [800, 850, 900, 700, 880], 30, [[0, 1, 2, 3, 4]])
     rt = runtime(device_planning=device_planning,
-                 options=RuntimeOptions(flashinfer=False, shared_chunk_rows=2))
+                 options=RuntimeOptions(flashinfer=False, shared_chunk_rows=2,
+                                         shared_when_predicted_faster=False))
     assert rt.chunk == 2 and rt.shared.num_qo_heads == FAKE_SHAPE["num_kv_heads"] * 2 * G
     if device_planning:
         rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))

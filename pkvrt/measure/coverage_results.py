@@ -140,6 +140,12 @@ def _parts(row: dict) -> str:
     return f"{row['chunk_us']:.0f} + {row['own_us']:.0f}"
 
 
+def _shared_row(by: dict) -> dict:
+    """The step's row of the shared path that shared (by the rule, else always), for its parts."""
+    return next((by[e] for e in ("pkvrt-shared", "pkvrt-shared-always")
+                 if by.get(e, {}).get("chunk_us") is not None), {})
+
+
 def shared_pages_table(files) -> str:
     """Per step (rows x (shared + own tokens)): the floor with each row reading its pages and
     with each page read once, every engine's µs, the fastest FlashInfer path, and the ratios of
@@ -161,7 +167,7 @@ def shared_pages_table(files) -> str:
                         for e in engines),
                       ratio.get("baseline") or "-", _f(ratio.get("ratio"), 3),
                       _f(ratio.get("ratio_device"), 3), _f(ratio.get("ratio_plain"), 3),
-                      _f(ratio.get("device_over_plain"), 3), _parts(by.get("pkvrt-shared", {}))))
+                      _f(ratio.get("device_over_plain"), 3), _parts(_shared_row(by))))
     header = ["step", "floor µs", "floor, pages once µs", *(f"{e} µs" for e in engines), "baseline",
               "shared / baseline", "shared-device / baseline", "plain / baseline",
               "shared-device time / plain time", "shared: chunk + own decodes alone µs"]

@@ -41,6 +41,12 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        (plan() and the first run()'s extra), run_us each run() (a layer). The
                        router weighs it when routes.toml's ``[host_time]`` is enabled
                        (costmodel.py, "Host time"); the host of the machine, not the GPU, sets it
+    sharing           optional: {"l2_reread_cost": number in (0, 1], "date", "command",
+                       "source"}: the time of a page's re-read by another row of the same step
+                       (shared pages: they meet in L2) in units of its first read, fitted by
+                       ``pkvrt calibrate --sharing-from`` from measured steps with shared pages;
+                       SharedPagesRuntime predicts a plain step with it (absent: 1.0, no help
+                       from L2)
     by_kv_dtype       optional: {"float8_e4m3fn": section}: constants measured with K/V caches of
                        that dtype (``pkvrt calibrate --kv-dtype fp8``), laid over the rest of the
                        file (measured with fp16 caches) for a Runtime or Router of that KV dtype
@@ -84,7 +90,7 @@ _TOP_KEYS = (
     "schema", "gpu", "slug", "sm_count", "l2_bytes", "beta_gbps", "lambda_us", "lambda_graph_us",
     "c_min", "splits", "flashinfer", "versions", "date", "seed", "command", "source",
 )
-_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype", "by_head_dim", "host_time")
+_OPTIONAL_TOP_KEYS = ("time_model", "by_kv_dtype", "by_head_dim", "host_time", "sharing")
 _SPLIT_KEYS = ("bucket_ctas_per_sm", "workqueue_ctas_per_sm", "min_split_tokens", "cta_overhead_tiles",
                "co_resident_slowdown", "max_waves", "merge_free_slots", "wave_room_slots",
                "wave_room_tiles", "wave_room_chunk_tiles", "by_group")
@@ -108,6 +114,7 @@ _TIME_KEYS = ("read_scale", "tail_us", "split_us", "fixed_us")
 _TIME_OPTIONAL_KEYS = ("depth_us", "merge_us", "room_us")
 # host_time.<kind>: every route kind, each with both keys
 _HOST_KEYS = ("plan_us", "run_us")
+_SHARING_KEYS = ("l2_reread_cost", "date", "command", "source")
 # KV dtypes (routes.toml names): the top level's, measured with fp16 caches (bf16 moves the same
 # bytes through the same kernels), and those a by_kv_dtype section may be measured for
 TOP_KV_DTYPES = ("float16", "bfloat16")
@@ -249,6 +256,25 @@ class HostTime:
 
 
 @attrs.frozen
+class SharingCost:
+    """A file's ``sharing`` section: what a page costs a plain step when several of its rows
+    read it (prefix caching, parallel sampling), its own provenance (fitted from measured
+    steps with shared pages: ``pkvrt calibrate --sharing-from``).
+
+    l2_reread_cost : the time of a re-read of a page that another row of the step read, in
+        units of its first read from memory (they meet in L2): 1.0 would be no help from L2."""
+
+    l2_reread_cost: float
+    date: str
+    command: str
+    provenance: str
+
+    def to_dict(self) -> dict:
+        return {"l2_reread_cost": self.l2_reread_cost, "date": self.date, "command": self.command,
+                "source": self.provenance}
+
+
+@attrs.frozen
 class KvDtypeSection:
     """Constants measured with K/V caches of one dtype (a file's ``by_kv_dtype.<name>``), which
     :meth:`Calibration.for_kv_dtype` lays over the file's own (measured with fp16 caches).
@@ -358,6 +384,7 @@ class Calibration:
     head_dim: int | None = None
     head_dim_fallback: bool = False
     host_time: HostTime | None = None   # the file's host_time section (None: not measured)
+    sharing: SharingCost | None = None  # the file's sharing section (None: not measured)
 
     def version(self, name: str) -> str | None:
         """The recorded version of ``name`` ("torch", "cuda", "flashinfer", "driver")."""
@@ -707,6 +734,21 @@ def _host_time(v, path) -> HostTime:
                     provenance=_str(v, "source", path, "host_time."))
 
 
+def _sharing(v, path) -> SharingCost:
+    """``sharing`` -> SharingCost: ``l2_reread_cost`` (a number in (0, 1]), date, command,
+    source."""
+    if not isinstance(v, dict):
+        raise _fail(path, "sharing", f"a JSON object of {list(_SHARING_KEYS)}", v)
+    _take(v, _SHARING_KEYS, path, "sharing.")
+    cost = _float(v, "l2_reread_cost", path, "sharing.")
+    if cost > 1.0:
+        raise _fail(path, "sharing.l2_reread_cost", "a number in (0, 1] (a re-read costs at most "
+                    "a first read)", cost)
+    return SharingCost(l2_reread_cost=cost, date=_date(v, path, "sharing."),
+                       command=_str(v, "command", path, "sharing."),
+                       provenance=_str(v, "source", path, "sharing."))
+
+
 def _date(obj, path, where="") -> str:
     date = _str(obj, "date", path, where)
     try:
@@ -801,6 +843,7 @@ def calibration_from_dict(doc: Mapping, source: str = "<memory>") -> Calibration
         by_kv_dtype=_by_kv_dtype(doc["by_kv_dtype"], path) if "by_kv_dtype" in doc else (),
         by_head_dim=_by_head_dim(doc["by_head_dim"], path) if "by_head_dim" in doc else (),
         host_time=_host_time(doc["host_time"], path) if "host_time" in doc else None,
+        sharing=_sharing(doc["sharing"], path) if "sharing" in doc else None,
     )
 
 
@@ -833,7 +876,8 @@ def calibration_to_dict(cal: Calibration) -> dict:
     } | ({"time_model": _time_model_dict(cal)} if cal.time_model else {}) | (
         {"by_kv_dtype": {n: sec.to_dict() for n, sec in cal.by_kv_dtype}} if cal.by_kv_dtype else {}) | (
         {"by_head_dim": {str(d): sec.to_dict() for d, sec in cal.by_head_dim}} if cal.by_head_dim else {}) | (
-        {"host_time": cal.host_time.to_dict()} if cal.host_time is not None else {})
+        {"host_time": cal.host_time.to_dict()} if cal.host_time is not None else {}) | (
+        {"sharing": cal.sharing.to_dict()} if cal.sharing is not None else {})
 
 
 def with_kv_dtype_section(cal: Calibration, name: str, section: KvDtypeSection) -> Calibration:

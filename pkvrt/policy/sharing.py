@@ -166,6 +166,37 @@ def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | No
     return np.unique(ids).size < ids.size
 
 
+def page_rereads(seq_lens, block_tables, page_size: int) -> int:
+    """How many of the step's page reads are re-reads: the used block-table entries minus the
+    distinct pages they name (what a plain step reads again of pages another row read)."""
+    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "page_rereads")
+    ids = used_ids(bt, pages)
+    return int(ids.size - np.unique(ids).size)
+
+
+def plain_step_us(predicted_us: float, rereads: int, page_bytes: int, beta_gbps: float,
+                  l2_reread_cost: float) -> float:
+    """A plain step's µs when ``rereads`` of its page reads meet their page in L2: the time
+    model's prediction (every page read from memory) less the share of those reads L2 saves,
+    ``(1 - l2_reread_cost) * rereads * page_bytes / beta`` (at most the whole prediction)."""
+    saved = (1.0 - l2_reread_cost) * rereads * page_bytes / (beta_gbps * 1e3)
+    return max(predicted_us - saved, 0.0)
+
+
+def fit_l2_reread_cost(steps) -> float:
+    """``l2_reread_cost`` fitted to measured plain steps with shared pages: ``steps`` of
+    (measured µs, the time model's µs, the re-reads' µs at ``beta``) per layer; the least-squares
+    ``1 - cost`` of ``measured = model - (1 - cost) * reread_us``, kept in [0, 0.95] (a re-read
+    costs between 5 % of a first read and all of it). ValueError without a step of re-reads."""
+    steps = [(float(m), float(p), float(x)) for m, p, x in steps]
+    den = sum(x * x for _, _, x in steps)
+    if not steps or den <= 0:
+        raise ValueError("fit_l2_reread_cost: no measured step re-reads a page (expected steps "
+                         "with shared pages)")
+    saved = sum((p - m) * x for m, p, x in steps) / den
+    return 1.0 - min(max(saved, 0.0), 0.95)
+
+
 @attrs.frozen
 class PrefixChunks:
     """One step's shared prefixes as the GPU finds them (kernels/find_shared.cu): fixed shapes

@@ -161,7 +161,7 @@ class Runtime(StaticBuffers, Planning, Running):
         self.options = options
         (use_cuda_graph, max_graphs, validate, flashinfer, flashinfer_tensor_cores,
          flashinfer_cuda_graph, flashinfer_direct_run, decision_memo, capture_routing,
-         layers_per_plan) = (getattr(options, f) for f in OPTION_FIELDS if f != "shared_chunk_rows")
+         layers_per_plan) = (getattr(options, f) for f in OPTION_FIELDS if not f.startswith("shared_"))
         # device_planning None: the first plan() decides, from where its lengths are (_decide_mode)
         self._mode_open = device_planning is None
         self._plan_launch_forced = None

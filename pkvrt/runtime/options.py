@@ -66,6 +66,10 @@ class RuntimeOptions:
     shared_chunk_rows : :class:`pkvrt.SharedPagesRuntime` only (a Runtime ignores it): rows per
         shared chunk decode, at most the most the kernels serve (None: that, 16 // G rows; 1:
         nothing shared). The ablation of how many rows read a shared run in one pass.
+    shared_when_predicted_faster : :class:`pkvrt.SharedPagesRuntime` only (host lengths): share
+        a step's pages only where the calibration's time model predicts the shared path faster
+        than the plain step (default True); False shares every step that saves ``min_saved`` of
+        its page reads (the ablation of the rule; the tests of the shared path's arithmetic).
     """
 
     use_cuda_graph: bool = attrs.field(default=True, validator=_bool)
@@ -79,6 +83,7 @@ class RuntimeOptions:
     capture_routing: str = attrs.field(default="device_planning", validator=_routing)
     layers_per_plan: int | None = attrs.field(default=None, validator=_layers)
     shared_chunk_rows: int | None = attrs.field(default=None, validator=_layers)
+    shared_when_predicted_faster: bool = attrs.field(default=True, validator=_bool)
 
 
 FIELDS = tuple(a.name for a in attrs.fields(RuntimeOptions))

@@ -13,13 +13,14 @@ scalars and the planning graph.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pkvrt import _buildspec
 from pkvrt.launch import ops
 from pkvrt.policy import fallback
 from pkvrt.policy.blocktables import write_csr
-from pkvrt.policy.planner import device_plan_targets
+from pkvrt.policy.planner import check_seq_lens, device_plan_targets
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.policy.router import RouteDecision
 from pkvrt.runtime import graphs
@@ -153,6 +154,26 @@ class Planning:
         self.last_decision = d
         self._counts["plans"] += 1
         return d
+
+    def predict_step_us(self, seq_lens) -> float:
+        """The device µs this Runtime's policy predicts for a step of ``seq_lens`` (host lengths)
+        on the route plan() would take, with nothing planned or staged: the router's decision
+        (FlashInfer unavailable: its fallback; ``engine_capture`` with the device-planning
+        policy: routes.toml's ``[device_planning]`` route), timed by the calibration's model."""
+        seq = check_seq_lens(seq_lens)
+        lens = seq.tolist()
+        if self._captured_policy:
+            route = self.registry.device_planning_route(len(lens))
+        else:
+            d = fallback.decide(self.router, seq, None, flashinfer_unavailable=self._fi_reason,
+                                fallback_memo=self._fallback_memo, lens=lens, layers=self._layers)
+            t = d.predicted_us.get(d.route)
+            if t is not None:
+                return t
+            route = self.registry.route(d.route)   # the baseline, unpredicted by the gates
+        if self.router.window_left >= 0:
+            seq = np.minimum(seq, self.router.window_left + 1)
+        return self.router.predict(route, seq)
 
     def _plan_on_device(self, seq_lens, block_tables, force: str | None,
                         capturing: bool) -> RouteDecision:

@@ -15,7 +15,9 @@ bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.shari
   merge_segments): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k + e^sink)``, in float32.
 
 A step without shared pages (or where sharing would save less than ``min_saved`` of its page
-reads) runs on the plain Runtime as it would without this class. No sliding window (a window
+reads, or where the calibration's time model predicts the shared path slower than the plain
+step: ``RuntimeOptions.shared_when_predicted_faster``) runs on the plain Runtime as it would
+without this class. No sliding window (a window
 cuts the shared run differently per row).
 
 Device lengths (``device_planning=True``: lengths and block tables on the GPU, nothing read by
@@ -40,6 +42,7 @@ import torch
 
 from pkvrt.launch import ops
 from pkvrt.policy import sharing
+from pkvrt.policy.costmodel import launch_us
 from pkvrt.runtime.checks import check_device_step
 from pkvrt.runtime.core import Runtime
 
@@ -80,6 +83,7 @@ class SharedPagesRuntime:
                                  f"chunk at head dim {head_dim}")
             self.chunk = want
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
+        self._by_prediction = getattr(runtime_kw.get("options"), "shared_when_predicted_faster", True)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
         common = dict(runtime_kw, num_pages=num_pages, device_planning=device_planning)
@@ -95,6 +99,8 @@ class SharedPagesRuntime:
                        if self.chunk >= 2 else None)
         self.device = self.plain.device
         self.plan_used: sharing.SharingPlan | None = None   # the last step's, None: plain
+        # the last step with sharing found: its predicted µs per layer, plain and shared
+        self.sharing_prediction: dict[str, float] | None = None
         # the step's index tensors, static (a captured run() reads them by address): grown,
         # never shrunk; a regrowth is a new generation (step_key)
         self._bufs: dict[str, torch.Tensor] = {}
@@ -136,6 +142,7 @@ class SharedPagesRuntime:
         seq = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         bt = np.asarray(block_tables.cpu() if isinstance(block_tables, torch.Tensor) else block_tables)
         self.plan_used = sp = None   # a failure below leaves no sharing plan in effect
+        self.sharing_prediction = None
         if force is None and self.shared is not None and \
                 sharing.any_page_repeats(seq, bt, self.page_size, self.num_pages):
             sp = sharing.plan_sharing(seq, bt, self.page_size, self.group,
@@ -144,6 +151,8 @@ class SharedPagesRuntime:
             # of a full batch): the step runs unshared
             if sp is not None and (sp.chunk_rows.shape[0] > self.shared.max_batch
                                    or sp.own_rows.size > self.own.max_batch):
+                sp = None
+            if sp is not None and self._by_prediction and not self._sharing_pays(seq, bt, sp):
                 sp = None
         if sp is None:
             return self.plain.plan(seq, bt, force=force)
@@ -167,6 +176,27 @@ class SharedPagesRuntime:
         self._slots = self._stage("slots", sp.slots)
         self.plan_used = sp
         return d
+
+    def _sharing_pays(self, seq: np.ndarray, bt: np.ndarray, sp: sharing.SharingPlan) -> bool:
+        """Whether the step with sharing is predicted faster than the plain step: the chunk and
+        own decodes as their Runtimes' policies would run them, plus the launches the shared
+        path adds per layer (the chunk query gather, the own gather where a row has more than
+        one segment, the merge), against the plain Runtime's prediction less what L2 saves it on
+        the re-reads of shared pages (the calibration's ``sharing.l2_reread_cost``; none without
+        it). Both from the calibration's time model; kept in ``sharing_prediction``."""
+        router = self.plain.router
+        cal = router.cal
+        own_gather = sp.own_rows.size != len(seq) or not bool((sp.own_rows == np.arange(len(seq))).all())
+        extra = (2 + int(own_gather)) * launch_us(cal, graphs=router.graphs)
+        # the plain step's re-reads of shared pages meet them in L2 (calibration `sharing`)
+        page_bytes = 2 * self.num_kv_heads * self.page_size * self.head_dim * router.dtype_bytes
+        t_plain = sharing.plain_step_us(
+            self.plain.predict_step_us(seq), sharing.page_rereads(seq, bt, self.page_size),
+            page_bytes, cal.beta_gbps, cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0)
+        t_shared = (self.shared.predict_step_us(sp.chunk_seq) + self.own.predict_step_us(sp.own_seq)
+                    + extra)
+        self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared}
+        return t_shared < t_plain
 
     def _plan_device(self, seq_lens, block_tables, force: str | None):
         """plan() of device lengths: find_shared into the static buffers, then both decodes'
@@ -324,9 +354,13 @@ class SharedPagesRuntime:
             return (f"SharedPagesRuntime: device lengths, shared prefixes found on the GPU "
                     f"(find_shared: up to {self._found_rows} chunks of up to {self.chunk} rows, one "
                     f"level per leader row; found() reads them)\n" + self.own.explain())
-        sp = self.plan_used
+        sp, p = self.plan_used, self.sharing_prediction
+        told = (f"predicted {p['shared_us']:.1f} us a layer shared, {p['plain_us']:.1f} plain "
+                "(L2 credit included)" if p is not None else "")
         if sp is None:
-            return "SharedPagesRuntime: no sharing this step (plain Runtime)\n" + self.plain.explain()
+            why = f"shared pages, but {told}" if p is not None else "no sharing this step"
+            return f"SharedPagesRuntime: {why} (plain Runtime)\n" + self.plain.explain()
         return (f"SharedPagesRuntime: {sp.chunk_rows.shape[0]} shared chunk(s) of up to "
                 f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
-                f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)")
+                f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)"
+                + (f"; {told}" if told else ""))

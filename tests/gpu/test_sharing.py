@@ -17,6 +17,8 @@ if not torch.cuda.is_available():
 
 PAGE = 16
 DEV = "cuda"   # (a CPU dry run of this file's logic sets it to "cpu" with emulated kernels)
+# the shared path's arithmetic on every step with sharing, whatever the time model predicts
+ALWAYS = pkvrt.RuntimeOptions(shared_when_predicted_faster=False)
 
 
 def step(lens, prefixes, num_pages, seed):
@@ -49,7 +51,7 @@ def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
     q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
     rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=16,
                                   max_pages_per_row=bt.shape[1], num_pages=8192,
-                                  engine_capture=capture)
+                                  engine_capture=capture, options=ALWAYS)
     rt.plan(seq, bt)
     assert rt.plan_used is not None, rt.explain()
     out = torch.full_like(q, float("nan"))
@@ -76,7 +78,8 @@ def test_shared_pages_with_fp8_kv_match_the_reference():
     v, vs = reference.quantize_kv(torch.randn(8192, hkv, PAGE, 128, device=DEV), per_head=True)
     q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
     rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, kv_dtype=torch.float8_e4m3fn,
-                                  max_batch=16, max_pages_per_row=bt.shape[1], num_pages=8192)
+                                  max_batch=16, max_pages_per_row=bt.shape[1], num_pages=8192,
+                                  options=ALWAYS)
     rt.plan(seq, bt)
     assert rt.plan_used is not None, rt.explain()
     out = rt.run(q, k, v, out=torch.full_like(q, float("nan")), k_scale=ks, v_scale=vs)

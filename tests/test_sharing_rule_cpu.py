@@ -1,0 +1,161 @@
+"""When SharedPagesRuntime shares: the time model's rule (the plain step credited for the
+re-reads that meet their page in L2, against the chunk and own decodes plus the launches
+sharing adds), the calibration's ``sharing`` section that carries the L2 constant, and its fit
+from measured steps (benches/shared_pages.py --fit-l2). CPU only: the fake device of
+tests/test_runtime_cpu.py plans the steps; nothing runs a kernel."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+from test_runtime_cpu import ROUTES, fake_device  # noqa: F401
+
+from pkvrt.policy import calibration as C
+from pkvrt.policy import sharing
+from pkvrt.runtime.options import RuntimeOptions
+from pkvrt.runtime.shared import SharedPagesRuntime
+
+H200 = "calibration/nvidia-h200.json"
+PAGE = 16
+
+
+def prefix_step(rows: int, shared: int, own: int):
+    """``rows`` rows that share their first ``shared`` tokens' pages, then ``own`` tokens of
+    their own pages each: lengths, block tables, pages used."""
+    n = shared // PAGE
+    own_pages = -(-(shared + own) // PAGE) - n
+    bt = np.zeros((rows, n + own_pages), np.int32)
+    bt[:, :n] = np.arange(n)
+    bt[:, n:] = n + np.arange(rows * own_pages).reshape(rows, own_pages)
+    return np.full(rows, shared + own, np.int32), bt, n + rows * own_pages
+
+
+def shared_runtime(cal, rows, num_pages, width, **options):
+    return SharedPagesRuntime(32, 8, 128, PAGE, torch.float16, max_batch=max(8, rows),
+                              max_pages_per_row=width, num_pages=num_pages, engine_capture=True,
+                              routes=ROUTES, calibration=cal,
+                              options=RuntimeOptions(flashinfer=False, **options))
+
+
+@pytest.fixture(scope="module")
+def h200_with_sharing():
+    cal = C.load_calibration(H200)
+    if cal.sharing is None:   # the rule's outcome below is the fitted constant's (0.62 on the H200)
+        cal = attrs.evolve(cal, sharing=C.SharingCost(0.62, "2026-12-05", "test", "test"))
+    return cal
+
+
+@pytest.mark.parametrize("rows, shared, own, expect", [
+    (8, 32768, 128, True),    # a long prefix: read once wins by far
+    (32, 4096, 256, True),
+    (16, 1024, 1024, False),  # short prefix, long own rows: the shared path's extra decode loses
+    (8, 2048, 64, False),     # 2K prefix: the L2 serves the plain step's re-reads
+])
+def test_the_rule_shares_where_the_model_predicts_a_gain(fake_device, h200_with_sharing,  # noqa: F811
+                                                         rows, shared, own, expect):
+    seq, bt, n = prefix_step(rows, shared, own)
+    rt = shared_runtime(h200_with_sharing, rows, n, bt.shape[1])
+    rt.plan(seq, bt)
+    p = rt.sharing_prediction
+    assert p is not None and (p["shared_us"] < p["plain_us"]) == expect, p
+    assert (rt.plan_used is not None) == expect, rt.explain()
+    # the ablation shares every step that saves min_saved of its reads
+    always = shared_runtime(h200_with_sharing, rows, n, bt.shape[1], shared_when_predicted_faster=False)
+    always.plan(seq, bt)
+    assert always.plan_used is not None and always.sharing_prediction is None
+
+
+def test_the_l2_credit_moves_the_plain_prediction_by_the_rereads(fake_device, h200_with_sharing):  # noqa: F811
+    """Without the calibration's sharing section the plain step is predicted at its every-row
+    bytes; with it, lower by (1 - cost) x the re-reads' bytes at beta, exactly."""
+    seq, bt, n = prefix_step(8, 8192, 512)
+    got = {}
+    for name, cal in (("none", attrs.evolve(h200_with_sharing, sharing=None)), ("fit", h200_with_sharing)):
+        rt = shared_runtime(cal, 8, n, bt.shape[1])
+        rt.plan(seq, bt)
+        got[name] = rt.sharing_prediction
+    rereads = sharing.page_rereads(seq, bt, PAGE)
+    assert rereads == 7 * (8192 // PAGE)
+    page_bytes = 2 * 8 * PAGE * 128 * 2
+    credit = (1 - h200_with_sharing.sharing.l2_reread_cost) * rereads * page_bytes / (
+        h200_with_sharing.beta_gbps * 1e3)
+    assert got["none"]["shared_us"] == pytest.approx(got["fit"]["shared_us"])
+    assert got["none"]["plain_us"] - got["fit"]["plain_us"] == pytest.approx(credit)
+
+
+def test_plain_step_us_and_the_fit():
+    assert sharing.plain_step_us(100.0, 0, 4096, 4000.0, 0.5) == 100.0
+    # 1000 re-reads of 4 MB at 4 GB/s-ms... : (1 - 0.25) * 1000 * 4000 / 4e6 = 0.75 us
+    assert sharing.plain_step_us(10.0, 1000, 4000, 4000.0, 0.25) == pytest.approx(9.25)
+    assert sharing.plain_step_us(1.0, 10**9, 4000, 4000.0, 0.0) == 0.0   # never below zero
+    # steps made by a known cost, with noise: the fit finds it
+    rng = np.random.default_rng(5)
+    steps = []
+    for _ in range(8):
+        model, x = rng.uniform(20, 300), rng.uniform(10, 200)
+        steps.append((model - (1 - 0.6) * x + rng.normal(0, 0.2), model, x))
+    assert sharing.fit_l2_reread_cost(steps) == pytest.approx(0.6, abs=0.01)
+    # a model that under-predicts: no credit (cost 1); one far over: the floor 0.05
+    assert sharing.fit_l2_reread_cost([(110.0, 100.0, 50.0)]) == 1.0
+    assert sharing.fit_l2_reread_cost([(1.0, 100.0, 50.0)]) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="no measured step re-reads"):
+        sharing.fit_l2_reread_cost([(10.0, 10.0, 0.0)])
+
+
+@pytest.mark.parametrize("section, key, expected", [
+    ({"l2_reread_cost": 1.5}, "sharing.l2_reread_cost", "(0, 1]"),
+    ({"l2_reread_cost": 0}, "sharing.l2_reread_cost", "a finite positive number"),
+    ({"l2_reread_cost": "0.6"}, "sharing.l2_reread_cost", "a number"),
+    ({"l2_reread_cost": None}, "sharing.l2_reread_cost", "present (missing)"),
+    ({"extra": 1}, "sharing.extra", "unknown key"),
+    ({"date": "today"}, "sharing.date", "an ISO date"),
+    ([0.6], "sharing", "a JSON object"),
+])
+def test_a_bad_sharing_section_names_its_key(tmp_path, section, key, expected):
+    doc = json.loads(open(H200).read())
+    good = {"l2_reread_cost": 0.6, "date": "2026-12-05", "command": "c", "source": "s"}
+    if isinstance(section, dict):
+        good.update(section)
+        section = {k: v for k, v in good.items() if v is not None}
+    doc["sharing"] = section
+    p = tmp_path / "gpu.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(C.CalibrationError) as info:
+        C.load_calibration(p)
+    msg = str(info.value)
+    assert msg.startswith(f"{p}: key {key!r}") and expected in msg, msg
+
+
+def test_fit_l2_writes_the_section_and_keeps_the_rest(tmp_path):
+    """benches/shared_pages.py --fit-l2 on committed results (no GPU): the section written, every
+    other constant of the file unchanged, the file loadable; a results file without a step of
+    shared pages is refused, nothing written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shared_pages", "benches/shared_pages.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = tmp_path / "res.json"
+    rows = []
+    for case, us in (("8x(32K+128)", 5300.0), ("32x(4K+256)", 2800.0), ("8x(0+8K)", 2100.0)):
+        rows.append({"case": case, "engine": "pkvrt-device-plan", "status": "ok", "median_us": us})
+    res.write_text(json.dumps({"meta": {}, "rows": rows}))
+    out = tmp_path / "cal.json"
+    assert bench.main(["--fit-l2", str(res), "--calibration", H200, "--write", str(out)]) == 0
+    base, new = json.loads(open(H200).read()), json.loads(out.read_text())
+    sec = new.pop("sharing")
+    base.pop("sharing", None)
+    assert new == base
+    assert 0.05 <= sec["l2_reread_cost"] <= 1.0 and "--fit-l2" in sec["command"]
+    assert C.load_calibration(out).sharing.l2_reread_cost == sec["l2_reread_cost"]
+    only_plain = tmp_path / "plain.json"
+    only_plain.write_text(json.dumps({"meta": {}, "rows": rows[2:]}))
+    out2 = tmp_path / "cal2.json"
+    with pytest.raises(ValueError, match="no measured step re-reads"):
+        bench.main(["--fit-l2", str(only_plain), "--calibration", H200, "--write", str(out2)])
+    assert not out2.exists()
