@@ -8,7 +8,9 @@ CUDA-graph mode, and finding a step's shared pages (the numbers in benches/NOTES
 - ``sharing``: on the sharing workloads' steps (rows x (shared + own) tokens, page 16, G 4), the
   repeat test (``sharing.any_page_repeats``), the plan for a new sharing structure
   (``sharing.plan_sharing`` after clearing its memo) and for the last steps' structure (a memo
-  hit, lengths moved), each a median over ``--calls``.
+  hit, lengths moved), each a median over ``--calls``; and the rule that decides whether the
+  step shares (``SharedPagesRuntime`` predicting the shared and the plain step with the H200
+  calibration, lengths moved a token a call).
 
 usage: python benches/host_sharing_cpu.py [--calls 50]
 """
@@ -40,13 +42,11 @@ def median_us(fn, calls: int) -> float:
 def dropin(calls: int) -> None:
     import torch
 
-    sys.path.insert(0, str(REPO / "tests"))
-    import test_runtime_cpu as fake   # the tests' fake device, not a copy of it
+    import test_runtime_cpu as fake   # main() installed its fake device
 
     from pkvrt.policy.blocktables import to_csr
     from pkvrt.runtime.wrapper import BatchDecodeWithPagedKVCacheWrapper
 
-    fake.install_fake_device(setattr, lambda name: (lambda *a, **k: None), replay_runs_launches=False)
     print("drop-in plan(), CUDA-graph mode (fake device)")
     for b, n in DROPIN_STEPS:
         pages = -(-n // 16)
@@ -64,10 +64,14 @@ def dropin(calls: int) -> None:
 
 
 def sharing_cost(calls: int) -> None:
+    import torch
+
     from pkvrt.policy import sharing
+    from pkvrt.runtime.options import RuntimeOptions
+    from pkvrt.runtime.shared import SharedPagesRuntime
 
     rng = np.random.default_rng(0)
-    print("finding shared pages (page 16, G 4)")
+    print("finding shared pages (page 16, G 4; the rule: H_q 32, H_kv 8, D 128, the H200 file)")
     for rows, shared, own in SHARING_STEPS:
         n = shared // 16
         per = -(-(shared + own) // 16) + 1
@@ -82,14 +86,32 @@ def sharing_cost(calls: int) -> None:
         fresh = median_us(new, calls)
         step = iter(range(10**9))
         hit = median_us(lambda: sharing.plan_sharing(seq + next(step) % 3, bt, 16, 4), calls)
+        # the rule (the re-read count, then SharedPagesRuntime._sharing_pays's three predictions),
+        # lengths moved a token a call as in decoding (the routers' memos hit per split quantum)
+        rt = SharedPagesRuntime(32, 8, 128, 16, torch.float16, max_batch=max(8, rows),
+                                max_pages_per_row=per, num_pages=rows * per + n, engine_capture=True,
+                                calibration=str(REPO / "calibration" / "nvidia-h200.json"),
+                                options=RuntimeOptions(flashinfer=False))
+        sp = sharing.plan_sharing(seq, bt, 16, 4, capacity=rt.chunk * rt.group)
+        grow = iter(range(10**9))
+        num_pages = rows * per + n
+
+        def rule():
+            s = seq + next(grow) % 16
+            rt._sharing_pays(s, sharing.page_rereads(s, bt, 16, num_pages), sp)
+        rule = median_us(rule, calls)
         print(f"  {rows:2d} x ({shared} + {own}): repeat test {repeats:5.0f} us, new structure "
-              f"{fresh / 1e3:5.2f} ms, memo hit {hit / 1e3:5.2f} ms")
+              f"{fresh / 1e3:5.2f} ms, memo hit {hit / 1e3:5.2f} ms, rule {rule:5.0f} us")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO / "tests"))
+    import test_runtime_cpu as fake   # the tests' fake device, not a copy of it
+
+    fake.install_fake_device(setattr, lambda name: (lambda *a, **k: None), replay_runs_launches=False)
     dropin(args.calls)
     sharing_cost(args.calls)
     return 0

@@ -156,21 +156,21 @@ def _memo_runs(seq, marked: np.ndarray, page_size: int) -> list[SharedRun]:
 
 def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | None = None) -> bool:
     """Whether two used block-table entries of the step name the same page: the cheap test
-    before :func:`plan_sharing` (a bincount over the used ids when ``num_pages`` bounds them)."""
-    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "any_page_repeats")
+    before :func:`plan_sharing` (:func:`page_rereads` > 0)."""
+    return page_rereads(seq_lens, block_tables, page_size, num_pages, where="any_page_repeats") > 0
+
+
+def page_rereads(seq_lens, block_tables, page_size: int, num_pages: int | None = None, *,
+                 where: str = "page_rereads") -> int:
+    """How many of the step's page reads are re-reads: the used block-table entries minus the
+    distinct pages they name (what a plain step reads again of pages another row read). A
+    bincount over the used ids when ``num_pages`` bounds them (tens of µs), else a sort."""
+    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, where)
     ids = used_ids(bt, pages)
     if ids.size < 2:
-        return False
+        return 0
     if num_pages is not None and ids.min() >= 0 and ids.max() < num_pages:
-        return bool((np.bincount(ids, minlength=1) > 1).any())
-    return np.unique(ids).size < ids.size
-
-
-def page_rereads(seq_lens, block_tables, page_size: int) -> int:
-    """How many of the step's page reads are re-reads: the used block-table entries minus the
-    distinct pages they name (what a plain step reads again of pages another row read)."""
-    seq, pages, bt = _checked_pages(seq_lens, block_tables, page_size, "page_rereads")
-    ids = used_ids(bt, pages)
+        return int(ids.size - np.count_nonzero(np.bincount(ids, minlength=1)))
     return int(ids.size - np.unique(ids).size)
 
 

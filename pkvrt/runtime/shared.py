@@ -143,8 +143,9 @@ class SharedPagesRuntime:
         bt = np.asarray(block_tables.cpu() if isinstance(block_tables, torch.Tensor) else block_tables)
         self.plan_used = sp = None   # a failure below leaves no sharing plan in effect
         self.sharing_prediction = None
-        if force is None and self.shared is not None and \
-                sharing.any_page_repeats(seq, bt, self.page_size, self.num_pages):
+        rereads = 0 if force is not None or self.shared is None else \
+            sharing.page_rereads(seq, bt, self.page_size, self.num_pages)
+        if rereads:
             sp = sharing.plan_sharing(seq, bt, self.page_size, self.group,
                                       capacity=self.chunk * self.group, min_saved=self.min_saved)
             # more chunks or own segments than a Runtime's batch (nested or alternating sharing
@@ -152,7 +153,7 @@ class SharedPagesRuntime:
             if sp is not None and (sp.chunk_rows.shape[0] > self.shared.max_batch
                                    or sp.own_rows.size > self.own.max_batch):
                 sp = None
-            if sp is not None and self._by_prediction and not self._sharing_pays(seq, bt, sp):
+            if sp is not None and self._by_prediction and not self._sharing_pays(seq, rereads, sp):
                 sp = None
         if sp is None:
             return self.plain.plan(seq, bt, force=force)
@@ -177,12 +178,12 @@ class SharedPagesRuntime:
         self.plan_used = sp
         return d
 
-    def _sharing_pays(self, seq: np.ndarray, bt: np.ndarray, sp: sharing.SharingPlan) -> bool:
+    def _sharing_pays(self, seq: np.ndarray, rereads: int, sp: sharing.SharingPlan) -> bool:
         """Whether the step with sharing is predicted faster than the plain step: the chunk and
         own decodes as their Runtimes' policies would run them, plus the launches the shared
         path adds per layer (the chunk query gather, the own gather where a row has more than
         one segment, the merge), against the plain Runtime's prediction less what L2 saves it on
-        the re-reads of shared pages (the calibration's ``sharing.l2_reread_cost``; none without
+        the step's ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``; none without
         it). Both from the calibration's time model; kept in ``sharing_prediction``."""
         router = self.plain.router
         cal = router.cal
@@ -191,8 +192,7 @@ class SharedPagesRuntime:
         # the plain step's re-reads of shared pages meet them in L2 (calibration `sharing`)
         page_bytes = 2 * self.num_kv_heads * self.page_size * self.head_dim * router.dtype_bytes
         t_plain = sharing.plain_step_us(
-            self.plain.predict_step_us(seq), sharing.page_rereads(seq, bt, self.page_size),
-            page_bytes, cal.beta_gbps, cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0)
+            self.plain.predict_step_us(seq), rereads, page_bytes, cal.beta_gbps, cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0)
         t_shared = (self.shared.predict_step_us(sp.chunk_seq) + self.own.predict_step_us(sp.own_seq)
                     + extra)
         self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared}
