@@ -30,7 +30,7 @@ CODE_LINE = re.compile(r"^\s*#\s*(include|pragma|define|if)")
 HEX_TOKEN = re.compile(r"#(?:[0-9a-fA-F]{6}|[0-9a-fA-F]{8})\b")
 
 # What is scanned: a single file, or every text file under a folder.
-SCANNED = ("README.md", "docs", "routes.toml", "pkvrt", "kernels")
+SCANNED = ("README.md", "docs", "routes.toml", "pkvrt", "kernels", "calibration")
 TEXT_SUFFIXES = {".py", ".pyi", ".toml", ".json", ".md", ".rst", ".txt", ".cfg", ".ini", ".yaml",
                  ".yml", ".sh", ".csv", ".cu", ".cuh", ".h", ".hpp", ".c", ".cc", ".cpp"}
 # Build outputs and caches under the scanned folders, skipped when git cannot say what is ignored.
