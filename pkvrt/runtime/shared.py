@@ -183,16 +183,18 @@ class SharedPagesRuntime:
         own decodes as their Runtimes' policies would run them, plus the launches the shared
         path adds per layer (the chunk query gather, the own gather where a row has more than
         one segment, the merge), against the plain Runtime's prediction less what L2 saves it on
-        the step's ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``; none without
-        it). Both from the calibration's time model; kept in ``sharing_prediction``."""
+        the step's ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``;
+        none without it). Both from the calibration's time model; kept in
+        ``sharing_prediction``."""
         router = self.plain.router
         cal = router.cal
         own_gather = sp.own_rows.size != len(seq) or not bool((sp.own_rows == np.arange(len(seq))).all())
         extra = (2 + int(own_gather)) * launch_us(cal, graphs=router.graphs)
         # the plain step's re-reads of shared pages meet them in L2 (calibration `sharing`)
         page_bytes = 2 * self.num_kv_heads * self.page_size * self.head_dim * router.dtype_bytes
-        t_plain = sharing.plain_step_us(
-            self.plain.predict_step_us(seq), rereads, page_bytes, cal.beta_gbps, cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0)
+        reread_cost = cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0
+        t_plain = sharing.plain_step_us(self.plain.predict_step_us(seq), rereads, page_bytes,
+                                        cal.beta_gbps, reread_cost)
         t_shared = (self.shared.predict_step_us(sp.chunk_seq) + self.own.predict_step_us(sp.own_seq)
                     + extra)
         self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared}
