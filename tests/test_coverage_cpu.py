@@ -14,7 +14,7 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pkvrt import _buildspec, reference
@@ -192,6 +192,10 @@ def split_cases(draw):
 
 @settings(max_examples=80, deadline=None)
 @given(case=split_cases())
+# logits up to ~30 (scale 1.3, q and k of std 2): two splits' rescaling by exp(m_i - m) differ
+# from one pass by a few float32 ulps of the output's scale (3.4e-6 at |out| ~ 0.06 here)
+@example(case=dict(hkv=2, g=3, n=61, cuts=[0, 45, 61], sinks=None, cap=0.0, scale=1.3, seed=2906,
+                   perm_seed=0))
 def test_split_states_merge_exactly_with_sinks(case):
     """split_state over arbitrary cuts (empty splits included, in any order) merged by
     merge_states(..., sinks, return_lse=True) equals the one-split state merged alone and the
@@ -211,7 +215,7 @@ def test_split_states_merge_exactly_with_sinks(case):
     out, lse = reference.merge_states(m, l, a, c["sinks"], return_lse=True)
     m1, l1, a1 = reference.split_state(q, k, v, c["scale"], c["cap"])
     one, one_lse = reference.merge_states(m1[None], l1[None], a1[None], c["sinks"], return_lse=True)
-    torch.testing.assert_close(out, one, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(out, one, rtol=2e-5, atol=1e-5)
     torch.testing.assert_close(lse, one_lse, rtol=1e-5, atol=1e-5)
     # the dense twin over the same tokens (one page per token, identity block table)
     kc, vc = k.transpose(0, 1)[:, :, None], v.transpose(0, 1)[:, :, None]    # [N, H_kv, 1, D]
