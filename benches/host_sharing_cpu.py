@@ -98,7 +98,7 @@ def sharing_cost(calls: int) -> None:
 
         def rule():
             s = seq + next(grow) % 16
-            rt._sharing_pays(s, sharing.page_rereads(s, bt, 16, num_pages), sp)
+            rt._sharing_pays(s, sharing.page_rereads(s, bt, 16, num_pages), sp, own_gather=False)
         rule = median_us(rule, calls)
         print(f"  {rows:2d} x ({shared} + {own}): repeat test {repeats:5.0f} us, new structure "
               f"{fresh / 1e3:5.2f} ms, memo hit {hit / 1e3:5.2f} ms, rule {rule:5.0f} us")

@@ -43,7 +43,7 @@ def test_engine_name_and_label():
 def test_shared_step_engine_serves_a_prefix_sharing_trace(fake_device, monkeypatch):  # noqa: F811
     # the trace's short rows are predicted faster plain (tests/test_sharing_rule_cpu.py): shared
     # here regardless, so that the engine's shared path runs through the harness
-    monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, rereads, sp: True)
+    monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, rereads, sp, own_gather: True)
     config = harness.ServingConfig(trace="shared", max_active=4, seeds=(11,), steps_limit=3,
                                    check_steps=3, probe_steps=1, layers=2,
                                    engines=("flashinfer", "host-step", "shared-step",

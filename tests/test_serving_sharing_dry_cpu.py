@@ -94,7 +94,7 @@ def dry(fake_gpu, monkeypatch):  # noqa: F811
     # the shrunk steps are too short for the time model to predict a gain from sharing: the
     # host-lengths engine shares them anyway, so that its shared path runs through the harness
     # (tests/test_sharing_rule_cpu.py tests the rule itself)
-    monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, rereads, sp: True)
+    monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, rereads, sp, own_gather: True)
     return types.SimpleNamespace(gpu=fake_gpu, made=made, found=found)
 
 

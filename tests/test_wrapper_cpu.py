@@ -503,7 +503,7 @@ def test_share_prefixes_reads_shared_pages_once_and_matches(fake_device, pool, g
     gain, which these short rows do not: shared here regardless, to check the arithmetic.)"""
     from pkvrt.runtime.shared import SharedPagesRuntime
 
-    monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, rereads, sp: True)
+    monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, rereads, sp, own_gather: True)
 
     b, _ = pool
     rows = [0, 1, 4, 2]

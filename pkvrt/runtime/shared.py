@@ -153,7 +153,9 @@ class SharedPagesRuntime:
             if sp is not None and (sp.chunk_rows.shape[0] > self.shared.max_batch
                                    or sp.own_rows.size > self.own.max_batch):
                 sp = None
-            if sp is not None and self._by_prediction and not self._sharing_pays(seq, rereads, sp):
+            own_identity = sp is not None and self._own_reads_q(sp, len(seq))
+            if sp is not None and self._by_prediction and \
+                    not self._sharing_pays(seq, rereads, sp, own_gather=not own_identity):
                 sp = None
         if sp is None:
             return self.plain.plan(seq, bt, force=force)
@@ -166,29 +168,31 @@ class SharedPagesRuntime:
         j = np.arange(g)[None, None, None, :]
         q_index = sp.chunk_rows[:, None, :, None].astype(np.int64) * hq + hk * g + j
         self._q_index = self._stage("q_index", q_index.reshape(-1))
-        # every row one own segment (its pages after its prefix: the common case) -> the own
-        # decode's rows are the step's rows in order, and where it launches into the caller's
-        # stream or graph (engine capture, or no graphs of its own) it reads q itself: no gather
-        # launch (its own graphs read their static q, which the gather fills)
-        direct = self.own.engine_capture or not self.own.use_cuda_graph
-        self._own_identity = direct and sp.own_rows.size == len(seq) and bool(
-            (sp.own_rows == np.arange(len(seq))).all())
+        self._own_identity = own_identity
         self._own_rows = self._stage("own_rows", sp.own_rows)
         self._slots = self._stage("slots", sp.slots)
         self.plan_used = sp
         return d
 
-    def _sharing_pays(self, seq: np.ndarray, rereads: int, sp: sharing.SharingPlan) -> bool:
+    def _own_reads_q(self, sp: sharing.SharingPlan, rows: int) -> bool:
+        """Whether the own decode reads q itself (no gather launch): every row has one own
+        segment (its pages after its prefix: the common case), so the own decode's rows are the
+        step's rows in order, and it launches into the caller's stream or graph (engine capture,
+        or no graphs of its own; its own graphs read their static q, which the gather fills)."""
+        direct = self.own.engine_capture or not self.own.use_cuda_graph
+        return direct and sp.own_rows.size == rows and bool((sp.own_rows == np.arange(rows)).all())
+
+    def _sharing_pays(self, seq: np.ndarray, rereads: int, sp: sharing.SharingPlan, *,
+                      own_gather: bool) -> bool:
         """Whether the step with sharing is predicted faster than the plain step: the chunk and
         own decodes as their Runtimes' policies would run them, plus the launches the shared
-        path adds per layer (the chunk query gather, the own gather where a row has more than
-        one segment, the merge), against the plain Runtime's prediction less what L2 saves it on
+        path adds per layer (the chunk query gather, the own gather where the own decode does
+        not read q itself, the merge), against the plain Runtime's prediction less what L2 saves it on
         the step's ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``;
         none without it). Both from the calibration's time model; kept in
         ``sharing_prediction``."""
         router = self.plain.router
         cal = router.cal
-        own_gather = sp.own_rows.size != len(seq) or not bool((sp.own_rows == np.arange(len(seq))).all())
         extra = (2 + int(own_gather)) * launch_us(cal, graphs=router.graphs)
         # the plain step's re-reads of shared pages meet them in L2 (calibration `sharing`)
         page_bytes = 2 * self.num_kv_heads * self.page_size * self.head_dim * router.dtype_bytes
