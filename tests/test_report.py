@@ -750,8 +750,8 @@ def test_progress_lines_on_stderr(capsys, tmp_path, serving_dir):
     assert lines[0] == f"pkvrt report: reading 3 results file(s) (*.json) from {serving_dir}"
     n = len(report.SECTIONS)
     assert [ln for ln in lines if " section " in ln][::n - 1] == [
-        "pkvrt report: section 1/18: Table 1: isolated decode attention",
-        "pkvrt report: section 18/18: Results files read"] and n == 18
+        "pkvrt report: section 1/19: Table 1: isolated decode attention",
+        "pkvrt report: section 19/19: Results files read"] and n == 19
     assert "pkvrt report: plot: ratio_vs_context.png" in lines
     assert "pkvrt report: appendix: appendix-steps-trace0-B8.csv (4 rows)" in lines
     assert lines[-1].startswith(f"pkvrt report: writing {tmp_path / 'o' / 'report.md'} (")

@@ -1,6 +1,7 @@
 """Report tables of the coverage benchmarks: the served models' shapes (``benches/model_shapes.py``,
 ``meta.kind == "model-shapes"``), the drop-in wrapper as engines call it (``benches/dropin.py``,
-``"dropin"``) and rows that share pages (``benches/shared_pages.py``, ``"shared-pages"``).
+``"dropin"``), rows that share pages (``benches/shared_pages.py``, ``"shared-pages"``) and a real
+checkpoint generating text (``examples/smollm2_generate.py``, ``"generate"``).
 
 Each renderer takes ``files`` as ``pkvrt.tools.report.load_dir`` returns them (``[(path, doc)]``)
 and returns Markdown ("" when no file of its kind is among them). A benchmark may be run in
@@ -15,15 +16,26 @@ import math
 import re
 import statistics
 
-MODEL_SHAPES, DROPIN, SHARED_PAGES = "model-shapes", "dropin", "shared-pages"
-KINDS = (MODEL_SHAPES, DROPIN, SHARED_PAGES)
+MODEL_SHAPES, DROPIN, SHARED_PAGES, GENERATE = "model-shapes", "dropin", "shared-pages", "generate"
+KINDS = (MODEL_SHAPES, DROPIN, SHARED_PAGES, GENERATE)
+GENERATE_KEYS = ("decoder", "decode_tokens_per_s", "equal_to_sdpa")
+
+
+def is_generate(doc: dict) -> bool:
+    """A generation results file: ``meta.kind == "generate"``, or (files written before the
+    example named its kind) no kind and every row a decoder's (``GENERATE_KEYS``)."""
+    kind = doc["meta"].get("kind")
+    rows = doc.get("rows")
+    return kind == GENERATE or (not kind and isinstance(rows, list) and bool(rows) and all(
+        isinstance(r, dict) and all(k in r for k in GENERATE_KEYS) for r in rows))
 
 
 def _rows(files, kind: str) -> list[dict]:
     """The rows of every ``kind`` file, each case's from the newest file that has it (a step's
     engines and ratio stay one file's); a model-level failure row (case = the model's name) is
     dropped where a newer file measured that model."""
-    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
+    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind
+                   or kind == GENERATE and is_generate(doc)),
                   key=lambda d: str(d["meta"].get("date") or ""))
     newest = {r.get("case"): i for i, doc in enumerate(docs) for r in doc["rows"]}
     measured = {}   # model -> the newest file holding rows of it
@@ -182,4 +194,32 @@ def shared_pages_table(files) -> str:
     if bad:
         parts.append("Paths unavailable or wrong:\n\n" + "\n".join(
             f"- {e} on {', '.join(cs)}: {s}" for (e, s), cs in bad.items()))
+    return "\n\n".join(parts)
+
+
+def generate_table(files) -> str:
+    """Per generation file (a model, its prompts): per decoder, whether the decode step ran in
+    one CUDA graph, batch, greedy tokens per prompt, decode tokens/s (the median of the runs) and
+    its ratio to FlashInfer's decoder in the same file, how many prompts equal SDPA's tokens, and
+    each first divergence with both top-2 logit margins there (SDPA's, the decoder's): a margin
+    near 0 is a near-tie that fp16 rounding may flip."""
+    docs = [doc for _, doc in files if is_generate(doc)]
+    parts = []
+    for doc in sorted(docs, key=lambda d: str(d["meta"].get("date") or "")):
+        rows, meta = doc["rows"], doc["meta"]
+        fi = next((r["decode_tokens_per_s"] for r in rows if str(r["decoder"]).startswith("flashinfer")), None)
+        lines = []
+        for r in rows:
+            divs = ", ".join(f"prompt {d['prompt']} at step {d['first_divergence']}: "
+                             f"{d['ref_margin']:.3f} / {d['got_margin']:.3f}"
+                             for d in r.get("divergences_vs_sdpa") or []) or "none"
+            lines.append((r["decoder"], "yes" if r.get("cuda_graph") else "no", r.get("batch", "-"),
+                          r.get("tokens_per_prompt", "-"), _f(r["decode_tokens_per_s"], 0),
+                          _f(r["decode_tokens_per_s"] / fi, 3) if fi else "-",
+                          f"{r['equal_to_sdpa']}/{r.get('batch', '-')}", divs))
+        title = f"{meta.get('model') or 'model'}, {meta.get('gpu') or '-'}, {str(meta.get('date') or '-')[:10]}:"
+        parts.append(title + "\n\n" + _table(
+            ["decoder", "CUDA graph", "batch", "tokens / prompt", "decode tokens/s",
+             "tokens/s / FlashInfer's", "prompts equal to SDPA",
+             "first divergences (SDPA margin / decoder margin)"], lines))
     return "\n\n".join(parts)

@@ -267,6 +267,10 @@ def shared_pages_section(c: Context) -> str:
     return neutral(coverage_results.shared_pages_table(c.files))
 
 
+def generate_section(c: Context) -> str:
+    return neutral(coverage_results.generate_table(c.files))
+
+
 def _other_file(path, doc, out: Outputs) -> tuple[tuple, str]:
     """The overview row of one other file, and its table when it is shown in report.md ("")."""
     name, grid = Path(path).name, generic_grid(doc)
@@ -351,6 +355,8 @@ SECTIONS: list[tuple[str, Callable[[Context], str]]] = [
     ("The drop-in wrapper called as engines call FlashInfer's (CUDA-graph mode)", dropin_section),
     ("Rows that share pages: each row reading its pages, and each shared run read once per "
      "chunk of rows", shared_pages_section),
+    ("A real checkpoint generating text with its decode attention through each decoder "
+     "(greedy tokens against SDPA's)", generate_section),
     ("Other results", other_section),
     ("Results files read", files_section),
 ]

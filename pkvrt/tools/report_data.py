@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from pkvrt.measure import results
+from pkvrt.measure import coverage_results, results
 
 NUMERIC = ("median_us", "wall_us", "tok_per_s", "cuda_tok_per_s", "gbps", "frac_read_bw",
            "max_err", "mean_err", "max_err_ref", "mean_err_ref", "cuda_ratio", "wall_ratio",
@@ -42,21 +42,24 @@ def _is_number(v) -> bool:
 
 
 def file_kind(doc: dict) -> str:
-    """``serving``, ``serving-steps``, ``isolated``, ``plan`` or the file's own ``meta.kind``
-    (``generic`` when it has none)."""
+    """``serving``, ``serving-steps``, ``isolated``, ``plan``, the file's own ``meta.kind``, or
+    ``generate`` for a generation file written without one (``generic`` otherwise)."""
     kind = doc["meta"].get("kind")
     if isinstance(kind, str) and kind.startswith("plan"):
         return "plan"
     if kind:
         return str(kind)
+    if coverage_results.is_generate(doc):
+        return coverage_results.GENERATE
     return "isolated" if "isolated" in str(doc["meta"].get("protocol", "")) else GENERIC
 
 
 def _check_names(where: str, row: dict, kind: str) -> None:
-    """The row's identifying strings: ``kernel`` in ncu files, else ``case`` and ``engine``. A
+    """The row's identifying strings: ``kernel`` in ncu files, ``decoder`` in generation files,
+    else ``case`` and ``engine``. A
     row of a generic file (no ``meta.kind``) that carries neither is a plain row (e.g.
     benches/plan_cost.py's), shown as it is; one that names only one of them is an error."""
-    keys = ("kernel",) if kind == NCU else ("case", "engine")
+    keys = {NCU: ("kernel",), coverage_results.GENERATE: ("decoder",)}.get(kind, ("case", "engine"))
     if kind == GENERIC and not any(k in row for k in keys):
         return
     for key in keys:
