@@ -441,13 +441,24 @@ def test_decode_smem_is_the_pipeline_at_d128():
 # ----------------------------------------------------------------------------- calibration
 
 
-def test_a_group_size_without_its_own_constants_takes_the_nearest_calibrated_ones():
-    """The H200 file holds G 1, 4 (top level) and 8: a group size without its entry takes the
-    nearest on a log scale (ties to the top level), and the Router sees the same constants."""
+def test_a_group_size_without_its_own_constants_takes_the_nearest_calibrated_ones(tmp_path):
+    """The H200 file cut to G 1, 4 (top level) and 8 (as it was before its other group sizes were
+    calibrated): a group size without its entry takes the nearest on a log scale (ties to the
+    top level), and the Router sees the same constants. The shipped file's own entries are
+    each its group's."""
+    import json
     import pathlib
 
     from pkvrt.policy.calibration import load_calibration
-    cal = load_calibration(pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json")
+    h200 = pathlib.Path(__file__).resolve().parents[1] / "calibration" / "nvidia-h200.json"
+    shipped = load_calibration(h200)
+    assert {g: shipped.calibrated_group(g) for g in (1, 2, 3, 4, 5, 7, 8, 16)} == \
+        {g: g for g in (1, 2, 3, 4, 5, 7, 8, 16)}
+    doc = json.loads(h200.read_text())
+    for section in ("splits", "time_model"):
+        doc[section]["by_group"] = {k: v for k, v in doc[section]["by_group"].items() if k in ("1", "8")}
+    (tmp_path / "cut.json").write_text(json.dumps(doc))
+    cal = load_calibration(tmp_path / "cut.json")
     want = {1: 1, 2: 4, 3: 4, 4: 4, 5: 4, 6: 8, 7: 8, 8: 8, 9: 8, 12: 8, 16: 8}
     assert {g: cal.calibrated_group(g) for g in want} == want
     g8 = cal.for_group(8)
