@@ -14,6 +14,9 @@ Protocol (per model and step; 32 layers, each its own K/V cache, page 16, fp16):
   windows matter) and on the measured step's first layer of that kind; the baseline of a step is
   the sum over kinds of the fastest candidate's time (a path per kind: never weaker than any one
   path). A kind with no candidate (sinks on FA2 only, head dim 96) has no baseline: "none".
+- Models of several layer kinds (local and global) also time each kind alone, pkvrt's plan()
+  and that kind's layers in one graph (``pkvrt-device-plan-kind``), as FlashInfer's paths are
+  timed per kind: a per-kind ratio.
 - The floor: the step's K and V bytes (each layer its window) at 4.2 TB/s.
 
 usage: python benches/model_shapes.py [--models a,b] [--steps N] [--out FILE] [--max-seconds S]
@@ -142,8 +145,17 @@ def pkvrt_step(model: ModelShape, st: Step) -> dict:
             for k in model.kinds()}
     err = max(errs.values())
     status = "ok" if err <= TOLERANCE else f"wrong: rel. error {err:.3g} against the FP32 reference"
+    per_kind = {}
+    if len(rts) > 1:   # each kind's plan() and layers alone, as FlashInfer's paths are timed
+        for k, rt in rts.items():
+            def alone(k=k, rt=rt):
+                rt.plan(st.seq_d, st.bt_d)
+                for l, kk in enumerate(kinds):
+                    if kk == k:
+                        rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l], sinks=st.sinks[l] if k.sinks else None)
+            per_kind[k.name] = median_us(alone, repeats=REPLAYS)
     return {"median_us": median_us(step, repeats=REPLAYS), "max_err": err, "errors": errs,
-            "status": status}
+            "status": status, "per_kind_us": per_kind}
 
 
 # --------------------------------------------------------------------------- FlashInfer
@@ -274,6 +286,10 @@ def measure_model(fi, model: ModelShape, cases, ws, rows: list, deadline: float,
                      "status": p["status"],
                      "rows": len(st.seq), "max_context": int(st.seq.max()),
                      "distinct_caches": st.distinct_caches})
+        for kname, t in p["per_kind_us"].items():
+            rows.append({"case": name, "engine": "pkvrt-device-plan-kind", "model": model.name,
+                         "kind": kname, "layers": sum(1 for k in model.layer_kinds(LAYERS) if k.name == kname),
+                         "median_us": t, "status": p["status"]})
         base, base_paths = 0.0, {}
         for kind in model.kinds():
             n = sum(1 for k in model.layer_kinds(LAYERS) if k == kind)

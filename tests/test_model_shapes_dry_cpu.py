@@ -128,7 +128,16 @@ def check_group(tmp_path, capsys, gpu, models: str) -> None:
                 assert r["median_us"] > 0 and set(r["paths"]) == usable
             else:
                 assert r["median_us"] is None, r
-        timed = [r for r in rows if r["case"] in cases and r.get("kind")]
+        alone = [r for r in rows if r["case"] in cases and r["engine"] == "pkvrt-device-plan-kind"]
+        if len(model.kinds()) > 1:   # each kind alone: a row per kind and step, its layers
+            assert sorted((r["case"], r["kind"]) for r in alone) == \
+                sorted((c, k.name) for c in cases for k in model.kinds())
+            for c in cases:
+                assert sum(r["layers"] for r in alone if r["case"] == c) == LAYERS
+            assert all(r["median_us"] > 0 and r["status"] == "ok" for r in alone)
+        else:
+            assert not alone
+        timed = [r for r in rows if r["case"] in cases and r.get("kind") and r not in alone]
         assert sorted((r["case"], r["engine"], r["kind"]) for r in timed) == \
             sorted((c, p, k) for c in cases for p, k in candidates)   # every candidate on every step
         assert all(r["status"] == "ok" and r["median_us"] > 0 and r["layers"] > 0 for r in timed)
@@ -143,6 +152,10 @@ def check_group(tmp_path, capsys, gpu, models: str) -> None:
     assert "geometric mean of the ratios" in printed and not gpu.poisoned
     table = rendered(tmp_path)
     assert all(f"| {m} | isolated-B1-32K |" in table for m in models)
+    for name in models:   # the per-kind table: a line per (trace, kind) of a model of several kinds
+        kinds = shapes.MODELS[name].kinds()
+        lines = [ln for ln in table.splitlines() if ln.startswith(f"| {name} | ") and ln.count("|") == 10]
+        assert len(lines) == (len(traces) * len(kinds) if len(kinds) > 1 else 0), (name, lines)
 
 
 def expected_probe(model, path: str, kind: str) -> str:

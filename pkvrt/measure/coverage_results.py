@@ -95,6 +95,13 @@ def model_shapes_table(files) -> str:
         parts.append(f"Geometric mean of the ratios: {_f(g, 3)} over {n} (model, trace) pairs with a "
                      f"baseline; {len(summ) - n} without one (no correct FlashInfer path, or a pkvrt "
                      "step that failed its check).")
+    kinds = _per_kind_lines(rows)
+    if kinds:
+        parts.append("Per layer kind (models of several): each kind's plan() and layers alone in one "
+                     "graph, pkvrt's and FlashInfer's fastest correct path for that kind, summed over "
+                     "the trace's steps:\n\n" + _table(
+                         ["model", "trace", "kind", "layers", "steps", "pkvrt µs",
+                          "FlashInfer fastest correct µs", "path", "ratio"], kinds, text_columns=3))
     paths: dict[str, set] = {}
     for r in rows:
         if r.get("engine") == "flashinfer-fastest-correct" and r.get("paths") and r.get("median_us"):
@@ -113,6 +120,35 @@ def model_shapes_table(files) -> str:
         parts.append("pkvrt steps that failed:\n\n" + "\n".join(
             f"- {r['case']}: {_short(str(r['status']))}" for r in failed))
     return "\n\n".join(parts)
+
+
+def _per_kind_lines(rows: list[dict]) -> list[tuple]:
+    """(model, trace, kind, layers, steps, pkvrt µs, FlashInfer µs, paths, ratio) per layer kind
+    of the models timed kind by kind (``pkvrt-device-plan-kind`` rows): each step's fastest
+    correct FlashInfer path of that kind (its rows of the same case and kind), "none" where a
+    step has none."""
+    fi: dict[tuple, tuple] = {}
+    for r in rows:
+        e = r.get("engine", "")
+        if e.startswith("flashinfer-") and r.get("kind") and r.get("status") == "ok" and r.get("median_us"):
+            key = (r["case"], r["kind"])
+            if key not in fi or r["median_us"] < fi[key][1]:
+                fi[key] = (e, r["median_us"])
+    by: dict[tuple, list] = {}
+    for r in rows:
+        if r.get("engine") == "pkvrt-device-plan-kind" and r.get("model"):
+            trace = r["case"][len(r["model"]) + 1:].rsplit("-step", 1)[0]
+            by.setdefault((r["model"], trace, r["kind"]), []).append(r)
+    lines = []
+    for (model, trace, kind), pk in by.items():
+        t_pk = sum(r["median_us"] for r in pk)
+        best = [fi.get((r["case"], kind)) for r in pk]
+        ok = all(b is not None for b in best) and all(r.get("status") == "ok" for r in pk)
+        t_fi = sum(b[1] for b in best) if ok else None
+        paths = ", ".join(sorted({b[0] for b in best if b})) or "none"
+        lines.append((model, trace, kind, pk[0].get("layers", "-"), len(pk), _f(t_pk, 1),
+                      _f(t_fi, 1), paths, _f(t_fi / t_pk, 3) if t_fi else "none"))
+    return lines
 
 
 def dropin_table(files) -> str:
