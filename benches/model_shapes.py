@@ -288,7 +288,8 @@ def measure_model(fi, model: ModelShape, cases, ws, rows: list, deadline: float,
                      "distinct_caches": st.distinct_caches})
         for kname, t in p["per_kind_us"].items():
             rows.append({"case": name, "engine": "pkvrt-device-plan-kind", "model": model.name,
-                         "kind": kname, "layers": sum(1 for k in model.layer_kinds(LAYERS) if k.name == kname),
+                         "trace": trace_of(name, model.name), "kind": kname,
+                         "layers": sum(1 for k in model.layer_kinds(LAYERS) if k.name == kname),
                          "median_us": t, "status": p["status"]})
         base, base_paths = 0.0, {}
         for kind in model.kinds():
@@ -317,14 +318,18 @@ def measure_model(fi, model: ModelShape, cases, ws, rows: list, deadline: float,
         save()
 
 
+def trace_of(case: str, model: str) -> str:
+    """The trace of a step's case name ``<model>-<trace>[-step<N>]``."""
+    return case[len(model) + 1:].rsplit("-step", 1)[0]
+
+
 def summarize(rows: list) -> list:
     """Per (model, trace): the ratio of the total time over its steps, and of the floor."""
     by = {}
     for r in rows:
         if r.get("engine") not in ("pkvrt-device-plan-step", "flashinfer-fastest-correct") or "model" not in r:
             continue
-        trace = r["case"][len(r["model"]) + 1:].rsplit("-step", 1)[0]
-        by.setdefault((r["model"], trace), {}).setdefault(r["engine"], []).append(r)
+        by.setdefault((r["model"], trace_of(r["case"], r["model"])), {}).setdefault(r["engine"], []).append(r)
     out = []
     for (model, trace), e in by.items():
         pk = e.get("pkvrt-device-plan-step", [])

@@ -34,8 +34,7 @@ def _rows(files, kind: str) -> list[dict]:
     """The rows of every ``kind`` file, each case's from the newest file that has it (a step's
     engines and ratio stay one file's); a model-level failure row (case = the model's name) is
     dropped where a newer file measured that model."""
-    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind
-                   or kind == GENERATE and is_generate(doc)),
+    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
                   key=lambda d: str(d["meta"].get("date") or ""))
     newest = {r.get("case"): i for i, doc in enumerate(docs) for r in doc["rows"]}
     measured = {}   # model -> the newest file holding rows of it
@@ -137,8 +136,7 @@ def _per_kind_lines(rows: list[dict]) -> list[tuple]:
     by: dict[tuple, list] = {}
     for r in rows:
         if r.get("engine") == "pkvrt-device-plan-kind" and r.get("model"):
-            trace = r["case"][len(r["model"]) + 1:].rsplit("-step", 1)[0]
-            by.setdefault((r["model"], trace, r["kind"]), []).append(r)
+            by.setdefault((r["model"], r["trace"], r["kind"]), []).append(r)
     lines = []
     for (model, trace, kind), pk in by.items():
         t_pk = sum(r["median_us"] for r in pk)

@@ -56,9 +56,9 @@ def file_kind(doc: dict) -> str:
 
 def _check_names(where: str, row: dict, kind: str) -> None:
     """The row's identifying strings: ``kernel`` in ncu files, ``decoder`` in generation files,
-    else ``case`` and ``engine``. A
-    row of a generic file (no ``meta.kind``) that carries neither is a plain row (e.g.
-    benches/plan_cost.py's), shown as it is; one that names only one of them is an error."""
+    else ``case`` and ``engine``. A row of a generic file (no ``meta.kind``) that carries neither
+    is a plain row (e.g. benches/plan_cost.py's), shown as it is; one that names only one of them
+    is an error."""
     keys = {NCU: ("kernel",), coverage_results.GENERATE: ("decoder",)}.get(kind, ("case", "engine"))
     if kind == GENERIC and not any(k in row for k in keys):
         return
