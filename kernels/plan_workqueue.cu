@@ -37,6 +37,11 @@
 // kernel copies the step's lengths and the block-table entries they use into seq_lens and
 // block_tables itself, so an engine's captured step has no copy or fill node before it (each
 // costs a dependent launch); otherwise the Runtime has copied them there.
+// CSR direct mode (src_indptr, src_last_page_len and src_block_tables = FlashInfer's paged-KV
+// indices): row r's pages are src_block_tables[src_indptr[r] .. src_indptr[r + 1]) and its
+// length (pages - 1) * page_size + src_last_page_len[r] (0 for a row of no pages: an engine's
+// padding row). A row whose indptr decreases, starts below 0 or ends past src_indices_len, or
+// whose last_page_len is outside [1, page_size], is a bad length (status bit 1, no work).
 // Grid:  one CTA of PKV_PLAN_THREADS (1024) threads; rows >= the active rows are idle (0 splits).
 // Layout: seq_lens [max_rows] int32; tasks [task_capacity, 5] int32 (row, kvh, split,
 //         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
@@ -96,6 +101,10 @@ struct PlanParams {
   int room8;                    // room8 * S * (room_slots - free) / room_slots (eighths of a tile)
   int room_chunk;               // ... on cuts whose chunk is at most room_chunk tiles
   int window_left;              // -1, or each row attends to its last window_left + 1 tokens
+  // CSR direct mode (with src_block_tables = the indices; src_seq_lens null):
+  const int* src_indptr;        // null, or [rows + 1]: row r's entries start at src_indptr[r]
+  const int* src_last_page_len; // [rows]: tokens in each row's last page
+  int src_indices_len;          // entries in src_block_tables (an indptr past it is a bad row)
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -128,8 +137,17 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   const int max_len = p.max_seq > 0 ? p.max_seq : *p.max_seq_len;
   int len = 0;
   if (tid < rows) {
-    len = p.src_seq_lens != nullptr ? p.src_seq_lens[tid] : p.seq_lens[tid];
-    if (p.src_seq_lens != nullptr) p.seq_lens[tid] = len;
+    if (p.src_indptr != nullptr) {  // CSR: the length from the row's pages and last page
+      const int lo = p.src_indptr[tid], hi = p.src_indptr[tid + 1], last = p.src_last_page_len[tid];
+      const long long pages = (long long)hi - lo;
+      const bool bad = lo < 0 || pages < 0 || hi > p.src_indices_len || (pages > 0 && (last < 1 || last > (1 << p.page_size_log2)));
+      const long long n = pages > 0 ? ((pages - 1) << p.page_size_log2) + last : 0;
+      len = bad || n > max_len ? -1 : (int)n;
+      p.seq_lens[tid] = len;
+    } else {
+      len = p.src_seq_lens != nullptr ? p.src_seq_lens[tid] : p.seq_lens[tid];
+      if (p.src_seq_lens != nullptr) p.seq_lens[tid] = len;
+    }
     if (len < 0 || len > max_len) {  // 0: an idle row (an engine's padding), no work, no flag
       atomicOr(&bad_rows, 1);
       len = 0;
@@ -154,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     for (int r = g; r < rows; r += groups) {
       const int n = (tiles_of[r] + (1 << p.page_size_log2) - 1) >> p.page_size_log2;
       const int first = tiles_of[r] > 0 ? pkv::window_start(tiles_of[r], p.window_left) >> p.page_size_log2 : 0;
-      const int* row = src + (long long)r * src_stride;
+      const int* row = src + (p.src_indptr != nullptr ? (long long)p.src_indptr[r] : (long long)r * src_stride);
       int* dst = p.block_tables + (long long)r * p.bt_stride;
       // Batches of 8 independent loads before their checks (and direct mode's stores): the
       // group's stride is a runtime value, so the compiler did not unroll a plain strided loop

@@ -678,7 +678,8 @@ class Emu:
                               slowdown8, overhead8, max_ctas, max_seq_len=None, free_slots=0,
                               room_slots=0, room8=0, room_chunk=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
-                              src_block_tables=None, rows=None, max_seq=None, window_left=-1):
+                              src_block_tables=None, rows=None, max_seq=None, window_left=-1,
+                              src_indptr=None, src_last_page_len=None):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
         average load at the best throughput), chosen at the least cost + the last wave's room
@@ -686,14 +687,16 @@ class Emu:
         tokens per split, then split, then KV head); rows with a bad length or a page id outside
         [0, num_pages) get no work. Refuses what ops.plan_workqueue_device refuses: a block
         table of fewer rows than seq_lens. A sliding window plans each row's attended range
-        (its window's tiles and pages; task ranges offset by the window start)."""
+        (its window's tiles and pages; task ranges offset by the window start). CSR direct mode
+        (src_indptr): each row's length from its pages and last page, a bad indptr or last page
+        a bad length, its pages copied from the indices at the row's offset."""
         self.launches += 1
         max_rows = seq_lens.shape[0]
         if block_tables is not None and block_tables.shape[0] < max_rows:
             raise ops.KernelArgumentError(f"block_tables: expected [>= {max_rows}, W], got "
                                           f"{tuple(block_tables.shape)}")
         ops.check_plan_direct_args(max_rows, block_tables, page_size, src_seq_lens, src_block_tables,
-                                   rows, max_seq)   # what the wrapper refuses, refused here too
+                                   rows, max_seq, src_indptr, src_last_page_len)   # as the wrapper
         rows = min(int(num_rows[0]) if rows is None else rows, max_rows)
         max_len = max_seq if max_seq is not None else \
             ops.MAX_SEQ_LEN if max_seq_len is None else int(max_seq_len[0])   # None: the wrapper's default
@@ -701,16 +704,29 @@ class Emu:
         if src_seq_lens is not None:   # direct mode: the kernel copies what it reads
             self.direct += 1
             seq_lens[:rows] = src_seq_lens[:rows]
+        offset = [r * (src_block_tables.shape[1] if src_block_tables is not None
+                       and src_block_tables.dim() == 2 else 0) for r in range(rows)]
+        if src_indptr is not None:   # CSR direct mode: the lengths from the pages
+            self.direct += 1
+            n_ind = src_block_tables.shape[0]
+            for r in range(rows):
+                lo, hi, last = int(src_indptr[r]), int(src_indptr[r + 1]), int(src_last_page_len[r])
+                pages = hi - lo
+                bad = lo < 0 or pages < 0 or hi > n_ind or (pages > 0 and not 1 <= last <= page_size)
+                n = (pages - 1) * page_size + last if pages > 0 else 0
+                seq_lens[r] = -1 if bad or n > max_len else n
+                offset[r] = lo
         start = [0] * max_rows
         for r in range(rows):
             n = int(seq_lens[r])
             start[r] = reference.window_start(n, window_left) if 1 <= n <= max_len else 0
         if src_block_tables is not None:
+            flat = src_block_tables.reshape(-1)
             for r in range(rows):
                 n = int(seq_lens[r])
                 if 1 <= n <= max_len:
                     p0, w = start[r] // page_size, -(-n // page_size)
-                    block_tables[r, p0:w] = src_block_tables[r, p0:w]
+                    block_tables[r, p0:w] = flat[offset[r] + p0:offset[r] + w]
         tiles, bad, bad_page = [0] * max_rows, False, False
         for r in range(rows):
             n = int(seq_lens[r])

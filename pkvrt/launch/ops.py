@@ -502,6 +502,8 @@ class PlanParams(ctypes.Structure):
         ("src_bt_stride", ctypes.c_int), ("rows", ctypes.c_int), ("max_seq", ctypes.c_int),
         ("free_slots", ctypes.c_int), ("room_slots", ctypes.c_int), ("room8", ctypes.c_int),
         ("room_chunk", ctypes.c_int), ("window_left", ctypes.c_int),
+        ("src_indptr", ctypes.c_void_p), ("src_last_page_len", ctypes.c_void_p),
+        ("src_indices_len", ctypes.c_int),
     ]
 
 
@@ -510,13 +512,29 @@ MAX_SEQ_LEN = 2**31 - 1 - _buildspec.TILE_TOKENS   # int32 lengths; len + tile -
 
 
 def check_plan_direct_args(max_rows: int, block_tables, page_size, src_seq_lens, src_block_tables,
-                           rows, max_seq) -> bool:
+                           rows, max_seq, src_indptr=None, src_last_page_len=None) -> bool:
     """The direct-mode arguments of :func:`plan_workqueue_device` (shapes and values only; dtype
     and device are checked with the pointers). Returns True in direct mode (``rows`` and
     ``max_seq`` given), False when none of the four is given; raises KernelArgumentError naming
     the argument otherwise: ``rows``/``max_seq`` come together and with every ``src_*``,
     ``src_seq_lens`` holds at least ``rows`` lengths, ``src_block_tables`` comes with
-    ``block_tables`` and both hold ``rows`` rows of at least ``max_seq / page_size`` entries."""
+    ``block_tables`` and both hold ``rows`` rows of at least ``max_seq / page_size`` entries.
+    CSR direct mode: ``src_indptr`` [>= rows + 1] and ``src_last_page_len`` [>= rows] come
+    together, with ``src_block_tables`` the 1-D indices (fewer than 2**31) and without
+    ``src_seq_lens``; ``block_tables`` holds ``rows`` rows of ``max_seq / page_size`` entries."""
+    if (src_indptr is None) != (src_last_page_len is None):
+        _fail("src_indptr/src_last_page_len", "both given (CSR direct mode) or neither",
+              (src_indptr is None, src_last_page_len is None))
+    if src_indptr is not None:
+        if rows is None or max_seq is None:
+            _fail("rows/max_seq", "both given with src_indptr (CSR direct mode)", (rows, max_seq))
+        if src_seq_lens is not None:
+            _fail("src_seq_lens", "not given with src_indptr (the lengths come from the CSR)", "given")
+        if src_block_tables is None or src_block_tables.dim() != 1 or src_block_tables.shape[0] >= 2**31:
+            _fail("src_block_tables", "the CSR's page indices, 1-D, fewer than 2**31 entries (with src_indptr)",
+                  None if src_block_tables is None else tuple(src_block_tables.shape))
+        if block_tables is None or page_size is None:
+            _fail("src_indptr", "given with block_tables and page_size", None)
     if rows is None and max_seq is None:
         if src_seq_lens is not None or src_block_tables is not None:
             _fail("rows/max_seq", "both given with src_seq_lens / src_block_tables (direct mode)",
@@ -528,7 +546,15 @@ def check_plan_direct_args(max_rows: int, block_tables, page_size, src_seq_lens,
         _fail("max_seq", f"an int in [1, {MAX_SEQ_LEN}] (with rows)", max_seq)
     if src_seq_lens is not None and (src_seq_lens.dim() != 1 or src_seq_lens.shape[0] < rows):
         _fail("src_seq_lens", f"[>= rows = {rows}] int32", tuple(src_seq_lens.shape))
-    if src_block_tables is not None:
+    if src_indptr is not None:
+        if src_indptr.dim() != 1 or src_indptr.shape[0] < rows + 1:
+            _fail("src_indptr", f"[>= rows + 1 = {rows + 1}] int32", tuple(src_indptr.shape))
+        if src_last_page_len.dim() != 1 or src_last_page_len.shape[0] < rows:
+            _fail("src_last_page_len", f"[>= rows = {rows}] int32", tuple(src_last_page_len.shape))
+        cols = -(-max_seq // page_size)
+        if block_tables.shape[1] < cols:
+            _fail("block_tables", f"[.., >= {cols}] (max_seq / page_size columns)", tuple(block_tables.shape))
+    elif src_block_tables is not None:
         if block_tables is None or page_size is None:
             _fail("src_block_tables", "given with block_tables and page_size", None)
         cols = -(-max_seq // page_size)
@@ -546,7 +572,7 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
                           max_seq_len=None, block_tables=None, num_pages=None,
                           page_size: int | None = None, src_seq_lens=None, src_block_tables=None,
                           rows: int | None = None, max_seq: int | None = None,
-                          window_left: int = -1) -> None:
+                          window_left: int = -1, src_indptr=None, src_last_page_len=None) -> None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
@@ -572,6 +598,13 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     (device, contiguous): the entries each valid length uses are copied into block_tables
     (which must be given); :func:`check_plan_direct_args`. ``candidates`` are read before the
     kernel's PDL wait: they must not be written by the kernel just before it in the stream.
+    CSR direct mode (a FlashInfer-style step on the GPU, the drop-in wrapper's CUDA-graph mode):
+    ``src_indptr`` [>= rows + 1], ``src_last_page_len`` [>= rows] and ``src_block_tables`` the
+    1-D page indices, int32 on the device, instead of ``src_seq_lens``: the kernel writes each
+    row's length, (pages - 1) * page_size + last_page_len (0 for a row of no pages, an engine's
+    padding), into seq_lens and its pages into block_tables; an indptr that decreases, starts
+    below 0 or ends past the indices, or a last_page_len outside [1, page_size], is a bad
+    length (status bit 1: no work for that row; nothing is read past the indices).
 
     window_left: -1, or each row attends to its last window_left + 1 tokens: the plan covers
     that range (its tasks' token ranges start there; only its block-table entries are checked
@@ -625,11 +658,16 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
         p.bt_stride, p.page_size_log2 = block_tables.stride(0), page_size.bit_length() - 1
     p.rows, p.max_seq = -1, 0
     if check_plan_direct_args(max_rows, block_tables, page_size, src_seq_lens, src_block_tables,
-                              rows, max_seq):
+                              rows, max_seq, src_indptr, src_last_page_len):
         p.rows, p.max_seq = rows, max_seq
         if src_seq_lens is not None:
             p.src_seq_lens = _int32("src_seq_lens", src_seq_lens, dev, 1)
-        if src_block_tables is not None:
+        if src_indptr is not None:
+            p.src_indptr = _int32("src_indptr", src_indptr, dev, 1)
+            p.src_last_page_len = _int32("src_last_page_len", src_last_page_len, dev, 1)
+            p.src_block_tables = _int32("src_block_tables", src_block_tables, dev, 1)
+            p.src_indices_len = src_block_tables.shape[0]
+        elif src_block_tables is not None:
             p.src_block_tables = _int32("src_block_tables", src_block_tables, dev, 2)
             p.src_bt_stride = src_block_tables.stride(0)
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))

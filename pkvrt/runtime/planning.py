@@ -180,7 +180,69 @@ class Planning:
         """plan() with device-side planning (see the constructor's ``device_planning``)."""
         seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
                                     max_batch=self.max_batch)
-        b, gb = seq.shape[0], graphs.padded_batch(seq.shape[0])
+        b = seq.shape[0]
+        route = self._device_route(b, force)
+        w = min(bt.shape[1], self.max_pages_per_row)
+        if capturing and (seq.device != self.device or bt.device != self.device):
+            raise ValueError("Runtime.plan: seq_lens/block_tables on the CPU during CUDA-graph "
+                             "capture: the graph would read host memory captured by address; "
+                             f"pass int32 tensors on {self.device}")
+        rows, max_seq = b, w * self.page_size
+        # (inside an engine's capture the Runtime's own graphs are off: launches go into it)
+        direct = (self._direct_plan and (capturing or not self.use_cuda_graph) and seq.device == self.device
+                  and bt.device == self.device and seq.is_contiguous() and bt.is_contiguous())
+        src = dict(src_seq_lens=seq, src_block_tables=bt, rows=rows, max_seq=max_seq) if direct else None
+        stage = None if direct else (lambda: self._stage_device_inputs(seq, bt, b, w, rows, max_seq, capturing))
+        return self._enqueue_device_step(route, b, src, stage, force, capturing)
+
+    def plan_csr(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, *,
+                 force: str | None = None) -> RouteDecision:
+        """plan() of a step given as FlashInfer's paged-KV CSR on the GPU (device planning, the
+        Runtime's graphs off, as the drop-in wrapper's CUDA-graph mode runs it): row r's pages are
+        ``indices[indptr[r]:indptr[r + 1]]`` and its length ``(pages - 1) * page_size +
+        last_page_len[r]`` (0 for a row of no pages: an engine's padding row). One launch: the
+        planning kernel reads the CSR itself (no block table is built before it).
+
+        indptr [B + 1], indices [nnz >= indptr[B]] and last_page_len [B]: contiguous int32
+        tensors on the Runtime's device, B <= max_batch. Only shapes, dtypes and devices are
+        checked here; the values on the GPU (:meth:`device_status`: a decreasing indptr, one past
+        ``indices``, a last_page_len outside [1, page_size] or a row of more than
+        max_pages_per_row pages is a bad length, bit 1; page ids against ``num_pages``, bit 2).
+
+        Raises ValueError naming the argument; RuntimeError for a Runtime without device planning
+        or with its own graphs on (plan with block tables then)."""
+        if self._mode_open:
+            raise RuntimeError("Runtime.plan_csr: the Runtime has no planning mode yet: build it "
+                               "with device_planning=True")
+        if not self.device_planning or (self.use_cuda_graph and not self._capturing()):
+            raise RuntimeError("Runtime.plan_csr: needs device planning with the Runtime's own graphs "
+                               "off (RuntimeOptions(use_cuda_graph=False), or inside a capture); "
+                               "plan(seq_lens, block_tables) otherwise")
+        for name, t, dims in (("indptr", indptr, 1), ("indices", indices, 1), ("last_page_len", last_page_len, 1)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != self.device \
+                    or t.dim() != dims or not t.is_contiguous():
+                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"Runtime.plan_csr: {name}: expected a contiguous 1-D int32 tensor "
+                                 f"on {self.device}, got {got}")
+        b = last_page_len.shape[0]
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"Runtime.plan_csr: last_page_len: expected 1 to max_batch = "
+                             f"{self.max_batch} rows, got {b}")
+        if indptr.shape[0] != b + 1:
+            raise ValueError(f"Runtime.plan_csr: indptr: expected [batch + 1 = {b + 1}], got "
+                             f"{tuple(indptr.shape)}")
+        if indices.shape[0] >= 2**31:
+            raise ValueError(f"Runtime.plan_csr: indices: expected fewer than 2**31 entries, got "
+                             f"{indices.shape[0]}")
+        route = self._device_route(b, force)
+        src = dict(src_indptr=indptr, src_last_page_len=last_page_len, src_block_tables=indices,
+                   rows=b, max_seq=self.max_pages_per_row * self.page_size)
+        return self._enqueue_device_step(route, b, src, None, force, self._capturing())
+
+    def _device_route(self, b: int, force: str | None):
+        """The workqueue/fused route of a device-planned step of ``b`` rows: routes.toml's
+        ``[device_planning]`` table, or ``force``; ValueError naming ``force`` otherwise."""
         # routes.toml [device_planning]: `route`, or `small_route` for steps of <= small_rows rows
         name = self.registry.device_planning_route(b).name if force is None else force
         route = self._dp_routes.get(name)
@@ -190,33 +252,32 @@ class Planning:
         if self._kv_dtype not in route.kv_dtypes:
             raise ValueError(f"Runtime.plan: force={force!r}: route {name!r} does not serve KV dtype "
                              f"{self._kv_dtype} (kv_dtypes = {list(route.kv_dtypes)} in routes.toml)")
-        w = min(bt.shape[1], self.max_pages_per_row)
-        if capturing and (seq.device != self.device or bt.device != self.device):
-            raise ValueError("Runtime.plan: seq_lens/block_tables on the CPU during CUDA-graph "
-                             "capture: the graph would read host memory captured by address; "
-                             f"pass int32 tensors on {self.device}")
+        return route
+
+    def _enqueue_device_step(self, route, b: int, src: dict | None, stage, force: str | None,
+                             capturing: bool) -> RouteDecision:
+        """Enqueue a device-planned step of ``b`` rows on ``route``: the planning kernel in direct
+        mode reading ``src`` (``ops.plan_workqueue_device``'s ``src_*``, ``rows``, ``max_seq``),
+        or, ``src`` None, after ``stage()`` copied the step into the planning buffers."""
+        gb = graphs.padded_batch(b)
         self._step = None   # until this step is fully enqueued: a failure below leaves no plan
-        rows, max_seq = b, w * self.page_size
         # Before any cache has been seen (no num_pages at construction, no run() yet) the
         # planning kernel has no page-id bound, so the step's planning launch waits for its
         # first run(), which sets the bound from its cache (Running._check_page_bound) and then
         # launches it: no step is ever planned with unchecked page ids.
         deferred = None
-        # (inside an engine's capture the Runtime's own graphs are off: launches go into it)
-        direct = (self._direct_plan and (capturing or not self.use_cuda_graph) and seq.device == self.device
-                  and bt.device == self.device and seq.is_contiguous() and bt.is_contiguous())
         if self._num_pages is None:
-            if not direct:
-                self._stage_device_inputs(seq, bt, b, w, rows, max_seq, capturing)
+            if src is None:
+                stage()
             grid = self._device_grid_tasks(route, gb)
-            deferred = (route, gb, grid, (seq, bt, rows, max_seq) if direct else None)
-        elif direct:
+            deferred = (route, gb, grid, src)
+        elif src is not None:
             # Direct: one launch, the planning kernel copies the lengths and the block-table
             # entries they use into the runtime's buffers (no copy or fill launch before it;
             # in an engine's captured step each of those is a dependent node: benches/NOTES.md)
-            grid = self._enqueue_device_plan(route, gb, direct=(seq, bt, rows, max_seq))
+            grid = self._enqueue_device_plan(route, gb, direct=src)
         else:
-            self._stage_device_inputs(seq, bt, b, w, rows, max_seq, capturing)
+            stage()
             grid = self._enqueue_device_plan(route, gb)
         self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
                            max_page_id=-1, plan_launch=deferred, plan_once=not capturing)
@@ -301,12 +362,12 @@ class Planning:
         return grid
 
     def _launch_device_plan(self, route, gbatch: int, grid: int, direct=None) -> None:
-        """The planning kernel over the padded batch's buffers; ``direct`` = (seq_lens,
-        block_tables, rows, max_seq): the kernel copies the step's lengths and block-table
-        entries from those device tensors itself (``ops.plan_workqueue_device``'s direct mode)."""
+        """The planning kernel over the padded batch's buffers; ``direct``: the direct-mode
+        arguments of ``ops.plan_workqueue_device`` (``src_*``, ``rows``, ``max_seq``), with which
+        the kernel copies the step's lengths and block-table entries from those device tensors
+        (or derives them from a CSR) itself."""
         L, cal = self._layout, self.calibration
-        src = {} if direct is None else dict(src_seq_lens=direct[0], src_block_tables=direct[1],
-                                             rows=direct[2], max_seq=direct[3])
+        src = direct or {}
         ops.plan_workqueue_device(
             self._d_seq[:gbatch], self._d_rows,
             self._arena[L.tasks:L.tasks + 5 * grid].view(grid, 5),

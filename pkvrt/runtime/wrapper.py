@@ -350,23 +350,37 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._use_cuda_graph:
             # indptr on the host (engines pass it there; FlashInfer's plan() reads it there too);
             # the page ids, and last_page_len where it is on the GPU (SGLang's), never read on
-            # the host: the step is written on the device into this wrapper's static buffers,
-            # from the caller's indices buffer, and planned there (device planning)
+            # the host: the step is planned on the device from the caller's buffers
             ip = csr_pages(indptr, batch, padding=True)
+            pages = np.diff(ip)
             _check_indices_length(indices, int(ip[-1]))
-            if _host_side(last_page_len):
-                seq_host = csr_lengths(ip, last_page_len, page_size, padding=True)[1]
-            elif page_size == 1:     # every page holds one token: the lengths are the page counts
-                seq_host = np.diff(ip).astype(np.int32)
-            else:                    # computed on the device; a bad one is the planner's to flag
-                seq_host = None
-            rt = self._runtime(key, batch, max(1, int(np.diff(ip).max())))
+            if _host_side(last_page_len):   # checked here when it costs no device read
+                csr_lengths(ip, last_page_len, page_size, padding=True)
+            rt = self._runtime(key, batch, max(1, int(pages.max())))
             # FlashInfer fills the caller's buffers: so do we (SGLang wrote indices there already)
             self._buffers[0].copy_(torch.as_tensor(indptr), non_blocking=non_blocking)
             self._buffers[2].copy_(torch.as_tensor(last_page_len), non_blocking=non_blocking)
             ind = self._buffers[1]
             if not (isinstance(indices, torch.Tensor) and indices.data_ptr() == ind.data_ptr()):
                 ind[:len(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
+            if self._csr_direct(rt):
+                # one launch: the planning kernel reads the CSR buffers themselves
+                csr = (self._buffers[0][:batch + 1], ind, self._buffers[2][:batch])
+                rt.plan_csr(*csr)
+                self.fallback_reason = None
+                self._planned = dict(csr=csr, batch=batch, pages=max(1, int(pages.max())),
+                                     window_left=int(window_left), kv_dtype=kv_dt,
+                                     variant=self._variant(pos_encoding_mode, window_left,
+                                                           logits_soft_cap, sm_scale, head_dim))
+                return
+            # the block tables written on the device into this wrapper's static buffers (a
+            # SharedPagesRuntime finds the shared pages from them)
+            if _host_side(last_page_len):
+                seq_host = csr_lengths(ip, last_page_len, page_size, padding=True)[1]
+            elif page_size == 1:     # every page holds one token: the lengths are the page counts
+                seq_host = pages.astype(np.int32)
+            else:                    # computed on the device; a bad one is the planner's to flag
+                seq_host = None
             device_step(ip, ind, self._seq_buf, self._bt_buf, seq=seq_host,
                         last_page_len=self._buffers[2] if seq_host is None else None, page_size=page_size)
             seq, bt = self._seq_buf[:batch], self._bt_buf[:batch]
@@ -378,6 +392,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._planned = dict(seq=seq, bt=bt, window_left=int(window_left), kv_dtype=kv_dt,
                              variant=self._variant(pos_encoding_mode, window_left, logits_soft_cap,
                                                    sm_scale, head_dim))
+
+    def _csr_direct(self, rt) -> bool:
+        """Whether CUDA-graph mode plans ``rt`` straight from the CSR buffers (``Runtime.plan_csr``):
+        a plain Runtime (a SharedPagesRuntime finds shared pages in block tables) and the
+        buffers as the planning kernel reads them (contiguous int32 on the device)."""
+        from pkvrt.runtime import Runtime
+
+        return type(rt) is Runtime and all(
+            t.dtype == torch.int32 and t.device == self.device and t.is_contiguous() for t in self._buffers)
 
     def _unserved(self, hq, hkv, d, page, pos_encoding_mode, window_right, q_dt, kv_dt, o_dt,
                   fixed_split_size, disable_split_kv, q_len_per_req, is_causal) -> str | None:
@@ -517,6 +540,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                             "dtype", "kv_dtype", "window_left", "logits_soft_cap",
                                             "sm_scale")}
         self._rt = None
+        if "csr" in self._planned:
+            self._runtime(key, self._planned["batch"], self._planned["pages"]).plan_csr(*self._planned["csr"])
+            return
         rt = self._runtime(key, len(self._planned["seq"]), self._planned["bt"].shape[1])
         rt.plan(self._planned["seq"], self._planned["bt"])
 

@@ -215,3 +215,63 @@ def test_direct_mode_plans_what_the_copied_inputs_plan(seed):
         used = -(-int(seq[r]) // page) if seq[r] <= width * page else 0
         assert torch.equal(bt_d[r, :used], src_bt[r, :used].cpu()), r
         assert (bt_d[r, used:] == -9).all(), r
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_csr_direct_mode_plans_what_the_block_table_direct_mode_plans(seed):
+    """CSR direct mode (FlashInfer's indptr / indices / last_page_len on the device, the drop-in
+    wrapper's CUDA-graph plan): each row's length from its pages and last page, its pages from
+    the indices at its offset; the same tasks, offsets, status, lengths and copied entries as
+    block-table direct mode over the same step. Padding rows (no pages) are idle; a row with a
+    last_page_len outside [1, page_size], a decreasing indptr or one past the indices is a bad
+    length (bit 1, as -1 in the block-table run), with nothing read past the indices."""
+    rng = np.random.default_rng(100 + seed)
+    b, page, width = int(rng.integers(2, MAX_ROWS + 1)), (1, 16)[seed % 2], 300 // (1, 16)[seed % 2] * 16
+    pages = rng.integers(0 if seed >= 2 else 1, width + 1, b)
+    lpl = np.where(pages > 0, rng.integers(1, page + 1, b), int(rng.integers(0, 9)))
+    num_pages = 5000
+    ip = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    ind = rng.integers(0, num_pages, int(ip[-1]) + 13).astype(np.int32)
+    seq = np.where(pages > 0, (pages - 1) * page + lpl, 0).astype(np.int32)
+    bad = []
+    if seed >= 2:
+        r = int(rng.integers(0, b - 1))
+        if pages[r] > 0:
+            lpl[r] = page + 1 if seed % 3 else 0                  # a last page past the page size
+            bad.append(r)
+    if seed >= 4:
+        ind = ind[:int(ip[-1]) - 1]                           # the last non-empty row ends past them
+        last = int(np.nonzero(pages > 0)[0][-1])
+        bad.append(last)
+    seq_bt = seq.copy()
+    seq_bt[bad] = -1
+    src_bt = torch.full((b, width + 3), -5, dtype=torch.int32)
+    for r in range(b):
+        got = ind[ip[r]:min(ip[r + 1], len(ind))]
+        src_bt[r, :len(got)] = torch.as_tensor(got)
+    splits = load_routes().route("pkv_workqueue").splits
+    cal = find_calibration(torch.cuda.get_device_name())
+    i32 = dict(dtype=torch.int32, device=DEV)
+    cand = torch.tensor(splits.candidates(), **i32)
+    kw = dict(num_kv_heads=H_KV, min_split_tiles=-(-cal.splits.min_split_tokens // 32),
+              num_pages=torch.tensor([num_pages], **i32), page_size=page, rows=b,
+              max_seq=width * page, **planner.device_plan_targets(cal))
+    results = []
+    for extra in (dict(src_seq_lens=torch.as_tensor(seq_bt).to(DEV), src_block_tables=src_bt.to(DEV)),
+                  dict(src_indptr=torch.as_tensor(ip).to(DEV), src_last_page_len=torch.as_tensor(lpl, dtype=torch.int32).to(DEV),
+                       src_block_tables=torch.as_tensor(ind).to(DEV))):
+        bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
+        seq_dev = torch.full((MAX_ROWS,), -3, **i32)
+        bt = torch.full((MAX_ROWS, width), -9, **i32)
+        ops.plan_workqueue_device(seq_dev, torch.zeros(1, **i32), bufs["tasks"], bufs["num_tasks"],
+                                  bufs["split_offsets"], bufs["num_splits"], bufs["status"], cand,
+                                  max_seq_len=torch.zeros(1, **i32), block_tables=bt, **kw, **extra)
+        torch.cuda.synchronize()
+        results.append((bufs, seq_dev.cpu(), bt.cpu()))
+    (want, seq_w, bt_w), (got, seq_g, bt_g) = results
+    for key in ("status", "num_tasks", "num_splits", "split_offsets"):
+        assert torch.equal(want[key], got[key]), key
+    n = want["num_tasks"].item()
+    assert torch.equal(want["tasks"][:n], got["tasks"][:n])
+    assert got["status"].item() == (2 if bad else 0)
+    assert torch.equal(seq_g, seq_w) and torch.equal(bt_g, bt_w)
