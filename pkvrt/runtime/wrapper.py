@@ -87,16 +87,25 @@ def csr_lengths(indptr, last_page_len, page_size: int, *, padding: bool = False)
 
     Raises ValueError naming the argument: as :func:`csr_pages`, last_page_len outside [1,
     page_size]."""
-    lpl = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
-                     dtype=np.int64)
+    lpl = _host_array(last_page_len)
     ip = csr_pages(indptr, lpl.shape[0], padding=padding)
     pages = np.diff(ip)
+    _check_last_page_len(lpl, pages, page_size)
+    # a row of no pages (padding, csr_pages(padding=True)) has length 0
+    return ip, np.where(pages > 0, (pages - 1) * page_size + lpl, 0).astype(np.int32)
+
+
+def _host_array(x) -> np.ndarray:
+    """``x`` (a tensor, possibly on the GPU: a device-to-host copy, or a sequence) as int64 numpy."""
+    return np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x, dtype=np.int64)
+
+
+def _check_last_page_len(lpl: np.ndarray, pages: np.ndarray, page_size: int) -> None:
+    """ValueError naming the first row of pages whose last_page_len is outside [1, page_size]."""
     bad = ((lpl < 1) | (lpl > page_size)) & (pages > 0)
     if bad.any():
         r = int(np.nonzero(bad)[0][0])
         raise ValueError(f"last_page_len[{r}] = {int(lpl[r])}: expected 1..page_size = {page_size}")
-    # a row of no pages (padding, csr_pages(padding=True)) has length 0
-    return ip, np.where(pages > 0, (pages - 1) * page_size + lpl, 0).astype(np.int32)
 
 
 def _host_side(x) -> bool:
@@ -329,18 +338,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"{self._fixed_batch_size}")
             if len(indices) > len(self._buffers[1]):
                 raise ValueError("The size of indices should be less than or equal to the allocated buffer")
-        fi_kwargs = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                         logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
-                         kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=sm_scale,
-                         rope_scale=rope_scale, rope_theta=rope_theta, non_blocking=non_blocking,
-                         block_tables=block_tables, seq_lens=seq_lens,
-                         fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                         q_len_per_req=q_len_per_req, is_causal=is_causal, window_right=window_right)
         reason = self._unserved(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
                                 window_right, q_dt, kv_dt, o_dt, fixed_split_size, disable_split_kv,
                                 q_len_per_req, is_causal)
         self._planned = None
         if reason is not None:
+            fi_kwargs = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                             logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+                             kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=sm_scale,
+                             rope_scale=rope_scale, rope_theta=rope_theta, non_blocking=non_blocking,
+                             block_tables=block_tables, seq_lens=seq_lens,
+                             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                             q_len_per_req=q_len_per_req, is_causal=is_causal, window_right=window_right)
             self._plan_flashinfer(reason, indptr, indices, last_page_len, num_qo_heads,
                                   num_kv_heads, head_dim, page_size, fi_kwargs)
             return
@@ -355,7 +364,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             pages = np.diff(ip)
             _check_indices_length(indices, int(ip[-1]))
             if _host_side(last_page_len):   # checked here when it costs no device read
-                csr_lengths(ip, last_page_len, page_size, padding=True)
+                _check_last_page_len(_host_array(last_page_len), pages, page_size)
             rt = self._runtime(key, batch, max(1, int(pages.max())))
             # FlashInfer fills the caller's buffers: so do we (SGLang wrote indices there already)
             self._buffers[0].copy_(torch.as_tensor(indptr), non_blocking=non_blocking)
