@@ -77,8 +77,8 @@ def test_a_bad_csr_row_gets_no_work_and_status_bit_1(fake_device, pool, bad):  #
     elif bad == "indptr decreases":
         ip[2] = ip[1] - 1
     elif bad == "indptr past the indices":
-        ind = ind[:int(ip[2]) - 1].clone()              # row 1 ends past the last entry
-        ip[3] = ip[2]                                    # (row 2 then has no pages: padding)
+        ind = ind[:int(ip[2]) - 1].clone()              # row 1 ends past the last entry, and
+        ip[3] = ip[2]                                    # row 2 (no pages) starts past it: bad too
     else:
         ip = torch.tensor([0, 1, 1 + 300, 301 + 1], dtype=torch.int32)
         ind = torch.zeros(302, dtype=torch.int32)
@@ -90,6 +90,8 @@ def test_a_bad_csr_row_gets_no_work_and_status_bit_1(fake_device, pool, bad):  #
     with pytest.raises(RuntimeError, match="seq_len"):
         rt.device_status()
     assert torch.all(out[1] == 5.0)
+    if bad == "indptr past the indices":
+        assert torch.all(out[2] == 5.0)
     if bad.startswith("last_page_len"):                  # the other rows are planned as usual
         keep = [0, 2]
         assert rel_err(out[keep], ref(q, cache, seq, bt)[keep]) < 2e-3

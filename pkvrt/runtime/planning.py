@@ -181,7 +181,7 @@ class Planning:
         seq, bt = check_device_step(seq_lens, block_tables, device=self.device,
                                     max_batch=self.max_batch)
         b = seq.shape[0]
-        route = self._device_route(b, force)
+        route = self._device_route(b, force, "Runtime.plan")
         w = min(bt.shape[1], self.max_pages_per_row)
         if capturing and (seq.device != self.device or bt.device != self.device):
             raise ValueError("Runtime.plan: seq_lens/block_tables on the CPU during CUDA-graph "
@@ -235,22 +235,23 @@ class Planning:
         if indices.shape[0] >= 2**31:
             raise ValueError(f"Runtime.plan_csr: indices: expected fewer than 2**31 entries, got "
                              f"{indices.shape[0]}")
-        route = self._device_route(b, force)
+        route = self._device_route(b, force, "Runtime.plan_csr")
         src = dict(src_indptr=indptr, src_last_page_len=last_page_len, src_block_tables=indices,
                    rows=b, max_seq=self.max_pages_per_row * self.page_size)
         return self._enqueue_device_step(route, b, src, None, force, self._capturing())
 
-    def _device_route(self, b: int, force: str | None):
+    def _device_route(self, b: int, force: str | None, where: str):
         """The workqueue/fused route of a device-planned step of ``b`` rows: routes.toml's
-        ``[device_planning]`` table, or ``force``; ValueError naming ``force`` otherwise."""
+        ``[device_planning]`` table, or ``force``; ValueError naming ``force`` (and ``where``,
+        the method called) otherwise."""
         # routes.toml [device_planning]: `route`, or `small_route` for steps of <= small_rows rows
         name = self.registry.device_planning_route(b).name if force is None else force
         route = self._dp_routes.get(name)
         if route is None:
-            raise ValueError(f"Runtime.plan: force={force!r}: with device_planning expected one of "
+            raise ValueError(f"{where}: force={force!r}: with device_planning expected one of "
                              f"the workqueue/fused routes {sorted(self._dp_routes)}")
         if self._kv_dtype not in route.kv_dtypes:
-            raise ValueError(f"Runtime.plan: force={force!r}: route {name!r} does not serve KV dtype "
+            raise ValueError(f"{where}: force={force!r}: route {name!r} does not serve KV dtype "
                              f"{self._kv_dtype} (kv_dtypes = {list(route.kv_dtypes)} in routes.toml)")
         return route
 
@@ -382,7 +383,8 @@ class Planning:
     def device_status(self, *, raise_on_error: bool = True) -> int:
         """The device planner's status word of the last planned step (synchronizes the stream):
         0 = fine; bit 0 = task capacity exceeded (cannot happen with the runtime's own sizing);
-        bit 1 = a row's seq_len was outside [0, block-table columns * page_size] (0 is an idle
+        bit 1 = a row's seq_len was outside [0, block-table columns * page_size] (plan_csr: or
+        its indptr or last_page_len was bad) (0 is an idle
         row: an engine's padding, given no work and not flagged); bit 2 = a row's
         block table held a page id outside [0, num_pages) among the pages its length uses
         (either way that row got no work and its output row was not computed). Raises
@@ -411,8 +413,10 @@ class Planning:
         if word and raise_on_error:
             what = []
             if word & 2:
-                what.append("a row's seq_len was outside [0, block_tables columns * page_size]: "
-                            "that row got no work and its output row was not computed")
+                what.append("a row's seq_len was outside [0, block_tables columns * page_size] (with "
+                            "plan_csr: or its indptr decreased or ran past the indices, or its "
+                            "last_page_len was outside [1, page_size]): that row got no work and "
+                            "its output row was not computed")
             if word & 4:
                 what.append(f"a row's block table held a page id outside [0, num_pages = "
                             f"{self._num_pages}): that row got no work and its output row was not "

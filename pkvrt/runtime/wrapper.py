@@ -14,11 +14,14 @@ the shape and the attention variant, rebuilt when they change):
   last_page_len`` (on the host, where FlashInfer's plan() reads indptr and last_page_len too)
   and a block table of each row's pages.
 - ``use_cuda_graph=True`` (the engine captures ``run()`` and calls ``plan()`` outside its graph
-  before each replay): a device-planning Runtime without graphs of its own. plan() writes the
-  lengths and block tables into this wrapper's static device buffers from the indices buffer
-  (:func:`device_step`: neither the page ids nor a GPU ``last_page_len`` is read on the host,
-  so plan() does not wait for the GPU) and launches the planning kernel; the engine's graph
-  holds every layer's launches, which read that plan. A GPU ``indptr`` is read on the host, as
+  before each replay): a device-planning Runtime without graphs of its own. plan() fills the
+  caller's indptr / indices / last-page-length buffers (as FlashInfer's does) and launches the
+  planning kernel once, which reads that CSR itself (:meth:`Runtime.plan_csr`: neither the page
+  ids nor a GPU ``last_page_len`` is read on the host, so plan() does not wait for the GPU; a
+  last_page_len outside [1, page_size] found there, page size 1 included, gives its row no work
+  and ``runtime.device_status()`` raises). A ``share_prefixes`` wrapper writes lengths and block
+  tables into static device buffers first (:func:`device_step`), where its Runtime finds the
+  shared pages. The engine's graph holds every layer's launches, which read that plan. A GPU ``indptr`` is read on the host, as
   FlashInfer's plan() reads it (engines pass it on the host). The batch size is fixed by
   the indptr buffer, as in FlashInfer. A page id outside the cache is caught by the planning
   kernel (the row gets no work; ``runtime.device_status()`` raises), where FlashInfer reads it.
@@ -472,8 +475,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                         window_left=key["window_left"], logits_soft_cap=key["logits_soft_cap"],
                         sinks=sinks, device_planning=self._use_cuda_graph, options=options, **size)
         shape = (size["max_batch"], size["max_pages_per_row"])
-        if self._use_cuda_graph and getattr(self, "_bt_buf", None) is None or \
-                self._use_cuda_graph and tuple(self._bt_buf.shape) != shape:
+        # device_step's static buffers, where the CSR is not planned directly (share_prefixes)
+        if self._use_cuda_graph and not self._csr_direct(self._rt) and (
+                getattr(self, "_bt_buf", None) is None or tuple(self._bt_buf.shape) != shape):
             # the step's lengths and block tables, at fixed addresses (kept across rebuilds: a
             # planned step's views stay valid)
             self._seq_buf = torch.ones(shape[0], dtype=torch.int32, device=self.device)

@@ -222,27 +222,33 @@ def test_csr_direct_mode_plans_what_the_block_table_direct_mode_plans(seed):
     """CSR direct mode (FlashInfer's indptr / indices / last_page_len on the device, the drop-in
     wrapper's CUDA-graph plan): each row's length from its pages and last page, its pages from
     the indices at its offset; the same tasks, offsets, status, lengths and copied entries as
-    block-table direct mode over the same step. Padding rows (no pages) are idle; a row with a
-    last_page_len outside [1, page_size], a decreasing indptr or one past the indices is a bad
-    length (bit 1, as -1 in the block-table run), with nothing read past the indices."""
+    block-table direct mode over the same step, with and without a window. Padding rows (no
+    pages) are idle; a row with a last_page_len outside [1, page_size] or one ending past the
+    indices is a bad length (bit 1, as -1 in the block-table run), with nothing read past the
+    indices; a page id past the cache is bit 2 in both."""
     rng = np.random.default_rng(100 + seed)
-    b, page, width = int(rng.integers(2, MAX_ROWS + 1)), (1, 16)[seed % 2], 300 // (1, 16)[seed % 2] * 16
-    pages = rng.integers(0 if seed >= 2 else 1, width + 1, b)
-    lpl = np.where(pages > 0, rng.integers(1, page + 1, b), int(rng.integers(0, 9)))
+    b, page = int(rng.integers(4, MAX_ROWS + 1)), (1, 16)[seed % 2]
+    width, window = 300 // page * 16, (-1, 40, 700)[seed % 3]
+    pages = rng.integers(1, width + 1, b)
+    pages[rng.choice(b - 1, 2, replace=False)] = 0            # padding rows (vLLM's)
+    pages[-1] = 0                                              # a trailing one too
+    lpl = np.where(pages > 0, rng.integers(1, page + 1, b), int(rng.integers(0, 9))).astype(np.int32)
     num_pages = 5000
     ip = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     ind = rng.integers(0, num_pages, int(ip[-1]) + 13).astype(np.int32)
     seq = np.where(pages > 0, (pages - 1) * page + lpl, 0).astype(np.int32)
-    bad = []
+    bad, bad_id = [], seed % 3 == 1
     if seed >= 2:
-        r = int(rng.integers(0, b - 1))
-        if pages[r] > 0:
-            lpl[r] = page + 1 if seed % 3 else 0                  # a last page past the page size
-            bad.append(r)
+        r = int(np.nonzero(pages > 0)[0][0])
+        lpl[r] = page + 1 if seed % 2 else 0                  # a last page past the page size, or none
+        bad.append(r)
     if seed >= 4:
-        ind = ind[:int(ip[-1]) - 1]                           # the last non-empty row ends past them
-        last = int(np.nonzero(pages > 0)[0][-1])
-        bad.append(last)
+        ind = ind[:int(ip[-1]) - 1]                           # the last rows end past the indices
+        bad += [r for r in range(b) if ip[r + 1] > len(ind)]
+    if bad_id:
+        r = int(np.nonzero(pages > 0)[0][-1])
+        if r not in bad:
+            ind[int(ip[r + 1]) - 1] = num_pages + 3           # its last page: read by any window
     seq_bt = seq.copy()
     seq_bt[bad] = -1
     src_bt = torch.full((b, width + 3), -5, dtype=torch.int32)
@@ -255,10 +261,10 @@ def test_csr_direct_mode_plans_what_the_block_table_direct_mode_plans(seed):
     cand = torch.tensor(splits.candidates(), **i32)
     kw = dict(num_kv_heads=H_KV, min_split_tiles=-(-cal.splits.min_split_tokens // 32),
               num_pages=torch.tensor([num_pages], **i32), page_size=page, rows=b,
-              max_seq=width * page, **planner.device_plan_targets(cal))
+              max_seq=width * page, window_left=window, **planner.device_plan_targets(cal))
     results = []
     for extra in (dict(src_seq_lens=torch.as_tensor(seq_bt).to(DEV), src_block_tables=src_bt.to(DEV)),
-                  dict(src_indptr=torch.as_tensor(ip).to(DEV), src_last_page_len=torch.as_tensor(lpl, dtype=torch.int32).to(DEV),
+                  dict(src_indptr=torch.as_tensor(ip).to(DEV), src_last_page_len=torch.as_tensor(lpl).to(DEV),
                        src_block_tables=torch.as_tensor(ind).to(DEV))):
         bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
         seq_dev = torch.full((MAX_ROWS,), -3, **i32)
@@ -273,5 +279,12 @@ def test_csr_direct_mode_plans_what_the_block_table_direct_mode_plans(seed):
         assert torch.equal(want[key], got[key]), key
     n = want["num_tasks"].item()
     assert torch.equal(want["tasks"][:n], got["tasks"][:n])
-    assert got["status"].item() == (2 if bad else 0)
+    assert got["status"].item() == (2 if bad else 0) | (4 if bad_id and bad_id_row_ok(bad, pages) else 0)
     assert torch.equal(seq_g, seq_w) and torch.equal(bt_g, bt_w)
+    idle = [r for r in range(b) if pages[r] == 0 and ip[r] <= len(ind)]
+    assert idle and (seq_g[idle] == 0).all() and (got["num_splits"][idle] == 0).all()
+
+
+def bad_id_row_ok(bad, pages) -> bool:
+    """Whether the row given a page id past the cache (the last row of pages) is not a bad length."""
+    return int(np.nonzero(pages > 0)[0][-1]) not in bad
