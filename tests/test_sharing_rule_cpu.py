@@ -55,6 +55,7 @@ def h200_with_sharing():
     (32, 4096, 256, True),
     (16, 1024, 1024, False),  # short prefix, long own rows: the shared path's extra decode loses
     (8, 2048, 64, False),     # 2K prefix: the L2 serves the plain step's re-reads
+    (8, 8192, 512, False),    # predicted faster shared, but by less than routes.toml's margin
 ])
 def test_the_rule_shares_where_the_model_predicts_a_gain(fake_device, h200_with_sharing,  # noqa: F811
                                                          rows, shared, own, expect):
@@ -62,8 +63,10 @@ def test_the_rule_shares_where_the_model_predicts_a_gain(fake_device, h200_with_
     rt = shared_runtime(h200_with_sharing, rows, n, bt.shape[1])
     rt.plan(seq, bt)
     p = rt.sharing_prediction
-    assert p is not None and (p["shared_us"] < p["plain_us"]) == expect, p
+    assert p is not None and p["margin"] == rt.plain.registry.sharing_margin == 1.10
+    assert (p["plain_us"] >= p["margin"] * p["shared_us"]) == expect, p
     assert (rt.plan_used is not None) == expect, rt.explain()
+    assert f"[sharing] margin {p['margin']:g}" in rt.explain()
     # the ablation shares every step that saves min_saved of its reads
     always = shared_runtime(h200_with_sharing, rows, n, bt.shape[1], shared_when_predicted_faster=False)
     always.plan(seq, bt)
@@ -159,3 +162,24 @@ def test_fit_l2_writes_the_section_and_keeps_the_rest(tmp_path):
     with pytest.raises(ValueError, match="no measured step re-reads"):
         bench.main(["--fit-l2", str(only_plain), "--calibration", H200, "--write", str(out2)])
     assert not out2.exists()
+
+
+def test_the_margin_comes_from_routes_toml(fake_device, h200_with_sharing, tmp_path):  # noqa: F811
+    """8 x (8K + 512), predicted a little faster shared: shared under margin 1.0 (no table: any
+    predicted gain), plain under the shipped 1.10, and a margin of inf never shares."""
+    from pkvrt.policy.registry import load_routes
+
+    text = open(ROUTES.path).read()
+    shipped = "[sharing]\nmargin = 1.10\n"
+    assert text.count(shipped) == 1
+    seq, bt, n = prefix_step(8, 8192, 512)
+    got = {}
+    for name, table in (("none", ""), ("shipped", shipped), ("inf", "[sharing]\nmargin = inf\n")):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(text.replace(shipped, table))
+        rt = SharedPagesRuntime(32, 8, 128, PAGE, torch.float16, max_batch=8, max_pages_per_row=bt.shape[1],
+                                num_pages=n, engine_capture=True, routes=load_routes(path),
+                                calibration=h200_with_sharing, options=RuntimeOptions(flashinfer=False))
+        rt.plan(seq, bt)
+        got[name] = (rt.plain.registry.sharing_margin, rt.plan_used is not None)
+    assert got == {"none": (1.0, True), "shipped": (1.10, False), "inf": (float("inf"), False)}

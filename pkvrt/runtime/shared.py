@@ -184,13 +184,13 @@ class SharedPagesRuntime:
 
     def _sharing_pays(self, seq: np.ndarray, rereads: int, sp: sharing.SharingPlan, *,
                       own_gather: bool) -> bool:
-        """Whether the step with sharing is predicted faster than the plain step: the chunk and
-        own decodes as their Runtimes' policies would run them, plus the launches the shared
-        path adds per layer (the chunk query gather, the own gather where the own decode does
-        not read q itself, the merge), against the plain Runtime's prediction less what L2 saves it on
-        the step's ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``;
-        none without it). Both from the calibration's time model; kept in
-        ``sharing_prediction``."""
+        """Whether the step with sharing is predicted faster than the plain step by routes.toml's
+        ``[sharing] margin`` (plain / shared >= margin): the chunk and own decodes as their
+        Runtimes' policies would run them, plus the launches the shared path adds per layer (the
+        chunk query gather, the own gather where the own decode does not read q itself, the
+        merge), against the plain Runtime's prediction less what L2 saves it on the step's
+        ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``; none without
+        it). Both from the calibration's time model; kept in ``sharing_prediction``."""
         router = self.plain.router
         cal = router.cal
         extra = (2 + int(own_gather)) * launch_us(cal, graphs=router.graphs)
@@ -201,8 +201,9 @@ class SharedPagesRuntime:
                                         cal.beta_gbps, reread_cost)
         t_shared = (self.shared.predict_step_us(sp.chunk_seq) + self.own.predict_step_us(sp.own_seq)
                     + extra)
-        self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared}
-        return t_shared < t_plain
+        margin = self.plain.registry.sharing_margin
+        self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared, "margin": margin}
+        return t_plain >= margin * t_shared
 
     def _plan_device(self, seq_lens, block_tables, force: str | None):
         """plan() of device lengths: find_shared into the static buffers, then both decodes'
@@ -362,7 +363,7 @@ class SharedPagesRuntime:
                     f"level per leader row; found() reads them)\n" + self.own.explain())
         sp, p = self.plan_used, self.sharing_prediction
         told = (f"predicted {p['shared_us']:.1f} us a layer shared, {p['plain_us']:.1f} plain "
-                "(L2 credit included)" if p is not None else "")
+                f"(L2 credit included; routes.toml [sharing] margin {p['margin']:g})" if p is not None else "")
         if sp is None:
             why = f"shared pages, but {told}" if p is not None else "no sharing this step"
             return f"SharedPagesRuntime: {why} (plain Runtime)\n" + self.plain.explain()

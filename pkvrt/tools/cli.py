@@ -284,7 +284,12 @@ def format_registry(reg: registry.Registry) -> str:
             "host time: not weighed ([host_time] enabled = false)" if not ht.enabled else
             f"host time: weighed in the Runtime's default mode (the calibration's host_time); a step "
             f"FlashInfer runs host-bound needs min context {ht.min_context} instead of the routes' own")
-    return (f"{table}\n\n{rule}\n{host}\n{_device_planning_note(reg)}\n"
+    m = reg.sharing_margin
+    share = ("sharing: SharedPagesRuntime never shares a host-lengths step ([sharing] margin = inf)"
+             if math.isinf(m) else
+             f"sharing: SharedPagesRuntime shares a host-lengths step when its predicted plain time "
+             f"is at least {m:.2f}x its shared time ([sharing] margin)")
+    return (f"{table}\n\n{rule}\n{host}\n{share}\n{_device_planning_note(reg)}\n"
             f"file: {reg.path}\nsha256: {reg.sha256}")
 
 
