@@ -24,6 +24,15 @@ def _buffers(max_rows, capacity):
                 status=torch.zeros(1, **i32))
 
 
+def _assert_same_plan(a: dict, b: dict) -> None:
+    """Two planning launches' buffers hold the same plan: status, task count, splits, offsets
+    and every task."""
+    for key in ("status", "num_tasks", "num_splits", "split_offsets"):
+        assert torch.equal(a[key], b[key]), key
+    n = a["num_tasks"].item()
+    assert torch.equal(a["tasks"][:n], b["tasks"][:n])
+
+
 def _device_plan(seq, bufs, splits, cal):
     seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device=DEV)
     seq_dev[: len(seq)] = torch.as_tensor(seq, dtype=torch.int32)
@@ -205,10 +214,7 @@ def test_direct_mode_plans_what_the_copied_inputs_plan(seed):
         torch.cuda.synchronize()
         results.append((bufs, seq_dev.cpu(), bt.cpu()))
     (copied, seq_c, _), (dbufs, seq_d, bt_d) = results
-    for key in ("status", "num_tasks", "num_splits", "split_offsets"):
-        assert torch.equal(copied[key], dbufs[key]), key
-    n = copied["num_tasks"].item()
-    assert torch.equal(copied["tasks"][:n], dbufs["tasks"][:n])
+    _assert_same_plan(copied, dbufs)
     assert copied["status"].item() == (2 if seed % 2 else 0) | (4 if seed % 3 == 0 and b > 1 else 0)
     assert torch.equal(seq_d[:b], torch.as_tensor(seq)) and (seq_d[b:] == -3).all()
     for r in range(b):
@@ -275,10 +281,7 @@ def test_csr_direct_mode_plans_what_the_block_table_direct_mode_plans(seed):
         torch.cuda.synchronize()
         results.append((bufs, seq_dev.cpu(), bt.cpu()))
     (want, seq_w, bt_w), (got, seq_g, bt_g) = results
-    for key in ("status", "num_tasks", "num_splits", "split_offsets"):
-        assert torch.equal(want[key], got[key]), key
-    n = want["num_tasks"].item()
-    assert torch.equal(want["tasks"][:n], got["tasks"][:n])
+    _assert_same_plan(want, got)
     assert got["status"].item() == (2 if bad else 0) | (4 if bad_id and bad_id_row_ok(bad, pages) else 0)
     assert torch.equal(seq_g, seq_w) and torch.equal(bt_g, bt_w)
     idle = [r for r in range(b) if pages[r] == 0 and ip[r] <= len(ind)]
