@@ -393,9 +393,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 seq_host = pages.astype(np.int32)
             else:                    # computed on the device; a bad one is the planner's to flag
                 seq_host = None
-            device_step(ip, ind, self._seq_buf, self._bt_buf, seq=seq_host,
+            seq_buf, bt_buf = self._step_buffers()
+            device_step(ip, ind, seq_buf, bt_buf, seq=seq_host,
                         last_page_len=self._buffers[2] if seq_host is None else None, page_size=page_size)
-            seq, bt = self._seq_buf[:batch], self._bt_buf[:batch]
+            seq, bt = seq_buf[:batch], bt_buf[:batch]
         else:
             seq, bt = csr_to_block_tables(indptr, indices, last_page_len, page_size)
             rt = self._runtime(key, batch, bt.shape[1])
@@ -474,16 +475,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
                         sm_scale=key["sm_scale"], kv_layout=self._kv_layout,
                         window_left=key["window_left"], logits_soft_cap=key["logits_soft_cap"],
                         sinks=sinks, device_planning=self._use_cuda_graph, options=options, **size)
-        shape = (size["max_batch"], size["max_pages_per_row"])
-        # device_step's static buffers, where the CSR is not planned directly (share_prefixes)
-        if self._use_cuda_graph and not self._csr_direct(self._rt) and (
-                getattr(self, "_bt_buf", None) is None or tuple(self._bt_buf.shape) != shape):
-            # the step's lengths and block tables, at fixed addresses (kept across rebuilds: a
-            # planned step's views stay valid)
-            self._seq_buf = torch.ones(shape[0], dtype=torch.int32, device=self.device)
-            self._bt_buf = torch.zeros(shape, dtype=torch.int32, device=self.device)
         self._rt_key = dict(want, **size)
         return self._rt
+
+    def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_step's lengths and block tables at fixed addresses, sized by the Runtime (made
+        where a step is not planned from the CSR itself: a SharedPagesRuntime; kept across
+        rebuilds of the same size, so a planned step's views stay valid)."""
+        shape = (self._rt_key["max_batch"], self._rt_key["max_pages_per_row"])
+        if getattr(self, "_bt_buf", None) is None or tuple(self._bt_buf.shape) != shape:
+            self._seq_buf = torch.ones(shape[0], dtype=torch.int32, device=self.device)
+            self._bt_buf = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        return self._seq_buf, self._bt_buf
 
     def _plan_flashinfer(self, reason, indptr, indices, last_page_len, hq, hkv, d, page, kwargs):
         """Plan FlashInfer's own wrapper (built with this wrapper's constructor arguments)."""
