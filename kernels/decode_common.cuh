@@ -104,7 +104,7 @@ __host__ __device__ constexpr int tile_row() { return swizzled<D, KV>() ? D : D 
 template <int D, int GC, typename KV = __half>
 __host__ __device__ constexpr int smem_bytes() {
   constexpr int pipe = tc_stages<D, KV>() * kWarps * 2 * kTcTile * tile_row<D, KV>() * (int)sizeof(KV);
-  constexpr int merge = kWarps * GC * (D + 2) * 4;
+  constexpr int merge = (GC > 16 ? 1 : kWarps) * GC * (D + 2) * 4;   // wide body: [TS][G] <= GC states
   return pipe > merge ? pipe : merge;
 }
 
@@ -376,7 +376,7 @@ __device__ __forceinline__ float out_factor(const DecodeParams& p, int h, float 
 template <typename T, int D, int GC, int NG>
 __device__ __forceinline__ void finish_groups(const DecodeParams& p, const float* sm_acc,
                                               const float* sm_ml, int h0, Sink sink,
-                                              float v_scale) {
+                                              float v_scale, int ng = NG, int hstride = GC) {
   constexpr int LANES = D / kVec;
   const int G = p.group;
   for (int idx = threadIdx.x; idx < G * LANES; idx += kThreads) {
@@ -384,15 +384,15 @@ __device__ __forceinline__ void finish_groups(const DecodeParams& p, const float
     const int d0 = (idx % LANES) * kVec;
     float m_all = -INFINITY;
 #pragma unroll 4
-    for (int gi = 0; gi < NG; ++gi) m_all = fmaxf(m_all, sm_ml[(gi * GC + g) * 2]);
+    for (int gi = 0; gi < ng; ++gi) m_all = fmaxf(m_all, sm_ml[(gi * hstride + g) * 2]);
     float l_all = 0.f, a[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) a[e] = 0.f;
 #pragma unroll 4
-    for (int gi = 0; gi < NG; ++gi) {
-      const float w = rescale(sm_ml[(gi * GC + g) * 2], m_all);
-      l_all += w * sm_ml[(gi * GC + g) * 2 + 1];
-      const float* src = sm_acc + (gi * GC + g) * D + d0;
+    for (int gi = 0; gi < ng; ++gi) {
+      const float w = rescale(sm_ml[(gi * hstride + g) * 2], m_all);
+      l_all += w * sm_ml[(gi * hstride + g) * 2 + 1];
+      const float* src = sm_acc + (gi * hstride + g) * D + d0;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) a[e] = fmaf(w, src[e], a[e]);
     }
@@ -696,6 +696,192 @@ __device__ __forceinline__ float capped_log2(float s, float cap_pre, float cap_l
   return cap_log2 * tanhf(s * cap_pre);
 }
 
+// Accumulator tiles of O per warp: D/8 n8 tiles (K/V of q's type), or D/16 m16 tiles of O^T
+// (e4m3).
+template <int D, typename KV>
+__host__ __device__ constexpr int o_tiles() { return is_fp8<KV>() ? D / 16 : D / 8; }
+
+// Q of up to 16 heads as A fragments: qa of row grp (the head at qh), qb of row grp + 8 (at
+// qh + 8 * D; R = 2), zero for rows >= `rows`. qh points at head grp of the 16.
+template <typename T, typename KV, int D, int R>
+__device__ __forceinline__ void load_q_frags(unsigned (&qa)[D / 16][2], unsigned (&qb)[D / 16][2],
+                                             const T* qh, int rows, int grp, int tig) {
+  if constexpr (is_fp8<KV>()) {
+    q_frags_e4m3<T, D>(qa, qh, grp < rows, tig);
+    q_frags_e4m3<T, D>(qb, qh + 8 * D, R == 2 && grp + 8 < rows, tig);
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qa[kk][0] = grp < rows ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
+      qa[kk][1] = grp < rows ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
+      qb[kk][0] = qb[kk][1] = 0u;   // rows 8..15: left out of the mma when R = 1
+      if constexpr (R == 2) {
+        const T* qh8 = qh + 8 * D;
+        qb[kk][0] = grp + 8 < rows ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 2 * tig) : 0u;
+        qb[kk][1] = grp + 8 < rows ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 8 + 2 * tig) : 0u;
+      }
+    }
+  }
+}
+
+// One 16-token tile for the warp's heads (the rows of qa / qb): S = Q K^T from the K tile at ks,
+// the online-softmax update of (m, l) and o, O += P V from the V tile at vs (both in shared
+// memory, laid out by tile_chunk). tile_tok is the tile's first token; tokens at or past tok_end
+// are masked. sm_scale: the softmax scale in the log2 domain (times k_scale for e4m3); with a
+// soft cap (capped) the scores are cap_log2 * tanh(s * cap_pre) instead.
+template <typename T, typename KV, int D, int R>
+__device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile_tok, int tok_end,
+                                            const unsigned (&qa)[D / 16][2],
+                                            const unsigned (&qb)[D / 16][2], const E4m3Frags& frags,
+                                            float sm_scale, float cap_pre, float cap_log2,
+                                            bool capped, float (&o)[R][o_tiles<D, KV>()][4],
+                                            float (&m)[R], float (&l)[R]) {
+  constexpr bool kFp8 = is_fp8<KV>();
+  constexpr int KSTEPS = D / 16;   // mma k-steps over the head dim (S = Q K^T)
+  constexpr int NT = D / 8;        // n8 tiles of O
+  constexpr int NO = o_tiles<D, KV>();
+  const int lane = threadIdx.x % 32, tig = lane % 4;
+  // S = Q K^T for 16 tokens: s[nt] covers tokens nt*8 .. nt*8+7 (c0, c1: row grp; c2, c3:
+  // row grp + 8).
+  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  if constexpr (kFp8) {
+    qk_e4m3<T, D, R>(s, qa, qb, reinterpret_cast<const unsigned char*>(ks), frags);
+  } else {
+    const int mat = lane / 8, r8 = lane % 8;
+    const int tok = (mat >> 1) * 8 + r8;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      unsigned b[4];
+      const int c = kk * 2 + (mat & 1);
+      ldmatrix_x4(b, ks + tile_chunk<KV, D>(tok, c));
+      mma_rows<R, T>(s[0], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[0], b[1]);
+      mma_rows<R, T>(s[1], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[2], b[3]);
+    }
+  }
+  // Online softmax on rows grp (+ 8): c0, c1 (c2, c3) of each n8 tile.
+  float pr[R][4], alpha[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float x[4];
+    if (capped) {  // a uniform branch around the tanh, so that plain kernels never run it
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) s[nt][2 * r + e] = capped_log2(s[nt][2 * r + e], cap_pre, cap_log2);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = tile_tok + nt * 8 + 2 * tig + e < tok_end;
+        x[nt * 2 + e] = valid ? (capped ? s[nt][2 * r + e] : s[nt][2 * r + e] * sm_scale) : -INFINITY;
+      }
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], mx);
+    alpha[r] = rescale(m[r], m_new);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pr[r][e] = fast_exp2(x[e] - m_use);
+    l[r] = l[r] * alpha[r] + (pr[r][0] + pr[r][1]) + (pr[r][2] + pr[r][3]);
+    m[r] = m_new;
+  }
+  if constexpr (kFp8) {  // o[r][mt][c] belongs to head 8r + 2*tig + (c & 1), whose alpha lane
+                         // 4 * (2*tig + (c & 1)) holds (its row grp is that head's)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha[r], 8 * tig);
+      const float alpha1 = __shfl_sync(0xffffffffu, alpha[r], 8 * tig + 4);
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        o[r][n][0] *= alpha0;
+        o[r][n][1] *= alpha1;
+        o[r][n][2] *= alpha0;
+        o[r][n][3] *= alpha1;
+      }
+    }
+  } else {  // o[0][n][0..1]: row grp, o[0][n][2..3]: row grp + 8 (the padding when R = 1)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      o[0][n][0] *= alpha[0];
+      o[0][n][1] *= alpha[0];
+      if constexpr (R == 2) {
+        o[0][n][2] *= alpha[R - 1];
+        o[0][n][3] *= alpha[R - 1];
+      }
+    }
+  }
+  // O += P V: P (rows grp, grp + 8; tokens 2*tig.. and +8) is the A operand straight from
+  // registers.
+  if constexpr (kFp8) {
+    unsigned pb0[R], pb1[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      pb0[r] = pack2(pr[r][0], pr[r][1], __half());
+      pb1[r] = pack2(pr[r][2], pr[r][3], __half());
+    }
+    pv_e4m3<D, R>(o, pb0, pb1, reinterpret_cast<const unsigned char*>(vs), frags);
+  } else {
+    const unsigned pa0 = pack2(pr[0][0], pr[0][1], T());
+    const unsigned pa2 = pack2(pr[0][2], pr[0][3], T());
+    const unsigned pa1 = R == 2 ? pack2(pr[R - 1][0], pr[R - 1][1], T()) : 0u;
+    const unsigned pa3 = R == 2 ? pack2(pr[R - 1][2], pr[R - 1][3], T()) : 0u;
+    const int mat = lane / 8, r8 = lane % 8;
+    const int tok = (mat & 1) * 8 + r8;
+#pragma unroll
+    for (int n2 = 0; n2 < NT / 2; ++n2) {
+      unsigned b[4];
+      const int c = n2 * 2 + (mat >> 1);
+      ldmatrix_x4_trans(b, vs + tile_chunk<KV, D>(tok, c));
+      mma_rows<R, T>(o[0][2 * n2], pa0, pa1, pa2, pa3, b[0], b[1]);
+      mma_rows<R, T>(o[0][2 * n2 + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
+    }
+  }
+}
+
+// A warp's finished state into shared memory for finish_groups: its head j (j < rows; rows grp
+// and grp + 8 of its fragments, l already summed over the quad) at index at + j of sm_acc
+// ([.][D] floats) and sm_ml ([.][2]).
+template <typename KV, int D, int R>
+__device__ __forceinline__ void stage_state(float* sm_acc, float* sm_ml, int at, int rows,
+                                            const float (&o)[R][o_tiles<D, KV>()][4],
+                                            const float (&m)[R], const float (&l)[R], int grp,
+                                            int tig) {
+  constexpr int NO = o_tiles<D, KV>();
+  if constexpr (is_fp8<KV>()) {  // o[r][mt][c]: head 8r + 2*tig + (c & 1), elements d(mt, grp), +1
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int head = 8 * r + 2 * tig + c;
+        if (head < rows) {
+          float* dst = sm_acc + (at + head) * D;
+#pragma unroll
+          for (int mt = 0; mt < NO; ++mt)
+            *reinterpret_cast<float2*>(dst + e4m3_o_elem<D>(mt, grp)) =
+                make_float2(o[r][mt][c], o[r][mt][c + 2]);
+        }
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int head = grp + 8 * r;
+    if (head < rows) {
+      if constexpr (!is_fp8<KV>()) {
+        float* dst = sm_acc + (at + head) * D + 2 * tig;
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[0][n][2 * r], o[0][n][2 * r + 1]);
+      }
+      if (tig == 0) {
+        sm_ml[(at + head) * 2] = m[r];
+        sm_ml[(at + head) * 2 + 1] = l[r];
+      }
+    }
+  }
+}
+
 template <typename T, typename KV, int D, int GC>
 __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, int kvh,
                                                 int tok_begin, int tok_end, Sink sink,
@@ -705,9 +891,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   constexpr int STAGES = tc_stages<D, KV>();
   constexpr int CVEC = 16 / (int)sizeof(KV);   // elements per 16-byte copy: 8, or 16 of e4m3
   constexpr int CHUNKS = D / CVEC;              // 16-byte chunks per token row
-  constexpr int KSTEPS = D / 16;                // mma k-steps over the head dim (S = Q K^T)
-  constexpr int NT = D / 8;                     // n8 tiles of O (e4m3: D/16 m16 tiles of O^T)
-  constexpr int NO = kFp8 ? D / 16 : NT;
+  constexpr int NO = o_tiles<D, KV>();
   constexpr int TILE_ELEMS = kTcTile * tile_row<D, KV>();  // one K (or V) tile
   static_assert(GC <= 16, "at most 16 heads: the 16 rows of the A operand");
   static_assert(D % 16 == 0 && (CHUNKS * kTcTile) % 32 == 0, "head dim: a multiple of 16");
@@ -785,30 +969,12 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     cp_async_commit();
   }
 
-  // Q as A fragments: qa of row grp (head h0 + grp), qb of row grp + 8 (R = 2), zero for rows
-  // >= G.
+  // Q as A fragments of heads h0 .. h0 + G - 1.
   E4m3Frags frags{};  // e4m3 only
   if constexpr (kFp8) frags = e4m3_frags<D>(grp, tig);
-  unsigned qa[KSTEPS][2], qb[KSTEPS][2];
-  {
-    const T* qh = static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D;
-    if constexpr (kFp8) {
-      q_frags_e4m3<T, D>(qa, qh, grp < G, tig);
-      q_frags_e4m3<T, D>(qb, qh + 8 * D, R == 2 && grp + 8 < G, tig);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        qa[kk][0] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
-        qa[kk][1] = grp < G ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
-        qb[kk][0] = qb[kk][1] = 0u;   // rows 8..15: left out of the mma when R = 1
-        if constexpr (R == 2) {
-          const T* qh8 = qh + 8 * D;
-          qb[kk][0] = grp + 8 < G ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 2 * tig) : 0u;
-          qb[kk][1] = grp + 8 < G ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 8 + 2 * tig) : 0u;
-        }
-      }
-    }
-  }
+  unsigned qa[D / 16][2], qb[D / 16][2];
+  load_q_frags<T, KV, D, R>(qa, qb, static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D,
+                            G, grp, tig);
   // e4m3: the K scale of this KV head joins the softmax scale (read after the PDL wait, like Q).
   float sm_scale = p.sm_scale_log2, cap_pre = p.softcap_scale;
   if constexpr (kFp8) {
@@ -839,105 +1005,8 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     __syncwarp();  // every lane's copies of tile i are visible to the whole warp
 
     const KV* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
-    const KV* vs = ks + TILE_ELEMS;
-    // S = Q K^T for 16 tokens: s[nt] covers tokens nt*8 .. nt*8+7 (c0, c1: row grp; c2, c3:
-    // row grp + 8).
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    if constexpr (kFp8) {
-      qk_e4m3<T, D, R>(s, qa, qb, reinterpret_cast<const unsigned char*>(ks), frags);
-    } else {
-      const int mat = lane / 8, r8 = lane % 8;
-      const int tok = (mat >> 1) * 8 + r8;
-#pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        unsigned b[4];
-        const int c = kk * 2 + (mat & 1);
-        ldmatrix_x4(b, ks + tile_chunk<KV, D>(tok, c));
-        mma_rows<R, T>(s[0], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[0], b[1]);
-        mma_rows<R, T>(s[1], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[2], b[3]);
-      }
-    }
-    // Online softmax on rows grp (+ 8): c0, c1 (c2, c3) of each n8 tile.
-    const int tile_tok = tok_begin + (warp + i * kWarps) * kTcTile;
-    float pr[R][4], alpha[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float x[4];
-      if (capped) {  // a uniform branch around the tanh, so that plain kernels never run it
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) s[nt][2 * r + e] = capped_log2(s[nt][2 * r + e], cap_pre, p.softcap_log2);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const bool valid = tile_tok + nt * 8 + 2 * tig + e < tok_end;
-          x[nt * 2 + e] = valid ? (capped ? s[nt][2 * r + e] : s[nt][2 * r + e] * sm_scale) : -INFINITY;
-        }
-      float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[r], mx);
-      alpha[r] = rescale(m[r], m_new);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pr[r][e] = fast_exp2(x[e] - m_use);
-      l[r] = l[r] * alpha[r] + (pr[r][0] + pr[r][1]) + (pr[r][2] + pr[r][3]);
-      m[r] = m_new;
-    }
-    if constexpr (kFp8) {  // o[r][mt][c] belongs to head 8r + 2*tig + (c & 1), whose alpha lane
-                           // 4 * (2*tig + (c & 1)) holds (its row grp is that head's)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float alpha0 = __shfl_sync(0xffffffffu, alpha[r], 8 * tig);
-        const float alpha1 = __shfl_sync(0xffffffffu, alpha[r], 8 * tig + 4);
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-          o[r][n][0] *= alpha0;
-          o[r][n][1] *= alpha1;
-          o[r][n][2] *= alpha0;
-          o[r][n][3] *= alpha1;
-        }
-      }
-    } else {  // o[0][n][0..1]: row grp, o[0][n][2..3]: row grp + 8 (the padding when R = 1)
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        o[0][n][0] *= alpha[0];
-        o[0][n][1] *= alpha[0];
-        if constexpr (R == 2) {
-          o[0][n][2] *= alpha[R - 1];
-          o[0][n][3] *= alpha[R - 1];
-        }
-      }
-    }
-    // O += P V: P (rows grp, grp + 8; tokens 2*tig.. and +8) is the A operand straight from
-    // registers.
-    if constexpr (kFp8) {
-      unsigned pb0[R], pb1[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        pb0[r] = pack2(pr[r][0], pr[r][1], __half());
-        pb1[r] = pack2(pr[r][2], pr[r][3], __half());
-      }
-      pv_e4m3<D, R>(o, pb0, pb1, reinterpret_cast<const unsigned char*>(vs), frags);
-    } else {
-      const unsigned pa0 = pack2(pr[0][0], pr[0][1], T());
-      const unsigned pa2 = pack2(pr[0][2], pr[0][3], T());
-      const unsigned pa1 = R == 2 ? pack2(pr[R - 1][0], pr[R - 1][1], T()) : 0u;
-      const unsigned pa3 = R == 2 ? pack2(pr[R - 1][2], pr[R - 1][3], T()) : 0u;
-      const int mat = lane / 8, r8 = lane % 8;
-      const int tok = (mat & 1) * 8 + r8;
-#pragma unroll
-      for (int n2 = 0; n2 < NT / 2; ++n2) {
-        unsigned b[4];
-        const int c = n2 * 2 + (mat >> 1);
-        ldmatrix_x4_trans(b, vs + tile_chunk<KV, D>(tok, c));
-        mma_rows<R, T>(o[0][2 * n2], pa0, pa1, pa2, pa3, b[0], b[1]);
-        mma_rows<R, T>(o[0][2 * n2 + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
-      }
-    }
+    tile_attend<T, KV, D, R>(ks, ks + TILE_ELEMS, tok_begin + (warp + i * kWarps) * kTcTile, tok_end,
+                             qa, qb, frags, sm_scale, cap_pre, p.softcap_log2, capped, o, m, l);
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -949,40 +1018,170 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 
   float* sm_acc = reinterpret_cast<float*>(smem);  // [kWarps][GC][D]
   float* sm_ml = sm_acc + kWarps * GC * D;         // [kWarps][GC][2]
-  if constexpr (kFp8) {  // o[r][mt][c]: head 8r + 2*tig + (c & 1), elements d(mt, grp), +1
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int head = 8 * r + 2 * tig + c;
-        if (head < G) {
-          float* dst = sm_acc + (warp * GC + head) * D;
-#pragma unroll
-          for (int mt = 0; mt < NO; ++mt)
-            *reinterpret_cast<float2*>(dst + e4m3_o_elem<D>(mt, grp)) =
-                make_float2(o[r][mt][c], o[r][mt][c + 2]);
-        }
-      }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int head = grp + 8 * r;
-    if (head < G) {
-      if constexpr (!kFp8) {
-        float* dst = sm_acc + (warp * GC + head) * D + 2 * tig;
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[0][n][2 * r], o[0][n][2 * r + 1]);
-      }
-      if (tig == 0) {
-        sm_ml[(warp * GC + head) * 2] = m[r];
-        sm_ml[(warp * GC + head) * 2 + 1] = l[r];
-      }
-    }
-  }
+  stage_state<KV, D, R>(sm_acc, sm_ml, warp * GC, G, o, m, l, grp, tig);
   __syncthreads();
   const float v_scale = kFp8 ? kv_scale(p.v_scale, p.v_scale_per_head, kvh) : 1.f;
   finish_groups<T, D, GC, kWarps>(p, sm_acc, sm_ml, h0, sink, v_scale);
+}
+
+
+// ---- wide body: group capacity 64 ----------------------------------------------------------
+//
+// G = p.group in 17..64 query heads per KV head: models with that many query heads per KV
+// head, and SharedPagesRuntime's chunks (the rows x G heads of rows that share a page run, so
+// that a K/V tile of the run is read once for all of them). An mma A operand holds 16 heads,
+// so the CTA's warps split the heads where the narrow body splits the tokens: HG = ceil(G / 16)
+// head groups, warp w takes head group w % HG of token stream w / HG, with TS = 2 token streams
+// (the two 16-token tiles of a stage) when HG <= 2 and 1 otherwise (at HG = 3 warp 3 only
+// copies). K/V stream through CTA-wide stages of kWideStageTokens = 32 tokens, two tiles laid
+// out as the narrow body's (K tile, V tile: the same swizzle and fragment loads); every warp
+// copies 8 tokens of each stage and one __syncthreads per stage publishes it, so each byte of
+// the range moves from memory to shared memory once for all G heads. The pipeline has the
+// narrow body's bytes (wide_stages: 6 stages at D <= 128, 4 at D = 256, twice that for e4m3).
+// The TS streams' states combine in finish_groups.
+constexpr int kWideStageTokens = 2 * kTcTile;
+template <int D, typename KV>
+__host__ __device__ constexpr int wide_stage_elems() { return 2 * 2 * kTcTile * tile_row<D, KV>(); }
+template <int D, typename KV>
+__host__ __device__ constexpr int wide_stages() { return 2 * tc_stages<D, KV>(); }
+
+template <typename T, typename KV, int D, int GC>
+__device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row, int kvh,
+                                                  int tok_begin, int tok_end, Sink sink,
+                                                  unsigned char* smem) {
+  constexpr bool kFp8 = is_fp8<KV>();
+  constexpr int STAGES = wide_stages<D, KV>();
+  constexpr int CVEC = 16 / (int)sizeof(KV);   // elements per 16-byte copy
+  constexpr int CHUNKS = D / CVEC;              // 16-byte chunks per token row
+  constexpr int NO = o_tiles<D, KV>();
+  constexpr int TILE_ELEMS = kTcTile * tile_row<D, KV>();
+  constexpr int STAGE_ELEMS = wide_stage_elems<D, KV>();
+  constexpr int WARP_TOKENS = kWideStageTokens / kWarps;   // tokens of a stage a warp copies
+  static_assert(GC > 16 && GC <= 16 * kWarps, "the wide body: up to 16 heads per warp");
+  static_assert(STAGE_ELEMS == 2 * 2 * TILE_ELEMS && (CHUNKS * WARP_TOKENS) % 32 == 0,
+                "a warp's copies of a stage: whole instructions");
+  static_assert(STAGES * STAGE_ELEMS * (int)sizeof(KV) <= smem_bytes<D, GC, KV>() &&
+                GC * (D + 2) * 4 <= smem_bytes<D, GC, KV>(), "stages and states must fit in smem");
+
+  const int G = p.group;
+  if (G > GC) __trap();  // the host picks the capacity of G (_buildspec.group_class): never taken
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grp = lane / 4, tig = lane % 4;
+  const int h0 = kvh * G;
+  const int HG = (G + 15) / 16;                 // head groups of 16
+  const int TS = HG <= 2 ? 2 : 1;               // token streams
+  const int hg = warp % HG, ts = warp / HG;
+  const bool computes = ts < TS;
+  const int rows = min(16, G - 16 * hg);        // heads of this warp's group
+
+  const KV* kc = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride;
+  const KV* vc = static_cast<const KV*>(p.v_cache) + kvh * p.v_head_stride;
+  const int* bt = p.block_tables + (long long)row * p.bt_stride;
+  const int pmask = (1 << p.page_size_log2) - 1;
+  const int num_stages = (tok_end - tok_begin + kWideStageTokens - 1) / kWideStageTokens;
+  KV* sbase = reinterpret_cast<KV*>(smem);
+
+  // Lane t < 8 looks up the page of token t of the warp's 8, one stage ahead.
+  const int ctok = lane % WARP_TOKENS;
+  auto page_of = [&](int i) -> int {
+    const int tok = tok_begin + i * kWideStageTokens + warp * WARP_TOKENS + ctok;
+    return tok < tok_end ? bt[tok >> p.page_size_log2] : 0;
+  };
+  int next_page = num_stages > 0 ? page_of(0) : 0;
+  auto issue = [&](int i) {   // the warp's 8 tokens of stage i, chunk-major as the narrow body
+    const int st0 = warp * WARP_TOKENS;   // their first token in the stage
+    const int tok0 = tok_begin + i * kWideStageTokens + st0;
+    const int page_here = next_page;
+    if (i + 1 < num_stages) next_page = page_of(i + 1);
+    KV* stage = sbase + (i % STAGES) * STAGE_ELEMS;
+#pragma unroll
+    for (int j = 0; j < CHUNKS * WARP_TOKENS / 32; ++j) {
+      const int idx = lane + 32 * j;
+      const int t = idx / CHUNKS, c = idx % CHUNKS;   // token of the warp's 8, chunk of its row
+      const int tok = tok0 + t;
+      const bool valid = tok < tok_end;
+      const long long page = __shfl_sync(0xffffffffu, page_here, t);
+      const int in_page = tok & pmask;
+      KV* ks = stage + ((st0 + t) / kTcTile) * 2 * TILE_ELEMS;   // its tile's K, then V
+      const int sc = tile_chunk<KV, D>((st0 + t) % kTcTile, c);
+      cp_async16_zfill(ks + sc, valid ? kc + page * p.k_page_stride + (in_page * p.k_tok_stride + c * CVEC) : kc,
+                       valid);
+      cp_async16_zfill(ks + TILE_ELEMS + sc,
+                       valid ? vc + page * p.v_page_stride + (in_page * p.v_tok_stride + c * CVEC) : vc, valid);
+    }
+  };
+
+  // Prefill the pipeline; p.early_kv as in the narrow body (stages of tokens before the row's
+  // last one may be copied before the PDL wait).
+  int filled = 0;
+  if (p.early_kv) {
+    const int safe_end = p.seq_lens[row] - 1;
+    for (; filled < STAGES - 1 && filled < num_stages; ++filled) {
+      if (min(tok_end, tok_begin + (filled + 1) * kWideStageTokens) > safe_end) break;
+      issue(filled);
+      cp_async_commit();
+    }
+    pdl_enter();
+    trace_mark(p.trace, kWaited);
+  }
+  for (int s = filled; s < STAGES - 1; ++s) {
+    if (s < num_stages) issue(s);
+    cp_async_commit();
+  }
+
+  // Q of the warp's heads h0 + 16 hg .. + rows - 1 (none for a warp that only copies).
+  E4m3Frags frags{};
+  if constexpr (kFp8) frags = e4m3_frags<D>(grp, tig);
+  unsigned qa[D / 16][2], qb[D / 16][2];
+  load_q_frags<T, KV, D, 2>(
+      qa, qb, static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + 16 * hg + grp) * D,
+      computes ? rows : 0, grp, tig);
+  float sm_scale = p.sm_scale_log2, cap_pre = p.softcap_scale;
+  if constexpr (kFp8) {
+    const float ks = kv_scale(p.k_scale, p.k_scale_per_head, kvh);
+    sm_scale *= ks;
+    cap_pre *= ks;
+  }
+  const bool capped = p.softcap_scale > 0.f;
+
+  float o[2][NO][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[r][n][0] = o[r][n][1] = o[r][n][2] = o[r][n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int i = 0; i < num_stages; ++i) {
+    cp_async_wait<STAGES - 2>();
+    // Stage i has landed for every warp's copies, and every warp is done with stage i - 1,
+    // which the copies below refill.
+    __syncthreads();
+    if (i + STAGES - 1 < num_stages) issue(i + STAGES - 1);
+    cp_async_commit();
+    if (computes) {
+      const KV* stage = sbase + (i % STAGES) * STAGE_ELEMS;
+      for (int t = ts; t < 2; t += TS) {
+        const int tile_tok = tok_begin + i * kWideStageTokens + t * kTcTile;
+        if (tile_tok < tok_end)
+          tile_attend<T, KV, D, 2>(stage + t * 2 * TILE_ELEMS, stage + (t * 2 + 1) * TILE_ELEMS, tile_tok,
+                                   tok_end, qa, qb, frags, sm_scale, cap_pre, p.softcap_log2, capped, o, m,
+                                   l);
+      }
+    }
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  __syncthreads();  // the stages are drained: reuse them for the streams' states
+
+  float* sm_acc = reinterpret_cast<float*>(smem);  // [TS][G][D], TS * G <= GC
+  float* sm_ml = sm_acc + GC * D;                  // [TS][G][2]
+  if (computes) stage_state<KV, D, 2>(sm_acc, sm_ml, ts * G + 16 * hg, rows, o, m, l, grp, tig);
+  __syncthreads();
+  const float v_scale = kFp8 ? kv_scale(p.v_scale, p.v_scale_per_head, kvh) : 1.f;
+  finish_groups<T, D, GC, 2>(p, sm_acc, sm_ml, h0, sink, v_scale, TS, G);
 }
 
 // Attention of the G = p.group <= GC query heads of (row, kvh) over tokens [tok_begin, tok_end)
@@ -992,7 +1191,10 @@ template <typename T, typename KV, int D, int GC>
 __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int kvh,
                                              int tok_begin, int tok_end, Sink sink,
                                              unsigned char* smem) {
-  decode_range_tc<T, KV, D, GC>(p, row, kvh, tok_begin, tok_end, sink, smem);
+  if constexpr (GC > 16)
+    decode_range_wide<T, KV, D, GC>(p, row, kvh, tok_begin, tok_end, sink, smem);
+  else
+    decode_range_tc<T, KV, D, GC>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
 // Exact merge of the partial states in slots [slot_begin, slot_end) of query head h into
@@ -1139,11 +1341,12 @@ __device__ __forceinline__ float* lse_at(float* lse, int num_qo_heads, int row, 
 // Instantiates an extern "C" entry point per (q/out dtype, K/V dtype, head dim, group capacity)
 // so cubin symbols are stable: NAME_<dtype><kv>_d<D>_gc<GC> (pkvrt/_buildspec.py symbol()), where
 // <kv> is empty for K/V of the q dtype and _e4m3 for FP8 K/V: pkv_split_decode_f16_d128_gc4
-// serves G 1..4, _gc8 G 5..8, _gc16 G 9..16. M(NAME, TN, T, KN, KV, D, GC) defines one entry.
-// e4m3: D 64, 128, 256 (no D 96), and group capacity 16 at D <= 128 (at D = 256 the second half
-// of the O^T accumulators would not fit the registers).
-#define PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, D) \
-  M(NAME, TN, T, KN, KV, D, 4) M(NAME, TN, T, KN, KV, D, 8) M(NAME, TN, T, KN, KV, D, 16)
+// serves G 1..4, _gc8 G 5..8, _gc16 G 9..16, _gc64 (the wide body) G 17..64. M(NAME, TN, T, KN,
+// KV, D, GC) defines one entry. e4m3: D 64, 128, 256 (no D 96), and group capacities 16 and 64
+// at D <= 128 (at D = 256 the second half of the O^T accumulators would not fit the registers).
+#define PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, D)                                      \
+  M(NAME, TN, T, KN, KV, D, 4) M(NAME, TN, T, KN, KV, D, 8) M(NAME, TN, T, KN, KV, D, 16) \
+  M(NAME, TN, T, KN, KV, D, 64)
 #define PKV_FOR_DIMS_CLASSES(M, NAME, TN, T, KN, KV)                                           \
   PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 64) PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 96)     \
   PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 128) PKV_FOR_CLASSES(M, NAME, TN, T, KN, KV, 256)

@@ -19,17 +19,19 @@ DTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}   # q and out (and K/V, unle
 # [H_kv] in DecodeParams). "e4m3": torch.float8_e4m3fn, 1 byte (kernels/decode_common.cuh).
 KV_TAGS = {"e4m3": "pkv::e4m3"}
 HEAD_DIMS = (64, 96, 128, 256)
-GROUP_SIZES = tuple(range(1, 17))   # G = H_q / H_kv the decode kernels serve
+GROUP_SIZES = tuple(range(1, 65))   # G = H_q / H_kv the decode kernels serve
 # A decode kernel serves every group size up to its group capacity (the G heads are rows of a
 # 16-row mma operand; G itself is a run-time argument): capacity 4 serves G 1..4, 8 serves 5..8
 # and 16 serves 9..16 (kernels/decode_common.cuh). 4 and 8 differ only in the fused tail merge.
-GROUP_CLASSES = (4, 8, 16)
+# 64 serves 17..64 with the wide body (its warps split the heads, 16 each, over K/V tiles they
+# share): models of many query heads per KV head, and SharedPagesRuntime's chunks of rows.
+GROUP_CLASSES = (4, 8, 16, 64)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_PAGE_SIZE = 128
 # e4m3 K/V: head dims whose tiles the e4m3 fragment maps cover, and the largest group capacity
 # per head dim (at D = 256 capacity 16 would need twice the O^T accumulators in registers).
 E4M3_HEAD_DIMS = (64, 128, 256)
-E4M3_MAX_CLASS = {64: 16, 128: 16, 256: 8}
+E4M3_MAX_CLASS = {64: 64, 128: 64, 256: 8}
 
 
 # Kernels that ptxas builds with a small spill, accepted with the reason (tests/test_build.py

@@ -83,13 +83,15 @@ def decode_smem_bytes(head_dim: int, group: int, kv_bytes: int = 2) -> int:
     (decode_common.cuh) for the group capacity GC that serves ``group``: the larger of the
     pipeline, 4 warps x tc_stages x (K + V) x 16 tokens x row x kv_bytes (D=128: 3 * 4 * 2 * 16
     * 128 * 2 = 96 KB; e4m3, kv_bytes 1: twice the stages, the same 96 KB; a row is D elements,
-    D + 8 at D = 96), and the warps' states at the end, 4 x GC x (D + 2) x 4 bytes."""
+    D + 8 at D = 96), and the states at the end, GC x (D + 2) x 4 bytes per warp (the wide body
+    of GC > 16, whose warps share the stages: GC x (D + 2) x 4 in all)."""
     t = _tuning()
     stages = (2 if head_dim >= 256 else t["PKV_TC_STAGES"]) * (2 if kv_bytes == 1 else 1)
     row = head_dim if head_dim & (head_dim - 1) == 0 else head_dim + 8
     warps = t["PKV_THREADS"] // 32
     pipe = stages * warps * 2 * 16 * row * kv_bytes
-    return max(pipe, warps * _buildspec.group_class(group) * (head_dim + 2) * 4)
+    gc = _buildspec.group_class(group)
+    return max(pipe, (1 if gc > 16 else warps) * gc * (head_dim + 2) * 4)
 
 
 def decode_occupancy(family: str, dtype: torch.dtype, head_dim: int, group: int,
@@ -697,7 +699,7 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
     seq_lens [B] int32 and block_tables [B, W] int32 (row-contiguous) on the GPU, B <= 1024;
     outputs, on the same device: chunk_seq and own_seq [B] int32, chunk_bt and own_bt [B, W'] int32
     (W' >= W, row-contiguous, the same row stride), q_index int64 [B * H_kv * C * G], slots int64
-    [B, 2]. ``chunk_rows`` C (2..16) rows per chunk, ``group`` G, ``num_kv_heads`` H_kv."""
+    [B, 2]. ``chunk_rows`` C (2..64) rows per chunk, ``group`` G, ``num_kv_heads`` H_kv."""
     dev = seq_lens.device
     p = FindSharedParams()
     p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
@@ -712,7 +714,7 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 \
             or page_size & (page_size - 1) or w * page_size >= 2**31:
         _fail("page_size", "a power of two (W * page_size < 2**31)", page_size)
-    for name, v, lo, hi in (("chunk_rows", chunk_rows, 2, 16), ("group", group, 1, 16),
+    for name, v, lo, hi in (("chunk_rows", chunk_rows, 2, 64), ("group", group, 1, 64),
                             ("num_kv_heads", num_kv_heads, 1, 2**16)):
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             _fail(name, f"an int in [{lo}, {hi}]", v)

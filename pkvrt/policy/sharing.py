@@ -29,7 +29,7 @@ import numpy as np
 from pkvrt.policy.blocktables import (SharedRun, _checked_pages, check_page_size, shared_page_runs,
                                       used_ids)
 
-CAPACITY = 16   # query vectors per KV head a decode kernel takes (the largest group capacity)
+CAPACITY = 64   # query vectors per KV head a decode kernel takes (the largest group capacity)
 
 
 @attrs.frozen

@@ -294,6 +294,11 @@ def _gd_cases():
     cases += [(g, d, F16) for d in (64, 96, 256) for g in (1, 5, 16)]
     cases += [(3, 128, BF16), (9, 128, BF16), (16, 128, BF16), (5, 64, BF16), (1, 96, BF16),
               (16, 256, BF16)]
+    # the wide body (capacity 64): two head groups and two token streams (17..32), three
+    # (33..48, one warp only copies), four (49..64)
+    cases += [(g, 128, F16) for g in (17, 24, 32, 33, 48, 64)]
+    cases += [(g, d, F16) for d in (64, 96, 256) for g in (20, 64)]
+    cases += [(32, 128, BF16), (64, 128, BF16), (40, 256, BF16)]
     return [pytest.param(g, d, dt, id=f"g{g}-d{d}-{str(dt)[6:]}") for g, d, dt in cases
             if _buildspec.unserved(d, g) is None]
 
@@ -302,7 +307,7 @@ def _gd_cases():
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("g, d, dtype", _gd_cases())
 def test_every_group_size_and_head_dim(g, d, dtype, route, variant):
-    """Every group capacity (4, 8, 16) at G at and between its bounds, every head dim, two KV
+    """Every group capacity (4, 8, 16, 64) at G at and between its bounds, every head dim, two KV
     heads; plain attention and everything at once (window 1000 + cap 30 + sinks + sm_scale
     168^-0.5 + lse)."""
     run_case(route, variant, g=g, d=d, dtype=dtype, seed=100 * g + d)
@@ -313,8 +318,9 @@ def test_every_group_size_and_head_dim(g, d, dtype, route, variant):
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("page", [1, 16, 64, 128])
-@pytest.mark.parametrize("g, d, variant", [(3, 128, "all"), (16, 64, "plain"), (8, 256, "window127")],
-                         ids=["g3-d128-all", "g16-d64-plain", "g8-d256-window127"])
+@pytest.mark.parametrize("g, d, variant", [(3, 128, "all"), (16, 64, "plain"), (8, 256, "window127"),
+                                           (48, 128, "all")],
+                         ids=["g3-d128-all", "g16-d64-plain", "g8-d256-window127", "g48-d128-all"])
 def test_page_sizes(g, d, variant, page, route):
     run_case(route, variant, g=g, d=d, dtype=F16, page=page, seed=7 * page + g)
 
@@ -325,8 +331,10 @@ def test_page_sizes(g, d, variant, page, route):
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("layout", ["NHD", "combined", "combined-nhd", "vllm"])
 @pytest.mark.parametrize("g, d, dtype, variant", [(4, 128, F16, "all"), (7, 96, BF16, "plain"),
-                                                  (16, 64, F16, "sinks"), (2, 256, BF16, "window127")],
-                         ids=["g4-d128-all", "g7-d96-bf16", "g16-d64-sinks", "g2-d256-bf16-window"])
+                                                  (16, 64, F16, "sinks"), (2, 256, BF16, "window127"),
+                                                  (32, 128, F16, "all")],
+                         ids=["g4-d128-all", "g7-d96-bf16", "g16-d64-sinks", "g2-d256-bf16-window",
+                              "g32-d128-all"])
 def test_cache_layouts(g, d, dtype, variant, layout, route):
     """Strided caches: NHD as a transposed view, FlashInfer's combined tensors (HND and NHD) as
     kv[:, 0] / kv[:, 1], vLLM's K/V packed in the last dimension."""
@@ -388,8 +396,10 @@ def test_sinks_dominate_where_they_are_large():
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("variant", ["plain", "gpt-oss", "cap30"])
-@pytest.mark.parametrize("g, d, dtype", [(3, 128, F16), (12, 128, BF16), (16, 128, F16), (5, 256, F16)],
-                         ids=["g3-d128", "g12-d128-bf16", "g16-d128", "g5-d256"])
+@pytest.mark.parametrize("g, d, dtype", [(3, 128, F16), (12, 128, BF16), (16, 128, F16), (5, 256, F16),
+                                         (32, 128, F16), (64, 128, BF16), (40, 64, F16)],
+                         ids=["g3-d128", "g12-d128-bf16", "g16-d128", "g5-d256", "g32-d128",
+                              "g64-d128-bf16", "g40-d64"])
 def test_e4m3_kv(g, d, dtype, variant, route):
     """FP8 K/V (K scales per KV head, V per tensor) against the reference over the dequantized
     caches, at the new group sizes and at D 256 with G 5 (capacity 8, the largest e4m3 serves)."""

@@ -37,8 +37,8 @@ CASES = [   # (H_q, H_kv, lens, prefixes)
     (32, 8, [2048 + 100 * i for i in range(8)], [(list(range(8)), 120)]),
     (32, 8, [1024 + 37 * i for i in range(16)], [(list(range(16)), 60)]),
     (32, 8, [3000] * 6 + [500, 900], [(list(range(6)), 150), ([0, 1, 2], 170)]),   # nested
-    (64, 8, [4096 + i for i in range(5)], [([0, 1, 2, 3, 4], 200)]),              # G 8: chunks of 2
-    (24, 8, [1500 + 9 * i for i in range(7)], [(list(range(7)), 80)]),              # G 3: chunks of 5
+    (64, 8, [4096 + i for i in range(5)], [([0, 1, 2, 3, 4], 200)]),              # G 8: one chunk of 5
+    (24, 8, [1500 + 9 * i for i in range(7)], [(list(range(7)), 80)]),              # G 3: one chunk of 7
 ]
 
 
