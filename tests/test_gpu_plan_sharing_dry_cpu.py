@@ -10,7 +10,7 @@ Each GPU test checks the emulated outputs as it would the kernels' on the H200: 
 against the host planner, the shared-pages steps and merge_segments against the FP32 reference
 or the merge written out in torch. A wrong output fails here too (the last tests show it).
 
-Every parametrization of every test function of both modules runs (149 + 47 cases, ~40 s on
+Every parametrization of every test function of both modules runs (155 + 57 cases, ~40 s on
 2 cores with one torch thread). Not seen here: the kernels' own numerics (the emulation computes
 in FP32), real CUDA graph capture (test_device_plan's own torch.cuda.graph records the launches
 made in it and a replay re-runs them; SharedPagesRuntime's engine capture is the fake device's),
@@ -105,9 +105,9 @@ def test_sharing_tests_pass_on_the_fake_device(dry, test, kw):
 
 
 def test_every_test_function_of_both_modules_is_dry_run():
-    """Every case of every test function (155 of test_device_plan, 47 of test_sharing), each
+    """Every case of every test function (155 of test_device_plan, 57 of test_sharing), each
     under its own id."""
-    assert (len(PLAN_CASES), len(SHARING_CASES)) == (155, 47)
+    assert (len(PLAN_CASES), len(SHARING_CASES)) == (155, 57)
     for mod, run in ((plan, PLAN_CASES), (sharing, SHARING_CASES)):
         assert {p.values[0] for p in run} == {n for n in dir(mod) if n.startswith("test_")}
         assert len(run) == len({p.id for p in run})
@@ -139,12 +139,12 @@ def test_a_wrong_plan_fails_the_device_plan_tests(dry, monkeypatch):
 
 def test_a_wrong_merge_fails_the_sharing_tests(dry, monkeypatch):
     """merge_segments writing one element wrong fails the shared-pages step against the FP32
-    reference (eager and engine-captured) and the kernel test against the torch merge."""
+    reference (eager, engine-captured, and in 64-head chunks) and the kernel test against the torch merge."""
     corrupt(monkeypatch, "merge_segments", "out", lambda out: out[0, 0, 0].add_(1.0))
     hq, hkv, lens, prefixes = sharing.CASES[0]
-    for capture in (False, True):
+    for capture, wide in ((False, False), (True, False), (False, True)):
         with pytest.raises(AssertionError) as failed:
-            sharing.test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture)
+            sharing.test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture, wide)
         assert failed.value.args[0][0] > 2e-3        # (err, rt.explain()): the reference check
     with pytest.raises(AssertionError, match="not close"):
         sharing.test_merge_segments_kernel_matches_torch(torch.float16, 64, False)

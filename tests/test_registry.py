@@ -235,8 +235,8 @@ ERRORS = [
     ("bad-route-name", edit("[routes.pkv_bucket]", "[routes.PKV-bucket]").replace(
         "[routes.pkv_bucket.splits]", "[routes.PKV-bucket.splits]"),
      ["[routes] PKV-bucket: not a valid route name"]),
-    ("uncompiled-group", edit("group_sizes = [4]", "group_sizes = [17, 4]"),
-     ["[gates] group_sizes: 17 has no kernel", "16]"]),
+    ("uncompiled-group", edit("group_sizes = [4]", "group_sizes = [65, 4]"),
+     ["[gates] group_sizes: 65 has no kernel", "64]"]),
     ("split-max-not-multiple", edit("min = 4\nmax = 64", "min = 4\nmax = 62"),
      ["[routes.pkv_bucket.splits] max: 62 is not a multiple of multiple_of = 4"]),
     ("coarse-not-ascending", edit("[16384, 32768]", "[32768, 16384]"),

@@ -63,8 +63,8 @@ def table(seq, page=16, pad=-1, width=None, seed=0):
     (dict(page_size=256), "page_size"),
     (dict(page_size=0), "page_size"),
     (dict(num_qo_heads=30), "num_qo_heads"),            # 30 % 8 != 0
-    (dict(num_qo_heads=68, num_kv_heads=4), "group"),    # G = 17
-    (dict(num_qo_heads=40, num_kv_heads=2), "group"),    # G = 20
+    (dict(num_qo_heads=260, num_kv_heads=4), "group"),   # G = 65
+    (dict(num_qo_heads=140, num_kv_heads=2), "group"),   # G = 70
     (dict(num_kv_heads=True), "num_kv_heads"),
     (dict(dtype=torch.float32), "dtype"),
 ])

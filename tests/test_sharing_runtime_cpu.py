@@ -3,6 +3,7 @@ device (emulated kernels, tests/test_runtime_cpu.py), exact against the FP32 ref
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -212,6 +213,22 @@ def test_chunk_rows_follow_the_kernels_served(fake_device):  # noqa: F811
     assert rt8.chunk == 2 and rt8.shared.num_qo_heads == 2 * 2 * 4
 
 
+@pytest.mark.parametrize("wide, chunk", [((), 4), ((24,), 16), ((64,), 16)])
+def test_chunks_wider_than_16_heads_need_a_wide_calibrated_group(fake_device, wide, chunk):  # noqa: F811
+    """Chunks of more than 16 heads run the wide decode body: by default only where the
+    calibration has a group size above 16 to take its constants from (G 4: 4 rows without one,
+    16 with one: the nearest calibrated group size serves, as for every G); shared_chunk_rows
+    may ask for more."""
+    cal = attrs.evolve(SEED, splits=attrs.evolve(SEED.splits, by_group=tuple((g, ()) for g in wide)))
+    rt = SharedPagesRuntime(8, 2, 128, 16, torch.float16, routes=ROUTES, calibration=cal,
+                            max_batch=8, max_pages_per_row=64, options=RuntimeOptions(flashinfer=False))
+    assert rt.chunk == chunk and rt.shared.num_qo_heads == 2 * chunk * 4
+    asked = SharedPagesRuntime(8, 2, 128, 16, torch.float16, routes=ROUTES, calibration=cal, max_batch=8,
+                               max_pages_per_row=64,
+                               options=RuntimeOptions(flashinfer=False, shared_chunk_rows=16))
+    assert asked.chunk == 16
+
+
 @pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])
 def test_fewer_chunk_rows_are_exact(fake_device, pool, device_planning):  # noqa: F811
     """``RuntimeOptions(shared_chunk_rows=2)``: chunks of 2 rows (the chunk decode at group 2 G)
@@ -237,8 +254,8 @@ def test_fewer_chunk_rows_are_exact(fake_device, pool, device_planning):  # noqa
 
 
 def test_chunk_rows_option_refusals(fake_device):  # noqa: F811
-    with pytest.raises(ValueError, match="serve at most 4 rows"):
-        runtime(options=RuntimeOptions(flashinfer=False, shared_chunk_rows=5))
+    with pytest.raises(ValueError, match="serve at most 16 rows"):
+        runtime(options=RuntimeOptions(flashinfer=False, shared_chunk_rows=17))
     with pytest.raises(ValueError, match="shared_chunk_rows=0"):
         RuntimeOptions(shared_chunk_rows=0)
     assert runtime(options=RuntimeOptions(flashinfer=False, shared_chunk_rows=1)).shared is None
@@ -426,6 +443,6 @@ def test_find_shared_refuses_bad_arguments():
         with pytest.raises(ops.KernelArgumentError, match=match):
             ops.find_shared(**{**args, **change}, **kw)
     for change, match in [(dict(page_size=12), "page_size: expected a power of two"),
-                          (dict(chunk_rows=1), "chunk_rows: expected an int in \\[2, 16\\]")]:
+                          (dict(chunk_rows=1), "chunk_rows: expected an int in \\[2, 64\\]")]:
         with pytest.raises(ops.KernelArgumentError, match=match):
             ops.find_shared(**args, **{**kw, **change})

@@ -34,7 +34,7 @@ def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype
     """Check an attention shape against the kernels built (``pkvrt/_buildspec.py``); return G.
 
     Raises ValueError naming the argument: head_dim in (64, 96, 128, 256); page_size a power of
-    two <= 128; num_qo_heads a multiple of num_kv_heads with G in 1..16; dtype (q and out)
+    two <= 128; num_qo_heads a multiple of num_kv_heads with G in 1..64; dtype (q and out)
     fp16/bf16; kv_dtype None (= dtype), dtype or float8_e4m3fn (head dims 64, 128, 256; at 256
     G <= 8: ``_buildspec.unserved``).
     """
@@ -54,7 +54,7 @@ def check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype
     g = num_qo_heads // num_kv_heads
     if g not in _buildspec.GROUP_SIZES:
         raise ValueError(f"Runtime: num_qo_heads / num_kv_heads = {g}: expected a group size in "
-                         f"{_buildspec.GROUP_SIZES}")
+                         f"{_buildspec.GROUP_SIZES[0]}..{_buildspec.GROUP_SIZES[-1]}")
     if dtype == ops.FP8:
         raise ValueError(f"Runtime: dtype={dtype}: dtype is the dtype of q and out: expected "
                          "torch.float16 or torch.bfloat16; an FP8 KV cache is "

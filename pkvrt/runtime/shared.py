@@ -4,8 +4,9 @@ chunk of rows instead of once per row, exactly.
 Per step, :meth:`~SharedPagesRuntime.plan` looks for repeated page ids in the block tables (a
 bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.sharing.plan_sharing`:
 
-- the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``, C = 16 // G
-  rows per chunk, or fewer by ``RuntimeOptions.shared_chunk_rows``) runs one decode row per chunk over the chunk's shared pages, its query heads
+- the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``; C = 16 // G
+  rows per chunk, or up to 64 // G where the calibration has a group size above 16 for the
+  wide decode body; ``RuntimeOptions.shared_chunk_rows`` sets it) runs one decode row per chunk over the chunk's shared pages, its query heads
   the chunk's rows' heads side by side: a K/V tile of the run is read once for C rows;
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
@@ -74,14 +75,12 @@ class SharedPagesRuntime:
         if not 0.0 <= min_saved < 1.0:
             raise ValueError(f"SharedPagesRuntime: min_saved={min_saved!r}: expected 0 <= min_saved < 1")
         self.group = num_qo_heads // num_kv_heads
-        self.chunk = self._chunk_rows_served(head_dim, runtime_kw.get("kv_dtype"))
+        served = self._chunk_rows_served(head_dim, runtime_kw.get("kv_dtype"))
         want = getattr(runtime_kw.get("options"), "shared_chunk_rows", None)
-        if want is not None:
-            if want > self.chunk:
-                raise ValueError(f"SharedPagesRuntime: options.shared_chunk_rows={want}: the decode "
-                                 f"kernels serve at most {self.chunk} rows of G {self.group} per "
-                                 f"chunk at head dim {head_dim}")
-            self.chunk = want
+        if want is not None and want > served:
+            raise ValueError(f"SharedPagesRuntime: options.shared_chunk_rows={want}: the decode "
+                             f"kernels serve at most {served} rows of G {self.group} per "
+                             f"chunk at head dim {head_dim}")
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self._by_prediction = getattr(runtime_kw.get("options"), "shared_when_predicted_faster", True)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
@@ -94,6 +93,7 @@ class SharedPagesRuntime:
         # the own segments merge with the chunks: their sink is added once, at the merge
         self.own = (Runtime(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                             sm_scale=sm_scale, **common) if sinks else self.plain)
+        self.chunk = want if want is not None else self._chunk_rows_calibrated(served)
         self.shared = (Runtime(num_kv_heads * self.chunk * self.group, num_kv_heads, head_dim,
                                page_size, dtype, sm_scale=sm_scale, **common)
                        if self.chunk >= 2 else None)
@@ -115,9 +115,22 @@ class SharedPagesRuntime:
         self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
         self._found_rows = 0                          # the planned step's rows (0: none)
 
+    def _chunk_rows_calibrated(self, served: int) -> int:
+        """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads
+        the time model knows the kernel of. Up to 16 heads a chunk runs the narrow decode body,
+        whose constants every calibrated G describes; wider chunks run the wide body (warps
+        split the heads over shared K/V stages, a different cost per CTA), used only where the
+        calibration has a wide group size for them to take constants from."""
+        cal = self.plain.shape_calibration
+        for rows in range(served, 1, -1):
+            heads = rows * self.group
+            if heads <= 16 or cal.calibrated_group(heads) > 16:
+                return rows
+        return served
+
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
-        """Rows per chunk: the most whose rows x G query heads a decode kernel of this head dim
-        and K/V dtype serves (16 at most; FP8 at D 256: 8)."""
+        """Rows per chunk the kernels allow: the most whose rows x G query heads a decode kernel
+        of this head dim and K/V dtype serves (64 at most; FP8 at D 256: 8)."""
         from pkvrt import _buildspec
         from pkvrt.launch import ops
 

@@ -37,21 +37,26 @@ CASES = [   # (H_q, H_kv, lens, prefixes)
     (32, 8, [2048 + 100 * i for i in range(8)], [(list(range(8)), 120)]),
     (32, 8, [1024 + 37 * i for i in range(16)], [(list(range(16)), 60)]),
     (32, 8, [3000] * 6 + [500, 900], [(list(range(6)), 150), ([0, 1, 2], 170)]),   # nested
-    (64, 8, [4096 + i for i in range(5)], [([0, 1, 2, 3, 4], 200)]),              # G 8: one chunk of 5
-    (24, 8, [1500 + 9 * i for i in range(7)], [(list(range(7)), 80)]),              # G 3: one chunk of 7
+    (64, 8, [4096 + i for i in range(5)], [([0, 1, 2, 3, 4], 200)]),              # G 8: chunks of 2
+    (24, 8, [1500 + 9 * i for i in range(7)], [(list(range(7)), 80)]),              # G 3: chunks of 5
 ]
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["default chunks", "64-head chunks"])
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "engine graph"])
 @pytest.mark.parametrize("hq, hkv, lens, prefixes", CASES)
-def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
+def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture, wide):
+    """Default chunks (16 heads with the shipped calibration), and chunks of 64 // G rows: the
+    wide decode body (its warps split the chunk's heads)."""
     seq, bt = step(lens, prefixes, 8192, seed=len(lens))
     k = torch.randn(8192, hkv, PAGE, 128, device=DEV, dtype=torch.float16)
     v = torch.randn_like(k)
     q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
+    options = (pkvrt.RuntimeOptions(shared_when_predicted_faster=False, shared_chunk_rows=64 * hkv // hq)
+               if wide else ALWAYS)
     rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=16,
                                   max_pages_per_row=bt.shape[1], num_pages=8192,
-                                  engine_capture=capture, options=ALWAYS)
+                                  engine_capture=capture, options=options)
     rt.plan(seq, bt)
     assert rt.plan_used is not None, rt.explain()
     out = torch.full_like(q, float("nan"))
