@@ -28,16 +28,18 @@
 //   part_a       [slots, H_q, D]  float32         un-normalised accumulator a
 //   part_ml      [slots, H_q, 2]  float32         (m, l)
 //
-// Group capacity GC (a template parameter, 4, 8 or 16): the kernel serves every group size
+// Group capacity GC (a template parameter, 4, 8, 16 or 64): the kernel serves every group size
 // G = H_q / H_kv <= GC (G itself is a run-time value, DecodeParams::group). The G heads of a KV
 // head are the rows of an m16n8k16 A operand: rows 0..7 when GC <= 8 (rows 8..15 zero), all 16
 // when GC = 16, so an instruction costs the same for every G of a class. GC 4 and 8 run the
-// same body and differ in the fused tail's merge (workqueue_task.cuh).
+// same body and differ in the fused tail's merge (workqueue_task.cuh). GC 64 (G 17..64) runs
+// the wide body, whose warps split the heads, 16 each, over K/V stages they share (below).
 //
 // CTA shape: PKV_THREADS = 128 threads, 4 warps; each warp streams its own 16-token tiles
 // through tc_stages<D>() private stages (D=128: 3, 96 KB per CTA) and computes S = Q K^T and
 // O += P V with mma.sync m16n8k16 (details above decode_range_tc); the warps combine their
-// states once at the end through shared memory (finish_groups).
+// states once at the end through shared memory (finish_groups). The wide body (GC 64,
+// decode_range_wide) keeps the same bytes in CTA-wide stages that every warp reads.
 //
 // Head dims 64, 128, 256 keep 16-byte chunks XOR-swizzled in shared memory; D = 96 (a row of
 // 12 chunks, which the swizzle would send past the row) pads each shared-memory row by one chunk
@@ -100,7 +102,8 @@ template <int D, typename KV = __half>
 __host__ __device__ constexpr int tile_row() { return swizzled<D, KV>() ? D : D + kVec; }
 
 // Dynamic shared memory of a decode CTA (pkvrt/launch/ops.py decode_smem_bytes mirrors it): the
-// pipeline's stages, or the warps' states at the end ([kWarps][GC][D + 2] floats) if larger.
+// pipeline's stages, or the states at the end if larger: [kWarps][GC][D + 2] floats, or for the
+// wide body (GC > 16) its token streams' [TS][G] <= GC states of D + 2 floats.
 template <int D, int GC, typename KV = __half>
 __host__ __device__ constexpr int smem_bytes() {
   constexpr int pipe = tc_stages<D, KV>() * kWarps * 2 * kTcTile * tile_row<D, KV>() * (int)sizeof(KV);
@@ -368,9 +371,10 @@ __device__ __forceinline__ float out_factor(const DecodeParams& p, int h, float 
   return w / (l * w + fast_exp2(sink - m2));
 }
 
-// Combines NG per-warp states staged in shared memory (sm_acc [NG][GC][D], sm_ml [NG][GC][2],
-// written before a __syncthreads) of the p.group heads into O (sink.out_row >= 0; with the
-// sink and lse of out_factor) or one partial-state slot. Each thread finishes 8 consecutive
+// Combines ng (<= NG) states staged in shared memory (sm_acc [ng][hstride][D], sm_ml
+// [ng][hstride][2], written before a __syncthreads; hstride GC for the narrow body's per-warp
+// states, G for the wide body's token streams) of the p.group heads into O (sink.out_row >= 0;
+// with the sink and lse of out_factor) or one partial-state slot. Each thread finishes 8 consecutive
 // outputs of one head. v_scale multiplies the accumulator (e4m3 V's dequantization scale; 1
 // otherwise), so the slots hold dequantized states.
 template <typename T, int D, int GC, int NG>
@@ -882,6 +886,35 @@ __device__ __forceinline__ void stage_state(float* sm_acc, float* sm_ml, int at,
   }
 }
 
+// Fills a cp.async pipeline of STAGES stages with stages 0 .. STAGES - 2 of the n a range has
+// (one commit group each, empty past n): issue(i) copies stage i, end_of(i) is the token after
+// it. With p.early_kv (workqueue launches after the first of a step, see
+// pkvrt/runtime/running.py) the stages that hold only tokens before the row's last one are
+// issued before pdl_enter: they overlap the previous kernels' drain (the previous layer's merge,
+// and its decode too: the merge triggers before its own wait, kernels/merge.cu). The plan
+// (tasks, offsets, lengths, block tables) is at least two kernels old then, and K/V of those
+// tokens were written before the step; the last token (appended for this step, possibly by the
+// kernel just before) and Q are read after the wait. Every thread of the CTA calls it.
+template <int STAGES, typename Issue, typename EndOf>
+__device__ __forceinline__ void prefill_pipeline(const DecodeParams& p, int row, int n, Issue& issue,
+                                                 EndOf end_of) {
+  int filled = 0;
+  if (p.early_kv) {
+    const int safe_end = p.seq_lens[row] - 1;
+    for (; filled < STAGES - 1 && filled < n; ++filled) {
+      if (end_of(filled) > safe_end) break;
+      issue(filled);
+      cp_async_commit();
+    }
+    pdl_enter();
+    trace_mark(p.trace, kWaited);
+  }
+  for (int s = filled; s < STAGES - 1; ++s) {
+    if (s < n) issue(s);
+    cp_async_commit();
+  }
+}
+
 template <typename T, typename KV, int D, int GC>
 __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, int kvh,
                                                 int tok_begin, int tok_end, Sink sink,
@@ -946,28 +979,10 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
     }
   };
 
-  // Prefill the pipeline. With p.early_kv (workqueue launches after the first of a step, see
-  // pkvrt/runtime/running.py) the copies of tiles that hold only tokens before the row's last one are
-  // issued before pdl_enter: they overlap the previous kernels' drain (the previous layer's
-  // merge, and its decode too: the merge triggers before its own wait, kernels/merge.cu). The
-  // plan (tasks, offsets, lengths, block tables) is at least two kernels old then, and K/V of
-  // those tokens were written before the step; the last token (appended for this step, possibly
-  // by the kernel just before) and Q are read after the wait.
-  int filled = 0;
-  if (p.early_kv) {
-    const int safe_end = p.seq_lens[row] - 1;
-    for (; filled < STAGES - 1 && filled < my_tiles; ++filled) {
-      if (min(tok_end, tok_begin + (warp + filled * kWarps + 1) * kTcTile) > safe_end) break;
-      issue(filled);
-      cp_async_commit();
-    }
-    pdl_enter();
-    trace_mark(p.trace, kWaited);
-  }
-  for (int s = filled; s < STAGES - 1; ++s) {
-    if (s < my_tiles) issue(s);
-    cp_async_commit();
-  }
+  // Prefill the pipeline (early copies before the PDL wait: prefill_pipeline).
+  prefill_pipeline<STAGES>(p, row, my_tiles, issue, [&](int i) {
+    return min(tok_end, tok_begin + (warp + i * kWarps + 1) * kTcTile);
+  });
 
   // Q as A fragments of heads h0 .. h0 + G - 1.
   E4m3Frags frags{};  // e4m3 only
@@ -1111,23 +1126,10 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
     }
   };
 
-  // Prefill the pipeline; p.early_kv as in the narrow body (stages of tokens before the row's
-  // last one may be copied before the PDL wait).
-  int filled = 0;
-  if (p.early_kv) {
-    const int safe_end = p.seq_lens[row] - 1;
-    for (; filled < STAGES - 1 && filled < num_stages; ++filled) {
-      if (min(tok_end, tok_begin + (filled + 1) * kWideStageTokens) > safe_end) break;
-      issue(filled);
-      cp_async_commit();
-    }
-    pdl_enter();
-    trace_mark(p.trace, kWaited);
-  }
-  for (int s = filled; s < STAGES - 1; ++s) {
-    if (s < num_stages) issue(s);
-    cp_async_commit();
-  }
+  // Prefill the pipeline (early copies before the PDL wait: prefill_pipeline).
+  prefill_pipeline<STAGES>(p, row, num_stages, issue, [&](int i) {
+    return min(tok_end, tok_begin + (i + 1) * kWideStageTokens);
+  });
 
   // Q of the warp's heads h0 + 16 hg .. + rows - 1 (none for a warp that only copies).
   E4m3Frags frags{};
@@ -1181,7 +1183,7 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
   if (computes) stage_state<KV, D, 2>(sm_acc, sm_ml, ts * G + 16 * hg, rows, o, m, l, grp, tig);
   __syncthreads();
   const float v_scale = kFp8 ? kv_scale(p.v_scale, p.v_scale_per_head, kvh) : 1.f;
-  finish_groups<T, D, GC, 2>(p, sm_acc, sm_ml, h0, sink, v_scale, TS, G);
+  finish_groups<T, D, GC, 2>(p, sm_acc, sm_ml, h0, sink, v_scale, TS, G);   // TS <= 2 streams
 }
 
 // Attention of the G = p.group <= GC query heads of (row, kvh) over tokens [tok_begin, tok_end)

@@ -15,7 +15,7 @@
 // (__ldcg, merge_head). No CTA ever waits on another:
 // the last one to finish does the work, as in XQA's multi-block mode.
 // PDL: with p.early_kv the plan and the first K/V tiles (never a row's last token) are read
-// before griddepcontrol.wait (decode_common.cuh, decode_range_tc); Q, the last token, every
+// before griddepcontrol.wait (decode_common.cuh, prefill_pipeline); Q, the last token, every
 // write and the counters come after it.
 #pragma once
 #include "decode_common.cuh"

@@ -227,6 +227,12 @@ def test_chunks_wider_than_16_heads_need_a_wide_calibrated_group(fake_device, wi
                                max_pages_per_row=64,
                                options=RuntimeOptions(flashinfer=False, shared_chunk_rows=16))
     assert asked.chunk == 16
+    # G 9 and 16: two rows are already more than 16 heads, so nothing is shared without a wide
+    # group size calibrated (as before the wide body), 7 and 4 rows with one
+    for hq, rows in ((18, 7), (32, 4)):
+        g_rt = SharedPagesRuntime(hq, 2, 128, 16, torch.float16, routes=ROUTES, calibration=cal,
+                                  max_batch=8, max_pages_per_row=64, options=RuntimeOptions(flashinfer=False))
+        assert (g_rt.chunk, g_rt.shared is None) == ((rows, False) if wide else (1, True)), hq
 
 
 @pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])

@@ -126,7 +126,7 @@ class SharedPagesRuntime:
             heads = rows * self.group
             if heads <= 16 or cal.calibrated_group(heads) > 16:
                 return rows
-        return served
+        return 1   # G 9-32 without a wide group size calibrated: nothing shared
 
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
         """Rows per chunk the kernels allow: the most whose rows x G query heads a decode kernel
