@@ -700,6 +700,24 @@ __device__ __forceinline__ float capped_log2(float s, float cap_pre, float cap_l
   return cap_log2 * tanhf(s * cap_pre);
 }
 
+// The scores' scale for KV head kvh: the softmax scale in the log2 domain, the soft cap's
+// pre-scale (capped: a soft cap is set); e4m3: the head's K scale joins both, read after the PDL
+// wait like Q.
+struct ScoreScale {
+  float sm_scale, cap_pre;
+  bool capped;
+};
+template <typename KV>
+__device__ __forceinline__ ScoreScale score_scale(const DecodeParams& p, int kvh) {
+  ScoreScale s{p.sm_scale_log2, p.softcap_scale, p.softcap_scale > 0.f};
+  if constexpr (is_fp8<KV>()) {
+    const float ks = kv_scale(p.k_scale, p.k_scale_per_head, kvh);
+    s.sm_scale *= ks;
+    s.cap_pre *= ks;
+  }
+  return s;
+}
+
 // Accumulator tiles of O per warp: D/8 n8 tiles (K/V of q's type), or D/16 m16 tiles of O^T
 // (e4m3).
 template <int D, typename KV>
@@ -990,14 +1008,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   unsigned qa[D / 16][2], qb[D / 16][2];
   load_q_frags<T, KV, D, R>(qa, qb, static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D,
                             G, grp, tig);
-  // e4m3: the K scale of this KV head joins the softmax scale (read after the PDL wait, like Q).
-  float sm_scale = p.sm_scale_log2, cap_pre = p.softcap_scale;
-  if constexpr (kFp8) {
-    const float ks = kv_scale(p.k_scale, p.k_scale_per_head, kvh);
-    sm_scale *= ks;
-    cap_pre *= ks;
-  }
-  const bool capped = p.softcap_scale > 0.f;
+  const ScoreScale sc = score_scale<KV>(p, kvh);
 
   float o[R][NO][4];
 #pragma unroll
@@ -1021,7 +1032,7 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 
     const KV* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
     tile_attend<T, KV, D, R>(ks, ks + TILE_ELEMS, tok_begin + (warp + i * kWarps) * kTcTile, tok_end,
-                             qa, qb, frags, sm_scale, cap_pre, p.softcap_log2, capped, o, m, l);
+                             qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped, o, m, l);
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -1138,13 +1149,7 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
   load_q_frags<T, KV, D, 2>(
       qa, qb, static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + 16 * hg + grp) * D,
       computes ? rows : 0, grp, tig);
-  float sm_scale = p.sm_scale_log2, cap_pre = p.softcap_scale;
-  if constexpr (kFp8) {
-    const float ks = kv_scale(p.k_scale, p.k_scale_per_head, kvh);
-    sm_scale *= ks;
-    cap_pre *= ks;
-  }
-  const bool capped = p.softcap_scale > 0.f;
+  const ScoreScale sc = score_scale<KV>(p, kvh);
 
   float o[2][NO][4];
 #pragma unroll
@@ -1165,8 +1170,8 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
         const int tile_tok = tok_begin + i * kWideStageTokens + t * kTcTile;
         if (tile_tok < tok_end)
           tile_attend<T, KV, D, 2>(stage + t * 2 * TILE_ELEMS, stage + (t * 2 + 1) * TILE_ELEMS, tile_tok,
-                                   tok_end, qa, qb, frags, sm_scale, cap_pre, p.softcap_log2, capped, o, m,
-                                   l);
+                                   tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped,
+                                   o, m, l);
       }
     }
   }
