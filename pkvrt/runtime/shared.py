@@ -130,7 +130,7 @@ class SharedPagesRuntime:
 
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
         """Rows per chunk the kernels allow: the most whose rows x G query heads a decode kernel
-        of this head dim and K/V dtype serves (64 at most; FP8 at D 256: 8)."""
+        of this head dim and K/V dtype serves (64 heads at most; FP8 at D 256: 8)."""
         from pkvrt import _buildspec
         from pkvrt.launch import ops
 

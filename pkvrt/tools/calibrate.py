@@ -565,7 +565,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", metavar="PATH",
                         help="also write every timed configuration as a results JSON (pkvrt report)")
     parser.add_argument("--groups", type=parse_groups, default=GROUPS, metavar="LIST",
-                        help="group sizes 1-16 (query heads per KV head: H_q 32 over 32 / G KV heads, "
+                        help="group sizes 1-64 (query heads per KV head: H_q 32 over 32 / G KV heads, "
                              "or 8 KV heads where G does not divide 32) whose partition constants are "
                              "fitted; must include 4, which gives the top-level keys, the others go to "
                              "splits.by_group (default: 4,1,8; the models' table: 4,1,8,2,3,5,7,16)")
@@ -573,7 +573,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure only these group sizes (not 4) and add or replace their "
                              "splits.by_group and time_model.by_group entries in --base (this GPU's "
                              "file), every other constant, section and host_time kept: a new model's "
-                             "G without re-fitting the ones the file has (e.g. 2,3,5,7,16)")
+                             "G without re-fitting the ones the file has (e.g. 2,3,5,7,16; 64: the "
+                             "wide body's, which SharedPagesRuntime needs for chunks above 16 heads)")
     parser.add_argument("--models", type=parse_models, default=(), metavar="NAMES",
                         help="comma-separated model names of the served models' table (e.g. "
                              "llama-3.2-3b,qwen2.5-14b): their group sizes join --groups (their head "
