@@ -5,7 +5,7 @@ small (H_kv = 2, at most 4 rows, at most 3000 tokens a row) so that it takes sec
 a minute or two under a sanitizer (50-100x slower). What runs:
 
 * the decode sweep: every head dim (64, 96, 128, 256) with a group size of each group capacity
-  the kernels are built for (G 1-4, 5-8, 9-16), fp16 and bf16, page sizes 1 to 128; ragged rows
+  the kernels are built for (G 1-4, 5-8, 9-16, 17-64), fp16 and bf16, page sizes 1 to 128; ragged rows
   (length 1, a row of one tile whose splits are all but one empty, page-boundary lengths). Per
   shape: split_decode with S = 1 (writes O), split_decode with S > 1 over permuted rows plus an
   idle (-1) grid row, then merge; workqueue_decode + merge (skip_single) on row-local splits
@@ -75,18 +75,20 @@ H_KV = 2
 DEV = "cuda"
 SEED = 20260707
 
-# (head_dim, G, dtype, page): every head dim with a G of each group capacity (4, 8, 16: G 1-4,
-# 5-8, 9-16 run the capacity's kernel with G a run-time value), both dtypes and page sizes 1-128
-# spread over them (D = 256 runs 2 pipeline stages, not 3; D = 96 pads its shared-memory rows).
+# (head_dim, G, dtype, page): every head dim with a G of each group capacity (4, 8, 16, 64: G
+# 1-4, 5-8, 9-16, 17-64 run the capacity's kernel with G a run-time value; 64 the wide body, with
+# two token streams at G <= 32 and one above), both dtypes and page sizes 1-128 spread over them
+# (D = 256 runs 2 pipeline stages, not 3; D = 96 pads its shared-memory rows).
 SHAPES = [
     (64, 1, F16, 1), (64, 5, BF16, 16), (64, 16, F16, 128),
     (96, 3, F16, 16), (96, 7, BF16, 1), (96, 12, F16, 32),
     (128, 2, BF16, 8), (128, 4, F16, 64), (128, 8, BF16, 1), (128, 16, F16, 16),
     (256, 1, BF16, 16), (256, 6, F16, 1), (256, 16, BF16, 64),
+    (64, 40, BF16, 32), (96, 17, F16, 64), (128, 32, F16, 1), (128, 64, BF16, 16), (256, 48, F16, 8),
 ]
 # --quick (racecheck): every head dim and every group capacity once, both dtypes, pages 1-128.
 QUICK_SHAPES = [(64, 16, F16, 1), (96, 7, BF16, 16), (128, 3, F16, 128), (256, 9, BF16, 1),
-                (128, 8, BF16, 16)]
+                (128, 8, BF16, 16), (128, 24, F16, 16), (64, 64, BF16, 1)]
 QUICK_MAX_LEN = 800
 # Ragged rows, cycled over the shapes: 1 token; 17 and 31 tokens (one tile: with S > 1 all
 # splits but one are empty); 33 (two tiles); 2048 (a page boundary at every page size).
@@ -248,7 +250,7 @@ def decode_sweep(t: Tally, shapes, quick: bool, buf: Buffers) -> None:
 # FP8 (e4m3) K/V: (head_dim, G, q dtype, page, per-KV-head scales). Every D, both bodies' group
 # sizes, both q dtypes, pages 1, 16 and 64, both scale layouts.
 FP8_SHAPES = [(64, 1, F16, 16, False), (128, 4, BF16, 1, True), (128, 8, F16, 64, False),
-              (256, 2, BF16, 16, True)]
+              (256, 2, BF16, 16, True), (128, 32, F16, 16, True), (64, 64, BF16, 1, False)]
 
 
 def fp8_batch(lens, d, g, dtype, page, per_head, seed):
