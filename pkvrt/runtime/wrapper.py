@@ -267,6 +267,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # into _paged_kv_indices_buf before plan()
         self._paged_kv_indptr_buf, self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf = \
             self._buffers
+        # the buffers as the planning kernel reads a CSR (contiguous int32 on the device): fixed
+        # with the buffers, so checked once here, not per plan()
+        self._buffers_kernel_ready = self._use_cuda_graph and all(
+            t.dtype == torch.int32 and t.device == self.device and t.is_contiguous() for t in self._buffers)
         self._begin_forward = self.plan
         self._variant_override = None   # forward()'s window / soft cap / scale, kept for later plans
         # what FlashInfer's plan() leaves in these (vLLM asserts on them before each run)
@@ -412,8 +416,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         buffers as the planning kernel reads them (contiguous int32 on the device)."""
         from pkvrt.runtime import Runtime
 
-        return type(rt) is Runtime and all(
-            t.dtype == torch.int32 and t.device == self.device and t.is_contiguous() for t in self._buffers)
+        return self._buffers_kernel_ready and type(rt) is Runtime
 
     def _unserved(self, hq, hkv, d, page, pos_encoding_mode, window_right, q_dt, kv_dt, o_dt,
                   fixed_split_size, disable_split_kv, q_len_per_req, is_causal) -> str | None:
