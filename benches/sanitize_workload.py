@@ -538,6 +538,20 @@ def coverage_sweep(t: Tally, quick: bool) -> None:
         t.guarded(f"{route} {var_name} {str(kw['dtype'])[6:]} {tag}", coverage_case, route, var_name, kw)
 
 
+def sharing_cases() -> list[tuple[str, str, tuple]]:
+    """tests/gpu/test_sharing.py's cases the sanitizer runs: (label, test function, arguments)."""
+    nested = tuple(_gpu_tests("test_sharing").CASES[2])
+    return [
+        ("SharedPagesRuntime, nested prefixes, eager", "test_shared_pages_match_the_reference",
+         nested + (False, False)),
+        ("SharedPagesRuntime, nested prefixes, 64-head chunks", "test_shared_pages_match_the_reference",
+         nested + (False, True)),
+        ("find_shared against its twin (300 rows, C 16)", "test_find_shared_kernel_matches_its_twin", (2,)),
+        ("SharedPagesRuntime device lengths, nested prefixes",
+         "test_device_lengths_shared_pages_match_the_reference", nested + (False,)),
+    ]
+
+
 def gpu_test_case(t: Tally, name: str, module: str, test: str, *args) -> None:
     """One tests/gpu test function called with ``args``: passes, or its assertion is the detail."""
     try:
@@ -575,13 +589,8 @@ def main(argv=None) -> int:
                 t.guarded(f"Runtime force={r.name}", runtime_case, r.name, buf)
         t.guarded("Runtime device planning, eager layers", runtime_layers_case, buf)
         t.guarded("Runtime FP8 device planning", runtime_fp8_case, buf)
-        sharing = _gpu_tests("test_sharing")
-        t.guarded("SharedPagesRuntime, nested prefixes, eager", gpu_test_case, "test_sharing",
-                  "test_shared_pages_match_the_reference", *sharing.CASES[2], False)
-        t.guarded("find_shared against its twin (300 rows, C 16)", gpu_test_case, "test_sharing",
-                  "test_find_shared_kernel_matches_its_twin", 2)
-        t.guarded("SharedPagesRuntime device lengths, nested prefixes", gpu_test_case, "test_sharing",
-                  "test_device_lengths_shared_pages_match_the_reference", *sharing.CASES[2], False)
+        for name, test, args in sharing_cases():
+            t.guarded(name, gpu_test_case, "test_sharing", test, *args)
     torch.cuda.synchronize()
     print(f"sanitize_workload: {t.cases} cases, {t.bad} mismatches "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -69,3 +69,19 @@ def test_the_decode_and_fp8_sweeps_match_on_every_shape(workload, capsys, quick)
     shapes = len(workload.QUICK_SHAPES if quick else workload.SHAPES)
     fp8 = 2 if quick else len(workload.FP8_SHAPES)
     assert (t.cases, t.bad) == (4 * (shapes + fp8), 0), out
+
+
+def test_every_sharing_case_binds_to_its_test_function(workload, monkeypatch):
+    """The sanitizer calls tests/gpu/test_sharing.py's functions by name with positional
+    arguments: each must still take exactly those (a test that grows a parameter would otherwise
+    show up only as a BAD line on the GPU)."""
+    import inspect
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # its module-level skip
+    monkeypatch.delitem(sys.modules, "test_sharing", raising=False)
+    mod = workload._gpu_tests("test_sharing")
+    sys.modules.pop("test_sharing")
+    cases = workload.sharing_cases()
+    assert len({name for name, _, _ in cases}) == len(cases)
+    for name, test, args in cases:
+        inspect.signature(getattr(mod, test)).bind(*args)
