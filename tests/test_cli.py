@@ -257,7 +257,8 @@ def test_doctor_calibration_line_without_gpu(capsys, monkeypatch):
     assert "for no CUDA device" not in line and "fallback" not in line and err == ""
     assert line.split(None, 1)[1].startswith(
         "no CUDA device: the calibration is chosen per GPU at run time")
-    assert "shipped files: nvidia-h200 (NVIDIA H200), rtx3060-seed (NVIDIA GeForce RTX 3060)" in line
+    assert ("shipped files: nvidia-h100-80gb-hbm3 (NVIDIA H100 80GB HBM3), nvidia-h200 (NVIDIA H200), "
+            "rtx3060-seed (NVIDIA GeForce RTX 3060)") in line
 
 
 def test_doctor_reports_a_malformed_shipped_calibration(capsys, monkeypatch, tmp_path):

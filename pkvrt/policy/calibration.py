@@ -44,7 +44,7 @@ Schema 1 (every key required unless marked optional; no others allowed)::
     sharing           optional: {"l2_reread_cost": number in (0, 1], "date", "command",
                        "source"}: the time of a page's re-read by another row of the same step
                        (shared pages: they meet in L2) in units of its first read, fitted by
-                       ``pkvrt calibrate --sharing-from`` from measured steps with shared pages;
+                       ``benches/shared_pages.py --fit-l2`` from measured steps with shared pages;
                        SharedPagesRuntime predicts a plain step with it (absent: 1.0, no help
                        from L2)
     by_kv_dtype       optional: {"float8_e4m3fn": section}: constants measured with K/V caches of
@@ -259,7 +259,7 @@ class HostTime:
 class SharingCost:
     """A file's ``sharing`` section: what a page costs a plain step when several of its rows
     read it (prefix caching, parallel sampling), its own provenance (fitted from measured
-    steps with shared pages: ``pkvrt calibrate --sharing-from``).
+    steps with shared pages: ``benches/shared_pages.py --fit-l2``).
 
     l2_reread_cost : the time of a re-read of a page that another row of the step read, in
         units of its first read from memory (they meet in L2): 1.0 would be no help from L2."""

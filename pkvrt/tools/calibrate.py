@@ -574,7 +574,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "splits.by_group and time_model.by_group entries in --base (this GPU's "
                              "file), every other constant, section and host_time kept: a new model's "
                              "G without re-fitting the ones the file has (e.g. 2,3,5,7,16; 64: the "
-                             "wide body's, which SharedPagesRuntime needs for chunks above 16 heads)")
+                             "wide decode body's constants, for models of G 17-64)")
     parser.add_argument("--models", type=parse_models, default=(), metavar="NAMES",
                         help="comma-separated model names of the served models' table (e.g. "
                              "llama-3.2-3b,qwen2.5-14b): their group sizes join --groups (their head "
