@@ -213,26 +213,29 @@ def test_chunk_rows_follow_the_kernels_served(fake_device):  # noqa: F811
     assert rt8.chunk == 2 and rt8.shared.num_qo_heads == 2 * 2 * 4
 
 
-@pytest.mark.parametrize("wide, chunk", [((), 4), ((24,), 16), ((64,), 16)])
-def test_chunks_wider_than_16_heads_need_a_wide_calibrated_group(fake_device, wide, chunk):  # noqa: F811
-    """Chunks of more than 16 heads run the wide decode body: by default only where the
-    calibration has a group size above 16 to take its constants from (G 4: 4 rows without one,
-    16 with one: the nearest calibrated group size serves, as for every G); shared_chunk_rows
-    may ask for more."""
+@pytest.mark.parametrize("wide", [(), (24,), (64,)], ids=["no wide G", "G 24", "G 64"])
+def test_chunks_default_to_16_heads_whatever_the_calibration(fake_device, wide):  # noqa: F811
+    """Chunks default to the narrow body's 16 heads (16 // G rows), whether or not the
+    calibration has a group size above 16 (64-head chunks ran slower than 16-head ones on the
+    H100 with its own G 64 constants); shared_chunk_rows may ask for up to 64 // G."""
     cal = attrs.evolve(SEED, splits=attrs.evolve(SEED.splits, by_group=tuple((g, ()) for g in wide)))
     rt = SharedPagesRuntime(8, 2, 128, 16, torch.float16, routes=ROUTES, calibration=cal,
                             max_batch=8, max_pages_per_row=64, options=RuntimeOptions(flashinfer=False))
-    assert rt.chunk == chunk and rt.shared.num_qo_heads == 2 * chunk * 4
+    assert rt.chunk == 4 and rt.shared.num_qo_heads == 2 * 4 * 4
     asked = SharedPagesRuntime(8, 2, 128, 16, torch.float16, routes=ROUTES, calibration=cal, max_batch=8,
                                max_pages_per_row=64,
                                options=RuntimeOptions(flashinfer=False, shared_chunk_rows=16))
-    assert asked.chunk == 16
-    # G 9 and 16: two rows are already more than 16 heads, so nothing is shared without a wide
-    # group size calibrated (as before the wide body), 7 and 4 rows with one
+    assert asked.chunk == 16 and asked.shared.num_qo_heads == 2 * 16 * 4
+    # G 9 and 16: two rows are already more than 16 heads: nothing shared by default, and 7 or 4
+    # rows (the wide body) when asked
     for hq, rows in ((18, 7), (32, 4)):
         g_rt = SharedPagesRuntime(hq, 2, 128, 16, torch.float16, routes=ROUTES, calibration=cal,
                                   max_batch=8, max_pages_per_row=64, options=RuntimeOptions(flashinfer=False))
-        assert (g_rt.chunk, g_rt.shared is None) == ((rows, False) if wide else (1, True)), hq
+        assert (g_rt.chunk, g_rt.shared) == (1, None), hq
+        g_asked = SharedPagesRuntime(hq, 2, 128, 16, torch.float16, routes=ROUTES, calibration=cal,
+                                     max_batch=8, max_pages_per_row=64,
+                                     options=RuntimeOptions(flashinfer=False, shared_chunk_rows=rows))
+        assert g_asked.chunk == rows and g_asked.shared.num_qo_heads == 2 * rows * (hq // 2), hq
 
 
 @pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])

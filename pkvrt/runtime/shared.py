@@ -5,9 +5,10 @@ Per step, :meth:`~SharedPagesRuntime.plan` looks for repeated page ids in the bl
 bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.sharing.plan_sharing`:
 
 - the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``; C = 16 // G
-  rows per chunk, or up to 64 // G where the calibration has a group size above 16 for the
-  wide decode body; ``RuntimeOptions.shared_chunk_rows`` sets it) runs one decode row per chunk over the chunk's shared pages, its query heads
-  the chunk's rows' heads side by side: a K/V tile of the run is read once for C rows;
+  rows per chunk, the narrow decode body; ``RuntimeOptions.shared_chunk_rows`` asks for up to
+  64 // G, the wide body) runs one decode row per chunk over the chunk's shared pages, its
+  query heads the chunk's rows' heads side by side: a K/V tile of the run is read once for C
+  rows;
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
 - each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries (and the own segments' where
@@ -93,7 +94,7 @@ class SharedPagesRuntime:
         # the own segments merge with the chunks: their sink is added once, at the merge
         self.own = (Runtime(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                             sm_scale=sm_scale, **common) if sinks else self.plain)
-        self.chunk = want if want is not None else self._chunk_rows_calibrated(served)
+        self.chunk = want if want is not None else self._chunk_rows_default(served)
         self.shared = (Runtime(num_kv_heads * self.chunk * self.group, num_kv_heads, head_dim,
                                page_size, dtype, sm_scale=sm_scale, **common)
                        if self.chunk >= 2 else None)
@@ -115,18 +116,15 @@ class SharedPagesRuntime:
         self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
         self._found_rows = 0                          # the planned step's rows (0: none)
 
-    def _chunk_rows_calibrated(self, served: int) -> int:
-        """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads
-        the time model knows the kernel of. Up to 16 heads a chunk runs the narrow decode body,
-        whose constants every calibrated G describes; wider chunks run the wide body (warps
-        split the heads over shared K/V stages, a different cost per CTA), used only where the
-        calibration has a wide group size for them to take constants from."""
-        cal = self.plain.shape_calibration
-        for rows in range(served, 1, -1):
-            heads = rows * self.group
-            if heads <= 16 or cal.calibrated_group(heads) > 16:
-                return rows
-        return 1   # G 9-32 without a wide group size calibrated: nothing shared
+    def _chunk_rows_default(self, served: int) -> int:
+        """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
+        the narrow decode body, 16 heads. Wider chunks (the wide body: its warps split the heads
+        over shared K/V stages) read a run once for more rows but, measured on an H100 with its
+        own calibration (G 64 included; benches/results/h100/shared-pages.json), ran slower than
+        16-head chunks on every step where sharing beats the plain step, and the time model
+        predicted them 15-45 % faster than they ran; so they are only asked for
+        (``shared_chunk_rows``). G 9-64: one row, nothing shared by default."""
+        return max(1, min(served, 16 // self.group))
 
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
         """Rows per chunk the kernels allow: the most whose rows x G query heads a decode kernel
