@@ -36,6 +36,14 @@ def _ints(text: str, name: str) -> list[int]:
     return vals
 
 
+def stream_row(b: int, tokens: int, g: int, s: int, us: float, nbytes: int) -> dict:
+    """One measured point as a results row: ``case`` the rows and split count, ``engine`` the
+    group size (``pkvrt report`` tabulates case x engine)."""
+    return dict(case=f"B{b}-{tokens} S{s}", engine=f"split-decode G{g}", status="ok", batch=b,
+                tokens=tokens, group=g, splits=s, ctas=b * H_KV * s, median_us=us,
+                tb_per_s=nbytes / us / 1e6)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benches/results/h200/group-stream.json")
@@ -68,10 +76,8 @@ def main(argv=None) -> int:
                 part_a = torch.empty(b * s, H_KV * g, D, device=dev, dtype=torch.float32)
                 part_ml = torch.empty(b * s, H_KV * g, 2, device=dev, dtype=torch.float32)
                 us = median_us(lambda: ops.split_decode(q, k, v, seq, bt, row_ids, s, out, part_a, part_ml))
-                tbs = nbytes / us / 1e6
-                rows.append(dict(case=f"B{b}-{a.tokens}", batch=b, tokens=a.tokens, group=g, splits=s,
-                                 ctas=b * H_KV * s, median_us=us, tb_per_s=tbs))
-                print(f"{b:3d} {g:3d} {s:3d} {us:9.1f} {tbs:6.2f}", flush=True)
+                rows.append(stream_row(b, a.tokens, g, s, us, nbytes))
+                print(f"{b:3d} {g:3d} {s:3d} {us:9.1f} {rows[-1]['tb_per_s']:6.2f}", flush=True)
     meta = results.make_meta(seeds=[SEED], kind="group-stream", num_kv_heads=H_KV, head_dim=D,
                              page_size=PAGE, command=" ".join(["group_stream.py", *(argv or sys.argv[1:])]))
     results.write_results(Path(a.out), meta, rows)
