@@ -16,8 +16,13 @@ PLAN_CALLS calls on the step's CSR). FlashInfer's wrapper is its tensor-core one
 (``use_tensor_cores=True``, what both engines construct for GQA decode) and, as a second row,
 its CUDA-core one; the ratio is against the faster of the two on each step.
 
+``--profile-plan``: each wrapper's plan() also runs PLAN_CALLS times under cProfile (the GPU
+idle before each call, as timed), and its row keeps the PROFILE_TOP functions of most own time
+per call (``plan_profile``): where the host time goes, pkvrt's against FlashInfer's, on the GPU
+host itself (the dev box has no copies or launches to time).
+
 usage: python benches/dropin.py [--styles sglang,vllm] [--steps N] [--trace-dir DIR]
-       [--out FILE] [--max-seconds S]
+       [--out FILE] [--max-seconds S] [--profile-plan]
 Writes benches/results/h200/dropin.json and prints a table per style.
 """
 
@@ -52,6 +57,7 @@ FI_LABELS = {"flashinfer-tc": True, "flashinfer-cuda": False}   # label -> use_t
 SEED = 20260623
 REPLAYS = 15
 PLAN_CALLS = 50
+PROFILE_TOP = 25
 TOLERANCE = 5e-3
 CACHE_BUDGET = 24 * 2**30
 WORKSPACE = 256 * 2**20
@@ -115,7 +121,7 @@ def make_wrapper(label: str, st: Step, ws: torch.Tensor):
                                                          use_tensor_cores=FI_LABELS[label], **bufs)
 
 
-def measure(label: str, st: Step, ws: torch.Tensor) -> dict:
+def measure(label: str, st: Step, ws: torch.Tensor, profile: bool = False) -> dict:
     """Plan, check layer 0, capture the 32 layers, time the replays and plan()."""
     sh = MODEL
     w = make_wrapper(label, st, ws)
@@ -149,6 +155,8 @@ def measure(label: str, st: Step, ws: torch.Tensor) -> dict:
     row = {"median_us": median_us(layers, repeats=REPLAYS), "max_err_ref": err,
            "plan_host_us": plan_host_us(plan), "status": "ok" if err <= TOLERANCE else
            f"wrong: rel. error {err:.3g} against the FP32 reference"}
+    if profile:
+        row["plan_profile"] = plan_profile(plan)
     if label == "pkvrt":
         row["explain"] = w.explain()
         # the ablation: plan() building block tables on the device first (device_step), as it
@@ -170,6 +178,26 @@ def plan_host_us(plan) -> float:
     return statistics.median(host)
 
 
+def plan_profile(plan) -> list[dict]:
+    """``PLAN_CALLS`` plan() calls under cProfile, the GPU idle before each (as
+    :func:`plan_host_us`): the PROFILE_TOP functions of most own time, per plan() call (calls,
+    own and cumulative microseconds; cProfile's overhead included, so compare rows, not sums)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(PLAN_CALLS):
+        prof.enable()
+        plan()
+        prof.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats   # {(file, line, name): (calls, primitive, tottime, cumtime, callers)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:PROFILE_TOP]
+    return [{"function": f"{Path(f).name}:{line}({name})", "calls": nc / PLAN_CALLS,
+             "own_us": 1e6 * tt / PLAN_CALLS, "cum_us": 1e6 * ct / PLAN_CALLS}
+            for (f, line, name), (_, nc, tt, ct, _) in top]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--styles", default="sglang,vllm")
@@ -177,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir", default=None, help="folder of azure2023_conv.csv and azure2023_code.csv")
     ap.add_argument("--out", default="benches/results/h200/dropin.json")
     ap.add_argument("--max-seconds", type=float, default=540.0)
+    ap.add_argument("--profile-plan", action="store_true",
+                    help="also profile each wrapper's plan() (cProfile; a plan_profile per row)")
     args = ap.parse_args(argv)
     styles = [s for s in args.styles.split(",") if s]
     if not styles or any(s not in STYLES for s in styles):
@@ -212,7 +242,7 @@ def main(argv=None) -> int:
             rec = {}
             for label in ("pkvrt", *FI_LABELS):
                 try:
-                    rec[label] = measure(label, st, ws[label])
+                    rec[label] = measure(label, st, ws[label], profile=args.profile_plan)
                 except Exception as exc:  # noqa: BLE001 - recorded as the path being unavailable
                     rec[label] = {"status": f"unavailable: {type(exc).__name__}: {str(exc)[:160]}"}
                 rows.append({"case": name, "style": style, "engine": label, "rows": len(st.seq),
@@ -251,6 +281,15 @@ def main(argv=None) -> int:
                   f"{geomean([r['ratio'] for r in rs]):.3f} | "
                   f"{statistics.median(pk_plan):.1f} / {statistics.median(fi_plan) if fi_plan else float('nan'):.1f} | "
                   f"{statistics.median(bt_plan) if bt_plan else float('nan'):.1f} |")
+    if args.profile_plan:
+        for style in styles:
+            for label in ("pkvrt", "flashinfer-tc"):
+                prof = next((r["plan_profile"] for r in rows if r["style"] == style
+                             and r["engine"] == label and "plan_profile" in r), None)
+                if prof:
+                    print(f"\n{style} {label}: plan() under cProfile, first step, own us per call")
+                    for e in prof[:10]:
+                        print(f"  {e['own_us']:7.1f} own {e['cum_us']:7.1f} cum {e['calls']:5.1f}x  {e['function']}")
     return 0
 
 

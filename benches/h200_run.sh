@@ -21,6 +21,7 @@
 #   models-a | models-b | models-c | models-d  benches/model_shapes.py, one group of models that
 #              share FlashInfer's JIT modules each (benches/README.md) -> OUT/model-shapes-<x>.json
 #   dropin     benches/dropin.py, SGLang's and vLLM's calling styles -> OUT/dropin.json
+#              (DROPIN_ARGS: more arguments, e.g. --profile-plan)
 #   shared     benches/shared_pages.py, every sharing step (SHARED_ARGS: more of its options) -> OUT/shared-pages.json
 #   sharing-traces  the sharing trace families (parallel sampling, a shared system prompt) and,
 #              with TRACE_DIR/mooncake_conv.json (docs/traces.md), Mooncake's conversation trace,
@@ -73,7 +74,7 @@ for stage in "$@"; do
           ${TRACE_DIR:+--trace-dir $TRACE_DIR} --max-seconds ${BUDGET:-560} \
           --out $out/model-shapes-${stage#models-}.json 2>&1 | grep -v WARN | tail -30 ;;
     dropin) timeout $(( ${BUDGET:-560} + 30 )) python3 benches/dropin.py --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} \
-          --max-seconds ${BUDGET:-560} --out $out/dropin.json 2>&1 | grep -v WARN | tail -30 ;;
+          --max-seconds ${BUDGET:-560} ${DROPIN_ARGS:-} --out $out/dropin.json 2>&1 | grep -v WARN | tail -52 ;;
     shared) timeout $(( ${BUDGET:-560} + 30 )) python3 benches/shared_pages.py ${SHARED_ARGS:-} --max-seconds ${BUDGET:-560} \
           --out $out/shared-pages.json 2>&1 \
           | grep -v WARN | tail -30 ;;

@@ -185,3 +185,21 @@ def test_the_time_budget_stops_between_steps(dry, tmp_path, monkeypatch, capsys)
     assert printed.count("time budget spent: isolated-B8-32K and later not measured") == 1
     assert printed.count("time budget spent: isolated-B1-32K and later not measured") == 1   # vllm
     assert "| sglang | 1 |" in printed
+
+
+def test_profile_plan_keeps_where_each_wrappers_plan_time_goes(dry, tmp_path, capsys, monkeypatch):
+    """--profile-plan: every measured wrapper row carries its plan()'s top functions (own time
+    per call, largest first), pkvrt's own plan() among pkvrt's, and the summary prints them."""
+    monkeypatch.setattr(bench, "PLAN_CALLS", 4)
+    doc = run(tmp_path, "--styles", "vllm", "--profile-plan")
+    printed = capsys.readouterr().out
+    timed = [r for r in doc["rows"] if r["engine"] != "ratio" and r.get("status") == "ok"]
+    assert timed and all(r["plan_profile"] for r in timed)
+    for r in timed:
+        own = [e["own_us"] for e in r["plan_profile"]]
+        assert own == sorted(own, reverse=True) and len(own) <= bench.PROFILE_TOP
+    pk = next(r for r in timed if r["engine"] == "pkvrt")
+    assert any(e["function"].startswith("wrapper.py:") and e["function"].endswith("(plan)")
+               for e in pk["plan_profile"]), pk["plan_profile"]
+    assert "vllm pkvrt: plan() under cProfile" in printed
+    assert "plan_profile" not in json.dumps(run(tmp_path, "--styles", "vllm")["rows"])
