@@ -240,7 +240,10 @@ def _deferred(gpu: FakeGpu, name: str, emulated):
         sig.bind(*args, **kw)
         with cpu_tensors_pass_as_cuda():
             real(*args, **kw)
+        if kw.pop("prepare", False):   # ops.PreparedLaunch: checked now, a launch at each call
+            return lambda: gpu.launch(lambda: run(*args, **kw))
         gpu.launch(lambda: run(*args, **kw))
+        return None
 
     return launch
 

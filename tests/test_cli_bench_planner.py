@@ -142,7 +142,7 @@ def test_default_calibration_is_named_and_is_plans(capsys):
     line = next(x for x in out.splitlines() if x.startswith("calibration: "))
     assert line.startswith("calibration: rtx3060-seed (NVIDIA GeForce RTX 3060) from ")
     assert "the default without a GPU, as pkvrt plan; --gpu NAME or --calibration PATH" in line
-    assert "shipped: nvidia-h200, rtx3060-seed" in line
+    assert "shipped: nvidia-h100-80gb-hbm3, nvidia-h200, rtx3060-seed" in line
     rc, plan_out, _ = run(capsys, "plan", "--num-requests", "4")
     assert "calibration  rtx3060-seed (NVIDIA GeForce RTX 3060)" in plan_out
 

@@ -117,12 +117,21 @@ def test_every_test_function_of_both_modules_is_dry_run():
 
 
 def corrupt(monkeypatch, name, tensor, wrong):
-    """ops.<name> as it is, then ``wrong(argument)`` applied to its argument named ``tensor``."""
+    """ops.<name> as it is, then ``wrong(argument)`` applied to its argument named ``tensor``
+    (after each launch of a prepared one, ops.PreparedLaunch)."""
     launch, sig = getattr(ops, name), inspect.signature(REAL[name])
 
     def launch_wrong(*args, **kw):
-        launch(*args, **kw)
-        wrong(sig.bind(*args, **kw).arguments[tensor])
+        prepared = launch(*args, **kw)
+        spoil = lambda: wrong(sig.bind(*args, **kw).arguments[tensor])  # noqa: E731
+        if prepared is None:
+            spoil()
+            return None
+
+        def launch_then_spoil():
+            prepared()
+            spoil()
+        return launch_then_spoil
 
     monkeypatch.setattr(ops, name, launch_wrong)
 

@@ -187,3 +187,29 @@ def test_a_shared_pages_wrapper_still_builds_block_tables(fake_device, pool, mon
     w.plan(*csr(seq, bt), HQ, HKV, D, PAGE, q_data_type=torch.float16)
     assert calls and not w._csr_direct(w.runtime)
     assert rel_err(w.run(q, (b.k_cache, b.v_cache)), ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
+
+
+def test_the_planning_launch_is_prepared_once_per_buffers_and_follows_their_values(fake_device, pool):  # noqa: F811
+    """Steps planned from the same CSR buffers reuse one prepared planning launch
+    (ops.PreparedLaunch: the checks and the packed struct once) and each is planned from the
+    buffers' values at its launch; other buffers (another address, another size) prepare anew."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = device_runtime(b)
+    ip, ind, lpl = (torch.zeros(9, dtype=torch.int32), torch.zeros(4096, dtype=torch.int32),
+                    torch.zeros(8, dtype=torch.int32))
+    prepared = fake_device.prepared
+    for short in (3, 2, 1):                       # the rows grow a token a step
+        seq, bt, q = step_inputs(b, [0, 2, 4, 5], short, seed=short)
+        s_ip, s_ind, s_lpl = csr(seq, bt)
+        ip[:5].copy_(s_ip)
+        ind[:s_ind.shape[0]].copy_(s_ind)
+        lpl[:4].copy_(s_lpl)
+        launches = fake_device.launches
+        rt.plan_csr(ip[:5], ind, lpl[:4])
+        assert fake_device.launches == launches + 1
+        assert rel_err(rt.run(q, *cache), ref(q, cache, seq, bt)) < 2e-3
+    assert fake_device.prepared == prepared + 1
+    rt.plan_csr(*csr(seq, bt))                    # new tensors: a new preparation
+    assert fake_device.prepared == prepared + 2
+    assert rel_err(rt.run(q, *cache), ref(q, cache, seq, bt)) < 2e-3

@@ -520,6 +520,7 @@ def test_bench_stage_workqueue_b8(benchmark):
 # static/staging/caller paths, regrowth, the graph bound, the FlashInfer fallback.
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import math  # noqa: E402
 
 from paged import make_batch, rel_err  # noqa: E402
@@ -538,6 +539,7 @@ class Emu:
     def __init__(self):
         self.launches = 0
         self.direct = 0   # planning launches in direct mode (they copied the step's inputs)
+        self.prepared = 0   # planning launches prepared (ops.PreparedLaunch), each run later
         self.early = []   # early_kv of every workqueue launch
         # decode CTAs resident per SM by (family, head_dim): 2 everywhere unless a test sets some
         self.occupancy: dict[tuple[str, int], int] = {}
@@ -679,7 +681,7 @@ class Emu:
                               room_slots=0, room8=0, room_chunk=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
                               src_block_tables=None, rows=None, max_seq=None, window_left=-1,
-                              src_indptr=None, src_last_page_len=None):
+                              src_indptr=None, src_last_page_len=None, prepare=False):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
         average load at the best throughput), chosen at the least cost + the last wave's room
@@ -689,7 +691,12 @@ class Emu:
         table of fewer rows than seq_lens. A sliding window plans each row's attended range
         (its window's tiles and pages; task ranges offset by the window start). CSR direct mode
         (src_indptr): each row's length from its pages and last page, a bad indptr or last page
-        a bad length, its pages copied from the indices at the row's offset."""
+        a bad length, its pages copied from the indices at the row's offset. ``prepare``: the
+        same call, made later (ops.PreparedLaunch's contract: the tensors are read when it runs)."""
+        if prepare:
+            kw = {k: v for k, v in locals().items() if k not in ("self", "prepare", "kw")}
+            self.prepared += 1
+            return functools.partial(self.plan_workqueue_device, **kw)
         self.launches += 1
         max_rows = seq_lens.shape[0]
         if block_tables is not None and block_tables.shape[0] < max_rows:

@@ -26,6 +26,21 @@ TRACE_MARKS = 4   # columns of a timeline buffer: kernels/decode_common.cuh kTra
 LOG2E = 1.4426950408889634
 
 
+class PreparedLaunch:
+    """A launch whose arguments were checked and packed once (``prepare=True``): calling it
+    launches the same kernel, grid and packed struct again on torch's current stream (read at the
+    call, so a capture records it). It keeps the tensors it was prepared with alive; their
+    addresses, not their values, are what it packed."""
+
+    __slots__ = ("kernel", "grid", "block", "params", "_keep")
+
+    def __init__(self, kernel, grid: tuple[int, int, int], block: int, params: ctypes.Structure, keep: tuple):
+        self.kernel, self.grid, self.block, self.params, self._keep = kernel, grid, block, params, keep
+
+    def __call__(self) -> None:
+        _driver.launch(self.kernel, self.grid, self.block, self.params)
+
+
 class KernelArgumentError(ValueError):
     """A kernel argument has the wrong dtype, shape, device or layout."""
 
@@ -574,7 +589,8 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
                           max_seq_len=None, block_tables=None, num_pages=None,
                           page_size: int | None = None, src_seq_lens=None, src_block_tables=None,
                           rows: int | None = None, max_seq: int | None = None,
-                          window_left: int = -1, src_indptr=None, src_last_page_len=None) -> None:
+                          window_left: int = -1, src_indptr=None, src_last_page_len=None,
+                          prepare: bool = False) -> PreparedLaunch | None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
@@ -611,6 +627,10 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     window_left: -1, or each row attends to its last window_left + 1 tokens: the plan covers
     that range (its tasks' token ranges start there; only its block-table entries are checked
     and copied), as ``planner.plan_workqueue(..., window_left=)``.
+
+    prepare: check and pack the arguments, launch nothing, and return a :class:`PreparedLaunch`
+    that launches them (a Runtime's plan() of the same buffers every step: the checks and the
+    struct once, not per step).
     """
     dev = seq_lens.device
     max_rows = seq_lens.shape[0]
@@ -673,7 +693,13 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
             p.src_block_tables = _int32("src_block_tables", src_block_tables, dev, 2)
             p.src_bt_stride = src_block_tables.stride(0)
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
+    if prepare:
+        keep = (seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits, status, candidates,
+                max_seq_len, block_tables, num_pages, src_seq_lens, src_block_tables, src_indptr,
+                src_last_page_len)
+        return PreparedLaunch(k, (1, 1, 1), 1024, p, keep)
     _driver.launch(k, (1, 1, 1), 1024, p)
+    return None
 
 
 class FindSharedParams(ctypes.Structure):
