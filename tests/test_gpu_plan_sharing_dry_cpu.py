@@ -62,8 +62,15 @@ def recording(graph, *args, **kw):
     """torch.cuda.graph: a launch inside is recorded, not run, as in a capture (the GPU test's
     captured step is launches only: other work in it would run once here, not on replay)."""
     saved = {name: getattr(ops, name) for name in REAL}
+
+    def record(launch, a, k):
+        if k.pop("prepare", False):   # ops.PreparedLaunch: each call recorded as a launch
+            return lambda: graph.launches.append((launch, a, k))
+        graph.launches.append((launch, a, k))
+        return None
+
     for name, launch in saved.items():
-        setattr(ops, name, lambda *a, _launch=launch, **k: graph.launches.append((_launch, a, k)))
+        setattr(ops, name, lambda *a, _launch=launch, **k: record(_launch, a, k))
     try:
         yield
     finally:

@@ -693,17 +693,17 @@ class Emu:
         (src_indptr): each row's length from its pages and last page, a bad indptr or last page
         a bad length, its pages copied from the indices at the row's offset. ``prepare``: the
         same call, made later (ops.PreparedLaunch's contract: the tensors are read when it runs)."""
-        if prepare:
-            kw = {k: v for k, v in locals().items() if k not in ("self", "prepare", "kw")}
-            self.prepared += 1
-            return functools.partial(self.plan_workqueue_device, **kw)
-        self.launches += 1
+        kw = {k: v for k, v in locals().items() if k not in ("self", "prepare")}
         max_rows = seq_lens.shape[0]
         if block_tables is not None and block_tables.shape[0] < max_rows:
             raise ops.KernelArgumentError(f"block_tables: expected [>= {max_rows}, W], got "
                                           f"{tuple(block_tables.shape)}")
         ops.check_plan_direct_args(max_rows, block_tables, page_size, src_seq_lens, src_block_tables,
                                    rows, max_seq, src_indptr, src_last_page_len)   # as the wrapper
+        if prepare:   # checked now, as the wrapper checks at preparation
+            self.prepared += 1
+            return functools.partial(self.plan_workqueue_device, **kw)
+        self.launches += 1
         rows = min(int(num_rows[0]) if rows is None else rows, max_rows)
         max_len = max_seq if max_seq is not None else \
             ops.MAX_SEQ_LEN if max_seq_len is None else int(max_seq_len[0])   # None: the wrapper's default

@@ -29,8 +29,11 @@ LOG2E = 1.4426950408889634
 class PreparedLaunch:
     """A launch whose arguments were checked and packed once (``prepare=True``): calling it
     launches the same kernel, grid and packed struct again on torch's current stream (read at the
-    call, so a capture records it). It keeps the tensors it was prepared with alive; their
-    addresses, not their values, are what it packed."""
+    call, so a capture records it). What it packed are the tensors' addresses, not their values:
+    the caller keeps those tensors alive and calls it only while they are the ones it was
+    prepared with (a temporary it made itself it keeps alive). The kernel handle is the CUDA
+    context's that was current at preparation: call it with the same device current (another
+    one's launch fails in the driver, naming the kernel)."""
 
     __slots__ = ("kernel", "grid", "block", "params", "_keep")
 
@@ -694,10 +697,7 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
             p.src_bt_stride = src_block_tables.stride(0)
     k = _driver.get_kernel("plan_workqueue", _buildspec.symbol("plan_workqueue"))
     if prepare:
-        keep = (seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits, status, candidates,
-                max_seq_len, block_tables, num_pages, src_seq_lens, src_block_tables, src_indptr,
-                src_last_page_len)
-        return PreparedLaunch(k, (1, 1, 1), 1024, p, keep)
+        return PreparedLaunch(k, (1, 1, 1), 1024, p, keep=(max_seq_len,))
     _driver.launch(k, (1, 1, 1), 1024, p)
     return None
 

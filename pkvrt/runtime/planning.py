@@ -376,7 +376,8 @@ class Planning:
         src = direct or {}
         key = (route.name, gbatch, grid)
         # what a direct launch checks and packs from its inputs: each tensor's address, shape,
-        # strides and dtype, the row count and the longest length
+        # strides and dtype, the row count and the longest length (the prepared launch holds no
+        # reference to them: it is called only after this key matched the live inputs)
         src_key = tuple((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
                         else (k, v) for k, v in src.items())
         entry = self._prepared_plans.get(key)

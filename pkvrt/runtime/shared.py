@@ -218,7 +218,7 @@ class SharedPagesRuntime:
 
     def _plan_device(self, seq_lens, block_tables, force: str | None):
         """plan() of device lengths: find_shared into the static buffers, then both decodes'
-        device planning from them (or, forced or G above 8, the plain Runtime's)."""
+        device planning from them (or, forced or with no chunk decode: the plain Runtime's)."""
         self.plan_used, self._found_rows = None, 0
         if force is not None or self.shared is None:
             return self.plain.plan(seq_lens, block_tables, force=force)
