@@ -138,7 +138,7 @@ class StaticBuffers:
                     fi_indptr=csr[0], fi_lpl=csr[1], fi_indices=csr[2],
                     fi_np=tuple(t.numpy() for t in csr) if fi else None))
             self._generation = 0
-            # the planning launch of each (route, padded batch), its arguments checked and packed
+            # the planning launch of each (route, padded batch, grid), its arguments checked and packed
             # once (Planning._launch_device_plan): keyed by the buffers' generation, so emptied here
             self._prepared_plans: dict = {}
         else:
@@ -154,7 +154,7 @@ class StaticBuffers:
         if not first:
             self._generation += 1
             self._graphs.clear()
-            self._prepared_plans.clear()   # they keep the old arena alive
+            self._prepared_plans.clear()   # they point into the old arena
             self._counts["regrowths"] += 1
 
     def _plan_rows(self) -> int:
