@@ -34,12 +34,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def fake_device():
     """The tests' fake device (tests/test_runtime_cpu.py, install_fake_device) with every kernel
-    launch a no-op: only the host work of a step is left."""
+    launch a no-op (a prepared one, ``prepare=True``, a no-op to call): only the host work of a
+    step is left."""
     sys.path.insert(0, str(REPO / "tests"))
     import test_runtime_cpu   # noqa: E402 - the tests' fake device, not a copy of it
 
-    test_runtime_cpu.install_fake_device(setattr, lambda name: (lambda *a, **k: None),
-                                         replay_runs_launches=False)
+    def no_op(*a, prepare=False, **k):
+        return (lambda: None) if prepare else None
+
+    test_runtime_cpu.install_fake_device(setattr, lambda name: no_op, replay_runs_launches=False)
 
 
 def timed_in_place(pieces: dict[str, tuple[object, str]]) -> dict[str, float]:
