@@ -231,7 +231,6 @@ class Runtime(StaticBuffers, Planning, Running):
             # nearest calibrated one (Calibration.calibrated_group)
             file_cal = self.calibration
             cal = file_cal.for_head_dim(self.head_dim).for_kv_dtype(self._kv_dtype)
-            self.shape_calibration = cal   # every group size's constants of this head dim and K/V dtype
             self.calibration_group = cal.calibrated_group(self.num_qo_heads // self.num_kv_heads)
             self.calibration = cal.for_group(self.calibration_group)
             # the partition's waves are this shape's decode kernel's, not the calibrated shape's

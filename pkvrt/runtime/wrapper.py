@@ -287,7 +287,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._rt_key = None
         self._fi = None            # FlashInfer's wrapper, built on the first fallback
         self._planned = None       # the last plan: dict of what run() needs
-        self._csr_views: dict[int, tuple] = {}   # batch -> the CSR buffers' views plan_csr reads
         self.fallback_reason: str | None = None
 
     # ------------------------------------------------------------------ properties (FlashInfer's)
@@ -388,11 +387,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if not (isinstance(indices, torch.Tensor) and indices.data_ptr() == ind.data_ptr()):
                 ind[:_length(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
             if self._csr_direct(rt):
-                # one launch: the planning kernel reads the CSR buffers themselves (the same
-                # views every plan(): the Runtime checks and packs them once)
-                csr = self._csr_views.get(batch)
-                if csr is None:
-                    csr = self._csr_views[batch] = (self._buffers[0][:batch + 1], ind, self._buffers[2][:batch])
+                # one launch: the planning kernel reads the CSR buffers themselves (the batch is
+                # the buffers' own: the same tensors every plan(), checked and packed once)
+                csr = self._buffers
                 rt.plan_csr(*csr)
                 self.fallback_reason = None
                 self._planned = dict(csr=csr, batch=batch, pages=max(1, int(pages.max())),
