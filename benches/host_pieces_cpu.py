@@ -39,10 +39,8 @@ def fake_device():
     sys.path.insert(0, str(REPO / "tests"))
     import test_runtime_cpu   # noqa: E402 - the tests' fake device, not a copy of it
 
-    def no_op(*a, prepare=False, **k):
-        return (lambda: None) if prepare else None
-
-    test_runtime_cpu.install_fake_device(setattr, lambda name: no_op, replay_runs_launches=False)
+    test_runtime_cpu.install_fake_device(setattr, lambda name: test_runtime_cpu.no_op_kernel,
+                                         replay_runs_launches=False)
 
 
 def timed_in_place(pieces: dict[str, tuple[object, str]]) -> dict[str, float]:

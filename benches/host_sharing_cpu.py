@@ -111,10 +111,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "tests"))
     import test_runtime_cpu as fake   # the tests' fake device, not a copy of it
 
-    def no_op(*a, prepare=False, **k):   # every launch a no-op (a prepared one, a no-op to call)
-        return (lambda: None) if prepare else None
-
-    fake.install_fake_device(setattr, lambda name: no_op, replay_runs_launches=False)
+    fake.install_fake_device(setattr, lambda name: fake.no_op_kernel, replay_runs_launches=False)
     dropin(args.calls)
     sharing_cost(args.calls)
     return 0

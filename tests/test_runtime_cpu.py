@@ -814,6 +814,12 @@ class FakeEvent:
         pass
 
 
+def no_op_kernel(*args, prepare=False, **kwargs):
+    """A kernel launch that does nothing (a prepared one, ``prepare=True``: a no-op to call), for
+    scripts that time only the host work of a step (benches/host_pieces_cpu.py)."""
+    return (lambda: None) if prepare else None
+
+
 def install_fake_device(set_attr, kernels, *, replay_runs_launches: bool = True) -> None:
     """Make the Runtime run on the CPU: ``set_attr(owner, name, value)`` (monkeypatch.setattr,
     or plain setattr for a script: benches/host_pieces_cpu.py) patches the device, pinned memory,
