@@ -191,6 +191,60 @@ def test_cuda_graph_mode_fixes_the_batch_and_fills_the_buffers(fake_device, pool
         plan(small, ip, ind, lpl)
 
 
+def graph_wrapper(batch: int, indices: int = 4096):
+    return wrapper(use_cuda_graph=True,
+                   paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32),
+                   paged_kv_indices_buffer=torch.zeros(indices, dtype=torch.int32),
+                   paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("ip, ind, lpl, match", [
+    ([1, 2], [0, 1], [1], r"indptr: expected \[batch_size \+ 1 = 2\] starting at 0"),
+    ([0, 2, 1], [0, 1], [1, 1], "row 1 has -1 pages"),
+    ([0, 1], [0], [17], r"last_page_len\[0\] = 17: expected 1..page_size = 16"),
+    ([0, 1, 2], [0, 1], [3, 0], r"last_page_len\[1\] = 0"),
+    ([0, 3], [0, 1], [4], "indices: expected at least indptr"),
+])
+def test_cuda_graph_mode_refuses_a_bad_csr_naming_the_argument(fake_device, pool, ip, ind, lpl, match):  # noqa: F811
+    """plan()'s lean host checks of CUDA-graph mode refuse what the general ones do (a row of no
+    pages is an engine's padding there, so its last_page_len is not read), and write nothing."""
+    w = graph_wrapper(len(lpl))
+    before = [t.clone() for t in w._buffers]
+    with pytest.raises(ValueError, match=match):
+        plan(w, torch.tensor(ip, dtype=torch.int32), torch.tensor(ind, dtype=torch.int32),
+             torch.tensor(lpl, dtype=torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(before, w._buffers))
+
+
+def test_cuda_graph_mode_keeps_its_setup_while_the_arguments_stay(fake_device, pool, monkeypatch):  # noqa: F811
+    """Repeated plan() arguments reuse the setup and the Runtime (no key or refusal derived again);
+    a changed variant argument, or forward() with another variant, derives them again, and each
+    step still matches the reference."""
+    b, _ = pool
+    w = graph_wrapper(3)
+    setups = []
+    real = type(w)._setup
+    monkeypatch.setattr(type(w), "_setup", lambda self, *a: setups.append(a) or real(self, *a))
+    q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(8)).half()
+    for i, (kw, want_setups) in enumerate([({}, 1), ({}, 1), ({"sm_scale": 0.3}, 2), ({"sm_scale": 0.3}, 2),
+                                           ({"window_left": 200, "sm_scale": 0.3}, 3)]):
+        seq, bt, ip, ind, lpl = step(b, [0, 1, 4], short=i)
+        plan(w, ip, ind, lpl, **kw)
+        assert len(setups) == want_setups, (i, kw)
+        rt = w.runtime
+        ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt),
+                                         sm_scale=kw.get("sm_scale"), window_left=kw.get("window_left", -1))
+        assert rel(w.run(q, (b.k_cache, b.v_cache)), ref) < TOL, (i, kw)
+    assert rt.window_left == 200
+    # forward() with another scale re-plans once with it; later plans keep it
+    out = w.forward(q, (b.k_cache, b.v_cache), window_left=200, sm_scale=0.25)
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt),
+                                     sm_scale=0.25, window_left=200)
+    assert rel(out, ref) < TOL and len(setups) == 4
+    plan(w, ip, ind, lpl, window_left=200, sm_scale=0.3)   # the arguments forward() re-planned with
+    assert len(setups) == 4 and w._planned["variant"][3] == 0.25
+
+
 def test_cuda_graph_mode_never_reads_the_page_ids_on_the_host(fake_device, pool, monkeypatch):  # noqa: F811
     """CUDA-graph mode builds the block tables where the indices are (an engine's indices live on
     the GPU: reading them on the host would make every plan() wait for the GPU, which

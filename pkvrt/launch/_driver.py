@@ -176,14 +176,20 @@ def set_pdl(enabled: bool | None) -> None:
 
 
 def _pdl_config():
+    """This thread's PDL launch configuration (grid, block and stream set per launch)."""
     cfg = getattr(_tls, "cfg", None)
     if cfg is None:
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg = _tls.cfg = cu.CUlaunchConfig()
-        cfg.attrs, cfg.numAttrs = [attr], 1
-        cfg.blockDimY = cfg.blockDimZ = 1
+        cfg = _tls.cfg = _new_pdl_config()
+    return cfg
+
+
+def _new_pdl_config():
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = cu.CUlaunchConfig()
+    cfg.attrs, cfg.numAttrs = [attr], 1
+    cfg.blockDimY = cfg.blockDimZ = 1
     return cfg
 
 
@@ -215,18 +221,52 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctype
     The stream is read here, at every launch: a cached handle would bypass graph capture.
     The driver copies ``params`` during the call, so the struct may be freed afterwards.
     """
-    stream = cu.CUstream(current_stream_handle())
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    if kernel.pdl and pdl_enabled():
-        cfg = _pdl_config()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-        cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream = block, kernel.smem_bytes, stream
-        check(f"cuLaunchKernelEx({kernel.name}, grid={grid}, block={block}, PDL)",
-              cu.cuLaunchKernelEx(cfg, kernel.func, ctypes.addressof(argv), 0))
-        return
-    check(f"cuLaunchKernel({kernel.name}, grid={grid}, block={block})",
-          cu.cuLaunchKernel(kernel.func, grid[0], grid[1], grid[2], block, 1, 1,
-                            kernel.smem_bytes, stream, ctypes.addressof(argv), 0))
+    _launch(kernel, grid, block, ctypes.addressof(argv), None)
+
+
+class Launcher:
+    """One kernel, grid and by-value struct, launched again at each call (``ops.PreparedLaunch``):
+    the argument array, and with PDL the launch configuration, are built once; a call reads
+    torch's current stream (so a capture records it) and launches. The struct must outlive it
+    (held here). Not for concurrent calls from several threads (the configuration's stream
+    field is shared)."""
+
+    __slots__ = ("kernel", "grid", "block", "params", "_argv", "_argp", "_cfg")
+
+    def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: int, params: ctypes.Structure):
+        self.kernel, self.grid, self.block, self.params = kernel, grid, block, params
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self._argp = ctypes.addressof(self._argv)
+        self._cfg = None
+
+    def __call__(self) -> None:
+        if self._cfg is None and self.kernel.pdl and pdl_enabled():
+            self._cfg = _new_pdl_config()
+            self._cfg.gridDimX, self._cfg.gridDimY, self._cfg.gridDimZ = self.grid
+            self._cfg.blockDimX, self._cfg.sharedMemBytes = self.block, self.kernel.smem_bytes
+        _launch(self.kernel, self.grid, self.block, self._argp, self._cfg)
+
+
+def _launch(kernel: Kernel, grid, block: int, argp: int, cfg) -> None:
+    """cuLaunchKernel(Ex) on torch's current stream; ``cfg``: a PDL configuration with this
+    grid, block and shared memory filled in, or None (one is filled in here when PDL applies)."""
+    stream = cu.CUstream(current_stream_handle())
+    pdl = kernel.pdl and pdl_enabled()
+    if pdl:
+        if cfg is None:
+            cfg = _pdl_config()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.blockDimX, cfg.sharedMemBytes = block, kernel.smem_bytes
+        cfg.hStream = stream
+        result = cu.cuLaunchKernelEx(cfg, kernel.func, argp, 0)
+    else:
+        result = cu.cuLaunchKernel(kernel.func, grid[0], grid[1], grid[2], block, 1, 1,
+                                   kernel.smem_bytes, stream, argp, 0)
+    err = result[0] if isinstance(result, tuple) else result
+    if err != cu.CUresult.CUDA_SUCCESS:   # the message only on failure: it costs a format per launch
+        name = "cuLaunchKernelEx" if pdl else "cuLaunchKernel"
+        check(f"{name}({kernel.name}, grid={tuple(grid)}, block={block}{', PDL' if pdl else ''})", result)
 
 
 def occupancy(kernel: Kernel, block: int) -> int:

@@ -35,13 +35,14 @@ class PreparedLaunch:
     context's that was current at preparation: call it with the same device current (another
     one's launch fails in the driver, naming the kernel)."""
 
-    __slots__ = ("kernel", "grid", "block", "params", "_keep")
+    __slots__ = ("kernel", "grid", "block", "params", "_keep", "_launch")
 
     def __init__(self, kernel, grid: tuple[int, int, int], block: int, params: ctypes.Structure, keep: tuple):
         self.kernel, self.grid, self.block, self.params, self._keep = kernel, grid, block, params, keep
+        self._launch = _driver.Launcher(kernel, grid, block, params)
 
     def __call__(self) -> None:
-        _driver.launch(self.kernel, self.grid, self.block, self.params)
+        self._launch()
 
 
 class KernelArgumentError(ValueError):

@@ -235,6 +235,11 @@ class Planning:
         if indices.shape[0] >= 2**31:
             raise ValueError(f"Runtime.plan_csr: indices: expected fewer than 2**31 entries, got "
                              f"{indices.shape[0]}")
+        return self._plan_csr(indptr, indices, last_page_len, b, force)
+
+    def _plan_csr(self, indptr, indices, last_page_len, b: int, force: str | None = None) -> RouteDecision:
+        """:meth:`plan_csr` of arguments already checked (the drop-in wrapper's CSR buffers,
+        checked once when it was built; ``b`` their batch)."""
         route = self._device_route(b, force, "Runtime.plan_csr")
         src = dict(src_indptr=indptr, src_last_page_len=last_page_len, src_block_tables=indices,
                    rows=b, max_seq=self.max_pages_per_row * self.page_size)
@@ -304,15 +309,19 @@ class Planning:
     def _route_decision(self, route, b: int, *, forced: bool, max_context: int = -1) -> RouteDecision:
         """The RouteDecision of a step that runs ``route`` by routes.toml's ``[device_planning]``
         table (or forced), with no host routing; ``max_context`` -1: lengths on the GPU."""
-        others = self._dp_refused.get(route.name)
-        if others is None:   # built once per route, not every step
-            others = self._dp_refused[route.name] = {
-                r.name: f"routes.toml [device_planning] runs {route.name} on this step's row count "
-                        "(device lengths or engine_capture: no router)"
-                for r in self.registry.routes if r.name != route.name}
-        return RouteDecision(route=route.name, kind=route.kind, plan=None, predicted_us={},
-                             refused=others, speedup=1.0, active=b, max_context=max_context,
-                             forced=forced)
+        # the same for every step of a row count: made once (a frozen RouteDecision)
+        memo_key = (route.name, b, forced, max_context)
+        decision = self._dp_decisions.get(memo_key)
+        if decision is None:
+            others = {r.name: f"routes.toml [device_planning] runs {route.name} on this step's row "
+                              "count (device lengths or engine_capture: no router)"
+                      for r in self.registry.routes if r.name != route.name}
+            decision = RouteDecision(route=route.name, kind=route.kind, plan=None, predicted_us={},
+                                     refused=others, speedup=1.0, active=b, max_context=max_context,
+                                     forced=forced)
+            if max_context < 0:   # host lengths (engine_capture) vary every step: not kept
+                self._dp_decisions[memo_key] = decision
+        return decision
 
     def _captured_decision(self, b: int, max_context: int) -> RouteDecision:
         """engine_capture with host lengths (``capture_routing="device_planning"``): the route of

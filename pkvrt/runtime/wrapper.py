@@ -44,6 +44,7 @@ import functools
 import inspect
 import math
 
+import attrs
 import numpy as np
 import torch
 
@@ -84,6 +85,20 @@ def csr_pages(indptr, batch: int, *, padding: bool = False) -> np.ndarray:
     return ip
 
 
+def _csr_pages_counts(indptr, batch: int, *, padding: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`csr_pages` and each row's page count, read with the fewest host operations (a
+    plan() in CUDA-graph mode runs this every step): ``(indptr int64 [batch + 1], pages int64
+    [batch])``."""
+    if isinstance(indptr, torch.Tensor) and indptr.device.type == "cpu" and indptr.dim() == 1 \
+            and indptr.shape[0] == batch + 1 and not indptr.requires_grad:
+        ip = indptr.numpy().astype(np.int64)
+        pages = ip[1:] - ip[:-1]
+        if ip[0] == 0 and pages.min() >= (0 if padding else 1):
+            return ip, pages
+    ip = csr_pages(indptr, batch, padding=padding)   # the general path, naming what is wrong
+    return ip, ip[1:] - ip[:-1]
+
+
 def csr_lengths(indptr, last_page_len, page_size: int, *, padding: bool = False):
     """The lengths of FlashInfer's paged-KV CSR on the host: ``(indptr int64 [B + 1], seq_lens
     int32 [B] = (pages - 1) * page_size + last_page_len)``.
@@ -100,11 +115,15 @@ def csr_lengths(indptr, last_page_len, page_size: int, *, padding: bool = False)
 
 def _host_array(x) -> np.ndarray:
     """``x`` (a tensor, possibly on the GPU: a device-to-host copy, or a sequence) as int64 numpy."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.requires_grad:
+        return x.numpy().astype(np.int64)
     return np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x, dtype=np.int64)
 
 
 def _check_last_page_len(lpl: np.ndarray, pages: np.ndarray, page_size: int) -> None:
     """ValueError naming the first row of pages whose last_page_len is outside [1, page_size]."""
+    if lpl.size and lpl.min() >= 1 and lpl.max() <= page_size:
+        return
     bad = ((lpl < 1) | (lpl > page_size)) & (pages > 0)
     if bad.any():
         r = int(np.nonzero(bad)[0][0])
@@ -206,6 +225,27 @@ def split_paged_kv_cache(paged_kv_cache, kv_layout: str):
     return paged_kv_cache[:, 0], paged_kv_cache[:, 1]
 
 
+@functools.cache
+def _runtime_class():
+    from pkvrt.runtime import Runtime   # at first use: pkvrt.runtime imports this module
+
+    return Runtime
+
+
+@attrs.frozen(eq=False)
+class _PlanSetup:
+    """What a plan()'s shape and variant arguments decide (forward()'s variant applied): why
+    pkvrt does not serve it (None: served), the Runtime's key, the effective variant."""
+
+    reason: str | None
+    key: dict
+    pos_encoding_mode: str
+    window_left: int
+    logits_soft_cap: float | None
+    sm_scale: float | None
+    variant: tuple
+
+
 class BatchDecodeWithPagedKVCacheWrapper:
     """FlashInfer 0.7's decode wrapper (``flashinfer.BatchDecodeWithPagedKVCacheWrapper``), served
     by pkvrt's routes where they serve the plan (module docstring).
@@ -285,6 +325,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._plan_args = None     # the last plan()'s arguments (forward() may re-plan with them)
         self._rt = None            # the Runtime, and what it was built for (_rt_key)
         self._rt_key = None
+        self._setup_memo = None    # (plan()'s shape and variant arguments, forward()'s variant, _PlanSetup)
+        self._rt_setup = None      # the _PlanSetup the Runtime was last fetched for
+        self._rt_width = 0         # CUDA-graph mode: the pages of the widest row the Runtime holds
         self._fi = None            # FlashInfer's wrapper, built on the first fallback
         self._planned = None       # the last plan: dict of what run() needs
         self.fallback_reason: str | None = None
@@ -333,17 +376,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # FlashInfer's plan() leaves these for run(); vLLM asserts on them
         self._window_left, self._sm_scale = window_left, sm_scale
         self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap
-        if self._variant_override is not None:   # forward() gave the variant: it wins (FlashInfer's rule)
-            pos_encoding_mode, window_left, logits_soft_cap, sm_scale = (
-                self._variant_override[k] for k in ("pos_encoding_mode", "window_left",
-                                                    "logits_soft_cap", "sm_scale"))
-        if data_type is not None:
-            q_data_type = q_data_type if q_data_type is not None else data_type
-            kv_data_type = kv_data_type if kv_data_type is not None else data_type
-        q_dt = canonical_dtype(q_data_type, "q_data_type") or torch.float16
-        kv_dt = canonical_dtype(kv_data_type, "kv_data_type") or q_dt
-        o_dt = canonical_dtype(o_data_type, "o_data_type") or q_dt
-        cap = float(logits_soft_cap or 0.0)
+        # what the step's shape and variant decide (the Runtime's key, or why pkvrt does not
+        # serve it): the same for every plan() of a model's layer kind, so kept for the next
+        sig = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+               window_right, logits_soft_cap, q_data_type, kv_data_type, o_data_type, data_type,
+               sm_scale, fixed_split_size, disable_split_kv, q_len_per_req, is_causal)
+        memo = self._setup_memo
+        if memo is not None and memo[0] == sig and memo[1] is self._variant_override:
+            s = memo[2]
+        else:
+            s = self._setup(*sig)
+            self._setup_memo = (sig, self._variant_override, s)
         batch = _length(last_page_len)
         if self._use_cuda_graph:
             if batch != self._fixed_batch_size:
@@ -352,34 +395,33 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"{self._fixed_batch_size}")
             if _length(indices) > self._buffers[1].shape[0]:
                 raise ValueError("The size of indices should be less than or equal to the allocated buffer")
-        reason = self._unserved(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
-                                window_right, q_dt, kv_dt, o_dt, fixed_split_size, disable_split_kv,
-                                q_len_per_req, is_causal)
         self._planned = None
-        if reason is not None:
-            fi_kwargs = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                             logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
-                             kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=sm_scale,
+        if s.reason is not None:
+            fi_kwargs = dict(pos_encoding_mode=s.pos_encoding_mode, window_left=s.window_left,
+                             logits_soft_cap=s.logits_soft_cap, q_data_type=q_data_type,
+                             kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=s.sm_scale,
                              rope_scale=rope_scale, rope_theta=rope_theta, non_blocking=non_blocking,
                              block_tables=block_tables, seq_lens=seq_lens,
                              fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                              q_len_per_req=q_len_per_req, is_causal=is_causal, window_right=window_right)
-            self._plan_flashinfer(reason, indptr, indices, last_page_len, num_qo_heads,
+            self._plan_flashinfer(s.reason, indptr, indices, last_page_len, num_qo_heads,
                                   num_kv_heads, head_dim, page_size, fi_kwargs)
             return
-        key = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   page_size=page_size, dtype=q_dt, kv_dtype=kv_dt, window_left=int(window_left),
-                   logits_soft_cap=cap, sm_scale=sm_scale)
+        key = s.key
         if self._use_cuda_graph:
             # indptr on the host (engines pass it there; FlashInfer's plan() reads it there too);
             # the page ids, and last_page_len where it is on the GPU (SGLang's), never read on
             # the host: the step is planned on the device from the caller's buffers
-            ip = csr_pages(indptr, batch, padding=True)
-            pages = np.diff(ip)
+            ip, pages = _csr_pages_counts(indptr, batch, padding=True)
             _check_indices_length(indices, int(ip[-1]))
             if _host_side(last_page_len):   # checked here when it costs no device read
                 _check_last_page_len(_host_array(last_page_len), pages, page_size)
-            rt = self._runtime(key, batch, max(1, int(pages.max())))
+            widest = max(1, int(pages.max()))
+            rt = self._rt
+            # the Runtime of this setup while it holds the widest row (a sinks rebuild keeps it)
+            if rt is None or self._rt_setup is not s or widest > self._rt_width:
+                rt = self._runtime(key, batch, widest)
+                self._rt_setup = s
             # FlashInfer fills the caller's buffers: so do we (SGLang wrote indices there already)
             self._buffers[0].copy_(torch.as_tensor(indptr), non_blocking=non_blocking)
             self._buffers[2].copy_(torch.as_tensor(last_page_len), non_blocking=non_blocking)
@@ -388,14 +430,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 ind[:_length(indices)].copy_(torch.as_tensor(indices), non_blocking=non_blocking)
             if self._csr_direct(rt):
                 # one launch: the planning kernel reads the CSR buffers themselves (the batch is
-                # the buffers' own: the same tensors every plan(), checked and packed once)
+                # the buffers' own: the same tensors every plan(), checked once at construction)
                 csr = self._buffers
-                rt.plan_csr(*csr)
+                rt._plan_csr(*csr, batch)
                 self.fallback_reason = None
-                self._planned = dict(csr=csr, batch=batch, pages=max(1, int(pages.max())),
-                                     window_left=int(window_left), kv_dtype=kv_dt,
-                                     variant=self._variant(pos_encoding_mode, window_left,
-                                                           logits_soft_cap, sm_scale, head_dim))
+                self._planned = dict(csr=csr, batch=batch, pages=widest, window_left=key["window_left"],
+                                     kv_dtype=key["kv_dtype"], variant=s.variant)
                 return
             # the block tables written on the device into this wrapper's static buffers (a
             # SharedPagesRuntime finds the shared pages from them)
@@ -412,19 +452,41 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             seq, bt = csr_to_block_tables(indptr, indices, last_page_len, page_size)
             rt = self._runtime(key, batch, bt.shape[1])
+            self._rt_setup = s
         rt.plan(seq, bt)
         self.fallback_reason = None
-        self._planned = dict(seq=seq, bt=bt, window_left=int(window_left), kv_dtype=kv_dt,
-                             variant=self._variant(pos_encoding_mode, window_left, logits_soft_cap,
-                                                   sm_scale, head_dim))
+        self._planned = dict(seq=seq, bt=bt, window_left=key["window_left"], kv_dtype=key["kv_dtype"],
+                             variant=s.variant)
+
+    def _setup(self, hq, hkv, d, page, pos_encoding_mode, window_left, window_right,
+               logits_soft_cap, q_data_type, kv_data_type, o_data_type, data_type, sm_scale,
+               fixed_split_size, disable_split_kv, q_len_per_req, is_causal) -> "_PlanSetup":
+        """What plan()'s shape and variant arguments decide, forward()'s variant applied."""
+        if self._variant_override is not None:   # forward() gave the variant: it wins (FlashInfer's rule)
+            pos_encoding_mode, window_left, logits_soft_cap, sm_scale = (
+                self._variant_override[k] for k in ("pos_encoding_mode", "window_left",
+                                                    "logits_soft_cap", "sm_scale"))
+        if data_type is not None:
+            q_data_type = q_data_type if q_data_type is not None else data_type
+            kv_data_type = kv_data_type if kv_data_type is not None else data_type
+        q_dt = canonical_dtype(q_data_type, "q_data_type") or torch.float16
+        kv_dt = canonical_dtype(kv_data_type, "kv_data_type") or q_dt
+        o_dt = canonical_dtype(o_data_type, "o_data_type") or q_dt
+        reason = self._unserved(hq, hkv, d, page, pos_encoding_mode, window_right, q_dt, kv_dt, o_dt,
+                                fixed_split_size, disable_split_kv, q_len_per_req, is_causal)
+        key = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=q_dt,
+                   kv_dtype=kv_dt, window_left=int(window_left),
+                   logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale)
+        return _PlanSetup(reason=reason, key=key, pos_encoding_mode=pos_encoding_mode,
+                          window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                          variant=self._variant(pos_encoding_mode, window_left, logits_soft_cap,
+                                                sm_scale, d))
 
     def _csr_direct(self, rt) -> bool:
         """Whether CUDA-graph mode plans ``rt`` straight from the CSR buffers (``Runtime.plan_csr``):
         a plain Runtime (a SharedPagesRuntime finds shared pages in block tables) and the
         buffers as the planning kernel reads them (contiguous int32 on the device)."""
-        from pkvrt.runtime import Runtime
-
-        return self._buffers_kernel_ready and type(rt) is Runtime
+        return self._buffers_kernel_ready and type(rt) is _runtime_class()
 
     def _unserved(self, hq, hkv, d, page, pos_encoding_mode, window_right, q_dt, kv_dt, o_dt,
                   fixed_split_size, disable_split_kv, q_len_per_req, is_causal) -> str | None:
@@ -464,6 +526,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"holds rows of {width} (max_context={self._max_context} tokens): "
                                  "construct it with a larger max_context")
             size = dict(max_batch=self._fixed_batch_size, max_pages_per_row=width)
+            self._rt_width = width
         else:
             have = self._rt_key or {}
             size = dict(max_batch=max(have.get("max_batch", 0), 1 << max(batch - 1, 0).bit_length(), 8),
