@@ -300,8 +300,9 @@ def case_pages(name: str) -> tuple[np.ndarray, int]:
 def fit_l2(files, base: str, write: str, argv) -> int:
     """``--fit-l2``: each case with shared pages measured on ``pkvrt-device-plan`` (plain device
     planning: every row reads its pages) against the time model's prediction of that step,
-    per layer; fit ``sharing.l2_reread_cost`` (``pkvrt.policy.sharing.fit_l2_reread_cost``) and
-    write it into the calibration file."""
+    per layer; fit ``sharing.l2_reread_cost`` (``pkvrt.policy.sharing.fit_l2_reread_cost``),
+    and ``sharing.overhead_us`` from the ``pkvrt-shared-always`` rows timed in parts, and
+    write them into the calibration file."""
     import datetime
     import json
 
@@ -315,9 +316,15 @@ def fit_l2(files, base: str, write: str, argv) -> int:
     cal, reg = load_calibration(base), load_routes()
     router = Router(reg, cal, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D, page_size=PAGE)
     page_bytes = 2 * H_KV * PAGE * D * 2
-    steps, lines = [], []
+    steps, lines, overheads = [], [], []
     for f in files:
         for row in json.loads(Path(f).read_text())["rows"]:
+            if row.get("engine") == "pkvrt-shared-always" and row.get("status") == "ok" \
+                    and "chunk_us" in row and "own_us" in row:
+                # the shared step beyond its two decodes (each timed alone, as the step is)
+                overheads.append((row["median_us"] - row["chunk_us"] - row["own_us"]) / LAYERS)
+                lines.append(f"{row['case']:<26} shared step beyond its decodes {overheads[-1]:6.1f} us "
+                             f"({Path(f).name})")
             if row.get("engine") != "pkvrt-device-plan" or row.get("status") != "ok" \
                     or row["case"] not in CASES:
                 continue
@@ -338,9 +345,17 @@ def fit_l2(files, base: str, write: str, argv) -> int:
            f"{len(steps)} steps with shared pages on pkvrt-device-plan (32 layers, one graph), the "
            f"time model's prediction of each against its measured time per layer; worst error of "
            f"the fitted plain-step model {100 * err:.1f} %.")
+    overhead = None
+    if overheads:   # the median: robust to one step's noise
+        overhead = round(float(np.median(overheads)), 2)
+        print(f"overhead_us {overhead:.2f} (median of {len(overheads)} shared steps, "
+              f"{min(overheads):.1f}..{max(overheads):.1f})")
+        src += (f" overhead_us: the median over {len(overheads)} pkvrt-shared-always steps of their "
+                f"time per layer less their chunk and own decodes' (chunk_us, own_us: each timed "
+                f"alone), {min(overheads):.1f}..{max(overheads):.1f} us.")
     sec = SharingCost(l2_reread_cost=round(cost, 4), date=datetime.date.today().isoformat(),
                       command="python benches/shared_pages.py " + " ".join(argv or sys.argv[1:]),
-                      provenance=src)
+                      provenance=src, overhead_us=overhead)
     save_calibration(attrs.evolve(cal, sharing=sec), write)
     print(f"wrote {write}")
     return 0
@@ -361,7 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fit-l2", nargs="+", metavar="RESULTS", default=None,
                     help="no GPU: fit the calibration's sharing.l2_reread_cost to the "
                          "pkvrt-device-plan rows of these results files (steps with shared pages) "
-                         "and write it into --calibration's file at --write")
+                         "and sharing.overhead_us to their pkvrt-shared-always rows, and write "
+                         "them into --calibration's file at --write")
     ap.add_argument("--calibration", default="calibration/nvidia-h200.json")
     ap.add_argument("--write", default=None, help="--fit-l2: the calibration file to write "
                                                   "(default: --calibration's)")

@@ -55,7 +55,8 @@ def h200_with_sharing():
     (32, 4096, 256, True),
     (16, 1024, 1024, False),  # short prefix, long own rows: the shared path's extra decode loses
     (8, 2048, 64, False),     # 2K prefix: the L2 serves the plain step's re-reads
-    (8, 8192, 512, False),    # predicted faster shared, but by less than routes.toml's margin
+    (8, 8192, 512, False),    # two chunks re-reading an 8K prefix and the merge: no gain
+    (8, 12288, 512, False),   # predicted faster shared, but by less than routes.toml's margin
 ])
 def test_the_rule_shares_where_the_model_predicts_a_gain(fake_device, h200_with_sharing,  # noqa: F811
                                                          rows, shared, own, expect):
@@ -85,10 +86,16 @@ def test_the_l2_credit_moves_the_plain_prediction_by_the_rereads(fake_device, h2
     rereads = sharing.page_rereads(seq, bt, PAGE)
     assert rereads == 7 * (8192 // PAGE)
     page_bytes = 2 * 8 * PAGE * 128 * 2
-    credit = (1 - h200_with_sharing.sharing.l2_reread_cost) * rereads * page_bytes / (
-        h200_with_sharing.beta_gbps * 1e3)
-    assert got["none"]["shared_us"] == pytest.approx(got["fit"]["shared_us"])
-    assert got["none"]["plain_us"] - got["fit"]["plain_us"] == pytest.approx(credit)
+    sec = h200_with_sharing.sharing
+    per_read = (1 - sec.l2_reread_cost) * page_bytes / (h200_with_sharing.beta_gbps * 1e3)
+    assert got["none"]["plain_us"] - got["fit"]["plain_us"] == pytest.approx(per_read * rereads)
+    # the shared side: 8 rows are two chunks of 4 (16 query heads), both reading the prefix (one
+    # chunk's reads are re-reads: the same credit), and the measured overhead in place of the
+    # chunk gather's and the merge's launches
+    assert sec.overhead_us is not None
+    lam = h200_with_sharing.lambda_graph_us
+    assert got["none"]["shared_us"] - got["fit"]["shared_us"] == pytest.approx(
+        per_read * (8192 // PAGE) + 2 * lam - sec.overhead_us)
 
 
 def test_plain_step_us_and_the_fit():
@@ -117,6 +124,8 @@ def test_plain_step_us_and_the_fit():
     ({"l2_reread_cost": None}, "sharing.l2_reread_cost", "present (missing)"),
     ({"extra": 1}, "sharing.extra", "unknown key"),
     ({"date": "today"}, "sharing.date", "an ISO date"),
+    ({"overhead_us": -1.0}, "sharing.overhead_us", "a finite number >= 0"),
+    ({"overhead_us": "14"}, "sharing.overhead_us", "a number"),
     ([0.6], "sharing", "a JSON object"),
 ])
 def test_a_bad_sharing_section_names_its_key(tmp_path, section, key, expected):
@@ -147,7 +156,12 @@ def test_fit_l2_writes_the_section_and_keeps_the_rest(tmp_path):
     rows = []
     for case, us in (("8x(32K+128)", 5300.0), ("32x(4K+256)", 2800.0), ("8x(0+8K)", 2100.0)):
         rows.append({"case": case, "engine": "pkvrt-device-plan", "status": "ok", "median_us": us})
-    res.write_text(json.dumps({"meta": {}, "rows": rows}))
+    # shared steps timed in parts: 32 layers of 10, 12 and 20 us beyond the two decodes
+    shared = [{"case": c, "engine": "pkvrt-shared-always", "status": "ok", "median_us": 32 * (a + b + x),
+               "chunk_us": 32 * a, "own_us": 32 * b}
+              for c, a, b, x in (("8x(32K+128)", 60.0, 6.0, 10.0), ("32x(4K+256)", 33.0, 14.0, 12.0),
+                                 ("64x(2K+1K)", 33.0, 65.0, 20.0))]
+    res.write_text(json.dumps({"meta": {}, "rows": rows + shared}))
     out = tmp_path / "cal.json"
     assert bench.main(["--fit-l2", str(res), "--calibration", H200, "--write", str(out)]) == 0
     base, new = json.loads(open(H200).read()), json.loads(out.read_text())
@@ -155,7 +169,14 @@ def test_fit_l2_writes_the_section_and_keeps_the_rest(tmp_path):
     base.pop("sharing", None)
     assert new == base
     assert 0.05 <= sec["l2_reread_cost"] <= 1.0 and "--fit-l2" in sec["command"]
-    assert C.load_calibration(out).sharing.l2_reread_cost == sec["l2_reread_cost"]
+    assert sec["overhead_us"] == pytest.approx(12.0)   # the median
+    loaded = C.load_calibration(out).sharing
+    assert (loaded.l2_reread_cost, loaded.overhead_us) == (sec["l2_reread_cost"], sec["overhead_us"])
+    # results without shared steps timed in parts: no overhead written (the launches count)
+    res.write_text(json.dumps({"meta": {}, "rows": rows}))
+    assert bench.main(["--fit-l2", str(res), "--calibration", H200, "--write", str(out)]) == 0
+    assert "overhead_us" not in json.loads(out.read_text())["sharing"]
+    assert C.load_calibration(out).sharing.overhead_us is None
     only_plain = tmp_path / "plain.json"
     only_plain.write_text(json.dumps({"meta": {}, "rows": rows[2:]}))
     out2 = tmp_path / "cal2.json"
@@ -165,14 +186,14 @@ def test_fit_l2_writes_the_section_and_keeps_the_rest(tmp_path):
 
 
 def test_the_margin_comes_from_routes_toml(fake_device, h200_with_sharing, tmp_path):  # noqa: F811
-    """8 x (8K + 512), predicted a little faster shared: shared under margin 1.0 (no table: any
+    """8 x (12K + 512), predicted a little faster shared: shared under margin 1.0 (no table: any
     predicted gain), plain under the shipped 1.10, and a margin of inf never shares."""
     from pkvrt.policy.registry import load_routes
 
     text = open(ROUTES.path).read()
     shipped = "[sharing]\nmargin = 1.10\n"
     assert text.count(shipped) == 1
-    seq, bt, n = prefix_step(8, 8192, 512)
+    seq, bt, n = prefix_step(8, 12288, 512)
     got = {}
     for name, table in (("none", ""), ("shipped", shipped), ("inf", "[sharing]\nmargin = inf\n")):
         path = tmp_path / f"{name}.toml"

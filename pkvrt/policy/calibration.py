@@ -45,8 +45,12 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        "source"}: the time of a page's re-read by another row of the same step
                        (shared pages: they meet in L2) in units of its first read, fitted by
                        ``benches/shared_pages.py --fit-l2`` from measured steps with shared pages;
-                       SharedPagesRuntime predicts a plain step with it (absent: 1.0, no help
-                       from L2)
+                       SharedPagesRuntime predicts a plain step, and the chunk decode's re-reads
+                       of a run too long for one chunk, with it (absent: 1.0, no help from L2);
+                       optional "overhead_us" (a number >= 0): per layer, what the shared path
+                       takes beyond its chunk and own decodes (query gathers, the merge, the
+                       boundaries between its dependent kernels), fitted by the same command
+                       (absent: its launches at lambda_graph_us)
     by_kv_dtype       optional: {"float8_e4m3fn": section}: constants measured with K/V caches of
                        that dtype (``pkvrt calibrate --kv-dtype fp8``), laid over the rest of the
                        file (measured with fp16 caches) for a Runtime or Router of that KV dtype
@@ -262,16 +266,22 @@ class SharingCost:
     steps with shared pages: ``benches/shared_pages.py --fit-l2``).
 
     l2_reread_cost : the time of a re-read of a page that another row of the step read, in
-        units of its first read from memory (they meet in L2): 1.0 would be no help from L2."""
+        units of its first read from memory (they meet in L2): 1.0 would be no help from L2.
+    overhead_us : per layer, the time a shared step takes beyond its chunk and own decodes (the
+        query gathers, the merge and the boundaries between those dependent kernels); None:
+        not measured (the rule counts their launches at ``lambda_graph_us`` then)."""
 
     l2_reread_cost: float
     date: str
     command: str
     provenance: str
+    overhead_us: float | None = None
 
     def to_dict(self) -> dict:
-        return {"l2_reread_cost": self.l2_reread_cost, "date": self.date, "command": self.command,
-                "source": self.provenance}
+        d = {"l2_reread_cost": self.l2_reread_cost}
+        if self.overhead_us is not None:
+            d["overhead_us"] = self.overhead_us
+        return d | {"date": self.date, "command": self.command, "source": self.provenance}
 
 
 @attrs.frozen
@@ -739,14 +749,15 @@ def _sharing(v, path) -> SharingCost:
     source."""
     if not isinstance(v, dict):
         raise _fail(path, "sharing", f"a JSON object of {list(_SHARING_KEYS)}", v)
-    _take(v, _SHARING_KEYS, path, "sharing.")
+    _take({k: v[k] for k in v if k != "overhead_us"}, _SHARING_KEYS, path, "sharing.")
     cost = _float(v, "l2_reread_cost", path, "sharing.")
     if cost > 1.0:
         raise _fail(path, "sharing.l2_reread_cost", "a number in (0, 1] (a re-read costs at most "
                     "a first read)", cost)
+    overhead = _float(v, "overhead_us", path, "sharing.", zero_ok=True) if "overhead_us" in v else None
     return SharingCost(l2_reread_cost=cost, date=_date(v, path, "sharing."),
                        command=_str(v, "command", path, "sharing."),
-                       provenance=_str(v, "source", path, "sharing."))
+                       provenance=_str(v, "source", path, "sharing."), overhead_us=overhead)
 
 
 def _date(obj, path, where="") -> str:

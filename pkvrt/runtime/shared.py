@@ -120,7 +120,7 @@ class SharedPagesRuntime:
         """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
         the narrow decode body, 16 heads. Wider chunks (the wide body: its warps split the heads
         over shared K/V stages) read a run once for more rows but, measured on an H100 with its
-        own calibration (G 64 included; benches/results/h100/shared-pages.json), ran slower than
+        own calibration (G 64 included; benches/results/h100/shared-pages-64-head-default.json), ran slower than
         16-head chunks on every step where sharing beats the plain step, and the time model
         predicted them 15-45 % faster than they ran; so they are only asked for
         (``shared_chunk_rows``). G 9-64: one row, nothing shared by default."""
@@ -199,19 +199,29 @@ class SharedPagesRuntime:
         ``[sharing] margin`` (plain / shared >= margin): the chunk and own decodes as their
         Runtimes' policies would run them, plus the launches the shared path adds per layer (the
         chunk query gather, the own gather where the own decode does not read q itself, the
-        merge), against the plain Runtime's prediction less what L2 saves it on the step's
+        merge; the calibration's measured ``sharing.overhead_us`` where it has one), against
+        the plain Runtime's prediction less what L2 saves it on the step's
         ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``; none without
-        it). Both from the calibration's time model; kept in ``sharing_prediction``."""
+        it). The chunk decode gets the same credit: the chunks of one shared run (rows past a
+        chunk's capacity) each read its pages, and all but the first meet them in L2. Both from
+        the calibration's time model; kept in ``sharing_prediction``."""
         router = self.plain.router
         cal = router.cal
-        extra = (2 + int(own_gather)) * launch_us(cal, graphs=router.graphs)
+        # what the shared path adds per layer: measured (the calibration's sharing.overhead_us,
+        # with every row's own segment read in place; an own gather is one launch more), or
+        # its launches alone
+        lam = launch_us(cal, graphs=router.graphs)
+        measured = cal.sharing.overhead_us if cal.sharing is not None else None
+        extra = (2 + int(own_gather)) * lam if measured is None else measured + int(own_gather) * lam
         # the plain step's re-reads of shared pages meet them in L2 (calibration `sharing`)
         page_bytes = 2 * self.num_kv_heads * self.page_size * self.head_dim * router.dtype_bytes
         reread_cost = cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0
         t_plain = sharing.plain_step_us(self.plain.predict_step_us(seq), rereads, page_bytes,
                                         cal.beta_gbps, reread_cost)
-        t_shared = (self.shared.predict_step_us(sp.chunk_seq) + self.own.predict_step_us(sp.own_seq)
-                    + extra)
+        chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
+        t_chunks = sharing.plain_step_us(self.shared.predict_step_us(sp.chunk_seq), chunk_rereads,
+                                         page_bytes, cal.beta_gbps, reread_cost)
+        t_shared = t_chunks + self.own.predict_step_us(sp.own_seq) + extra
         margin = self.plain.registry.sharing_margin
         self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared, "margin": margin}
         return t_plain >= margin * t_shared
