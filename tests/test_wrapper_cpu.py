@@ -411,6 +411,21 @@ def test_what_pkvrt_does_not_serve_runs_flashinfers_wrapper(fake_device, pool, f
     assert w.fallback_reason is None
 
 
+def test_the_fallback_gets_the_dtypes_data_type_gave(fake_device, pool, fake_flashinfer):  # noqa: F811
+    """FlashInfer's deprecated ``data_type`` fills in the K/V dtype (q's has a default) for
+    FlashInfer's own wrapper too, as FlashInfer's plan() reads it (FP8 K/V with RoPE)."""
+    b, _ = pool
+    w = wrapper()
+    seq, bt, ip, ind, lpl = step(b, [0, 1])
+    w.plan(ip, ind, lpl, HQ, HKV, D, PAGE, pos_encoding_mode="ROPE_LLAMA",
+           data_type=torch.float8_e4m3fn, q_data_type=torch.float16)
+    kw = fake_flashinfer[0].planned[1]
+    assert (kw["q_data_type"], kw["kv_data_type"]) == (torch.float16, torch.float8_e4m3fn)
+    w.plan(ip, ind, lpl, HQ, HKV, D, PAGE, pos_encoding_mode="ROPE_LLAMA", data_type=torch.bfloat16)
+    kw = fake_flashinfer[0].planned[1]
+    assert (kw["q_data_type"], kw["kv_data_type"]) == ("float16", torch.bfloat16)   # q's default stays
+
+
 def test_run_before_plan_is_refused():
     w = wrapper()
     with pytest.raises(RuntimeError, match="plan\\(\\) must be called before run\\(\\)"):

@@ -235,10 +235,13 @@ def _runtime_class():
 @attrs.frozen(eq=False)
 class _PlanSetup:
     """What a plan()'s shape and variant arguments decide (forward()'s variant applied): why
-    pkvrt does not serve it (None: served), the Runtime's key, the effective variant."""
+    pkvrt does not serve it (None: served), the Runtime's key, the effective variant, and the
+    q and K/V dtypes as given (``data_type`` filled in) for FlashInfer's wrapper."""
 
     reason: str | None
     key: dict
+    q_data_type: object
+    kv_data_type: object
     pos_encoding_mode: str
     window_left: int
     logits_soft_cap: float | None
@@ -398,8 +401,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._planned = None
         if s.reason is not None:
             fi_kwargs = dict(pos_encoding_mode=s.pos_encoding_mode, window_left=s.window_left,
-                             logits_soft_cap=s.logits_soft_cap, q_data_type=q_data_type,
-                             kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=s.sm_scale,
+                             logits_soft_cap=s.logits_soft_cap, q_data_type=s.q_data_type,
+                             kv_data_type=s.kv_data_type, o_data_type=o_data_type, sm_scale=s.sm_scale,
                              rope_scale=rope_scale, rope_theta=rope_theta, non_blocking=non_blocking,
                              block_tables=block_tables, seq_lens=seq_lens,
                              fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
@@ -477,7 +480,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         key = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=q_dt,
                    kv_dtype=kv_dt, window_left=int(window_left),
                    logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale)
-        return _PlanSetup(reason=reason, key=key, pos_encoding_mode=pos_encoding_mode,
+        return _PlanSetup(reason=reason, key=key, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                          pos_encoding_mode=pos_encoding_mode,
                           window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                           variant=self._variant(pos_encoding_mode, window_left, logits_soft_cap,
                                                 sm_scale, d))
