@@ -346,8 +346,9 @@ def fit_l2(files, base: str, write: str, argv) -> int:
            f"time model's prediction of each against its measured time per layer; worst error of "
            f"the fitted plain-step model {100 * err:.1f} %.")
     overhead = None
-    if overheads:   # the median: robust to one step's noise
-        overhead = round(float(np.median(overheads)), 2)
+    if overheads:   # the median: robust to one step's noise; never below 0 (a step timed whole
+        # can overlap its parts more than they did alone)
+        overhead = max(0.0, round(float(np.median(overheads)), 2))
         print(f"overhead_us {overhead:.2f} (median of {len(overheads)} shared steps, "
               f"{min(overheads):.1f}..{max(overheads):.1f})")
         src += (f" overhead_us: the median over {len(overheads)} pkvrt-shared-always steps of their "

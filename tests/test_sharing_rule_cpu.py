@@ -96,6 +96,17 @@ def test_the_l2_credit_moves_the_plain_prediction_by_the_rereads(fake_device, h2
     lam = h200_with_sharing.lambda_graph_us
     assert got["none"]["shared_us"] - got["fit"]["shared_us"] == pytest.approx(
         per_read * (8192 // PAGE) + 2 * lam - sec.overhead_us)
+    # eager launches (no graphs): the overhead, measured in graphs, is not used; the launches
+    # are counted at lambda_us
+    eager = SharedPagesRuntime(32, 8, 128, PAGE, torch.float16, max_batch=8, max_pages_per_row=bt.shape[1],
+                               num_pages=n, routes=ROUTES, calibration=h200_with_sharing,
+                               options=RuntimeOptions(flashinfer=False, use_cuda_graph=False))
+    assert not eager.plain.router.graphs
+    eager.plan(seq, bt)
+    sp = sharing.plan_sharing(seq, bt, PAGE, 4, capacity=16)   # two chunks of 4 rows
+    want = (eager.shared.predict_step_us(sp.chunk_seq) - per_read * (8192 // PAGE)
+            + eager.own.predict_step_us(sp.own_seq) + 2 * h200_with_sharing.lambda_us)
+    assert eager.sharing_prediction["shared_us"] == pytest.approx(want)
 
 
 def test_plain_step_us_and_the_fit():
@@ -122,7 +133,7 @@ def test_plain_step_us_and_the_fit():
     ({"l2_reread_cost": 0}, "sharing.l2_reread_cost", "a finite positive number"),
     ({"l2_reread_cost": "0.6"}, "sharing.l2_reread_cost", "a number"),
     ({"l2_reread_cost": None}, "sharing.l2_reread_cost", "present (missing)"),
-    ({"extra": 1}, "sharing.extra", "unknown key"),
+    ({"extra": 1}, "sharing.extra", "'overhead_us'] (unknown key)"),
     ({"date": "today"}, "sharing.date", "an ISO date"),
     ({"overhead_us": -1.0}, "sharing.overhead_us", "a finite number >= 0"),
     ({"overhead_us": "14"}, "sharing.overhead_us", "a number"),
@@ -172,6 +183,11 @@ def test_fit_l2_writes_the_section_and_keeps_the_rest(tmp_path):
     assert sec["overhead_us"] == pytest.approx(12.0)   # the median
     loaded = C.load_calibration(out).sharing
     assert (loaded.l2_reread_cost, loaded.overhead_us) == (sec["l2_reread_cost"], sec["overhead_us"])
+    # a whole step faster than its parts alone (their overlap): the overhead is 0, not negative
+    fast = [dict(r, median_us=r["chunk_us"] + r["own_us"] - 64.0) for r in shared]
+    res.write_text(json.dumps({"meta": {}, "rows": rows + fast}))
+    assert bench.main(["--fit-l2", str(res), "--calibration", H200, "--write", str(out)]) == 0
+    assert C.load_calibration(out).sharing.overhead_us == 0.0
     # results without shared steps timed in parts: no overhead written (the launches count)
     res.write_text(json.dumps({"meta": {}, "rows": rows}))
     assert bench.main(["--fit-l2", str(res), "--calibration", H200, "--write", str(out)]) == 0

@@ -411,6 +411,14 @@ def test_what_pkvrt_does_not_serve_runs_flashinfers_wrapper(fake_device, pool, f
     assert w.fallback_reason is None
 
 
+def test_a_refused_plan_with_window_left_none_runs_flashinfers_wrapper(fake_device, pool, fake_flashinfer):  # noqa: F811
+    b, _ = pool
+    w = wrapper()
+    seq, bt, ip, ind, lpl = step(b, [0, 1])
+    plan(w, ip, ind, lpl, pos_encoding_mode="ROPE_LLAMA", window_left=None)
+    assert "RoPE" in w.fallback_reason and fake_flashinfer[0].planned[1]["window_left"] is None
+
+
 def test_the_fallback_gets_the_dtypes_data_type_gave(fake_device, pool, fake_flashinfer):  # noqa: F811
     """FlashInfer's deprecated ``data_type`` fills in the K/V dtype (q's has a default) for
     FlashInfer's own wrapper too, as FlashInfer's plan() reads it (FP8 K/V with RoPE)."""

@@ -207,11 +207,11 @@ class SharedPagesRuntime:
         the calibration's time model; kept in ``sharing_prediction``."""
         router = self.plain.router
         cal = router.cal
-        # what the shared path adds per layer: measured (the calibration's sharing.overhead_us,
-        # with every row's own segment read in place; an own gather is one launch more), or
-        # its launches alone
+        # what the shared path adds per layer: measured in graphs (the calibration's
+        # sharing.overhead_us, with every row's own segment read in place; an own gather is one
+        # launch more), or its launches alone (eager launches: the overhead was not measured so)
         lam = launch_us(cal, graphs=router.graphs)
-        measured = cal.sharing.overhead_us if cal.sharing is not None else None
+        measured = cal.sharing.overhead_us if cal.sharing is not None and router.graphs else None
         extra = (2 + int(own_gather)) * lam if measured is None else measured + int(own_gather) * lam
         # the plain step's re-reads of shared pages meet them in L2 (calibration `sharing`)
         page_bytes = 2 * self.num_kv_heads * self.page_size * self.head_dim * router.dtype_bytes

@@ -239,7 +239,7 @@ class _PlanSetup:
     q and K/V dtypes as given (``data_type`` filled in) for FlashInfer's wrapper."""
 
     reason: str | None
-    key: dict
+    key: dict | None
     q_data_type: object
     kv_data_type: object
     pos_encoding_mode: str
@@ -477,9 +477,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         o_dt = canonical_dtype(o_data_type, "o_data_type") or q_dt
         reason = self._unserved(hq, hkv, d, page, pos_encoding_mode, window_right, q_dt, kv_dt, o_dt,
                                 fixed_split_size, disable_split_kv, q_len_per_req, is_causal)
-        key = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=q_dt,
-                   kv_dtype=kv_dt, window_left=int(window_left),
-                   logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale)
+        key = None if reason is not None else dict(   # a refused plan runs FlashInfer's wrapper
+            num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=q_dt, kv_dtype=kv_dt,
+            window_left=int(window_left), logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale)
         return _PlanSetup(reason=reason, key=key, q_data_type=q_data_type, kv_data_type=kv_data_type,
                           pos_encoding_mode=pos_encoding_mode,
                           window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
