@@ -13,6 +13,7 @@ _LAZY = {
     "Runtime": "pkvrt.runtime",
     "RuntimeOptions": "pkvrt.runtime.options",
     "BatchDecodeWithPagedKVCacheWrapper": "pkvrt.runtime.wrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": "pkvrt.runtime.wrapper",
     "SharedPagesRuntime": "pkvrt.runtime.shared",
     "load_routes": "pkvrt.policy.registry",
     "load_calibration": "pkvrt.policy.calibration",

@@ -147,6 +147,51 @@ def test_return_lse_and_a_window_and_a_soft_cap(fake_device, pool):  # noqa: F81
         w.run(q, (b.k_cache, b.v_cache), window_left=5)
 
 
+def test_flashinfers_lse_spellings_and_the_cuda_graph_class(fake_device, pool):  # noqa: F811
+    """forward_return_lse (forward()'s variant rule: another scale re-plans) and run_return_lse
+    give run(return_lse=True)'s answer; CUDAGraphBatchDecodeWithPagedKVCacheWrapper is the
+    CUDA-graph wrapper over the caller's buffers, as FlashInfer's is."""
+    from pkvrt.runtime.wrapper import CUDAGraphBatchDecodeWithPagedKVCacheWrapper
+
+    b, _ = pool
+    w = wrapper()
+    seq, bt, ip, ind, lpl = step(b, [0, 1, 3])
+    plan(w, ip, ind, lpl, sm_scale=0.2)
+    q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(9)).half()
+    cache = (b.k_cache, b.v_cache)
+    ref, ref_lse = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq),
+                                              torch.as_tensor(bt), sm_scale=0.2, return_lse=True)
+    for out, lse in (w.run_return_lse(q, cache), w.forward_return_lse(q, cache, sm_scale=0.2)):
+        assert rel(out, ref) < TOL and torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    out, lse = w.forward_return_lse(q, cache, sm_scale=0.3)          # another variant: re-planned
+    ref3, lse3 = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq),
+                                            torch.as_tensor(bt), sm_scale=0.3, return_lse=True)
+    assert rel(out, ref3) < TOL and torch.allclose(lse, lse3, atol=1e-3, rtol=1e-4)
+    bufs = (torch.zeros(4, dtype=torch.int32), torch.zeros(2048, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32))
+    g = CUDAGraphBatchDecodeWithPagedKVCacheWrapper(torch.zeros(8, dtype=torch.uint8), *bufs, "HND",
+                                                    routes=ROUTES, calibration=SEED)
+    assert g.is_cuda_graph_enabled and g._buffers == bufs
+    plan(g, ip, ind, lpl)
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(g.run(q, cache), ref) < TOL and torch.equal(bufs[0], ip)
+
+
+def test_reset_workspace_buffer_reaches_flashinfers_wrapper(fake_device, pool, fake_flashinfer):  # noqa: F811
+    b, _ = pool
+    w = wrapper()
+    fws, iws = torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+    w.reset_workspace_buffer(fws, iws)                 # before any fallback: kept for it
+    seq, bt, ip, ind, lpl = step(b, [0, 1])
+    plan(w, ip, ind, lpl, pos_encoding_mode="ROPE_LLAMA")
+    fi = fake_flashinfer[0]
+    assert fi.args[0] is fws and fi.reset == [(fws, iws)]
+    w.reset_workspace_buffer(iws, fws)
+    assert fi.reset == [(fws, iws), (iws, fws)]
+    with pytest.raises(ValueError, match="int_workspace_buffer: expected a torch.Tensor"):
+        w.reset_workspace_buffer(fws, None)
+
+
 def test_sinks_rebuild_a_sinks_runtime_once(fake_device, pool):  # noqa: F811
     b, _ = pool
     w = wrapper()
@@ -367,10 +412,14 @@ def test_constructor_refusals():
 
 class FakeFiWrapper:
     def __init__(self, workspace, layout, **kw):
-        self.layout, self.kw, self.planned, self.runs = layout, kw, None, 0
+        self.args, self.layout, self.kw, self.planned, self.runs = (workspace, layout), layout, kw, None, 0
+        self.reset = []
 
     def plan(self, *args, **kw):
         self.planned = (args, kw)
+
+    def reset_workspace_buffer(self, f, i):
+        self.reset.append((f, i))
 
     def run(self, q, cache, *args, out=None, **kw):
         self.runs += 1

@@ -289,6 +289,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not isinstance(float_workspace_buffer, torch.Tensor):
             raise ValueError("float_workspace_buffer: expected a torch.Tensor")
         self._workspace = float_workspace_buffer
+        self._int_workspace = None   # reset_workspace_buffer()'s, for FlashInfer's wrapper
         self.device = float_workspace_buffer.device
         self._kv_layout = kv_layout
         self.use_tensor_cores = bool(use_tensor_cores)
@@ -579,6 +580,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 use_tensor_cores=self.use_tensor_cores, paged_kv_indptr_buffer=ip,
                 paged_kv_indices_buffer=ind, paged_kv_last_page_len_buffer=lpl,
                 backend=self._backend, jit_args=self._jit_args)
+            if self._int_workspace is not None:   # reset_workspace_buffer() came first
+                self._fi.reset_workspace_buffer(self._workspace, self._int_workspace)
         self._fi.plan(indptr, indices, last_page_len, hq, hkv, d, page, **kwargs)
         self.fallback_reason = reason
         self._planned = dict(fallback=True, variant=self._variant(
@@ -675,6 +678,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         cap here, not to plan()). pkvrt builds its Runtime for a variant, so a different one
         re-plans the step with the last plan()'s arguments (refused inside a CUDA-graph capture:
         run forward() once before capturing, as engines warm up) and later plans take it."""
+        return self._forward(q, paged_kv_cache, pos_encoding_mode, q_scale, k_scale, v_scale,
+                             window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+
+    def _forward(self, q, paged_kv_cache, pos_encoding_mode, q_scale, k_scale, v_scale, window_left,
+                 logits_soft_cap, sm_scale, rope_scale, rope_theta, *, return_lse: bool = False):
         if self._planned is None:
             raise RuntimeError("forward: plan() must be called before forward()")
         head_dim = self._plan_args[0][5]
@@ -690,11 +698,40 @@ class BatchDecodeWithPagedKVCacheWrapper:
             args, kwargs = self._plan_args
             self.plan(*args, **kwargs)
         if self.fallback_reason is not None:
-            return self._fi.forward(q, paged_kv_cache, pos_encoding_mode=pos_encoding_mode,
-                                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                    window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                    sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
-        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+            fi_forward = self._fi.forward_return_lse if return_lse else self._fi.forward
+            return fi_forward(q, paged_kv_cache, pos_encoding_mode=pos_encoding_mode,
+                              q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                              window_left=window_left, logits_soft_cap=logits_soft_cap,
+                              sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                        return_lse=return_lse)
+
+    def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE",
+                           q_scale: float | None = None, k_scale: float | None = None,
+                           v_scale: float | None = None, window_left: int = -1,
+                           logits_soft_cap: float | None = None, sm_scale: float | None = None,
+                           rope_scale: float | None = None, rope_theta: float | None = None):
+        """FlashInfer's deprecated :meth:`forward` returning ``(out, lse)``: the same variant
+        rule (a different one re-plans the step)."""
+        return self._forward(q, paged_kv_cache, pos_encoding_mode, q_scale, k_scale, v_scale,
+                             window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                             return_lse=True)
+
+    def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
+        """FlashInfer's ``run(..., return_lse=True)``."""
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
+                               int_workspace_buffer: torch.Tensor) -> None:
+        """FlashInfer's: new workspace buffers (FlashInfer's own wrapper, where it runs a
+        fallback, takes them; pkvrt's kernels keep their state in the Runtime's buffers)."""
+        for name, t in (("float_workspace_buffer", float_workspace_buffer),
+                        ("int_workspace_buffer", int_workspace_buffer)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor")
+        self._workspace, self._int_workspace = float_workspace_buffer, int_workspace_buffer
+        if self._fi is not None:
+            self._fi.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
 
     # ------------------------------------------------------------------ engines' FlashInfer habits
 
@@ -732,3 +769,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
     @vllm_first_call.setter
     def vllm_first_call(self, value) -> None:
         pass
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """FlashInfer's CUDA-graph decode wrapper: :class:`BatchDecodeWithPagedKVCacheWrapper` with
+    ``use_cuda_graph=True`` and the caller's buffers, FlashInfer's constructor arguments."""
+
+    def __init__(self, workspace_buffer: torch.Tensor, indptr_buffer: torch.Tensor,
+                 indices_buffer: torch.Tensor, last_page_len_buffer: torch.Tensor,
+                 kv_layout: str = "NHD", use_tensor_cores: bool = False, **pkvrt_kwargs):
+        super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True,
+                         use_tensor_cores=use_tensor_cores, paged_kv_indptr_buffer=indptr_buffer,
+                         paged_kv_indices_buffer=indices_buffer,
+                         paged_kv_last_page_len_buffer=last_page_len_buffer, **pkvrt_kwargs)
