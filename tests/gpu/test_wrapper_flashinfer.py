@@ -202,3 +202,33 @@ def test_lse_is_flashinfers():
     o2, l2 = theirs.run(q, data, return_lse=True)
     torch.testing.assert_close(o1, o2, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(l1, l2, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("pos", ["NONE", "ROPE_LLAMA"])
+def test_lse_spellings_and_the_cuda_graph_class_match_flashinfers(pos):
+    """forward_return_lse and run_return_lse of the drop-in against FlashInfer's wrapper called
+    the same way (pkvrt's kernels, or with RoPE FlashInfer's wrapper behind the drop-in), and
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper against FlashInfer's class of that name."""
+    batch_size, kv_len, page_size, num_qo_heads, num_kv_heads, head_dim = 5, 700, 16, 32, 4, 128
+    q = torch.randn(batch_size, num_qo_heads, head_dim, device="cuda:0", dtype=torch.float16)
+    _, data, indptr, indices, last = make_kv(batch_size, kv_len, page_size, num_kv_heads, head_dim,
+                                             "NHD", torch.float16, True)
+    args = (indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size)
+    got, want = [], []
+    for mod, out in ((pkvrt, got), (flashinfer, want)):
+        w = mod.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(32 * 1024 * 1024, dtype=torch.int8, device="cuda:0"), "NHD")
+        w.plan(*args, pos_encoding_mode=pos, q_data_type=torch.float16)
+        out += [w.run_return_lse(q, data), w.forward_return_lse(q, data, pos_encoding_mode=pos, sm_scale=0.07)]
+        bufs = (torch.empty(batch_size + 1, dtype=torch.int32, device="cuda:0"),
+                torch.empty(indices.numel(), dtype=torch.int32, device="cuda:0"),
+                torch.empty(batch_size, dtype=torch.int32, device="cuda:0"))
+        g = mod.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(32 * 1024 * 1024, dtype=torch.int8, device="cuda:0"), *bufs, "NHD")
+        g.plan(indptr.cpu(), indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,
+               pos_encoding_mode=pos, q_data_type=torch.float16)
+        out.append((g.run(q, data), None))
+    for (o, lse), (o_ref, lse_ref) in zip(got, want):
+        torch.testing.assert_close(o, o_ref, rtol=1e-3, atol=1e-3)
+        if lse is not None:
+            torch.testing.assert_close(lse, lse_ref, rtol=1e-3, atol=1e-3)
