@@ -242,10 +242,16 @@ class Launcher:
 
     def __call__(self) -> None:
         if self._cfg is None and self.kernel.pdl and pdl_enabled():
-            self._cfg = _new_pdl_config()
-            self._cfg.gridDimX, self._cfg.gridDimY, self._cfg.gridDimZ = self.grid
-            self._cfg.blockDimX, self._cfg.sharedMemBytes = self.block, self.kernel.smem_bytes
+            self._cfg = _shaped(_new_pdl_config(), self.kernel, self.grid, self.block)
         _launch(self.kernel, self.grid, self.block, self._argp, self._cfg)
+
+
+def _shaped(cfg, kernel: Kernel, grid, block: int):
+    """``cfg`` (a PDL launch configuration) with ``grid``, ``block`` and the kernel's dynamic
+    shared memory filled in."""
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.sharedMemBytes = block, kernel.smem_bytes
+    return cfg
 
 
 def _launch(kernel: Kernel, grid, block: int, argp: int, cfg) -> None:
@@ -255,9 +261,7 @@ def _launch(kernel: Kernel, grid, block: int, argp: int, cfg) -> None:
     pdl = kernel.pdl and pdl_enabled()
     if pdl:
         if cfg is None:
-            cfg = _pdl_config()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-            cfg.blockDimX, cfg.sharedMemBytes = block, kernel.smem_bytes
+            cfg = _shaped(_pdl_config(), kernel, grid, block)
         cfg.hStream = stream
         result = cu.cuLaunchKernelEx(cfg, kernel.func, argp, 0)
     else:

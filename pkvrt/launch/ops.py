@@ -26,23 +26,20 @@ TRACE_MARKS = 4   # columns of a timeline buffer: kernels/decode_common.cuh kTra
 LOG2E = 1.4426950408889634
 
 
-class PreparedLaunch:
+class PreparedLaunch(_driver.Launcher):
     """A launch whose arguments were checked and packed once (``prepare=True``): calling it
     launches the same kernel, grid and packed struct again on torch's current stream (read at the
-    call, so a capture records it). What it packed are the tensors' addresses, not their values:
-    the caller keeps those tensors alive and calls it only while they are the ones it was
-    prepared with (a temporary it made itself it keeps alive). The kernel handle is the CUDA
-    context's that was current at preparation: call it with the same device current (another
-    one's launch fails in the driver, naming the kernel)."""
+    call, so a capture records it; :class:`_driver.Launcher`). What it packed are the tensors'
+    addresses, not their values: the caller keeps those tensors alive and calls it only while
+    they are the ones it was prepared with (a temporary it made itself it keeps alive). The
+    kernel handle is the CUDA context's that was current at preparation: call it with the same
+    device current (another one's launch fails in the driver, naming the kernel)."""
 
-    __slots__ = ("kernel", "grid", "block", "params", "_keep", "_launch")
+    __slots__ = ("_keep",)
 
     def __init__(self, kernel, grid: tuple[int, int, int], block: int, params: ctypes.Structure, keep: tuple):
-        self.kernel, self.grid, self.block, self.params, self._keep = kernel, grid, block, params, keep
-        self._launch = _driver.Launcher(kernel, grid, block, params)
-
-    def __call__(self) -> None:
-        self._launch()
+        super().__init__(kernel, grid, block, params)
+        self._keep = keep
 
 
 class KernelArgumentError(ValueError):
