@@ -544,14 +544,13 @@ def _fail(path, key: str, expected: str, got=None) -> CalibrationError:
     return CalibrationError(f"{path}: key {key!r}: expected {expected}{got_s}")
 
 
-def _take(obj: Mapping, keys: tuple[str, ...], path, where: str, optional: tuple[str, ...] = ()) -> None:
+def _take(obj: Mapping, keys: tuple[str, ...], path, where: str) -> None:
     missing = [k for k in keys if k not in obj]
     if missing:
         raise _fail(path, f"{where}{missing[0]}", "it to be present (missing)")
-    extra = sorted(set(obj) - set(keys) - set(optional))
+    extra = sorted(set(obj) - set(keys))
     if extra:
-        raise _fail(path, f"{where}{extra[0]}", f"one of the schema-{SCHEMA} keys {list(keys + optional)} "
-                    "(unknown key)")
+        raise _fail(path, f"{where}{extra[0]}", f"one of the schema-{SCHEMA} keys {list(keys)} (unknown key)")
 
 
 def _int(obj, key, path, where="", positive=True) -> int:
@@ -750,7 +749,7 @@ def _sharing(v, path) -> SharingCost:
     source."""
     if not isinstance(v, dict):
         raise _fail(path, "sharing", f"a JSON object of {list(_SHARING_KEYS)}", v)
-    _take(v, _SHARING_KEYS, path, "sharing.", optional=("overhead_us",))
+    _take({"overhead_us": None} | v, _SHARING_KEYS + ("overhead_us",), path, "sharing.")
     cost = _float(v, "l2_reread_cost", path, "sharing.")
     if cost > 1.0:
         raise _fail(path, "sharing.l2_reread_cost", "a number in (0, 1] (a re-read costs at most "
