@@ -653,3 +653,127 @@ def test_share_prefixes_reads_shared_pages_once_and_matches(fake_device, pool, g
     assert not isinstance(w.runtime, SharedPagesRuntime)
     with pytest.raises(ValueError, match="share_prefixes='yes': expected True or False"):
         wrapper(share_prefixes="yes")
+
+
+# ----------------------------------------------------------------------------- failed calls
+
+
+@pytest.mark.parametrize("arg, bad, match", [
+    ("indptr", lambda t: t.double() + 0.5, "indptr: expected a 1-D int32 or int64 tensor, got a torch.float64"),
+    ("indices", lambda t: t.float(), "indices: expected a 1-D int32 or int64 tensor, got a torch.float32"),
+    ("last_page_len", lambda t: t.float() + 0.9, "last_page_len: expected a 1-D int32 or int64 tensor"),
+    ("indices", lambda t: t[:, None], r"indices: .* of shape \(\d+, 1\)"),
+    ("last_page_len", lambda t: t[:, None], r"last_page_len: .* of shape \(3, 1\)"),
+    ("indptr", lambda t: None, "indptr: expected a 1-D int32 or int64 tensor, got None"),
+])
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["host", "cuda-graph"])
+def test_a_csr_of_the_wrong_dtype_or_rank_is_refused_before_anything_is_written(
+        fake_device, pool, arg, bad, match, graph_mode):  # noqa: F811
+    """FlashInfer reads indptr, indices and last_page_len as int32: a float is refused, not
+    truncated into an index, and a 2-D one is named, before the caller's buffers are touched."""
+    b, _ = pool
+    w = graph_wrapper(3) if graph_mode else wrapper()
+    seq, bt, ip, ind, lpl = step(b, [0, 1, 3])
+    plan(w, ip, ind, lpl)
+    before = [t.clone() for t in w._buffers] if graph_mode else None
+    csr = dict(indptr=ip, indices=ind, last_page_len=lpl)
+    csr[arg] = bad(csr[arg])
+    with pytest.raises(ValueError, match=match):
+        plan(w, csr["indptr"], csr["indices"], csr["last_page_len"])
+    if graph_mode:
+        assert all(torch.equal(x, y) for x, y in zip(before, w._buffers))
+    with pytest.raises(RuntimeError, match="no plan in effect"):
+        w.run(torch.zeros(3, HQ, D).half(), (b.k_cache, b.v_cache))
+
+
+def test_page_ids_past_int32_are_refused_not_wrapped(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    seq, bt, ip, ind, lpl = step(b, [0, 1])
+    wide = ind.long()
+    wide[3] += 1 << 32          # would wrap onto the row's own page id
+    with pytest.raises(ValueError, match=r"indices\[3\] = 42949\d+: page ids are int32"):
+        plan(wrapper(), ip, wide, lpl)
+    seq2, bt2 = csr_to_block_tables(ip, ind.long(), lpl, PAGE)   # int64 within range: as int32
+    assert np.array_equal(bt2, csr_to_block_tables(ip, ind, lpl, PAGE)[1])
+
+
+def test_a_failed_plan_leaves_flashinfers_attributes_as_the_last_good_plan_set_them(
+        fake_device, pool):  # noqa: F811
+    """vLLM asserts on _sm_scale / _window_left / _logits_soft_cap, and forward() re-plans from
+    the last plan()'s arguments: a plan() that raises changes none of them."""
+    b, _ = pool
+    w = wrapper()
+    seq, bt, ip, ind, lpl = step(b, [0, 2])
+    plan(w, ip, ind, lpl, sm_scale=0.3, window_left=200)
+    with pytest.raises(ValueError, match="q_data_type='float17'"):
+        w.plan(ip, ind, lpl, HQ, HKV, D, PAGE, sm_scale=0.5, window_left=7, logits_soft_cap=3.0,
+               q_data_type="float17")
+    assert (w._sm_scale, w._window_left, w._logits_soft_cap) == (0.3, 200, 0.0)
+    assert w._plan_args[1]["sm_scale"] == 0.3
+    plan(w, ip, ind, lpl, sm_scale=0.3, window_left=200)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(3)).half()
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt),
+                                     sm_scale=0.3, window_left=200)
+    assert rel(w.run(q, (b.k_cache, b.v_cache)), ref) < TOL
+
+
+@pytest.mark.parametrize("variant", [dict(window_left=-5), dict(logits_soft_cap=-1.0)])
+def test_a_forward_variant_that_is_refused_is_not_kept_for_later_plans(fake_device, pool, variant):  # noqa: F811
+    b, _ = pool
+    w = wrapper()
+    seq, bt, ip, ind, lpl = step(b, [1, 3])
+    plan(w, ip, ind, lpl)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(4)).half()
+    with pytest.raises(ValueError, match=next(iter(variant))):
+        w.forward(q, (b.k_cache, b.v_cache), **variant)
+    plan(w, ip, ind, lpl)      # plans as before the failed forward()
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(w.run(q, (b.k_cache, b.v_cache)), ref) < TOL
+
+
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["host", "cuda-graph"])
+def test_a_failed_first_run_with_sinks_keeps_the_runtime_without_sinks(fake_device, pool, graph_mode):  # noqa: F811
+    b, _ = pool
+    w = graph_wrapper(3) if graph_mode else wrapper()
+    seq, bt, ip, ind, lpl = step(b, [0, 2, 3])
+    plan(w, ip, ind, lpl)
+    q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(5)).half()
+    for bad_q, sinks in ((q, torch.zeros(HQ + 1)), (q, torch.zeros(HQ).half()), (q[:2], torch.zeros(HQ))):
+        with pytest.raises(ValueError, match="sinks|q: expected"):
+            w.run(bad_q, (b.k_cache, b.v_cache), sinks=sinks)
+        assert not w.runtime.sinks
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(w.run(q, (b.k_cache, b.v_cache)), ref) < TOL
+    sinks = torch.linspace(-1, 3, HQ)   # and a good first run with sinks still rebuilds
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt),
+                                     sinks=sinks)
+    assert rel(w.run(q, (b.k_cache, b.v_cache), sinks=sinks), ref) < TOL and w.runtime.sinks
+
+
+def test_kv_scales_on_a_16_bit_cache_are_refused_unless_one(fake_device, pool):  # noqa: F811
+    """FlashInfer multiplies the scores by k_scale and the output by v_scale for any cache
+    dtype; pkvrt scales only FP8 caches, so it refuses a scale it would otherwise ignore."""
+    b, _ = pool
+    w = wrapper()
+    seq, bt, ip, ind, lpl = step(b, [0, 1])
+    plan(w, ip, ind, lpl)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(8)).half()
+    ref = reference.decode_attention(q, b.k_cache, b.v_cache, torch.as_tensor(seq), torch.as_tensor(bt))
+    assert rel(w.run(q, (b.k_cache, b.v_cache), k_scale=1.0, v_scale=None), ref) < TOL
+    for kw in (dict(k_scale=0.5), dict(v_scale=2.0), dict(k_scale=-1.0)):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}=.*only to float8_e4m3fn caches"):
+            w.run(q, (b.k_cache, b.v_cache), **kw)
+    with pytest.raises(ValueError, match=r"q: expected a torch.Tensor"):
+        w.run(q.tolist(), (b.k_cache, b.v_cache))
+
+
+def test_plan_refuses_head_counts_and_sizes_that_are_not_positive_ints(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    seq, bt, ip, ind, lpl = step(b, [0])
+    for args, name in (((HQ, HKV, 0, PAGE), "head_dim=0"), (("8", HKV, D, PAGE), "num_qo_heads='8'"),
+                       ((HQ, HKV, D, 0), "page_size=0"), ((HQ, True, D, PAGE), "num_kv_heads=True")):
+        with pytest.raises(ValueError, match=f"plan: {name}: expected a positive int"):
+            wrapper().plan(ip, ind, lpl, *args)
+    w = wrapper()
+    plan(w, ip, ind, lpl, window_left=None)   # FlashInfer's None: no window
+    assert w.runtime.window_left == -1

@@ -113,6 +113,40 @@ def csr_lengths(indptr, last_page_len, page_size: int, *, padding: bool = False)
     return ip, np.where(pages > 0, (pages - 1) * page_size + lpl, 0).astype(np.int32)
 
 
+_CSR_DTYPES = (torch.int32, torch.int64)
+_INT32 = np.iinfo(np.int32)
+
+
+def _check_csr_arg(x, name: str) -> None:
+    """ValueError naming ``name`` unless ``x`` is one-dimensional and of integers (a tensor of
+    int32 or int64, or an integer array or sequence): a float is not truncated into an index,
+    and nothing is written before the three arguments pass. A tensor's dtype and shape are read
+    without touching its data (a GPU tensor is not copied)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 1 and x.dtype in _CSR_DTYPES:
+            return
+        got = f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    elif x is None:
+        got = "None"
+    else:
+        a = np.asarray(x)
+        if a.ndim == 1 and (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+            return
+        got = f"{type(x).__name__} of {a.dtype}, shape {a.shape}"
+    raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {got}")
+
+
+def _scale_value(s, name: str) -> float:
+    """run()'s ``k_scale`` / ``v_scale`` as a float (a number or a one-element tensor)."""
+    if isinstance(s, torch.Tensor) and s.numel() != 1:
+        raise ValueError(f"{name}: expected a float (or a one-element tensor), got a tensor of "
+                         f"shape {tuple(s.shape)}")
+    try:
+        return float(s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={s!r}: expected a float") from None
+
+
 def _host_array(x) -> np.ndarray:
     """``x`` (a tensor, possibly on the GPU: a device-to-host copy, or a sequence) as int64 numpy."""
     if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.requires_grad:
@@ -157,8 +191,15 @@ def csr_to_block_tables(indptr, indices, last_page_len, page_size: int):
     ip, seq = csr_lengths(indptr, last_page_len, page_size)
     b, pages, nnz = seq.shape[0], np.diff(ip), int(ip[-1])
     _check_indices_length(indices, nnz)
-    ind = indices[:nnz].cpu() if isinstance(indices, torch.Tensor) else indices[:nnz]
-    ind = np.asarray(ind, dtype=np.int32)
+    ind = np.asarray(indices[:nnz].cpu() if isinstance(indices, torch.Tensor) else indices[:nnz])
+    if ind.dtype != np.int32:   # page ids are int32: a wider id must not wrap onto another page
+        ind = ind.astype(np.int64)
+        bad = (ind < _INT32.min) | (ind > _INT32.max)
+        if bad.any():
+            i = int(np.nonzero(bad)[0][0])
+            raise ValueError(f"indices[{i}] = {int(ind[i])}: page ids are int32 "
+                             f"({_INT32.min}..{_INT32.max})")
+        ind = ind.astype(np.int32)
     bt = np.zeros((b, int(pages.max()) if b else 0), dtype=np.int32)
     if b <= 96:   # a slice copy per row: 16 us at B 8 x 32K tokens where one scatter takes 100
         for r, (lo, hi) in enumerate(zip(ip[:-1].tolist(), ip[1:].tolist())):
@@ -310,6 +351,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if not isinstance(t, torch.Tensor) or t.dim() != 1:
                     raise ValueError(f"{name}: expected a 1-D torch.Tensor when use_cuda_graph is True")
             self._fixed_batch_size = int(paged_kv_indptr_buffer.shape[0]) - 1
+            if self._fixed_batch_size < 1:
+                raise ValueError(f"paged_kv_indptr_buffer: expected [batch_size + 1] with batch_size >= 1, "
+                                 f"got {tuple(paged_kv_indptr_buffer.shape)}")
             if paged_kv_last_page_len_buffer.shape[0] != self._fixed_batch_size:
                 raise ValueError(f"paged_kv_last_page_len_buffer: expected [{self._fixed_batch_size}] "
                                  f"(the batch size of paged_kv_indptr_buffer), got "
@@ -367,19 +411,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
              seq_lens: torch.Tensor | None = None, fixed_split_size: int | None = None,
              disable_split_kv: bool = False, q_len_per_req: int = 1, is_causal=None) -> None:
         """Plan a decode step (FlashInfer's arguments and meanings). Call outside any CUDA-graph
-        capture, before the step's run() calls (before each replay in CUDA-graph mode)."""
-        self._plan_args = ((indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                            page_size), dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                            window_right=window_right, logits_soft_cap=logits_soft_cap,
-                            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-                            data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
-                            rope_theta=rope_theta, non_blocking=non_blocking, block_tables=block_tables,
-                            seq_lens=seq_lens, fixed_split_size=fixed_split_size,
-                            disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req,
-                            is_causal=is_causal))
-        # FlashInfer's plan() leaves these for run(); vLLM asserts on them
-        self._window_left, self._sm_scale = window_left, sm_scale
-        self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap
+        capture, before the step's run() calls (before each replay in CUDA-graph mode).
+
+        A plan() that raises leaves no plan in effect (run() refuses until the next one), the
+        caller's CUDA-graph buffers unwritten where its CSR arguments were refused, and the
+        attributes FlashInfer's plan() sets (``_sm_scale``, ``_window_left``, ...) as the last
+        plan() that succeeded left them."""
+        self._planned = None   # until this plan succeeds
+        for name, x in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+            _check_csr_arg(x, name)
+        plan_args = ((indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size),
+                     dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                          window_right=window_right, logits_soft_cap=logits_soft_cap,
+                          q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+                          data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
+                          rope_theta=rope_theta, non_blocking=non_blocking, block_tables=block_tables,
+                          seq_lens=seq_lens, fixed_split_size=fixed_split_size,
+                          disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req,
+                          is_causal=is_causal))
         # what the step's shape and variant decide (the Runtime's key, or why pkvrt does not
         # serve it): the same for every plan() of a model's layer kind, so kept for the next
         sig = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
@@ -398,8 +447,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"size {batch} mismatches the batch size set during initialization "
                                  f"{self._fixed_batch_size}")
             if _length(indices) > self._buffers[1].shape[0]:
-                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
-        self._planned = None
+                raise ValueError(f"The size of indices should be less than or equal to the allocated buffer "
+                                 f"(indices: {_length(indices)} entries, paged_kv_indices_buffer: "
+                                 f"{self._buffers[1].shape[0]})")
         if s.reason is not None:
             fi_kwargs = dict(pos_encoding_mode=s.pos_encoding_mode, window_left=s.window_left,
                              logits_soft_cap=s.logits_soft_cap, q_data_type=s.q_data_type,
@@ -410,6 +460,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              q_len_per_req=q_len_per_req, is_causal=is_causal, window_right=window_right)
             self._plan_flashinfer(s.reason, indptr, indices, last_page_len, num_qo_heads,
                                   num_kv_heads, head_dim, page_size, fi_kwargs)
+            self._planned_with(plan_args)
             return
         key = s.key
         if self._use_cuda_graph:
@@ -440,6 +491,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 self.fallback_reason = None
                 self._planned = dict(csr=csr, batch=batch, pages=widest, window_left=key["window_left"],
                                      kv_dtype=key["kv_dtype"], variant=s.variant)
+                self._planned_with(plan_args)
                 return
             # the block tables written on the device into this wrapper's static buffers (a
             # SharedPagesRuntime finds the shared pages from them)
@@ -461,11 +513,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self.fallback_reason = None
         self._planned = dict(seq=seq, bt=bt, window_left=key["window_left"], kv_dtype=key["kv_dtype"],
                              variant=s.variant)
+        self._planned_with(plan_args)
+
+    def _planned_with(self, plan_args) -> None:
+        """A plan() succeeded: its arguments kept (forward() may re-plan with them), and the
+        attributes FlashInfer's plan() leaves for run() set from them (vLLM asserts on them)."""
+        self._plan_args = plan_args
+        kw = plan_args[1]
+        self._window_left, self._sm_scale = kw["window_left"], kw["sm_scale"]
+        self._logits_soft_cap = 0.0 if kw["logits_soft_cap"] is None else kw["logits_soft_cap"]
 
     def _setup(self, hq, hkv, d, page, pos_encoding_mode, window_left, window_right,
                logits_soft_cap, q_data_type, kv_data_type, o_data_type, data_type, sm_scale,
                fixed_split_size, disable_split_kv, q_len_per_req, is_causal) -> "_PlanSetup":
         """What plan()'s shape and variant arguments decide, forward()'s variant applied."""
+        for name, v in (("num_qo_heads", hq), ("num_kv_heads", hkv), ("head_dim", d), ("page_size", page)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"plan: {name}={v!r}: expected a positive int")
         if self._variant_override is not None:   # forward() gave the variant: it wins (FlashInfer's rule)
             pos_encoding_mode, window_left, logits_soft_cap, sm_scale = (
                 self._variant_override[k] for k in ("pos_encoding_mode", "window_left",
@@ -480,7 +544,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                 fixed_split_size, disable_split_kv, q_len_per_req, is_causal)
         key = None if reason is not None else dict(   # a refused plan runs FlashInfer's wrapper
             num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=q_dt, kv_dtype=kv_dt,
-            window_left=int(window_left), logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale)
+            window_left=-1 if window_left is None else int(window_left),
+            logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale)
         return _PlanSetup(reason=reason, key=key, q_data_type=q_data_type, kv_data_type=kv_data_type,
                           pos_encoding_mode=pos_encoding_mode,
                           window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
@@ -599,7 +664,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         meanings; capturable in CUDA-graph mode). Returns ``out`` or ``(out, lse)``; lse is
         each row's and head's log2-sum-exp of its scores, FlashInfer's convention."""
         if self._planned is None:
-            raise RuntimeError("run: plan() must be called before run()")
+            raise RuntimeError("run: plan() must be called before run() (no plan in effect: none "
+                               "was made, or the last plan() raised)")
         if self.fallback_reason is not None:
             if sinks is not None:
                 raise ValueError(f"sinks: this plan runs FlashInfer's wrapper ({self.fallback_reason}), "
@@ -617,11 +683,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_scale not in (None, 1.0):
             raise ValueError(f"q_scale={q_scale}: pkvrt takes fp16/bf16 q (no q scale)")
         if sinks is not None and not self._rt.sinks:
-            self._rebuild_with_sinks()
+            # the first run() with sinks: a sinks Runtime, kept only if this run() succeeds
+            kept = (self._rt, self._rt_key, self._rt_setup, self._rt_width)
+            try:
+                self._rebuild_with_sinks()
+                return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, sinks)
+            except Exception:
+                self._rt, self._rt_key, self._rt_setup, self._rt_width = kept
+                raise
+        return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, sinks)
+
+    def _run(self, q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, sinks):
+        """run() of a plan pkvrt serves, its arguments checked as far as the wrapper checks them."""
+        if not isinstance(q, torch.Tensor):
+            raise ValueError(f"q: expected a torch.Tensor [batch_size, num_qo_heads, head_dim], got "
+                             f"{type(q).__name__}")
         if not q.is_contiguous():   # vLLM passes rows of its fused QKV output; the kernels read [B, H_q, D]
             q = q.contiguous()
         k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        scales = self._scales(k_scale, v_scale) if self._planned["kv_dtype"] == ops.FP8 else {}
+        scales = (self._scales(k_scale, v_scale) if self._planned["kv_dtype"] == ops.FP8
+                  else self._no_scales(k_scale, v_scale))
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         out = self._rt.run(q, k_cache, v_cache, out=out, sinks=sinks, lse=lse, **scales)
@@ -647,18 +728,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """FP8 caches: FlashInfer takes the scales as floats; the kernels read device scalars,
         rewritten here when a value changes (in a capture: a memset node with the value, as
         FlashInfer bakes its floats into a captured launch)."""
+        vals = [1.0 if s is None else _scale_value(s, name)
+                for s, name in ((k_scale, "k_scale"), (v_scale, "v_scale"))]
+        for s, v, name in zip((k_scale, v_scale), vals, ("k_scale", "v_scale")):
+            if not math.isfinite(v) or v <= 0:   # both checked before either is written
+                raise ValueError(f"{name}={s!r}: expected a finite scale > 0")
         if getattr(self, "_scale_buf", None) is None:
             self._scale_buf = torch.ones(2, dtype=torch.float32, device=self.device)
             self._scale_vals = [1.0, 1.0]
-        for i, s in enumerate((k_scale, v_scale)):
-            v = 1.0 if s is None else float(s)
-            if not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{('k_scale', 'v_scale')[i]}={s!r}: expected a finite scale > 0")
+        for i, v in enumerate(vals):
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             if v != self._scale_vals[i] or capturing:
                 self._scale_buf[i:i + 1].fill_(v)
                 self._scale_vals[i] = v
         return dict(k_scale=self._scale_buf[0:1], v_scale=self._scale_buf[1:2])
+
+    def _no_scales(self, k_scale, v_scale) -> dict:
+        """fp16/bf16 caches: FlashInfer multiplies the scores by ``k_scale`` and the output by
+        ``v_scale`` whatever the cache's dtype; pkvrt's kernels scale only FP8 caches, so any
+        value but None or 1.0 is refused rather than ignored."""
+        for s, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+            if s is not None and _scale_value(s, name) != 1.0:
+                raise ValueError(f"{name}={s!r}: pkvrt applies K/V scales only to float8_e4m3fn "
+                                 f"caches; this plan's cache is {self._planned['kv_dtype']} (pass "
+                                 "None or 1.0, or fold the scale into sm_scale and the output)")
+        return {}
 
     @staticmethod
     def _variant(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, head_dim) -> tuple:
@@ -694,9 +788,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"forward: variant {wv} differs from the planned {pv} inside a "
                                    "CUDA-graph capture; call forward() once before capturing")
-            self._variant_override = want
+            prev, self._variant_override = self._variant_override, want
             args, kwargs = self._plan_args
-            self.plan(*args, **kwargs)
+            try:
+                self.plan(*args, **kwargs)
+            except Exception:
+                # a variant the plan refuses is not kept for later plans (they would all fail)
+                self._variant_override = prev
+                raise
         if self.fallback_reason is not None:
             fi_forward = self._fi.forward_return_lse if return_lse else self._fi.forward
             return fi_forward(q, paged_kv_cache, pos_encoding_mode=pos_encoding_mode,
