@@ -1863,3 +1863,37 @@ def test_device_planning_inside_an_engine_capture_launches_into_it(fake_device, 
     host._capturing = lambda: True
     with pytest.raises(RuntimeError, match="a replay would run a stale plan"):
         host.run(q, *cache)
+
+
+def _max_id(seq, bt):
+    pages = -(-np.asarray(seq) // FAKE_SHAPE["page_size"])
+    return max(int(bt[r, :n].max()) for r, n in enumerate(pages))
+
+
+@pytest.mark.parametrize("route", ["pkv_workqueue", "pkv_fused"])
+def test_fake_device_host_routing_page_bound_follows_the_callers_caches(fake_device, pool, route):
+    """Host lengths on a route planned on the GPU: a num_pages the caller gave bounds every
+    step's ids at plan() (the planning kernel would give a row past it no work: a wrong output);
+    without one, a run() on a smaller cache does not lower the bound under a later step's valid
+    ids on a larger cache; and a run() refused for its arguments sets no bound."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt, q = step_inputs(b, [0, 2, 3], 0, seed=7)
+    top = _max_id(seq, bt)
+    given = fake_runtime(num_pages=top)
+    with pytest.raises(ValueError, match=f"Runtime.plan: block_tables uses page id {top}: expected "
+                                         f"page ids < num_pages = {top}"):
+        given.plan(seq, bt, force=route)
+    small_seq, small_bt, small_q = step_inputs(b, [3], 0, seed=8)   # a short row: low page ids
+    low = _max_id(small_seq, small_bt)
+    assert low < top
+    rt = fake_runtime()
+    rt.plan(small_seq, small_bt, force=route)
+    view = (b.k_cache[:low + 1], b.v_cache[:low + 1])
+    assert rel_err(rt.run(small_q, *view), ref(small_q, view, small_seq, small_bt)) < 2e-3
+    with pytest.raises(ValueError, match="lse"):   # refused: must not set the bound either
+        rt.run(small_q, *view, lse=torch.empty(1))
+    rt.plan(seq, bt, force=route)
+    out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
+    assert rt.device_status() == 0

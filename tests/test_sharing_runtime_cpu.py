@@ -370,7 +370,7 @@ def test_device_lengths_with_sinks_and_forced_routes(fake_device, pool):  # noqa
     rt.plan(torch.as_tensor(seq), torch.as_tensor(bt), force="pkv_workqueue")   # plain, no sharing
     assert rt.found() is None and rt.step_key[0] != "shared-device"
     assert rel_err(rt.run(q, b.k_cache, b.v_cache, sinks=sinks), want) < 2e-3
-    with pytest.raises(ValueError, match="q has 3 rows, the planned step 4"):
+    with pytest.raises(ValueError, match=r"q: expected a torch.float16 \[B, H_q, D\] = \(4, 8, 64\) .* got torch.float16 \(3, 8, 64\)"):
         rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
         rt.run(q[:3], b.k_cache, b.v_cache, sinks=sinks)
 
@@ -455,3 +455,65 @@ def test_find_shared_refuses_bad_arguments():
                           (dict(chunk_rows=1), "chunk_rows: expected an int in \\[2, 64\\]")]:
         with pytest.raises(ops.KernelArgumentError, match=match):
             ops.find_shared(**args, **{**kw, **change})
+
+
+# ----------------------------------------------------------------------------- failed calls
+
+
+@pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])
+def test_a_failed_plan_leaves_no_plan_that_run_would_use(fake_device, pool, device_planning):  # noqa: F811
+    """A plan() that raises after a step with sharing must not leave the own decode's plan as
+    if it were the whole step (run() would skip the chunks and the merge): run() refuses."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime(device_planning=device_planning)
+    conv = torch.as_tensor if device_planning else np.asarray
+    rt.plan(conv(seq), conv(bt))
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                    generator=torch.Generator().manual_seed(2)).half()
+    want = ref(q, cache, seq, torch.as_tensor(bt))
+    assert rel_err(rt.run(q, *cache), want) < 2e-3
+    for bad in (dict(force="nope"), dict(seq_lens=conv(seq[None]))):
+        args = dict(seq_lens=conv(seq), block_tables=conv(bt)) | bad
+        with pytest.raises(ValueError):
+            rt.plan(args["seq_lens"], args["block_tables"], force=args.get("force"))
+        with pytest.raises(RuntimeError, match="no plan in effect"):
+            rt.run(q, *cache)
+    rt.plan(conv(seq), conv(bt))
+    assert rel_err(rt.run(q, *cache), want) < 2e-3
+
+
+def test_host_lengths_are_checked_on_the_callers_table_before_sharing(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime()
+    for s, t, match in ((seq + 0.7, bt, "seq_lens: expected an integer dtype"),
+                        (seq, bt.astype(np.float64) + 0.5, "block_tables: expected an integer dtype")):
+        with pytest.raises(ValueError, match=match):
+            rt.plan(s, t)
+    neg = bt.copy()
+    neg[2, 50] = -3                 # named where the caller put it, not in a chunk's own table
+    with pytest.raises(ValueError, match=r"block_tables\[2, 50\] = -3"):
+        rt.plan(seq, neg)
+
+
+def test_run_of_a_shared_step_checks_q_out_and_lse_first(fake_device, pool):  # noqa: F811
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime()
+    rt.plan(seq, bt)
+    assert rt.plan_used is not None
+    hq, d = FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]
+    q = torch.randn(4, hq, d).half()
+    out = torch.full_like(q, 7.0)
+    for kw, match in ((dict(q=q[:3]), r"q: expected .* \(4, 8, 64\)"),
+                      (dict(q=q.float()), "q: expected a torch.float16"),
+                      (dict(q=[1]), "q: expected a torch.Tensor"), (dict(out=out.float()), "out: expected"),
+                      (dict(out=torch.empty(4, d, hq).half().transpose(1, 2)), "out: .*contiguous"),
+                      (dict(lse=torch.empty(4, hq).half()), "lse: expected a contiguous float32")):
+        args = dict(q=q, out=out) | kw
+        with pytest.raises(ValueError, match=match):
+            rt.run(args.pop("q"), *cache, **args)
+        assert torch.equal(out, torch.full_like(q, 7.0))

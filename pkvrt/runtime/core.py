@@ -188,6 +188,7 @@ class Runtime(StaticBuffers, Planning, Running):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Runtime: {name}={v!r}: expected a positive integer")
         self._num_pages = num_pages   # device planning: the page-id bound (None: the first cache)
+        self._num_pages_given = num_pages is not None   # the caller's bound: checked at plan()
         if max_pages_per_row * page_size > MAX_SEQ_LEN:
             raise ValueError(f"Runtime: max_pages_per_row={max_pages_per_row}: rows of "
                              f"{max_pages_per_row * page_size} tokens exceed the int32 lengths the "

@@ -103,11 +103,14 @@ class Planning:
         if self._mode_open:   # host lengths that passed their checks decide the mode
             self._enter_host_lengths()
         b = len(step.lens)
-        if self.engine_capture and self._num_pages is not None:
-            # the engine replays its graph without calling run(), where ids are checked otherwise
+        if self._num_pages is not None and (self.engine_capture or self._num_pages_given):
+            # engine_capture: the engine replays its graph without calling run(), where ids are
+            # checked otherwise; a num_pages the caller gave bounds every step's ids (the planning
+            # kernel would give a row with a larger one no work)
             check_page_bound(step.max_page_id, self._num_pages, bound="num_pages",
                              where="Runtime.plan (engine_capture: checked here, an engine's replays "
-                                   "call no run()): block_tables")
+                                   "call no run()): block_tables" if self.engine_capture else
+                                   "Runtime.plan: block_tables")
         if self._captured_policy and force is None:
             d = self._captured_decision(b, max(step.lens))   # routes.toml's [device_planning] route
         else:
@@ -415,7 +418,8 @@ class Planning:
         (either way that row got no work and its output row was not computed). Raises
         RuntimeError on a nonzero word unless ``raise_on_error`` is False. Host routing: the
         word of the last step if it was a workqueue/fused step (its ids checked on the GPU
-        against the smallest cache run() was given, or ``num_pages``); 0 without a sync after a
+        against ``num_pages``, or, without it, the smallest cache run() was given where the host
+        does not check them: no ``validate``, or ``engine_capture``); 0 without a sync after a
         bucket or FlashInfer step (planned on the host). With ``engine_capture`` the planning
         kernel runs with the step (its first run(), or the replay of the engine's graph); called
         before either, this launches it first (it plans from the lengths plan() copied, so a

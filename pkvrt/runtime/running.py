@@ -18,6 +18,9 @@ from pkvrt.runtime.checks import (NESTED_CAPTURE, check_page_bound, check_run_ar
                                   run_signature)
 from pkvrt.runtime.graphs import bucket_sections
 
+# host routing with validate: no page-id bound in the planning kernel (int32 ids: all pass)
+PAGE_ID_LIMIT = 2**31 - 1
+
 
 class Running:
     """``run()`` and the launches a graph captures (a piece of :class:`pkvrt.runtime.Runtime`; it
@@ -109,10 +112,10 @@ class Running:
                                "wrapper re-allocates its plan buffers every plan(), so a replay would "
                                "read freed memory. Build the Runtime with engine_capture=True "
                                "(FlashInfer's CUDA-graph mode) to capture host-routed steps")
-        if self._dp_routes:
-            self._check_page_bound(k_cache.shape[0])
         if self._fp8 and self.validate and not capturing:
             self._check_scale_values(k_cache, v_cache, k_scale, v_scale)
+        if self._dp_routes:   # after every check that can refuse this run(): it may set the bound
+            self._check_page_bound(k_cache.shape[0])
         if out is None:
             out = torch.empty_like(q)
         if self.use_cuda_graph and capturing and not self.device_planning:
@@ -226,10 +229,19 @@ class Running:
         """The planning kernel checks page ids against ``num_pages``. Device planning: a cache
         with fewer pages would let an unchecked id through, so it is refused; without
         ``num_pages`` the first cache sets the bound (a step planned before it is planned by
-        this run(), after the bound is set). Host routing (ids >= 0 checked at plan() and < the cache's pages at
-        run() with ``validate``): the bound is the smallest cache given so far, never an error."""
+        this run(), after the bound is set). Host routing with ``validate`` and no
+        ``engine_capture``: every step's ids are checked on the host (>= 0, and below a given
+        ``num_pages``, at plan(); below this cache's pages at run(), before any launch reads the
+        cache), so the kernel's bound is the given ``num_pages`` or none (PAGE_ID_LIMIT): a
+        bound from an earlier, smaller cache would give a later step's valid ids no work, a
+        wrong output. Otherwise (no ``validate``, or an engine's replays that call no run()):
+        the smallest cache given so far. Never an error."""
         if not self.device_planning:
-            if self._num_pages is None or cache_pages < self._num_pages:
+            if self.validate and not self.engine_capture:
+                if self._num_pages is None:
+                    self._num_pages = PAGE_ID_LIMIT
+                    self._d_num_pages.fill_(self._num_pages)
+            elif self._num_pages is None or cache_pages < self._num_pages:
                 self._num_pages = int(cache_pages)
                 self._d_num_pages.fill_(self._num_pages)
             return

@@ -45,7 +45,7 @@ import torch
 from pkvrt.launch import ops
 from pkvrt.policy import sharing
 from pkvrt.policy.costmodel import launch_us
-from pkvrt.runtime.checks import check_device_step
+from pkvrt.runtime.checks import check_device_step, check_step
 from pkvrt.runtime.core import Runtime
 
 
@@ -115,6 +115,7 @@ class SharedPagesRuntime:
                                       device=self.device)
         self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
         self._found_rows = 0                          # the planned step's rows (0: none)
+        self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
 
     def _chunk_rows_default(self, served: int) -> int:
         """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
@@ -148,12 +149,19 @@ class SharedPagesRuntime:
         With ``device_planning``: int32 tensors on the GPU (``seq_lens`` [B], ``block_tables``
         [B, W]); the shared prefixes are found there (a length of 0 is an idle row: its output
         is zeros)."""
+        self._rows = None   # until this plan succeeds: run() refuses after a plan() that raised
         if self.device_planning:
-            return self._plan_device(seq_lens, block_tables, force)
-        seq = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
-        bt = np.asarray(block_tables.cpu() if isinstance(block_tables, torch.Tensor) else block_tables)
+            d = self._plan_device(seq_lens, block_tables, force)
+            self._rows = self._found_rows or int(seq_lens.shape[0])
+            return d
         self.plan_used = sp = None   # a failure below leaves no sharing plan in effect
         self.sharing_prediction = None
+        p = self.plain
+        # the caller's step checked as the plain Runtime checks it (ids named at their place in
+        # the caller's table, not in the chunk or own tables made from it)
+        step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=p.max_batch,
+                          max_pages_per_row=p.max_pages_per_row, validate=p.validate)
+        seq, bt = step.seq, step.block_tables
         rereads = 0 if force is not None or self.shared is None else \
             sharing.page_rereads(seq, bt, self.page_size, self.num_pages)
         if rereads:
@@ -169,7 +177,9 @@ class SharedPagesRuntime:
                     not self._sharing_pays(seq, rereads, sp, own_gather=not own_identity):
                 sp = None
         if sp is None:
-            return self.plain.plan(seq, bt, force=force)
+            d = self.plain.plan(seq, bt, force=force)
+            self._rows = len(seq)
+            return d
         self.shared.plan(sp.chunk_seq, sp.chunk_bt)
         d = self.own.plan(sp.own_seq, sp.own_bt)
         # the chunk queries as one gather: chunk v's head hk * C * G + c * G + j is row
@@ -183,6 +193,7 @@ class SharedPagesRuntime:
         self._own_rows = self._stage("own_rows", sp.own_rows)
         self._slots = self._stage("slots", sp.slots)
         self.plan_used = sp
+        self._rows = len(seq)
         return d
 
     def _own_reads_q(self, sp: sharing.SharingPlan, rows: int) -> bool:
@@ -329,15 +340,17 @@ class SharedPagesRuntime:
         ``sinks`` float32 ``[H_q]`` when built with ``sinks=True``; ``lse`` float32 ``[B, H_q]``
         written with each row's and head's log2-sum-exp, the sink not counted, as
         :meth:`pkvrt.Runtime.run`). Returns out, or (out, lse) with ``return_lse``."""
+        if self._rows is None:
+            raise RuntimeError("SharedPagesRuntime.run: no plan in effect (plan() was not called, or "
+                               "the last plan() raised)")
         if self.sinks != (sinks is not None):
             raise ValueError(f"SharedPagesRuntime.run: sinks={'given' if sinks is not None else None}"
                              f" but the Runtime was built with sinks={self.sinks}")
+        if self._found_rows or self.plan_used is not None:   # the plain Runtime checks its own
+            self._check_run(q, out, lse)
         if return_lse and lse is None:
-            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+            lse = torch.empty(self._rows, self.num_qo_heads, dtype=torch.float32, device=self.device)
         if self._found_rows:   # device lengths: find_shared's buffers, every row its own segment
-            if q.shape[0] != self._found_rows:
-                raise ValueError(f"SharedPagesRuntime.run: q has {q.shape[0]} rows, the planned "
-                                 f"step {self._found_rows}")
             f = self._found
             out = self._run_shared(q, k_cache, v_cache, out, sinks, lse, scales, chunks=q.shape[0],
                                    q_index=f["q_index"], own_rows=None, slots=f["slots"][:q.shape[0]])
@@ -350,6 +363,32 @@ class SharedPagesRuntime:
                                    own_rows=None if self._own_identity else self._own_rows,
                                    slots=self._slots)
         return (out, lse) if return_lse else out
+
+    def _check_run(self, q, out, lse) -> None:
+        """q, out and lse of a step with chunks against the plan, before anything is launched
+        (the query gather indexes q by the plan's rows); ValueError naming the tensor. The
+        caches and scales are checked by the chunk and own decodes, before the merge writes out."""
+        b, hq, d = self._rows, self.num_qo_heads, self.head_dim
+        dtype, dev = self.plain.dtype, self.device
+        for name, t in (("q", q), ("out", out)):
+            if t is None and name == "out":
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"SharedPagesRuntime.run: {name}: expected a torch.Tensor, got "
+                                 f"{type(t).__name__}")
+            if tuple(t.shape) != (b, hq, d) or t.dtype != dtype or t.device != dev \
+                    or (name == "out" and not t.is_contiguous()):
+                raise ValueError(f"SharedPagesRuntime.run: {name}: expected a {dtype} [B, H_q, D] = "
+                                 f"{(b, hq, d)} tensor on {dev} (B = the planned rows)"
+                                 + (", contiguous" if name == "out" else "") + f"; got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, hq)
+                                or lse.dtype != torch.float32 or lse.device != dev
+                                or not lse.is_contiguous()):
+            got = (f"{lse.dtype} {tuple(lse.shape)} on {lse.device}" if isinstance(lse, torch.Tensor)
+                   else type(lse).__name__)
+            raise ValueError(f"SharedPagesRuntime.run: lse: expected a contiguous float32 {[b, hq]} "
+                             f"tensor on {dev}, got {got}")
 
     def _run_shared(self, q, k_cache, v_cache, out, sinks, lse, scales, *, chunks: int, q_index,
                     own_rows, slots) -> torch.Tensor:
