@@ -1897,3 +1897,14 @@ def test_fake_device_host_routing_page_bound_follows_the_callers_caches(fake_dev
     out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
     assert rel_err(out, ref(q, cache, seq, bt)) < 2e-3
     assert rt.device_status() == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(device_planning="no"), "device_planning='no': expected True or False"),
+    (dict(engine_capture=1), "engine_capture=1: expected True or False"),
+    (dict(sm_scale=float("nan")), "sm_scale=nan: expected a finite number"),
+    (dict(sm_scale="abc"), "sm_scale='abc': expected a finite number"),
+])
+def test_mode_flags_and_sm_scale_of_the_wrong_kind_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        fake_runtime(**kw)

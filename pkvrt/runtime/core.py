@@ -8,6 +8,7 @@ The class is assembled from one piece per seam: :class:`~pkvrt.runtime.buffers.S
 
 from __future__ import annotations
 
+import math
 import pathlib
 import time
 import warnings
@@ -162,6 +163,14 @@ class Runtime(StaticBuffers, Planning, Running):
         (use_cuda_graph, max_graphs, validate, flashinfer, flashinfer_tensor_cores,
          flashinfer_cuda_graph, flashinfer_direct_run, decision_memo, capture_routing,
          layers_per_plan) = (getattr(options, f) for f in OPTION_FIELDS if not f.startswith("shared_"))
+        for name, v in (("device_planning", device_planning), ("engine_capture", engine_capture)):
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"Runtime: {name}={v!r}: expected True or False"
+                                 + (" (or None: the first plan() decides)" if name == "device_planning" else ""))
+        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                                     or not math.isfinite(sm_scale)):
+            raise ValueError(f"Runtime: sm_scale={sm_scale!r}: expected a finite number (None: "
+                             "1/sqrt(head_dim))")
         # device_planning None: the first plan() decides, from where its lengths are (_decide_mode)
         self._mode_open = device_planning is None
         self._plan_launch_forced = None
