@@ -517,3 +517,12 @@ def test_run_of_a_shared_step_checks_q_out_and_lse_first(fake_device, pool):  # 
         with pytest.raises(ValueError, match=match):
             rt.run(args.pop("q"), *cache, **args)
         assert torch.equal(out, torch.full_like(q, 7.0))
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    ((8, 0, 64, 16), {}, "num_kv_heads=0: expected a positive integer"),
+    ((8, 2, 64, 16), dict(min_saved="0.5"), "min_saved='0.5': expected 0 <= min_saved < 1"),
+])
+def test_constructor_shape_and_min_saved_are_checked_first(args, kw, match):
+    with pytest.raises(ValueError, match=match):
+        SharedPagesRuntime(*args, **kw)

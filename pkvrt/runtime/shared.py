@@ -45,7 +45,7 @@ import torch
 from pkvrt.launch import ops
 from pkvrt.policy import sharing
 from pkvrt.policy.costmodel import launch_us
-from pkvrt.runtime.checks import check_device_step, check_step
+from pkvrt.runtime.checks import check_device_step, check_shape, check_step
 from pkvrt.runtime.core import Runtime
 
 
@@ -73,9 +73,11 @@ class SharedPagesRuntime:
             raise ValueError(f"SharedPagesRuntime: device_planning={device_planning!r}: expected True "
                              "(lengths on the GPU) or False (on the host)")
         self.device_planning = device_planning
-        if not 0.0 <= min_saved < 1.0:
+        if isinstance(min_saved, bool) or not isinstance(min_saved, (int, float)) or not 0.0 <= min_saved < 1.0:
             raise ValueError(f"SharedPagesRuntime: min_saved={min_saved!r}: expected 0 <= min_saved < 1")
-        self.group = num_qo_heads // num_kv_heads
+        # the shape checked before G is taken from it (the Runtimes below check it again)
+        self.group = check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                                 runtime_kw.get("kv_dtype"))
         served = self._chunk_rows_served(head_dim, runtime_kw.get("kv_dtype"))
         want = getattr(runtime_kw.get("options"), "shared_chunk_rows", None)
         if want is not None and want > served:
