@@ -154,7 +154,7 @@ class SharedPagesRuntime:
         self._rows = None   # until this plan succeeds: run() refuses after a plan() that raised
         if self.device_planning:
             d = self._plan_device(seq_lens, block_tables, force)
-            self._rows = self._found_rows or int(seq_lens.shape[0])
+            self._rows = self._found_rows or len(seq_lens)
             return d
         self.plan_used = sp = None   # a failure below leaves no sharing plan in effect
         self.sharing_prediction = None
