@@ -1905,6 +1905,7 @@ def test_fake_device_host_routing_page_bound_follows_the_callers_caches(fake_dev
     (dict(sm_scale=float("nan")), "sm_scale=nan: expected a finite number"),
     (dict(sm_scale="abc"), "sm_scale='abc': expected a finite number"),
 ])
-def test_mode_flags_and_sm_scale_of_the_wrong_kind_are_refused(kw, match):
+def test_mode_flags_and_sm_scale_of_the_wrong_kind_are_refused(fake_device, kw, match):
     with pytest.raises(ValueError, match=match):
         fake_runtime(**kw)
+    assert fake_runtime(sm_scale=np.float32(0.125)).sm_scale == 0.125   # any real number

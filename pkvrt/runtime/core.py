@@ -9,6 +9,7 @@ The class is assembled from one piece per seam: :class:`~pkvrt.runtime.buffers.S
 from __future__ import annotations
 
 import math
+import numbers
 import pathlib
 import time
 import warnings
@@ -167,7 +168,7 @@ class Runtime(StaticBuffers, Planning, Running):
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"Runtime: {name}={v!r}: expected True or False"
                                  + (" (or None: the first plan() decides)" if name == "device_planning" else ""))
-        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
                                      or not math.isfinite(sm_scale)):
             raise ValueError(f"Runtime: sm_scale={sm_scale!r}: expected a finite number (None: "
                              "1/sqrt(head_dim))")
