@@ -1497,13 +1497,13 @@ def test_run_checks_each_argument_signature_once(fake_device, pool, monkeypatch)
     """run() checks its tensors in full once per signature (addresses, shapes, strides, dtypes,
     devices, batch): later layers and steps with the same tensors check only the step's page
     bound, and any change of a tensor is checked in full again."""
-    from pkvrt.runtime import running
+    from pkvrt.runtime import checks
 
     b, _ = pool
     rt = fake_runtime()
     cache = (b.k_cache, b.v_cache)
     calls = []
-    monkeypatch.setattr(running, "check_run_args", lambda *a, **k: calls.append(1) or check_run_args(*a, **k))
+    monkeypatch.setattr(checks, "check_run_args", lambda *a, **k: calls.append(1) or check_run_args(*a, **k))
     seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=7)
     out = torch.empty_like(q)
     for i in range(3):

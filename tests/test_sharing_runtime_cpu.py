@@ -370,7 +370,7 @@ def test_device_lengths_with_sinks_and_forced_routes(fake_device, pool):  # noqa
     rt.plan(torch.as_tensor(seq), torch.as_tensor(bt), force="pkv_workqueue")   # plain, no sharing
     assert rt.found() is None and rt.step_key[0] != "shared-device"
     assert rel_err(rt.run(q, b.k_cache, b.v_cache, sinks=sinks), want) < 2e-3
-    with pytest.raises(ValueError, match=r"q: expected a torch.float16 \[B, H_q, D\] = \(4, 8, 64\) .* got torch.float16 \(3, 8, 64\)"):
+    with pytest.raises(ValueError, match=r"q: expected a contiguous \[B, H_q, D\] = \(4, 8, 64\) .* got shape \(3, 8, 64\)"):
         rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
         rt.run(q[:3], b.k_cache, b.v_cache, sinks=sinks)
 
@@ -509,7 +509,7 @@ def test_run_of_a_shared_step_checks_q_out_and_lse_first(fake_device, pool):  # 
     q = torch.randn(4, hq, d).half()
     out = torch.full_like(q, 7.0)
     for kw, match in ((dict(q=q[:3]), r"q: expected .* \(4, 8, 64\)"),
-                      (dict(q=q.float()), "q: expected a torch.float16"),
+                      (dict(q=q.float()), "q: expected dtype torch.float16"),
                       (dict(q=[1]), "q: expected a torch.Tensor"), (dict(out=out.float()), "out: expected"),
                       (dict(out=torch.empty(4, d, hq).half().transpose(1, 2)), "out: .*contiguous"),
                       (dict(lse=torch.empty(4, hq).half()), "lse: expected a contiguous float32")):

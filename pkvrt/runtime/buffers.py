@@ -190,7 +190,8 @@ class StaticBuffers:
         # the first run() sets it from its cache when the constructor was not told num_pages).
         self._d_num_pages = torch.full((1,), self._num_pages or 0, **i32)
         self._d_cands = {n: torch.tensor(r.splits.candidates(), **i32) for n, r in self._dp_routes.items()}
-        self._dp_decisions: dict = {}   # device planning's RouteDecision per (route, rows, forced, -1)
+        # device planning's RouteDecision per (route, rows, forced, -1), and its refusals per route name
+        self._dp_decisions: dict = {}
 
     def _device_capacities(self) -> Capacities:
         """What device planning can ever need: the worst step of every padded batch (every split

@@ -263,6 +263,24 @@ def run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch: int, sinks=
     return tuple(sig)
 
 
+def check_run_args_once(seen: set, q, k_cache, v_cache, out, *, batch: int, k_scale=None,
+                        v_scale=None, sinks=None, lse=None, **shape) -> tuple[bool, tuple | None]:
+    """:func:`check_run_args` once per :func:`run_signature`: ``seen`` holds the signatures that
+    passed (the caller's, bounded at 4096: keys of freed tensors are dropped). Returns whether
+    the arguments were seen before (then only what changes with the step is left to check) and
+    their signature (None: an argument is not a tensor)."""
+    sig = run_signature(q, k_cache, v_cache, out, k_scale, v_scale, batch, sinks, lse)
+    if sig is not None and sig in seen:
+        return True, sig
+    check_run_args(q, k_cache, v_cache, out, batch=batch, k_scale=k_scale, v_scale=v_scale,
+                   sinks=sinks, lse=lse, **shape)
+    if sig is not None:
+        if len(seen) >= 4096:
+            seen.clear()
+        seen.add(sig)
+    return False, sig
+
+
 def check_run_args(q, k_cache, v_cache, out, *, batch: int, num_qo_heads: int, num_kv_heads: int,
                    head_dim: int, page_size: int, dtype, device, max_page_id: int = -1,
                    kv_dtype=None, k_scale=None, v_scale=None, kv_layout: str = "HND",

@@ -316,9 +316,12 @@ class Planning:
         memo_key = (route.name, b, forced, max_context)
         decision = self._dp_decisions.get(memo_key)
         if decision is None:
-            others = {r.name: f"routes.toml [device_planning] runs {route.name} on this step's row "
-                              "count (device lengths or engine_capture: no router)"
-                      for r in self.registry.routes if r.name != route.name}
+            others = self._dp_decisions.get(route.name)   # the refusals: one dict per route
+            if others is None:
+                others = self._dp_decisions[route.name] = {
+                    r.name: f"routes.toml [device_planning] runs {route.name} on this step's row "
+                            "count (device lengths or engine_capture: no router)"
+                    for r in self.registry.routes if r.name != route.name}
             decision = RouteDecision(route=route.name, kind=route.kind, plan=None, predicted_us={},
                                      refused=others, speedup=1.0, active=b, max_context=max_context,
                                      forced=forced)

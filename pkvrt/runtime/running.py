@@ -14,8 +14,7 @@ from pkvrt.launch import _driver, ops
 from pkvrt.policy.registry import DEVICE_PLANNED
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import _Step
-from pkvrt.runtime.checks import (NESTED_CAPTURE, check_page_bound, check_run_args, hnd_view,
-                                  run_signature)
+from pkvrt.runtime.checks import NESTED_CAPTURE, check_page_bound, check_run_args_once, hnd_view
 from pkvrt.runtime.graphs import bucket_sections
 
 # host routing with validate: no page-id bound in the planning kernel (int32 ids: all pass)
@@ -92,19 +91,13 @@ class Running:
             lse = torch.empty(st.batch, self.num_qo_heads, dtype=torch.float32, device=self.device)
         fi_caches = (k_cache, v_cache)   # the FlashInfer route takes them in the caller's layout
         k_cache, v_cache = hnd_view(k_cache, self.kv_layout), hnd_view(v_cache, self.kv_layout)
-        sig = run_signature(q, k_cache, v_cache, out, k_scale, v_scale, st.batch, sinks, lse)
-        if sig is None or sig not in self._run_checked:
-            check_run_args(q, k_cache, v_cache, out, batch=st.batch, num_qo_heads=self.num_qo_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                           page_size=self.page_size, dtype=self.dtype, device=self.device,
-                           max_page_id=st.max_page_id, kv_dtype=self.kv_dtype, k_scale=k_scale,
-                           v_scale=v_scale, kv_layout=self.kv_layout, sinks=sinks, lse=lse,
-                           want_sinks=self.sinks)
-            if sig is not None:
-                if len(self._run_checked) >= 4096:   # bounded: keys of freed tensors are dropped
-                    self._run_checked.clear()
-                self._run_checked.add(sig)
-        else:   # the same tensors as a call that passed: only this step's page bound is new
+        seen, sig = check_run_args_once(
+            self._run_checked, q, k_cache, v_cache, out, batch=st.batch,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            page_size=self.page_size, dtype=self.dtype, device=self.device,
+            max_page_id=st.max_page_id, kv_dtype=self.kv_dtype, k_scale=k_scale, v_scale=v_scale,
+            kv_layout=self.kv_layout, sinks=sinks, lse=lse, want_sinks=self.sinks)
+        if seen:   # the same tensors as a call that passed: only this step's page bound is new
             check_page_bound(st.max_page_id, k_cache.shape[0])
         capturing = self._capturing()
         if capturing and st.kind == "flashinfer" and not self._fi.cuda_graph:

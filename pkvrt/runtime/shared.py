@@ -45,7 +45,8 @@ import torch
 from pkvrt.launch import ops
 from pkvrt.policy import sharing
 from pkvrt.policy.costmodel import launch_us
-from pkvrt.runtime.checks import check_device_step, check_shape, check_step
+from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_shape, check_step,
+                                  hnd_view)
 from pkvrt.runtime.core import Runtime
 
 
@@ -118,6 +119,7 @@ class SharedPagesRuntime:
         self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
         self._found_rows = 0                          # the planned step's rows (0: none)
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
+        self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
 
     def _chunk_rows_default(self, served: int) -> int:
         """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
@@ -349,7 +351,7 @@ class SharedPagesRuntime:
             raise ValueError(f"SharedPagesRuntime.run: sinks={'given' if sinks is not None else None}"
                              f" but the Runtime was built with sinks={self.sinks}")
         if self._found_rows or self.plan_used is not None:   # the plain Runtime checks its own
-            self._check_run(q, out, lse)
+            self._check_run(q, k_cache, v_cache, out, sinks, lse, scales)
         if return_lse and lse is None:
             lse = torch.empty(self._rows, self.num_qo_heads, dtype=torch.float32, device=self.device)
         if self._found_rows:   # device lengths: find_shared's buffers, every row its own segment
@@ -366,31 +368,19 @@ class SharedPagesRuntime:
                                    slots=self._slots)
         return (out, lse) if return_lse else out
 
-    def _check_run(self, q, out, lse) -> None:
-        """q, out and lse of a step with chunks against the plan, before anything is launched
-        (the query gather indexes q by the plan's rows); ValueError naming the tensor. The
-        caches and scales are checked by the chunk and own decodes, before the merge writes out."""
-        b, hq, d = self._rows, self.num_qo_heads, self.head_dim
-        dtype, dev = self.plain.dtype, self.device
-        for name, t in (("q", q), ("out", out)):
-            if t is None and name == "out":
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"SharedPagesRuntime.run: {name}: expected a torch.Tensor, got "
-                                 f"{type(t).__name__}")
-            if tuple(t.shape) != (b, hq, d) or t.dtype != dtype or t.device != dev \
-                    or (name == "out" and not t.is_contiguous()):
-                raise ValueError(f"SharedPagesRuntime.run: {name}: expected a {dtype} [B, H_q, D] = "
-                                 f"{(b, hq, d)} tensor on {dev} (B = the planned rows)"
-                                 + (", contiguous" if name == "out" else "") + f"; got {t.dtype} "
-                                 f"{tuple(t.shape)} on {t.device}")
-        if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, hq)
-                                or lse.dtype != torch.float32 or lse.device != dev
-                                or not lse.is_contiguous()):
-            got = (f"{lse.dtype} {tuple(lse.shape)} on {lse.device}" if isinstance(lse, torch.Tensor)
-                   else type(lse).__name__)
-            raise ValueError(f"SharedPagesRuntime.run: lse: expected a contiguous float32 {[b, hq]} "
-                             f"tensor on {dev}, got {got}")
+    def _check_run(self, q, k_cache, v_cache, out, sinks, lse, scales) -> None:
+        """A step with chunks: run()'s tensors checked against the plan before anything is launched
+        (the query gather indexes q by the plan's rows), as :meth:`pkvrt.Runtime.run` checks its
+        own (once per set of tensors); ValueError naming the tensor."""
+        p = self.plain
+        if isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+            k_cache, v_cache = hnd_view(k_cache, p.kv_layout), hnd_view(v_cache, p.kv_layout)
+        check_run_args_once(self._run_checked, q, k_cache, v_cache, out, batch=self._rows,
+                            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                            head_dim=self.head_dim, page_size=self.page_size, dtype=p.dtype,
+                            device=self.device, kv_dtype=p.kv_dtype, k_scale=scales.get("k_scale"),
+                            v_scale=scales.get("v_scale"), kv_layout=p.kv_layout, sinks=sinks,
+                            lse=lse, want_sinks=self.sinks)
 
     def _run_shared(self, q, k_cache, v_cache, out, sinks, lse, scales, *, chunks: int, q_index,
                     own_rows, slots) -> torch.Tensor:
