@@ -72,6 +72,9 @@
 #ifndef PKV_TC_STAGES
 #define PKV_TC_STAGES 3
 #endif
+#ifndef PKV_TC_STAGES_D256
+#define PKV_TC_STAGES_D256 2
+#endif
 
 namespace pkv {
 
@@ -91,7 +94,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTcTile = 16;
 template <int D, typename KV = __half>
 __host__ __device__ constexpr int tc_stages() {
-  return (D >= 256 ? 2 : PKV_TC_STAGES) * (is_fp8<KV>() ? 2 : 1);
+  return (D >= 256 ? PKV_TC_STAGES_D256 : PKV_TC_STAGES) * (is_fp8<KV>() ? 2 : 1);
 }
 
 // Elements between token rows of a K or V tile in shared memory: D, or D + one 16-byte chunk

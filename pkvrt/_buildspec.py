@@ -85,7 +85,8 @@ def unserved(head_dim: int, group: int, kv_dtype: str | None = None) -> str | No
 TUNING = {
     "PKV_TILE_TOKENS": 32,
     "PKV_THREADS": 128,
-    "PKV_TC_STAGES": 3,         # per-warp K+V stages of the tensor-core body (2 at D=256)
+    "PKV_TC_STAGES": 3,         # per-warp K+V stages of the tensor-core body (D < 256)
+    "PKV_TC_STAGES_D256": 2,    # the same at D = 256 (2: 128 KB, one CTA per SM; 1: 64 KB, two)
     "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
     "PKV_TAIL_ACQREL": 1,       # fused tail: arrive with one acq_rel atomic (0: two SC fences, the ablation)
     "PKV_TAIL_WIDE_MIN_GROUP": 8,  # fused tail merge: twice the slots in flight from this group capacity (32: never)

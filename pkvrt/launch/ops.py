@@ -102,7 +102,7 @@ def decode_smem_bytes(head_dim: int, group: int, kv_bytes: int = 2) -> int:
     D + 8 at D = 96), and the states at the end, GC x (D + 2) x 4 bytes per warp (the wide body
     of GC > 16, whose warps share the stages: GC x (D + 2) x 4 in all)."""
     t = _tuning()
-    stages = (2 if head_dim >= 256 else t["PKV_TC_STAGES"]) * (2 if kv_bytes == 1 else 1)
+    stages = (t["PKV_TC_STAGES_D256"] if head_dim >= 256 else t["PKV_TC_STAGES"]) * (2 if kv_bytes == 1 else 1)
     row = head_dim if head_dim & (head_dim - 1) == 0 else head_dim + 8
     warps = t["PKV_THREADS"] // 32
     pipe = stages * warps * 2 * 16 * row * kv_bytes
