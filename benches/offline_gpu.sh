@@ -4,7 +4,9 @@
 #
 # usage: bash benches/offline_gpu.sh pack DIR [ARCH]
 #          here (internet, nvcc): DIR/wheels (FlashInfer 0.7.2.post1 with its sources trimmed to the
-#          decode paths and without CUTLASS, its tvm-ffi, the cuDNN frontend only with CUDNN=1,
+#          decode paths and without CUTLASS (CUTLASS=1 keeps its headers, ~3.7 MB, which
+#          FlashInfer's Hopper prefill and so its cascade wrapper compile against), its tvm-ffi,
+#          the cuDNN frontend only with CUDNN=1,
 #          pytest and the plugins the GPU suite uses, for Python 3.12 x86-64) and DIR/cubins.txz
 #          (kernels/*.cu for ARCH, default sm_90). About 30 MB (41 with the cuDNN frontend).
 #        bash benches/offline_gpu.sh run DIR OUT STAGE [STAGE ...]
@@ -29,15 +31,19 @@ case $cmd in
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
     get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
               --implementation cp "${plat[@]}" -d "$dir/wheels" "$@"; }
+    rm -f "$dir"/wheels/flashinfer_python-*.whl   # trimmed in place below: fetch it whole each time
     get flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 pytest pluggy iniconfig \
         packaging pytest-xdist execnet pytest-timeout pytest-benchmark py-cpuinfo
     if [ "${CUDNN:-0}" = 1 ]; then get nvidia-cudnn-frontend==1.32.0; fi
     whl=$(ls "$dir"/wheels/flashinfer_python-*.whl)
     # the decode paths JIT-compile only the top-level sources and csrc/xqa; CUTLASS is read by none
-    python3 - "$whl" <<'EOF'
+    # of them (its headers by FlashInfer's Hopper prefill: CUTLASS=1)
+    python3 - "$whl" "${CUTLASS:-0}" <<'EOF'
 import os, sys, zipfile
-path = sys.argv[1]
-keep = lambda n: not (n.startswith("flashinfer/data/cutlass/")
+path, headers = sys.argv[1], sys.argv[2] == "1"
+cutlass_kept = ("flashinfer/data/cutlass/include/", "flashinfer/data/cutlass/tools/util/include/")
+keep = lambda n: not ((n.startswith("flashinfer/data/cutlass/")
+                       and not (headers and n.startswith(cutlass_kept)))
                       or (n.startswith("flashinfer/data/csrc/") and n.count("/") > 3
                           and not n.startswith("flashinfer/data/csrc/xqa/")))
 with zipfile.ZipFile(path) as z:
