@@ -26,6 +26,11 @@
 #   sharing-traces  the sharing trace families (parallel sampling, a shared system prompt) and,
 #              with TRACE_DIR/mooncake_conv.json (docs/traces.md), Mooncake's conversation trace,
 #              in the engine protocol with and without SharedPagesRuntime -> OUT/engine-<trace>.json
+#   zipf-sweep  benches/isolated.py --partition-sweep on the drop-in's Zipf B8 step 0 (every cut
+#              timed; the H100 ran its planned cut 17 % over the time model) -> OUT/isolated-zipf-sweep.json
+#   gemma-waves  benches/model_shapes.py for Gemma-2-9B on this GPU's calibration and on a copy
+#              whose by_head_dim.256 max_waves is 2 (the D 256 cut of short windowed steps,
+#              benches/NOTES.md) -> OUT/gemma-waves/model-shapes-gemma-2-waves{3,2}.json
 # BUDGET: seconds a models-*, dropin or shared stage may take (default 560: a call of its own);
 # CAL_TIMEOUT the same for a calibrate stage (default 580).
 set -u
@@ -86,6 +91,26 @@ for stage in "$@"; do
         timeout 180 python3 -m pkvrt bench serving "$@" --max-active 8 --steps-limit 24 --check-steps 2 \
           --engine-layers 32 --seeds 20260623 --out $out/engine-$name-B8.json \
           --engines flashinfer,device-plan-step,shared-step,shared-device-step 2>&1 | grep -E "pkvrt-|flashinfer-|Error" | tail -6
+      done ;;
+    zipf-sweep) timeout 240 python3 benches/isolated.py --cases B8-zipf --partition-sweep --no-sdpa \
+          --out $out/isolated-zipf-sweep.json 2>&1 | grep -v WARN | tail -30 ;;
+    gemma-waves)
+      mkdir -p $out/gemma-waves /tmp/pkvrt-cal-waves2
+      cal=$(python3 -c "import torch; from pkvrt.policy.calibration import slugify as s; print(s(torch.cuda.get_device_name()))")
+      python3 - calibration/$cal.json /tmp/pkvrt-cal-waves2/$cal.json <<'EOF_W' || continue
+import json, sys
+doc = json.load(open(sys.argv[1]))
+section = doc.get("by_head_dim", {}).get("256")
+if section is None:
+    sys.exit(f"{sys.argv[1]}: no by_head_dim.256 section (pkvrt calibrate --head-dim 256 first)")
+section["splits"]["max_waves"] = 2
+json.dump(doc, open(sys.argv[2], "w"), indent=2)
+EOF_W
+      for w in 3 2; do
+        dir=$([ $w = 2 ] && echo /tmp/pkvrt-cal-waves2 || echo calibration)
+        PKVRT_CALIBRATION_DIR=$dir timeout $(( ${BUDGET:-240} + 30 )) python3 benches/model_shapes.py \
+            --models gemma-2-9b --steps 2 --max-seconds ${BUDGET:-240} \
+            --out $out/gemma-waves/model-shapes-gemma-2-waves$w.json 2>&1 | grep -v WARN | tail -8
       done ;;
     ablations) timeout 200 python3 -m pytest benches --benchmark-only -q -p no:cacheprovider --benchmark-json=$out/ablations.json 2>&1 | tail -15 ;;
     *) echo "unknown stage $stage (see the head of benches/h200_run.sh)" ;;
