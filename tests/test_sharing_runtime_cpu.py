@@ -484,6 +484,29 @@ def test_a_failed_plan_leaves_no_plan_that_run_would_use(fake_device, pool, devi
     assert rel_err(rt.run(q, *cache), want) < 2e-3
 
 
+def test_a_plain_step_is_checked_once(fake_device, pool, monkeypatch):  # noqa: F811
+    """A host-lengths step without sharing is checked by the SharedPagesRuntime and handed to
+    the plain Runtime as checked (the check is a fifth of a short step's plan())."""
+    from pkvrt.runtime import planning, shared
+    b, _ = pool
+    seq = np.array([900, 1000, 40], np.int32)
+    bt = b.block_tables[[0, 1, 3]].numpy()
+    calls = []
+
+    def counted(check):
+        def wrapper(*a, **kw):
+            calls.append(check.__module__)
+            return check(*a, **kw)
+        return wrapper
+    monkeypatch.setattr(shared, "check_step", counted(shared.check_step))
+    monkeypatch.setattr(planning, "check_step", counted(planning.check_step))
+    rt = runtime()
+    rt.plan(seq, bt)
+    assert rt.plan_used is None and len(calls) == 1
+    q = torch.randn(3, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+    assert rel_err(rt.run(q, b.k_cache, b.v_cache), ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
+
+
 def test_host_lengths_are_checked_on_the_callers_table_before_sharing(fake_device, pool):  # noqa: F811
     b, _ = pool
     seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
@@ -522,7 +545,13 @@ def test_run_of_a_shared_step_checks_q_out_and_lse_first(fake_device, pool):  # 
 @pytest.mark.parametrize("args, kw, match", [
     ((8, 0, 64, 16), {}, "num_kv_heads=0: expected a positive integer"),
     ((8, 2, 64, 16), dict(min_saved="0.5"), "min_saved='0.5': expected 0 <= min_saved < 1"),
+    ((8, 2, 64, 16), dict(min_saved=float("nan")), "min_saved=nan: expected 0 <= min_saved < 1"),
 ])
 def test_constructor_shape_and_min_saved_are_checked_first(args, kw, match):
     with pytest.raises(ValueError, match=match):
         SharedPagesRuntime(*args, **kw)
+
+
+def test_min_saved_takes_any_real_number(fake_device):  # noqa: F811
+    """A NumPy scalar (a value read from a config array) is a fraction like a float."""
+    assert runtime(min_saved=np.float32(0.25)).min_saved == 0.25

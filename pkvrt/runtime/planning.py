@@ -39,7 +39,8 @@ class Planning:
     # copy path at one row, where no tensor is strided ([1] is always contiguous).
     _direct_plan = True
 
-    def plan(self, seq_lens, block_tables, *, force: str | None = None) -> RouteDecision:
+    def plan(self, seq_lens, block_tables, *, force: str | None = None,
+             _checked: StepInput | None = None) -> RouteDecision:
         """Choose this step's route and enqueue its plan. Call once per decode step.
 
         Host lengths (the default): check the step, let the router choose the route, then for a
@@ -98,8 +99,10 @@ class Planning:
                                    "the lengths on the GPU (device planning) to capture plan() too")
         if self.device_planning:
             return self._plan_on_device(seq_lens, block_tables, force, capturing)
-        step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
-                          max_pages_per_row=self.max_pages_per_row, validate=self.validate)
+        # _checked: a SharedPagesRuntime's step, checked there with this Runtime's bounds
+        step = _checked if _checked is not None else \
+            check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=self.max_batch,
+                       max_pages_per_row=self.max_pages_per_row, validate=self.validate)
         if self._mode_open:   # host lengths that passed their checks decide the mode
             self._enter_host_lengths()
         b = len(step.lens)

@@ -38,6 +38,7 @@ a graph per :attr:`~SharedPagesRuntime.step_key`).
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ class SharedPagesRuntime:
             raise ValueError(f"SharedPagesRuntime: device_planning={device_planning!r}: expected True "
                              "(lengths on the GPU) or False (on the host)")
         self.device_planning = device_planning
-        if isinstance(min_saved, bool) or not isinstance(min_saved, (int, float)) or not 0.0 <= min_saved < 1.0:
+        if isinstance(min_saved, bool) or not isinstance(min_saved, numbers.Real) or not 0.0 <= min_saved < 1.0:
             raise ValueError(f"SharedPagesRuntime: min_saved={min_saved!r}: expected 0 <= min_saved < 1")
         # the shape checked before G is taken from it (the Runtimes below check it again)
         self.group = check_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
@@ -181,7 +182,7 @@ class SharedPagesRuntime:
                     not self._sharing_pays(seq, rereads, sp, own_gather=not own_identity):
                 sp = None
         if sp is None:
-            d = self.plain.plan(seq, bt, force=force)
+            d = self.plain.plan(seq, bt, force=force, _checked=step)   # checked once, above
             self._rows = len(seq)
             return d
         self.shared.plan(sp.chunk_seq, sp.chunk_bt)
