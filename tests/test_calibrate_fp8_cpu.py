@@ -121,6 +121,20 @@ def test_head_dim_arguments_and_their_refusals():
             calibrate.check_arguments(parser.parse_args(argv))
 
 
+def test_a_head_dim_runs_max_waves_is_given_or_kept_from_the_section():
+    """--max-waves wins; without it, a max_waves set by hand in the file's section of that head
+    dim is kept (not dropped for the top level's), and a head dim without one inherits."""
+    h100 = calib.load_calibration(REPO / "calibration" / "nvidia-h100-80gb-hbm3.json")
+    assert h100.splits.max_waves == 3 and calibrate.section_max_waves(h100, 256) == 2
+    assert h100.for_head_dim(256).splits.max_waves == 2
+    assert calibrate.section_max_waves(h100, 64) is None
+    assert calibrate.section_max_waves(calib.load_calibration(H200), 256) is None
+    sec = calibrate.head_dim_section({4: {"min_split_tokens": 256}}, 1.0,
+                                     calibrate.section_max_waves(h100, 256), provenance="test")
+    assert dict(sec.splits)["max_waves"] == 2
+    assert "max_waves" not in dict(calibrate.head_dim_section({4: {}}, 1.0, None, provenance="t").splits)
+
+
 def test_a_head_dim_section_holds_the_fitted_points_and_round_trips(tmp_path):
     """G 4's points at the section's top level with the bucket constant, the other G's in
     by_group (group keys only); written into this GPU's file, read back, and seen by a Router of

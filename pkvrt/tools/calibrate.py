@@ -1170,7 +1170,8 @@ def measure_head_dim(args, base: calib.Calibration, head_dim: int) -> tuple[cali
     dp_route = reg.device_planning_route()
     props = torch.cuda.get_device_properties(0)
     timing = timing_base(base, props)
-    max_waves = args.max_waves or base.splits.max_waves
+    kept = args.max_waves or section_max_waves(base, head_dim)   # given, or set by hand before
+    max_waves = kept or base.splits.max_waves
     fit_recs, raw, partition_cases = time_steps(args, reg, timing, kv_dtype="float16", repeats=repeats,
                                                 t_start=t_start, max_waves=max_waves, head_dim=head_dim,
                                                 flashinfer=False)
@@ -1179,7 +1180,7 @@ def measure_head_dim(args, base: calib.Calibration, head_dim: int) -> tuple[cali
                                     num_kv_heads=SHAPE["num_kv_heads"])["bucket_ctas_per_sm"]
     fitted, regrets, resident = fit_groups(partition_cases, reg, sm_count=base.sm_count, kv_dtype="float16",
                                            max_waves=max_waves, head_dim=head_dim)
-    section = head_dim_section(fitted, bucket, max_waves if args.max_waves else None, provenance=(
+    section = head_dim_section(fitted, bucket, kept, provenance=(
         f"Measured by pkvrt calibrate --head-dim {head_dim}{' --quick' if args.quick else ''} on "
         f"{torch.cuda.get_device_name(0)}: every calibration step at head dim {head_dim} (H_q and "
         f"H_kv as the D {calib.CALIBRATION_HEAD_DIM} run's, fp16 caches), outputs checked against the "
@@ -1242,6 +1243,14 @@ def measure_added_groups(args, base: calib.Calibration, groups: tuple[int, ...]
     print(sweeps.format_time_model({g: fits[g] for g in groups}))
     return cal, raw, {"kv_dtype": "float16", "added_groups": list(groups),
                       "occupancy": {str(g): n for g, n in resident.items()}}
+
+
+def section_max_waves(base: calib.Calibration, head_dim: int) -> int | None:
+    """The ``max_waves`` of ``base``'s ``by_head_dim`` section of ``head_dim``, or None where the
+    section sets none (or there is no section): a value set by hand there is kept by a
+    ``--head-dim`` run without ``--max-waves``, as the top level's is by a whole run."""
+    section = dict(base.by_head_dim).get(head_dim)
+    return None if section is None else dict(section.splits).get("max_waves")
 
 
 def head_dim_section(points: dict, bucket_ctas_per_sm: float, max_waves: int | None, *,
