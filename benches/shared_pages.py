@@ -27,7 +27,9 @@ once (``floor_once_us``).
 ``pkvrt-shared`` shares a step's pages where the calibration's time model predicts the shared
 path faster (``shared`` and ``predicted`` in its row); ``pkvrt-shared-always`` shares every step
 with shared pages (``RuntimeOptions(shared_when_predicted_faster=False)``), the ablation of
-that rule. ``--fit-l2 RESULTS...`` (no GPU) fits the calibration's ``sharing.l2_reread_cost``
+that rule; ``pkvrt-shared-serial`` is ``pkvrt-shared-always`` with each layer's chunk decode
+and own decode one after the other on one stream (``RuntimeOptions(shared_side_stream=False)``),
+the ablation of the side stream. ``--fit-l2 RESULTS...`` (no GPU) fits the calibration's ``sharing.l2_reread_cost``
 to the ``pkvrt-device-plan`` rows of results files and writes it into ``--calibration``'s file
 (or ``--write``'s).
 
@@ -71,8 +73,8 @@ WORKSPACE = 256 * 2**20    # bytes of each FlashInfer workspace
 DEVICE = "cuda"            # where every tensor lives (tests/test_shared_pages_dry_cpu.py: "cpu")
 SEED = 20260623
 # every engine's label, in the order a case runs them (and pkvrt-shared-c<N> of --chunk-rows)
-ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-device", "pkvrt-device-plan",
-           "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
+ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
+           "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {
     "8x(8K+512)": ([(8, 8192)], 512),
@@ -224,12 +226,14 @@ def pkvrt_plain(st: Step) -> dict:
     return timed(st, None, body)
 
 
-def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False) -> dict:
+def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
+                 side_stream: bool = True) -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
                                   engine_capture=True,
                                   options=pkvrt.RuntimeOptions(shared_chunk_rows=chunk_rows,
-                                                               shared_when_predicted_faster=not always))
+                                                               shared_when_predicted_faster=not always,
+                                                               shared_side_stream=side_stream))
     t0 = time.perf_counter()
     rt.plan(st.seq, st.bt)
     plan_us = (time.perf_counter() - t0) * 1e6
@@ -240,7 +244,7 @@ def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False) 
     row = timed(st, None, body)
     row.update(plan_host_us_first=plan_us, explain=rt.explain(), shared=rt.plan_used is not None,
                predicted=rt.sharing_prediction)
-    if row["status"] == "ok" and rt.plan_used is not None:
+    if row["status"] == "ok" and rt.plan_used is not None and side_stream:   # (serial: the same parts)
         row.update(parts_us(rt, st))
     return row
 
@@ -415,6 +419,7 @@ def main(argv=None) -> int:
         rec = {}
         engines = {"pkvrt-shared": pkvrt_shared,
                    "pkvrt-shared-always": functools.partial(pkvrt_shared, always=True),
+                   "pkvrt-shared-serial": functools.partial(pkvrt_shared, always=True, side_stream=False),
                    "pkvrt-shared-device": pkvrt_shared_device, "pkvrt-device-plan": pkvrt_plain}
         if fi is not None:
             engines.update({"flashinfer-tc": functools.partial(fi_plain, fi, tensor_cores=True),
@@ -445,7 +450,7 @@ def main(argv=None) -> int:
         per = lambda k: base[0] / ok[k] if base and k in ok else None  # noqa: E731
         rows.append({"case": name, "engine": "ratio", "baseline": base and base[1], "ratio": ratio,
                      "ratio_plain": per("pkvrt-device-plan"), "ratio_device": per("pkvrt-shared-device"),
-                     "ratio_always": per("pkvrt-shared-always"),
+                     "ratio_always": per("pkvrt-shared-always"), "ratio_serial": per("pkvrt-shared-serial"),
                      **{f"ratio_c{c}": per(f"pkvrt-shared-c{c}") for c in chunk_rows},
                      # the device-lengths shared path over plain device planning (no sharing: its cost)
                      "device_over_plain": (ok["pkvrt-shared-device"] / ok["pkvrt-device-plan"])

@@ -88,7 +88,8 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
     assert meta["protocol"].startswith("Protocol") and meta["replays"] == 1
     names = list(bench.CASES)
     assert list(dict.fromkeys(r["case"] for r in rows)) == names
-    engines = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-device", "pkvrt-device-plan", *FI)
+    engines = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
+               "pkvrt-device-plan", *FI)
     for name in names:
         mine = [r for r in rows if r["case"] == name]
         want = [*engines, "flashinfer-cascade"] if name in SHARING else list(engines)
@@ -101,9 +102,11 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
             assert r["floor_us"] >= r["floor_once_us"] > 0 and r["distinct_caches"] == LAYERS
         ratio = by["ratio"]
         assert ratio["baseline"] in FI and ratio["ratio"] > 0 and ratio["ratio_plain"] > 0
-        assert ratio["ratio_c2"] > 0
+        assert ratio["ratio_c2"] > 0 and ratio["ratio_serial"] > 0
         assert ratio["ratio_device"] > 0 and ratio["device_over_plain"] > 0
         shared = (by["pkvrt-shared-always"], by["pkvrt-shared-c2"])
+        serial = by["pkvrt-shared-serial"]   # the same shared path, its decodes on one stream
+        assert serial["shared"] == by["pkvrt-shared-always"]["shared"] and "chunk_us" not in serial
         rule = by["pkvrt-shared"]   # shares where the time model predicts a gain
         if name in SHARING:
             p = rule["predicted"]

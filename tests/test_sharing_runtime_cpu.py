@@ -507,6 +507,72 @@ def test_a_plain_step_is_checked_once(fake_device, pool, monkeypatch):  # noqa: 
     assert rel_err(rt.run(q, b.k_cache, b.v_cache), ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
 
 
+class _StreamLog:
+    """A stand-in for SharedPagesRuntime's side stream: records when it is entered, left and
+    joined (on a CPU the kernels run in order, so the Runtime builds none)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def enter(self):
+        self.log.append("enter")
+
+    def leave(self):
+        self.log.append("leave")
+
+    def join(self):
+        self.log.append("join")
+
+
+def _logged(log, name, fn):
+    def wrapper(*a, **kw):
+        log.append(name)
+        return fn(*a, **kw)
+    return wrapper
+
+
+@pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])
+def test_the_chunk_decode_runs_on_the_side_stream_and_the_merge_after_both(
+        fake_device, pool, monkeypatch, device_planning):  # noqa: F811
+    """The chunk decode between enter() and leave() (on the side stream), the own decode after
+    leave() (on the caller's), the merge only after join(): an order the GPU's streams keep
+    only if this code asks for it (tests/gpu/test_sharing.py checks the arithmetic there)."""
+    from pkvrt.runtime import shared
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime(device_planning=device_planning)
+    assert rt._side is None   # the CPU: no CUDA stream
+    log = []
+    rt._side = _StreamLog(log)
+    monkeypatch.setattr(rt.shared, "run", _logged(log, "chunk decode", rt.shared.run))
+    monkeypatch.setattr(rt.own, "run", _logged(log, "own decode", rt.own.run))
+    monkeypatch.setattr(shared.ops, "merge_segments", _logged(log, "merge", shared.ops.merge_segments))
+    if device_planning:
+        rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    else:
+        rt.plan(seq, bt)
+        assert rt.plan_used is not None
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+    out = rt.run(q, b.k_cache, b.v_cache)
+    assert log == ["enter", "chunk decode", "leave", "own decode", "join", "merge"]
+    assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
+    log.clear()
+
+    def failing(*a, **kw):
+        log.append("chunk decode")
+        raise RuntimeError("a failed launch")
+    monkeypatch.setattr(rt.shared, "run", failing)
+    with pytest.raises(RuntimeError, match="a failed launch"):
+        rt.run(q, b.k_cache, b.v_cache)
+    assert log == ["enter", "chunk decode", "leave"]   # the caller's stream current again
+
+
+def test_the_side_stream_is_an_option():
+    assert RuntimeOptions().shared_side_stream is True
+    with pytest.raises(ValueError, match="shared_side_stream=1: expected True or False"):
+        RuntimeOptions(shared_side_stream=1)
+
+
 def test_host_lengths_are_checked_on_the_callers_table_before_sharing(fake_device, pool):  # noqa: F811
     b, _ = pool
     seq, bt = shared_step(b, [800, 850, 900, 700], 40, [[0, 1, 2, 3]])

@@ -71,6 +71,11 @@ class RuntimeOptions:
         a step's pages only where the calibration's time model predicts the shared path faster
         than the plain step (default True); False shares every step that saves ``min_saved`` of
         its page reads (the ablation of the rule; the tests of the shared path's arithmetic).
+    shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
+        (and its query gather) on a stream of its own beside the own decode, joined before the
+        merge (default True: the two decodes read the same q and caches and write their own
+        states, so neither waits for the other's tail); False runs them one after the other on
+        the caller's stream (the ablation).
     """
 
     use_cuda_graph: bool = attrs.field(default=True, validator=_bool)
@@ -85,6 +90,7 @@ class RuntimeOptions:
     layers_per_plan: int | None = attrs.field(default=None, validator=_layers)
     shared_chunk_rows: int | None = attrs.field(default=None, validator=_layers)
     shared_when_predicted_faster: bool = attrs.field(default=True, validator=_bool)
+    shared_side_stream: bool = attrs.field(default=True, validator=_bool)
 
 
 FIELDS = tuple(a.name for a in attrs.fields(RuntimeOptions))

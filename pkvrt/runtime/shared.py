@@ -12,7 +12,8 @@ bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.shari
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
 - each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries (and the own segments' where
-  a row has more than one), runs both, and merges each
+  a row has more than one), runs both (the chunk decode on a side stream beside the own decode:
+  ``RuntimeOptions.shared_side_stream``), and merges each
   row's partial states with their lse (base 2) in one launch (kernels/merge.cu,
   merge_segments): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k + e^sink)``, in float32.
 
@@ -88,6 +89,7 @@ class SharedPagesRuntime:
                              f"chunk at head dim {head_dim}")
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self._by_prediction = getattr(runtime_kw.get("options"), "shared_when_predicted_faster", True)
+        side = getattr(runtime_kw.get("options"), "shared_side_stream", True)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
         common = dict(runtime_kw, num_pages=num_pages, device_planning=device_planning)
@@ -117,6 +119,9 @@ class SharedPagesRuntime:
                                       dtype=torch.float32, device=self.device)
             self._lse_o = torch.empty(self.own.max_batch, num_qo_heads, dtype=torch.float32,
                                       device=self.device)
+        # the chunk decode's stream (CUDA only: the CPU tests' emulated kernels run in order)
+        self._side = _SideStream(self.device) if side and self.shared is not None and \
+            self.device.type == "cuda" else None
         self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
         self._found_rows = 0                          # the planned step's rows (0: none)
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
@@ -386,14 +391,21 @@ class SharedPagesRuntime:
     def _run_shared(self, q, k_cache, v_cache, out, sinks, lse, scales, *, chunks: int, q_index,
                     own_rows, slots) -> torch.Tensor:
         """A step with chunks: the chunk queries gathered by ``q_index`` into the chunk decode's
-        static q, the chunk decode, the own decode (of q itself when ``own_rows`` is None: row r's
-        own segment is decode row r; else of the rows ``own_rows`` gathers), and the merge by
-        ``slots``."""
+        static q and the chunk decode (on the side stream, when there is one), the own decode (of
+        q itself when ``own_rows`` is None: row r's own segment is decode row r; else of the rows
+        ``own_rows`` gathers), and, after both, the merge by ``slots``."""
         b, hq, d = q.shape
         qv, lse_v = self.shared.static_q(chunks), self._lse_v[:chunks]
-        torch.index_select(q.reshape(b * hq, d), 0, q_index[:qv.numel() // d], out=qv.view(-1, d))
-        out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(chunks), lse=lse_v,
-                                **scales)
+        side = self._side
+        if side is not None:
+            side.enter()
+        try:
+            torch.index_select(q.reshape(b * hq, d), 0, q_index[:qv.numel() // d], out=qv.view(-1, d))
+            out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(chunks),
+                                    lse=lse_v, **scales)
+        finally:
+            if side is not None:
+                side.leave()
         s_own = b if own_rows is None else own_rows.shape[0]
         if own_rows is None:
             q_own = q if q.is_contiguous() else q.contiguous()
@@ -403,6 +415,8 @@ class SharedPagesRuntime:
         lse_o = self._lse_o[:s_own]
         out_o = self.own.run(q_own, k_cache, v_cache, out=self.own.static_out(s_own), lse=lse_o,
                              **scales)
+        if side is not None:
+            side.join()
         if out is None:
             out = torch.empty_like(q)
         ops.merge_segments(out_v, lse_v, out_o, lse_o, slots, out, group=self.group,
@@ -424,3 +438,42 @@ class SharedPagesRuntime:
                 f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
                 f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)"
                 + (f"; {told}" if told else ""))
+
+
+class _SideStream:
+    """The stream a shared step's chunk decode runs on, beside the own decode on the caller's.
+
+    The two decodes read the same q and caches and write their own static outputs, so neither
+    needs the other; the merge needs both. :meth:`enter` makes the side stream current after
+    everything the caller's stream holds (this layer's q; the last layer's merge, which read the
+    chunk decode's static output this layer overwrites); :meth:`leave` makes the caller's stream
+    current again; :meth:`join` makes it wait for the side's work. Events and stream switches
+    work the same inside an engine's CUDA-graph capture (the side stream joins the capture and
+    the graph gets two branches). The streams are switched by id (``torch._C``), and the caller's
+    Stream object is kept while torch reports the same stream: ``torch.cuda.stream()`` and
+    ``current_stream()`` build Stream objects (~15 us each on the H200 host, benches/NOTES.md)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._forked, self._done = torch.cuda.Event(), torch.cuda.Event()
+        self._key = self._caller = None
+
+    def enter(self) -> None:
+        key = torch._C._cuda_getCurrentStream(self.device.index)
+        if key != self._key:
+            self._key = key
+            self._caller = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        self._forked.record(self._caller)
+        self.stream.wait_event(self._forked)
+        s = self.stream
+        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index,
+                                 device_type=s.device_type)
+
+    def leave(self) -> None:
+        self._done.record(self.stream)
+        k = self._key
+        torch._C._cuda_setStream(stream_id=k[0], device_index=k[1], device_type=k[2])
+
+    def join(self) -> None:
+        self._caller.wait_event(self._done)

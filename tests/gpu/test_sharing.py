@@ -283,3 +283,61 @@ def test_dropin_share_prefixes_in_cuda_graph_mode(page):
     assert err < 2e-3, (err, w.explain())
     assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-3)
     assert w.runtime.found().tokens_saved > 0, w.explain()
+
+
+@pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "engine graph"])
+def test_layers_back_to_back_on_the_side_stream(device_planning, capture):
+    """Six layers launched with no synchronization between them, each its own cache and q; a
+    long shared prefix (the chunk decode, on the side stream, the long branch) and short own
+    segments. A merge that did not wait for the side stream, or a chunk decode that overwrote
+    its static output before the last layer's merge read it, gives some layer another layer's
+    attention. Every layer against the FP32 reference, and against the same Runtime with
+    ``shared_side_stream=False`` (the decodes one after the other)."""
+    from pkvrt.runtime.graphs import capture as capture_step
+
+    hq, hkv, layers, num_pages = 32, 8, 6, 4400
+    lens = [8192 + 40 + 13 * i for i in range(8)]
+    seq, bt = step(lens, [(list(range(8)), 512)], num_pages, seed=5)   # an 8K-token prefix
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    ks = [torch.randn(num_pages, hkv, PAGE, 128, device=DEV, dtype=torch.float16, generator=gen)
+          for _ in range(layers)]
+    vs = [torch.randn_like(k) for k in ks]
+    qs = [torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16, generator=gen)
+          for _ in range(layers)]
+    seq_d, bt_d = torch.as_tensor(seq, device=DEV), torch.as_tensor(bt, device=DEV)
+    outs = {}
+    for side in (True, False):
+        opts = pkvrt.RuntimeOptions(shared_when_predicted_faster=False, shared_side_stream=side,
+                                    use_cuda_graph=not (capture and device_planning))
+        rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=8,
+                                      max_pages_per_row=bt.shape[1], num_pages=num_pages,
+                                      device_planning=device_planning,
+                                      engine_capture=capture and not device_planning, options=opts)
+        assert (rt._side is not None) == (side and DEV == "cuda")   # (the CPU dry run: none)
+        out = [torch.full_like(q, float("nan")) for q in qs]
+
+        def body():
+            if device_planning:
+                rt.plan(seq_d, bt_d)
+            for q, k, v, o in zip(qs, ks, vs, out):
+                rt.run(q, k, v, out=o)
+        if not device_planning:
+            rt.plan(seq, bt)
+            assert rt.plan_used is not None, rt.explain()
+        if capture:
+            graph = capture_step(body).graph
+            for o in out:
+                o.fill_(float("nan"))
+            graph.replay()
+        else:
+            body()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        outs[side] = out
+    for layer in range(layers):
+        ref = reference.decode_attention(qs[layer], ks[layer], vs[layer], seq_d, bt_d)
+        for side in (True, False):
+            err = float((outs[side][layer].float() - ref).norm() / ref.norm())
+            assert err < 2e-3, (layer, side, err)
+        assert torch.allclose(outs[True][layer], outs[False][layer], atol=2e-3, rtol=0), layer
