@@ -252,7 +252,8 @@ def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
 def parts_us(rt, st: Step) -> dict:
     """Where a shared step's time goes: its chunk decode's 32 layers alone and its own decode's
     alone, each captured and timed as the whole step is (``harness.median_us``); the rest of
-    ``median_us`` is the query gathers, the merges and the launch boundaries between them. The
+    ``median_us`` is the query gathers, the merges and the launch boundaries between them, less
+    what the two decodes overlap (the chunk decode on its side stream). The
     parts read the Runtimes' static buffers as the step does (their outputs are not checked:
     the whole step was). ``parts_error`` instead where a part fails."""
     sp = rt.plan_used

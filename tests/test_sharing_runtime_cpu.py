@@ -544,7 +544,8 @@ def test_the_chunk_decode_runs_on_the_side_stream_and_the_merge_after_both(
     assert rt._side is None   # the CPU: no CUDA stream
     log = []
     rt._side = _StreamLog(log)
-    monkeypatch.setattr(rt.shared, "run", _logged(log, "chunk decode", rt.shared.run))
+    shared_run = rt.shared.run
+    monkeypatch.setattr(rt.shared, "run", _logged(log, "chunk decode", shared_run))
     monkeypatch.setattr(rt.own, "run", _logged(log, "own decode", rt.own.run))
     monkeypatch.setattr(shared.ops, "merge_segments", _logged(log, "merge", shared.ops.merge_segments))
     if device_planning:
@@ -564,7 +565,57 @@ def test_the_chunk_decode_runs_on_the_side_stream_and_the_merge_after_both(
     monkeypatch.setattr(rt.shared, "run", failing)
     with pytest.raises(RuntimeError, match="a failed launch"):
         rt.run(q, b.k_cache, b.v_cache)
-    assert log == ["enter", "chunk decode", "leave"]   # the caller's stream current again
+    # the caller's stream current again, and waiting for the side's work (a capture stays joined)
+    assert log == ["enter", "chunk decode", "leave", "join"]
+    log.clear()
+    monkeypatch.setattr(rt.shared, "run", _logged(log, "chunk decode", shared_run))
+
+    def own_failing(*a, **kw):
+        log.append("own decode")
+        raise RuntimeError("a failed own launch")
+    monkeypatch.setattr(rt.own, "run", own_failing)
+    with pytest.raises(RuntimeError, match="a failed own launch"):
+        rt.run(q, b.k_cache, b.v_cache)
+    assert log == ["enter", "chunk decode", "leave", "own decode", "join"]
+
+
+def _side_stream_on_cuda(monkeypatch, current_device: int, record_fails: bool = False):
+    """A _SideStream of cuda:1 without a GPU: torch's raw stream calls logged."""
+    from pkvrt.runtime import shared
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current_device, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda d: (7, d, 1), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_setStream", lambda **kw: calls.append(("set", kw["stream_id"])),
+                        raising=False)
+
+    class Event:
+        def record(self, stream=None):
+            if record_fails:
+                raise RuntimeError("a sticky CUDA error")
+            calls.append(("record", stream))
+    side = object.__new__(shared._SideStream)
+    side.device, side._key, side._caller = torch.device("cuda", 1), (7, 1, 1), "caller"
+    side.stream = type("S", (), dict(stream_id=9, device_index=1, device_type=1,
+                                      wait_event=lambda self, e: calls.append(("wait", "side"))))()
+    side._forked, side._done = Event(), Event()
+    return side, calls
+
+
+def test_the_side_stream_refuses_another_current_device(monkeypatch):
+    side, calls = _side_stream_on_cuda(monkeypatch, current_device=0)
+    with pytest.raises(RuntimeError, match=r"current CUDA device is cuda:0, the Runtime's cuda:1"):
+        side.enter()
+    assert calls == []   # no stream switched
+    side, calls = _side_stream_on_cuda(monkeypatch, current_device=1)
+    side.enter()
+    assert calls == [("record", "caller"), ("wait", "side"), ("set", 9)]
+
+
+def test_leaving_the_side_stream_restores_the_callers_after_a_failed_record(monkeypatch):
+    side, calls = _side_stream_on_cuda(monkeypatch, current_device=1, record_fails=True)
+    with pytest.raises(RuntimeError, match="a sticky CUDA error"):
+        side.leave()
+    assert calls == [("set", 7)]
 
 
 def test_the_side_stream_is_an_option():

@@ -399,24 +399,27 @@ class SharedPagesRuntime:
         side = self._side
         if side is not None:
             side.enter()
-        try:
-            torch.index_select(q.reshape(b * hq, d), 0, q_index[:qv.numel() // d], out=qv.view(-1, d))
-            out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(chunks),
-                                    lse=lse_v, **scales)
+        try:   # the caller's stream waits for the side's work whatever happens (a capture stays joined)
+            try:
+                torch.index_select(q.reshape(b * hq, d), 0, q_index[:qv.numel() // d],
+                                   out=qv.view(-1, d))
+                out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(chunks),
+                                        lse=lse_v, **scales)
+            finally:
+                if side is not None:
+                    side.leave()
+            s_own = b if own_rows is None else own_rows.shape[0]
+            if own_rows is None:
+                q_own = q if q.is_contiguous() else q.contiguous()
+            else:
+                q_own = self.own.static_q(s_own)
+                torch.index_select(q, 0, own_rows, out=q_own)
+            lse_o = self._lse_o[:s_own]
+            out_o = self.own.run(q_own, k_cache, v_cache, out=self.own.static_out(s_own),
+                                 lse=lse_o, **scales)
         finally:
             if side is not None:
-                side.leave()
-        s_own = b if own_rows is None else own_rows.shape[0]
-        if own_rows is None:
-            q_own = q if q.is_contiguous() else q.contiguous()
-        else:
-            q_own = self.own.static_q(s_own)
-            torch.index_select(q, 0, own_rows, out=q_own)
-        lse_o = self._lse_o[:s_own]
-        out_o = self.own.run(q_own, k_cache, v_cache, out=self.own.static_out(s_own), lse=lse_o,
-                             **scales)
-        if side is not None:
-            side.join()
+                side.join()
         if out is None:
             out = torch.empty_like(q)
         ops.merge_segments(out_v, lse_v, out_o, lse_o, slots, out, group=self.group,
@@ -460,7 +463,12 @@ class _SideStream:
         self._key = self._caller = None
 
     def enter(self) -> None:
-        key = torch._C._cuda_getCurrentStream(self.device.index)
+        current = torch._C._cuda_getDevice()
+        if current != self.device.index:   # the kernels launch on the current device's stream
+            raise RuntimeError(f"SharedPagesRuntime.run: the current CUDA device is cuda:{current}, "
+                               f"the Runtime's {self.device}: call it under "
+                               f"torch.cuda.device({self.device.index})")
+        key = torch._C._cuda_getCurrentStream(current)
         if key != self._key:
             self._key = key
             self._caller = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
@@ -471,9 +479,11 @@ class _SideStream:
                                  device_type=s.device_type)
 
     def leave(self) -> None:
-        self._done.record(self.stream)
         k = self._key
-        torch._C._cuda_setStream(stream_id=k[0], device_index=k[1], device_type=k[2])
+        try:
+            self._done.record(self.stream)
+        finally:   # the caller's stream current again even if the record failed
+            torch._C._cuda_setStream(stream_id=k[0], device_index=k[1], device_type=k[2])
 
     def join(self) -> None:
         self._caller.wait_event(self._done)

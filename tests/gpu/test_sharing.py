@@ -290,10 +290,13 @@ def test_dropin_share_prefixes_in_cuda_graph_mode(page):
 def test_layers_back_to_back_on_the_side_stream(device_planning, capture):
     """Six layers launched with no synchronization between them, each its own cache and q; a
     long shared prefix (the chunk decode, on the side stream, the long branch) and short own
-    segments. A merge that did not wait for the side stream, or a chunk decode that overwrote
-    its static output before the last layer's merge read it, gives some layer another layer's
-    attention. Every layer against the FP32 reference, and against the same Runtime with
-    ``shared_side_stream=False`` (the decodes one after the other)."""
+    segments. Each layer's q is written on the caller's stream just before its run(), from the
+    last layer's output (q + 0 * out: the same values, unless that output is NaN), as a model's
+    next layer would. A side stream that did not wait for the caller's (its gather reads q
+    before it is written: NaN), a merge that did not wait for the side stream, or a chunk decode
+    that overwrote its static output before the last layer's merge read it gives some layer
+    another layer's attention or NaN. Every layer against the FP32 reference, and against the
+    same Runtime with ``shared_side_stream=False`` (the decodes one after the other)."""
     from pkvrt.runtime.graphs import capture as capture_step
 
     hq, hkv, layers, num_pages = 32, 8, 6, 4400
@@ -316,19 +319,21 @@ def test_layers_back_to_back_on_the_side_stream(device_planning, capture):
                                       engine_capture=capture and not device_planning, options=opts)
         assert (rt._side is not None) == (side and DEV == "cuda")   # (the CPU dry run: none)
         out = [torch.full_like(q, float("nan")) for q in qs]
+        q_in = [torch.full_like(q, float("nan")) for q in qs]
 
         def body():
             if device_planning:
                 rt.plan(seq_d, bt_d)
-            for q, k, v, o in zip(qs, ks, vs, out):
-                rt.run(q, k, v, out=o)
+            for layer, (k, v) in enumerate(zip(ks, vs)):
+                torch.add(qs[layer], out[layer - 1] if layer else qs[layer], alpha=0, out=q_in[layer])
+                rt.run(q_in[layer], k, v, out=out[layer])
         if not device_planning:
             rt.plan(seq, bt)
             assert rt.plan_used is not None, rt.explain()
         if capture:
             graph = capture_step(body).graph
-            for o in out:
-                o.fill_(float("nan"))
+            for t in (*out, *q_in):
+                t.fill_(float("nan"))
             graph.replay()
         else:
             body()
