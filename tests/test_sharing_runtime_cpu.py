@@ -557,26 +557,21 @@ def test_the_chunk_decode_runs_on_the_side_stream_and_the_merge_after_both(
     out = rt.run(q, b.k_cache, b.v_cache)
     assert log == ["enter", "chunk decode", "leave", "own decode", "join", "merge"]
     assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
-    log.clear()
+    # a failed launch in either decode: the caller's stream current again, and waiting for the
+    # side's work (a capture stays joined)
+    for runtime_, name, want in ((rt.shared, "chunk decode", ["enter", "chunk decode", "leave", "join"]),
+                                 (rt.own, "own decode",
+                                  ["enter", "chunk decode", "leave", "own decode", "join"])):
+        log.clear()
+        monkeypatch.setattr(rt.shared, "run", _logged(log, "chunk decode", shared_run))
+        monkeypatch.setattr(runtime_, "run", _logged(log, name, _raise_launch_error))
+        with pytest.raises(RuntimeError, match="a failed launch"):
+            rt.run(q, b.k_cache, b.v_cache)
+        assert log == want, name
 
-    def failing(*a, **kw):
-        log.append("chunk decode")
-        raise RuntimeError("a failed launch")
-    monkeypatch.setattr(rt.shared, "run", failing)
-    with pytest.raises(RuntimeError, match="a failed launch"):
-        rt.run(q, b.k_cache, b.v_cache)
-    # the caller's stream current again, and waiting for the side's work (a capture stays joined)
-    assert log == ["enter", "chunk decode", "leave", "join"]
-    log.clear()
-    monkeypatch.setattr(rt.shared, "run", _logged(log, "chunk decode", shared_run))
 
-    def own_failing(*a, **kw):
-        log.append("own decode")
-        raise RuntimeError("a failed own launch")
-    monkeypatch.setattr(rt.own, "run", own_failing)
-    with pytest.raises(RuntimeError, match="a failed own launch"):
-        rt.run(q, b.k_cache, b.v_cache)
-    assert log == ["enter", "chunk decode", "leave", "own decode", "join"]
+def _raise_launch_error(*a, **kw):
+    raise RuntimeError("a failed launch")
 
 
 def _side_stream_on_cuda(monkeypatch, current_device: int, record_fails: bool = False):
