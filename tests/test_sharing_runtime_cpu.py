@@ -575,7 +575,8 @@ def _raise_launch_error(*a, **kw):
 
 
 def _side_stream_on_cuda(monkeypatch, current_device: int, record_fails: bool = False):
-    """A _SideStream of cuda:1 without a GPU: torch's raw stream calls logged."""
+    """A _SideStream of cuda:1 without a GPU (the caller's stream id 7, the side's 9): torch's
+    raw stream calls logged."""
     from pkvrt.runtime import shared
     calls = []
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current_device, raising=False)
@@ -583,16 +584,20 @@ def _side_stream_on_cuda(monkeypatch, current_device: int, record_fails: bool = 
     monkeypatch.setattr(torch._C, "_cuda_setStream", lambda **kw: calls.append(("set", kw["stream_id"])),
                         raising=False)
 
+    def stream(stream_id, name):
+        return type("S", (), dict(stream_id=stream_id, device_index=1, device_type=1, name=name,
+                                  wait_event=lambda self, e: calls.append(("wait", self.name))))()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda stream_id, device_index, device_type: stream(7, "caller"))
+
     class Event:
         def record(self, stream=None):
             if record_fails:
                 raise RuntimeError("a sticky CUDA error")
-            calls.append(("record", stream))
+            calls.append(("record", stream.name))
     side = object.__new__(shared._SideStream)
-    side.device, side._key, side._caller = torch.device("cuda", 1), (7, 1, 1), "caller"
-    side.stream = type("S", (), dict(stream_id=9, device_index=1, device_type=1,
-                                      wait_event=lambda self, e: calls.append(("wait", "side"))))()
+    side.device, side.stream = torch.device("cuda", 1), stream(9, "side")
     side._forked, side._done = Event(), Event()
+    side._callers, side._caller = shared._StreamRecorder(True), stream(7, "caller")
     return side, calls
 
 
@@ -603,7 +608,10 @@ def test_the_side_stream_refuses_another_current_device(monkeypatch):
     assert calls == []   # no stream switched
     side, calls = _side_stream_on_cuda(monkeypatch, current_device=1)
     side.enter()
-    assert calls == [("record", "caller"), ("wait", "side"), ("set", 9)]
+    side.leave()
+    side.join()
+    assert calls == [("record", "caller"), ("wait", "side"), ("set", 9), ("record", "side"), ("set", 7),
+                     ("wait", "caller")]
 
 
 def test_leaving_the_side_stream_restores_the_callers_after_a_failed_record(monkeypatch):

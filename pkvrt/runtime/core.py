@@ -45,10 +45,11 @@ def _resolve_device(device) -> torch.device:
 
 
 class _StreamRecorder:
-    """``recorder(event)``: ``event.record()`` on the current stream, without
-    ``torch.cuda.current_stream()`` (a Stream object built through Python device-index helpers:
-    ~15 us per call on the H200 machine's host, once per plan(); benches/NOTES.md):
-    the Stream object is kept while torch reports the same current stream (id, device, type).
+    """``recorder(event)``: ``event.record()`` on the current stream, and ``current()``: that
+    stream, without ``torch.cuda.current_stream()`` (a Stream object built through Python
+    device-index helpers: ~15 us per call on the H200 machine's host, once per plan();
+    benches/NOTES.md): the Stream object is kept while torch reports the same current stream
+    (id, device, type).
     Its own object, not a Runtime method, so that the FlashInfer route holding it does not
     hold the Runtime: a Runtime has no reference cycle and is freed when its last reference
     goes, never by a garbage collection that may run inside some CUDA graph capture (a CUDA
@@ -62,11 +63,15 @@ class _StreamRecorder:
         if self._get is None:
             event.record()
             return
+        event.record(self.current())
+
+    def current(self):
+        """torch's current CUDA stream of the current device (CUDA only)."""
         key = self._get(torch._C._cuda_getDevice())
         if key != self._key:
             self._key = key
             self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        event.record(self._stream)
+        return self._stream
 
 
 def lengths_on_gpu(seq_lens) -> bool:

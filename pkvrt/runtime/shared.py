@@ -49,7 +49,7 @@ from pkvrt.policy import sharing
 from pkvrt.policy.costmodel import launch_us
 from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_shape, check_step,
                                   hnd_view)
-from pkvrt.runtime.core import Runtime
+from pkvrt.runtime.core import Runtime, _StreamRecorder
 
 
 
@@ -453,14 +453,16 @@ class _SideStream:
     current again; :meth:`join` makes it wait for the side's work. Events and stream switches
     work the same inside an engine's CUDA-graph capture (the side stream joins the capture and
     the graph gets two branches). The streams are switched by id (``torch._C``), and the caller's
-    Stream object is kept while torch reports the same stream: ``torch.cuda.stream()`` and
-    ``current_stream()`` build Stream objects (~15 us each on the H200 host, benches/NOTES.md)."""
+    Stream object comes from a :class:`~pkvrt.runtime.core._StreamRecorder` (kept while torch
+    reports the same stream: ``torch.cuda.stream()`` and ``current_stream()`` build Stream
+    objects, ~15 us each on the H200 host, benches/NOTES.md)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._forked, self._done = torch.cuda.Event(), torch.cuda.Event()
-        self._key = self._caller = None
+        self._callers = _StreamRecorder(True)
+        self._caller = None
 
     def enter(self) -> None:
         current = torch._C._cuda_getDevice()
@@ -468,22 +470,23 @@ class _SideStream:
             raise RuntimeError(f"SharedPagesRuntime.run: the current CUDA device is cuda:{current}, "
                                f"the Runtime's {self.device}: call it under "
                                f"torch.cuda.device({self.device.index})")
-        key = torch._C._cuda_getCurrentStream(current)
-        if key != self._key:
-            self._key = key
-            self._caller = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        self._caller = self._callers.current()
         self._forked.record(self._caller)
         self.stream.wait_event(self._forked)
-        s = self.stream
-        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index,
-                                 device_type=s.device_type)
+        _make_current(self.stream)
 
     def leave(self) -> None:
-        k = self._key
         try:
             self._done.record(self.stream)
         finally:   # the caller's stream current again even if the record failed
-            torch._C._cuda_setStream(stream_id=k[0], device_index=k[1], device_type=k[2])
+            _make_current(self._caller)
 
     def join(self) -> None:
         self._caller.wait_event(self._done)
+
+
+def _make_current(stream) -> None:
+    """``stream`` torch's current stream, by id (what ``torch.cuda.set_stream`` does, without
+    its Python device helpers)."""
+    torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                             device_type=stream.device_type)
