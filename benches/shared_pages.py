@@ -19,7 +19,10 @@ CUDA graph, CUDA-event time of its replays, median of REPLAYS, ``harness.median_
 - ``pkvrt-shared-device``: ``pkvrt.SharedPagesRuntime(device_planning=True)`` given GPU lengths,
   plan() (find_shared and both decodes' planning) and the 32 run() calls in the graph; on the
   cases without sharing (``8x(0+...)``) its time over ``pkvrt-device-plan``'s is what the
-  detection and the shared path's launches cost a step that shares nothing.
+  detection and the shared path's launches cost a step that shares nothing. It keeps the chunks
+  it finds where its rule predicts them faster (``SharedPagesRuntime.device_rule``: ``shared``
+  and ``predicted`` in its row); ``pkvrt-shared-device-always`` keeps every chunk, the ablation
+  of that rule.
 Every engine's layer-0 output is checked against the FP32 reference first. Floors: the step's
 K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
 once (``floor_once_us``).
@@ -74,7 +77,7 @@ DEVICE = "cuda"            # where every tensor lives (tests/test_shared_pages_d
 SEED = 20260623
 # every engine's label, in the order a case runs them (and pkvrt-shared-c<N> of --chunk-rows)
 ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
-           "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
+           "pkvrt-shared-device-always", "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {
     "8x(8K+512)": ([(8, 8192)], 512),
@@ -275,11 +278,12 @@ def parts_us(rt, st: Step) -> dict:
         return {"parts_error": f"{type(exc).__name__}: {str(exc)[:160]}"}
 
 
-def pkvrt_shared_device(st: Step) -> dict:
+def pkvrt_shared_device(st: Step, always: bool = False) -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
                                   device_planning=True,
-                                  options=pkvrt.RuntimeOptions(use_cuda_graph=False))
+                                  options=pkvrt.RuntimeOptions(use_cuda_graph=False,
+                                                               shared_when_predicted_faster=not always))
 
     def body():
         rt.plan(st.seq_d, st.bt_d)
@@ -287,7 +291,13 @@ def pkvrt_shared_device(st: Step) -> dict:
             rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
     row = timed(st, None, body)
     found = rt.found()
-    row.update(tokens_saved=found.tokens_saved if found is not None else 0, explain=rt.explain())
+    d = found.decision if found is not None else None
+    row.update(tokens_saved=found.tokens_saved if found is not None else 0, explain=rt.explain(),
+               shared=bool(found is not None and found.tokens_saved > 0),
+               predicted=None if d is None else {"plain_us": d.plain_us, "shared_us": d.shared_us,
+                                                 "margin": rt.device_rule(len(st.seq)).margin,
+                                                 "plain_rereads": d.plain_rereads,
+                                                 "chunk_rereads": d.chunk_rereads})
     return row
 
 
@@ -421,7 +431,9 @@ def main(argv=None) -> int:
         engines = {"pkvrt-shared": pkvrt_shared,
                    "pkvrt-shared-always": functools.partial(pkvrt_shared, always=True),
                    "pkvrt-shared-serial": functools.partial(pkvrt_shared, always=True, side_stream=False),
-                   "pkvrt-shared-device": pkvrt_shared_device, "pkvrt-device-plan": pkvrt_plain}
+                   "pkvrt-shared-device": pkvrt_shared_device,
+                   "pkvrt-shared-device-always": functools.partial(pkvrt_shared_device, always=True),
+                   "pkvrt-device-plan": pkvrt_plain}
         if fi is not None:
             engines.update({"flashinfer-tc": functools.partial(fi_plain, fi, tensor_cores=True),
                             "flashinfer-cuda": functools.partial(fi_plain, fi, tensor_cores=False)})
@@ -451,6 +463,7 @@ def main(argv=None) -> int:
         per = lambda k: base[0] / ok[k] if base and k in ok else None  # noqa: E731
         rows.append({"case": name, "engine": "ratio", "baseline": base and base[1], "ratio": ratio,
                      "ratio_plain": per("pkvrt-device-plan"), "ratio_device": per("pkvrt-shared-device"),
+                     "ratio_device_always": per("pkvrt-shared-device-always"),
                      "ratio_always": per("pkvrt-shared-always"), "ratio_serial": per("pkvrt-shared-serial"),
                      **{f"ratio_c{c}": per(f"pkvrt-shared-c{c}") for c in chunk_rows},
                      # the device-lengths shared path over plain device planning (no sharing: its cost)

@@ -26,11 +26,28 @@
 //   own_seq   [B], own_bt [B, W]: row r's tokens after its chunk's prefix and their pages
 //                          (a bad length is passed on unchanged: the planning kernel flags it)
 //   slots     [B, 2] int64: chunk state v * C + c or -1; own state B * C + r (-1 for length 0)
+//   rule_out [5] double (when given): the rule's plain and shared µs, 1 / 0 / -1 (shared / plain
+//                          / no chunk found), the plain step's and the chunk decode's page re-reads
+//                          (without the rule: 1 or -1, the rest 0)
+// The rule (rule = 1; pkvrt.policy.sharing.SharingRule is its twin): where chunks were found, the
+// step shares only if the calibration's time model (plan_cut.cuh: the cut each decode's planning
+// kernel will take, and its time) predicts the plain step at least `margin` times the shared one:
+//   plain  = T(plain decode of the step's lengths) - l2_saved_us * (pages each row shares with
+//            its leader, summed over the rows that are not leaders: what the plain step re-reads)
+//            + plain_extra_us (the shared path's launches run whatever the decision: a step run
+//            plain still has its query gather, idle chunk decode and merge)
+//   shared = T(chunk decode of the chunks' prefixes) - l2_saved_us * (each leader's chunks'
+//            prefixes less its longest: the chunks' own re-reads) + T(own decode) + extra_us
+// Otherwise every chunk is dropped and the outputs are the plain step's (no chunk state, every
+// row's own segment its whole table), so the graph of the step runs the plain decode in the own
+// decode's place. rule = 0: share wherever chunks were found.
 // Grid: one CTA of 1024 threads (rows <= 1024). Costs O(B^2) shared-memory compares (leaders and
-// ranks) and one pass over the block-table entries the step uses (the lcp, then the copies).
+// ranks) and one pass over the block-table entries the step uses (the lcp, then the copies);
+// the rule three cuts of B rows (plan_cut.cuh).
 #include <stdint.h>
 
 #include "decode_common.cuh"  // pkv::pdl_enter
+#include "plan_cut.cuh"       // pkv::choose_cut, pkv::cut_time_us
 
 #define PKV_FIND_THREADS 1024
 
@@ -51,7 +68,66 @@ struct FindSharedParams {
   int out_stride;
   long long* q_index;        // [B * H_kv * C * G]
   long long* slots;          // [B, 2]
+  // The rule (header). The row model is the plain and own decodes' (the step's G), the chunk
+  // model the chunk decode's (group C * G): each Runtime's route, calibration and candidates.
+  int rule;                  // 1: share where it pays; 0: wherever chunks were found
+  int tile_tokens;
+  int sms;
+  const int* row_candidates;
+  int row_num_candidates, row_min_split_tiles, row_resident, row_slowdown8, row_overhead8;
+  int row_max_ctas, row_free_slots, row_room_slots, row_room8, row_room_chunk;
+  const int* chunk_candidates;
+  int chunk_num_candidates, chunk_min_split_tiles, chunk_resident, chunk_slowdown8, chunk_overhead8;
+  int chunk_max_ctas, chunk_free_slots, chunk_room_slots, chunk_room8, chunk_room_chunk;
+  double row_read_scale, row_depth_us, row_tail_us, row_split_us, row_merge_us, row_room_us, row_fixed_us;
+  double chunk_read_scale, chunk_depth_us, chunk_tail_us, chunk_split_us, chunk_merge_us, chunk_room_us;
+  double chunk_fixed_us;
+  double token_us;           // µs to read one token's K and V (every KV head) at the calibration's beta
+  double l2_saved_us;        // µs a re-read page costs less than a first read: (1 - l2_reread_cost) * page / beta
+  double extra_us;           // what the shared path adds to its two decodes per layer
+  double plain_extra_us;     // what its launches add to a step run plain (idle chunk decode)
+  double margin;             // routes.toml [sharing] margin
+  double* rule_out;          // [5] or null
 };
+
+// Sum and max over the CTA's threads (every thread calls; each gets the result).
+__device__ long long block_sum(long long x, long long* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  long long total = 0;
+  for (int w = 0; w < PKV_FIND_THREADS / 32; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+__device__ int block_max(int x, long long* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  long long m = 0;
+  for (int w = 0; w < PKV_FIND_THREADS / 32; ++w) m = max(m, scratch[w]);
+  __syncthreads();
+  return (int)m;
+}
+
+// The time model's µs of a decode of B rows whose lengths are `len` (this thread's row; 0 for an
+// idle row or a thread past B), cut as its planning kernel will cut it (plan_cut.cuh).
+// tiles: [1024] shared scratch.
+__device__ double decode_us(int len, int rows, const pkv::CutModel& m, const pkv::CutTime& t,
+                            const FindSharedParams& p, int* tiles, long long* scratch) {
+  const int tr = len > 0 ? pkv::cut_ceil_div(len, p.tile_tokens) : 0;
+  tiles[threadIdx.x] = tr;
+  const long long tokens = block_sum(len, scratch), total = block_sum(tr, scratch);
+  const int longest = block_max(tr, scratch);   // (its syncs publish tiles[])
+  const pkv::Cut cut = pkv::choose_cut<PKV_FIND_THREADS>(tiles, rows, longest, total, p.num_kv_heads, m);
+  const int n = tr > 0 ? pkv::cut_ceil_div(tr, cut.chunk) : 0;
+  const int max_splits = block_max(n, scratch);
+  const long long merged = block_sum(n > 1 ? n : 0, scratch);
+  return pkv::cut_time_us(t, m, cut, tokens * p.token_us, max_splits, merged, p.num_kv_heads);
+}
 
 extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
     pkv_find_shared(const __grid_constant__ FindSharedParams p) {
@@ -141,12 +217,63 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
   }
   __syncthreads();
 
+  // 4b. The rule (header): keep the chunks only where the shared step is predicted faster.
+  const bool valid = len >= 1 && len <= (p.width << p.page_size_log2);
+  const int my_run = tid < B && chunk_of[tid] >= 0 ? prefix_of[chunk_of[tid] / C] : 0;
+  const bool found = __syncthreads_or(tid < B && chunk_of[tid] >= 0);
+  if (p.rule_out != nullptr && tid < 5) p.rule_out[tid] = tid != 2 ? 0.0 : found ? 1.0 : -1.0;
+  if (p.rule && found) {
+    __shared__ long long scratch[PKV_FIND_THREADS / 32];
+    int* tiles = first_of;   // free since the leaders were found
+    const pkv::CutModel row{p.row_candidates, p.row_num_candidates, p.row_min_split_tiles, p.sms,
+                            p.row_resident, p.row_slowdown8, p.row_overhead8, p.row_max_ctas,
+                            p.row_free_slots, p.row_room_slots, p.row_room8, p.row_room_chunk};
+    const pkv::CutModel chunk{p.chunk_candidates, p.chunk_num_candidates, p.chunk_min_split_tiles,
+                              p.sms, p.chunk_resident, p.chunk_slowdown8, p.chunk_overhead8,
+                              p.chunk_max_ctas, p.chunk_free_slots, p.chunk_room_slots,
+                              p.chunk_room8, p.chunk_room_chunk};
+    const pkv::CutTime row_t{p.row_read_scale, p.row_depth_us, p.row_tail_us, p.row_split_us,
+                             p.row_merge_us, p.row_room_us, p.row_fixed_us};
+    const pkv::CutTime chunk_t{p.chunk_read_scale, p.chunk_depth_us, p.chunk_tail_us,
+                               p.chunk_split_us, p.chunk_merge_us, p.chunk_room_us, p.chunk_fixed_us};
+    // re-reads: the plain step's (each non-leader row's pages in common with its leader) and the
+    // chunks' (each leader's chunks read its first pages: all but the longest prefix again)
+    const long long plain_rereads =
+        block_sum(tid < B && s >= 1 && leader != tid ? lcp_of[tid] : 0, scratch);
+    base_of[tid] = 0;   // free since the chunks were numbered: each leader's longest prefix
+    __syncthreads();
+    const int prefix = tid < B ? prefix_of[tid] : 0;   // chunk tid's
+    if (prefix > 0) atomicMax(&base_of[lead_of_chunk[tid]], prefix);
+    __syncthreads();
+    const long long chunk_rereads = block_sum(prefix, scratch) - block_sum(base_of[tid], scratch);
+    const double t_plain = fmax(decode_us(valid ? len : 0, B, row, row_t, p, tiles, scratch) -
+                                p.l2_saved_us * plain_rereads, 0.0) + p.plain_extra_us;
+    const double t_chunk = fmax(decode_us(prefix << p.page_size_log2, B, chunk, chunk_t, p, tiles, scratch) -
+                                p.l2_saved_us * chunk_rereads, 0.0);
+    const double t_own = decode_us(valid ? len - (my_run << p.page_size_log2) : 0, B, row, row_t, p,
+                                   tiles, scratch);
+    const double t_shared = t_chunk + t_own + p.extra_us;
+    const bool share = t_plain >= p.margin * t_shared;
+    if (p.rule_out != nullptr && tid == 0) {
+      p.rule_out[0] = t_plain;
+      p.rule_out[1] = t_shared;
+      p.rule_out[2] = share ? 1.0 : 0.0;
+      p.rule_out[3] = (double)plain_rereads;
+      p.rule_out[4] = (double)chunk_rereads;
+    }
+    if (!share) {   // the plain step: no chunk, every row's own segment its whole table
+      chunk_of[tid] = -1;
+      prefix_of[tid] = 0;
+      head_of[tid] = -1;
+    }
+    __syncthreads();
+  }
+
   // 5. Slots, q gather indices, lengths; then the block-table copies, a warp per row.
   const int hq = HKV * G;
   if (tid < B) {
     const int slot = chunk_of[tid];
     const int run = slot >= 0 ? prefix_of[slot / C] : 0;
-    const bool valid = len >= 1 && len <= (p.width << p.page_size_log2);
     p.own_seq[tid] = valid ? len - (run << p.page_size_log2) : len;
     p.slots[2 * tid] = slot;
     p.slots[2 * tid + 1] = len != 0 ? (long long)B * C + tid : -1;

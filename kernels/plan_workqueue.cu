@@ -9,24 +9,9 @@
 // window_left when positive (else 0), and everything below is planned on its attended length
 // len_r - start_r: tiles, the split rule, the task order's key; a task's range is offset by
 // start_r, and only the block-table entries of the attended range are checked (and copied).
-// Split rule: the balanced partition (planner.balanced_partition, planner.partition_costs).
-// tiles_r = ceil((len_r - start_r) / tile_tokens); L = max tiles, W = sum tiles. For every candidate s (an
-// allowed count with ceil(L/s) >= min_split_tiles; if none, max(1, L / min_split_tiles)) the
-// chunk is c = ceil(L/s), row r gets n_r = ceil(tiles_r / c) splits, N = H_kv * sum n_r CTAs,
-// N_big = H_kv * sum of n_r over rows whose largest split ceil(tiles_r / n_r) exceeds c/2 (the
-// other rows are small: W_small = H_kv * their tiles, N_small = N - N_big). With S = sms,
-// R = resident * S, full = N_big / R, rem = N_big % R and load8(k) = 8 + (k-1)*(slowdown8-8):
-//     cost = max((8c + f8) * (full * load8(resident) + (rem ? load8(ceil(rem / S)) : 0)) * S
-//                  + (8 * W_small + N_small * f8) * (slowdown8 - 8),
-//                W8 * (N > S ? load8(resident) / resident : 8))                 (int64)
-// W8 = 8 * H_kv * W + N * f8 (the average load at the GPU's best throughput; integer division).
-// f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the least
-// cost + room charge (with free = (-N) mod R: room8 * S * (room_slots - free) / room_slots when
-// free < room_slots and c <= room_chunk, else 0), then the fewest CTAs, then the smallest s, among candidates with N <= max_ctas (the
-// first candidate is always eligible) and, on a one-row step, when any of them does,
-// (-N) mod R >= free_slots (the last wave leaves slots for the merge). Split j of n over t tiles covers tiles
-// [j*t/n, (j+1)*t/n).
-// Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate).
+// Split rule: the balanced partition (planner.balanced_partition, planner.partition_costs):
+// tiles_r = ceil((len_r - start_r) / tile_tokens), cut by pkv::choose_cut (plan_cut.cuh, which
+// works the cost out). Split j of n over t tiles covers tiles [j*t/n, (j+1)*t/n).
 // Task order (the host's): rows by decreasing tokens per split (seq_len / splits, integer), ties
 // by row index, then split, then KV head. The GPU starts CTAs in blockIdx order, so the longest
 // tasks start first and the short ones fill the tail (in row order a long row listed after
@@ -61,6 +46,7 @@
 #include <stdint.h>
 
 #include "decode_common.cuh"  // pkv::pdl_enter
+#include "plan_cut.cuh"       // pkv::choose_cut
 
 #define PKV_PLAN_THREADS 1024
 
@@ -108,11 +94,9 @@ struct PlanParams {
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
-__device__ __forceinline__ long long load8(int k, int slowdown8) { return 8 + (long long)(k - 1) * (slowdown8 - 8); }
 
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     pkv_plan_workqueue(const __grid_constant__ PlanParams p) {
-  __shared__ int cand[64];
   __shared__ int tiles_of[PKV_PLAN_THREADS];
   __shared__ int offs[PKV_PLAN_THREADS + 1];  // first task slot of each rank (task order)
   __shared__ int splits_of[PKV_PLAN_THREADS], key_of[PKV_PLAN_THREADS], rank_row[PKV_PLAN_THREADS];
@@ -120,9 +104,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   __shared__ int warp_sums[32];
   __shared__ int warp_max[32];
   __shared__ long long warp_tiles[32];
-  __shared__ long long cost_of[64];
-  __shared__ int ctas_of[64], chunk_of[64];
-  __shared__ int num_cand, chunk, bad_rows;
+  __shared__ int bad_rows;
   __shared__ long long total_tiles;
   __shared__ int longest;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -229,74 +211,15 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
     }
     longest = m;
     total_tiles = w;
-    // Candidates whose chunk is at least min_split_tiles (else the row cap alone).
-    int n = 0;
-    for (int i = 0; i < p.num_candidates; ++i)
-      if (m > 0 && ceil_div(m, cand_all[i]) >= p.min_split_tiles) cand[n++] = cand_all[i];
-    if (n == 0) cand[n++] = max(1, m / p.min_split_tiles);
-    num_cand = n;
   }
   __syncthreads();
 
-  // 2. Cost of every candidate: warp w takes candidates w, w + 32.
-  const int L = longest, H = p.num_kv_heads, S = p.sms, R = p.resident * p.sms, f8 = p.overhead8;
-  for (int k = warp; k < num_cand; k += PKV_PLAN_THREADS / 32) {
-    const int c = L > 0 ? ceil_div(L, cand[k]) : 1;
-    int n_all = 0, n_big = 0, w_small = 0;
-    for (int r = lane; r < rows; r += 32) {
-      const int tr = tiles_of[r];
-      if (tr > 0) {
-        const int n = ceil_div(tr, c);
-        n_all += n;
-        if (2 * ceil_div(tr, n) > c) n_big += n;
-        else w_small += tr;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      n_all += __shfl_xor_sync(0xffffffffu, n_all, o);
-      n_big += __shfl_xor_sync(0xffffffffu, n_big, o);
-      w_small += __shfl_xor_sync(0xffffffffu, w_small, o);
-    }
-    if (lane == 0) {
-      const long long ctas = (long long)H * n_all, big = (long long)H * n_big;
-      const long long full = big / R, rem = big % R;
-      const long long loads = full * load8(p.resident, p.slowdown8) +
-                              (rem > 0 ? load8((int)((rem + S - 1) / S), p.slowdown8) : 0);
-      const long long beside = (8LL * H * w_small + (ctas - big) * f8) * (p.slowdown8 - 8);
-      const long long a = (8LL * c + f8) * loads * S + beside;
-      const long long work = 8LL * H * total_tiles + ctas * f8;
-      const long long b = ctas > S ? work * load8(p.resident, p.slowdown8) / p.resident : work * 8;
-      cost_of[k] = a > b ? a : b;
-      ctas_of[k] = (int)ctas;
-      chunk_of[k] = c;
-    }
-  }
-  __syncthreads();
-  if (tid == 0) {
-    // Least cost, then fewest CTAs, then smallest s, within max_ctas (the first candidate always
-    // eligible); on a one-row step first among the cuts whose last wave leaves free_slots
-    // resident slots free, so the merge becomes resident during the decode
-    // (planner.partition_choice).
-    int best = -1;
-    long long best_charged = 0;
-    for (int pass = p.free_slots > 0 && rows == 1 ? 0 : 1; pass < 2 && best < 0; ++pass) {
-      for (int k = 0; k < num_cand; ++k) {
-        if (k > 0 && ctas_of[k] > p.max_ctas) continue;
-        const int free = (R - ctas_of[k] % R) % R;
-        if (pass == 0 && free < p.free_slots) continue;
-        // the last wave's room charge (planner.PartitionModel.room_charge)
-        const long long charged = cost_of[k] + (p.room_slots > 0 && free < p.room_slots &&
-                                                chunk_of[k] <= p.room_chunk
-            ? (long long)p.room8 * S * (p.room_slots - free) / p.room_slots : 0LL);
-        const bool better = best < 0 || charged < best_charged ||
-                            (charged == best_charged && ctas_of[k] < ctas_of[best]);
-        if (better) { best = k; best_charged = charged; }
-      }
-    }
-    chunk = chunk_of[best];
-  }
-  __syncthreads();
+  // 2. The cut (plan_cut.cuh).
+  const pkv::CutModel model{cand_all, p.num_candidates, p.min_split_tiles, p.sms, p.resident,
+                            p.slowdown8, p.overhead8, p.max_ctas, p.free_slots, p.room_slots,
+                            p.room8, p.room_chunk};
+  const int chunk = pkv::choose_cut<PKV_PLAN_THREADS>(tiles_of, rows, longest, total_tiles,
+                                                      p.num_kv_heads, model).chunk;
   const int s = t > 0 ? ceil_div(t, chunk) : 0;
 
   // 3. Slots in row order (split_offsets), then the rows' rank in task order and the first

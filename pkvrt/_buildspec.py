@@ -104,7 +104,7 @@ FAMILIES = {
     # rows that share pages, found on the GPU (device lengths): pkvrt.SharedPagesRuntime
     "find_shared": {"source": "kernels/find_shared.cu", "variants": ""},
 }
-HEADERS = ("kernels/decode_common.cuh", "kernels/workqueue_task.cuh")
+HEADERS = ("kernels/decode_common.cuh", "kernels/workqueue_task.cuh", "kernels/plan_cut.cuh")
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo")
 

@@ -10,7 +10,7 @@ Each GPU test checks the emulated outputs as it would the kernels' on the H200: 
 against the host planner, the shared-pages steps and merge_segments against the FP32 reference
 or the merge written out in torch. A wrong output fails here too (the last tests show it).
 
-Every parametrization of every test function of both modules runs (155 + 61 cases, ~40 s on
+Every parametrization of every test function of both modules runs (155 + 86 cases, ~40 s on
 2 cores with one torch thread). Not seen here: the kernels' own numerics (the emulation computes
 in FP32), real CUDA graph capture (test_device_plan's own torch.cuda.graph records the launches
 made in it and a replay re-runs them; SharedPagesRuntime's engine capture is the fake device's),
@@ -112,9 +112,9 @@ def test_sharing_tests_pass_on_the_fake_device(dry, test, kw):
 
 
 def test_every_test_function_of_both_modules_is_dry_run():
-    """Every case of every test function (155 of test_device_plan, 61 of test_sharing), each
+    """Every case of every test function (155 of test_device_plan, 86 of test_sharing), each
     under its own id."""
-    assert (len(PLAN_CASES), len(SHARING_CASES)) == (155, 61)
+    assert (len(PLAN_CASES), len(SHARING_CASES)) == (155, 86)
     for mod, run in ((plan, PLAN_CASES), (sharing, SHARING_CASES)):
         assert {p.values[0] for p in run} == {n for n in dir(mod) if n.startswith("test_")}
         assert len(run) == len({p.id for p in run})

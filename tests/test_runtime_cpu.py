@@ -656,13 +656,24 @@ class Emu:
                     lse[row] = ls
 
     def find_shared(self, seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_index,
-                    slots, *, page_size, chunk_rows, group, num_kv_heads):
+                    slots, *, page_size, chunk_rows, group, num_kv_heads, rule=None,
+                    candidates=None, rule_out=None):
         """kernels/find_shared.cu: its twin's outputs (sharing.plan_prefix_chunks, which
         tests/gpu/test_sharing.py checks against the kernel), the q gather indices of each
-        chunk position (past a chunk's rows its first row; row 0 for no chunk)."""
+        chunk position (past a chunk's rows its first row; row 0 for no chunk), and the rule's
+        decision as the kernel writes it."""
         self.launches += 1
+        if rule is not None:   # what ops.find_shared refuses
+            for t, n in zip(candidates, (len(rule.row.splits.candidates()), len(rule.chunk.splits.candidates()))):
+                assert t.dtype == torch.int32 and tuple(t.shape) == (n,)
         found = sharing.plan_prefix_chunks(seq_lens.numpy(), block_tables.numpy(), page_size,
-                                           chunk_rows)
+                                           chunk_rows, rule=rule)
+        if rule_out is not None:
+            d = found.decision
+            chunks = bool((found.slots[:, 0] >= 0).any())
+            rule_out[:] = torch.tensor([0, 0, 1 if chunks else -1, 0, 0], dtype=torch.float64) if d is None \
+                else torch.tensor([d.plain_us, d.shared_us, float(d.shared), d.plain_rereads,
+                                   d.chunk_rereads], dtype=torch.float64)
         b, w = block_tables.shape
         chunk_seq[:] = torch.as_tensor(found.chunk_seq)
         own_seq[:] = torch.as_tensor(found.own_seq)

@@ -40,6 +40,7 @@ from dry_bench import fake_gpu, on_the_host  # noqa: F401
 
 from pkvrt.launch import _driver, ops
 from pkvrt.measure import fi_engines, harness
+from pkvrt.policy import sharing
 from pkvrt.tools import bench, cli
 from pkvrt.runtime.shared import SharedPagesRuntime
 
@@ -95,6 +96,10 @@ def dry(fake_gpu, monkeypatch):  # noqa: F811
     # host-lengths engine shares them anyway, so that its shared path runs through the harness
     # (tests/test_sharing_rule_cpu.py tests the rule itself)
     monkeypatch.setattr(SharedPagesRuntime, "_sharing_pays", lambda self, seq, rereads, sp, own_gather: True)
+    # ... and so does the device-lengths engine's rule (tests/test_sharing_device_rule_cpu.py)
+    decide = sharing.SharingRule.decide
+    monkeypatch.setattr(sharing.SharingRule, "decide",
+                        lambda self, *a: attrs.evolve(decide(self, *a), shared=True))
     return types.SimpleNamespace(gpu=fake_gpu, made=made, found=found)
 
 

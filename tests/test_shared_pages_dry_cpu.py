@@ -89,7 +89,7 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
     names = list(bench.CASES)
     assert list(dict.fromkeys(r["case"] for r in rows)) == names
     engines = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
-               "pkvrt-device-plan", *FI)
+               "pkvrt-shared-device-always", "pkvrt-device-plan", *FI)
     for name in names:
         mine = [r for r in rows if r["case"] == name]
         want = [*engines, "flashinfer-cascade"] if name in SHARING else list(engines)
@@ -114,15 +114,22 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
             assert ("shared chunk(s)" in rule["explain"]) == rule["shared"], rule
         else:
             assert rule["shared"] is False and rule["predicted"] is None
+        dev = by["pkvrt-shared-device"]   # device lengths: the GPU's rule decides
+        assert dev["shared"] == (dev["tokens_saved"] > 0)
+        if dev["predicted"] is not None:
+            p = dev["predicted"]
+            assert dev["shared"] == (p["plain_us"] >= p["margin"] * p["shared_us"]), dev
+        assert ratio["ratio_device_always"] > 0
         if name in SHARING:   # the shared path ran, in chunks of 2 rows for -c2
-            assert by["pkvrt-shared-device"]["tokens_saved"] > 0
+            assert by["pkvrt-shared-device-always"]["tokens_saved"] > 0 and dev["predicted"] is not None
             assert all("shared chunk(s)" in r["explain"] for r in shared)
             assert "of up to 2 rows" in by["pkvrt-shared-c2"]["explain"]
             assert "of up to 2 rows" not in by["pkvrt-shared-always"]["explain"]
             for r in shared:   # where its time goes: the two decodes alone
                 assert r["chunk_us"] > 0 and r["own_us"] > 0 and "parts_error" not in r, r
         else:
-            assert by["pkvrt-shared-device"]["tokens_saved"] == 0
+            assert dev["tokens_saved"] == 0 and dev["predicted"] is None
+            assert by["pkvrt-shared-device-always"]["tokens_saved"] == 0
             assert all(r["explain"].startswith("SharedPagesRuntime: no sharing") for r in shared)
     cascade = [r["status"] for r in rows if r["engine"] == "flashinfer-cascade"]
     assert cascade[0] == UNAVAILABLE and flashinfer.MultiLevelCascadeAttentionWrapper.plans == 1

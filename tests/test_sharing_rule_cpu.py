@@ -207,16 +207,24 @@ def test_the_margin_comes_from_routes_toml(fake_device, h200_with_sharing, tmp_p
     from pkvrt.policy.registry import load_routes
 
     text = open(ROUTES.path).read()
-    shipped = "[sharing]\nmargin = 1.10\n"
+    shipped = "[sharing]\nmargin = 1.10\ndevice_margin = 1.0\n"
     assert text.count(shipped) == 1
     seq, bt, n = prefix_step(8, 12288, 512)
     got = {}
-    for name, table in (("none", ""), ("shipped", shipped), ("inf", "[sharing]\nmargin = inf\n")):
+    for name, table in (("none", ""), ("shipped", shipped), ("inf", "[sharing]\nmargin = inf\n"),
+                        ("device", "[sharing]\nmargin = 1.10\ndevice_margin = 0.5\n")):
         path = tmp_path / f"{name}.toml"
         path.write_text(text.replace(shipped, table))
+        if name == "device":
+            with pytest.raises(Exception, match=r"device_margin: .*0.5.*expected a number >= 1.0 or inf"):
+                load_routes(path)
+            continue
         rt = SharedPagesRuntime(32, 8, 128, PAGE, torch.float16, max_batch=8, max_pages_per_row=bt.shape[1],
                                 num_pages=n, engine_capture=True, routes=load_routes(path),
                                 calibration=h200_with_sharing, options=RuntimeOptions(flashinfer=False))
         rt.plan(seq, bt)
-        got[name] = (rt.plain.registry.sharing_margin, rt.plan_used is not None)
-    assert got == {"none": (1.0, True), "shipped": (1.10, False), "inf": (float("inf"), False)}
+        got[name] = (rt.plain.registry.sharing_margin, rt.plain.registry.sharing_device_margin,
+                     rt.plan_used is not None)
+    # the device rule's margin: the key, 1.0 without it
+    assert got == {"none": (1.0, 1.0, True), "shipped": (1.10, 1.0, False),
+                   "inf": (float("inf"), 1.0, False)}

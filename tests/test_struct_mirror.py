@@ -10,7 +10,7 @@ import pytest
 from pkvrt import _paths
 from pkvrt.launch import ops
 
-_C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float,
+_C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float, "double": ctypes.c_double,
             "long long": ctypes.c_longlong, "unsigned long long": ctypes.c_ulonglong}
 
 
@@ -24,7 +24,7 @@ def c_fields(source: str, struct: str) -> list[tuple[str, object]]:
         decl = line.split("//")[0].strip()
         if not decl:
             continue
-        m = re.fullmatch(r"(?:const\s+)?(unsigned long long|long long|unsigned|int|float|void|char)"
+        m = re.fullmatch(r"(?:const\s+)?(unsigned long long|long long|unsigned|int|float|double|void|char)"
                          r"((?:\s*\*?\s*\w+\s*,)*\s*\*?\s*\w+)\s*;", decl)
         assert m, f"struct {struct}: cannot read the declaration {decl!r}"
         base, names = m.groups()

@@ -708,7 +708,17 @@ class FindSharedParams(ctypes.Structure):
         ("chunk_rows", ctypes.c_int), ("group", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("chunk_seq", ctypes.c_void_p), ("chunk_bt", ctypes.c_void_p), ("own_seq", ctypes.c_void_p),
         ("own_bt", ctypes.c_void_p), ("out_stride", ctypes.c_int), ("q_index", ctypes.c_void_p),
-        ("slots", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p), ("rule", ctypes.c_int), ("tile_tokens", ctypes.c_int),
+        ("sms", ctypes.c_int),
+        *[f for m in ("row", "chunk") for f in
+          [(f"{m}_candidates", ctypes.c_void_p)]
+          + [(f"{m}_{k}", ctypes.c_int) for k in ("num_candidates", "min_split_tiles", "resident",
+                                                  "slowdown8", "overhead8", "max_ctas", "free_slots",
+                                                  "room_slots", "room8", "room_chunk")]],
+        *[(f"{m}_{k}", ctypes.c_double) for m in ("row", "chunk")
+          for k in ("read_scale", "depth_us", "tail_us", "split_us", "merge_us", "room_us", "fixed_us")],
+        ("token_us", ctypes.c_double), ("l2_saved_us", ctypes.c_double), ("extra_us", ctypes.c_double),
+        ("plain_extra_us", ctypes.c_double), ("margin", ctypes.c_double), ("rule_out", ctypes.c_void_p),
     ]
 
 
@@ -716,14 +726,19 @@ FIND_MAX_ROWS = 1024   # one CTA of 1024 threads, a row each
 
 
 def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_index, slots, *,
-                page_size: int, chunk_rows: int, group: int, num_kv_heads: int) -> None:
+                page_size: int, chunk_rows: int, group: int, num_kv_heads: int, rule=None,
+                candidates=None, rule_out=None) -> None:
     """The step's shared prefixes, found on the GPU (kernels/find_shared.cu, one CTA): the rule
     of ``pkvrt.policy.sharing.plan_prefix_chunks``, written into fixed-shape buffers.
 
     seq_lens [B] int32 and block_tables [B, W] int32 (row-contiguous) on the GPU, B <= 1024;
     outputs, on the same device: chunk_seq and own_seq [B] int32, chunk_bt and own_bt [B, W'] int32
     (W' >= W, row-contiguous, the same row stride), q_index int64 [B * H_kv * C * G], slots int64
-    [B, 2]. ``chunk_rows`` C (2..64) rows per chunk, ``group`` G, ``num_kv_heads`` H_kv."""
+    [B, 2]. ``chunk_rows`` C (2..64) rows per chunk, ``group`` G, ``num_kv_heads`` H_kv.
+    ``rule``: a ``sharing.SharingRule`` (keep the chunks only where it predicts them faster), with
+    ``candidates`` the (row, chunk) decodes' allowed split counts as int32 tensors on the device
+    (their routes' ``splits.candidates()``); None: keep every chunk found. ``rule_out``: float64
+    [5] on the device or None (the decision: plain µs, shared µs, 1 / 0, the re-reads)."""
     dev = seq_lens.device
     p = FindSharedParams()
     p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
@@ -762,5 +777,21 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
     p.q_index, p.slots = q_index.data_ptr(), slots.data_ptr()
     p.rows, p.width, p.page_size_log2 = b, w, page_size.bit_length() - 1
     p.chunk_rows, p.group, p.num_kv_heads = chunk_rows, group, num_kv_heads
+    if rule_out is not None:
+        if rule_out.dtype != torch.float64 or rule_out.device != dev or tuple(rule_out.shape) != (5,):
+            _fail("rule_out", f"a float64 [5] tensor on {dev}",
+                  f"{rule_out.dtype} {tuple(rule_out.shape)} on {rule_out.device}")
+        p.rule_out = rule_out.data_ptr()
+    if rule is not None:
+        fields = rule.kernel_fields()
+        for name, value in fields.items():
+            setattr(p, name, value)
+        for which, t in zip(("row", "chunk"), candidates or (None, None)):
+            n = fields[f"{which}_num_candidates"]
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != dev \
+                    or tuple(t.shape) != (n,) or not 1 <= n <= 64:
+                _fail(f"candidates ({which})", f"an int32 [{n}] tensor on {dev} (1 to 64 split counts)",
+                      t if not isinstance(t, torch.Tensor) else f"{t.dtype} {tuple(t.shape)} on {t.device}")
+            setattr(p, f"{which}_candidates", t.data_ptr())
     _driver.launch(_driver.get_kernel("find_shared", _buildspec.symbol("find_shared")), (1, 1, 1),
                    FIND_MAX_ROWS, p)

@@ -1011,7 +1011,8 @@ class SharedDeviceStepEngine(StepGraphEngine):
     (kernels/find_shared.cu), both decodes' planning and every layer's query gather, chunk
     decode, own decode and merge, so it replays whatever the step shares. The route recorded is
     ``shared-pages-device``; its counters are the K/V bytes of what the GPU's rule reads (the
-    twin, ``sharing.plan_prefix_chunks``, computed off the timed path)."""
+    twin, ``sharing.plan_prefix_chunks`` with the Runtime's ``device_rule``, computed off the
+    timed path)."""
 
     SHARED_ROUTE = "shared-pages-device"
 
@@ -1043,7 +1044,7 @@ class SharedDeviceStepEngine(StepGraphEngine):
             return _runtime_step_info(sh.plain, self.decision, self._last_seq, self.kv_dtype_bytes)
         seq = np.asarray(self._last_seq, np.int64)
         found = sharing.plan_prefix_chunks(seq, self._last_bt[:, :self.bt.shape[1]],
-                                           sh.page_size, sh.chunk)
+                                           sh.page_size, sh.chunk, rule=sh.device_rule(len(seq)))
         tokens = int(found.chunk_seq.sum()) + int(found.own_seq.sum())
         kv = tokens * 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
         # per layer: the query gather, the two decodes (fused: one launch each), the merge

@@ -172,8 +172,10 @@ class Registry:
     # [host_time] (None: the table is absent, host time is never weighed)
     host_time: HostTimeRule | None = None
     # [sharing] margin: SharedPagesRuntime shares a step (host lengths) only when the plain
-    # step's predicted time over the shared one's is at least this (1.0 without the table)
+    # step's predicted time over the shared one's is at least this (1.0 without the table);
+    # device_margin: the same for its device-lengths rule (find_shared, on the GPU)
     sharing_margin: float = 1.0
+    sharing_device_margin: float = 1.0
 
     def device_planning_route(self, rows: int | None = None) -> Route:
         """The route ``Runtime(device_planning=True)`` runs when none is forced: for a step of
@@ -250,10 +252,12 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
         raise RoutesError(f"{p}: byte {e.start} is not UTF-8; expected a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
-    routes, boundary, device_route, device_small, host_time, sharing_margin = _parse(str(p), doc)
+    routes, boundary, device_route, device_small, host_time, (sharing_margin, sharing_device_margin) = \
+        _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
                     routes=routes, boundary=boundary, device_route=device_route,
-                    device_small=device_small, host_time=host_time, sharing_margin=sharing_margin)
+                    device_small=device_small, host_time=host_time, sharing_margin=sharing_margin,
+                    sharing_device_margin=sharing_device_margin)
 
 
 def _syntax_error(path: str, text: str, msg: str) -> RoutesError:
@@ -447,7 +451,8 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
 
 
 def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None,
-                                         tuple[int, str] | None, HostTimeRule | None, float]:
+                                         tuple[int, str] | None, HostTimeRule | None,
+                                         tuple[float, float]]:
     top = _Table(path, "top level", doc, ("gates", "promotion", "host_time", "device_planning",
                                           "sharing", "routes"))
     gates = _gates(top.table("gates", GATE_KEYS), None)
@@ -484,6 +489,7 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
     host_time = None
     if (ht := top.table("host_time", ("enabled", "min_context"), required=False)) is not None:
         host_time = HostTimeRule(enabled=ht.boolean("enabled"), min_context=ht.integer("min_context"))
-    sh = top.table("sharing", ("margin",), required=False)
-    sharing_margin = 1.0 if sh is None else sh.margin("margin", allow_inf=True)
-    return routes, boundary, device_route, device_small, host_time, sharing_margin
+    sh = top.table("sharing", ("margin", "device_margin"), required=False)
+    sharing = (1.0, 1.0) if sh is None else (sh.margin("margin", allow_inf=True),
+                                             sh.margin("device_margin", 1.0, allow_inf=True))
+    return routes, boundary, device_route, device_small, host_time, sharing

@@ -26,6 +26,7 @@ import hashlib
 import attrs
 import numpy as np
 
+from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.policy.blocktables import (SharedRun, _checked_pages, check_page_size, shared_page_runs,
                                       used_ids)
 
@@ -217,6 +218,7 @@ class PrefixChunks:
     own_seq: np.ndarray = attrs.field(eq=False)
     own_bt: np.ndarray = attrs.field(eq=False)
     slots: np.ndarray = attrs.field(eq=False)
+    decision: "RuleDecision | None" = None   # the rule's, where it was asked and chunks were found
 
     def q_index(self, num_kv_heads: int, group: int) -> np.ndarray:
         """int64 [B * H_kv * C * G]: the q row (of q viewed [B * H_q, D]) of each chunk decode
@@ -237,7 +239,8 @@ class PrefixChunks:
         return int(((counts - 1).clip(min=0) * self.chunk_seq).sum())
 
 
-def plan_prefix_chunks(seq_lens, block_tables, page_size: int, chunk_rows: int) -> PrefixChunks:
+def plan_prefix_chunks(seq_lens, block_tables, page_size: int, chunk_rows: int,
+                       rule: "SharingRule | None" = None) -> PrefixChunks:
     """The prefix sharing of one step, by the rule the GPU applies (the twin of
     kernels/find_shared.cu, which tests/gpu/test_sharing.py checks entry for entry).
 
@@ -251,6 +254,10 @@ def plan_prefix_chunks(seq_lens, block_tables, page_size: int, chunk_rows: int) 
       ``ceil(n / chunk_rows)`` chunks of consecutive ranks of near-equal size; a chunk's prefix
       is its rows' least lcp (the last one's), and a chunk of one row is no chunk.
     - Chunks are numbered by leader row, then by their place in the order.
+
+    - With a ``rule`` (:class:`SharingRule`) and chunks found, the chunks are kept only where
+      the rule predicts the shared step faster (``decision``); otherwise the result is the plain
+      step's: no chunk, every row's own segment its whole table.
 
     One level of sharing per leader: rows that share a longer prefix with each other than with
     their leader (nested prefixes) share only the common part here; the host's
@@ -280,6 +287,7 @@ def plan_prefix_chunks(seq_lens, block_tables, page_size: int, chunk_rows: int) 
     members = np.full((b, c_rows), -1, np.int32)
     run = np.zeros(b, np.int64)              # each row's chunk prefix (pages), 0: none
     slot0 = np.full(b, -1, np.int64)
+    leader_prefixes: dict[int, list[int]] = {}   # each leader's chunks' prefixes (pages)
     v = 0
     for g in range(b):
         rows = [r for r in range(b) if s[r] >= 1 and leader[r] == g]
@@ -291,12 +299,23 @@ def plan_prefix_chunks(seq_lens, block_tables, page_size: int, chunk_rows: int) 
             part = rows[j * n // parts:(j + 1) * n // parts]
             prefix = int(lcp[part[-1]])
             if len(part) >= 2:
+                leader_prefixes.setdefault(g, []).append(prefix)
                 chunk_seq[v + j] = prefix * page_size
                 chunk_bt[v + j, :prefix] = bt[g, :prefix]
                 members[v + j, :len(part)] = part
                 for c, r in enumerate(part):
                     run[r], slot0[r] = prefix, (v + j) * c_rows + c
         v += parts
+    decision = None
+    if rule is not None and (slot0 >= 0).any():
+        # the re-reads: each non-leader row's pages in common with its leader (the plain step);
+        # each leader's chunks' prefixes but its longest (the chunk decode)
+        plain_rereads = int(sum(lcp[r] for r in range(b) if s[r] >= 1 and leader[r] != r))
+        chunk_rereads = sum(sum(p) - max(p) for p in leader_prefixes.values())
+        own = np.where(valid, seq - run * page_size, 0)
+        decision = rule.decide(np.where(valid, seq, 0), chunk_seq, own, plain_rereads, chunk_rereads)
+        if not decision.shared:   # the plain step
+            chunk_seq[:], chunk_bt[:], members[:], run[:], slot0[:] = 0, 0, -1, 0, -1
     own_seq = np.where(valid, seq - run * page_size, seq).astype(np.int32)
     own_bt = np.zeros((b, w), np.int32)
     for r in range(b):
@@ -305,4 +324,133 @@ def plan_prefix_chunks(seq_lens, block_tables, page_size: int, chunk_rows: int) 
             own_bt[r, :k] = bt[r, run[r]:run[r] + k]
     slot1 = np.where(seq != 0, b * c_rows + np.arange(b), -1)
     return PrefixChunks(chunk_seq=chunk_seq, chunk_bt=chunk_bt, chunk_rows=members, own_seq=own_seq,
-                        own_bt=own_bt, slots=np.stack([slot0, slot1], axis=1).astype(np.int64))
+                        own_bt=own_bt, slots=np.stack([slot0, slot1], axis=1).astype(np.int64),
+                        decision=decision)
+
+
+# ----------------------------------------------------------------------------- the device rule
+
+
+@attrs.frozen
+class DecodeTime:
+    """One decode the device rule times: the route its device planning runs (``kind``
+    "workqueue" or "fused", its split bounds ``splits``) on its Runtime's calibration ``cal``
+    (that Runtime's group view), by the calibration's measured model, exactly as
+    ``Router.predict`` times that route (:func:`pkvrt.policy.costmodel.predict_route_us`).
+    ``cal`` must have a measured model of ``kind`` (:meth:`SharingRule.unavailable`)."""
+
+    kind: str
+    splits: object = attrs.field(eq=False)    # the route's SplitBounds
+    cal: object = attrs.field(eq=False)       # a Calibration with a time model of kind
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    graphs: bool
+
+    def us(self, lens) -> float:
+        """Predicted µs of the decode of ``lens`` (int [B], at least one row > 0)."""
+        from pkvrt.policy.costmodel import predict_route_us
+
+        return predict_route_us(self.kind, np.asarray(lens, dtype=np.int64), None, self.cal,
+                                graphs=self.graphs, num_kv_heads=self.num_kv_heads,
+                                head_dim=self.head_dim, dtype_bytes=self.dtype_bytes,
+                                splits=self.splits)
+
+    def kernel_fields(self, prefix: str) -> dict:
+        """The ``FindSharedParams`` fields of this decode (``prefix`` "row" or "chunk"), but its
+        candidates' pointer: the partition (``planner.device_plan_targets``, as its planning
+        kernel gets them) and the time constants (an eager launch's extra cost in fixed_us)."""
+        from pkvrt.policy.planner import device_plan_targets
+
+        t = device_plan_targets(self.cal, self.kind)
+        rt = self.cal.route_time(self.kind)
+        launches = 2 if self.kind == "workqueue" else 1
+        eager = 0.0 if self.graphs else self.cal.lambda_us - self.cal.lambda_graph_us
+        fields = {"num_candidates": len(self.splits.candidates()),
+                  "min_split_tiles": -(-self.cal.splits.min_split_tokens // TILE_TOKENS),
+                  **{k: t[k] for k in ("resident", "slowdown8", "overhead8", "max_ctas",
+                                       "free_slots", "room_slots", "room8", "room_chunk")},
+                  "read_scale": rt.read_scale, "depth_us": rt.depth_us, "tail_us": rt.tail_us,
+                  "split_us": rt.split_us, "merge_us": rt.merge_us, "room_us": rt.room_us,
+                  "fixed_us": rt.fixed_us + launches * eager}
+        return {f"{prefix}_{k}": v for k, v in fields.items()}
+
+
+@attrs.frozen
+class RuleDecision:
+    """What the device rule predicted for one step (per layer): the plain and shared µs, whether
+    the step shares, and the page re-reads it credited L2 with (plain step, chunk decode)."""
+
+    plain_us: float
+    shared_us: float
+    shared: bool
+    plain_rereads: int
+    chunk_rereads: int
+
+
+@attrs.frozen
+class SharingRule:
+    """Whether a step of device lengths shares: the twin of kernels/find_shared.cu's rule, the
+    host rule of ``SharedPagesRuntime`` (``_sharing_pays``) on the GPU's prefix chunks.
+
+    ``row``: the plain and own decodes (the model's G), ``chunk``: the chunk decode (group
+    C x G), each as its device planning cuts and times it. ``l2_saved_us``: per re-read page,
+    ``(1 - l2_reread_cost) * page bytes / beta`` (calibration ``sharing``); ``extra_us``: what
+    the shared path adds to its two decodes per layer (``sharing.overhead_us``, or its launches);
+    ``plain_extra_us``: what those launches add to a step the rule runs plain (a captured step
+    has them whatever it decides: the query gather, an idle chunk decode, the merge);
+    ``margin``: routes.toml ``[sharing] margin``.
+
+        plain  = max(T_row(step) - l2_saved_us * plain re-reads, 0) + plain_extra_us
+        shared = max(T_chunk(chunk prefixes) - l2_saved_us * chunk re-reads, 0)
+                 + T_row(own segments) + extra_us
+        shares when plain >= margin * shared
+
+    The re-reads are those of the prefix chunks (:func:`plan_prefix_chunks`): a plain step
+    re-reads each non-leader row's pages in common with its leader, the chunk decode each
+    leader's chunks' prefixes but the longest. Worked example (the H100 file, H_q 32, H_kv 8,
+    D 128, fp16, page 16, the fused route; 16 rows of a 1K shared prefix and 1K own tokens, 4
+    rows a chunk): plain = 47.4 us by the model less 960 re-read pages x 13.5 ns (0.607 of a
+    64 KiB page at beta) + 6.0 us (two launches in a graph) = 40.4 us; shared = four 1K chunks
+    16.9 us less 192 x 13.5 ns, + sixteen own 1K rows 24.8 us, + the measured 10.6 us = 49.7 us;
+    40.4 < 1.10 x 49.7: plain (measured on that GPU, benches/results/h100/shared-pages.json:
+    28.2 us a layer plain device planning, 54.6 the device-lengths step sharing it).
+    """
+
+    row: DecodeTime
+    chunk: DecodeTime
+    page_size: int
+    l2_saved_us: float
+    extra_us: float
+    plain_extra_us: float
+    margin: float
+
+    @staticmethod
+    def unavailable(row_cal, chunk_cal, row_kind: str, chunk_kind: str) -> str | None:
+        """Why the rule cannot be built for these calibrations and route kinds, or None: each
+        needs the measured time model of its kind, and both the same GPU constants (the kernel
+        reads one beta and SM count)."""
+        for name, cal, kind in (("the step's", row_cal, row_kind), ("the chunk decode's", chunk_cal, chunk_kind)):
+            if cal.route_time(kind) is None:
+                return f"{name} calibration has no measured time model of the {kind} route"
+        if (row_cal.beta_gbps, row_cal.sm_count) != (chunk_cal.beta_gbps, chunk_cal.sm_count):
+            return "the step's and the chunk decode's calibrations differ in beta_gbps or sm_count"
+        return None
+
+    def decide(self, seq, chunk_seq, own_seq, plain_rereads: int, chunk_rereads: int) -> RuleDecision:
+        """The decision on one step's lengths (int [B] each: the step's valid lengths, 0 for a bad
+        or idle row; the chunks' prefix tokens; the own segments' tokens, 0 for a bad row)."""
+        t_plain = max(self.row.us(seq) - self.l2_saved_us * plain_rereads, 0.0) + self.plain_extra_us
+        t_chunk = max(self.chunk.us(chunk_seq) - self.l2_saved_us * chunk_rereads, 0.0)
+        t_shared = t_chunk + self.row.us(own_seq) + self.extra_us
+        return RuleDecision(plain_us=t_plain, shared_us=t_shared, shared=t_plain >= self.margin * t_shared,
+                            plain_rereads=int(plain_rereads), chunk_rereads=int(chunk_rereads))
+
+    def kernel_fields(self) -> dict:
+        """``FindSharedParams``' rule fields (but the candidates' pointers and ``rule_out``)."""
+        cal = self.row.cal
+        token_bytes = self.row.num_kv_heads * self.row.head_dim * 2 * self.row.dtype_bytes
+        return {"rule": 1, "tile_tokens": TILE_TOKENS, "sms": cal.sm_count,
+                **self.row.kernel_fields("row"), **self.chunk.kernel_fields("chunk"),
+                "token_us": token_bytes / (cal.beta_gbps * 1e3), "l2_saved_us": self.l2_saved_us,
+                "extra_us": self.extra_us, "plain_extra_us": self.plain_extra_us, "margin": self.margin}

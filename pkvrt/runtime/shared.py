@@ -26,8 +26,10 @@ cuts the shared run differently per row).
 Device lengths (``device_planning=True``: lengths and block tables on the GPU, nothing read by
 the host): one kernel (kernels/find_shared.cu) finds each step's shared prefixes from the block
 tables (rows whose tables begin with the same pages: one level per leader row, the rule of
-:func:`pkvrt.policy.sharing.plan_prefix_chunks`) into fixed-shape buffers, and both decodes plan
-on the GPU from them. Every step then runs the shared path (B chunk slots, idle where nothing is
+:func:`pkvrt.policy.sharing.plan_prefix_chunks`) into fixed-shape buffers, keeps them only where
+the time model predicts the shared step faster (:meth:`~SharedPagesRuntime.device_rule`, decided
+in the same kernel; else the buffers describe the plain step), and both decodes plan on the GPU
+from them. Every step then runs the shared path's launches (B chunk slots, idle where nothing is
 shared), so a captured step replays whatever the sharing; its cost on a step without sharing is
 the detection, the query gather, an idle chunk decode and the merge (benches/shared_pages.py
 measures it).
@@ -89,7 +91,7 @@ class SharedPagesRuntime:
                              f"chunk at head dim {head_dim}")
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self._by_prediction = getattr(runtime_kw.get("options"), "shared_when_predicted_faster", True)
-        side = getattr(runtime_kw.get("options"), "shared_side_stream", True)
+        side = self._side_option = getattr(runtime_kw.get("options"), "shared_side_stream", True)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
         common = dict(runtime_kw, num_pages=num_pages, device_planning=device_planning)
@@ -123,6 +125,7 @@ class SharedPagesRuntime:
         self._side = _SideStream(self.device) if side and self.shared is not None and \
             self.device.type == "cuda" else None
         self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
+        self._rules: dict[int, tuple] = {}            # device lengths: the rule per row count
         self._found_rows = 0                          # the planned step's rows (0: none)
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
@@ -226,26 +229,80 @@ class SharedPagesRuntime:
         it). The chunk decode gets the same credit: the chunks of one shared run (rows past a
         chunk's capacity) each read its pages, and all but the first meet them in L2. Both from
         the calibration's time model; kept in ``sharing_prediction``."""
-        router = self.plain.router
-        cal = router.cal
-        # what the shared path adds per layer: measured in graphs (the calibration's
-        # sharing.overhead_us, with every row's own segment read in place; an own gather is one
-        # launch more), or its launches alone (eager launches: the overhead was not measured so)
-        lam = launch_us(cal, graphs=router.graphs)
-        measured = cal.sharing.overhead_us if cal.sharing is not None and router.graphs else None
-        extra = (2 + int(own_gather)) * lam if measured is None else measured + int(own_gather) * lam
-        # the plain step's re-reads of shared pages meet them in L2 (calibration `sharing`)
-        page_bytes = 2 * self.num_kv_heads * self.page_size * self.head_dim * router.dtype_bytes
-        reread_cost = cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0
+        cal = self.plain.router.cal
+        page_bytes, reread_cost = self._page_bytes(), self._reread_cost()
         t_plain = sharing.plain_step_us(self.plain.predict_step_us(seq), rereads, page_bytes,
                                         cal.beta_gbps, reread_cost)
         chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
         t_chunks = sharing.plain_step_us(self.shared.predict_step_us(sp.chunk_seq), chunk_rereads,
                                          page_bytes, cal.beta_gbps, reread_cost)
-        t_shared = t_chunks + self.own.predict_step_us(sp.own_seq) + extra
+        t_shared = t_chunks + self.own.predict_step_us(sp.own_seq) + self._extra_us(own_gather)
         margin = self.plain.registry.sharing_margin
         self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared, "margin": margin}
         return t_plain >= margin * t_shared
+
+    def _extra_us(self, own_gather: bool) -> float:
+        """What the shared path adds to its two decodes per layer: measured in graphs (the
+        calibration's ``sharing.overhead_us``, with every row's own segment read in place; an
+        own gather is one launch more), or its launches alone (eager launches: the overhead
+        was not measured so)."""
+        router = self.plain.router
+        cal = router.cal
+        lam = launch_us(cal, graphs=router.graphs)
+        measured = cal.sharing.overhead_us if cal.sharing is not None and router.graphs else None
+        return (2 + int(own_gather)) * lam if measured is None else measured + int(own_gather) * lam
+
+    def _page_bytes(self) -> int:
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.plain.router.dtype_bytes
+
+    def _reread_cost(self) -> float:
+        """A re-read of a page another row read, in first reads: it meets the page in L2
+        (calibration ``sharing.l2_reread_cost``; 1 without it)."""
+        cal = self.plain.router.cal
+        return cal.sharing.l2_reread_cost if cal.sharing is not None else 1.0
+
+    def device_rule(self, rows: int) -> sharing.SharingRule | None:
+        """The rule find_shared applies to a device-lengths step of ``rows`` rows
+        (:class:`pkvrt.policy.sharing.SharingRule`: keep the chunks found only where the time
+        model predicts the shared step faster), or None where there is none (``explain()`` says
+        why): each decode timed on the route its device planning runs at ``rows`` rows, on its
+        Runtime's calibration. Its constants are those of a CUDA graph, whatever this Runtime's
+        own graphs: a step of device lengths is captured, by the Runtime or by the engine
+        (the overhead it adds was measured so)."""
+        return self._device_rule(rows)[0]
+
+    def _device_rule(self, rows: int) -> tuple:
+        """(rule, why not, candidates) for ``rows`` rows, kept per row count (the candidates:
+        each decode's allowed split counts on the device, as its planning kernel reads them)."""
+        hit = self._rules.get(rows)
+        if hit is not None:
+            return hit
+        route = self.plain.registry.device_planning_route(rows)
+        cal_row, cal_chunk = self.plain.calibration, self.shared.calibration
+        why = ("options.shared_when_predicted_faster is off" if not self._by_prediction else
+               sharing.SharingRule.unavailable(cal_row, cal_chunk, route.kind, route.kind))
+        if why is not None:
+            hit = (None, why, None)
+        else:
+            common = dict(kind=route.kind, splits=route.splits, num_kv_heads=self.num_kv_heads,
+                          head_dim=self.head_dim, dtype_bytes=self.plain.router.dtype_bytes,
+                          graphs=True)
+            page_us = self._page_bytes() / (cal_row.beta_gbps * 1e3)
+            lam = cal_row.lambda_graph_us
+            measured = cal_row.sharing.overhead_us if cal_row.sharing is not None else None
+            rule = sharing.SharingRule(
+                row=sharing.DecodeTime(cal=cal_row, **common),
+                chunk=sharing.DecodeTime(cal=cal_chunk, **common),
+                page_size=self.page_size, margin=self.plain.registry.sharing_device_margin,
+                l2_saved_us=(1.0 - self._reread_cost()) * page_us,
+                extra_us=2 * lam if measured is None else measured,
+                # run plain, the step still launches the query gather and the merge (and the
+                # idle chunk decode, beside the own decode on the side stream, else after it)
+                plain_extra_us=(2 if self._side_option else 3) * lam)
+            cands = torch.tensor(route.splits.candidates(), dtype=torch.int32, device=self.device)
+            hit = (rule, None, (cands, cands))
+        self._rules[rows] = hit
+        return hit
 
     def _plan_device(self, seq_lens, block_tables, force: str | None):
         """plan() of device lengths: find_shared into the static buffers, then both decodes'
@@ -262,10 +319,12 @@ class SharedPagesRuntime:
         f = self._found_buffers(w)
         if bt.stride(1) != 1:   # find_shared reads rows of entries (any row stride)
             bt = bt.contiguous()
+        rule, _, cands = self._device_rule(b)
         ops.find_shared(seq, bt, f["chunk_seq"][:b], f["chunk_bt"][:b], f["own_seq"][:b],
                         f["own_bt"][:b], f["q_index"][:b * self.num_kv_heads * self.chunk * self.group],
                         f["slots"][:b], page_size=self.page_size, chunk_rows=self.chunk,
-                        group=self.group, num_kv_heads=self.num_kv_heads)
+                        group=self.group, num_kv_heads=self.num_kv_heads, rule=rule,
+                        candidates=cands, rule_out=f["rule_out"])
         self.shared.plan(f["chunk_seq"][:b], f["chunk_bt"][:b])
         d = self.own.plan(f["own_seq"][:b], f["own_bt"][:b])
         self._found_rows = b
@@ -282,13 +341,15 @@ class SharedPagesRuntime:
                      chunk_bt=torch.zeros(n, width, **i32), own_bt=torch.zeros(n, width, **i32),
                      q_index=torch.zeros(n * self.num_kv_heads * self.chunk * self.group,
                                          dtype=torch.int64, device=dev),
-                     slots=torch.full((n, 2), -1, dtype=torch.int64, device=dev))
+                     slots=torch.full((n, 2), -1, dtype=torch.int64, device=dev),
+                     rule_out=torch.zeros(5, dtype=torch.float64, device=dev))
             self._generation += 1
         return f
 
     def found(self) -> sharing.PrefixChunks | None:
-        """What find_shared wrote for the planned step (device lengths; None otherwise). Reads
-        the GPU buffers: it synchronizes (for tests and debugging, not the step loop)."""
+        """What find_shared wrote for the planned step (device lengths; None otherwise), with the
+        rule's decision where it decided (chunks found). Reads the GPU buffers: it synchronizes
+        (for tests and debugging, not the step loop)."""
         b = self._found_rows
         if not b:
             return None
@@ -301,9 +362,14 @@ class SharedPagesRuntime:
             if slots[r, 0] >= 0:
                 members[slots[r, 0] // c, slots[r, 0] % c] = r
         assert ((members < 0) | (members == q_rows)).all(), "q_index disagrees with slots"
+        out, decision = f["rule_out"], None
+        if self._device_rule(b)[0] is not None and out[2] >= 0:   # the rule decided
+            decision = sharing.RuleDecision(plain_us=float(out[0]), shared_us=float(out[1]),
+                                            shared=bool(out[2] == 1), plain_rereads=int(out[3]),
+                                            chunk_rereads=int(out[4]))
         return sharing.PrefixChunks(chunk_seq=f["chunk_seq"][:b], chunk_bt=f["chunk_bt"][:b],
                                     chunk_rows=members, own_seq=f["own_seq"][:b],
-                                    own_bt=f["own_bt"][:b], slots=slots)
+                                    own_bt=f["own_bt"][:b], slots=slots, decision=decision)
 
     def _stage(self, name: str, a: np.ndarray) -> torch.Tensor:
         """``a`` in the static int64 device buffer ``name`` (a view of its shape), copied from
@@ -428,9 +494,15 @@ class SharedPagesRuntime:
 
     def explain(self) -> str:
         if self._found_rows:
+            rule, why, _ = self._device_rule(self._found_rows)
+            kept = (f"kept where the time model predicts the shared step {rule.margin:g}x as fast "
+                    f"as the plain one (routes.toml [sharing] device_margin), else the plain step"
+                    if rule is not None
+                    else f"every one kept ({why})")
             return (f"SharedPagesRuntime: device lengths, shared prefixes found on the GPU "
                     f"(find_shared: up to {self._found_rows} chunks of up to {self.chunk} rows, one "
-                    f"level per leader row; found() reads them)\n" + self.own.explain())
+                    f"level per leader row; {kept}; found() reads them and the decision)\n"
+                    + self.own.explain())
         sp, p = self.plan_used, self.sharing_prediction
         told = (f"predicted {p['shared_us']:.1f} us a layer shared, {p['plain_us']:.1f} plain "
                 f"(L2 credit included; routes.toml [sharing] margin {p['margin']:g})" if p is not None else "")

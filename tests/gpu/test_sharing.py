@@ -189,17 +189,139 @@ def test_find_shared_kernel_matches_its_twin(case):
     assert twin.tokens_saved > 0 or b == 1
 
 
+# steps of benches/shared_pages.py (rows x (shared + own tokens)): the rule shares the first
+# three and runs the last two plain with the H100's and the H200's calibrations
+RULE_STEPS = [(8, 32768, 128), (32, 4096, 256), (64, 2048, 1024), (8, 8192, 512), (16, 1024, 1024)]
+
+
+def rule_step(rows, shared, own, seed):
+    """``rows`` rows of ``shared`` tokens' pages in common, then ``own`` tokens each (page 16)."""
+    return step([shared + own] * rows, [(list(range(rows)), shared // PAGE)],
+                rows * (-(-(shared + own) // PAGE)), seed)
+
+
+@pytest.mark.parametrize("margin", [None, 0.0, float("inf")], ids=["routes.toml", "always", "never"])
+@pytest.mark.parametrize("case", range(len(RULE_STEPS) + 3))
+def test_find_shared_rule_matches_its_twin(case, margin):
+    """find_shared with the rule (this GPU's calibration, H_q 32, H_kv 8, D 128; routes.toml's
+    margin, 0 and inf) against sharing.plan_prefix_chunks with the same rule: the decision, both
+    predicted times (the cut of each decode and its time, computed on the GPU), the re-reads,
+    and every output the decodes and the merge read. The bench's sharing steps and random
+    steps with nested prefixes and idle rows."""
+    import attrs
+
+    from pkvrt.launch import ops
+    from pkvrt.policy import sharing
+
+    if case < len(RULE_STEPS):
+        lens, bt = rule_step(*RULE_STEPS[case], seed=case)
+        page = PAGE
+    else:
+        lens, bt, page, _ = find_cases()[[0, 2, 5][case - len(RULE_STEPS)]]
+    b, w = bt.shape
+    hq, hkv = 32, 8
+    rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, page, torch.float16, max_batch=max(8, b),
+                                  max_pages_per_row=w, device_planning=True)
+    rule = rt.device_rule(b)
+    assert rule is not None, rt.explain()
+    if margin is not None:
+        rule = attrs.evolve(rule, margin=margin)
+    twin = sharing.plan_prefix_chunks(lens, bt, page, rt.chunk, rule=rule)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    out = dict(chunk_seq=torch.full((b,), -7, **i32), chunk_bt=torch.full((b, w), -7, **i32),
+               own_seq=torch.full((b,), -7, **i32), own_bt=torch.full((b, w), -7, **i32),
+               q_index=torch.full((b * hkv * rt.chunk * rt.group,), -7, dtype=torch.int64, device=DEV),
+               slots=torch.full((b, 2), -7, dtype=torch.int64, device=DEV))
+    rule_out = torch.full((5,), float("nan"), dtype=torch.float64, device=DEV)
+    cands = tuple(torch.tensor(d.splits.candidates(), **i32) for d in (rule.row, rule.chunk))
+    ops.find_shared(torch.as_tensor(lens, device=DEV), torch.as_tensor(bt, device=DEV), **out,
+                    page_size=page, chunk_rows=rt.chunk, group=rt.group, num_kv_heads=hkv,
+                    rule=rule, candidates=cands, rule_out=rule_out)
+    got = {k: v.cpu().numpy() for k, v in out.items()}
+    d, r = twin.decision, rule_out.cpu().numpy()
+    if d is None:   # no chunk found
+        assert r[2] == -1 and not (twin.slots[:, 0] >= 0).any()
+    else:
+        assert r[0] == pytest.approx(d.plain_us, rel=1e-9) and r[1] == pytest.approx(d.shared_us, rel=1e-9)
+        assert (r[3], r[4]) == (d.plain_rereads, d.chunk_rereads)
+        assert r[2] == float(d.shared)
+        if case < 3 and margin is None:
+            assert d.shared
+        elif case < len(RULE_STEPS) and margin is None:
+            assert not d.shared
+    for name in ("chunk_seq", "own_seq", "slots"):
+        np.testing.assert_array_equal(got[name], getattr(twin, name), err_msg=name)
+    np.testing.assert_array_equal(got["q_index"], twin.q_index(hkv, rt.group))
+    for v in range(b):
+        n = int(twin.chunk_seq[v]) // page
+        np.testing.assert_array_equal(got["chunk_bt"][v, :n], twin.chunk_bt[v, :n])
+    for row in np.nonzero((lens >= 1) & (lens <= w * page))[0]:
+        k = -(-int(twin.own_seq[row]) // page)
+        np.testing.assert_array_equal(got["own_bt"][row, :k], twin.own_bt[row, :k])
+
+
+def test_one_captured_step_follows_the_rule_both_ways():
+    """An engine's captured step (plan + run, device lengths, the rule on) replayed on a step the
+    rule runs plain (8 rows of 1K shared + 1K own) and on one it shares (8 rows of 15K shared +
+    1K own), in both orders, in one graph: the decision find_shared wrote (found()) is the
+    twin's, and the output matches the FP32 reference each time."""
+    from pkvrt.policy import sharing
+    from pkvrt.runtime.graphs import capture as capture_step
+
+    hq, hkv, rows, width = 32, 8, 8, 1040
+    num_pages = rows * width
+    steps = [step([2048] * rows, [(list(range(rows)), 64)], num_pages, seed=1),
+             step([16384] * rows, [(list(range(rows)), 960)], num_pages, seed=2)]
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    k = torch.randn(num_pages, hkv, PAGE, 128, device=DEV, dtype=torch.float16, generator=gen)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, hq, 128, device=DEV, dtype=torch.float16, generator=gen)
+    rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=rows,
+                                  max_pages_per_row=width, num_pages=num_pages, device_planning=True,
+                                  options=pkvrt.RuntimeOptions(use_cuda_graph=False))
+    seq_d = torch.zeros(rows, dtype=torch.int32, device=DEV)
+    bt_d = torch.zeros(rows, width, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+
+    def load(i):
+        seq, bt = steps[i]
+        seq_d.copy_(torch.as_tensor(seq))
+        bt_d.zero_()
+        bt_d[:, :bt.shape[1]] = torch.as_tensor(bt)
+
+    def body():
+        rt.plan(seq_d, bt_d)
+        rt.run(q, k, v, out=out)
+    for first in (0, 1):
+        load(first)
+        graph = capture_step(body).graph
+        for i in (first, 1 - first, first):
+            load(i)
+            out.fill_(float("nan"))
+            graph.replay()
+            seq, bt = steps[i]
+            twin = sharing.plan_prefix_chunks(seq, bt_d.cpu().numpy(), PAGE, rt.chunk,
+                                              rule=rt.device_rule(rows))
+            found = rt.found()
+            assert found.decision.shared == twin.decision.shared == (i == 1), (i, found.decision)
+            ref = reference.decode_attention(q, k, v, seq_d, bt_d)
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert err < 2e-3, (i, err, rt.explain())
+    assert rt.own.device_status() == 0 and rt.shared.device_status() == 0
+
+
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "engine graph"])
 @pytest.mark.parametrize("hq, hkv, lens, prefixes", CASES)
 def test_device_lengths_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture):
-    """SharedPagesRuntime(device_planning=True): lengths and block tables on the GPU. Captured
-    (plan + run in one graph, as an engine captures its step), the graph is replayed on the next
-    step's lengths and a block table with other sharing, and still matches the reference."""
+    """SharedPagesRuntime(device_planning=True): lengths and block tables on the GPU, every chunk
+    found kept (no rule). Captured (plan + run in one graph, as an engine captures its step), the
+    graph is replayed on the next step's lengths and a block table with other sharing, and still
+    matches the reference."""
     seq, bt = step(lens, prefixes, 8192, seed=len(lens))
     k = torch.randn(8192, hkv, PAGE, 128, device=DEV, dtype=torch.float16)
     v = torch.randn_like(k)
     q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
-    opts = pkvrt.RuntimeOptions(use_cuda_graph=False) if capture else None
+    opts = pkvrt.RuntimeOptions(shared_when_predicted_faster=False, use_cuda_graph=not capture)
     rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=16,
                                   max_pages_per_row=bt.shape[1] + 1, num_pages=8192,
                                   device_planning=True, options=opts)
@@ -252,11 +374,13 @@ def test_dropin_share_prefixes_in_cuda_graph_mode(page):
     from pkvrt.policy.blocktables import to_csr
 
     hq, hkv, d = 32, 8, 128
-    seq = np.array([3000 + 50 * i for i in range(6)], np.int32)
+    # a 15 000-token prefix shared by every row: the rule shares it (predicted 1.3-1.4x faster
+    # than the plain step with the H100 and H200 calibrations; a 1 600-token one it runs plain)
+    seq = np.array([16000 + 50 * i for i in range(8)], np.int32)
     width = -(-int(seq.max()) // page)
     num_pages = len(seq) * width
     bt = np.random.default_rng(7).permutation(num_pages).astype(np.int32).reshape(len(seq), width)
-    bt[1:, :1600 // page] = bt[0, :1600 // page]      # a 1 600-token prefix shared by every row
+    bt[1:, :15000 // page] = bt[0, :15000 // page]
     lens = seq.tolist()
     k = torch.randn(num_pages, page, hkv, d, device=DEV, dtype=torch.float16)   # NHD
     v = torch.randn_like(k)
@@ -282,7 +406,8 @@ def test_dropin_share_prefixes_in_cuda_graph_mode(page):
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < 2e-3, (err, w.explain())
     assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-3)
-    assert w.runtime.found().tokens_saved > 0, w.explain()
+    found = w.runtime.found()
+    assert found.tokens_saved > 0 and found.decision.shared, (found.decision, w.explain())
 
 
 @pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])

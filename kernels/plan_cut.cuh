@@ -1,0 +1,167 @@
+// plan_cut.cuh — the balanced partition's cut of a step and its time, on the GPU.
+//
+// The planning kernel (plan_workqueue.cu) cuts a step with it; find_shared.cu cuts three steps
+// with it (the plain step, the chunk decode, the own decode) to decide whether sharing pays.
+// Host twins: pkvrt/policy/planner.py partition_costs / partition_choice (the cut, the same
+// integer arithmetic) and pkvrt/policy/costmodel.py measured_us (the time, in double).
+//
+// The cut (planner.partition_costs). tiles_r = a row's tiles; L = max tiles, W = sum tiles. For
+// every candidate s (an allowed count with ceil(L/s) >= min_split_tiles; if none,
+// max(1, L / min_split_tiles)) the chunk is c = ceil(L/s), row r gets n_r = ceil(tiles_r / c)
+// splits, N = H_kv * sum n_r CTAs, N_big = H_kv * sum of n_r over rows whose largest split
+// ceil(tiles_r / n_r) exceeds c/2 (the other rows are small: W_small = H_kv * their tiles,
+// N_small = N - N_big). With S = sms, R = resident * S, full = N_big / R, rem = N_big % R and
+// load8(k) = 8 + (k-1)*(slowdown8-8):
+//     cost = max((8c + f8) * (full * load8(resident) + (rem ? load8(ceil(rem / S)) : 0)) * S
+//                  + (8 * W_small + N_small * f8) * (slowdown8 - 8),
+//                W8 * (N > S ? load8(resident) / resident : 8))                 (int64)
+// W8 = 8 * H_kv * W + N * f8 (the average load at the GPU's best throughput; integer division).
+// f8 = the CTA overhead in eighths of a tile (planner.PartitionModel). The chosen s has the
+// least cost + room charge (with free = (-N) mod R: room8 * S * (room_slots - free) / room_slots
+// when free < room_slots and c <= room_chunk, else 0), then the fewest CTAs, then the smallest
+// s, among candidates with N <= max_ctas (the first candidate is always eligible) and, on a
+// one-row step, when any of them does, (-N) mod R >= free_slots (the last wave leaves slots for
+// the merge). Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate).
+//
+// The time (costmodel.measured_us of one launch group, in a CUDA graph):
+//     T = max(read_scale * read_us, depth_us * depth) + tail_us * sqrt(cost / (64 S))
+//         + split_us * max n_r + merge_us * H_kv * (sum of n_r > 1) / S
+//         + room_us * room / (64 S) + fixed_us,      depth = ceil(N / R) * c
+// read_us: the K/V bytes the step reads at the calibration's beta.
+#pragma once
+
+#include <stdint.h>
+
+namespace pkv {
+
+// planner.PartitionModel of one Runtime's calibration, with its route's allowed split counts.
+struct CutModel {
+  const int* candidates;  // ascending allowed split counts of the route (<= 64)
+  int num_candidates;
+  int min_split_tiles;
+  int sms;        // S
+  int resident;   // decode CTAs resident per SM
+  int slowdown8;  // an SM's time with two resident CTAs over one, eighths
+  int overhead8;  // f8: a CTA's fixed cost, eighths of a tile
+  int max_ctas;   // candidates planning more CTAs are skipped (the first is always eligible)
+  int free_slots, room_slots, room8, room_chunk;
+};
+
+struct Cut {
+  int chunk;        // c, tiles per split
+  int ctas;         // N
+  long long cost;   // the makespan model of the cut (1/64 tile times S), without the room charge
+  long long room;   // the room charge the choice added to it
+};
+
+// calibration RouteTime of the route kind (µs)
+struct CutTime {
+  double read_scale, depth_us, tail_us, split_us, merge_us, room_us, fixed_us;
+};
+
+__device__ __forceinline__ int cut_ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ long long load8(int k, int slowdown8) {
+  return 8 + (long long)(k - 1) * (slowdown8 - 8);
+}
+
+// The cut of a step of `rows` rows whose tiles are tiles[0, rows) (shared memory; longest and
+// total their max and sum). Block-wide: every thread of a CTA of THREADS threads calls it with
+// the same arguments, and every thread gets the cut. The candidates are read by thread 0.
+template <int THREADS>
+__device__ Cut choose_cut(const int* tiles, int rows, int longest, long long total_tiles,
+                          int num_kv_heads, const CutModel& m) {
+  __shared__ int cand[64];
+  __shared__ long long cost_of[64];
+  __shared__ int ctas_of[64], chunk_of[64];
+  __shared__ int num_cand;
+  __shared__ Cut chosen;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    // Candidates whose chunk is at least min_split_tiles (else the row cap alone).
+    int n = 0;
+    for (int i = 0; i < m.num_candidates; ++i)
+      if (longest > 0 && cut_ceil_div(longest, m.candidates[i]) >= m.min_split_tiles)
+        cand[n++] = m.candidates[i];
+    if (n == 0) cand[n++] = max(1, longest / m.min_split_tiles);
+    num_cand = n;
+  }
+  __syncthreads();
+
+  // Cost of every candidate: warp w takes candidates w, w + 32.
+  const int L = longest, H = num_kv_heads, S = m.sms, R = m.resident * m.sms, f8 = m.overhead8;
+  for (int k = warp; k < num_cand; k += THREADS / 32) {
+    const int c = L > 0 ? cut_ceil_div(L, cand[k]) : 1;
+    int n_all = 0, n_big = 0, w_small = 0;
+    for (int r = lane; r < rows; r += 32) {
+      const int tr = tiles[r];
+      if (tr > 0) {
+        const int n = cut_ceil_div(tr, c);
+        n_all += n;
+        if (2 * cut_ceil_div(tr, n) > c) n_big += n;
+        else w_small += tr;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      n_all += __shfl_xor_sync(0xffffffffu, n_all, o);
+      n_big += __shfl_xor_sync(0xffffffffu, n_big, o);
+      w_small += __shfl_xor_sync(0xffffffffu, w_small, o);
+    }
+    if (lane == 0) {
+      const long long ctas = (long long)H * n_all, big = (long long)H * n_big;
+      const long long full = big / R, rem = big % R;
+      const long long loads = full * load8(m.resident, m.slowdown8) +
+                              (rem > 0 ? load8((int)((rem + S - 1) / S), m.slowdown8) : 0);
+      const long long beside = (8LL * H * w_small + (ctas - big) * f8) * (m.slowdown8 - 8);
+      const long long a = (8LL * c + f8) * loads * S + beside;
+      const long long work = 8LL * H * total_tiles + ctas * f8;
+      const long long b = ctas > S ? work * load8(m.resident, m.slowdown8) / m.resident : work * 8;
+      cost_of[k] = a > b ? a : b;
+      ctas_of[k] = (int)ctas;
+      chunk_of[k] = c;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // Least cost, then fewest CTAs, then smallest s, within max_ctas (the first candidate always
+    // eligible); on a one-row step first among the cuts whose last wave leaves free_slots
+    // resident slots free, so the merge becomes resident during the decode
+    // (planner.partition_choice).
+    int best = -1;
+    long long best_charged = 0, best_room = 0;
+    for (int pass = m.free_slots > 0 && rows == 1 ? 0 : 1; pass < 2 && best < 0; ++pass) {
+      for (int k = 0; k < num_cand; ++k) {
+        if (k > 0 && ctas_of[k] > m.max_ctas) continue;
+        const int free = (R - ctas_of[k] % R) % R;
+        if (pass == 0 && free < m.free_slots) continue;
+        // the last wave's room charge (planner.PartitionModel.room_charge)
+        const long long room = m.room_slots > 0 && free < m.room_slots && chunk_of[k] <= m.room_chunk
+            ? (long long)m.room8 * S * (m.room_slots - free) / m.room_slots : 0LL;
+        const long long charged = cost_of[k] + room;
+        const bool better = best < 0 || charged < best_charged ||
+                            (charged == best_charged && ctas_of[k] < ctas_of[best]);
+        if (better) { best = k; best_charged = charged; best_room = room; }
+      }
+    }
+    chosen = Cut{chunk_of[best], ctas_of[best], cost_of[best], best_room};
+  }
+  __syncthreads();
+  const Cut cut = chosen;
+  __syncthreads();  // the scratch above may be reused by the next call
+  return cut;
+}
+
+// costmodel.measured_us of the launch group of `cut` (module comment): read_us the K/V bytes'
+// time at beta, max_splits = max n_r, merged_splits = sum of the n_r > 1.
+__device__ __forceinline__ double cut_time_us(const CutTime& t, const CutModel& m, const Cut& cut,
+                                              double read_us, int max_splits, long long merged_splits,
+                                              int num_kv_heads) {
+  const double S = m.sms;
+  const long long R = (long long)m.resident * m.sms;
+  const double depth = (double)((cut.ctas + R - 1) / R) * cut.chunk;
+  return fmax(t.read_scale * read_us, t.depth_us * depth) + t.tail_us * sqrt(cut.cost / (64.0 * S)) +
+         t.split_us * max_splits + t.merge_us * (double)(num_kv_heads * merged_splits) / S +
+         t.room_us * (cut.room / (64.0 * S)) + t.fixed_us;
+}
+
+}  // namespace pkv
