@@ -312,8 +312,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         :class:`pkvrt.SharedPagesRuntime`, which reads pages that several rows share at the
         same positions (SGLang's radix cache, vLLM's prefix caching, n > 1 sampling) once per
         chunk of rows. In CUDA-graph mode the sharing is found on the GPU every step (rows whose
-        tables begin with the same pages); otherwise on the host, and used where the time model
-        predicts the shared path faster than the plain step. Plans with a sliding window
+        tables begin with the same pages); otherwise on the host; either way used where the time
+        model predicts the shared path faster than the plain step. Plans with a sliding window
         run the plain Runtime. On steps that share nothing it costs launches: turn it on where
         the engine serves with prefix caching.
     """
