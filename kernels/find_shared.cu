@@ -31,7 +31,8 @@
 //                          (without the rule: 1 or -1, the rest 0)
 // The rule (rule = 1; pkvrt.policy.sharing.SharingRule is its twin): where chunks were found, the
 // step shares only if the calibration's time model (plan_cut.cuh: the cut each decode's planning
-// kernel will take, and its time) predicts the plain step at least `margin` times the shared one:
+// kernel will take, and its time) predicts the plain step at least `margin` (routes.toml
+// [sharing] device_margin) times the shared one:
 //   plain  = T(plain decode of the step's lengths) - l2_saved_us * (pages each row shares with
 //            its leader, summed over the rows that are not leaders: what the plain step re-reads)
 //            + plain_extra_us (the shared path's launches run whatever the decision: a step run
@@ -86,7 +87,7 @@ struct FindSharedParams {
   double l2_saved_us;        // µs a re-read page costs less than a first read: (1 - l2_reread_cost) * page / beta
   double extra_us;           // what the shared path adds to its two decodes per layer
   double plain_extra_us;     // what its launches add to a step run plain (idle chunk decode)
-  double margin;             // routes.toml [sharing] margin
+  double margin;             // routes.toml [sharing] device_margin
   double* rule_out;          // [5] or null
 };
 

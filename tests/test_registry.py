@@ -164,6 +164,8 @@ ERRORS = [
      ["[sharing] margin: 0.9 is not a promotion margin", "expected a number >= 1.0 or inf"]),
     ("sharing-margin-not-a-number", '[sharing]\nmargin = "1.1"\n' + BASE, ['[sharing] margin: "1.1" is not a number']),
     ("sharing-missing-margin", "[sharing]\n" + BASE, ["[sharing] margin", "missing"]),
+    ("sharing-device-margin-below-one", "[sharing]\nmargin = 1.1\ndevice_margin = 0.5\n" + BASE,
+     ["[sharing] device_margin: 0.5 is not a promotion margin", "expected a number >= 1.0 or inf"]),
     ("sharing-unknown-key", "[sharing]\nmargin = 1.1\ngain = 2\n" + BASE, ["[sharing] gain: unknown key", "margin"]),
     ("unknown-gate-key", edit("min_active = 1", "min_active = 1\nmin_ctx = 3"),
      ["[gates] min_ctx: unknown key", "group_sizes"]),

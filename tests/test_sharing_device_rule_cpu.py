@@ -163,6 +163,16 @@ def test_device_lengths_follow_the_rule_exactly(fake_device, pool, margin, share
     assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
 
 
+def test_no_rule_without_a_chunk_decode(fake_device):  # noqa: F811
+    """G above the chunk capacity (one row a chunk): no chunk decode, so no rule, and said so."""
+    rt = SharedPagesRuntime(32, 2, 64, 16, torch.float16, routes=ROUTES, max_batch=8,
+                            max_pages_per_row=64, device_planning=True,
+                            calibration=REPO / "calibration" / f"{CALIBRATIONS[0]}.json",
+                            options=RuntimeOptions(flashinfer=False))
+    assert rt.shared is None and rt.device_rule(4) is None
+    assert rt._device_rule(4)[1] == "no chunk decode: one row of G 16 a chunk"
+
+
 def test_without_a_time_model_every_chunk_is_kept(fake_device, pool):  # noqa: F811
     """A calibration without the measured time model of the device route (the seed file): no
     rule, every chunk found is kept, and explain() says why."""
@@ -203,5 +213,8 @@ def test_find_shared_refuses_a_bad_rule_buffer():
     with pytest.raises(ops.KernelArgumentError, match=r"candidates \(chunk\): expected an int32"):
         ops.find_shared(*args, **kw, rule=rule, candidates=(cands, cands[:3]),
                         rule_out=torch.zeros(5, dtype=torch.float64))
+    for bad in (None, (cands,)):
+        with pytest.raises(ops.KernelArgumentError, match=r"candidates: expected a \(row, chunk\) pair"):
+            ops.find_shared(*args, **kw, rule=rule, candidates=bad)
     with pytest.raises(ops.KernelArgumentError, match=r"candidates \(row\)"):
-        ops.find_shared(*args, **kw, rule=rule, candidates=None)
+        ops.find_shared(*args, **kw, rule=rule, candidates=(cands[:2], cands))

@@ -786,7 +786,9 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
         fields = rule.kernel_fields()
         for name, value in fields.items():
             setattr(p, name, value)
-        for which, t in zip(("row", "chunk"), candidates or (None, None)):
+        if not isinstance(candidates, (tuple, list)) or len(candidates) != 2:
+            _fail("candidates", "a (row, chunk) pair of int32 tensors on the device", candidates)
+        for which, t in zip(("row", "chunk"), candidates):
             n = fields[f"{which}_num_candidates"]
             if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != dev \
                     or tuple(t.shape) != (n,) or not 1 <= n <= 64:

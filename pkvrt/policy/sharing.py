@@ -399,7 +399,7 @@ class SharingRule:
     the shared path adds to its two decodes per layer (``sharing.overhead_us``, or its launches);
     ``plain_extra_us``: what those launches add to a step the rule runs plain (a captured step
     has them whatever it decides: the query gather, an idle chunk decode, the merge);
-    ``margin``: routes.toml ``[sharing] margin``.
+    ``margin``: routes.toml ``[sharing] device_margin``.
 
         plain  = max(T_row(step) - l2_saved_us * plain re-reads, 0) + plain_extra_us
         shared = max(T_chunk(chunk prefixes) - l2_saved_us * chunk re-reads, 0)
@@ -413,7 +413,7 @@ class SharingRule:
     rows a chunk): plain = 47.4 us by the model less 960 re-read pages x 13.5 ns (0.607 of a
     64 KiB page at beta) + 6.0 us (two launches in a graph) = 40.4 us; shared = four 1K chunks
     16.9 us less 192 x 13.5 ns, + sixteen own 1K rows 24.8 us, + the measured 10.6 us = 49.7 us;
-    40.4 < 1.10 x 49.7: plain (measured on that GPU, benches/results/h100/shared-pages.json:
+    40.4 < 1.0 x 49.7: plain (measured on that GPU, benches/results/h100/shared-pages.json:
     28.2 us a layer plain device planning, 54.6 the device-lengths step sharing it).
     """
 

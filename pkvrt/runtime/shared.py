@@ -126,6 +126,11 @@ class SharedPagesRuntime:
             self.device.type == "cuda" else None
         self._found: dict[str, torch.Tensor] = {}   # device lengths: find_shared's outputs
         self._rules: dict[int, tuple] = {}            # device lengths: the rule per row count
+        # ... and each device-planning route's split counts on the device, as the planning
+        # kernels read them (made here: a host-to-device copy cannot happen in a capture)
+        self._cands = {r.name: torch.tensor(r.splits.candidates(), dtype=torch.int32, device=self.device)
+                       for r in self.plain.registry.routes if r.kind in ("workqueue", "fused")
+                       } if device_planning and self.shared is not None else {}
         self._found_rows = 0                          # the planned step's rows (0: none)
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
@@ -278,9 +283,14 @@ class SharedPagesRuntime:
         if hit is not None:
             return hit
         route = self.plain.registry.device_planning_route(rows)
-        cal_row, cal_chunk = self.plain.calibration, self.shared.calibration
-        why = ("options.shared_when_predicted_faster is off" if not self._by_prediction else
-               sharing.SharingRule.unavailable(cal_row, cal_chunk, route.kind, route.kind))
+        if self.shared is None:
+            why = f"no chunk decode: one row of G {self.group} a chunk"
+        elif not self._by_prediction:
+            why = "options.shared_when_predicted_faster is off"
+        else:
+            why = sharing.SharingRule.unavailable(self.plain.calibration, self.shared.calibration,
+                                                  route.kind, route.kind)
+        cal_row = self.plain.calibration
         if why is not None:
             hit = (None, why, None)
         else:
@@ -292,14 +302,14 @@ class SharedPagesRuntime:
             measured = cal_row.sharing.overhead_us if cal_row.sharing is not None else None
             rule = sharing.SharingRule(
                 row=sharing.DecodeTime(cal=cal_row, **common),
-                chunk=sharing.DecodeTime(cal=cal_chunk, **common),
+                chunk=sharing.DecodeTime(cal=self.shared.calibration, **common),
                 page_size=self.page_size, margin=self.plain.registry.sharing_device_margin,
                 l2_saved_us=(1.0 - self._reread_cost()) * page_us,
                 extra_us=2 * lam if measured is None else measured,
                 # run plain, the step still launches the query gather and the merge (and the
                 # idle chunk decode, beside the own decode on the side stream, else after it)
                 plain_extra_us=(2 if self._side_option else 3) * lam)
-            cands = torch.tensor(route.splits.candidates(), dtype=torch.int32, device=self.device)
+            cands = self._cands[route.name]
             hit = (rule, None, (cands, cands))
         self._rules[rows] = hit
         return hit

@@ -189,8 +189,9 @@ def test_find_shared_kernel_matches_its_twin(case):
     assert twin.tokens_saved > 0 or b == 1
 
 
-# steps of benches/shared_pages.py (rows x (shared + own tokens)): the rule shares the first
-# three and runs the last two plain with the H100's and the H200's calibrations
+# steps of benches/shared_pages.py (rows x (shared + own tokens)): the rule (routes.toml's
+# device_margin) shares the first four and runs the last plain with the H100's and the H200's
+# calibrations (tests/test_sharing_device_rule_cpu.py)
 RULE_STEPS = [(8, 32768, 128), (32, 4096, 256), (64, 2048, 1024), (8, 8192, 512), (16, 1024, 1024)]
 
 
@@ -245,10 +246,8 @@ def test_find_shared_rule_matches_its_twin(case, margin):
         assert r[0] == pytest.approx(d.plain_us, rel=1e-9) and r[1] == pytest.approx(d.shared_us, rel=1e-9)
         assert (r[3], r[4]) == (d.plain_rereads, d.chunk_rereads)
         assert r[2] == float(d.shared)
-        if case < 3 and margin is None:
-            assert d.shared
-        elif case < len(RULE_STEPS) and margin is None:
-            assert not d.shared
+        if case < len(RULE_STEPS) and margin is None:
+            assert d.shared == (case < len(RULE_STEPS) - 1), d
     for name in ("chunk_seq", "own_seq", "slots"):
         np.testing.assert_array_equal(got[name], getattr(twin, name), err_msg=name)
     np.testing.assert_array_equal(got["q_index"], twin.q_index(hkv, rt.group))
