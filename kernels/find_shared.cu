@@ -114,20 +114,54 @@ __device__ int block_max(int x, long long* scratch) {
   return (int)m;
 }
 
-// The time model's µs of a decode of B rows whose lengths are `len` (this thread's row; 0 for an
-// idle row or a thread past B), cut as its planning kernel will cut it (plan_cut.cuh).
-// tiles: [1024] shared scratch.
-__device__ double decode_us(int len, int rows, const pkv::CutModel& m, const pkv::CutTime& t,
-                            const FindSharedParams& p, int* tiles, long long* scratch) {
+// One decode's cut and what its time needs (plan_cut.cuh), kept in shared memory.
+struct DecodeCut {
+  pkv::Cut cut;
+  long long tokens;   // K/V tokens it reads
+  long long merged;   // sum of the n_r > 1
+  int max_splits;
+};
+
+// The cut of a decode of B rows whose lengths are `len` (this thread's row; 0 for an idle row or
+// a thread past B), as its planning kernel will cut it: the row model's (the plain and own
+// decodes) or the chunk model's (CHUNK); written to *out by thread 0. tiles: [1024] shared
+// scratch. (A template, so that the model's fields stay operands of the parameter bank rather
+// than registers: at 1024 threads the kernel has 64.)
+template <bool CHUNK>
+__device__ void decode_cut(int len, const FindSharedParams& p, int* tiles, long long* scratch,
+                           DecodeCut* out) {
   const int tr = len > 0 ? pkv::cut_ceil_div(len, p.tile_tokens) : 0;
   tiles[threadIdx.x] = tr;
   const long long tokens = block_sum(len, scratch), total = block_sum(tr, scratch);
+  if (threadIdx.x == 0) out->tokens = tokens;   // (not held through the cut)
   const int longest = block_max(tr, scratch);   // (its syncs publish tiles[])
-  const pkv::Cut cut = pkv::choose_cut<PKV_FIND_THREADS>(tiles, rows, longest, total, p.num_kv_heads, m);
+  const pkv::CutModel m = CHUNK
+      ? pkv::CutModel{p.chunk_candidates, p.chunk_num_candidates, p.chunk_min_split_tiles, p.sms,
+                      p.chunk_resident, p.chunk_slowdown8, p.chunk_overhead8, p.chunk_max_ctas,
+                      p.chunk_free_slots, p.chunk_room_slots, p.chunk_room8, p.chunk_room_chunk}
+      : pkv::CutModel{p.row_candidates, p.row_num_candidates, p.row_min_split_tiles, p.sms,
+                      p.row_resident, p.row_slowdown8, p.row_overhead8, p.row_max_ctas,
+                      p.row_free_slots, p.row_room_slots, p.row_room8, p.row_room_chunk};
+  const pkv::Cut cut = pkv::choose_cut<PKV_FIND_THREADS>(tiles, p.rows, longest, total, p.num_kv_heads, m);
   const int n = tr > 0 ? pkv::cut_ceil_div(tr, cut.chunk) : 0;
   const int max_splits = block_max(n, scratch);
   const long long merged = block_sum(n > 1 ? n : 0, scratch);
-  return pkv::cut_time_us(t, m, cut, tokens * p.token_us, max_splits, merged, p.num_kv_heads);
+  if (threadIdx.x == 0) {
+    out->cut = cut;
+    out->merged = merged;
+    out->max_splits = max_splits;
+  }
+}
+
+// Its time (thread 0).
+__device__ double decode_us(const DecodeCut& d, bool chunk_model, const FindSharedParams& p) {
+  const pkv::CutTime t = chunk_model
+      ? pkv::CutTime{p.chunk_read_scale, p.chunk_depth_us, p.chunk_tail_us, p.chunk_split_us,
+                     p.chunk_merge_us, p.chunk_room_us, p.chunk_fixed_us}
+      : pkv::CutTime{p.row_read_scale, p.row_depth_us, p.row_tail_us, p.row_split_us,
+                     p.row_merge_us, p.row_room_us, p.row_fixed_us};
+  return pkv::cut_time_us(t, p.sms, chunk_model ? p.chunk_resident : p.row_resident, d.cut,
+                          d.tokens * p.token_us, d.max_splits, d.merged, p.num_kv_heads);
 }
 
 extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
@@ -219,24 +253,15 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
   __syncthreads();
 
   // 4b. The rule (header): keep the chunks only where the shared step is predicted faster.
-  const bool valid = len >= 1 && len <= (p.width << p.page_size_log2);
-  const int my_run = tid < B && chunk_of[tid] >= 0 ? prefix_of[chunk_of[tid] / C] : 0;
   const bool found = __syncthreads_or(tid < B && chunk_of[tid] >= 0);
   if (p.rule_out != nullptr && tid < 5) p.rule_out[tid] = tid != 2 ? 0.0 : found ? 1.0 : -1.0;
   if (p.rule && found) {
+    // (its partial results in shared memory, so that no value outlives the three cuts in
+    // registers: the kernel has 64 at 1024 threads)
     __shared__ long long scratch[PKV_FIND_THREADS / 32];
+    __shared__ double part_us[3];   // plain, chunk, own
+    __shared__ long long rereads[2];
     int* tiles = first_of;   // free since the leaders were found
-    const pkv::CutModel row{p.row_candidates, p.row_num_candidates, p.row_min_split_tiles, p.sms,
-                            p.row_resident, p.row_slowdown8, p.row_overhead8, p.row_max_ctas,
-                            p.row_free_slots, p.row_room_slots, p.row_room8, p.row_room_chunk};
-    const pkv::CutModel chunk{p.chunk_candidates, p.chunk_num_candidates, p.chunk_min_split_tiles,
-                              p.sms, p.chunk_resident, p.chunk_slowdown8, p.chunk_overhead8,
-                              p.chunk_max_ctas, p.chunk_free_slots, p.chunk_room_slots,
-                              p.chunk_room8, p.chunk_room_chunk};
-    const pkv::CutTime row_t{p.row_read_scale, p.row_depth_us, p.row_tail_us, p.row_split_us,
-                             p.row_merge_us, p.row_room_us, p.row_fixed_us};
-    const pkv::CutTime chunk_t{p.chunk_read_scale, p.chunk_depth_us, p.chunk_tail_us,
-                               p.chunk_split_us, p.chunk_merge_us, p.chunk_room_us, p.chunk_fixed_us};
     // re-reads: the plain step's (each non-leader row's pages in common with its leader) and the
     // chunks' (each leader's chunks read its first pages: all but the longest prefix again)
     const long long plain_rereads =
@@ -247,20 +272,31 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
     if (prefix > 0) atomicMax(&base_of[lead_of_chunk[tid]], prefix);
     __syncthreads();
     const long long chunk_rereads = block_sum(prefix, scratch) - block_sum(base_of[tid], scratch);
-    const double t_plain = fmax(decode_us(valid ? len : 0, B, row, row_t, p, tiles, scratch) -
-                                p.l2_saved_us * plain_rereads, 0.0) + p.plain_extra_us;
-    const double t_chunk = fmax(decode_us(prefix << p.page_size_log2, B, chunk, chunk_t, p, tiles, scratch) -
-                                p.l2_saved_us * chunk_rereads, 0.0);
-    const double t_own = decode_us(valid ? len - (my_run << p.page_size_log2) : 0, B, row, row_t, p,
-                                   tiles, scratch);
-    const double t_shared = t_chunk + t_own + p.extra_us;
-    const bool share = t_plain >= p.margin * t_shared;
+    if (tid == 0) {
+      rereads[0] = plain_rereads;
+      rereads[1] = chunk_rereads;
+    }
+    const int n = tid < B ? p.seq_lens[tid] : 0;   // (read again: not held through the cuts)
+    const bool valid = n >= 1 && n <= (p.width << p.page_size_log2);
+    const int run = tid < B && chunk_of[tid] >= 0 ? prefix_of[chunk_of[tid] / C] : 0;
+    __shared__ DecodeCut cuts[3];   // plain, chunk, own
+    decode_cut<false>(valid ? n : 0, p, tiles, scratch, &cuts[0]);
+    decode_cut<true>(prefix << p.page_size_log2, p, tiles, scratch, &cuts[1]);
+    decode_cut<false>(valid ? n - (run << p.page_size_log2) : 0, p, tiles, scratch, &cuts[2]);
+    if (tid == 0) {
+      part_us[0] = fmax(decode_us(cuts[0], false, p) - p.l2_saved_us * rereads[0], 0.0) + p.plain_extra_us;
+      part_us[1] = fmax(decode_us(cuts[1], true, p) - p.l2_saved_us * rereads[1], 0.0);
+      part_us[2] = decode_us(cuts[2], false, p);
+    }
+    __syncthreads();
+    const double t_shared = part_us[1] + part_us[2] + p.extra_us;
+    const bool share = part_us[0] >= p.margin * t_shared;
     if (p.rule_out != nullptr && tid == 0) {
-      p.rule_out[0] = t_plain;
+      p.rule_out[0] = part_us[0];
       p.rule_out[1] = t_shared;
       p.rule_out[2] = share ? 1.0 : 0.0;
-      p.rule_out[3] = (double)plain_rereads;
-      p.rule_out[4] = (double)chunk_rereads;
+      p.rule_out[3] = (double)rereads[0];
+      p.rule_out[4] = (double)rereads[1];
     }
     if (!share) {   // the plain step: no chunk, every row's own segment its whole table
       chunk_of[tid] = -1;
@@ -272,6 +308,8 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
 
   // 5. Slots, q gather indices, lengths; then the block-table copies, a warp per row.
   const int hq = HKV * G;
+  len = tid < B ? p.seq_lens[tid] : 0;   // (read again: not held through the rule's cuts)
+  const bool valid = len >= 1 && len <= (p.width << p.page_size_log2);
   if (tid < B) {
     const int slot = chunk_of[tid];
     const int run = slot >= 0 ? prefix_of[slot / C] : 0;

@@ -151,13 +151,14 @@ __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long tot
   return cut;
 }
 
-// costmodel.measured_us of the launch group of `cut` (module comment): read_us the K/V bytes'
-// time at beta, max_splits = max n_r, merged_splits = sum of the n_r > 1.
-__device__ __forceinline__ double cut_time_us(const CutTime& t, const CutModel& m, const Cut& cut,
+// costmodel.measured_us of the launch group of `cut` (module comment) on `sms` SMs of `resident`
+// decode CTAs each: read_us the K/V bytes' time at beta, max_splits = max n_r, merged_splits =
+// sum of the n_r > 1.
+__device__ __forceinline__ double cut_time_us(const CutTime& t, int sms, int resident, const Cut& cut,
                                               double read_us, int max_splits, long long merged_splits,
                                               int num_kv_heads) {
-  const double S = m.sms;
-  const long long R = (long long)m.resident * m.sms;
+  const double S = sms;
+  const long long R = (long long)resident * sms;
   const double depth = (double)((cut.ctas + R - 1) / R) * cut.chunk;
   return fmax(t.read_scale * read_us, t.depth_us * depth) + t.tail_us * sqrt(cut.cost / (64.0 * S)) +
          t.split_us * max_splits + t.merge_us * (double)(num_kv_heads * merged_splits) / S +
