@@ -124,22 +124,22 @@ struct DecodeCut {
 
 // The cut of a decode of B rows whose lengths are `len` (this thread's row; 0 for an idle row or
 // a thread past B), as its planning kernel will cut it: the row model's (the plain and own
-// decodes) or the chunk model's (CHUNK); written to *out by thread 0. tiles: [1024] shared
-// scratch. (A template, so that the model's fields stay operands of the parameter bank rather
+// decodes) or the chunk model's (CHUNK), whose candidates (in shared memory) thread 0 reads;
+// written to *out by thread 0. tiles: [1024] shared scratch. (A template, so that the model's fields stay operands of the parameter bank rather
 // than registers: at 1024 threads the kernel has 64.)
 template <bool CHUNK>
-__device__ void decode_cut(int len, const FindSharedParams& p, int* tiles, long long* scratch,
-                           DecodeCut* out) {
+__device__ void decode_cut(int len, const FindSharedParams& p, const int* candidates, int* tiles,
+                           long long* scratch, DecodeCut* out) {
   const int tr = len > 0 ? pkv::cut_ceil_div(len, p.tile_tokens) : 0;
   tiles[threadIdx.x] = tr;
   const long long tokens = block_sum(len, scratch), total = block_sum(tr, scratch);
   if (threadIdx.x == 0) out->tokens = tokens;   // (not held through the cut)
   const int longest = block_max(tr, scratch);   // (its syncs publish tiles[])
   const pkv::CutModel m = CHUNK
-      ? pkv::CutModel{p.chunk_candidates, p.chunk_num_candidates, p.chunk_min_split_tiles, p.sms,
+      ? pkv::CutModel{candidates, p.chunk_num_candidates, p.chunk_min_split_tiles, p.sms,
                       p.chunk_resident, p.chunk_slowdown8, p.chunk_overhead8, p.chunk_max_ctas,
                       p.chunk_free_slots, p.chunk_room_slots, p.chunk_room8, p.chunk_room_chunk}
-      : pkv::CutModel{p.row_candidates, p.row_num_candidates, p.row_min_split_tiles, p.sms,
+      : pkv::CutModel{candidates, p.row_num_candidates, p.row_min_split_tiles, p.sms,
                       p.row_resident, p.row_slowdown8, p.row_overhead8, p.row_max_ctas,
                       p.row_free_slots, p.row_room_slots, p.row_room8, p.row_room_chunk};
   const pkv::Cut cut = pkv::choose_cut<PKV_FIND_THREADS>(tiles, p.rows, longest, total, p.num_kv_heads, m);
@@ -179,6 +179,12 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
   __shared__ int warp_sums[32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int B = p.rows, C = p.chunk_rows, G = p.group, HKV = p.num_kv_heads;
+  // the rule's split counts, constant (the Runtimes'): read before the wait, into shared memory
+  // (thread 0 reads each in turn: read from global memory, the rule cost a step 37-91 us on an
+  // H100, benches/results/h100/shared-pages-rule-first.json)
+  __shared__ int cands[2][64];   // row, chunk
+  if (p.rule && tid < p.row_num_candidates) cands[0][tid] = p.row_candidates[tid];
+  if (p.rule && tid >= 64 && tid - 64 < p.chunk_num_candidates) cands[1][tid - 64] = p.chunk_candidates[tid - 64];
   pkv::pdl_enter();
 
   // 1. Shareable pages and first page of each row.
@@ -280,9 +286,9 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
     const bool valid = n >= 1 && n <= (p.width << p.page_size_log2);
     const int run = tid < B && chunk_of[tid] >= 0 ? prefix_of[chunk_of[tid] / C] : 0;
     __shared__ DecodeCut cuts[3];   // plain, chunk, own
-    decode_cut<false>(valid ? n : 0, p, tiles, scratch, &cuts[0]);
-    decode_cut<true>(prefix << p.page_size_log2, p, tiles, scratch, &cuts[1]);
-    decode_cut<false>(valid ? n - (run << p.page_size_log2) : 0, p, tiles, scratch, &cuts[2]);
+    decode_cut<false>(valid ? n : 0, p, cands[0], tiles, scratch, &cuts[0]);
+    decode_cut<true>(prefix << p.page_size_log2, p, cands[1], tiles, scratch, &cuts[1]);
+    decode_cut<false>(valid ? n - (run << p.page_size_log2) : 0, p, cands[0], tiles, scratch, &cuts[2]);
     if (tid == 0) {
       part_us[0] = fmax(decode_us(cuts[0], false, p) - p.l2_saved_us * rereads[0], 0.0) + p.plain_extra_us;
       part_us[1] = fmax(decode_us(cuts[1], true, p) - p.l2_saved_us * rereads[1], 0.0);
