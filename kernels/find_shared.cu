@@ -180,8 +180,7 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int B = p.rows, C = p.chunk_rows, G = p.group, HKV = p.num_kv_heads;
   // the rule's split counts, constant (the Runtimes'): read before the wait, into shared memory
-  // (thread 0 reads each in turn: read from global memory, the rule cost a step 37-91 us on an
-  // H100, benches/results/h100/shared-pages-rule-first.json)
+  // (thread 0 reads each in turn), as the planning kernel reads its own
   __shared__ int cands[2][64];   // row, chunk
   if (p.rule && tid < p.row_num_candidates) cands[0][tid] = p.row_candidates[tid];
   if (p.rule && tid >= 64 && tid - 64 < p.chunk_num_candidates) cands[1][tid - 64] = p.chunk_candidates[tid - 64];
