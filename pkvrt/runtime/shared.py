@@ -505,8 +505,8 @@ class SharedPagesRuntime:
     def explain(self) -> str:
         if self._found_rows:
             rule, why, _ = self._device_rule(self._found_rows)
-            kept = (f"kept where the time model predicts the shared step {rule.margin:g}x as fast "
-                    f"as the plain one (routes.toml [sharing] device_margin), else the plain step"
+            kept = (f"kept where the time model predicts the plain step at least {rule.margin:g}x "
+                    f"the shared one's time (routes.toml [sharing] device_margin), else the plain step"
                     if rule is not None
                     else f"every one kept ({why})")
             return (f"SharedPagesRuntime: device lengths, shared prefixes found on the GPU "
