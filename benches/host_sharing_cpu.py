@@ -11,6 +11,10 @@ CUDA-graph mode, and finding a step's shared pages (the numbers in benches/NOTES
   hit, lengths moved), each a median over ``--calls``; and the rule that decides whether the
   step shares (``SharedPagesRuntime`` predicting the shared and the plain step with the H200
   calibration, lengths moved a token a call).
+- ``decode``: ``SharedPagesRuntime.plan()`` (host lengths, the H100 calibration, ``engine_capture``)
+  on the sharing workloads' steps decoding on, every row a token longer each call (so rows
+  cross page boundaries at different calls, as in serving): the median and mean over the calls
+  after the first 20, and whether the step shares.
 
 usage: python benches/host_sharing_cpu.py [--calls 50]
 """
@@ -104,6 +108,36 @@ def sharing_cost(calls: int) -> None:
               f"{fresh / 1e3:5.2f} ms, memo hit {hit / 1e3:5.2f} ms, rule {rule:5.0f} us")
 
 
+def decode(calls: int) -> None:
+    import torch
+
+    from pkvrt.policy import sharing
+    from pkvrt.runtime.options import RuntimeOptions
+    from pkvrt.runtime.shared import SharedPagesRuntime
+
+    print("SharedPagesRuntime.plan() per decode step (host lengths, the H100 file, rows +1 token a call)")
+    rng = np.random.default_rng(0)
+    for rows, shared, own in SHARING_STEPS:
+        n = shared // 16
+        seq0 = np.array([shared + own + 37 * i for i in range(rows)], np.int32)
+        per = -(-(int(seq0.max()) + calls + 20) // 16)
+        bt = rng.permutation(rows * per + n).astype(np.int32)[:rows * per].reshape(rows, per).copy()
+        bt[:, :n] = bt[0, :n]
+        rt = SharedPagesRuntime(32, 8, 128, 16, torch.float16, max_batch=max(8, rows),
+                                max_pages_per_row=per, num_pages=rows * per + n, engine_capture=True,
+                                calibration=str(REPO / "calibration" / "nvidia-h100-80gb-hbm3.json"),
+                                options=RuntimeOptions(flashinfer=False))
+        sharing._RUNS_MEMO.clear()
+        times = []
+        for s in range(calls + 20):
+            t0 = time.perf_counter()
+            rt.plan(seq0 + s, bt)
+            times.append((time.perf_counter() - t0) * 1e6)
+        times = times[20:]
+        print(f"  {rows:2d} x ({shared} + {own}): median {statistics.median(times):5.0f} us, mean "
+              f"{statistics.fmean(times):5.0f} us, {'shared' if rt.plan_used is not None else 'plain'}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=50)
@@ -114,6 +148,7 @@ def main(argv=None) -> int:
     fake.install_fake_device(setattr, lambda name: fake.no_op_kernel, replay_runs_launches=False)
     dropin(args.calls)
     sharing_cost(args.calls)
+    decode(max(args.calls, 200))
     return 0
 
 

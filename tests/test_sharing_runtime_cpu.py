@@ -159,6 +159,66 @@ def test_sharing_plan_covers_every_page_once(lens, seed, group, page):
     assert sp.pages_read <= sp.pages_unshared
 
 
+def test_the_runs_memo_hits_while_rows_grow_by_their_own_pages(monkeypatch):
+    """Rows that decode on (each step a token more, crossing page boundaries at different steps)
+    keep their shared runs: the runs are computed once, and each step's are those of the table
+    with only each row's last pages marked (what a fresh computation without the memo's marking
+    of unshared entries gives)."""
+    calls, used = [], []
+    real_runs, real_memo = sharing.shared_page_runs, sharing._memo_runs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real_runs(*a, **k)
+
+    def noting(*a, **k):
+        used.append(real_memo(*a, **k))
+        return used[-1]
+    monkeypatch.setattr(sharing, "shared_page_runs", counting)
+    monkeypatch.setattr(sharing, "_memo_runs", noting)
+    sharing._RUNS_MEMO.clear()
+    rng = np.random.default_rng(3)
+    seq0 = np.array([700 + 37 * i for i in range(6)], np.int32)
+    bt = rng.permutation(2000)[:6 * 60].reshape(6, 60).astype(np.int32)
+    bt[1:4, :30] = bt[0, :30]          # a prefix of four rows
+    bt[5, :12] = bt[4, :12]            # another of two
+    for step in range(40):
+        seq = seq0 + step
+        assert sharing.plan_sharing(seq, bt, PAGE, G) is not None
+        assert used[-1] == _marked_runs(seq, bt), step
+    assert len(calls) == 1
+
+
+def test_a_fingerprint_collision_recomputes_the_runs(monkeypatch):
+    """Every table fingerprinted the same (all-zero weights): a second sharing structure still
+    gets its own runs (the memo compares the whole table before it answers)."""
+    monkeypatch.setattr(sharing, "_FINGERPRINT_WEIGHTS", np.zeros(1 << 16, np.int64))
+    sharing._RUNS_MEMO.clear()
+    seq = np.array([500, 520, 540, 560], np.int32)
+    bt = np.arange(4 * 40, dtype=np.int32).reshape(4, 40)
+    a, b = bt.copy(), bt.copy()
+    a[1:, :10] = a[0, :10]             # every row shares 10 pages
+    b[2:, :20] = b[2, :20]             # rows 2 and 3 share 20
+    for table in (a, b, a):
+        got = sharing._memo_runs(seq, _marked(seq, table), PAGE)
+        assert got == shared_page_runs(seq, _marked(seq, table), PAGE)
+    assert len(sharing._RUNS_MEMO) == 1   # one key, refilled on each collision
+
+
+def _marked_runs(seq, bt):
+    return shared_page_runs(seq, _marked(seq, bt), PAGE)
+
+
+def _marked(seq, bt):
+    """The table with each row's pages from its last one on given ids of their own (as
+    plan_sharing marks them, but not the entries no other entry shares)."""
+    shareable = (np.asarray(seq, np.int64) - 1) // PAGE
+    marked = np.array(bt, np.int64)
+    own = np.arange(bt.shape[1]) >= shareable[:, None]
+    marked[own] = -1 - np.nonzero(own.ravel())[0]
+    return marked
+
+
 def test_more_chunks_than_a_batch_runs_unshared(fake_device, pool):  # noqa: F811
     """Sharing that alternates between row pairs page after page makes more chunks than the
     batch holds: the step runs on the plain Runtime, exact, and a failed plan leaves no

@@ -21,8 +21,6 @@ numpy only (no GPU); the runtime side is :class:`pkvrt.runtime.shared.SharedPage
 
 from __future__ import annotations
 
-import hashlib
-
 import attrs
 import numpy as np
 
@@ -86,12 +84,22 @@ def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
     per_chunk = capacity // group
     if per_chunk < 2 or seq.size < 2:
         return None
-    # only the whole pages before each row's last page are shared: the others get ids no other
-    # entry has (negative, one per entry), so no run reaches a row's last page
+    # only the whole pages before each row's last page are shared, and only pages that another
+    # of those entries names: the others get ids no other entry has (negative, one per entry),
+    # so no run reaches a row's last page, and the table changes (for the memo of the runs)
+    # only when what is shared does, not each time a row's shareable pages grow by its own page
     shareable = (seq - 1) // page_size
     width = bt.shape[1]
     marked = np.array(bt, dtype=np.int64, copy=True)
     own = np.arange(width) >= shareable[:, None]
+    ids = marked[~own]
+    if ids.size:
+        if ids.min() >= 0 and ids.max() < 8 * ids.size + (1 << 16):   # a bincount's size
+            alone = np.bincount(ids)[ids] < 2
+        else:
+            _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+            alone = counts[inverse.ravel()] < 2
+        own[~own] = alone
     marked[own] = -1 - np.nonzero(own.ravel())[0]
     runs = _memo_runs(seq, marked, page_size)
     covered: list[list[tuple[int, int, int]]] = [[] for _ in range(seq.size)]  # (first, end, slot)
@@ -138,21 +146,32 @@ def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
     return plan if plan.saved_fraction >= min_saved else None
 
 
-_RUNS_MEMO: dict[tuple, list] = {}
+_RUNS_MEMO: dict[tuple, tuple[np.ndarray, list]] = {}
 _RUNS_MEMO_SIZE = 16
+_FINGERPRINT_WEIGHTS = np.zeros(0, np.int64)
 
 
 def _memo_runs(seq, marked: np.ndarray, page_size: int) -> list[SharedRun]:
-    """:func:`~pkvrt.policy.blocktables.shared_page_runs` of the marked table, remembered by its bytes: consecutive decode steps
-    change a row's shareable pages once per page_size tokens, so most steps find their runs
-    here (a digest of the table, ~20 us, instead of the sort)."""
-    key = (hashlib.blake2b(marked.tobytes(), digest_size=16).digest(), marked.shape, page_size)
+    """:func:`~pkvrt.policy.blocktables.shared_page_runs` of the marked table, remembered: the
+    table changes only when what the step shares does (:func:`plan_sharing` marks every entry
+    no other entry shares), so consecutive decode steps find their runs here. Looked up by a
+    fingerprint of the table (a dot product with fixed random weights, wrapping in int64: ~10 us
+    where a digest of its bytes took ~200 us on the dev box) and then compared whole, so a
+    collision costs a recomputation, never a wrong plan."""
+    global _FINGERPRINT_WEIGHTS
+    flat = marked.ravel()
+    if _FINGERPRINT_WEIGHTS.size < flat.size:   # grown (a new set of weights: older keys miss)
+        _FINGERPRINT_WEIGHTS = np.random.default_rng(20261206).integers(
+            1, 2**62, size=max(flat.size, 1 << 16), dtype=np.int64)
+    key = (int(np.dot(flat, _FINGERPRINT_WEIGHTS[:flat.size])), marked.shape, page_size)
     hit = _RUNS_MEMO.get(key)
-    if hit is None:
-        if len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
-            _RUNS_MEMO.pop(next(iter(_RUNS_MEMO)))
-        hit = _RUNS_MEMO[key] = shared_page_runs(seq, marked, page_size)
-    return hit
+    if hit is not None and np.array_equal(hit[0], marked):
+        return hit[1]
+    if len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
+        _RUNS_MEMO.pop(next(iter(_RUNS_MEMO)))
+    runs = shared_page_runs(seq, marked, page_size)
+    _RUNS_MEMO[key] = (marked, runs)
+    return runs
 
 
 def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | None = None) -> bool:
