@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_runtime_cpu import FAKE_SHAPE, REPO, ROUTES, fake_device, pool, ref, rel_err  # noqa: F401
-from test_sharing_runtime_cpu import PAGE, shared_step
+from test_sharing_runtime_cpu import shared_step
 
 from pkvrt.launch import ops
 from pkvrt.policy import sharing

@@ -209,6 +209,21 @@ def _marked_runs(seq, bt):
     return shared_page_runs(seq, _marked(seq, bt), PAGE)
 
 
+def test_plan_sharing_refuses_a_negative_page_id():
+    """A negative id in an entry that may be shared is named (the plan marks unshared entries
+    with negative ids of its own, so such an id could join a run); one past a row's pages, or in
+    its last page (never shared), is not read as one."""
+    seq = np.array([40, 40, 20], np.int32)
+    bt = np.arange(9, dtype=np.int32).reshape(3, 3)
+    bt[:2, 0] = 100
+    bt[2, 2] = -1                       # past row 2's two pages: not read
+    bt[2, 1] = -2                       # row 2's last page: its own
+    assert sharing.plan_sharing(seq, bt, PAGE, G) is not None
+    bt[1, 1] = -3
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = -3: expected page ids >= 0"):
+        sharing.plan_sharing(seq, bt, PAGE, G)
+
+
 def _marked(seq, bt):
     """The table with each row's pages from its last one on given ids of their own (as
     plan_sharing marks them, but not the entries no other entry shares)."""

@@ -93,8 +93,11 @@ def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
     marked = np.array(bt, dtype=np.int64, copy=True)
     own = np.arange(width) >= shareable[:, None]
     ids = marked[~own]
+    if ids.size and ids.min() < 0:   # (the marks are negative: such an id could join a run)
+        r, j = (int(x) for x in np.argwhere(~own & (marked < 0))[0])
+        raise ValueError(f"plan_sharing: block_tables[{r}, {j}] = {int(bt[r, j])}: expected page ids >= 0")
     if ids.size:
-        if ids.min() >= 0 and ids.max() < 8 * ids.size + (1 << 16):   # a bincount's size
+        if ids.max() < 8 * ids.size + (1 << 16):   # a bincount's size
             alone = np.bincount(ids)[ids] < 2
         else:
             _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
@@ -160,17 +163,19 @@ def _memo_runs(seq, marked: np.ndarray, page_size: int) -> list[SharedRun]:
     collision costs a recomputation, never a wrong plan."""
     global _FINGERPRINT_WEIGHTS
     flat = marked.ravel()
-    if _FINGERPRINT_WEIGHTS.size < flat.size:   # grown (a new set of weights: older keys miss)
+    if _FINGERPRINT_WEIGHTS.size < flat.size:   # grown (the same seed: the same first weights)
         _FINGERPRINT_WEIGHTS = np.random.default_rng(20261206).integers(
             1, 2**62, size=max(flat.size, 1 << 16), dtype=np.int64)
     key = (int(np.dot(flat, _FINGERPRINT_WEIGHTS[:flat.size])), marked.shape, page_size)
     hit = _RUNS_MEMO.get(key)
     if hit is not None and np.array_equal(hit[0], marked):
         return hit[1]
-    if len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
+    if key not in _RUNS_MEMO and len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
         _RUNS_MEMO.pop(next(iter(_RUNS_MEMO)))
     runs = shared_page_runs(seq, marked, page_size)
-    _RUNS_MEMO[key] = (marked, runs)
+    kept = marked.copy()
+    kept.setflags(write=False)   # the memo's own copy: no caller can change what it compares
+    _RUNS_MEMO[key] = (kept, runs)
     return runs
 
 
