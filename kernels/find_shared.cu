@@ -145,8 +145,9 @@ struct DecodeCut {
 // The cut of a decode of B rows whose lengths are `len` (this thread's row; 0 for an idle row or
 // a thread past B), as its planning kernel will cut it: the row model's (the plain and own
 // decodes) or the chunk model's (CHUNK), whose candidates (in shared memory) thread 0 reads;
-// written to *out by thread 0. tiles: [1024] shared scratch. (A template, so that the model's fields stay operands of the parameter bank rather
-// than registers: at 1024 threads the kernel has 64.)
+// written to *out by thread 0. tiles: [1024] shared scratch. (A template, so that the model's
+// fields stay operands of the parameter bank rather than registers: at 1024 threads the kernel
+// has 64.)
 template <bool CHUNK>
 __device__ void decode_cut(int len, const FindSharedParams& p, const int* candidates, int* tiles,
                            long long* scratch, DecodeCut* out) {

@@ -21,6 +21,8 @@ numpy only (no GPU); the runtime side is :class:`pkvrt.runtime.shared.SharedPage
 
 from __future__ import annotations
 
+import types
+
 import attrs
 import numpy as np
 
@@ -448,6 +450,17 @@ class SharingRule:
     extra_us: float
     plain_extra_us: float
     margin: float
+    # kernel_fields(), made once (a plan() of device lengths passes them every step)
+    _fields: types.MappingProxyType = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self):
+        cal = self.row.cal
+        token_bytes = self.row.num_kv_heads * self.row.head_dim * 2 * self.row.dtype_bytes
+        object.__setattr__(self, "_fields", types.MappingProxyType({
+            "rule": 1, "tile_tokens": TILE_TOKENS, "sms": cal.sm_count,
+            **self.row.kernel_fields("row"), **self.chunk.kernel_fields("chunk"),
+            "token_us": token_bytes / (cal.beta_gbps * 1e3), "l2_saved_us": self.l2_saved_us,
+            "extra_us": self.extra_us, "plain_extra_us": self.plain_extra_us, "margin": self.margin}))
 
     @staticmethod
     def unavailable(row_cal, chunk_cal, row_kind: str, chunk_kind: str) -> str | None:
@@ -470,11 +483,7 @@ class SharingRule:
         return RuleDecision(plain_us=t_plain, shared_us=t_shared, shared=t_plain >= self.margin * t_shared,
                             plain_rereads=int(plain_rereads), chunk_rereads=int(chunk_rereads))
 
-    def kernel_fields(self) -> dict:
-        """``FindSharedParams``' rule fields (but the candidates' pointers and ``rule_out``)."""
-        cal = self.row.cal
-        token_bytes = self.row.num_kv_heads * self.row.head_dim * 2 * self.row.dtype_bytes
-        return {"rule": 1, "tile_tokens": TILE_TOKENS, "sms": cal.sm_count,
-                **self.row.kernel_fields("row"), **self.chunk.kernel_fields("chunk"),
-                "token_us": token_bytes / (cal.beta_gbps * 1e3), "l2_saved_us": self.l2_saved_us,
-                "extra_us": self.extra_us, "plain_extra_us": self.plain_extra_us, "margin": self.margin}
+    def kernel_fields(self) -> types.MappingProxyType:
+        """``FindSharedParams``' rule fields (but the candidates' pointers and ``rule_out``),
+        made at construction (read-only)."""
+        return self._fields

@@ -241,20 +241,20 @@ class SharedPagesRuntime:
         chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
         t_chunks = sharing.plain_step_us(self.shared.predict_step_us(sp.chunk_seq), chunk_rereads,
                                          page_bytes, cal.beta_gbps, reread_cost)
-        t_shared = t_chunks + self.own.predict_step_us(sp.own_seq) + self._extra_us(own_gather)
+        t_shared = t_chunks + self.own.predict_step_us(sp.own_seq) + \
+            self._extra_us(own_gather, graphs=self.plain.router.graphs)
         margin = self.plain.registry.sharing_margin
         self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared, "margin": margin}
         return t_plain >= margin * t_shared
 
-    def _extra_us(self, own_gather: bool) -> float:
+    def _extra_us(self, own_gather: bool, *, graphs: bool) -> float:
         """What the shared path adds to its two decodes per layer: measured in graphs (the
         calibration's ``sharing.overhead_us``, with every row's own segment read in place; an
         own gather is one launch more), or its launches alone (eager launches: the overhead
         was not measured so)."""
-        router = self.plain.router
-        cal = router.cal
-        lam = launch_us(cal, graphs=router.graphs)
-        measured = cal.sharing.overhead_us if cal.sharing is not None and router.graphs else None
+        cal = self.plain.router.cal
+        lam = launch_us(cal, graphs=graphs)
+        measured = cal.sharing.overhead_us if cal.sharing is not None and graphs else None
         return (2 + int(own_gather)) * lam if measured is None else measured + int(own_gather) * lam
 
     def _page_bytes(self) -> int:
@@ -290,25 +290,22 @@ class SharedPagesRuntime:
         else:
             why = sharing.SharingRule.unavailable(self.plain.calibration, self.shared.calibration,
                                                   route.kind, route.kind)
-        cal_row = self.plain.calibration
         if why is not None:
             hit = (None, why, None)
         else:
+            cal_row = self.plain.calibration
             common = dict(kind=route.kind, splits=route.splits, num_kv_heads=self.num_kv_heads,
                           head_dim=self.head_dim, dtype_bytes=self.plain.router.dtype_bytes,
                           graphs=True)
-            page_us = self._page_bytes() / (cal_row.beta_gbps * 1e3)
-            lam = cal_row.lambda_graph_us
-            measured = cal_row.sharing.overhead_us if cal_row.sharing is not None else None
             rule = sharing.SharingRule(
                 row=sharing.DecodeTime(cal=cal_row, **common),
                 chunk=sharing.DecodeTime(cal=self.shared.calibration, **common),
                 page_size=self.page_size, margin=self.plain.registry.sharing_device_margin,
-                l2_saved_us=(1.0 - self._reread_cost()) * page_us,
-                extra_us=2 * lam if measured is None else measured,
+                l2_saved_us=(1.0 - self._reread_cost()) * self._page_bytes() / (cal_row.beta_gbps * 1e3),
+                extra_us=self._extra_us(False, graphs=True),
                 # run plain, the step still launches the query gather and the merge (and the
                 # idle chunk decode, beside the own decode on the side stream, else after it)
-                plain_extra_us=(2 if self._side_option else 3) * lam)
+                plain_extra_us=(2 if self._side_option else 3) * cal_row.lambda_graph_us)
             cands = self._cands[route.name]
             hit = (rule, None, (cands, cands))
         self._rules[rows] = hit
