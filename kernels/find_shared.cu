@@ -91,27 +91,47 @@ struct FindSharedParams {
   double* rule_out;          // [5] or null
 };
 
-// Sum and max over the CTA's threads (every thread calls; each gets the result).
-__device__ long long block_sum(long long x, long long* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-  __syncthreads();
-  long long total = 0;
-  for (int w = 0; w < PKV_FIND_THREADS / 32; ++w) total += scratch[w];
-  __syncthreads();
-  return total;
-}
+// Two sums and a max over the CTA's threads (every thread calls; each gets them): each warp's by
+// shuffles, then warp 0's over the 32 warps. scratch: [99] long long.
+struct Reduced {
+  long long a, b;
+  int c;
+};
 
-__device__ int block_max(int x, long long* scratch) {
+__device__ Reduced block_reduce(long long a, long long b, int c, long long* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+    c = max(c, __shfl_xor_sync(0xffffffffu, c, o));
+  }
+  if (lane == 0) {
+    scratch[warp] = a;
+    scratch[32 + warp] = b;
+    scratch[64 + warp] = c;
+  }
   __syncthreads();
-  long long m = 0;
-  for (int w = 0; w < PKV_FIND_THREADS / 32; ++w) m = max(m, scratch[w]);
+  if (warp == 0) {   // PKV_FIND_THREADS / 32 = 32 warps: a lane each
+    a = scratch[lane];
+    b = scratch[32 + lane];
+    c = (int)scratch[64 + lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+      c = max(c, __shfl_xor_sync(0xffffffffu, c, o));
+    }
+    if (lane == 0) {
+      scratch[96] = a;
+      scratch[97] = b;
+      scratch[98] = c;
+    }
+  }
   __syncthreads();
-  return (int)m;
+  const Reduced r{scratch[96], scratch[97], (int)scratch[98]};
+  __syncthreads();   // scratch may be reused by the next call
+  return r;
 }
 
 // One decode's cut and what its time needs (plan_cut.cuh), kept in shared memory.
@@ -133,9 +153,10 @@ __device__ void decode_cut(int len, const FindSharedParams& p, const int* candid
                            long long* scratch, DecodeCut* out) {
   const int tr = len > 0 ? pkv::cut_ceil_div(len, p.tile_tokens) : 0;
   tiles[threadIdx.x] = tr;
-  const long long tokens = block_sum(len, scratch), total = block_sum(tr, scratch);
-  if (threadIdx.x == 0) out->tokens = tokens;   // (not held through the cut)
-  const int longest = block_max(tr, scratch);   // (its syncs publish tiles[])
+  const Reduced sums = block_reduce(len, tr, tr, scratch);   // (its barriers publish tiles[])
+  if (threadIdx.x == 0) out->tokens = sums.a;   // (not held through the cut)
+  const long long total = sums.b;
+  const int longest = sums.c;
   const pkv::CutModel m = CHUNK
       ? pkv::CutModel{candidates, p.chunk_num_candidates, p.chunk_min_split_tiles, p.sms,
                       p.chunk_resident, p.chunk_slowdown8, p.chunk_overhead8, p.chunk_max_ctas,
@@ -145,8 +166,9 @@ __device__ void decode_cut(int len, const FindSharedParams& p, const int* candid
                       p.row_free_slots, p.row_room_slots, p.row_room8, p.row_room_chunk};
   const pkv::Cut cut = pkv::choose_cut<PKV_FIND_THREADS>(tiles, p.rows, longest, total, p.num_kv_heads, m);
   const int n = tr > 0 ? pkv::cut_ceil_div(tr, cut.chunk) : 0;
-  const int max_splits = block_max(n, scratch);
-  const long long merged = block_sum(n > 1 ? n : 0, scratch);
+  const Reduced splits = block_reduce(n > 1 ? n : 0, 0, n, scratch);
+  const int max_splits = splits.c;
+  const long long merged = splits.a;
   if (threadIdx.x == 0) {
     out->cut = cut;
     out->merged = merged;
@@ -264,20 +286,21 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
   if (p.rule && found) {
     // (its partial results in shared memory, so that no value outlives the three cuts in
     // registers: the kernel has 64 at 1024 threads)
-    __shared__ long long scratch[PKV_FIND_THREADS / 32];
+    __shared__ long long scratch[99];
     __shared__ double part_us[3];   // plain, chunk, own
     __shared__ long long rereads[2];
     int* tiles = first_of;   // free since the leaders were found
     // re-reads: the plain step's (each non-leader row's pages in common with its leader) and the
     // chunks' (each leader's chunks read its first pages: all but the longest prefix again)
     const long long plain_rereads =
-        block_sum(tid < B && s >= 1 && leader != tid ? lcp_of[tid] : 0, scratch);
+        block_reduce(tid < B && s >= 1 && leader != tid ? lcp_of[tid] : 0, 0, 0, scratch).a;
     base_of[tid] = 0;   // free since the chunks were numbered: each leader's longest prefix
     __syncthreads();
     const int prefix = tid < B ? prefix_of[tid] : 0;   // chunk tid's
     if (prefix > 0) atomicMax(&base_of[lead_of_chunk[tid]], prefix);
     __syncthreads();
-    const long long chunk_rereads = block_sum(prefix, scratch) - block_sum(base_of[tid], scratch);
+    const Reduced prefixes = block_reduce(prefix, base_of[tid], 0, scratch);
+    const long long chunk_rereads = prefixes.a - prefixes.b;
     if (tid == 0) {
       rereads[0] = plain_rereads;
       rereads[1] = chunk_rereads;

@@ -21,7 +21,8 @@
 // when free < room_slots and c <= room_chunk, else 0), then the fewest CTAs, then the smallest
 // s, among candidates with N <= max_ctas (the first candidate is always eligible) and, on a
 // one-row step, when any of them does, (-N) mod R >= free_slots (the last wave leaves slots for
-// the merge). Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate).
+// the merge). Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate);
+// warp 0 filters the candidates and takes the least by shuffles.
 //
 // The time (costmodel.measured_us of one launch group, in a CUDA graph):
 //     T = max(read_scale * read_us, depth_us * depth) + tail_us * sqrt(cost / (64 S))
@@ -66,7 +67,9 @@ __device__ __forceinline__ long long load8(int k, int slowdown8) {
 
 // The cut of a step of `rows` rows whose tiles are tiles[0, rows) (shared memory; longest and
 // total their max and sum). Block-wide: every thread of a CTA of THREADS threads calls it with
-// the same arguments, and every thread gets the cut. The candidates are read by thread 0.
+// the same arguments, and every thread gets the cut. Warp 0 reads the candidates and makes the
+// choice (a serial loop of thread 0 over 64 candidates, with a 64-bit division each, took most
+// of the ~80 us the sharing rule's three cuts cost a step on an H100).
 template <int THREADS>
 __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long total_tiles,
                           int num_kv_heads, const CutModel& m) {
@@ -76,14 +79,22 @@ __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long tot
   __shared__ int num_cand;
   __shared__ Cut chosen;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) {
-    // Candidates whose chunk is at least min_split_tiles (else the row cap alone).
+  if (warp == 0) {
+    // Candidates whose chunk is at least min_split_tiles (else the row cap alone), in order:
+    // lane i tests candidate base + i, a ballot places the kept ones.
     int n = 0;
-    for (int i = 0; i < m.num_candidates; ++i)
-      if (longest > 0 && cut_ceil_div(longest, m.candidates[i]) >= m.min_split_tiles)
-        cand[n++] = m.candidates[i];
-    if (n == 0) cand[n++] = max(1, longest / m.min_split_tiles);
-    num_cand = n;
+    for (int base = 0; base < m.num_candidates; base += 32) {
+      const int i = base + lane;
+      const int s = i < m.num_candidates ? m.candidates[i] : 1;
+      const bool keep = i < m.num_candidates && longest > 0 && cut_ceil_div(longest, s) >= m.min_split_tiles;
+      const unsigned kept = __ballot_sync(0xffffffffu, keep);
+      if (keep) cand[n + __popc(kept & ((1u << lane) - 1u))] = s;
+      n += __popc(kept);
+    }
+    if (lane == 0) {
+      if (n == 0) cand[n++] = max(1, longest / m.min_split_tiles);
+      num_cand = n;
+    }
   }
   __syncthreads();
 
@@ -122,15 +133,17 @@ __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long tot
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    // Least cost, then fewest CTAs, then smallest s, within max_ctas (the first candidate always
-    // eligible); on a one-row step first among the cuts whose last wave leaves free_slots
-    // resident slots free, so the merge becomes resident during the decode
-    // (planner.partition_choice).
-    int best = -1;
+  if (warp == 0) {
+    // Least cost + room charge, then fewest CTAs, then smallest s (the lowest index), within
+    // max_ctas (the first candidate always eligible); on a one-row step first among the cuts
+    // whose last wave leaves free_slots resident slots free, so the merge becomes resident during
+    // the decode (planner.partition_choice). Lane i weighs candidates i and i + 32, then the
+    // warp takes the least (charged, CTAs, index) by shuffles.
     long long best_charged = 0, best_room = 0;
-    for (int pass = m.free_slots > 0 && rows == 1 ? 0 : 1; pass < 2 && best < 0; ++pass) {
-      for (int k = 0; k < num_cand; ++k) {
+    int best = -1;
+    for (int pass = m.free_slots > 0 && rows == 1 ? 0 : 1; pass < 2; ++pass) {
+      best = -1;
+      for (int k = lane; k < num_cand; k += 32) {
         if (k > 0 && ctas_of[k] > m.max_ctas) continue;
         const int free = (R - ctas_of[k] % R) % R;
         if (pass == 0 && free < m.free_slots) continue;
@@ -138,12 +151,24 @@ __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long tot
         const long long room = m.room_slots > 0 && free < m.room_slots && chunk_of[k] <= m.room_chunk
             ? (long long)m.room8 * S * (m.room_slots - free) / m.room_slots : 0LL;
         const long long charged = cost_of[k] + room;
-        const bool better = best < 0 || charged < best_charged ||
-                            (charged == best_charged && ctas_of[k] < ctas_of[best]);
+        if (best < 0 || charged < best_charged ||
+            (charged == best_charged && ctas_of[k] < ctas_of[best])) {
+          best = k; best_charged = charged; best_room = room;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const int k = __shfl_xor_sync(0xffffffffu, best, o);
+        const long long charged = __shfl_xor_sync(0xffffffffu, best_charged, o);
+        const long long room = __shfl_xor_sync(0xffffffffu, best_room, o);
+        const bool better = k >= 0 && (best < 0 || charged < best_charged ||
+            (charged == best_charged && (ctas_of[k] < ctas_of[best] ||
+                                         (ctas_of[k] == ctas_of[best] && k < best))));
         if (better) { best = k; best_charged = charged; best_room = room; }
       }
+      if (best >= 0) break;   // (the same in every lane after the shuffles)
     }
-    chosen = Cut{chunk_of[best], ctas_of[best], cost_of[best], best_room};
+    if (lane == 0) chosen = Cut{chunk_of[best], ctas_of[best], cost_of[best], best_room};
   }
   __syncthreads();
   const Cut cut = chosen;
