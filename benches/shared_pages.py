@@ -22,7 +22,8 @@ CUDA graph, CUDA-event time of its replays, median of REPLAYS, ``harness.median_
   detection and the shared path's launches cost a step that shares nothing. It keeps the chunks
   it finds where its rule predicts them faster (``SharedPagesRuntime.device_rule``: ``shared``
   and ``predicted`` in its row); ``pkvrt-shared-device-always`` keeps every chunk, the ablation
-  of that rule.
+  of that rule. Both rows also carry ``plan_us``: plan() alone, captured PLAN_CALLS times in
+  one graph (their difference is what the rule costs find_shared).
 Every engine's layer-0 output is checked against the FP32 reference first. Floors: the step's
 K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
 once (``floor_once_us``).
@@ -69,6 +70,7 @@ from pkvrt.measure.harness import median_us
 
 H_Q, H_KV, D, PAGE, LAYERS = 32, 8, 128, 16, 32
 REPLAYS = 15
+PLAN_CALLS = 20          # plan() calls per graph in a device-lengths row's plan_us
 TOLERANCE = 5e-3
 CACHE_BUDGET = 24 * 2**30
 FLOOR_BYTES_PER_US = 4.2e6
@@ -290,6 +292,11 @@ def pkvrt_shared_device(st: Step, always: bool = False) -> dict:
         for l in range(LAYERS):
             rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
     row = timed(st, None, body)
+    if row["status"] == "ok":
+        # plan() alone (find_shared, its rule included, and both decodes' planning launches),
+        # PLAN_CALLS times in one graph: what the step's planning costs apart from the decodes
+        row["plan_us"] = median_us(lambda: [rt.plan(st.seq_d, st.bt_d) for _ in range(PLAN_CALLS)],
+                                   calls_per_fn=PLAN_CALLS, repeats=REPLAYS)
     found = rt.found()
     d = found.decision if found is not None else None
     row.update(tokens_saved=found.tokens_saved if found is not None else 0, explain=rt.explain(),
@@ -471,6 +478,7 @@ def main(argv=None) -> int:
                      if {"pkvrt-shared-device", "pkvrt-device-plan"} <= ok.keys() else None})
         print(f"{name:<26} {st.floor_us:8.0f} {st.floor_once_us:7.0f}  "
               + "  ".join(f"{k} {v:.0f}" for k, v in ok.items())
+              + "".join(f"  {k} plan() {rec[k]['plan_us']:.1f}" for k in ok if "plan_us" in rec[k])
               + f"  ratio {ratio if ratio is None else round(ratio, 3)}", flush=True)
         results.write_results(out, meta, rows)
         del st

@@ -120,6 +120,8 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
             p = dev["predicted"]
             assert dev["shared"] == (p["plain_us"] >= p["margin"] * p["shared_us"]), dev
         assert ratio["ratio_device_always"] > 0
+        for r in (dev, by["pkvrt-shared-device-always"]):   # plan() alone, the rule's cost apart
+            assert r["plan_us"] > 0, r
         if name in SHARING:   # the shared path ran, in chunks of 2 rows for -c2
             assert by["pkvrt-shared-device-always"]["tokens_saved"] > 0 and dev["predicted"] is not None
             assert all("shared chunk(s)" in r["explain"] for r in shared)
