@@ -185,8 +185,71 @@ def test_the_runs_memo_hits_while_rows_grow_by_their_own_pages(monkeypatch):
     for step in range(40):
         seq = seq0 + step
         assert sharing.plan_sharing(seq, bt, PAGE, G) is not None
-        assert used[-1] == _marked_runs(seq, bt), step
+        assert used[-1][0] == _marked_runs(seq, bt), step
     assert len(calls) == 1
+
+
+def _plan_by_rows(seq, bt, runs, per_chunk):
+    """The plan's chunks and own segments by a loop over rows (what plan_sharing computed each
+    step before its layout was kept with the runs): the reference of the test below."""
+    pages = -(-np.asarray(seq, np.int64) // PAGE)
+    covered, chunks = [[] for _ in seq], []
+    for run in runs:
+        rows = list(run.rows)
+        parts = -(-len(rows) // per_chunk)
+        for sub in (rows[i::parts] for i in range(parts)):
+            v = len(chunks)
+            chunks.append((sub, run.first_page, run.num_pages))
+            for c, r in enumerate(sub):
+                covered[r].append((run.first_page, run.first_page + run.num_pages, v * per_chunk + c))
+    n_chunk_slots = len(chunks) * per_chunk
+    own_rows, own_seq, own_pages, row_slots = [], [], [], []
+    for r in range(len(seq)):
+        segs = sorted(covered[r])
+        slots = [s for _, _, s in segs]
+        at = 0
+        for first, end in [(f, e) for f, e, _ in segs] + [(int(pages[r]), int(pages[r]))]:
+            if first > at:
+                slots.append(n_chunk_slots + len(own_rows))
+                own_rows.append(r)
+                own_seq.append(min(int(seq[r]), first * PAGE) - at * PAGE)
+                own_pages.append(bt[r, at:first])
+            at = max(at, end)
+        row_slots.append(slots)
+    k = max(len(x) for x in row_slots)
+    slots = np.full((len(seq), k), n_chunk_slots + len(own_rows), np.int32)
+    for r, x in enumerate(row_slots):
+        slots[r, :len(x)] = x
+    return dict(chunk_rows=[sub + [sub[0]] * (per_chunk - len(sub)) for sub, _, _ in chunks],
+                chunk_seq=[n * PAGE for _, _, n in chunks], chunk_bt=sharing._table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
+                own_rows=own_rows, own_seq=own_seq, own_bt=sharing._table(own_pages), slots=slots,
+                pages_read=sum(n for _, _, n in chunks) + sum(len(p) for p in own_pages))
+
+
+@pytest.mark.parametrize("memo", [True, False], ids=["memo kept", "memo cleared each step"])
+def test_plans_of_decoding_steps_equal_the_per_row_loop(memo):
+    """Rows decoding on under nested and separate prefixes, some crossing a page boundary each
+    step: every step's plan (its layout kept with the runs, or made afresh) equals the per-row
+    loop's, entry for entry, and the kept arrays cannot be written."""
+    rng = np.random.default_rng(11)
+    seq0 = np.array([600 + 29 * i for i in range(8)], np.int32)
+    bt = rng.permutation(4000)[:8 * 70].reshape(8, 70).astype(np.int32)
+    bt[1:6, :20] = bt[0, :20]          # a system prompt under five more rows
+    bt[1:3, 20:32] = bt[1, 20:32]      # a conversation under two of them
+    bt[7, :9] = bt[6, :9]              # another prefix of two
+    sharing._RUNS_MEMO.clear()
+    for step in range(0, 90, 3):
+        if not memo:
+            sharing._RUNS_MEMO.clear()
+        seq = seq0 + step
+        sp = sharing.plan_sharing(seq, bt, PAGE, G)
+        want = _plan_by_rows(seq, bt, _marked_runs(seq, bt), sp.capacity_rows)
+        for name, value in want.items():
+            got = getattr(sp, name)
+            assert np.array_equal(got, np.asarray(value)) and np.asarray(got).dtype != object, (step, name)
+        assert sp.own_seq.dtype == sp.own_bt.dtype == sp.chunk_bt.dtype == np.int32
+        with pytest.raises(ValueError, match="read-only"):
+            sp.slots[0, 0] = 0
 
 
 def test_a_fingerprint_collision_recomputes_the_runs(monkeypatch):
@@ -200,7 +263,7 @@ def test_a_fingerprint_collision_recomputes_the_runs(monkeypatch):
     a[1:, :10] = a[0, :10]             # every row shares 10 pages
     b[2:, :20] = b[2, :20]             # rows 2 and 3 share 20
     for table in (a, b, a):
-        got = sharing._memo_runs(seq, _marked(seq, table), PAGE)
+        got, _ = sharing._memo_runs(seq, _marked(seq, table), PAGE)
         assert got == shared_page_runs(seq, _marked(seq, table), PAGE)
     assert len(sharing._RUNS_MEMO) == 1   # one key, refilled on each collision
 

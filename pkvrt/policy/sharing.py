@@ -106,60 +106,112 @@ def plan_sharing(seq_lens, block_tables, page_size: int, group: int, *,
             alone = counts[inverse.ravel()] < 2
         own[~own] = alone
     marked[own] = -1 - np.nonzero(own.ravel())[0]
-    runs = _memo_runs(seq, marked, page_size)
-    covered: list[list[tuple[int, int, int]]] = [[] for _ in range(seq.size)]  # (first, end, slot)
-    chunks: list[tuple[list[int], int, int]] = []                              # (rows, first, n)
-    for run in runs:
-        rows = list(run.rows)
-        parts = -(-len(rows) // per_chunk)      # as few chunks as fit, of near-equal sizes
-        for sub in (rows[i::parts] for i in range(parts)):
-            v = len(chunks)
-            chunks.append((sub, run.first_page, run.num_pages))
-            for c, r in enumerate(sub):
-                covered[r].append((run.first_page, run.first_page + run.num_pages, v * per_chunk + c))
-    if not chunks:
+    runs, layouts = _memo_runs(seq, marked, page_size)
+    layout = layouts.get(per_chunk)
+    if layout is None:   # the chunks and segments of these runs, once per sharing structure
+        layout = layouts[per_chunk] = _Layout.of(runs, bt, seq.size, per_chunk, page_size)
+    if layout.chunk_rows is None:
         return None
-    n_chunk_slots = len(chunks) * per_chunk
-    own_rows, own_seq, own_pages, row_slots = [], [], [], []
-    for r in range(seq.size):
-        segs = sorted(covered[r])
-        slots = [s for _, _, s in segs]
-        at = 0
-        for first, end in [(f, e) for f, e, _ in segs] + [(int(pages[r]), int(pages[r]))]:
-            if first > at:    # own pages [at, first)
-                slots.append(n_chunk_slots + len(own_rows))
-                own_rows.append(r)
-                own_seq.append(min(int(seq[r]), first * page_size) - at * page_size)
-                own_pages.append(bt[r, at:first])
-            at = max(at, end)
-        row_slots.append(slots)
-    empty = n_chunk_slots + len(own_rows)
-    k = max(len(s) for s in row_slots)
-    slots = np.full((seq.size, k), empty, np.int32)
-    for r, s in enumerate(row_slots):
-        slots[r, :len(s)] = s
-    chunk_rows = np.array([sub + [sub[0]] * (per_chunk - len(sub)) for sub, _, _ in chunks], np.int32)
-    chunk_valid = np.array([[c < len(sub) for c in range(per_chunk)] for sub, _, _ in chunks])
-    pages_read = sum(n for _, _, n in chunks) + sum(len(p) for p in own_pages)
+    own_seq, own_bt, own_pages = layout.own_segments(seq, pages, bt, page_size)
     plan = SharingPlan(
-        capacity_rows=per_chunk, chunk_rows=chunk_rows, chunk_valid=chunk_valid,
-        chunk_seq=np.array([n * page_size for _, _, n in chunks], np.int32),
-        chunk_bt=_table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
-        own_rows=np.array(own_rows, np.int32), own_seq=np.array(own_seq, np.int32),
-        own_bt=_table(own_pages), slots=slots, pages_read=int(pages_read),
-        pages_unshared=int(pages.sum()))
+        capacity_rows=per_chunk, chunk_rows=layout.chunk_rows, chunk_valid=layout.chunk_valid,
+        chunk_seq=layout.chunk_seq, chunk_bt=layout.chunk_bt, own_rows=layout.own_rows,
+        own_seq=own_seq, own_bt=own_bt, slots=layout.slots,
+        pages_read=layout.chunk_pages + own_pages, pages_unshared=int(pages.sum()))
     return plan if plan.saved_fraction >= min_saved else None
 
 
-_RUNS_MEMO: dict[tuple, tuple[np.ndarray, list]] = {}
+@attrs.frozen(eq=False)
+class _Layout:
+    """What a step's plan takes from its shared runs alone (read-only arrays, kept with the runs
+    in their memo): the chunks, and each own segment's row and bounds. A segment ends where the
+    row's next run begins, or (``last``) at the row's last page, which each step computes: every
+    row ends in an own segment, since no run reaches a row's last page."""
+
+    chunk_rows: np.ndarray | None   # None: no chunk (no run)
+    chunk_valid: np.ndarray | None
+    chunk_seq: np.ndarray | None
+    chunk_bt: np.ndarray | None
+    chunk_pages: int
+    own_rows: np.ndarray | None
+    seg_at: np.ndarray | None       # each own segment's first page
+    seg_end: np.ndarray | None      # its end page (a run's first page; last segments: unused)
+    seg_last: np.ndarray | None     # bool: it ends at the row's last page
+    slots: np.ndarray | None
+
+    @classmethod
+    def of(cls, runs, bt: np.ndarray, b: int, per_chunk: int, page_size: int) -> "_Layout":
+        covered: list[list[tuple[int, int, int]]] = [[] for _ in range(b)]   # (first, end, slot)
+        chunks: list[tuple[list[int], int, int]] = []                        # (rows, first, n)
+        for run in runs:
+            rows = list(run.rows)
+            parts = -(-len(rows) // per_chunk)      # as few chunks as fit, of near-equal sizes
+            for sub in (rows[i::parts] for i in range(parts)):
+                v = len(chunks)
+                chunks.append((sub, run.first_page, run.num_pages))
+                for c, r in enumerate(sub):
+                    covered[r].append((run.first_page, run.first_page + run.num_pages, v * per_chunk + c))
+        if not chunks:
+            return cls(*(None,) * 4, 0, *(None,) * 5)
+        n_chunk_slots = len(chunks) * per_chunk
+        own_rows, seg_at, seg_end, seg_last, row_slots = [], [], [], [], []
+        for r in range(b):
+            segs = sorted(covered[r])
+            slots = [s for _, _, s in segs]
+            at = 0
+            for first, end in [(f, e) for f, e, _ in segs]:
+                if first > at:    # own pages [at, first)
+                    slots.append(n_chunk_slots + len(own_rows))
+                    own_rows.append(r)
+                    seg_at.append(at)
+                    seg_end.append(first)
+                    seg_last.append(False)
+                at = max(at, end)
+            slots.append(n_chunk_slots + len(own_rows))   # [at, the row's last page]
+            own_rows.append(r)
+            seg_at.append(at)
+            seg_end.append(at)
+            seg_last.append(True)
+            row_slots.append(slots)
+        empty = n_chunk_slots + len(own_rows)
+        k = max(len(s) for s in row_slots)
+        slots = np.full((b, k), empty, np.int32)
+        for r, s in enumerate(row_slots):
+            slots[r, :len(s)] = s
+        arrays = dict(
+            chunk_rows=np.array([sub + [sub[0]] * (per_chunk - len(sub)) for sub, _, _ in chunks], np.int32),
+            chunk_valid=np.array([[c < len(sub) for c in range(per_chunk)] for sub, _, _ in chunks]),
+            chunk_seq=np.array([n * page_size for _, _, n in chunks], np.int32),
+            chunk_bt=_table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
+            own_rows=np.array(own_rows, np.int32), seg_at=np.array(seg_at, np.int64),
+            seg_end=np.array(seg_end, np.int64), seg_last=np.array(seg_last), slots=slots)
+        for a in arrays.values():
+            a.setflags(write=False)   # shared by every plan of this structure
+        return cls(chunk_pages=sum(n for _, _, n in chunks), **arrays)
+
+    def own_segments(self, seq, pages, bt: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """This step's own segments: tokens [S] int32, pages [S, W'] int32 (zero-padded), and
+        how many pages they read."""
+        rows, at = self.own_rows, self.seg_at
+        end = np.where(self.seg_last, pages[rows], self.seg_end)
+        n = end - at
+        own_seq = (np.minimum(seq[rows], end * page_size) - at * page_size).astype(np.int32)
+        cols = np.arange(max(1, int(n.max())))
+        inside = cols < n[:, None]
+        own_bt = np.where(inside, bt[rows[:, None], np.where(inside, at[:, None] + cols, 0)], 0)
+        return own_seq, own_bt.astype(np.int32), int(n.sum())
+
+
+_RUNS_MEMO: dict[tuple, tuple[np.ndarray, list, dict]] = {}
 _RUNS_MEMO_SIZE = 16
 _FINGERPRINT_WEIGHTS = np.zeros(0, np.int64)
 
 
-def _memo_runs(seq, marked: np.ndarray, page_size: int) -> list[SharedRun]:
-    """:func:`~pkvrt.policy.blocktables.shared_page_runs` of the marked table, remembered: the
-    table changes only when what the step shares does (:func:`plan_sharing` marks every entry
-    no other entry shares), so consecutive decode steps find their runs here. Looked up by a
+def _memo_runs(seq, marked: np.ndarray, page_size: int) -> tuple[list[SharedRun], dict]:
+    """:func:`~pkvrt.policy.blocktables.shared_page_runs` of the marked table, remembered with a
+    dict of what plans derive from them (:class:`_Layout` by chunk rows): the table changes only
+    when what the step shares does (:func:`plan_sharing` marks every entry no other entry
+    shares), so consecutive decode steps find their runs here. Looked up by a
     fingerprint of the table (a dot product with fixed random weights, wrapping in int64: ~10 us
     where a digest of its bytes took ~200 us on the dev box) and then compared whole, so a
     collision costs a recomputation, never a wrong plan."""
@@ -171,14 +223,14 @@ def _memo_runs(seq, marked: np.ndarray, page_size: int) -> list[SharedRun]:
     key = (int(np.dot(flat, _FINGERPRINT_WEIGHTS[:flat.size])), marked.shape, page_size)
     hit = _RUNS_MEMO.get(key)
     if hit is not None and np.array_equal(hit[0], marked):
-        return hit[1]
+        return hit[1], hit[2]
     if key not in _RUNS_MEMO and len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
         _RUNS_MEMO.pop(next(iter(_RUNS_MEMO)))
     runs = shared_page_runs(seq, marked, page_size)
     kept = marked.copy()
     kept.setflags(write=False)   # the memo's own copy: no caller can change what it compares
-    _RUNS_MEMO[key] = (kept, runs)
-    return runs
+    _RUNS_MEMO[key] = (kept, runs, {})
+    return runs, _RUNS_MEMO[key][2]
 
 
 def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | None = None) -> bool:
