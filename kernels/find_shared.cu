@@ -91,6 +91,16 @@ struct FindSharedParams {
   double* rule_out;          // [5] or null
 };
 
+// Two sums and a max over a warp, in every lane.
+__device__ __forceinline__ void warp_reduce(long long& a, long long& b, int& c) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+    c = max(c, __shfl_xor_sync(0xffffffffu, c, o));
+  }
+}
+
 // Two sums and a max over the CTA's threads (every thread calls; each gets them): each warp's by
 // shuffles, then warp 0's over the 32 warps. scratch: [99] long long.
 struct Reduced {
@@ -100,12 +110,7 @@ struct Reduced {
 
 __device__ Reduced block_reduce(long long a, long long b, int c, long long* scratch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, o);
-    b += __shfl_xor_sync(0xffffffffu, b, o);
-    c = max(c, __shfl_xor_sync(0xffffffffu, c, o));
-  }
+  warp_reduce(a, b, c);
   if (lane == 0) {
     scratch[warp] = a;
     scratch[32 + warp] = b;
@@ -116,12 +121,7 @@ __device__ Reduced block_reduce(long long a, long long b, int c, long long* scra
     a = scratch[lane];
     b = scratch[32 + lane];
     c = (int)scratch[64 + lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      a += __shfl_xor_sync(0xffffffffu, a, o);
-      b += __shfl_xor_sync(0xffffffffu, b, o);
-      c = max(c, __shfl_xor_sync(0xffffffffu, c, o));
-    }
+    warp_reduce(a, b, c);
     if (lane == 0) {
       scratch[96] = a;
       scratch[97] = b;
