@@ -221,7 +221,8 @@ def _plan_by_rows(seq, bt, runs, per_chunk):
     for r, x in enumerate(row_slots):
         slots[r, :len(x)] = x
     return dict(chunk_rows=[sub + [sub[0]] * (per_chunk - len(sub)) for sub, _, _ in chunks],
-                chunk_seq=[n * PAGE for _, _, n in chunks], chunk_bt=sharing._table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
+                chunk_seq=[n * PAGE for _, _, n in chunks],
+                chunk_bt=sharing._table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
                 own_rows=own_rows, own_seq=own_seq, own_bt=sharing._table(own_pages), slots=slots,
                 pages_read=sum(n for _, _, n in chunks) + sum(len(p) for p in own_pages))
 
