@@ -12,7 +12,6 @@ usage: python benches/plan_cost.py [--out FILE]   (committed: benches/results/h2
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 CASES = [(1, 1600), (1, 32768), (8, 1500), (8, 32768), (8, 131072), (64, 32768), (256, 8192)]
@@ -89,7 +88,8 @@ def main(argv=None) -> int:
                          "older commit through PKVRT_CUBIN_DIR)")
     args = ap.parse_args(argv)
     cal = find_calibration(torch.cuda.get_device_name())
-    splits = load_routes().device_planning_route().splits
+    registry = load_routes()
+    splits = registry.device_planning_route().splits
     i32 = dict(dtype=torch.int32, device="cuda")
     page, rows_out = 16, []
     for b, tokens in CASES:
@@ -125,8 +125,9 @@ def main(argv=None) -> int:
         rows_out.append(row)
         print(line, flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": results.environment(), "rows": rows_out}, f, indent=1)
+        results.write_results(args.out, results.make_meta(routes_path=registry.path,
+                                                          calibration_path=cal.source,
+                                                          kernel_only=args.kernel_only), rows_out)
     return 0
 
 

@@ -560,6 +560,27 @@ def test_declared_source_commit_overrides_stale_git_metadata(monkeypatch):
     assert results.make_meta()["pkvrt_commit"] != "abc123"
 
 
+def test_the_meta_names_the_kernel_sources_that_ran(monkeypatch, tmp_path):
+    """kernel_build's sources_sha256 follows the kernel families' source hashes (not the
+    manifest's path or build time): a build of other sources copied in gets another digest."""
+    from pkvrt.launch import manifest
+    from pkvrt.measure import results
+
+    def build(find_shared_hash, built_in):
+        entries = tuple(manifest.Entry(family=f, arch=a, kind=k, file=f"{f}.{a}", source_sha256=h,
+                                       symbols=(), resources={}, path=tmp_path / built_in / f)
+                        for f, h in (("find_shared", find_shared_hash), ("merge", "m1"))
+                        for a, k in (("sm_90", "cubin"), ("compute_90", "ptx")))
+        return manifest.Manifest(path=tmp_path / built_in / "manifest.json", nvcc_version="13.0",
+                                 skipped=None, entries=entries, tuning={})
+
+    digests = []
+    for h, where in (("f1", "a"), ("f1", "b"), ("f2", "a")):
+        monkeypatch.setattr(manifest, "load_manifest", lambda h=h, where=where: build(h, where))
+        digests.append(results.kernel_build()["sources_sha256"])
+    assert digests[0] == digests[1] != digests[2]
+
+
 def test_ncu_rows_render_as_table_5_with_engines_per_kernel(tmp_path):
     from pkvrt.measure import results
     from pkvrt.tools import report

@@ -78,14 +78,19 @@ def environment() -> dict:
 
 
 def kernel_build() -> dict:
-    """Which kernel build produced the numbers: manifest path, nvcc, tuning constants."""
+    """Which kernel build produced the numbers: manifest path, nvcc, tuning constants, and
+    ``sources_sha256``, a digest of each kernel family's source hash (its .cu file, the shared
+    headers, the flags and tuning: ``pkvrt/_build.py``), which names the kernels that ran even
+    where a build of other sources was copied in beside this checkout's Python."""
     from pkvrt.launch.manifest import ManifestError, load_manifest
 
     try:
         m = load_manifest()
     except ManifestError as exc:
         return {"error": str(exc)}
-    return {"manifest": str(m.path), "nvcc": m.nvcc_version, "tuning": m.tuning}
+    families = sorted({(e.family, e.source_sha256) for e in m.entries})
+    return {"manifest": str(m.path), "nvcc": m.nvcc_version, "tuning": m.tuning,
+            "sources_sha256": hashlib.sha256(json.dumps(families).encode()).hexdigest() if families else None}
 
 
 def make_meta(*, seeds=(), routes_path=None, calibration_path=None, **extra) -> dict:
