@@ -137,6 +137,12 @@ def test_sharing_plan_covers_every_page_once(lens, seed, group, page):
     sp = sharing.plan_sharing(seq, bt, page, group)
     if sp is None:
         return
+    marked = np.array(bt, np.int64)   # as plan_sharing marks it: each row's last pages its own
+    own = np.arange(width) >= ((seq.astype(np.int64) - 1) // page)[:, None]
+    marked[own] = -1 - np.nonzero(own.ravel())[0]
+    want = _plan_by_rows(seq, bt, shared_page_runs(seq, marked, page), sp.capacity_rows, page)
+    for name, value in want.items():   # the same plan as the per-row loop's
+        assert np.array_equal(getattr(sp, name), np.asarray(value)), name
     c = sp.capacity_rows
     n_chunk = sp.chunk_rows.shape[0] * c
     for r in range(len(lens)):
@@ -189,10 +195,10 @@ def test_the_runs_memo_hits_while_rows_grow_by_their_own_pages(monkeypatch):
     assert len(calls) == 1
 
 
-def _plan_by_rows(seq, bt, runs, per_chunk):
+def _plan_by_rows(seq, bt, runs, per_chunk, page=PAGE):
     """The plan's chunks and own segments by a loop over rows (what plan_sharing computed each
-    step before its layout was kept with the runs): the reference of the test below."""
-    pages = -(-np.asarray(seq, np.int64) // PAGE)
+    step before its layout was kept with the runs): the reference of the tests' plans."""
+    pages = -(-np.asarray(seq, np.int64) // page)
     covered, chunks = [[] for _ in seq], []
     for run in runs:
         rows = list(run.rows)
@@ -212,7 +218,7 @@ def _plan_by_rows(seq, bt, runs, per_chunk):
             if first > at:
                 slots.append(n_chunk_slots + len(own_rows))
                 own_rows.append(r)
-                own_seq.append(min(int(seq[r]), first * PAGE) - at * PAGE)
+                own_seq.append(min(int(seq[r]), first * page) - at * page)
                 own_pages.append(bt[r, at:first])
             at = max(at, end)
         row_slots.append(slots)
@@ -221,7 +227,7 @@ def _plan_by_rows(seq, bt, runs, per_chunk):
     for r, x in enumerate(row_slots):
         slots[r, :len(x)] = x
     return dict(chunk_rows=[sub + [sub[0]] * (per_chunk - len(sub)) for sub, _, _ in chunks],
-                chunk_seq=[n * PAGE for _, _, n in chunks],
+                chunk_seq=[n * page for _, _, n in chunks],
                 chunk_bt=sharing._table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
                 own_rows=own_rows, own_seq=own_seq, own_bt=sharing._table(own_pages), slots=slots,
                 pages_read=sum(n for _, _, n in chunks) + sum(len(p) for p in own_pages))
