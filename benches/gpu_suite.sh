@@ -2,7 +2,7 @@
 # The whole GPU suite in one GPU-machine call: every test marked `gpu` (tests/ and benches/; the
 # pytest-benchmark ablations run once, untimed), on the kernels of this checkout.
 #
-# usage: bash benches/gpu_suite.sh OUT [PYTEST ARGS...]
+# usage: [PKVRT_SUITE_PART=both|serial|parallel] bash benches/gpu_suite.sh OUT [PYTEST ARGS...]
 #   e.g. `-n 6 --timeout 240` (pytest-xdist, pytest-timeout): six test processes share the GPU, so
 #   FlashInfer's JIT builds (about 40 s a module on a fresh machine) overlap the kernel tests; no
 #   test in tests/ times anything, so sharing the GPU changes no result
@@ -18,6 +18,8 @@
 set -uo pipefail
 out=${1:?usage: bash benches/gpu_suite.sh OUT [PYTEST ARGS...]}
 shift
+part=${PKVRT_SUITE_PART:-both}
+case $part in both|serial|parallel) ;; *) echo "gpu_suite: PKVRT_SUITE_PART=$part: expected both, serial or parallel" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 log=$out/gpu-suite.log
@@ -50,19 +52,26 @@ EOF
 
 # Two runs: every gpu test not marked serial (with the caller's arguments, -n N included), then
 # the serial ones alone (they measure time or need most of the GPU's memory), without -n.
+# PKVRT_SUITE_PART=serial runs the second alone (a call whose limit cut it), =parallel the first.
+echo "part:       $part" >> "$log"
 alone=()
 skip_next=0
 for a in "$@"; do
   if [ $skip_next = 1 ]; then skip_next=0; continue; fi
   case $a in -n) skip_next=1 ;; -n*|--numprocesses*|--dist*) ;; *) alone+=("$a") ;; esac
 done
-PYTHONUNBUFFERED=1 python3 -m pytest -m "gpu and not serial" tests benches -q -p no:cacheprovider -rfEs \
-  --benchmark-disable "$@" 2>&1 | tee -a "$log"
-rc=${PIPESTATUS[0]}
-echo "== serial: the tests that run alone" | tee -a "$log"
-PYTHONUNBUFFERED=1 python3 -m pytest -m "gpu and serial" tests benches -q -p no:cacheprovider -rfEs \
-  --benchmark-disable "${alone[@]}" 2>&1 | tee -a "$log"
-rc2=${PIPESTATUS[0]}
-[ "$rc" = 0 ] && rc=$rc2
+rc=0
+if [ "$part" != serial ]; then
+  PYTHONUNBUFFERED=1 python3 -m pytest -m "gpu and not serial" tests benches -q -p no:cacheprovider -rfEs \
+    --benchmark-disable "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$part" != parallel ]; then
+  echo "== serial: the tests that run alone" | tee -a "$log"
+  PYTHONUNBUFFERED=1 python3 -m pytest -m "gpu and serial" tests benches -q -p no:cacheprovider -rfEs \
+    --benchmark-disable "${alone[@]}" 2>&1 | tee -a "$log"
+  rc2=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && rc=$rc2
+fi
 echo "gpu_suite: pytest exit status $rc; log $log"
 exit "$rc"

@@ -12,8 +12,9 @@
 #        bash benches/offline_gpu.sh run DIR OUT STAGE [STAGE ...]
 #          there, from the checkout: the wheels into a private site folder, the cubins into
 #          pkvrt/_cubins, FlashInfer's JIT cache from DIR/fi-jit.tgz when present; then each
-#          STAGE: `suite` (benches/gpu_suite.sh OUT/suite, -n 4 --timeout 300) or any stage of
-#          benches/h200_run.sh. The JIT cache comes back as OUT/fi-jit.tgz when it grew
+#          STAGE: `suite` (benches/gpu_suite.sh OUT/suite, -n 4 --timeout 300, within SUITE_LIMIT
+#          seconds, default 460; on a fresh machine its parallel part alone takes ~280 s, and
+#          PKVRT_SUITE_PART=serial runs the part a limit cut) or any stage of benches/h200_run.sh. The JIT cache comes back as OUT/fi-jit.tgz when it grew
 #          (carry it as DIR/fi-jit.tgz next time: FlashInfer compiles each module ~40 s).
 #          PKVRT_SOURCE_COMMIT: the commit the results record (a copied checkout's git
 #          metadata can be stale). H200_ONLY=1: run nothing unless the GPU is an H200.
