@@ -6,7 +6,8 @@
 #   e.g. `-n 6 --timeout 240` (pytest-xdist, pytest-timeout): six test processes share the GPU, so
 #   FlashInfer's JIT builds (about 40 s a module on a fresh machine) overlap the kernel tests; no
 #   test in tests/ times anything, so sharing the GPU changes no result
-#   OUT/gpu-suite.log   the header (commit, GPU, driver, versions, date) and pytest's whole output;
+#   OUT/gpu-suite.log   the header (commit, GPU, driver, versions, date) and pytest's whole output
+#                       (OUT/gpu-suite-serial.log or -parallel.log for PKVRT_SUITE_PART's part alone);
 #                       commit it as benches/results/h200/logs/gpu-suite.log with the commit it ran on
 #   exit status         pytest's
 #
@@ -23,6 +24,7 @@ case $part in both|serial|parallel) ;; *) echo "gpu_suite: PKVRT_SUITE_PART=$par
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 log=$out/gpu-suite.log
+[ "$part" = both ] || log=$out/gpu-suite-$part.log   # a part run alone keeps the other's log
 
 if [ -n "${PKVRT_CUBINS:-}" ]; then
   mkdir -p pkvrt/_cubins && cp -r "$PKVRT_CUBINS"/. pkvrt/_cubins/ || exit 1
@@ -34,7 +36,11 @@ fi
 
 commit=${PKVRT_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (uncommitted changes)')}
 {
-  echo "# pkvrt GPU suite: python3 -m pytest -m 'gpu and not serial' tests benches $*; then -m 'gpu and serial' alone"
+  case $part in
+    both) echo "# pkvrt GPU suite: python3 -m pytest -m 'gpu and not serial' tests benches $*; then -m 'gpu and serial' alone" ;;
+    parallel) echo "# pkvrt GPU suite, its parallel part: python3 -m pytest -m 'gpu and not serial' tests benches $*" ;;
+    serial) echo "# pkvrt GPU suite, its serial part: python3 -m pytest -m 'gpu and serial' tests benches (without -n)" ;;
+  esac
   echo "commit:     $commit"
   echo "date:       $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "gpu:        $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
@@ -53,7 +59,6 @@ EOF
 # Two runs: every gpu test not marked serial (with the caller's arguments, -n N included), then
 # the serial ones alone (they measure time or need most of the GPU's memory), without -n.
 # PKVRT_SUITE_PART=serial runs the second alone (a call whose limit cut it), =parallel the first.
-echo "part:       $part" >> "$log"
 alone=()
 skip_next=0
 for a in "$@"; do

@@ -227,6 +227,7 @@ def _plan_by_rows(seq, bt, runs, per_chunk, page=PAGE):
     for r, x in enumerate(row_slots):
         slots[r, :len(x)] = x
     return dict(chunk_rows=[sub + [sub[0]] * (per_chunk - len(sub)) for sub, _, _ in chunks],
+                chunk_valid=[[c < len(sub) for c in range(per_chunk)] for sub, _, _ in chunks],
                 chunk_seq=[n * page for _, _, n in chunks],
                 chunk_bt=sharing._table([bt[sub[0], f:f + n] for sub, f, n in chunks]),
                 own_rows=own_rows, own_seq=own_seq, own_bt=sharing._table(own_pages), slots=slots,

@@ -79,16 +79,17 @@ def environment() -> dict:
 
 def kernel_build() -> dict:
     """Which kernel build produced the numbers: manifest path, nvcc, tuning constants, and
-    ``sources_sha256``, a digest of each kernel family's source hash (its .cu file, the shared
-    headers, the flags and tuning: ``pkvrt/_build.py``), which names the kernels that ran even
-    where a build of other sources was copied in beside this checkout's Python."""
+    ``sources_sha256``, a digest of the source hash of every kernel family in the manifest (its
+    .cu file, the shared headers, the flags and tuning: ``pkvrt/_build.py``): it names the build
+    the kernels were loaded from, even where a build of other sources was copied in beside this
+    checkout's Python."""
     from pkvrt.launch.manifest import ManifestError, load_manifest
 
     try:
         m = load_manifest()
     except ManifestError as exc:
         return {"error": str(exc)}
-    families = sorted({(e.family, e.source_sha256) for e in m.entries})
+    families = sorted({(str(e.family), str(e.source_sha256)) for e in m.entries})
     return {"manifest": str(m.path), "nvcc": m.nvcc_version, "tuning": m.tuning,
             "sources_sha256": hashlib.sha256(json.dumps(families).encode()).hexdigest() if families else None}
 
