@@ -21,6 +21,7 @@ numpy only (no GPU); the runtime side is :class:`pkvrt.runtime.shared.SharedPage
 
 from __future__ import annotations
 
+import threading
 import types
 
 import attrs
@@ -204,6 +205,7 @@ class _Layout:
 
 _RUNS_MEMO: dict[tuple, tuple[np.ndarray, list, dict]] = {}
 _RUNS_MEMO_SIZE = 16
+_RUNS_MEMO_LOCK = threading.Lock()   # Runtimes planning in several threads share the memo
 _FINGERPRINT_WEIGHTS = np.zeros(0, np.int64)
 
 
@@ -221,16 +223,19 @@ def _memo_runs(seq, marked: np.ndarray, page_size: int) -> tuple[list[SharedRun]
         _FINGERPRINT_WEIGHTS = np.random.default_rng(20261206).integers(
             1, 2**62, size=max(flat.size, 1 << 16), dtype=np.int64)
     key = (int(np.dot(flat, _FINGERPRINT_WEIGHTS[:flat.size])), marked.shape, page_size)
-    hit = _RUNS_MEMO.get(key)
+    with _RUNS_MEMO_LOCK:
+        hit = _RUNS_MEMO.get(key)
     if hit is not None and np.array_equal(hit[0], marked):
         return hit[1], hit[2]
-    if key not in _RUNS_MEMO and len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
-        _RUNS_MEMO.pop(next(iter(_RUNS_MEMO)))
     runs = shared_page_runs(seq, marked, page_size)
     kept = marked.copy()
     kept.setflags(write=False)   # the memo's own copy: no caller can change what it compares
-    _RUNS_MEMO[key] = (kept, runs, {})
-    return runs, _RUNS_MEMO[key][2]
+    entry = (kept, runs, {})
+    with _RUNS_MEMO_LOCK:
+        if key not in _RUNS_MEMO and len(_RUNS_MEMO) >= _RUNS_MEMO_SIZE:
+            _RUNS_MEMO.pop(next(iter(_RUNS_MEMO)))
+        _RUNS_MEMO[key] = entry
+    return runs, entry[2]
 
 
 def any_page_repeats(seq_lens, block_tables, page_size: int, num_pages: int | None = None) -> bool:
