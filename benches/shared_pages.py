@@ -42,8 +42,8 @@ chunk decode's and its own decode's 32 layers timed alone (``parts_us``), so tha
 its time is the gathers, the merges and the launch boundaries.
 ``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared-always`` with chunks of N rows
 (``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
-run whatever ``--engines`` names (they were asked for by ``--chunk-rows``). ``--engines``: only
-the engines of these labels (a label that names no engine is an error, not an engine skipped).
+run whatever ``--engines`` names, unless it names some of them. ``--engines``: only the engines
+of these labels (a label that names no engine is an error, not an engine skipped).
 
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
        [--chunk-rows N,...] [--engines LABEL,...]
@@ -409,9 +409,10 @@ def main(argv=None) -> int:
         return fit_l2(args.fit_l2, args.calibration, args.write or args.calibration, argv)
     chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
     only = None if args.engines is None else [e for e in args.engines.split(",") if e]
-    if only is not None and any(e not in ENGINES for e in only):
-        ap.error(f"--engines: {', '.join(e for e in only if e not in ENGINES)}: expected labels of "
-                 f"{', '.join(ENGINES)} (pkvrt-shared-c<N>: --chunk-rows N)")
+    labels = ENGINES + tuple(f"pkvrt-shared-c{c}" for c in chunk_rows)
+    if only is not None and any(e not in labels for e in only):
+        ap.error(f"--engines: {', '.join(e for e in only if e not in labels)}: expected labels of "
+                 f"{', '.join(labels)} (pkvrt-shared-c<N>: with --chunk-rows N)")
     names = [c for c in args.cases.split(",") if c]
     if any(n not in CASES for n in names):
         ap.error(f"--cases: expected names of {', '.join(CASES)}")
@@ -449,7 +450,9 @@ def main(argv=None) -> int:
         engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c, always=True)
                         for c in chunk_rows})
         if only is not None:
-            engines = {k: v for k, v in engines.items() if k in only or k.startswith("pkvrt-shared-c")}
+            engines = {k: v for k, v in engines.items()
+                       if k in only or (k.startswith("pkvrt-shared-c") and not any(
+                           e.startswith("pkvrt-shared-c") for e in only))}
         for label, fn in engines.items():
             try:
                 if label == "flashinfer-cascade" and cascade_unavailable:

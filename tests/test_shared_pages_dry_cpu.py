@@ -218,6 +218,17 @@ def test_a_wrong_chunked_engine_is_recorded_wrong_and_gets_no_ratio(dry, tmp_pat
     assert by["pkvrt-shared"]["status"] == "ok" and by["ratio"]["ratio"] > 0
 
 
+def test_engines_may_name_a_chunked_engine_and_then_only_those_run(dry, tmp_path, capsys):
+    """``--engines`` may name ``pkvrt-shared-c<N>`` of ``--chunk-rows``: then the chunked
+    engines it does not name do not run; a chunk count not asked for is an error."""
+    rows = run(tmp_path, "--engines", "flashinfer-tc,pkvrt-shared-c2", "--chunk-rows", "2,8",
+               "--cases", "8x(8K+512)")["rows"]
+    assert [r["engine"] for r in rows] == ["flashinfer-tc", "pkvrt-shared-c2", "ratio"]
+    with pytest.raises(SystemExit):
+        bench.main(["--engines", "pkvrt-shared-c4", "--chunk-rows", "2", "--out", str(tmp_path / "x.json")])
+    assert "--engines: pkvrt-shared-c4: expected labels of" in capsys.readouterr().err
+
+
 def test_the_time_budget_stops_between_cases(dry, tmp_path, monkeypatch, capsys):
     """Each case's step takes 20 s to build: with --max-seconds 30 two cases are measured and
     the file holds them."""
