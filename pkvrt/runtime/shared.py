@@ -141,8 +141,10 @@ class SharedPagesRuntime:
         over shared K/V stages) read a run once for more rows but, measured on an H100 with its
         own calibration (G 64 included; benches/results/h100/shared-pages-64-head-default.json), ran slower than
         16-head chunks on every step where sharing beats the plain step, and the time model
-        predicted them 15-45 % faster than they ran; so they are only asked for
-        (``shared_chunk_rows``). G 9-64: one row, nothing shared by default."""
+        predicted them 15-45 % faster than they ran; 32-head chunks (H200 and H100,
+        benches/results/*/chunk-rows/) win on runs of at most 8 rows and lose on runs of more;
+        so they are only asked for (``shared_chunk_rows``). G 9-64: one row, nothing shared by
+        default."""
         return max(1, min(served, 16 // self.group))
 
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
