@@ -26,6 +26,8 @@
 #   sharing-traces  the sharing trace families (parallel sampling, a shared system prompt) and,
 #              with TRACE_DIR/mooncake_conv.json (docs/traces.md), Mooncake's conversation trace,
 #              in the engine protocol with and without SharedPagesRuntime -> OUT/engine-<trace>.json
+#              (ROUTES: a routes.toml instead of the shipped one, TAG: a suffix of the files' names,
+#              SHARING_ENGINES: the --engines list)
 #   zipf-sweep  benches/isolated.py --partition-sweep on the drop-in's Zipf B8 step 0 (every cut
 #              timed; the H100 ran its planned cut 17 % over the time model) -> OUT/isolated-zipf-sweep.json
 #   gemma-waves  benches/model_shapes.py for Gemma-2-9B on this GPU's calibration and on a copy
@@ -89,8 +91,9 @@ for stage in "$@"; do
         set -- $spec; name=$1; shift
         if [[ $name == mooncake-conv && ! -f ${TRACE_DIR:-}/mooncake_conv.json ]]; then continue; fi
         timeout 180 python3 -m pkvrt bench serving "$@" --max-active 8 --steps-limit 24 --check-steps 2 \
-          --engine-layers 32 --seeds 20260623 --out $out/engine-$name-B8.json \
-          --engines flashinfer,device-plan-step,shared-step,shared-device-step 2>&1 | grep -E "pkvrt-|flashinfer-|Error" | tail -6
+          --engine-layers 32 --seeds 20260623 --out $out/engine-$name-B8${TAG:+-$TAG}.json \
+          ${ROUTES:+--routes $ROUTES} --engines ${SHARING_ENGINES:-flashinfer,device-plan-step,shared-step,shared-device-step} \
+          2>&1 | grep -E "pkvrt-|flashinfer-|Error" | tail -6
       done ;;
     zipf-sweep) timeout 240 python3 benches/isolated.py --cases B8-zipf --partition-sweep --no-sdpa \
           --out $out/isolated-zipf-sweep.json 2>&1 | grep -v WARN | tail -30 ;;

@@ -14,6 +14,7 @@ from test_runtime_cpu import FAKE_SHAPE, ROUTES, SEED, fake_device, pool, ref, r
 
 from pkvrt.policy import sharing
 from pkvrt.policy.blocktables import SharedRun, shared_page_runs
+from pkvrt.policy.registry import load_routes
 from pkvrt.runtime.options import RuntimeOptions
 from pkvrt.runtime.shared import SharedPagesRuntime
 
@@ -382,6 +383,31 @@ def test_chunks_default_to_16_heads_whatever_the_calibration(fake_device, wide):
                                      max_batch=8, max_pages_per_row=64,
                                      options=RuntimeOptions(flashinfer=False, shared_chunk_rows=rows))
         assert g_asked.chunk == rows and g_asked.shared.num_qo_heads == 2 * rows * (hq // 2), hq
+
+
+def test_chunk_heads_of_routes_toml_set_the_default_chunk(fake_device, tmp_path):  # noqa: F811
+    """routes.toml ``[sharing] chunk_heads`` sets the default rows per chunk (chunk_heads // G,
+    at most what the kernels serve); the shipped file's is 16, as without the key;
+    shared_chunk_rows still overrides it."""
+    assert ROUTES.sharing_chunk_heads == 16 and load_routes(None).sharing_chunk_heads == 16
+    text = open(ROUTES.path).read()
+    assert "chunk_heads = 16\n" in text   # the shipped key, and without it the same 16:
+    bare = tmp_path / "routes.toml"
+    bare.write_text(text.replace("chunk_heads = 16\n", ""))
+    assert load_routes(bare).sharing_chunk_heads == 16
+    for heads, hq, rows in ((32, 8, 8), (32, 16, 4), (64, 8, 16), (256 // 4, 32, 4), (8, 8, 2), (4, 8, 1)):
+        routes = attrs.evolve(ROUTES, sharing_chunk_heads=heads)
+        rt = SharedPagesRuntime(hq, 2, 128, 16, torch.float16, routes=routes, calibration=SEED,
+                                max_batch=8, max_pages_per_row=64, options=RuntimeOptions(flashinfer=False))
+        assert rt.chunk == rows, (heads, hq)
+        assert (rt.shared is None) == (rows == 1)
+        if rt.shared is not None:
+            assert rt.shared.num_qo_heads == 2 * rows * (hq // 2)
+    routes = attrs.evolve(ROUTES, sharing_chunk_heads=32)
+    asked = SharedPagesRuntime(8, 2, 128, 16, torch.float16, routes=routes, calibration=SEED, max_batch=8,
+                               max_pages_per_row=64,
+                               options=RuntimeOptions(flashinfer=False, shared_chunk_rows=2))
+    assert asked.chunk == 2
 
 
 @pytest.mark.parametrize("device_planning", [False, True], ids=["host lengths", "device lengths"])

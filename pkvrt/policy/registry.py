@@ -176,6 +176,10 @@ class Registry:
     # device_margin: the same for its device-lengths rule (find_shared, on the GPU)
     sharing_margin: float = 1.0
     sharing_device_margin: float = 1.0
+    # [sharing] chunk_heads: query heads per KV head that a chunk of rows sharing a run decodes
+    # together (rows per chunk = chunk_heads // G, at most what the kernels serve; 16 without
+    # the key)
+    sharing_chunk_heads: int = 16
 
     def device_planning_route(self, rows: int | None = None) -> Route:
         """The route ``Runtime(device_planning=True)`` runs when none is forced: for a step of
@@ -252,12 +256,14 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
         raise RoutesError(f"{p}: byte {e.start} is not UTF-8; expected a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
-    routes, boundary, device_route, device_small, host_time, (sharing_margin, sharing_device_margin) = \
+    routes, boundary, device_route, device_small, host_time, \
+        (sharing_margin, sharing_device_margin, sharing_chunk_heads) = \
         _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
                     routes=routes, boundary=boundary, device_route=device_route,
                     device_small=device_small, host_time=host_time, sharing_margin=sharing_margin,
-                    sharing_device_margin=sharing_device_margin)
+                    sharing_device_margin=sharing_device_margin,
+                    sharing_chunk_heads=sharing_chunk_heads)
 
 
 def _syntax_error(path: str, text: str, msg: str) -> RoutesError:
@@ -489,7 +495,9 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
     host_time = None
     if (ht := top.table("host_time", ("enabled", "min_context"), required=False)) is not None:
         host_time = HostTimeRule(enabled=ht.boolean("enabled"), min_context=ht.integer("min_context"))
-    sh = top.table("sharing", ("margin", "device_margin"), required=False)
-    sharing = (1.0, 1.0) if sh is None else (sh.margin("margin", allow_inf=True),
-                                             sh.margin("device_margin", 1.0, allow_inf=True))
+    sh = top.table("sharing", ("margin", "device_margin", "chunk_heads"), required=False)
+    sharing = (1.0, 1.0, 16) if sh is None else (
+        sh.margin("margin", allow_inf=True), sh.margin("device_margin", 1.0, allow_inf=True),
+        sh.get("chunk_heads", "an integer in 2..64",
+               lambda v: _int_problem(v) or (None if 2 <= v <= 64 else "is outside 2..64"), 16))
     return routes, boundary, device_route, device_small, host_time, sharing

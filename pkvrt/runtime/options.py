@@ -64,8 +64,9 @@ class RuntimeOptions:
         where host time is weighed (host lengths with the Runtime's graphs and FlashInfer,
         routes.toml ``[host_time]``); after a step it counts that step's calls.
     shared_chunk_rows : :class:`pkvrt.SharedPagesRuntime` only (a Runtime ignores it): rows per
-        shared chunk decode, at most the most the kernels serve (None: 16 // G rows, the narrow
-        decode body; up to 64 // G runs the wide body; 1: nothing shared). The ablation of how
+        shared chunk decode, at most the most the kernels serve (None: routes.toml's
+        ``[sharing] chunk_heads`` // G rows, 16 // G shipped: the narrow decode body; up to
+        64 // G runs the wide body; 1: nothing shared). The ablation of how
         many rows read a shared run in one pass.
     shared_when_predicted_faster : :class:`pkvrt.SharedPagesRuntime` only (host lengths): share
         a step's pages only where the calibration's time model predicts the shared path faster

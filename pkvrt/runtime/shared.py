@@ -4,9 +4,9 @@ chunk of rows instead of once per row, exactly.
 Per step, :meth:`~SharedPagesRuntime.plan` looks for repeated page ids in the block tables (a
 bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.sharing.plan_sharing`:
 
-- the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``; C = 16 // G
-  rows per chunk, the narrow decode body; ``RuntimeOptions.shared_chunk_rows`` asks for up to
-  64 // G, the wide body) runs one decode row per chunk over the chunk's shared pages, its
+- the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``; C =
+  chunk_heads // G rows per chunk, routes.toml ``[sharing] chunk_heads``, 16 shipped: the narrow
+  decode body; ``RuntimeOptions.shared_chunk_rows`` asks for up to 64 // G, the wide body) runs one decode row per chunk over the chunk's shared pages, its
   query heads the chunk's rows' heads side by side: a K/V tile of the run is read once for C
   rows;
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
@@ -137,15 +137,16 @@ class SharedPagesRuntime:
 
     def _chunk_rows_default(self, served: int) -> int:
         """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
-        the narrow decode body, 16 heads. Wider chunks (the wide body: its warps split the heads
-        over shared K/V stages) read a run once for more rows but, measured on an H100 with its
-        own calibration (G 64 included; benches/results/h100/shared-pages-64-head-default.json), ran slower than
-        16-head chunks on every step where sharing beats the plain step, and the time model
-        predicted them 15-45 % faster than they ran; 32-head chunks (H200 and H100,
-        benches/results/*/chunk-rows/) win on runs of at most 8 rows and lose on runs of more;
-        so they are only asked for (``shared_chunk_rows``). G 9-64: one row, nothing shared by
-        default."""
-        return max(1, min(served, 16 // self.group))
+        routes.toml's ``[sharing] chunk_heads`` (16 in the shipped file and without the key: the
+        narrow decode body). Wider chunks (the wide body: its warps split the heads over shared
+        K/V stages) read a run once for more rows but, measured on an H100 with its own
+        calibration (G 64 included; benches/results/h100/shared-pages-64-head-default.json), 64-head chunks ran
+        slower than 16-head chunks on every step where sharing beats the plain step, and the
+        time model predicted them 15-45 % faster than they ran; 32-head chunks (H200 and H100,
+        benches/results/*/chunk-rows/) win on runs of at most 8 rows and lose on runs of more.
+        ``RuntimeOptions.shared_chunk_rows`` overrides it per Runtime. Fewer than two rows
+        (G above chunk_heads // 2): nothing shared by default."""
+        return max(1, min(served, self.plain.registry.sharing_chunk_heads // self.group))
 
     def _chunk_rows_served(self, head_dim: int, kv_dtype) -> int:
         """Rows per chunk the kernels allow: the most whose rows x G query heads a decode kernel
