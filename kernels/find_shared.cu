@@ -234,17 +234,29 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
   leader_of[tid] = leader;
   __syncthreads();
 
-  // 3. lcp with the leader: a warp per row, 32 entries per step, the first mismatch by ballot.
+  // 3. lcp with the leader: a warp per row, 128 entries per step (each lane's four loads issued
+  // before any is compared: a shared run is read to its end, and one load's latency a step is
+  // what the step costs), the first mismatch by ballot.
   for (int r = warp; r < B; r += PKV_FIND_THREADS / 32) {
     const int g = leader_of[r], n = min(s_of[r], s_of[g]);
     int lcp = n;
     if (g != r) {
       const int* a = p.block_tables + (long long)r * p.bt_stride;
       const int* b = p.block_tables + (long long)g * p.bt_stride;
-      for (int i0 = 0; i0 < n; i0 += 32) {
-        const int i = i0 + lane;
-        const unsigned diff = __ballot_sync(0xffffffffu, i < n && a[i] != b[i]);
-        if (diff) { lcp = i0 + __ffs(diff) - 1; break; }
+      constexpr int U = 4;
+      for (int i0 = 0; i0 < n && lcp == n; i0 += 32 * U) {
+        int av[U], bv[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int i = i0 + 32 * u + lane;
+          av[u] = i < n ? a[i] : 0;
+          bv[u] = i < n ? b[i] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const unsigned diff = __ballot_sync(0xffffffffu, av[u] != bv[u]);
+          if (diff && lcp == n) lcp = i0 + 32 * u + __ffs(diff) - 1;
+        }
       }
     }
     if (lane == 0) lcp_of[r] = lcp;
@@ -312,11 +324,14 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
     decode_cut<false>(valid ? n : 0, p, cands[0], tiles, scratch, &cuts[0]);
     decode_cut<true>(prefix << p.page_size_log2, p, cands[1], tiles, scratch, &cuts[1]);
     decode_cut<false>(valid ? n - (run << p.page_size_log2) : 0, p, cands[0], tiles, scratch, &cuts[2]);
-    if (tid == 0) {
+    __syncthreads();   // cuts[2], written by thread 0, read by thread 64
+    // the three times side by side, a thread of three warps each (double precision, a square root)
+    if (tid == 0)
       part_us[0] = fmax(decode_us(cuts[0], false, p) - p.l2_saved_us * rereads[0], 0.0) + p.plain_extra_us;
+    else if (tid == 32)
       part_us[1] = fmax(decode_us(cuts[1], true, p) - p.l2_saved_us * rereads[1], 0.0);
+    else if (tid == 64)
       part_us[2] = decode_us(cuts[2], false, p);
-    }
     __syncthreads();
     const double t_shared = part_us[1] + part_us[2] + p.extra_us;
     const bool share = part_us[0] >= p.margin * t_shared;
