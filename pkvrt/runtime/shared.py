@@ -6,9 +6,9 @@ bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.shari
 
 - the **shared** Runtime (``H_q' = H_kv * C * G`` query heads, group ``C * G``; C =
   chunk_heads // G rows per chunk, routes.toml ``[sharing] chunk_heads``, 16 shipped: the narrow
-  decode body; ``RuntimeOptions.shared_chunk_rows`` asks for up to 64 // G, the wide body) runs one decode row per chunk over the chunk's shared pages, its
-  query heads the chunk's rows' heads side by side: a K/V tile of the run is read once for C
-  rows;
+  decode body; ``RuntimeOptions.shared_chunk_rows`` asks for up to 64 // G, the wide body) runs
+  one decode row per chunk over the chunk's shared pages, its query heads the chunk's rows'
+  heads side by side: a K/V tile of the run is read once for C rows;
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
 - each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries (and the own segments' where
