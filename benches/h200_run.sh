@@ -92,7 +92,7 @@ for stage in "$@"; do
         if [[ $name == mooncake-conv && ! -f ${TRACE_DIR:-}/mooncake_conv.json ]]; then continue; fi
         timeout 180 python3 -m pkvrt bench serving "$@" --max-active 8 --steps-limit 24 --check-steps 2 \
           --engine-layers 32 --seeds 20260623 --out $out/engine-$name-B8${TAG:+-$TAG}.json \
-          ${ROUTES:+--routes $ROUTES} --engines ${SHARING_ENGINES:-flashinfer,device-plan-step,shared-step,shared-device-step} \
+          ${ROUTES:+--routes "$ROUTES"} --engines ${SHARING_ENGINES:-flashinfer,device-plan-step,shared-step,shared-device-step} \
           2>&1 | grep -E "pkvrt-|flashinfer-|Error" | tail -6
       done ;;
     zipf-sweep) timeout 240 python3 benches/isolated.py --cases B8-zipf --partition-sweep --no-sdpa \

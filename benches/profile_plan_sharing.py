@@ -40,7 +40,10 @@ def main(argv=None) -> int:
         for _ in range(3):
             rt.plan(st.seq_d, st.bt_d)
         torch.cuda.synchronize()
-        print(args[0], "every chunk kept" if always else "the device rule", "| found:", rt.found())
+        found = rt.found()
+        print(args[0], "every chunk kept" if always else "the device rule", "|",
+              "no chunk found" if found is None else f"{found.tokens_saved} tokens saved, "
+              f"decision {found.decision}")
     return 0
 
 

@@ -42,8 +42,9 @@ chunk decode's and its own decode's 32 layers timed alone (``parts_us``), so tha
 its time is the gathers, the merges and the launch boundaries.
 ``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared-always`` with chunks of N rows
 (``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
-run whatever ``--engines`` names, unless it names some of them. ``--engines``: only the engines
-of these labels (a label that names no engine is an error, not an engine skipped).
+they run whatever ``--engines`` names, unless ``--engines`` names some ``pkvrt-shared-c<N>``,
+then only those. ``--engines``: only the engines of these labels (a label that names no engine is
+an error, not an engine skipped).
 
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
        [--chunk-rows N,...] [--engines LABEL,...]
@@ -394,8 +395,9 @@ def main(argv=None) -> int:
                     help="also run pkvrt-shared with chunks of these many rows (comma-separated; the "
                          "ablation of options.shared_chunk_rows, engines pkvrt-shared-c<N>)")
     ap.add_argument("--engines", default=None,
-                    help=f"run only these engines (comma-separated labels of {', '.join(ENGINES)}; "
-                         "default: all; --chunk-rows's run in any case)")
+                    help=f"run only these engines (comma-separated labels of {', '.join(ENGINES)} "
+                         "and pkvrt-shared-c<N> of --chunk-rows; default: all; the chunked engines "
+                         "run unless --engines names some of them, then only those)")
     ap.add_argument("--fit-l2", nargs="+", metavar="RESULTS", default=None,
                     help="no GPU: fit the calibration's sharing.l2_reread_cost to the "
                          "pkvrt-device-plan rows of these results files (steps with shared pages) "
@@ -409,7 +411,8 @@ def main(argv=None) -> int:
         return fit_l2(args.fit_l2, args.calibration, args.write or args.calibration, argv)
     chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
     only = None if args.engines is None else [e for e in args.engines.split(",") if e]
-    labels = ENGINES + tuple(f"pkvrt-shared-c{c}" for c in chunk_rows)
+    chunked = tuple(f"pkvrt-shared-c{c}" for c in chunk_rows)
+    labels = ENGINES + chunked
     if only is not None and any(e not in labels for e in only):
         ap.error(f"--engines: {', '.join(e for e in only if e not in labels)}: expected labels of "
                  f"{', '.join(labels)} (pkvrt-shared-c<N>: with --chunk-rows N)")
@@ -451,8 +454,7 @@ def main(argv=None) -> int:
                         for c in chunk_rows})
         if only is not None:
             engines = {k: v for k, v in engines.items()
-                       if k in only or (k.startswith("pkvrt-shared-c") and not any(
-                           e.startswith("pkvrt-shared-c") for e in only))}
+                       if k in only or (k in chunked and not any(e in chunked for e in only))}
         for label, fn in engines.items():
             try:
                 if label == "flashinfer-cascade" and cascade_unavailable:

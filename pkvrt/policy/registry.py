@@ -178,7 +178,8 @@ class Registry:
     sharing_device_margin: float = 1.0
     # [sharing] chunk_heads: query heads per KV head that a chunk of rows sharing a run decodes
     # together (rows per chunk = chunk_heads // G, at most what the kernels serve; 16 without
-    # the key)
+    # the key). The chunk decode runs at group chunk_heads: its cuts and the rules' times use that
+    # group's calibration constants (the nearest calibrated group's where the file has none)
     sharing_chunk_heads: int = 16
 
     def device_planning_route(self, rows: int | None = None) -> Route:
@@ -498,6 +499,6 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
     sh = top.table("sharing", ("margin", "device_margin", "chunk_heads"), required=False)
     sharing = (1.0, 1.0, 16) if sh is None else (
         sh.margin("margin", allow_inf=True), sh.margin("device_margin", 1.0, allow_inf=True),
-        sh.get("chunk_heads", "an integer in 2..64",
-               lambda v: _int_problem(v) or (None if 2 <= v <= 64 else "is outside 2..64"), 16))
+        sh.get("chunk_heads", "an integer in 2..64", lambda v: "is not an integer" if not _is_int(v)
+               else None if 2 <= v <= 64 else "is outside 2..64", 16))
     return routes, boundary, device_route, device_small, host_time, sharing

@@ -289,6 +289,10 @@ def format_registry(reg: registry.Registry) -> str:
              if math.isinf(m) else
              f"sharing: SharedPagesRuntime shares a host-lengths step when its predicted plain time "
              f"is at least {m:.2f}x its shared time ([sharing] margin)")
+    dm = reg.sharing_device_margin
+    share += ("; on device lengths " + ("never" if math.isinf(dm) else f"at {dm:g}x")
+              + f" ([sharing] device_margin); a chunk decodes {reg.sharing_chunk_heads} query heads "
+              f"per KV head together ([sharing] chunk_heads)")
     return (f"{table}\n\n{rule}\n{host}\n{share}\n{_device_planning_note(reg)}\n"
             f"file: {reg.path}\nsha256: {reg.sha256}")
 
