@@ -13,9 +13,15 @@ CTA in, its last wait, its last CTA done, and the period to the next layer's fir
 median over layers 1.. (layer 0 waits on the spin) goes to the table and the JSON.
 
 With ``--route pkv_fused`` the decode kernel merges in its last CTA's tail and no merge is
-launched: the merge columns are empty and ``decode_done_last`` is the end of the layer's work.
+launched: the merge columns are empty, ``decode_done_last`` is the end of the layer's work,
+``decoded_last`` the last CTA's decode done (before its arrival) and ``tail`` the difference: what
+the merge in the last CTAs adds to the layer.
 
-usage: python benches/layer_timeline.py [--layers 8] [--route pkv_workqueue|pkv_fused] [--out FILE]
+``--heads QO/KV`` runs another head shape (default 32/8; 64/4 is Qwen3-235B's G 16, 28/4
+Qwen2.5-7B's G 7), with this GPU's constants for its group size, as the Runtime plans it.
+
+usage: python benches/layer_timeline.py [--layers 8] [--route pkv_workqueue|pkv_fused]
+       [--heads 32/8] [--cases B8-bimodal,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,14 +44,16 @@ from pkvrt.policy import planner  # noqa: E402
 from pkvrt.policy.calibration import find_calibration  # noqa: E402
 from pkvrt.policy.registry import load_routes  # noqa: E402
 
-CASES = {  # name -> seq_lens (H_q 32, H_kv 8, D 128, fp16, page 16)
+CASES = {  # name -> seq_lens (D 128, fp16, page 16)
     "B1-1.6K": [1600],
     "B1-8K": [8192],
     "B1-32K": [32768],
     "B8-bimodal": [32768, 2048, 3072, 4096, 32000, 1024, 2560, 3584],
+    # the model-coverage issue's bimodal step: one 28K row, seven of 0.5-2.3K
+    "B8-one-long": [28672, 512, 1200, 2300, 900, 1800, 700, 1500],
 }
-COLUMNS = ("decode_waited_last", "decode_done_first", "decode_done_last", "merge_in_first",
-           "merge_waited_last", "merge_done_last", "period")
+COLUMNS = ("decode_waited_last", "decode_done_first", "decoded_last", "decode_done_last", "tail",
+           "merge_in_first", "merge_waited_last", "merge_done_last", "period")
 
 
 def layer_marks(dec: np.ndarray, mer: np.ndarray) -> dict[str, float]:
@@ -56,21 +64,25 @@ def layer_marks(dec: np.ndarray, mer: np.ndarray) -> dict[str, float]:
     m_in = mer[mer[:, 0] > 0]
     m_done = mer[mer[:, 2] > 0]
     us = lambda t: float(t - t0) / 1e3  # noqa: E731
+    decoded = d[d[:, 3] > 0]
+    decoded_last = us(decoded[:, 3].max()) if len(decoded) else float("nan")
     return {"t0": int(t0), "decode_waited_last": us(d[:, 1].max()), "decode_done_first": us(d[:, 2].min()),
-            "decode_done_last": us(d[:, 2].max()),
+            "decoded_last": decoded_last, "decode_done_last": us(d[:, 2].max()),
+            "tail": us(d[:, 2].max()) - decoded_last,
             "merge_in_first": us(m_in[:, 0].min()) if len(m_in) else float("nan"),
             "merge_waited_last": us(m_in[:, 1].max()) if len(m_in) else float("nan"),
             "merge_done_last": us(m_done[:, 2].max()) if len(m_done) else float("nan")}
 
 
-def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False) -> dict:
-    b = make_batch(lens, device="cuda", seed=20261201)
-    plan = planner.plan_workqueue(np.array(lens), num_kv_heads=8, num_qo_heads=32, head_dim=128,
-                                  dtype_bytes=2, splits=splits, cal=cal)
-    tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=32, head_dim=128)
+def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False, qo: int = 32,
+             kv_heads: int = 8) -> dict:
+    b = make_batch(lens, num_qo_heads=qo, num_kv_heads=kv_heads, device="cuda", seed=20261201)
+    plan = planner.plan_workqueue(np.array(lens), num_kv_heads=kv_heads, num_qo_heads=qo, head_dim=128,
+                                  dtype_bytes=2, splits=splits, cal=cal.for_group(qo // kv_heads))
+    tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=qo, head_dim=128)
     out = torch.full_like(b.q, float("nan"))
-    merge_ctas = 8 * len(lens)
-    kv = int(sum(lens)) * 8 * 128 * 2 * 2
+    merge_ctas = kv_heads * len(lens)
+    kv = int(sum(lens)) * kv_heads * 128 * 2 * 2
     # Each layer reads its own cache copy, and the timed layers others than the warm-up's, with
     # at least 3 x L2 between reuses: no layer is timed on L2-resident K/V.
     copies = max(2 * layers, -(-3 * 60 * 2**20 // kv))
@@ -78,7 +90,7 @@ def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False) -> 
     vs = [b.v_cache] + [b.v_cache.clone() for _ in range(copies - 1)]
     dec = torch.zeros(layers, len(plan.tasks), ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
     mer = torch.zeros(layers, merge_ctas, ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
-    counters = torch.zeros(len(lens), 8, dtype=torch.int32, device="cuda") if fused else None
+    counters = torch.zeros(len(lens), kv_heads, dtype=torch.int32, device="cuda") if fused else None
 
     def step(traced: bool):
         for layer in range(layers):
@@ -106,7 +118,7 @@ def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False) -> 
     for i in range(layers - 1):
         per[i]["period"] = (per[i + 1]["t0"] - per[i]["t0"]) / 1e3
     med = {c: statistics.median(p[c] for p in per[1:-1] if c in p) for c in COLUMNS}
-    common = dict(case=name, engine="pkvrt-fused" if fused else "pkvrt-workqueue", splits=int(plan.num_splits.max()),
+    common = dict(case=name, heads=f"{qo}/{kv_heads}", engine="pkvrt-fused" if fused else "pkvrt-workqueue", splits=int(plan.num_splits.max()),
                   ctas=len(plan.tasks), floor_us=round(kv / 4.2e6, 2))
     rows = [dict(common, layer="median", **{k: round(v, 2) for k, v in med.items()})]
     rows += [dict(common, layer=i, **{k: round(v, 2) for k, v in p.items() if k != "t0"})
@@ -119,19 +131,30 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--route", choices=("pkv_workqueue", "pkv_fused"), default="pkv_workqueue")
+    ap.add_argument("--heads", default="32/8", help="query heads / KV heads (default 32/8)")
     ap.add_argument("--out", default="benches/results/h200/layer-timeline.json")
     args = ap.parse_args(argv)
+    try:
+        qo, kv_heads = (int(x) for x in args.heads.split("/"))
+        if qo <= 0 or kv_heads <= 0 or qo % kv_heads:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--heads: QO/KV with KV dividing QO, e.g. 64/4; got {args.heads!r}")
+    unknown = [n for n in args.cases.split(",") if n not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
     if not torch.cuda.is_available():
         print("layer_timeline: needs a CUDA GPU", file=sys.stderr)
         return 2
     cal = find_calibration(torch.cuda.get_device_name())
     splits = load_routes().route(args.route).splits
     rows = [r for n in args.cases.split(",")
-            for r in run_case(n, CASES[n], args.layers, cal, splits, fused=args.route == "pkv_fused")]
-    print(f"{'case':11s} {'S':>3s} {'CTAs':>5s} {'floor':>6s} " + " ".join(f"{c:>8s}" for c in
-          ("dec.wait", "dec.1st", "dec.last", "mrg.in", "mrg.wait", "mrg.done", "period")))
+            for r in run_case(n, CASES[n], args.layers, cal, splits, fused=args.route == "pkv_fused",
+                              qo=qo, kv_heads=kv_heads)]
+    print(f"{'case':12s} {'heads':>5s} {'S':>3s} {'CTAs':>5s} {'floor':>6s} " + " ".join(f"{c:>8s}" for c in
+          ("dec.wait", "dec.1st", "decoded", "dec.last", "tail", "mrg.in", "mrg.wait", "mrg.done", "period")))
     for r in (r for r in rows if r["layer"] == "median"):
-        print(f"{r['case']:11s} {r['splits']:3d} {r['ctas']:5d} {r['floor_us']:6.1f} "
+        print(f"{r['case']:12s} {r['heads']:>5s} {r['splits']:3d} {r['ctas']:5d} {r['floor_us']:6.1f} "
               + " ".join(f"{r[c]:8.2f}" for c in COLUMNS))
     meta = results.make_meta(seeds=[20261201], routes_path=None, calibration_path=cal.source,
                              kind="layer-timeline", protocol="eager layers behind a spin, PDL, "

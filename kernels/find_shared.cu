@@ -144,10 +144,10 @@ struct DecodeCut {
 
 // The cut of a decode of B rows whose lengths are `len` (this thread's row; 0 for an idle row or
 // a thread past B), as its planning kernel will cut it: the row model's (the plain and own
-// decodes) or the chunk model's (CHUNK), whose candidates (in shared memory) thread 0 reads;
-// written to *out by thread 0. tiles: [1024] shared scratch. (A template, so that the model's
-// fields stay operands of the parameter bank rather than registers: at 1024 threads the kernel
-// has 64.)
+// decodes) or the chunk model's (CHUNK), whose candidates (in shared memory) the warps of
+// choose_cut read; written to *out by thread 0. tiles: [1024] shared scratch. (A template, so
+// that the model's fields stay operands of the parameter bank rather than registers: at 1024
+// threads the kernel has 64.)
 template <bool CHUNK>
 __device__ void decode_cut(int len, const FindSharedParams& p, const int* candidates, int* tiles,
                            long long* scratch, DecodeCut* out) {
@@ -176,7 +176,7 @@ __device__ void decode_cut(int len, const FindSharedParams& p, const int* candid
   }
 }
 
-// Its time (thread 0).
+// Its time (one thread: thread 0, 32 or 64, one cut each).
 __device__ double decode_us(const DecodeCut& d, bool chunk_model, const FindSharedParams& p) {
   const pkv::CutTime t = chunk_model
       ? pkv::CutTime{p.chunk_read_scale, p.chunk_depth_us, p.chunk_tail_us, p.chunk_split_us,
@@ -203,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int B = p.rows, C = p.chunk_rows, G = p.group, HKV = p.num_kv_heads;
   // the rule's split counts, constant (the Runtimes'): read before the wait, into shared memory
-  // (thread 0 reads each in turn), as the planning kernel reads its own
+  // (choose_cut's warps read them), as the planning kernel reads its own
   __shared__ int cands[2][64];   // row, chunk
   if (p.rule && tid < p.row_num_candidates) cands[0][tid] = p.row_candidates[tid];
   if (p.rule && tid >= 64 && tid - 64 < p.chunk_num_candidates) cands[1][tid - 64] = p.chunk_candidates[tid - 64];

@@ -21,9 +21,8 @@
 // when free < room_slots and c <= room_chunk, else 0), then the fewest CTAs, then the smallest
 // s, among candidates with N <= max_ctas (the first candidate is always eligible) and, on a
 // one-row step, when any of them does, (-N) mod R >= free_slots (the last wave leaves slots for
-// the merge). Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate,
-// then its cost, free slots and room charge); warp 0 filters the candidates and takes the least
-// by shuffles.
+// the merge). Warp w evaluates candidates w and w + 32 (one pass over the rows per candidate);
+// warp 0 filters the candidates and takes the least by shuffles.
 //
 // The time (costmodel.measured_us of one launch group, in a CUDA graph):
 //     T = max(read_scale * read_us, depth_us * depth) + tail_us * sqrt(cost / (64 S))
@@ -75,8 +74,8 @@ template <int THREADS>
 __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long total_tiles,
                           int num_kv_heads, const CutModel& m) {
   __shared__ int cand[64];
-  __shared__ long long cost_of[64], room_of[64];
-  __shared__ int ctas_of[64], chunk_of[64], free_of[64];
+  __shared__ long long cost_of[64];
+  __shared__ int ctas_of[64], chunk_of[64];
   __shared__ int num_cand;
   __shared__ Cut chosen;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -131,12 +130,6 @@ __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long tot
       cost_of[k] = a > b ? a : b;
       ctas_of[k] = (int)ctas;
       chunk_of[k] = c;
-      // the last wave's free resident slots and room charge (planner.PartitionModel.room_charge),
-      // here where the warps weigh candidates side by side, not in warp 0's choice below
-      const int free = (R - (int)ctas % R) % R;
-      free_of[k] = free;
-      room_of[k] = m.room_slots > 0 && free < m.room_slots && c <= m.room_chunk
-          ? (long long)m.room8 * S * (m.room_slots - free) / m.room_slots : 0LL;
     }
   }
   __syncthreads();
@@ -152,8 +145,11 @@ __device__ Cut choose_cut(const int* tiles, int rows, int longest, long long tot
       best = -1;
       for (int k = lane; k < num_cand; k += 32) {
         if (k > 0 && ctas_of[k] > m.max_ctas) continue;
-        if (pass == 0 && free_of[k] < m.free_slots) continue;
-        const long long room = room_of[k];
+        const int free = (R - ctas_of[k] % R) % R;
+        if (pass == 0 && free < m.free_slots) continue;
+        // the last wave's room charge (planner.PartitionModel.room_charge)
+        const long long room = m.room_slots > 0 && free < m.room_slots && chunk_of[k] <= m.room_chunk
+            ? (long long)m.room8 * S * (m.room_slots - free) / m.room_slots : 0LL;
         const long long charged = cost_of[k] + room;
         if (best < 0 || charged < best_charged ||
             (charged == best_charged && ctas_of[k] < ctas_of[best])) {
