@@ -21,7 +21,7 @@ the merge in the last CTAs adds to the layer.
 Qwen2.5-7B's G 7), with this GPU's constants for its group size, as the Runtime plans it.
 
 usage: python benches/layer_timeline.py [--layers 8] [--route pkv_workqueue|pkv_fused]
-       [--heads 32/8] [--cases B8-bimodal,...] [--out FILE]
+       [--heads 32/8] [--merge-groups-from N] [--cases B8-bimodal,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def layer_marks(dec: np.ndarray, mer: np.ndarray) -> dict[str, float]:
 
 
 def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False, qo: int = 32,
-             kv_heads: int = 8) -> dict:
+             kv_heads: int = 8, merge_groups_from: int = 0) -> dict:
     b = make_batch(lens, num_qo_heads=qo, num_kv_heads=kv_heads, device="cuda", seed=20261201)
     plan = planner.plan_workqueue(np.array(lens), num_kv_heads=kv_heads, num_qo_heads=qo, head_dim=128,
                                   dtype_bytes=2, splits=splits, cal=cal.for_group(qo // kv_heads))
@@ -91,13 +91,15 @@ def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False, qo:
     dec = torch.zeros(layers, len(plan.tasks), ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
     mer = torch.zeros(layers, merge_ctas, ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
     counters = torch.zeros(len(lens), kv_heads, dtype=torch.int32, device="cuda") if fused else None
+    two_level = dict(group_counters=torch.zeros(part_a.shape[0], kv_heads, dtype=torch.int32, device="cuda"),
+                     merge_groups_from=merge_groups_from) if fused and merge_groups_from else {}
 
     def step(traced: bool):
         for layer in range(layers):
             c = (layer + (layers if traced else 0)) % copies
             ops.workqueue_decode(b.q, ks[c], vs[c], b.seq_lens, b.block_tables, tasks, num,
                                  offsets, out, part_a, part_ml, early_kv=layer > 0,
-                                 trace=dec[layer] if traced else None, counters=counters)
+                                 trace=dec[layer] if traced else None, counters=counters, **two_level)
             if not fused:
                 ops.merge(part_a, part_ml, offsets, out, skip_single=True,
                           trace=mer[layer] if traced else None)
@@ -118,7 +120,7 @@ def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False, qo:
     for i in range(layers - 1):
         per[i]["period"] = (per[i + 1]["t0"] - per[i]["t0"]) / 1e3
     med = {c: statistics.median(p[c] for p in per[1:-1] if c in p) for c in COLUMNS}
-    common = dict(case=name, heads=f"{qo}/{kv_heads}", engine="pkvrt-fused" if fused else "pkvrt-workqueue", splits=int(plan.num_splits.max()),
+    common = dict(case=name, heads=f"{qo}/{kv_heads}", merge_groups_from=merge_groups_from, engine="pkvrt-fused" if fused else "pkvrt-workqueue", splits=int(plan.num_splits.max()),
                   ctas=len(plan.tasks), floor_us=round(kv / 4.2e6, 2))
     rows = [dict(common, layer="median", **{k: round(v, 2) for k, v in med.items()})]
     rows += [dict(common, layer=i, **{k: round(v, 2) for k, v in p.items() if k != "t0"})
@@ -132,6 +134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--route", choices=("pkv_workqueue", "pkv_fused"), default="pkv_workqueue")
     ap.add_argument("--heads", default="32/8", help="query heads / KV heads (default 32/8)")
+    ap.add_argument("--merge-groups-from", type=int, default=0,
+                    help="pkv_fused: merge a (row, KV head) of at least this many splits in two "
+                         "levels (ops.workqueue_decode; default 0: one level)")
     ap.add_argument("--out", default="benches/results/h200/layer-timeline.json")
     args = ap.parse_args(argv)
     try:
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
     splits = load_routes().route(args.route).splits
     rows = [r for n in args.cases.split(",")
             for r in run_case(n, CASES[n], args.layers, cal, splits, fused=args.route == "pkv_fused",
-                              qo=qo, kv_heads=kv_heads)]
+                              qo=qo, kv_heads=kv_heads, merge_groups_from=args.merge_groups_from)]
     print(f"{'case':12s} {'heads':>5s} {'S':>3s} {'CTAs':>5s} {'floor':>6s} " + " ".join(f"{c:>8s}" for c in
           ("dec.wait", "dec.1st", "decoded", "dec.last", "tail", "mrg.in", "mrg.wait", "mrg.done", "period")))
     for r in (r for r in rows if r["layer"] == "median"):

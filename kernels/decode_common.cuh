@@ -155,6 +155,9 @@ struct DecodeParams {
   float softcap_log2;         // cap * log2(e)
   const float* sinks;         // null, or [H_q] attention-sink logits
   float* lse;                 // null, or [B, H_q]: each row's and head's log2-sum-exp
+  int* group_counters;        // fused, two-level tail: [slots, H_kv] counters, zero between launches
+  int merge_groups_from;      // fused: a (row, kvh) of at least this many splits merges in two
+                              // levels (workqueue_task.cuh); 0: one level
 };
 
 // Block-wide exclusive scan of x (one value per thread) over a block of 1024 threads (32 warps:
@@ -1207,9 +1210,12 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
     decode_range_tc<T, KV, D, GC>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
-// Exact merge of the partial states in slots [slot_begin, slot_end) of query head h into
-// O[out_row, h, :] (`o` points at that head's D outputs), executed by one warp; lane owns the
-// E = D/32 consecutive outputs lane*E .. lane*E+E-1. Latency, not bandwidth, is its cost (a few
+// Exact merge of the n partial states in slots slot_begin + k * stride (k < n) of query head h
+// into O[out_row, h, :] (`o` points at that head's D outputs), executed by one warp; lane owns
+// the E = D/32 consecutive outputs lane*E .. lane*E+E-1. kPartial: into a partial state instead
+// (a_out: the head's D floats of a slot, ml_out: its (m, l); no normalisation, sink or lse), the
+// first level of the fused kernel's two-level tail (workqueue_task.cuh). a_out / ml_out may be
+// the first state's own: a lane stores only the outputs it alone loaded, after its last load. Latency, not bandwidth, is its cost (a few
 // KB per head, in L2), so it is written to have few dependent round trips to L2:
 //  1. lane i loads (m, l) of slots i, i+32, ... and folds them online; a butterfly over the warp
 //     gives (m_all, l_all) on every lane: one round trip for up to 32 slots;
@@ -1226,23 +1232,24 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
 // (its occupancy counts).
 // sink_log2: the head's attention sink in the log2 domain (-inf: none), which joins the
 // denominator; lse: null, or where lane 0 writes the head's log2-sum-exp m_all + log2(l_all).
-template <typename T, int D, int WIDE = 1>
+template <typename T, int D, int WIDE = 1, bool kPartial = false>
 __device__ __forceinline__ void merge_head(const float* part_a, const float* part_ml,
-                                           int num_qo_heads, int slot_begin, int slot_end, int h,
-                                           T* o, int lane, float sink_log2 = -INFINITY,
-                                           float* lse = nullptr) {
+                                           int num_qo_heads, int slot_begin, int n, int stride,
+                                           int h, T* o, int lane, float sink_log2 = -INFINITY,
+                                           float* lse = nullptr, float* a_out = nullptr,
+                                           float* ml_out = nullptr) {
   constexpr int E = D / 32;                  // outputs per lane: 2, 3, 4 or 8
   constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
   constexpr int BATCH = (E >= 8 ? 8 : 16) * WIDE;  // slots in flight per lane (<= 64 * WIDE registers)
   static_assert(BATCH <= 32, "a batch's weights are shuffled from the lanes of one 32-slot round");
-  const int n = slot_end - slot_begin;
-  auto ml_at = [&](int s) { return part_ml + ((long long)s * num_qo_heads + h) * 2; };
+  // k-th state's (m, l); its E outputs of this lane
+  auto ml_at = [&](int k) { return part_ml + ((long long)(slot_begin + k * stride) * num_qo_heads + h) * 2; };
   float v[BATCH][E];
-  auto load_batch = [&](int s0, int cnt) {   // the lane's E outputs of slots s0 .. s0+cnt-1
+  auto load_batch = [&](int k0, int cnt) {   // the lane's E outputs of states k0 .. k0+cnt-1
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
       if (j < cnt) {
-        const float* src = part_a + ((long long)(s0 + j) * num_qo_heads + h) * D + lane * E;
+        const float* src = part_a + ((long long)(slot_begin + (k0 + j) * stride) * num_qo_heads + h) * D + lane * E;
         if constexpr (E == 2) {
           const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
           v[j][0] = x.x;
@@ -1266,17 +1273,17 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
 
   // The first batch of accumulators is loaded with the (m, l) of step 1: one round trip for
   // both when the row has at most BATCH slots (16 at D <= 128, 32 with WIDE), the common case.
-  load_batch(slot_begin, min(BATCH, n));
+  load_batch(0, min(BATCH, n));
 
   // 1. (m_all, l_all), with lane's own slot of the first 32 kept for its weight.
   float m_mine = -INFINITY, l_acc = 0.f;
   if (lane < n) {
-    m_mine = __ldcg(ml_at(slot_begin + lane));
-    l_acc = __ldcg(ml_at(slot_begin + lane) + 1);
+    m_mine = __ldcg(ml_at(lane));
+    l_acc = __ldcg(ml_at(lane) + 1);
   }
   float m_acc = m_mine;
-  for (int s = slot_begin + lane + 32; s < slot_end; s += 32) {
-    const float ms = __ldcg(ml_at(s)), ls = __ldcg(ml_at(s) + 1);
+  for (int k = lane + 32; k < n; k += 32) {
+    const float ms = __ldcg(ml_at(k)), ls = __ldcg(ml_at(k) + 1);
     const float m_new = fmaxf(m_acc, ms);
     l_acc = l_acc * rescale(m_acc, m_new) + ls * rescale(ms, m_new);
     m_acc = m_new;
@@ -1290,12 +1297,15 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
     m_acc = m_new;
   }
   const float m_all = m_acc;
-  float inv_l = 1.f / l_acc;
-  if (sink_log2 != -INFINITY) {   // the sink in the denominator (out_factor's rule)
-    const float m2 = fmaxf(m_all, sink_log2), w = fast_exp2(m_all - m2);
-    inv_l = w / (l_acc * w + fast_exp2(sink_log2 - m2));
+  float inv_l = 1.f;   // a partial state stays unnormalised
+  if constexpr (!kPartial) {
+    inv_l = 1.f / l_acc;
+    if (sink_log2 != -INFINITY) {   // the sink in the denominator (out_factor's rule)
+      const float m2 = fmaxf(m_all, sink_log2), w = fast_exp2(m_all - m2);
+      inv_l = w / (l_acc * w + fast_exp2(sink_log2 - m2));
+    }
+    if (lse != nullptr && lane == 0) *lse = m_all + log2f(l_acc);
   }
-  if (lse != nullptr && lane == 0) *lse = m_all + log2f(l_acc);
 
   // 2. sum_s w_s a_s over the lane's E outputs.
   float acc[E];
@@ -1306,12 +1316,12 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
     if (c0 == 0) {
       w = rescale(m_mine, m_all) * inv_l;
     } else {
-      const int s = slot_begin + c0 + lane;
-      w = s < slot_end ? rescale(__ldcg(ml_at(s)), m_all) * inv_l : 0.f;
+      const int k = c0 + lane;
+      w = k < n ? rescale(__ldcg(ml_at(k)), m_all) * inv_l : 0.f;
     }
     const int cnt = min(32, n - c0);
     for (int j0 = 0; j0 < cnt; j0 += BATCH) {
-      if (c0 + j0 > 0) load_batch(slot_begin + c0 + j0, min(BATCH, cnt - j0));
+      if (c0 + j0 > 0) load_batch(c0 + j0, min(BATCH, cnt - j0));
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
         const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
@@ -1321,6 +1331,21 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
         }
       }
     }
+  }
+  if constexpr (kPartial) {
+    float* dst = a_out + lane * E;
+    if constexpr (E % 4 == 0) {
+#pragma unroll
+      for (int q = 0; q < E / 4; ++q)
+        reinterpret_cast<float4*>(dst)[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+    } else if constexpr (E == 2) {
+      *reinterpret_cast<float2*>(dst) = make_float2(acc[0], acc[1]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) dst[e] = acc[e];
+    }
+    if (lane == 0) *reinterpret_cast<float2*>(ml_out) = make_float2(m_all, l_acc);
+    return;
   }
   float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll

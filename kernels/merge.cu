@@ -51,7 +51,7 @@ __device__ __forceinline__ void merge_states(const MergeParams& p) {
   const int h = blockIdx.x * HPC + threadIdx.x / 32;
   if (h >= p.num_qo_heads) return;
   T* o = static_cast<T*>(p.out) + ((long long)out_row * p.num_qo_heads + h) * D;
-  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e, h, o, threadIdx.x % 32,
+  pkv::merge_head<T, D>(p.part_a, p.part_ml, p.num_qo_heads, b, e - b, 1, h, o, threadIdx.x % 32,
                         pkv::sink_log2_of(p.sinks, h), pkv::lse_at(p.lse, p.num_qo_heads, out_row, h));
   pkv::trace_warp_done(p.trace);
 }

@@ -14,6 +14,13 @@
 // to 0 (all others have arrived, so a replay needs no memset) and merges the G heads from L2
 // (__ldcg, merge_head). No CTA ever waits on another:
 // the last one to finish does the work, as in XQA's multi-block mode.
+// Two levels (p.group_counters set, nsplit >= p.merge_groups_from): the splits form groups of
+// S = ceil(sqrt(nsplit)) consecutive ones; the last CTA of a group (its counter at slot first +
+// jS) merges the group into that slot, a partial state, then arrives at the (row, kvh) counter,
+// whose last arrival merges the ceil(nsplit / S) group states (stride S). One CTA merging all
+// 41-57 splits of 16 heads took 14-22 us after the last decode (H100, 64/4 heads, fp16 D 128:
+// benches/NOTES.md, "The fused tail in two levels"); the groups' merges run while other CTAs
+// still decode, and what follows the last decode reads S + nsplit / S states, not nsplit.
 // PDL: with p.early_kv the plan and the first K/V tiles (never a row's last token) are read
 // before griddepcontrol.wait (decode_common.cuh, prefill_pipeline); Q, the last token, every
 // write and the counters come after it.
@@ -67,17 +74,43 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
 // third of the layer. Twice the slots in flight (WIDE) cut ~1.2 us there and cost ~0.8 us at
 // 2-16 splits; at G = 8 the trace gained, at G = 4 the wider merge's registers (179 -> 223) cost
 // the short steps more than it saved, so it is the wide classes' only (GC >= 8: G 5..16).
-template <typename T, int D, int GC>
-__device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first,
-                                        int nsplit) {
+// The n states at slots first + k * stride, into O (or, kPartial, into the partial state at slot
+// `first`: a group of the two-level tail).
+template <typename T, int D, int GC, bool kPartial>
+__device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first, int n,
+                                        int stride) {
   const int G = p.group;
   for (int g = threadIdx.x / 32; g < G; g += kThreads / 32) {  // one warp per head
     const int h = kvh * G + g;
-    T* o = static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
-    merge_head<T, D, (GC >= PKV_TAIL_WIDE_MIN_GROUP ? 2 : 1)>(
-        p.part_a, p.part_ml, p.num_qo_heads, first, first + nsplit, h, o, threadIdx.x % 32,
-        sink_log2_of(p.sinks, h), lse_at(p.lse, p.num_qo_heads, row, h));
+    T* o = kPartial ? nullptr : static_cast<T*>(p.out) + ((long long)row * p.num_qo_heads + h) * D;
+    const long long at = (long long)first * p.num_qo_heads + h;
+    merge_head<T, D, (GC >= PKV_TAIL_WIDE_MIN_GROUP ? 2 : 1), kPartial>(
+        p.part_a, p.part_ml, p.num_qo_heads, first, n, stride, h, o, threadIdx.x % 32,
+        kPartial ? -INFINITY : sink_log2_of(p.sinks, h),
+        kPartial ? nullptr : lse_at(p.lse, p.num_qo_heads, row, h), p.part_a + at * D,
+        p.part_ml + at * 2);
   }
+}
+
+// After a CTA's states are stored: the merge of (row, kvh)'s nsplit states by whichever CTA
+// arrives last, in one level or two (above).
+template <typename T, int D, int GC>
+__device__ __forceinline__ void tail(const DecodeParams& p, int row, int kvh, int first, int nsplit,
+                                     int split) {
+  int* row_counter = p.counters + row * p.num_kv_heads + kvh;
+  if (p.group_counters == nullptr || p.merge_groups_from <= 0 || nsplit < p.merge_groups_from) {
+    if (arrive_last(row_counter, nsplit)) tail_merge<T, D, GC, false>(p, row, kvh, first, nsplit, 1);
+    return;
+  }
+  int S = 1;
+  while (S * S < nsplit) ++S;
+  const int g0 = split / S * S, cnt = min(S, nsplit - g0);
+  if (cnt > 1) {
+    if (!arrive_last(p.group_counters + (first + g0) * p.num_kv_heads + kvh, cnt)) return;
+    tail_merge<T, D, GC, true>(p, row, kvh, first + g0, cnt, 1);
+  }
+  if (arrive_last(row_counter, (nsplit + S - 1) / S))
+    tail_merge<T, D, GC, false>(p, row, kvh, first, (nsplit + S - 1) / S, S);
 }
 
 template <typename T, typename KV, int D, int GC, bool kTailMerge>
@@ -96,8 +129,7 @@ __device__ __forceinline__ void workqueue_task(const DecodeParams& p) {
                              reinterpret_cast<unsigned char*>(smem));
   trace_mark(p.trace, kDecoded);
   if constexpr (kTailMerge) {
-    if (nsplit > 1 && arrive_last(p.counters + row * p.num_kv_heads + kvh, nsplit))
-      tail_merge<T, D, GC>(p, row, kvh, first, nsplit);
+    if (nsplit > 1) tail<T, D, GC>(p, row, kvh, first, nsplit, split);
   }
   trace_mark(p.trace, kDone);
 }

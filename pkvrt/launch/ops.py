@@ -65,6 +65,7 @@ class DecodeParams(ctypes.Structure):
         ("group", ctypes.c_int), ("window_left", ctypes.c_int),
         ("softcap_scale", ctypes.c_float), ("softcap_log2", ctypes.c_float),
         ("sinks", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("group_counters", ctypes.c_void_p), ("merge_groups_from", ctypes.c_int),
     ]
 
 
@@ -341,7 +342,8 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
 def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tasks,
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
                      counters=None, early_kv: bool = False, trace=None, *, k_scale=None,
-                     v_scale=None, logits_soft_cap: float = 0.0, sinks=None, lse=None) -> None:
+                     v_scale=None, logits_soft_cap: float = 0.0, sinks=None, lse=None,
+                     group_counters=None, merge_groups_from: int = 0) -> None:
     """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
@@ -349,6 +351,11 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     split_offsets[row] + split. Rows with one split write O directly. Without ``counters``,
     :func:`merge` with skip_single=True must follow; with counters [B, H_kv] int32 (zeroed
     once, left zero by the kernel) the last CTA of each (row, kvh) merges in-kernel.
+
+    group_counters [>= slots, H_kv] int32 (zeroed once, left zero; slots = part_a's first
+    dimension) with ``merge_groups_from`` >= 2: the fused kernel merges a (row, kvh) of at least
+    that many splits in two levels, groups of ceil(sqrt(splits)) consecutive splits first
+    (kernels/workqueue_task.cuh). Needs ``counters``.
 
     early_kv (sm_90+, PDL): read the plan and start the first K/V copies before
     waiting for the previous kernel of the stream, which may still be running. Only valid when
@@ -377,6 +384,21 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     if counters is not None:
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
+    if group_counters is not None or merge_groups_from:
+        if counters is None:
+            _fail("group_counters", "the fused kernel's counters beside them (counters=...)", "counters=None")
+        if group_counters is None:
+            _fail("group_counters", f"a [>= {part_a.shape[0]}, H_kv] int32 tensor with merge_groups_from",
+                  "None")
+        if (isinstance(merge_groups_from, bool) or not isinstance(merge_groups_from, int)
+                or merge_groups_from < 2):
+            _fail("merge_groups_from", "an int >= 2 (splits of a (row, KV head) from which the tail "
+                  "merges in two levels)", repr(merge_groups_from))
+        p.group_counters = _int32("group_counters", group_counters, q.device, 2)
+        if group_counters.shape[0] < part_a.shape[0] or group_counters.shape[1] != counters.shape[1]:
+            _fail("group_counters", f"[>= {part_a.shape[0]} slots, {counters.shape[1]} KV heads] int32",
+                  tuple(group_counters.shape))
+        p.merge_groups_from = merge_groups_from
     p.early_kv = int(bool(early_kv))
     p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
     _variant_params(p, q, window_left=-1, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
