@@ -1210,6 +1210,62 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
     decode_range_tc<T, KV, D, GC>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
+// A lane's E = D / 32 consecutive floats of a partial state's accumulator (src at lane * E),
+// read from L2 (__ldcg: in the fused kernel other CTAs wrote them).
+template <int E>
+__device__ __forceinline__ void load_state_part(const float* src, float (&v)[E]) {
+  if constexpr (E == 2) {
+    const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
+    v[0] = x.x;
+    v[1] = x.y;
+  } else if constexpr (E % 4 != 0) {   // D = 96: 12-byte runs, scalar loads
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = __ldcg(src + e);
+  } else {
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q) {
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + q);
+      v[4 * q] = x.x;
+      v[4 * q + 1] = x.y;
+      v[4 * q + 2] = x.z;
+      v[4 * q + 3] = x.w;
+    }
+  }
+}
+
+// A lane's E merged outputs: into O (T, at dst = the head's row + lane * E), or kPartial into a
+// partial state's accumulator (floats at dst).
+template <typename T, int E, bool kPartial>
+__device__ __forceinline__ void store_merged(const float (&acc)[E], void* dst_) {
+  if constexpr (kPartial) {
+    float* dst = static_cast<float*>(dst_);
+    if constexpr (E % 4 == 0) {
+#pragma unroll
+      for (int q = 0; q < E / 4; ++q)
+        reinterpret_cast<float4*>(dst)[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+    } else if constexpr (E == 2) {
+      *reinterpret_cast<float2*>(dst) = make_float2(acc[0], acc[1]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) dst[e] = acc[e];
+    }
+  } else {
+    T* dst = static_cast<T*>(dst_);
+    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < E; ++e) f[e] = acc[e];
+    const uint4 raw = from_float8(f, T());
+    if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = raw;
+    else if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(raw.x, raw.y);
+    else if constexpr (E == 2) *reinterpret_cast<unsigned*>(dst) = raw.x;
+    else {   // E = 3 (D = 96): three elements at a 6-byte stride
+      const T* r = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < E; ++e) dst[e] = r[e];
+    }
+  }
+}
+
 // Exact merge of the n partial states in slots slot_begin + k * stride (k < n) of query head h
 // into O[out_row, h, :] (`o` points at that head's D outputs), executed by one warp; lane owns
 // the E = D/32 consecutive outputs lane*E .. lane*E+E-1. kPartial: into a partial state instead
@@ -1239,7 +1295,6 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
                                            float* lse = nullptr, float* a_out = nullptr,
                                            float* ml_out = nullptr) {
   constexpr int E = D / 32;                  // outputs per lane: 2, 3, 4 or 8
-  constexpr int V = E >= 4 ? E / 4 : 1;      // float4 (or one float2 at D=64) loads per slot
   constexpr int BATCH = (E >= 8 ? 8 : 16) * WIDE;  // slots in flight per lane (<= 64 * WIDE registers)
   static_assert(BATCH <= 32, "a batch's weights are shuffled from the lanes of one 32-slot round");
   // k-th state's (m, l); its E outputs of this lane
@@ -1248,26 +1303,8 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
   auto load_batch = [&](int k0, int cnt) {   // the lane's E outputs of states k0 .. k0+cnt-1
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
-      if (j < cnt) {
-        const float* src = part_a + ((long long)(slot_begin + (k0 + j) * stride) * num_qo_heads + h) * D + lane * E;
-        if constexpr (E == 2) {
-          const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
-          v[j][0] = x.x;
-          v[j][1] = x.y;
-        } else if constexpr (E % 4 != 0) {   // D = 96: 12-byte runs, scalar loads
-#pragma unroll
-          for (int e = 0; e < E; ++e) v[j][e] = __ldcg(src + e);
-        } else {
-#pragma unroll
-          for (int q = 0; q < V; ++q) {
-            const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + q);
-            v[j][4 * q] = x.x;
-            v[j][4 * q + 1] = x.y;
-            v[j][4 * q + 2] = x.z;
-            v[j][4 * q + 3] = x.w;
-          }
-        }
-      }
+      if (j < cnt)
+        load_state_part<E>(part_a + ((long long)(slot_begin + (k0 + j) * stride) * num_qo_heads + h) * D + lane * E, v[j]);
     }
   };
 
@@ -1333,32 +1370,10 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
     }
   }
   if constexpr (kPartial) {
-    float* dst = a_out + lane * E;
-    if constexpr (E % 4 == 0) {
-#pragma unroll
-      for (int q = 0; q < E / 4; ++q)
-        reinterpret_cast<float4*>(dst)[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-    } else if constexpr (E == 2) {
-      *reinterpret_cast<float2*>(dst) = make_float2(acc[0], acc[1]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) dst[e] = acc[e];
-    }
+    store_merged<T, E, true>(acc, a_out + lane * E);
     if (lane == 0) *reinterpret_cast<float2*>(ml_out) = make_float2(m_all, l_acc);
-    return;
-  }
-  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int e = 0; e < E; ++e) f[e] = acc[e];
-  const uint4 raw = from_float8(f, T());
-  T* dst = o + lane * E;
-  if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = raw;
-  else if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(raw.x, raw.y);
-  else if constexpr (E == 2) *reinterpret_cast<unsigned*>(dst) = raw.x;
-  else {   // E = 3 (D = 96): three elements at a 6-byte stride
-    const T* r = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int e = 0; e < E; ++e) dst[e] = r[e];
+  } else {
+    store_merged<T, E, false>(acc, o + lane * E);
   }
 }
 

@@ -92,6 +92,105 @@ __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh,
   }
 }
 
+// The same merge, this warp's heads (g = warp, warp + 4, ...: HW at most) all at once: pair
+// j = (head j / NMAX, state j % NMAX) of PAIRS = HW * NMAX; lane j loads its pair's (m, l) and
+// every lane its E outputs of every pair before any arithmetic, one round trip for all where
+// merge_head takes at least one per head (a warp had 2-4 heads in turn at G 5-16). For n <= NMAX.
+template <int D, int GC>
+struct TailPairs {
+  static constexpr int HW = (GC + kWarps - 1) / kWarps;
+  static constexpr int PAIRS = D >= 256 ? 16 : 32;   // registers: PAIRS * D / 32 floats a lane
+  static constexpr int NMAX = PAIRS / HW;
+};
+
+template <typename T, int D, int GC, bool kPartial>
+__device__ __noinline__ void tail_merge_heads(const DecodeParams& p, int row, int kvh, int first,
+                                              int n, int stride) {
+  constexpr int E = D / 32, HW = TailPairs<D, GC>::HW, NMAX = TailPairs<D, GC>::NMAX;
+  constexpr int PAIRS = HW * NMAX;
+  const int G = p.group, H = p.num_qo_heads, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int hw = warp < G ? (G - warp + kWarps - 1) / kWarps : 0;   // this warp's heads
+  auto head = [&](int i) { return kvh * G + warp + i * kWarps; };
+  auto at = [&](int k, int i) { return (long long)(first + k * stride) * H + head(i); };
+  auto live = [&](int j) { return j / NMAX < hw && j % NMAX < n; };
+  float v[PAIRS][E];
+#pragma unroll
+  for (int j = 0; j < PAIRS; ++j)
+    if (live(j)) load_state_part<E>(p.part_a + at(j % NMAX, j / NMAX) * D + lane * E, v[j]);
+  const int mine = lane / NMAX;   // the head of lane's pair (lanes past PAIRS: none)
+  float m_j = -INFINITY, l_j = 0.f;
+  if (lane < PAIRS && live(lane)) {
+    const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.part_ml + at(lane % NMAX, mine) * 2));
+    m_j = ml.x;
+    l_j = ml.y;
+  }
+  float m_all[HW], l_all[HW], w = 0.f;
+#pragma unroll
+  for (int i = 0; i < HW; ++i) {
+    float m = mine == i ? m_j : -INFINITY, l = mine == i ? l_j : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m, off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l, off);
+      const float m_new = fmaxf(m, mo);
+      l = l * rescale(m, m_new) + lo * rescale(mo, m_new);
+      m = m_new;
+    }
+    m_all[i] = m;
+    l_all[i] = l;
+    float scale = 1.f;   // a partial state stays unnormalised
+    if (!kPartial && i < hw) {
+      scale = 1.f / l;
+      const float sink = sink_log2_of(p.sinks, head(i));
+      if (sink != -INFINITY) {   // the sink in the denominator (out_factor's rule)
+        const float m2 = fmaxf(m, sink), ws = fast_exp2(m - m2);
+        scale = ws / (l * ws + fast_exp2(sink - m2));
+      }
+    }
+    if (mine == i) w = rescale(m_j, m) * scale;
+  }
+  float acc[HW][E];
+#pragma unroll
+  for (int i = 0; i < HW; ++i)
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[i][e] = 0.f;
+#pragma unroll
+  for (int j = 0; j < PAIRS; ++j) {
+    const float wj = __shfl_sync(0xffffffffu, w, j);
+    if (live(j)) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[j / NMAX][e] = fmaf(wj, v[j][e], acc[j / NMAX][e]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < HW; ++i) {
+    if (i >= hw) break;
+    const int h = head(i);
+    if constexpr (kPartial) {
+      store_merged<T, E, true>(acc[i], p.part_a + ((long long)first * H + h) * D + lane * E);
+      if (lane == 0)
+        *reinterpret_cast<float2*>(p.part_ml + ((long long)first * H + h) * 2) = make_float2(m_all[i], l_all[i]);
+    } else {
+      store_merged<T, E, false>(acc[i], static_cast<T*>(p.out) + ((long long)row * H + h) * D + lane * E);
+      float* lse = lse_at(p.lse, H, row, h);
+      if (lse != nullptr && lane == 0) *lse = m_all[i] + log2f(l_all[i]);
+    }
+  }
+}
+
+// The tail's merge of n states: all of a warp's heads at once where they fit (G 5-16), else a
+// head at a time. Not at D 64: its pairs' registers (185-189 for the kernel, against 124-128)
+// would take the 3-4 resident CTAs a D 64 decode keeps per SM down to 2; at D 96-256 shared
+// memory bounds residency below what the registers allow.
+template <typename T, int D, int GC, bool kPartial>
+__device__ __forceinline__ void merge_states_of(const DecodeParams& p, int row, int kvh, int first,
+                                                int n, int stride) {
+  if (GC >= PKV_TAIL_WIDE_MIN_GROUP && GC <= 16 && D >= 96 && n <= TailPairs<D, GC>::NMAX)
+    tail_merge_heads<T, D, GC, kPartial>(p, row, kvh, first, n, stride);
+  else
+    tail_merge<T, D, GC, kPartial>(p, row, kvh, first, n, stride);
+}
+
 // After a CTA's states are stored: the merge of (row, kvh)'s nsplit states by whichever CTA
 // arrives last, in one level or two (above).
 template <typename T, int D, int GC>
@@ -99,7 +198,7 @@ __device__ __forceinline__ void tail(const DecodeParams& p, int row, int kvh, in
                                      int split) {
   int* row_counter = p.counters + row * p.num_kv_heads + kvh;
   if (p.group_counters == nullptr || p.merge_groups_from <= 0 || nsplit < p.merge_groups_from) {
-    if (arrive_last(row_counter, nsplit)) tail_merge<T, D, GC, false>(p, row, kvh, first, nsplit, 1);
+    if (arrive_last(row_counter, nsplit)) merge_states_of<T, D, GC, false>(p, row, kvh, first, nsplit, 1);
     return;
   }
   int S = 1;
@@ -107,10 +206,10 @@ __device__ __forceinline__ void tail(const DecodeParams& p, int row, int kvh, in
   const int g0 = split / S * S, cnt = min(S, nsplit - g0);
   if (cnt > 1) {
     if (!arrive_last(p.group_counters + (first + g0) * p.num_kv_heads + kvh, cnt)) return;
-    tail_merge<T, D, GC, true>(p, row, kvh, first + g0, cnt, 1);
+    merge_states_of<T, D, GC, true>(p, row, kvh, first + g0, cnt, 1);
   }
   if (arrive_last(row_counter, (nsplit + S - 1) / S))
-    tail_merge<T, D, GC, false>(p, row, kvh, first, (nsplit + S - 1) / S, S);
+    merge_states_of<T, D, GC, false>(p, row, kvh, first, (nsplit + S - 1) / S, S);
 }
 
 template <typename T, typename KV, int D, int GC, bool kTailMerge>

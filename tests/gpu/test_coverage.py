@@ -43,6 +43,10 @@ TOL = {F16: 2e-3, BF16: 1e-2}     # rel. Frobenius error vs FP32 (tests/gpu/test
 LSE_TOL = 1e-3                      # |lse - ref| <= LSE_TOL * max(1, |ref|)
 LENS = (1, 17, 300, 2100, 3500)     # ragged: one token, < one tile, a few pages, long rows
 ROUTES = ("split1", "split5", "workqueue", "fused")
+# the fused kernel's two-level tail: the longest row cut in 23 splits (groups of 5: 5, 5, 5, 5, 3),
+# every row of at least 2 splits merged in two levels
+TWO_LEVEL = "fused-2level"
+TWO_LEVEL_SPLITS = 23
 ROUTES_TOML = load_routes()
 
 
@@ -194,12 +198,14 @@ def reference_of(c: Case, var: Variant):
 
 
 def host_plan(c: Case, route: str, window_left: int):
-    """The host twin's workqueue (or fused) plan of the case's lengths."""
-    r = ROUTES_TOML.route("pkv_fused" if route == "fused" else "pkv_workqueue")
+    """The host twin's workqueue (or fused) plan of the case's lengths (the two-level route's:
+    the longest row in TWO_LEVEL_SPLITS splits)."""
+    r = ROUTES_TOML.route("pkv_fused" if route in ("fused", TWO_LEVEL) else "pkv_workqueue")
     return planner.plan_workqueue(c.seq.cpu().numpy(), num_kv_heads=c.k.shape[1],
                                   num_qo_heads=c.q.shape[1], head_dim=c.q.shape[2],
                                   dtype_bytes=c.k.element_size(), splits=r.splits,
-                                  cal=calibration(), kind=r.kind, window_left=window_left)
+                                  cal=calibration(), kind=r.kind, window_left=window_left,
+                                  longest_splits=TWO_LEVEL_SPLITS if route == TWO_LEVEL else None)
 
 
 def launch(route: str, c: Case, var: Variant):
@@ -229,15 +235,19 @@ def launch(route: str, c: Case, var: Variant):
         tasks = torch.cat([tasks, torch.full((7, 5), -1, **i32)])   # idle grid slots past num_tasks
         pa.fill_(NAN)
         pm.fill_(NAN)
-        counters = torch.zeros(b, hkv, **i32) if route == "fused" else None
+        counters = torch.zeros(b, hkv, **i32) if route != "workqueue" else None
+        two = (dict(group_counters=torch.zeros(pa.shape[0], hkv, **i32), merge_groups_from=2)
+               if route == TWO_LEVEL else {})
         ops.workqueue_decode(c.q, c.k, c.v, c.seq, c.bt, tasks, num, offs, out, pa, pm, var.sm_scale,
-                             counters=counters, **var_kw, **sk)
+                             counters=counters, **two, **var_kw, **sk)
         if route == "workqueue":
             ops.merge(pa, pm, offs, out, skip_single=True, **tail)
         note = f"splits per row {plan.num_splits.tolist()}"
         if counters is not None:
             torch.cuda.synchronize()
             assert int(counters.abs().sum()) == 0, "fused: completion counters not reset"
+            if two:
+                assert int(two["group_counters"].abs().sum()) == 0, "fused: group counters not reset"
     torch.cuda.synchronize()
     return out, lse, note
 
@@ -304,12 +314,13 @@ def _gd_cases():
 
 
 @pytest.mark.parametrize("variant", ["plain", "all"])
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ROUTES + (TWO_LEVEL,))
 @pytest.mark.parametrize("g, d, dtype", _gd_cases())
 def test_every_group_size_and_head_dim(g, d, dtype, route, variant):
     """Every group capacity (4, 8, 16, 64) at G at and between its bounds, every head dim, two KV
     heads; plain attention and everything at once (window 1000 + cap 30 + sinks + sm_scale
-    168^-0.5 + lse)."""
+    168^-0.5 + lse); the fused kernel's tail in one level (its warps' heads at once where they
+    fit, G 5-16 at D 96-256) and in two."""
     run_case(route, variant, g=g, d=d, dtype=dtype, seed=100 * g + d)
 
 
