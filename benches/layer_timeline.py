@@ -92,7 +92,7 @@ def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False, qo:
     mer = torch.zeros(layers, merge_ctas, ops.TRACE_MARKS, dtype=torch.int64, device="cuda")
     counters = torch.zeros(len(lens), kv_heads, dtype=torch.int32, device="cuda") if fused else None
     two_level = dict(group_counters=torch.zeros(part_a.shape[0], kv_heads, dtype=torch.int32, device="cuda"),
-                     merge_groups_from=merge_groups_from) if fused and merge_groups_from else {}
+                     merge_groups_from=merge_groups_from) if fused and merge_groups_from >= 0 else {}
 
     def step(traced: bool):
         for layer in range(layers):
@@ -135,8 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--route", choices=("pkv_workqueue", "pkv_fused"), default="pkv_workqueue")
     ap.add_argument("--heads", default="32/8", help="query heads / KV heads (default 32/8)")
     ap.add_argument("--merge-groups-from", type=int, default=0,
-                    help="pkv_fused: merge a (row, KV head) of at least this many splits in two "
-                         "levels (ops.workqueue_decode; default 0: one level)")
+                    help="pkv_fused's two-level tail (ops.workqueue_decode): 0 (default) where the "
+                         "kernel's rule says, N >= 2 from N splits of a (row, KV head), -1 never")
     ap.add_argument("--out", default="benches/results/h200/layer-timeline.json")
     args = ap.parse_args(argv)
     try:
@@ -145,6 +145,8 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--heads: QO/KV with KV dividing QO, e.g. 64/4; got {args.heads!r}")
+    if args.merge_groups_from == 1 or args.merge_groups_from < -1:
+        ap.error(f"--merge-groups-from: -1, 0 or >= 2; got {args.merge_groups_from}")
     unknown = [n for n in args.cases.split(",") if n not in CASES]
     if unknown:
         ap.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")

@@ -155,9 +155,10 @@ struct DecodeParams {
   float softcap_log2;         // cap * log2(e)
   const float* sinks;         // null, or [H_q] attention-sink logits
   float* lse;                 // null, or [B, H_q]: each row's and head's log2-sum-exp
-  int* group_counters;        // fused, two-level tail: [slots, H_kv] counters, zero between launches
-  int merge_groups_from;      // fused: a (row, kvh) of at least this many splits merges in two
-                              // levels (workqueue_task.cuh); 0: one level
+  int* group_counters;        // fused: null (one-level tail), or [slots, H_kv] counters of the
+                              // two-level tail, zero between launches (workqueue_task.cuh)
+  int merge_groups_from;      // with group_counters: 0, two levels where the kernel's rule says
+                              // (two_level_tail); N >= 2, from N splits of a (row, kvh)
 };
 
 // Block-wide exclusive scan of x (one value per thread) over a block of 1024 threads (32 warps:

@@ -14,13 +14,13 @@
 // to 0 (all others have arrived, so a replay needs no memset) and merges the G heads from L2
 // (__ldcg, merge_head). No CTA ever waits on another:
 // the last one to finish does the work, as in XQA's multi-block mode.
-// Two levels (p.group_counters set, nsplit >= p.merge_groups_from): the splits form groups of
+// Two levels (p.group_counters set; two_level_tail says where): the splits form groups of
 // S = ceil(sqrt(nsplit)) consecutive ones; the last CTA of a group (its counter at slot first +
 // jS) merges the group into that slot, a partial state, then arrives at the (row, kvh) counter,
 // whose last arrival merges the ceil(nsplit / S) group states (stride S). One CTA merging all
-// 41-57 splits of 16 heads took 14-22 us after the last decode (H100, 64/4 heads, fp16 D 128:
+// 41-57 splits of 16 heads took 14-25 us after the last decode (H100, 64/4 heads, fp16 D 128:
 // benches/NOTES.md, "The fused tail in two levels"); the groups' merges run while other CTAs
-// still decode, and what follows the last decode reads S + nsplit / S states, not nsplit.
+// still decode, and what follows the last decode is two merges of at most 8 states each.
 // PDL: with p.early_kv the plan and the first K/V tiles (never a row's last token) are read
 // before griddepcontrol.wait (decode_common.cuh, prefill_pipeline); Q, the last token, every
 // write and the counters come after it.
@@ -191,13 +191,30 @@ __device__ __forceinline__ void merge_states_of(const DecodeParams& p, int row, 
     tail_merge<T, D, GC, kPartial>(p, row, kvh, first, n, stride);
 }
 
+// Whether nsplit states merge in two levels. Forced from p.merge_groups_from splits when it is
+// set (tests, ablations); else where one level takes more than three round trips to L2 per warp
+// (its heads at once: one; else ceil(n / BATCH) per head), since two levels take two and an
+// arrival more. So at G 9-16 (4 heads a warp, D 96-256) from 9 splits, at G 5-8 from 33 (17 at
+// D 256), never at G <= 4 or D 64, whose warps merge one head or keep one level for registers.
+// Measured (H100, 2026-12-06, benches/layer_timeline.py, one level against two from 9 splits):
+// G 16 layers 27-34 % shorter on one-row and one-long-row steps, G 7 24 % at 48-64 splits, but
+// G 8 11-48 % longer at 16-32 splits, where its heads fit one round trip (benches/NOTES.md).
+template <int D, int GC>
+__device__ __forceinline__ bool two_level_tail(const DecodeParams& p, int nsplit) {
+  if (p.group_counters == nullptr) return false;
+  if (p.merge_groups_from > 0) return nsplit >= p.merge_groups_from;
+  if (GC < 8 || GC > 16 || D < 96 || nsplit <= TailPairs<D, GC>::NMAX) return false;
+  constexpr int BATCH = (D >= 256 ? 8 : 16) * 2;   // merge_head's slots in flight at WIDE = 2
+  return TailPairs<D, GC>::HW * ((nsplit + BATCH - 1) / BATCH) > 3;
+}
+
 // After a CTA's states are stored: the merge of (row, kvh)'s nsplit states by whichever CTA
 // arrives last, in one level or two (above).
 template <typename T, int D, int GC>
 __device__ __forceinline__ void tail(const DecodeParams& p, int row, int kvh, int first, int nsplit,
                                      int split) {
   int* row_counter = p.counters + row * p.num_kv_heads + kvh;
-  if (p.group_counters == nullptr || p.merge_groups_from <= 0 || nsplit < p.merge_groups_from) {
+  if (!two_level_tail<D, GC>(p, nsplit)) {
     if (arrive_last(row_counter, nsplit)) merge_states_of<T, D, GC, false>(p, row, kvh, first, nsplit, 1);
     return;
   }

@@ -102,6 +102,7 @@ def test_serving_argument_errors(capsys, no_cuda, argv, message):
                                      "flashinfer, flashinfer-cuda, flashinfer-tc, flashinfer-cudnn, "
                                      "flashinfer-xqa, flashinfer-graph, adaptive, adaptive-eager, "
                                      "adaptive-figraph, adaptive-fiwrapper, adaptive-device-time, device-plan, device-plan-step, "
+                                     "device-plan-step-tail1, "
                                      "host-step, adaptive-step, shared-step, shared-device-step, "
                                      + ", ".join(r for r in ROUTES if r != "flashinfer")),
     (["--engines", ","], "--engines: expected a comma-separated list"),

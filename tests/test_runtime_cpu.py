@@ -541,6 +541,7 @@ class Emu:
         self.direct = 0   # planning launches in direct mode (they copied the step's inputs)
         self.prepared = 0   # planning launches prepared (ops.PreparedLaunch), each run later
         self.early = []   # early_kv of every workqueue launch
+        self.two_level = []   # whether each workqueue launch was given the two-level tail's counters
         # decode CTAs resident per SM by (family, head_dim): 2 everywhere unless a test sets some
         self.occupancy: dict[tuple[str, int], int] = {}
 
@@ -625,10 +626,16 @@ class Emu:
 
     def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
                          sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None,
-                         logits_soft_cap=0.0, sinks=None, lse=None):
+                         logits_soft_cap=0.0, sinks=None, lse=None, group_counters=None,
+                         merge_groups_from=0):
         ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
         self.early.append(bool(early_kv))
+        self.two_level.append(group_counters is not None)
+        if group_counters is not None:   # the two-level tail's counters: a slot's per KV head, zero
+            assert counters is not None and (merge_groups_from == 0 or merge_groups_from >= 2)
+            assert group_counters.dtype == torch.int32 and group_counters.shape[1] == k.shape[1]
+            assert group_counters.shape[0] >= pa.shape[0] and not group_counters.any()
         scale = sm_scale or 1 / math.sqrt(q.shape[2])
         g = q.shape[1] // k.shape[1]
         t = int(num_tasks[0])
@@ -925,6 +932,22 @@ def test_fake_device_decode_loop_matches_reference(fake_device, pool, route, use
     else:
         assert s["captures"] == 0 and s["eager_runs"] == 2 * len(STEPS)
     assert s["plans"] == len(STEPS) and s["h2d_copies"] == copies
+
+
+@pytest.mark.parametrize("two_level", [True, False])
+def test_fake_device_fused_launches_carry_the_two_level_counters(fake_device, pool, two_level):
+    """The fused route's launches get the Runtime's group counters ([slots, H_kv], zero: the
+    kernel's two-level tail where its rule says); the workqueue route's never; and none with
+    RuntimeOptions(fused_two_level_tail=False), the ablation."""
+    b, _ = pool
+    rt = fake_runtime(use_cuda_graph=False, fused_two_level_tail=two_level)
+    seq, bt, q = step_inputs(b, [0, 1, 2], 0, seed=3)
+    for route in ("pkv_fused", "pkv_workqueue"):
+        fake_device.two_level.clear()
+        rt.plan(seq, bt, force=route)
+        out = rt.run(q.clone(), b.k_cache, b.v_cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, bt)) < 2e-3
+        assert fake_device.two_level == [two_level and route == "pkv_fused"], route
 
 
 @pytest.mark.parametrize("mode", ["eager", "engine_capture"])

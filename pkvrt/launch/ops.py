@@ -353,9 +353,11 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     once, left zero by the kernel) the last CTA of each (row, kvh) merges in-kernel.
 
     group_counters [>= slots, H_kv] int32 (zeroed once, left zero; slots = part_a's first
-    dimension) with ``merge_groups_from`` >= 2: the fused kernel merges a (row, kvh) of at least
-    that many splits in two levels, groups of ceil(sqrt(splits)) consecutive splits first
-    (kernels/workqueue_task.cuh). Needs ``counters``.
+    dimension): the fused kernel may merge a (row, kvh) in two levels, groups of
+    ceil(sqrt(splits)) consecutive splits first: where its rule says (``merge_groups_from`` 0:
+    G 9-16 from 9 splits, G 5-8 from 33, at D 96-256; kernels/workqueue_task.cuh
+    two_level_tail), or from ``merge_groups_from`` >= 2 splits (tests, ablations). Needs
+    ``counters``.
 
     early_kv (sm_90+, PDL): read the plan and start the first K/V copies before
     waiting for the previous kernel of the stream, which may still be running. Only valid when
@@ -391,9 +393,9 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
             _fail("group_counters", f"a [>= {part_a.shape[0]}, H_kv] int32 tensor with merge_groups_from",
                   "None")
         if (isinstance(merge_groups_from, bool) or not isinstance(merge_groups_from, int)
-                or merge_groups_from < 2):
-            _fail("merge_groups_from", "an int >= 2 (splits of a (row, KV head) from which the tail "
-                  "merges in two levels)", repr(merge_groups_from))
+                or merge_groups_from == 1 or merge_groups_from < 0):
+            _fail("merge_groups_from", "0 (the kernel's rule) or an int >= 2 (splits of a (row, KV "
+                  "head) from which the tail merges in two levels)", repr(merge_groups_from))
         p.group_counters = _int32("group_counters", group_counters, q.device, 2)
         if group_counters.shape[0] < part_a.shape[0] or group_counters.shape[1] != counters.shape[1]:
             _fail("group_counters", f"[>= {part_a.shape[0]} slots, {counters.shape[1]} KV heads] int32",

@@ -94,6 +94,7 @@ ADAPTIVE_ENGINES = (ADAPTIVE, ADAPTIVE_EAGER, ADAPTIVE_FI_GRAPH, ADAPTIVE_FI_WRA
 FI_GRAPH = "flashinfer-graph"   # the Runtime with its FlashInfer route forced (FlashInfer's graph mode)
 DEVICE_PLAN = "device-plan"     # the Runtime with device-side planning (lengths stay on the GPU)
 STEP_GRAPH = "device-plan-step"  # device planning, the whole step captured as one CUDA graph
+STEP_GRAPH_TAIL1 = "device-plan-step-tail1"  # the same with the fused tail in one level (ablation)
 HOST_STEP = "host-step"          # host lengths, every layer of a step in one graph per step_key
 HOST_STEP_ROUTER = "adaptive-step"  # the same with the router's policy (capture_routing="router")
 SHARED_STEP = "shared-step"      # SharedPagesRuntime: host-step that reads shared page runs once
@@ -187,7 +188,8 @@ def engine_label(name: str) -> str:
     keep their name."""
     if name in FI_VARIANTS or name in (BASELINE, FI_GRAPH):
         return name
-    if name in (DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP, SHARED_DEVICE_STEP):
+    if name in (DEVICE_PLAN, STEP_GRAPH, STEP_GRAPH_TAIL1, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP,
+                SHARED_DEVICE_STEP):
         return "pkvrt-" + name
     base, _, route = name.partition(":")
     if route and base in (DEVICE_PLAN, STEP_GRAPH):   # device-plan-step:pkv_fused
@@ -209,7 +211,9 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     chosen by predicted device time alone, the ablation of routes.toml's ``[host_time]``),
     ``device-plan`` (the Runtime with device-side planning, one graph replay per layer),
     ``device-plan-step`` (device planning with the whole step, planning and every layer, captured
-    as one CUDA graph, as an engine that captures its decode step runs it), either of those two
+    as one CUDA graph, as an engine that captures its decode step runs it), ``device-plan-step-tail1``
+    (the same with ``RuntimeOptions(fused_two_level_tail=False)``: the ablation of the fused
+    route's two-level tail), either of ``device-plan`` and ``device-plan-step``
     with ``:ROUTE`` (device planning with that workqueue or fused route of routes.toml instead of
     the default one, e.g. ``device-plan-step:pkv_fused``), ``host-step`` (host lengths, every
     layer of the step captured in one graph per ``Runtime.step_key``:
@@ -223,7 +227,7 @@ def parse_engines(text: str, route_names) -> tuple[str, ...]:
     if not names:
         raise ValueError("--engines: expected a comma-separated list, e.g. flashinfer,adaptive")
     known = tuple(dict.fromkeys((BASELINE, *FI_VARIANTS, FI_GRAPH, *ADAPTIVE_ENGINES,
-                                  DEVICE_PLAN, STEP_GRAPH, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP,
+                                  DEVICE_PLAN, STEP_GRAPH, STEP_GRAPH_TAIL1, HOST_STEP, HOST_STEP_ROUTER, SHARED_STEP,
                                   SHARED_DEVICE_STEP, *route_names)))
     for n in names:
         base, colon, route = n.partition(":")
@@ -870,7 +874,8 @@ class StepGraphEngine(RuntimeEngine):
     def __init__(self, wl: Workload, *, name: str, routes, calibration, max_active: int,
                  force: str | None = None):
         self._init_captured(wl, name=name, force=force, routes=routes, calibration=calibration,
-                            max_active=max_active, use_cuda_graph=False, device_planning=True)
+                            max_active=max_active, use_cuda_graph=False, device_planning=True,
+                            fused_two_level_tail=name != STEP_GRAPH_TAIL1)
         i32 = dict(dtype=torch.int32, device=wl.device)
         self.seq = torch.ones(max_active, **i32)
         self.bt = torch.zeros(max_active, wl.layout.max_pages, **i32)

@@ -17,6 +17,8 @@ planning buffers       int32: a head in front of block_tables (rows,    ~3 KB
 block_tables           int32 [pow2(max_batch), max_pages_per_row]       8 MiB
 part_a / part_ml       f32 [slot_capacity, H_q, D] / [.., H_q, 2]       8 MiB / 128 KiB
 fused counters         int32 [pow2(max_batch), H_kv], zero              8 KiB
+fused group counters   int32 [slot_capacity, H_kv], zero (two-level     16 KiB
+                       tail: kernels/workqueue_task.cuh)
 static q / out         dtype [pow2(max_batch), H_q, D] each              2 MiB each
 FlashInfer indices     int32 [max_batch * max_pages_per_row]            8 MiB (+128 MiB workspace)
 pinned staging         2 ring slots x (arena + planning head and block  ~32 MiB host
@@ -108,6 +110,7 @@ class StaticBuffers:
         arena = torch.zeros(layout.size, dtype=torch.int32, device=dev)
         part_a = torch.empty(cap.slots, hq, d, dtype=torch.float32, device=dev)
         part_ml = torch.empty(cap.slots, hq, 2, dtype=torch.float32, device=dev)
+        group_counters = torch.zeros(cap.slots, self.num_kv_heads, dtype=torch.int32, device=dev)
         pinned = [_pinned(layout.size) for _ in range(RING)]
         first = not hasattr(self, "_cap")
         if first:
@@ -149,6 +152,7 @@ class StaticBuffers:
             s.arena, s.arena_np = p, p.numpy()
         self._cap, self._layout = cap, layout
         self._arena, self._part_a, self._part_ml = arena, part_a, part_ml
+        self._group_counters = group_counters
         self._v_seq = arena[layout.seq_lens:layout.seq_lens + self.max_batch]
         self._v_num_tasks = arena[layout.num_tasks:layout.num_tasks + 1]
         if not first:

@@ -168,7 +168,10 @@ class Runtime(StaticBuffers, Planning, Running):
         self.options = options
         (use_cuda_graph, max_graphs, validate, flashinfer, flashinfer_tensor_cores,
          flashinfer_cuda_graph, flashinfer_direct_run, decision_memo, capture_routing,
-         layers_per_plan) = (getattr(options, f) for f in OPTION_FIELDS if not f.startswith("shared_"))
+         layers_per_plan) = (getattr(options, f) for f in (
+            "use_cuda_graph", "max_graphs", "validate", "flashinfer", "flashinfer_tensor_cores",
+            "flashinfer_cuda_graph", "flashinfer_direct_run", "decision_memo", "capture_routing",
+            "layers_per_plan"))
         for name, v in (("device_planning", device_planning), ("engine_capture", engine_capture)):
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"Runtime: {name}={v!r}: expected True or False"

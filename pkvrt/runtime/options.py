@@ -72,6 +72,10 @@ class RuntimeOptions:
         a step's pages only where the calibration's time model predicts the shared path faster
         than the plain step (default True); False shares every step that saves ``min_saved`` of
         its page reads (the ablation of the rule; the tests of the shared path's arithmetic).
+    fused_two_level_tail : the fused route's last CTAs merge a (row, KV head) of many splits in
+        two levels where the kernel's rule says (default True: G 9-16 from 9 splits, G 5-8 from
+        33, D 96-256; kernels/workqueue_task.cuh); False merges every row in one level (the
+        ablation).
     shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
         (and its query gather) on a stream of its own beside the own decode, joined before the
         merge (default True: the two decodes read the same q and caches and write their own
@@ -92,6 +96,7 @@ class RuntimeOptions:
     shared_chunk_rows: int | None = attrs.field(default=None, validator=_layers)
     shared_when_predicted_faster: bool = attrs.field(default=True, validator=_bool)
     shared_side_stream: bool = attrs.field(default=True, validator=_bool)
+    fused_two_level_tail: bool = attrs.field(default=True, validator=_bool)
 
 
 FIELDS = tuple(a.name for a in attrs.fields(RuntimeOptions))

@@ -295,7 +295,10 @@ class Running:
                     ops.merge(pa, pm, moffs, out, row_ids=rows, **tail)
             return
         tasks, offsets, counters = views
+        # the fused tail in two levels where the kernel's rule says (ops.workqueue_decode)
+        two = (dict(group_counters=self._group_counters)
+               if counters is not None and self.options.fused_two_level_tail else {})
         ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
-                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **var, **sk)
+                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **two, **var, **sk)
         if st.kind == "workqueue":
             ops.merge(pa, pm, offsets, out, skip_single=True, **tail)

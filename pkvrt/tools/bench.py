@@ -76,6 +76,8 @@ ENGINES = {
                          "predicts the route per step, not the planning kernel)",
     harness.STEP_GRAPH: "device planning, the whole step in one graph; device-plan-step:ROUTE "
                         "likewise",
+    harness.STEP_GRAPH_TAIL1: "device-plan-step with the fused tail in one level (the ablation of "
+                              "the two-level tail)",
     harness.HOST_STEP: "host lengths, the step's layers in one graph per step key",
     harness.HOST_STEP_ROUTER: "host-step with the router's policy",
     harness.SHARED_STEP: "host-step with pkvrt.SharedPagesRuntime: shared page runs read once "
@@ -437,7 +439,7 @@ def engine_factory(config: harness.ServingConfig, registry, cal, *,
         if name in harness.FI_VARIANTS:
             return flashinfer(name, wl, max_active=config.max_active)
         base, _, route = name.partition(":")   # device-plan[-step]:ROUTE
-        if base == harness.STEP_GRAPH:
+        if base in (harness.STEP_GRAPH, harness.STEP_GRAPH_TAIL1):
             return harness.StepGraphEngine(wl, name=name, routes=registry.path, calibration=cal,
                                            max_active=config.max_active, force=route or None)
         if name in (harness.HOST_STEP, harness.HOST_STEP_ROUTER):

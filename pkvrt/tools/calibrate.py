@@ -374,6 +374,9 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False, grid: int |
     tasks = padded_tasks(tasks, grid)
     counters = (torch.zeros((b, wl.shape.num_kv_heads), dtype=torch.int32, device="cuda")
                 if fused else None)
+    # as the Runtime launches it: the two-level tail where the kernel's rule says
+    two = (dict(group_counters=torch.zeros((part_a.shape[0], wl.shape.num_kv_heads), dtype=torch.int32,
+                                           device="cuda")) if fused else {})
 
     calls = max(LAYERS, wl.copies)
 
@@ -381,7 +384,7 @@ def time_workqueue(wl, plan, ref, repeats: int, fused: bool = False, grid: int |
         for i in range(calls):
             k, v = wl.k[i % wl.copies], wl.v[i % wl.copies]
             ops.workqueue_decode(q, k, v, seq, bt, tasks, num, offsets, out, part_a, part_ml,
-                                 counters=counters, early_kv=early_kv and i > 0, **wl.scales(0))
+                                 counters=counters, early_kv=early_kv and i > 0, **two, **wl.scales(0))
             if not fused:
                 ops.merge(part_a, part_ml, offsets, out, skip_single=True)
     us = harness.median_us(fn, calls, repeats)

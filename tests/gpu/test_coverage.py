@@ -236,8 +236,10 @@ def launch(route: str, c: Case, var: Variant):
         pa.fill_(NAN)
         pm.fill_(NAN)
         counters = torch.zeros(b, hkv, **i32) if route != "workqueue" else None
-        two = (dict(group_counters=torch.zeros(pa.shape[0], hkv, **i32), merge_groups_from=2)
-               if route == TWO_LEVEL else {})
+        # fused: as the Runtime launches it (two levels where the kernel's rule says); the
+        # two-level route: from 2 splits
+        two = (dict(group_counters=torch.zeros(pa.shape[0], hkv, **i32),
+                    merge_groups_from=2 if route == TWO_LEVEL else 0) if route != "workqueue" else {})
         ops.workqueue_decode(c.q, c.k, c.v, c.seq, c.bt, tasks, num, offs, out, pa, pm, var.sm_scale,
                              counters=counters, **two, **var_kw, **sk)
         if route == "workqueue":

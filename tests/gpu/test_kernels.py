@@ -270,3 +270,64 @@ def test_timeline_marks_are_ordered_and_change_no_bit():
     done = m[:, :, 2] > 0                          # rows with one split are not merged
     assert done.any() and (m[:, :, 0][done] <= m[:, :, 1][done]).all()
     assert (m[:, :, 1][done] <= m[:, :, 2][done]).all()
+
+
+def _fused_step(lens, hq, hkv, seed, longest_splits=None):
+    """A fused step's launch arguments (host plan, this GPU's calibration) for ``lens``."""
+    from pkvrt.policy import planner
+    from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
+
+    b = make_batch(lens, num_qo_heads=hq, num_kv_heads=hkv, seed=seed)
+    plan = planner.plan_workqueue(lens, num_kv_heads=hkv, num_qo_heads=hq, head_dim=128, dtype_bytes=2,
+                                  splits=load_routes().route("pkv_fused").splits,
+                                  cal=find_calibration(torch.cuda.get_device_name()).for_group(hq // hkv),
+                                  longest_splits=longest_splits)
+    tasks, num, offsets, pa, pm = ops.workqueue_tensors(plan, num_qo_heads=hq, head_dim=128)
+    return b, plan, (tasks, num, offsets, pa.fill_(math.nan), pm.fill_(math.nan))
+
+
+@pytest.mark.parametrize("hq, hkv, splits", [(64, 4, 41), (64, 4, 8), (28, 4, 48), (28, 4, 20), (64, 8, 24),
+                                             (32, 8, 57)],
+                         ids=["g16-41", "g16-8", "g7-48", "g7-20", "g8-24", "g4-57"])
+def test_fused_tail_rule_matches_one_level(hq, hkv, splits):
+    """The fused kernel with group counters (two levels where its rule says: G 16 from 9 splits, G 7
+    from 33) against the one-level tail on the same plan, both against the FP32 reference; the
+    counters are left zero for the next launch, which gives the same output."""
+    b, plan, (tasks, num, offsets, pa, pm) = _fused_step([28672, 512, 2300, 900], hq, hkv, seed=hq + splits,
+                                                         longest_splits=splits)
+    assert int(plan.num_splits.max()) == splits
+    i32 = dict(dtype=torch.int32, device="cuda")
+    counters, groups = torch.zeros(4, hkv, **i32), torch.zeros(pa.shape[0], hkv, **i32)
+    outs = []
+    for two in (None, groups, groups):
+        out = poisoned_like(b.q)
+        ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, tasks, num, offsets,
+                             out, pa, pm, counters=counters, group_counters=two)
+        torch.cuda.synchronize()
+        assert counters.sum().item() == 0 and groups.sum().item() == 0
+        assert rel_err(out, ref_out(b)) < TOL[torch.float16]
+        outs.append(out)
+    assert torch.equal(outs[1], outs[2])   # the counters left zero: a replay is the same launch
+
+
+def test_fused_tail_arguments_are_refused_by_name():
+    b, plan, (tasks, num, offsets, pa, pm) = _fused_step([5000, 33], 64, 4, seed=5)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    counters, groups = torch.zeros(2, 4, **i32), torch.zeros(pa.shape[0], 4, **i32)
+    out = poisoned_like(b.q)
+    bad = [
+        (dict(group_counters=groups), r"group_counters: expected the fused kernel's counters beside them"),
+        (dict(counters=counters, group_counters=groups[:-1]), r"group_counters: expected \[>= \d+ slots, 4 KV heads\]"),
+        (dict(counters=counters, group_counters=groups[:, :2].contiguous()), r"group_counters: expected \[>= "),
+        (dict(counters=counters, group_counters=groups.to(torch.int64)), r"group_counters: expected a contiguous int32"),
+        (dict(counters=counters, merge_groups_from=9), r"group_counters: expected a \[>= \d+, H_kv\] int32 tensor"),
+        (dict(counters=counters, group_counters=groups, merge_groups_from=1), r"merge_groups_from: expected 0 "),
+        (dict(counters=counters, group_counters=groups, merge_groups_from=True), r"merge_groups_from: expected 0 "),
+    ]
+    for kw, match in bad:
+        with pytest.raises(ops.KernelArgumentError, match=match):
+            ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, tasks, num, offsets,
+                                 out, pa, pm, **kw)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all() and counters.sum().item() == 0   # nothing launched
