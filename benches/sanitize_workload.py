@@ -206,9 +206,10 @@ def workqueue_tasks(lens, splits: int):
 
 
 def workqueue_case(t: Tally, name: str, b, dev, ref, splits: int, fused: bool, buf: Buffers,
-                   sk=None) -> None:
+                   sk=None, two_level: int | None = None) -> None:
     """workqueue_decode + merge(skip_single), or the fused kernel (counters=); 7 idle task slots.
-    ``sk`` as in :func:`split_case`."""
+    ``sk`` as in :func:`split_case`. ``two_level`` (fused): the group counters with
+    ``merge_groups_from`` = that value (0: the kernel's rule; 2: every row of 2+ splits)."""
     rows, hq, d = b.q.shape
     lens = b.seq_lens.tolist()
     tasks, offsets = workqueue_tasks(lens, splits)
@@ -217,12 +218,16 @@ def workqueue_case(t: Tally, name: str, b, dev, ref, splits: int, fused: bool, b
     out = buf.out(rows, hq, d, dtype=b.q.dtype)
     part_a, part_ml = buf.out(slots, hq, d), buf.out(slots, hq, 2)
     counters = torch.zeros(rows, H_KV, dtype=torch.int32, device=DEV) if fused else None
+    two = {}
+    if two_level is not None:
+        two = dict(group_counters=torch.zeros(slots, H_KV, dtype=torch.int32, device=DEV),
+                   merge_groups_from=two_level)
     ops.workqueue_decode(dev.q, dev.k_cache, dev.v_cache, dev.seq_lens, dev.block_tables, i32(padded),
                          i32([len(tasks)]), i32(offsets), out, part_a, part_ml, counters=counters,
-                         **(sk or {}))
+                         **two, **(sk or {}))
     note = f"{len(tasks)} tasks"
     if fused:
-        left = int(counters.abs().sum())
+        left = int(counters.abs().sum()) + (int(two["group_counters"].abs().sum()) if two else 0)
         note += f", counters left {left}"
         if left:
             t.record(name, False, f"fused counters not reset to zero (sum |c| = {left})")
@@ -245,6 +250,12 @@ def decode_sweep(t: Tally, shapes, quick: bool, buf: Buffers) -> None:
         t.guarded(f"split_decode S={s} + merge {tag}", split_case, b, dev, ref, s, buf)
         t.guarded(f"workqueue S<={w} + merge {tag}", workqueue_case, b, dev, ref, w, False, buf)
         t.guarded(f"fused S<={w} {tag}", workqueue_case, b, dev, ref, w, True, buf)
+        # the two-level tail: the kernel's rule at 64 splits (two levels at G 9-16, and G 5-8
+        # past 32 splits), and forced from 2 splits
+        t.guarded(f"fused S<=64 two-level rule {tag}", workqueue_case, b, dev, ref, 64, True, buf,
+                  None, 0)
+        t.guarded(f"fused S<={w} two levels from 2 {tag}", workqueue_case, b, dev, ref, w, True, buf,
+                  None, 2)
 
 
 # FP8 (e4m3) K/V: (head_dim, G, q dtype, page, per-KV-head scales). Every D, both bodies' group
@@ -277,6 +288,7 @@ def fp8_sweep(t: Tally, quick: bool, buf: Buffers) -> None:
         t.guarded(f"split_decode S={s} + merge {tag}", split_case, b, dev, ref, s, buf, sk)
         t.guarded(f"workqueue S<={w} + merge {tag}", workqueue_case, b, dev, ref, w, False, buf, sk)
         t.guarded(f"fused S<={w} {tag}", workqueue_case, b, dev, ref, w, True, buf, sk)
+        t.guarded(f"fused S<={w} two levels from 2 {tag}", workqueue_case, b, dev, ref, w, True, buf, sk, 2)
 
 
 # ----------------------------------------------------------------------------- merge alone
