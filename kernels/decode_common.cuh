@@ -158,7 +158,8 @@ struct DecodeParams {
   int* group_counters;        // fused: null (one-level tail), or [slots, H_kv] counters of the
                               // two-level tail, zero between launches (workqueue_task.cuh)
   int merge_groups_from;      // with group_counters: 0, two levels where the kernel's rule says
-                              // (two_level_tail); N >= 2, from N splits of a (row, kvh)
+                              // (two_level_tail); N >= 2, from N splits of a (row, kvh) (G 5-16
+                              // at D 96-256, the classes that have the two-level tail)
 };
 
 // Block-wide exclusive scan of x (one value per thread) over a block of 1024 threads (32 warps:

@@ -7,7 +7,7 @@
 // Grid:  blockIdx.x = task; tasks at or beyond *num_tasks exit at once.
 // Block: 128 threads; dynamic shared memory pkv::smem_bytes<D, GC, KV>() (K/V: T or e4m3).
 // Layout: counters [B, H_kv] int32, all zero before the launch (and left zero after it); for the
-//        two-level tail (p.merge_groups_from) group_counters [slots, H_kv] int32, the same.
+//        two-level tail (p.group_counters set; G 5-16 at D 96-256) [slots, H_kv] int32, the same.
 // Bytes: K/V as workqueue_decode; plus, per multi-split row, the partial states once written
 //        and once read ((D + 2) * 4 bytes per slot and query head each way).
 #include "workqueue_task.cuh"

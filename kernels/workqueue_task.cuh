@@ -20,7 +20,8 @@
 // whose last arrival merges the ceil(nsplit / S) group states (stride S). One CTA merging all
 // 41-57 splits of 16 heads took 14-25 us after the last decode (H100, 64/4 heads, fp16 D 128:
 // benches/NOTES.md, "The fused tail in two levels"); the groups' merges run while other CTAs
-// still decode, and what follows the last decode is two merges of at most 8 states each.
+// still decode, and what follows the last decode is two merges of at most 8 states each (up to
+// 64 splits). Only in the classes of kHasTwoLevelTail (G 5-16 at D 96-256).
 // PDL: with p.early_kv the plan and the first K/V tiles (never a row's last token) are read
 // before griddepcontrol.wait (decode_common.cuh, prefill_pipeline); Q, the last token, every
 // write and the counters come after it.
@@ -178,34 +179,45 @@ __device__ __noinline__ void tail_merge_heads(const DecodeParams& p, int row, in
   }
 }
 
-// The tail's merge of n states: all of a warp's heads at once where they fit (G 5-16), else a
-// head at a time. Not at D 64: its pairs' registers (185-189 for the kernel, against 124-128)
-// would take the 3-4 resident CTAs a D 64 decode keeps per SM down to 2; at D 96-256 shared
-// memory bounds residency below what the registers allow.
+// The tail's merge of n states: all of a warp's heads at once where they fit (G 5-16 at D 96-256,
+// kHasTwoLevelTail), else a head at a time. The classes that have this merge and the two-level
+// tail: G 5-16 (capacities 8 and 16, the wide merge's: PKV_TAIL_WIDE_MIN_GROUP) at D 96-256.
+// Elsewhere a warp merges one head (G <= 4), or the code's registers would cost resident CTAs
+// (D 64: its pairs' took the kernel from 124-128 registers to 185-189, 2 CTAs per SM instead of
+// 4; the two-level code alone to 129-134, 3 instead of 4), so it is not compiled there; at
+// D 96-256 shared memory bounds residency below what the registers allow.
+template <int D, int GC>
+constexpr bool kHasTwoLevelTail = GC >= PKV_TAIL_WIDE_MIN_GROUP && GC >= 8 && GC <= 16 && D >= 96;
+
 template <typename T, int D, int GC, bool kPartial>
 __device__ __forceinline__ void merge_states_of(const DecodeParams& p, int row, int kvh, int first,
                                                 int n, int stride) {
-  if (GC >= PKV_TAIL_WIDE_MIN_GROUP && GC <= 16 && D >= 96 && n <= TailPairs<D, GC>::NMAX)
-    tail_merge_heads<T, D, GC, kPartial>(p, row, kvh, first, n, stride);
-  else
-    tail_merge<T, D, GC, kPartial>(p, row, kvh, first, n, stride);
+  if constexpr (kHasTwoLevelTail<D, GC>) {
+    if (n <= TailPairs<D, GC>::NMAX) {
+      tail_merge_heads<T, D, GC, kPartial>(p, row, kvh, first, n, stride);
+      return;
+    }
+  }
+  tail_merge<T, D, GC, kPartial>(p, row, kvh, first, n, stride);
 }
 
-// Whether nsplit states merge in two levels. Forced from p.merge_groups_from splits when it is
-// set (tests, ablations); else where one level takes more than three round trips to L2 per warp
-// (its heads at once: one; else ceil(n / BATCH) per head), since two levels take two and an
-// arrival more. So at G 9-16 (4 heads a warp, D 96-256) from 9 splits, at G 5-8 from 33 (17 at
-// D 256), never at G <= 4 or D 64, whose warps merge one head or keep one level for registers.
+// Whether nsplit states merge in two levels (in the classes above). Forced from
+// p.merge_groups_from splits when it is set (tests, ablations); else where one level takes more
+// than three round trips to L2 per warp (its heads at once, n <= NMAX: one; else ceil(n / BATCH)
+// for each of the warp's ceil(G / 4) heads), since two levels take two and an arrival more. So at
+// D 96-128: G 13-16 from 9 splits, G 9-12 from 33, G 5-8 from 33; at D 256: G 13-16 from 5,
+// G 9-12 and G 5-8 from 17.
 // Measured (H100, 2026-12-06, benches/layer_timeline.py, one level against two from 9 splits):
 // G 16 layers 27-34 % shorter on one-row and one-long-row steps, G 7 24 % at 48-64 splits, but
 // G 8 11-48 % longer at 16-32 splits, where its heads fit one round trip (benches/NOTES.md).
 template <int D, int GC>
 __device__ __forceinline__ bool two_level_tail(const DecodeParams& p, int nsplit) {
-  if (p.group_counters == nullptr) return false;
+  if (!kHasTwoLevelTail<D, GC> || p.group_counters == nullptr) return false;
   if (p.merge_groups_from > 0) return nsplit >= p.merge_groups_from;
-  if (GC < 8 || GC > 16 || D < 96 || nsplit <= TailPairs<D, GC>::NMAX) return false;
-  constexpr int BATCH = (D >= 256 ? 8 : 16) * 2;   // merge_head's slots in flight at WIDE = 2
-  return TailPairs<D, GC>::HW * ((nsplit + BATCH - 1) / BATCH) > 3;
+  if (nsplit <= TailPairs<D, GC>::NMAX) return false;
+  constexpr int BATCH = (D >= 256 ? 8 : 16) * 2;   // merge_head's slots in flight (WIDE = 2)
+  const int heads = (p.group + kWarps - 1) / kWarps;   // the most a warp merges
+  return heads * ((nsplit + BATCH - 1) / BATCH) > 3;
 }
 
 // After a CTA's states are stored: the merge of (row, kvh)'s nsplit states by whichever CTA
@@ -214,19 +226,21 @@ template <typename T, int D, int GC>
 __device__ __forceinline__ void tail(const DecodeParams& p, int row, int kvh, int first, int nsplit,
                                      int split) {
   int* row_counter = p.counters + row * p.num_kv_heads + kvh;
-  if (!two_level_tail<D, GC>(p, nsplit)) {
-    if (arrive_last(row_counter, nsplit)) merge_states_of<T, D, GC, false>(p, row, kvh, first, nsplit, 1);
-    return;
+  if constexpr (kHasTwoLevelTail<D, GC>) {
+    if (two_level_tail<D, GC>(p, nsplit)) {
+      int S = 1;
+      while (S * S < nsplit) ++S;
+      const int g0 = split / S * S, cnt = min(S, nsplit - g0);
+      if (cnt > 1) {
+        if (!arrive_last(p.group_counters + (first + g0) * p.num_kv_heads + kvh, cnt)) return;
+        merge_states_of<T, D, GC, true>(p, row, kvh, first + g0, cnt, 1);
+      }
+      if (arrive_last(row_counter, (nsplit + S - 1) / S))
+        merge_states_of<T, D, GC, false>(p, row, kvh, first, (nsplit + S - 1) / S, S);
+      return;
+    }
   }
-  int S = 1;
-  while (S * S < nsplit) ++S;
-  const int g0 = split / S * S, cnt = min(S, nsplit - g0);
-  if (cnt > 1) {
-    if (!arrive_last(p.group_counters + (first + g0) * p.num_kv_heads + kvh, cnt)) return;
-    merge_states_of<T, D, GC, true>(p, row, kvh, first + g0, cnt, 1);
-  }
-  if (arrive_last(row_counter, (nsplit + S - 1) / S))
-    merge_states_of<T, D, GC, false>(p, row, kvh, first, (nsplit + S - 1) / S, S);
+  if (arrive_last(row_counter, nsplit)) merge_states_of<T, D, GC, false>(p, row, kvh, first, nsplit, 1);
 }
 
 template <typename T, typename KV, int D, int GC, bool kTailMerge>

@@ -354,10 +354,10 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
 
     group_counters [>= slots, H_kv] int32 (zeroed once, left zero; slots = part_a's first
     dimension): the fused kernel may merge a (row, kvh) in two levels, groups of
-    ceil(sqrt(splits)) consecutive splits first: where its rule says (``merge_groups_from`` 0:
-    G 9-16 from 9 splits, G 5-8 from 33, at D 96-256; kernels/workqueue_task.cuh
-    two_level_tail), or from ``merge_groups_from`` >= 2 splits (tests, ablations). Needs
-    ``counters``.
+    ceil(sqrt(splits)) consecutive splits first, at G 5-16 and D 96-256 (elsewhere it has one
+    level): where its rule says (``merge_groups_from`` 0: at D 96-128 G 13-16 from 9 splits,
+    G 5-12 from 33; at D 256 from 5 and 17; kernels/workqueue_task.cuh two_level_tail), or from
+    ``merge_groups_from`` >= 2 splits (tests, ablations). Needs ``counters``.
 
     early_kv (sm_90+, PDL): read the plan and start the first K/V copies before
     waiting for the previous kernel of the stream, which may still be running. Only valid when
@@ -386,16 +386,18 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     if counters is not None:
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
+    if counters is not None and counters.shape[1] != k_cache.shape[1]:
+        _fail("counters", f"[B, H_kv={k_cache.shape[1]}] int32", tuple(counters.shape))
     if group_counters is not None or merge_groups_from:
+        if (isinstance(merge_groups_from, bool) or not isinstance(merge_groups_from, int)
+                or merge_groups_from == 1 or not 0 <= merge_groups_from < 2**31):
+            _fail("merge_groups_from", "0 (the kernel's rule) or an int in [2, 2^31) (splits of a "
+                  "(row, KV head) from which the tail merges in two levels)", repr(merge_groups_from))
         if counters is None:
             _fail("group_counters", "the fused kernel's counters beside them (counters=...)", "counters=None")
         if group_counters is None:
             _fail("group_counters", f"a [>= {part_a.shape[0]}, H_kv] int32 tensor with merge_groups_from",
                   "None")
-        if (isinstance(merge_groups_from, bool) or not isinstance(merge_groups_from, int)
-                or merge_groups_from == 1 or merge_groups_from < 0):
-            _fail("merge_groups_from", "0 (the kernel's rule) or an int >= 2 (splits of a (row, KV "
-                  "head) from which the tail merges in two levels)", repr(merge_groups_from))
         p.group_counters = _int32("group_counters", group_counters, q.device, 2)
         if group_counters.shape[0] < part_a.shape[0] or group_counters.shape[1] != counters.shape[1]:
             _fail("group_counters", f"[>= {part_a.shape[0]} slots, {counters.shape[1]} KV heads] int32",

@@ -73,9 +73,9 @@ class RuntimeOptions:
         than the plain step (default True); False shares every step that saves ``min_saved`` of
         its page reads (the ablation of the rule; the tests of the shared path's arithmetic).
     fused_two_level_tail : the fused route's last CTAs merge a (row, KV head) of many splits in
-        two levels where the kernel's rule says (default True: G 9-16 from 9 splits, G 5-8 from
-        33, D 96-256; kernels/workqueue_task.cuh); False merges every row in one level (the
-        ablation).
+        two levels where the kernel's rule says (default True: at D 96-128 G 13-16 from 9
+        splits, G 5-12 from 33; D 256 from 5 and 17; kernels/workqueue_task.cuh); False merges
+        every row in one level (the ablation).
     shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
         (and its query gather) on a stream of its own beside the own decode, joined before the
         merge (default True: the two decodes read the same q and caches and write their own

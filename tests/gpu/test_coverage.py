@@ -44,7 +44,8 @@ LSE_TOL = 1e-3                      # |lse - ref| <= LSE_TOL * max(1, |ref|)
 LENS = (1, 17, 300, 2100, 3500)     # ragged: one token, < one tile, a few pages, long rows
 ROUTES = ("split1", "split5", "workqueue", "fused")
 # the fused kernel's two-level tail: the longest row cut in 23 splits (groups of 5: 5, 5, 5, 5, 3),
-# every row of at least 2 splits merged in two levels
+# every row of at least 2 splits merged in two levels where the kernel has them (G 5-16 at
+# D 96-256; one level elsewhere)
 TWO_LEVEL = "fused-2level"
 TWO_LEVEL_SPLITS = 23
 ROUTES_TOML = load_routes()

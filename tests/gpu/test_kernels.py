@@ -324,6 +324,8 @@ def test_fused_tail_arguments_are_refused_by_name():
         (dict(counters=counters, merge_groups_from=9), r"group_counters: expected a \[>= \d+, H_kv\] int32 tensor"),
         (dict(counters=counters, group_counters=groups, merge_groups_from=1), r"merge_groups_from: expected 0 "),
         (dict(counters=counters, group_counters=groups, merge_groups_from=True), r"merge_groups_from: expected 0 "),
+        (dict(counters=counters, group_counters=groups, merge_groups_from=2**31), r"merge_groups_from: expected 0 "),
+        (dict(counters=counters[:, :2].contiguous()), r"counters: expected \[B, H_kv=4\] int32"),
     ]
     for kw, match in bad:
         with pytest.raises(ops.KernelArgumentError, match=match):
