@@ -1212,6 +1212,18 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, int row, int
     decode_range_tc<T, KV, D, GC>(p, row, kvh, tok_begin, tok_end, sink, smem);
 }
 
+// The (m, l) of the warp's lanes folded into one (log2 domain, online rescale), on every lane.
+__device__ __forceinline__ void warp_fold_ml(float& m, float& l) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float mo = __shfl_xor_sync(0xffffffffu, m, off);
+    const float lo = __shfl_xor_sync(0xffffffffu, l, off);
+    const float m_new = fmaxf(m, mo);
+    l = l * rescale(m, m_new) + lo * rescale(mo, m_new);
+    m = m_new;
+  }
+}
+
 // A lane's E = D / 32 consecutive floats of a partial state's accumulator (src at lane * E),
 // read from L2 (__ldcg: in the fused kernel other CTAs wrote them).
 template <int E>
@@ -1327,14 +1339,7 @@ __device__ __forceinline__ void merge_head(const float* part_a, const float* par
     l_acc = l_acc * rescale(m_acc, m_new) + ls * rescale(ms, m_new);
     m_acc = m_new;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float mo = __shfl_xor_sync(0xffffffffu, m_acc, off);
-    const float lo = __shfl_xor_sync(0xffffffffu, l_acc, off);
-    const float m_new = fmaxf(m_acc, mo);
-    l_acc = l_acc * rescale(m_acc, m_new) + lo * rescale(mo, m_new);
-    m_acc = m_new;
-  }
+  warp_fold_ml(m_acc, l_acc);
   const float m_all = m_acc;
   float inv_l = 1.f;   // a partial state stays unnormalised
   if constexpr (!kPartial) {

@@ -129,14 +129,7 @@ __device__ __noinline__ void tail_merge_heads(const DecodeParams& p, int row, in
 #pragma unroll
   for (int i = 0; i < HW; ++i) {
     float m = mine == i ? m_j : -INFINITY, l = mine == i ? l_j : 0.f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m, off);
-      const float lo = __shfl_xor_sync(0xffffffffu, l, off);
-      const float m_new = fmaxf(m, mo);
-      l = l * rescale(m, m_new) + lo * rescale(mo, m_new);
-      m = m_new;
-    }
+    warp_fold_ml(m, l);
     m_all[i] = m;
     l_all[i] = l;
     float scale = 1.f;   // a partial state stays unnormalised
