@@ -33,6 +33,11 @@
 #   gemma-waves  benches/model_shapes.py for Gemma-2-9B on this GPU's calibration and on a copy
 #              whose by_head_dim.256 max_waves is 2 (the D 256 cut of short windowed steps,
 #              benches/NOTES.md) -> OUT/gemma-waves/model-shapes-gemma-2-waves{3,2}.json
+#   fused-tail  the fused route's two-level tail against one level (device-plan-step-tail1) in the
+#              engine protocol, bimodal B8 at 64/4, 28/4, 64/8 and 32/8 heads (G 16, 7, 8, 4: the
+#              first two should gain, the others stay within 1 %), then benches/layer_timeline.py
+#              at 64/4 and 28/4 (the kernel's rule and one level) -> OUT/fused-tail.tgz (12 files
+#              in one: the device tool brings back at most 8)
 # BUDGET: seconds a models-*, dropin or shared stage may take (default 560: a call of its own);
 # CAL_TIMEOUT the same for a calibrate stage (default 580).
 set -u
@@ -95,6 +100,22 @@ for stage in "$@"; do
           ${ROUTES:+--routes "$ROUTES"} --engines ${SHARING_ENGINES:-flashinfer,device-plan-step,shared-step,shared-device-step} \
           2>&1 | grep -E "pkvrt-|flashinfer-|Error" | tail -6
       done ;;
+    fused-tail)
+      mkdir -p $out/fused-tail
+      for heads in 64/4 28/4 64/8 32/8; do
+        timeout 100 python3 -m pkvrt bench serving --trace bimodal --max-active 8 --steps-limit 16 \
+          --check-steps 2 --engine-layers 32 --seeds 20260623 --num-qo-heads ${heads%/*} \
+          --num-kv-heads ${heads#*/} --engines flashinfer,device-plan-step,device-plan-step-tail1 \
+          --out $out/fused-tail/engine-bimodal-B8-${heads/\//-}.json 2>&1 | grep -E "pkvrt-|flashinfer|Error" | tail -4
+      done
+      for heads in 64/4 28/4; do
+        for m in 0 -1; do
+          timeout 60 python3 benches/layer_timeline.py --route pkv_fused --layers 10 --heads $heads \
+            --merge-groups-from $m --cases B1-32K,B1-8K,B8-bimodal,B8-one-long \
+            --out $out/fused-tail/tl-${heads/\//-}-m$m.json 2>&1 | grep -v "^wrote" | tail -5
+        done
+      done
+      tar -czf $out/fused-tail.tgz -C $out fused-tail && rm -rf $out/fused-tail ;;
     zipf-sweep) timeout 240 python3 benches/isolated.py --cases B8-zipf --partition-sweep --no-sdpa \
           --out $out/isolated-zipf-sweep.json 2>&1 | grep -v WARN | tail -30 ;;
     gemma-waves)
