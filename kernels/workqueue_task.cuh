@@ -75,8 +75,8 @@ __device__ __forceinline__ bool arrive_last(int* counter, int nsplit) {
 // third of the layer. Twice the slots in flight (WIDE) cut ~1.2 us there and cost ~0.8 us at
 // 2-16 splits; at G = 8 the trace gained, at G = 4 the wider merge's registers (179 -> 223) cost
 // the short steps more than it saved, so it is the wide classes' only (GC >= 8: G 5..16).
-// The n states at slots first + k * stride, into O (or, kPartial, into the partial state at slot
-// `first`: a group of the two-level tail).
+// Merges the n states at slots first + k * stride into O (or, kPartial, into the partial state
+// at slot `first`: a group of the two-level tail), a warp a head at a time.
 template <typename T, int D, int GC, bool kPartial>
 __device__ __noinline__ void tail_merge(const DecodeParams& p, int row, int kvh, int first, int n,
                                         int stride) {
