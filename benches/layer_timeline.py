@@ -81,7 +81,7 @@ def run_case(name: str, lens, layers: int, cal, splits, fused: bool = False, qo:
                                   dtype_bytes=2, splits=splits, cal=cal.for_group(qo // kv_heads))
     tasks, num, offsets, part_a, part_ml = ops.workqueue_tensors(plan, num_qo_heads=qo, head_dim=128)
     out = torch.full_like(b.q, float("nan"))
-    merge_ctas = kv_heads * len(lens)
+    merge_ctas = -(-qo // 4) * len(lens)   # the merge kernel's grid: 4 query heads a CTA, per row
     kv = int(sum(lens)) * kv_heads * 128 * 2 * 2
     # Each layer reads its own cache copy, and the timed layers others than the warm-up's, with
     # at least 3 x L2 between reuses: no layer is timed on L2-resident K/V.
