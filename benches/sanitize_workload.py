@@ -250,8 +250,8 @@ def decode_sweep(t: Tally, shapes, quick: bool, buf: Buffers) -> None:
         t.guarded(f"split_decode S={s} + merge {tag}", split_case, b, dev, ref, s, buf)
         t.guarded(f"workqueue S<={w} + merge {tag}", workqueue_case, b, dev, ref, w, False, buf)
         t.guarded(f"fused S<={w} {tag}", workqueue_case, b, dev, ref, w, True, buf)
-        # the two-level tail: the kernel's rule at 64 splits (two levels at G 9-16, and G 5-8
-        # past 32 splits), and forced from 2 splits
+        # the two-level tail: the kernel's rule at 64 splits (two levels at D 96-256 for G 5-16
+        # past its thresholds), and forced from 2 splits (one level where the kernel has none)
         t.guarded(f"fused S<=64 two-level rule {tag}", workqueue_case, b, dev, ref, 64, True, buf,
                   None, 0)
         t.guarded(f"fused S<={w} two levels from 2 {tag}", workqueue_case, b, dev, ref, w, True, buf,

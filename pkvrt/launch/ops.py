@@ -386,8 +386,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     if counters is not None:
         family = "fused_decode"
         p.counters = _int32("counters", counters, q.device, 2)
-    if counters is not None and counters.shape[1] != k_cache.shape[1]:
-        _fail("counters", f"[B, H_kv={k_cache.shape[1]}] int32", tuple(counters.shape))
+        if counters.shape[1] != k_cache.shape[1]:
+            _fail("counters", f"[B, H_kv={k_cache.shape[1]}] int32", tuple(counters.shape))
     if group_counters is not None or merge_groups_from:
         if (isinstance(merge_groups_from, bool) or not isinstance(merge_groups_from, int)
                 or merge_groups_from == 1 or not 0 <= merge_groups_from < 2**31):
@@ -399,8 +399,8 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
             _fail("group_counters", f"a [>= {part_a.shape[0]}, H_kv] int32 tensor with merge_groups_from",
                   "None")
         p.group_counters = _int32("group_counters", group_counters, q.device, 2)
-        if group_counters.shape[0] < part_a.shape[0] or group_counters.shape[1] != counters.shape[1]:
-            _fail("group_counters", f"[>= {part_a.shape[0]} slots, {counters.shape[1]} KV heads] int32",
+        if group_counters.shape[0] < part_a.shape[0] or group_counters.shape[1] != k_cache.shape[1]:
+            _fail("group_counters", f"[>= {part_a.shape[0]} slots, {k_cache.shape[1]} KV heads] int32",
                   tuple(group_counters.shape))
         p.merge_groups_from = merge_groups_from
     p.early_kv = int(bool(early_kv))
