@@ -2,7 +2,8 @@
 # One device call of the H200 evidence run; stages chosen by name, results under $OUT.
 # usage: bash benches/h200_run.sh OUT STAGE [STAGE ...]
 #   tests      the GPU test suite (tests/gpu), summary printed
-#   calibrate  pkvrt calibrate -> calibration/nvidia-h200.json (copied to OUT)
+#   calibrate  pkvrt calibrate -> calibration/<this GPU's slug>.json (nvidia-h200.json on an H200;
+#              copied to OUT). The calibrate-* stages below write this GPU's file too
 #   isolated   benches/isolated.py (Table 1) -> OUT/isolated.json
 #   serving    the serving traces (bucketed, bimodal, uniform, zipf, mixed) -> OUT/serving-*.json
 #   engine     the engine protocol (32 layers + MLP tail) on bimodal B8 -> OUT/engine-*.json
@@ -13,9 +14,9 @@
 #   soak-dev   benches/soak.py --device-planning, 100 000 steps -> OUT/soak-device-planning.json
 #   sanitize   benches/sanitize.sh (compute-sanitizer, 4 tools) -> OUT/sanitize*.{json,log}
 #   calibrate-groups  pkvrt calibrate --add-groups: the served group sizes the file lacks (ADD_GROUPS,
-#              default 2,3,5,7,16), laid over calibration/nvidia-h200.json -> OUT/nvidia-h200.json
+#              default 2,3,5,7,16), laid over this GPU's calibration file -> OUT/<slug>.json
 #   calibrate-d64 | calibrate-d96 | calibrate-d256  the by_head_dim section of that head dim, laid
-#              over calibration/nvidia-h200.json (run after calibrate-groups) -> OUT/nvidia-h200.json
+#              over this GPU's file (run after calibrate-groups) -> OUT/<slug>.json
 #   groups     benches/isolated.py on the group sizes the models add, every cut of the partition
 #              timed (--partition-sweep) -> OUT/isolated-groups.json
 #   models-a | models-b | models-c | models-d  benches/model_shapes.py, one group of models that
@@ -43,11 +44,13 @@
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
+# this GPU's calibration file (its slug: calibration/nvidia-h200.json on an H200), for the calibrate stages
+calfile() { echo calibration/$(python3 -c "import torch; from pkvrt.policy.calibration import slugify as s; print(s(torch.cuda.get_device_name()))").json; }
 for stage in "$@"; do
   echo "== $stage ($(date +%T))"
   case $stage in
     tests) timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider --maxfail=20 2>&1 | tee $out/gpu_tests.log | grep -E "passed|failed|Error|error|FAILED" | tail -25 ;;
-    calibrate) timeout ${CAL_TIMEOUT:-480} python3 -m pkvrt calibrate --out calibration/nvidia-h200.json --raw $out/calibrate-sweeps.json 2>&1 | tail -60; cp calibration/nvidia-h200.json $out/ ;;
+    calibrate) cal=$(calfile); timeout ${CAL_TIMEOUT:-480} python3 -m pkvrt calibrate --out $cal --raw $out/calibrate-sweeps.json 2>&1 | tail -60; cp $cal $out/ ;;
     isolated) timeout 240 python3 benches/isolated.py --out $out/isolated.json 2>&1 | grep -v WARN | tail -12 ;;
     serving)
       for spec in "bucketed 1" "bimodal 8" "uniform 8" "zipf 8" "bimodal 4" "mixed 8"; do
@@ -64,15 +67,14 @@ for stage in "$@"; do
     soak-dev) timeout 200 python3 benches/soak.py --max-seconds 180 --device-planning \
           --out $out/soak-device-planning.json 2>&1 | tail -25 ;;
     sanitize) bash benches/sanitize.sh $out 2>&1 | tail -20 ;;
-    calibrate-groups) timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --add-groups ${ADD_GROUPS:-2,3,5,7,16} \
-          --base calibration/nvidia-h200.json --out calibration/nvidia-h200.json \
-          --raw $out/calibrate-groups-sweeps.json 2>&1 | tail -60
-        cp calibration/nvidia-h200.json $out/ ;;
-    calibrate-d64|calibrate-d96|calibrate-d256) d=${stage#calibrate-d}
+    calibrate-groups) cal=$(calfile)
+      timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --add-groups ${ADD_GROUPS:-2,3,5,7,16} \
+          --base $cal --out $cal --raw $out/calibrate-groups-sweeps.json 2>&1 | tail -60
+      cp $cal $out/ ;;
+    calibrate-d64|calibrate-d96|calibrate-d256) d=${stage#calibrate-d}; cal=$(calfile)
       timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --head-dim $d --groups 4,1,2,8,16 --max-waves 3 \
-          --base calibration/nvidia-h200.json --out calibration/nvidia-h200.json \
-          --raw $out/calibrate-d$d-sweeps.json 2>&1 | tail -40
-      cp calibration/nvidia-h200.json $out/ ;;
+          --base $cal --out $cal --raw $out/calibrate-d$d-sweeps.json 2>&1 | tail -40
+      cp $cal $out/ ;;
     groups) timeout 300 python3 benches/isolated.py --partition-sweep --out $out/isolated-groups.json \
           --cases G16-B2-8K,G4-B8-8K,G16-B4-1K,G16-B8-bimodal,G7-B8-bimodal 2>&1 | grep -v WARN | tail -40 ;;
     models-a|models-b|models-c|models-d)
