@@ -45,12 +45,17 @@ set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
 # this GPU's calibration file (its slug: calibration/nvidia-h200.json on an H200), for the calibrate stages
-calfile() { echo calibration/$(python3 -c "import torch; from pkvrt.policy.calibration import slugify as s; print(s(torch.cuda.get_device_name()))").json; }
+calfile() {
+  local slug
+  slug=$(python3 -c "import torch; from pkvrt.policy.calibration import slugify as s; print(s(torch.cuda.get_device_name()))") \
+    || { echo "h200_run: no GPU name for the calibration file: stage skipped" >&2; return 1; }
+  echo calibration/$slug.json
+}
 for stage in "$@"; do
   echo "== $stage ($(date +%T))"
   case $stage in
     tests) timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider --maxfail=20 2>&1 | tee $out/gpu_tests.log | grep -E "passed|failed|Error|error|FAILED" | tail -25 ;;
-    calibrate) cal=$(calfile); timeout ${CAL_TIMEOUT:-480} python3 -m pkvrt calibrate --out $cal --raw $out/calibrate-sweeps.json 2>&1 | tail -60; cp $cal $out/ ;;
+    calibrate) cal=$(calfile) || continue; timeout ${CAL_TIMEOUT:-480} python3 -m pkvrt calibrate --out $cal --raw $out/calibrate-sweeps.json 2>&1 | tail -60; cp $cal $out/ ;;
     isolated) timeout 240 python3 benches/isolated.py --out $out/isolated.json 2>&1 | grep -v WARN | tail -12 ;;
     serving)
       for spec in "bucketed 1" "bimodal 8" "uniform 8" "zipf 8" "bimodal 4" "mixed 8"; do
@@ -67,11 +72,11 @@ for stage in "$@"; do
     soak-dev) timeout 200 python3 benches/soak.py --max-seconds 180 --device-planning \
           --out $out/soak-device-planning.json 2>&1 | tail -25 ;;
     sanitize) bash benches/sanitize.sh $out 2>&1 | tail -20 ;;
-    calibrate-groups) cal=$(calfile)
+    calibrate-groups) cal=$(calfile) || continue
       timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --add-groups ${ADD_GROUPS:-2,3,5,7,16} \
           --base $cal --out $cal --raw $out/calibrate-groups-sweeps.json 2>&1 | tail -60
       cp $cal $out/ ;;
-    calibrate-d64|calibrate-d96|calibrate-d256) d=${stage#calibrate-d}; cal=$(calfile)
+    calibrate-d64|calibrate-d96|calibrate-d256) d=${stage#calibrate-d}; cal=$(calfile) || continue
       timeout ${CAL_TIMEOUT:-580} python3 -m pkvrt calibrate --head-dim $d --groups 4,1,2,8,16 --max-waves 3 \
           --base $cal --out $cal --raw $out/calibrate-d$d-sweeps.json 2>&1 | tail -40
       cp $cal $out/ ;;
