@@ -132,15 +132,8 @@ __device__ __noinline__ void tail_merge_heads(const DecodeParams& p, int row, in
     warp_fold_ml(m, l);
     m_all[i] = m;
     l_all[i] = l;
-    float scale = 1.f;   // a partial state stays unnormalised
-    if (!kPartial && i < hw) {
-      scale = 1.f / l;
-      const float sink = sink_log2_of(p.sinks, head(i));
-      if (sink != -INFINITY) {   // the sink in the denominator (out_factor's rule)
-        const float m2 = fmaxf(m, sink), ws = fast_exp2(m - m2);
-        scale = ws / (l * ws + fast_exp2(sink - m2));
-      }
-    }
+    // a partial state stays unnormalised; an output takes out_factor's 1 / l with the sink
+    const float scale = !kPartial && i < hw ? out_factor(p, head(i), m, l) : 1.f;
     if (mine == i) w = rescale(m_j, m) * scale;
   }
   float acc[HW][E];
