@@ -482,6 +482,17 @@ def test_shared_page_runs_equal_the_loop_definition(lens, seed, page, alternate,
             for k in range(0, len(lens) - 1, 2):
                 bt[perm[k + 1], j] = bt[perm[k], j]
     assert shared_page_runs(seq, bt, page, min_rows=min_rows) == loop_runs(seq, bt, page, min_rows)
+    # ids spread too far for one (position, id) key (the two-key sort), negative ones among them
+    far = (bt.astype(np.int64) - 10_000) * 2**48
+    assert shared_page_runs(seq, far, page, min_rows=min_rows) == loop_runs(seq, far, page, min_rows)
+
+
+def test_shared_page_runs_of_ids_too_far_apart_for_one_key():
+    """Ids 2^63 apart (no int64 key of position and id): the runs of the definition."""
+    seq = np.array([48, 48, 48, 20], np.int32)
+    bt = np.array([[-2**62, 5, 2**62], [-2**62, 5, 7], [-2**62, 6, 2**62], [1, 5, 2**62]], np.int64)
+    assert shared_page_runs(seq, bt, 16) == loop_runs(seq, bt, 16) == [
+        SharedRun((0, 1, 2), 0, 1), SharedRun((0, 1, 3), 1, 1), SharedRun((0, 2), 2, 1)]
 
 
 # ---- device lengths: the shared prefixes found on the GPU (kernels/find_shared.cu, emulated by
