@@ -34,19 +34,17 @@ def split_trace(name: str, rounds: int, profile: bool) -> list[dict]:
     from pkvrt.measure import harness
     from pkvrt.measure.traces import resolve_trace
     from pkvrt.policy.calibration import find_calibration
+    from pkvrt.policy.registry import load_routes
+    from pkvrt.tools.bench import engine_factory
 
-    cal = find_calibration(torch.cuda.get_device_name()).source
     cfg = harness.ServingConfig(trace=name, max_active=8, seeds=(SEED,), engines=ENGINES,
                                 steps_limit=24, layers=32)
     wl = harness.Workload(resolve_trace(name, seed=SEED), cfg, SEED, device="cuda")
     sh = cfg.shape
     out = torch.zeros((cfg.max_active, sh.num_qo_heads, sh.head_dim), dtype=sh.torch_dtype, device="cuda")
-    kw = dict(routes=None, calibration=cal, max_active=cfg.max_active)
-    engines = {
-        "device-plan-step": harness.StepGraphEngine(wl, name="device-plan-step", force=None, **kw),
-        "host-step": harness.HostStepGraphEngine(wl, name="host-step", tensor_cores=True, **kw),
-        "shared-step": harness.SharedStepGraphEngine(wl, name="shared-step", tensor_cores=True, **kw),
-    }
+    # built as `pkvrt bench serving` builds them, FlashInfer's tensor cores as the fallback route
+    make_engine = engine_factory(cfg, load_routes(), find_calibration(torch.cuda.get_device_name()))
+    engines = {n: make_engine(n, wl, "flashinfer-tc") for n in ENGINES}
     clock = harness.CudaClock()
     for e in engines.values():
         for _ in range(2):
