@@ -6,11 +6,12 @@ run the trace as ``pkvrt bench serving --engine-layers 32 --max-active 8 --steps
 two untimed passes (every step graph captured), then ``--rounds`` rounds in which every step is
 run by every engine in turn, L2 flushed and the GPU idle before each, as the wall passes are. For
 each (engine, step, round): the host time of plan(), of the replay call, and from the replay's
-return to the end of the device work. A host-lengths engine's excess over device-plan-step's
-wall is its plan; this says how much, step by step. ``--profile``: a cProfile of shared-step's
+return to the end of the device work. An engine that plans on the host first plans the trace's
+previous step, untimed (``--cold-plans``: not), as the wall passes do. A host-lengths engine's
+excess over device-plan-step's wall is its plan; this says how much, step by step. ``--profile``: a cProfile of shared-step's
 plan() in the last round (the top 20 by cumulative time, printed).
 
-usage: python benches/host_split.py [--traces parallel,sysprompt] [--rounds 3] [--out FILE]
+usage: python benches/host_split.py [--traces parallel,sysprompt] [--rounds 3] [--cold-plans] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PARTS = ("plan", "replay", "wait", "wall")
 SEED = 20260623
 
 
-def split_trace(name: str, rounds: int, profile: bool) -> list[dict]:
+def split_trace(name: str, rounds: int, profile: bool, cold_plans: bool = False) -> list[dict]:
     import cProfile
     import pstats
 
@@ -38,7 +39,7 @@ def split_trace(name: str, rounds: int, profile: bool) -> list[dict]:
     from pkvrt.tools.bench import engine_factory
 
     cfg = harness.ServingConfig(trace=name, max_active=8, seeds=(SEED,), engines=ENGINES,
-                                steps_limit=24, layers=32)
+                                steps_limit=24, layers=32, cold_plans=cold_plans)
     wl = harness.Workload(resolve_trace(name, seed=SEED), cfg, SEED, device="cuda")
     sh = cfg.shape
     out = torch.zeros((cfg.max_active, sh.num_qo_heads, sh.head_dim), dtype=sh.torch_dtype, device="cuda")
@@ -57,6 +58,9 @@ def split_trace(name: str, rounds: int, profile: bool) -> list[dict]:
                 n = ENGINES[(pos + r + k) % len(ENGINES)]
                 e = engines[n]
                 profiled = profile and n == "shared-step" and r == rounds - 1
+                prev = wl.previous[pos]   # planned untimed first, as the wall passes do
+                if prev is not None and harness.plans_on_host(e):
+                    e.plan(prev)
                 clock.flush_l2()
                 clock.sync()
                 t0 = time.perf_counter()
@@ -100,11 +104,14 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", default="parallel,sysprompt")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cold-plans", action="store_true",
+                    help="plan each step cold (by default the trace's previous step is planned "
+                         "first, untimed, as the wall passes do)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     rows = []
     for name in args.traces.split(","):
-        rows += split_trace(name, args.rounds, args.profile)
+        rows += split_trace(name, args.rounds, args.profile, args.cold_plans)
     if args.out:
         import torch
 
@@ -112,7 +119,7 @@ def main(argv=None) -> int:
         results.write_results(args.out, results.make_meta(
             seeds=(SEED,), routes_path=load_routes().path,
             calibration_path=find_calibration(torch.cuda.get_device_name()).source,
-            rounds=args.rounds), rows)
+            rounds=args.rounds, cold_plans=args.cold_plans), rows)
     return 0
 
 

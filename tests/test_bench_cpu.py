@@ -934,6 +934,56 @@ def test_interleaved_wall_passes_rotate_the_engines_and_take_each_steps_median()
         assert max(walls) < 15_000   # b's 20 ms rounds are outvoted by its two fast ones
 
 
+class _PlanningEngine(_OrderEngine):
+    """An :class:`_OrderEngine` whose step begins with a plan(); ``device_planning`` as the
+    harness's Runtime engines carry it. Logs ("plan", step) for each plan() called from outside."""
+
+    def __init__(self, name, log, device_planning):
+        super().__init__(name, log)
+        self.device_planning = device_planning
+
+    def plan(self, step):
+        self.log.append(("plan", step))
+
+
+def test_wall_passes_plan_the_previous_step_first_where_the_engine_plans_on_the_host():
+    """An engine of host lengths plans the step a serving loop planned before each timed step
+    (untimed, just before it); one of device lengths does not; without ``previous`` (cold
+    plans) neither does."""
+    log = []
+    host, device = _PlanningEngine("h", log, False), _PlanningEngine("d", log, True)
+    steps, previous = ["s0", "s1", "s2"], [None, "p1", "p2"]
+    harness.interleaved_wall_passes([host, device], None, steps, None, harness.HostClock(), rounds=1,
+                                    previous=previous)
+    assert [e for e in log if e[0] == "plan"] == [("plan", "p1"), ("plan", "p2")]
+    for pos, prev in ((1, "p1"), (2, "p2")):   # right before the host engine's timed step
+        assert log[log.index(("h", pos)) - 1] == ("plan", prev)
+    assert log.count(("d", 0)) == log.count(("d", 1)) == 1
+    log.clear()
+    harness.interleaved_wall_passes([host, device], None, steps, None, harness.HostClock(), rounds=1)
+    assert not [e for e in log if e[0] == "plan"]
+
+
+def test_workload_previous_is_the_trace_step_before_each_measured_one():
+    """Workload.previous[i] is the decode step right before measured step i in the trace's own
+    order (the first step has none); with cold_plans every one is None."""
+    trace = _trace()
+    all_steps = list(harness.decode_steps(trace, max_active=2))
+    wl = harness.Workload(trace, _config(steps_limit=3), 11, device="cpu", budget_bytes=2**30)
+    assert len(wl.steps) == 3 < len(all_steps)
+    def key(s):
+        return tuple(np.asarray(s.rids).tolist()), tuple(np.asarray(s.seq_lens).tolist())
+
+    keys = [key(s) for s in all_steps]
+    for step, prev in zip(wl.steps, wl.previous):
+        i = keys.index(key(step))
+        assert (prev is None) if i == 0 else key(prev) == keys[i - 1]
+    assert any(p is not None for p in wl.previous)
+    cold = harness.Workload(trace, _config(steps_limit=3, cold_plans=True), 11, device="cpu",
+                            budget_bytes=2**30)
+    assert cold.previous == [None] * 3
+
+
 def test_calibrate_models_add_their_group_sizes(capsys):
     """--models: the named models' group sizes join --groups (once each, after it); a head dim
     other than 128 is said to run on the D 128 constants; an unknown name is refused naming the

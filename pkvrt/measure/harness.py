@@ -24,8 +24,10 @@ Protocol of one seed (:func:`run_seed`):
    passes until one captures no graph (:func:`warm_until_steady`: the Runtime captures a
    per-layer graph on a key's second sighting, a one-time cost per shape).
 5. Wall passes, all engines interleaved (:func:`interleaved_wall_passes`): step by step, every
-   engine runs the step (L2 flushed; synchronize; host clock; plan + every layer; synchronize;
-   host clock), in an order rotated from step to step and round to round, ``wall_rounds`` rounds; an
+   engine runs the step (an engine that plans on the host first plans the trace's previous step,
+   untimed, as a serving loop did; L2 flushed; synchronize; host clock; plan + every layer;
+   synchronize; host clock), in an order rotated from step to step and round to round,
+   ``wall_rounds`` rounds; an
    engine's wall time of a step is the median of its rounds. The GPU machine's host changes
    speed by tens of percent from one second to the next (benches/NOTES.md, host cost), so
    engines timed one after another, as before b8e83eb, compared different host phases;
@@ -159,6 +161,9 @@ class ServingConfig:
     kv_dtype: str = attrs.field(default="fp16")
     fp8_scales: str = attrs.field(default="unit")
     wall_rounds: int = attrs.field(default=3)
+    # True: each timed step planned cold; False (default): its host plan follows an untimed
+    # plan of the trace's previous step, as in a serving loop (:func:`timed_step`)
+    cold_plans: bool = False
 
     @wall_rounds.validator
     def _check_wall_rounds(self, attribute, value):
@@ -589,7 +594,12 @@ class Workload:
         self.kv_dtype_bytes = self.kv_dtype.itemsize
         all_steps = list(decode_steps(trace, max_active=config.max_active))
         self.steps_total = len(all_steps)
-        self.steps: list[Step] = [all_steps[i] for i in sample_steps(len(all_steps), config.steps_limit)]
+        sampled = sample_steps(len(all_steps), config.steps_limit)
+        self.steps: list[Step] = [all_steps[i] for i in sampled]
+        # the step a serving loop planned just before each measured one (None: the first step,
+        # or config.cold_plans)
+        self.previous: list[Step | None] = [
+            all_steps[i - 1] if i > 0 and not config.cold_plans else None for i in sampled]
         self.layout = build_layout(trace, page_size=sh.page_size, hole_fraction=0.0, seed=seed)
         pages = self.layout.num_physical_pages
         page_bytes = sh.num_kv_heads * sh.page_size * sh.head_dim * self.kv_dtype_bytes
@@ -1114,9 +1124,16 @@ def wall_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock)
 
 
 def timed_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor, clock,
-               flush_l2: bool = False) -> float:
+               flush_l2: bool = False, previous: Step | None = None) -> float:
     """Wall µs of one step of ``engine`` from an idle GPU to its end (synchronized both sides);
-    ``flush_l2``: L2 evicted first (``clock.flush_l2``, untimed)."""
+    ``flush_l2``: L2 evicted first (``clock.flush_l2``, untimed). ``previous``: the trace's step
+    before this one, planned first (untimed) by an engine that plans on the host, so that what
+    its planning remembers from step to step (the sharing runs' memo, a route memo) is as a
+    serving loop leaves it: a step that shares what its predecessor shared finds it there, as
+    consecutive decode steps do, while the measured steps, sampled far apart, would each
+    find a memo filled by other steps."""
+    if previous is not None and plans_on_host(engine):
+        engine.plan(previous)
     if flush_l2:
         clock.flush_l2()
     clock.sync()
@@ -1126,8 +1143,16 @@ def timed_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor, cl
     return (time.perf_counter() - t0) * 1e6
 
 
+def plans_on_host(engine) -> bool:
+    """Whether a step of ``engine`` begins with a plan() on the host from host lengths (the
+    Runtime engines of host lengths, FlashInfer's): what :func:`timed_step` primes. Engines of
+    device lengths plan on the GPU, inside their step."""
+    return hasattr(engine, "plan") and not getattr(engine, "device_planning", False)
+
+
 def interleaved_wall_passes(engines: list, wl: Workload, steps: list[Step], out: torch.Tensor,
-                            clock, rounds: int) -> list[tuple[list[float], list]]:
+                            clock, rounds: int, previous: list | None = None
+                            ) -> list[tuple[list[float], list]]:
     """Wall passes of several engines interleaved step by step: at step ``pos`` of round ``r``
     the engines run that step in the order rotated by ``pos + r``. Per engine: the median over
     the rounds of its wall µs per step, and each step's (route, splits, counters) from the
@@ -1135,7 +1160,9 @@ def interleaved_wall_passes(engines: list, wl: Workload, steps: list[Step], out:
     each round, as in a wall pass of its own; the engines share ``out``, which only times. The
     engines of a step read the same cache copies (:meth:`Workload.cache` is a function of the
     step and layer), so L2 is flushed before each timed step: no engine runs on the KV the one
-    before it left in L2 (at one layer a step's copy would otherwise be read twice in a row)."""
+    before it left in L2 (at one layer a step's copy would otherwise be read twice in a row).
+    ``previous[pos]`` (:attr:`Workload.previous`): the step a serving loop planned before step
+    ``pos``, planned untimed first by each engine that plans on the host (:func:`timed_step`)."""
     n = len(engines)
     walls = [[[] for _ in steps] for _ in engines]
     infos: list[list] = [[None] * len(steps) for _ in engines]
@@ -1143,7 +1170,8 @@ def interleaved_wall_passes(engines: list, wl: Workload, steps: list[Step], out:
         for pos, step in enumerate(steps):
             for k in range(n):
                 i = (pos + r + k) % n
-                walls[i][pos].append(timed_step(engines[i], wl, step, pos, out, clock, flush_l2=True))
+                walls[i][pos].append(timed_step(engines[i], wl, step, pos, out, clock, flush_l2=True,
+                                                previous=None if previous is None else previous[pos]))
                 if r == 0:
                     infos[i][pos] = engines[i].step_info()
     return [([statistics.median(w) for w in walls[i]], infos[i]) for i in range(n)]
@@ -1238,7 +1266,8 @@ def measure_engine(engine, wl: Workload, clock, *, case: str, seed: int, fi_outs
     if failed is not None:
         return failed, []
     before = engine.stats()
-    ((walls, infos),) = interleaved_wall_passes([engine], wl, wl.steps, out, clock, wall_rounds)
+    ((walls, infos),) = interleaved_wall_passes([engine], wl, wl.steps, out, clock, wall_rounds,
+                                                wl.previous)
     return time_engine(engine, wl, clock, case=case, seed=seed, common=common, out=out,
                        walls=walls, infos=infos, before=before, wall_passes=wall_rounds)
 
@@ -1434,7 +1463,7 @@ def run_seed(config: ServingConfig, seed: int, trace, make_engine, *, clock, dev
         else:
             timed.append((eng, common, eng.stats()))
     passes = interleaved_wall_passes([t[0] for t in timed], wl, wl.steps, out, clock,
-                                     config.wall_rounds)
+                                     config.wall_rounds, wl.previous)
     for (eng, common, before), (walls, infos) in zip(timed, passes):
         row, srows = time_engine(eng, wl, clock, case=case, seed=seed, common=common, out=out,
                                  walls=walls, infos=infos, before=before,

@@ -54,7 +54,8 @@ ISOLATED = results.ROOT / "benches" / "isolated.py"
 DEFAULT_ENGINES = "flashinfer,adaptive"
 # Options that only shape the GPU run (value when not given); the planner warns that it ignores them.
 GPU_ONLY = {"--steps-limit": ("steps_limit", 200), "--check-steps": ("check_steps", 4),
-            "--wall-rounds": ("wall_rounds", 3), "--mlp": ("mlp", False)}
+            "--wall-rounds": ("wall_rounds", 3), "--mlp": ("mlp", False),
+            "--cold-plans": ("cold_plans", False)}
 
 # --engines: every name harness.parse_engines takes (besides route names), with what it times.
 # PLANNER_ENGINES (and device-plan:ROUTE, and route names) are predicted without a GPU too.
@@ -184,6 +185,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="wall passes per engine, every engine's steps interleaved with the "
                           "others' in a rotated order; a step's wall time is the median of its "
                           "rounds (default: 3)")
+    gpu.add_argument("--cold-plans", action="store_true", default=None,
+                     help="time each sampled step's host plan() cold; by default an engine that "
+                          "plans on the host first plans the trace's previous step (untimed), "
+                          "so its memos are as a serving loop leaves them")
     shape = add_shape_arguments(s)
     shape.add_argument("--dtype", choices=tuple(harness.DTYPES), default="float16",
                        help="q and out (and a 16-bit KV cache; default: float16)")
@@ -534,11 +539,12 @@ def _write(out: Path, config, registry, cal, clock, traces, per_seed, rows, step
         calibration_slug=cal.slug, calibration_fallback=cal.fallback, per_seed=per_seed,
         spin_cycles_per_us=round(clock.cycles_per_us, 1),
         baseline_candidates=harness.merge_candidates(per_seed),
-        wall_rounds=config.wall_rounds,
+        wall_rounds=config.wall_rounds, cold_plans=config.cold_plans,
         protocol=("continuous decode, hole fraction 0; per engine: untimed pass with correctness "
                   "check, untimed passes until one captures no graph; then wall passes of all "
                   "engines interleaved step by step in a rotated order, wall_rounds rounds "
-                  "(L2 flushed before each; synchronized host clock per step incl. planning and "
+                  "(an engine that plans on the host first plans the trace's previous step, "
+                  "untimed, unless cold_plans; L2 flushed before each; synchronized host clock per step incl. planning and "
                   "metadata; a step's wall = median of its rounds); per engine a device pass (CUDA events behind a host-covering spin kernel); FlashInfer's "
                   "CUDA-core, tensor-core and cuDNN decode wrappers planned every step from pinned "
                   "host CSR, its XQA decode given device block tables and lengths staged once per "
