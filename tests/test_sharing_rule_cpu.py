@@ -74,6 +74,27 @@ def test_the_rule_shares_where_the_model_predicts_a_gain(fake_device, h200_with_
     assert always.plan_used is not None and always.sharing_prediction is None
 
 
+def test_the_chunk_decodes_time_is_predicted_once_per_sharing_structure(fake_device, h200_with_sharing,  # noqa: F811
+                                                                          monkeypatch):
+    """Consecutive steps that share the same pages (each row one token longer) predict the chunk
+    decode once: its lengths and tables are the structure's; the prediction is the one a fresh
+    Runtime makes for the later step, and a new structure is predicted again."""
+    seq, bt, n = prefix_step(8, 32768, 127)   # one token short of a page: the next fits
+    rt = shared_runtime(h200_with_sharing, 8, n + 8, bt.shape[1])
+    calls = []
+    predict = rt.shared.predict_step_us
+    monkeypatch.setattr(rt.shared, "predict_step_us", lambda s: calls.append(1) or predict(s))
+    rt.plan(seq, bt)
+    rt.plan(seq + 1, bt)
+    assert rt.plan_used is not None and len(calls) == 1
+    fresh = shared_runtime(h200_with_sharing, 8, n + 8, bt.shape[1])
+    fresh.plan(seq + 1, bt)
+    assert rt.sharing_prediction == fresh.sharing_prediction
+    other_seq, other_bt, _ = prefix_step(8, 16384, 127)   # a shorter prefix: another structure
+    rt.plan(other_seq, other_bt)
+    assert len(calls) == 2
+
+
 def test_the_l2_credit_moves_the_plain_prediction_by_the_rereads(fake_device, h200_with_sharing):  # noqa: F811
     """Without the calibration's sharing section the plain step is predicted at its every-row
     bytes; with it, lower by (1 - cost) x the re-reads' bytes at beta, exactly."""

@@ -134,6 +134,7 @@ class SharedPagesRuntime:
         self._found_rows = 0                          # the planned step's rows (0: none)
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
+        self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
 
     def _chunk_rows_default(self, served: int) -> int:
         """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
@@ -241,14 +242,31 @@ class SharedPagesRuntime:
         page_bytes, reread_cost = self._page_bytes(), self._reread_cost()
         t_plain = sharing.plain_step_us(self.plain.predict_step_us(seq), rereads, page_bytes,
                                         cal.beta_gbps, reread_cost)
-        chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
-        t_chunks = sharing.plain_step_us(self.shared.predict_step_us(sp.chunk_seq), chunk_rereads,
-                                         page_bytes, cal.beta_gbps, reread_cost)
+        t_chunks = self._chunk_us(sp, page_bytes, reread_cost)
         t_shared = t_chunks + self.own.predict_step_us(sp.own_seq) + \
             self._extra_us(own_gather, graphs=self.plain.router.graphs)
         margin = self.plain.registry.sharing_margin
         self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared, "margin": margin}
         return t_plain >= margin * t_shared
+
+    def _chunk_us(self, sp: sharing.SharingPlan, page_bytes: int, reread_cost: float) -> float:
+        """The chunk decode's predicted µs a layer, L2 credit included (:meth:`_sharing_pays`).
+        The chunks are the sharing structure's alone (their lengths and tables are the
+        structure's arrays, kept read-only in the runs' memo, :func:`pkvrt.policy.sharing.plan_sharing`),
+        so the time is kept per structure: consecutive steps that share the same pages predict
+        it once. Looked up by the arrays' identity (the entry holds them, so no other array
+        takes their id)."""
+        hit = self._chunk_times.get(id(sp.chunk_seq))
+        if hit is not None and hit[0] is sp.chunk_seq and hit[1] is sp.chunk_bt:
+            return hit[2]
+        cal = self.plain.router.cal
+        chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
+        us = sharing.plain_step_us(self.shared.predict_step_us(sp.chunk_seq), chunk_rereads,
+                                   page_bytes, cal.beta_gbps, reread_cost)
+        if len(self._chunk_times) >= 16:   # as many structures as the runs' memo keeps
+            self._chunk_times.pop(next(iter(self._chunk_times)))
+        self._chunk_times[id(sp.chunk_seq)] = (sp.chunk_seq, sp.chunk_bt, us)
+        return us
 
     def _extra_us(self, own_gather: bool, *, graphs: bool) -> float:
         """What the shared path adds to its two decodes per layer: measured in graphs (the
