@@ -77,6 +77,33 @@ def test_shared_pages_are_exact(fake_device, pool, lens, prefix, groups, engine_
     assert rt.step_key == key
 
 
+def test_a_step_that_shares_what_the_last_did_stages_nothing_and_stays_exact(fake_device, pool,  # noqa: F811
+                                                                              monkeypatch):
+    """The gather indices, own rows and merge slots are the sharing structure's: consecutive
+    steps of one structure (rows one token longer), with a plain step between them, copy them
+    once; another structure copies its own. Every step matches the reference."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = runtime(engine_capture=True)
+    staged = []
+    stage = rt._stage
+    monkeypatch.setattr(rt, "_stage", lambda name, a: staged.append(name) or stage(name, a))
+    one = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
+    other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
+    plain = (np.array([900, 1000, 40], np.int32), b.block_tables[[0, 1, 3]].numpy())
+    steps = [(one, 3), ((one[0] + 1, one[1]), 0), (plain, 0), ((one[0] + 2, one[1]), 0),
+             (other, 3), ((one[0] + 3, one[1]), 3)]
+    for i, ((seq, bt), copies) in enumerate(steps):
+        staged.clear()
+        rt.plan(seq, bt)
+        assert len(staged) == copies, (i, staged)
+        assert (rt.plan_used is None) == (copies == 0 and i == 2)
+        q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                        generator=torch.Generator().manual_seed(i)).half()
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3, i
+
+
 def test_sinks_count_once_across_segments(fake_device, pool):  # noqa: F811
     from pkvrt import reference
 

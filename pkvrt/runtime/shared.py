@@ -135,6 +135,7 @@ class SharedPagesRuntime:
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
+        self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
 
     def _chunk_rows_default(self, served: int) -> int:
         """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
@@ -204,6 +205,22 @@ class SharedPagesRuntime:
             return d
         self.shared.plan(sp.chunk_seq, sp.chunk_bt)
         d = self.own.plan(sp.own_seq, sp.own_bt)
+        self._own_identity = own_identity
+        self._stage_structure(sp)
+        self.plan_used = sp
+        self._rows = len(seq)
+        return d
+
+    def _stage_structure(self, sp: sharing.SharingPlan) -> None:
+        """The step's index tensors in their static device buffers: the chunk query gather's
+        indices, the own rows, the merge's slots. All three are the sharing structure's (read-only
+        arrays of the runs' memo, :func:`pkvrt.policy.sharing.plan_sharing`), so a step that
+        shares what the last staged one did finds them in place and copies nothing (the buffers
+        are written only here)."""
+        arrays = (sp.chunk_rows, sp.own_rows, sp.slots)
+        if self._staged is not None and all(a is b for a, b in zip(arrays, self._staged)):
+            return
+        self._staged = None   # until all three are written
         # the chunk queries as one gather: chunk v's head hk * C * G + c * G + j is row
         # chunk_rows[v, c]'s head hk * G + j
         hq, g = self.num_qo_heads, self.group
@@ -211,12 +228,9 @@ class SharedPagesRuntime:
         j = np.arange(g)[None, None, None, :]
         q_index = sp.chunk_rows[:, None, :, None].astype(np.int64) * hq + hk * g + j
         self._q_index = self._stage("q_index", q_index.reshape(-1))
-        self._own_identity = own_identity
         self._own_rows = self._stage("own_rows", sp.own_rows)
         self._slots = self._stage("slots", sp.slots)
-        self.plan_used = sp
-        self._rows = len(seq)
-        return d
+        self._staged = arrays
 
     def _own_reads_q(self, sp: sharing.SharingPlan, rows: int) -> bool:
         """Whether the own decode reads q itself (no gather launch): every row has one own
