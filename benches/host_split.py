@@ -8,8 +8,9 @@ run by every engine in turn, L2 flushed and the GPU idle before each, as the wal
 each (engine, step, round): the host time of plan(), of the replay call, and from the replay's
 return to the end of the device work. An engine that plans on the host first plans the trace's
 previous step, untimed (``--cold-plans``: not), as the wall passes do. A host-lengths engine's
-excess over device-plan-step's wall is its plan; this says how much, step by step. ``--profile``: a cProfile of shared-step's
-plan() in the last round (the top 20 by cumulative time, printed).
+excess over device-plan-step's wall is its plan; this says how much, step by step.
+``--profile``: a cProfile of shared-step's plan() in the last round (the top 20 by cumulative
+time, printed).
 
 usage: python benches/host_split.py [--traces parallel,sysprompt] [--rounds 3] [--cold-plans] [--out FILE]
 """
