@@ -50,7 +50,7 @@ def split_trace(name: str, rounds: int, profile: bool, cold_plans: bool = False)
     clock = harness.CudaClock()
     for e in engines.values():
         for _ in range(2):
-            harness.untimed_pass(e, wl, wl.steps, out, clock)
+            harness.untimed_pass(e, wl, wl.steps, out, clock, previous=wl.previous)
     times = {n: {p: [[] for _ in wl.steps] for p in PARTS} for n in engines}
     prof = cProfile.Profile()
     for r in range(rounds):

@@ -885,7 +885,8 @@ def test_warm_until_steady_leaves_no_capture_to_the_timed_passes():
     """After the correctness pass (the first sighting of every step), the next pass captures every
     step's graph; the one after captures nothing, and warming stops there: the timed passes then
     see no capture. An engine without capture counters gets one untimed pass."""
-    wl = attrs.make_class("Wl", {"steps": attrs.field()})(steps=[0, 1, 2])
+    wl = attrs.make_class("Wl", {"steps": attrs.field(), "previous": attrs.field()})(
+        steps=[0, 1, 2], previous=[None] * 3)
     clock = attrs.make_class("Clock", {"sync": attrs.field()})(sync=lambda: None)
     eng = _SecondSight()
     harness.untimed_pass(eng, wl, wl.steps, None, clock)      # the correctness pass
@@ -962,6 +963,20 @@ def test_wall_passes_plan_the_previous_step_first_where_the_engine_plans_on_the_
     log.clear()
     harness.interleaved_wall_passes([host, device], None, steps, None, harness.HostClock(), rounds=1)
     assert not [e for e in log if e[0] == "plan"]
+
+
+def test_the_warm_up_passes_plan_the_previous_step_first_too():
+    """The untimed passes before the timed ones run each step after its predecessor's plan
+    (whatever that order first does happens untimed), on engines that plan on the host only."""
+    log = []
+    wl = attrs.make_class("Wl", {"steps": attrs.field(), "previous": attrs.field()})(
+        steps=["s0", "s1"], previous=[None, "p1"])
+    host, device = _PlanningEngine("h", log, False), _PlanningEngine("d", log, True)
+    harness.untimed_pass(host, wl, wl.steps, None, harness.HostClock(), previous=wl.previous)
+    assert log == [("h", 0), ("plan", "p1"), ("h", 1)]
+    log.clear()
+    harness.untimed_pass(device, wl, wl.steps, None, harness.HostClock(), previous=wl.previous)
+    assert log == [("d", 0), ("d", 1)]
 
 
 def test_workload_previous_is_the_trace_step_before_each_measured_one():

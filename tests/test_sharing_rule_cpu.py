@@ -78,7 +78,8 @@ def test_the_chunk_decodes_time_is_predicted_once_per_sharing_structure(fake_dev
                                                                           monkeypatch):
     """Consecutive steps that share the same pages (each row one token longer) predict the chunk
     decode once: its lengths and tables are the structure's; the prediction is the one a fresh
-    Runtime makes for the later step, and a new structure is predicted again."""
+    Runtime makes for the later step, and a new structure, or the same one at another layer
+    count, is predicted again."""
     seq, bt, n = prefix_step(8, 32768, 127)   # one token short of a page: the next fits
     rt = shared_runtime(h200_with_sharing, 8, n + 8, bt.shape[1])
     calls = []
@@ -93,6 +94,11 @@ def test_the_chunk_decodes_time_is_predicted_once_per_sharing_structure(fake_dev
     other_seq, other_bt, _ = prefix_step(8, 16384, 127)   # a shorter prefix: another structure
     rt.plan(other_seq, other_bt)
     assert len(calls) == 2
+    # the layers per plan the chunk Runtime's policy weighs host time at (its last step's run()
+    # calls, set by its next plan()) are part of what the prediction depends on
+    rt.shared._layers = 32
+    rt.plan(other_seq + 1, other_bt)
+    assert len(calls) == 3
 
 
 def test_the_l2_credit_moves_the_plain_prediction_by_the_rereads(fake_device, h200_with_sharing):  # noqa: F811

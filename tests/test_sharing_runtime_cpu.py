@@ -90,9 +90,11 @@ def test_a_step_that_shares_what_the_last_did_stages_nothing_and_stays_exact(fak
     monkeypatch.setattr(rt, "_stage", lambda name, a: staged.append(name) or stage(name, a))
     one = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
     other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
+    # the same shapes as ``one`` (one chunk of four rows, every row one own segment) over other pages
+    alike = shared_step(b, [800, 850, 880, 700], 30, [[1, 0, 2, 3]])
     plain = (np.array([900, 1000, 40], np.int32), b.block_tables[[0, 1, 3]].numpy())
     steps = [(one, 3), ((one[0] + 1, one[1]), 0), (plain, 0), ((one[0] + 2, one[1]), 0),
-             (other, 3), ((one[0] + 3, one[1]), 3)]
+             (other, 3), ((one[0] + 3, one[1]), 3), (alike, 3), ((one[0] + 4, one[1]), 3)]
     for i, ((seq, bt), copies) in enumerate(steps):
         staged.clear()
         rt.plan(seq, bt)

@@ -1075,10 +1075,15 @@ class SharedDeviceStepEngine(StepGraphEngine):
 # --------------------------------------------------------------------------- passes
 
 def untimed_pass(engine, wl: Workload, steps: list[Step], out: torch.Tensor, clock,
-                 keep: tuple[int, ...] = ()) -> dict[int, torch.Tensor]:
-    """Run every step once (warm-up); returns clones of ``out[:B]`` at positions ``keep``."""
+                 keep: tuple[int, ...] = (), previous: list | None = None) -> dict[int, torch.Tensor]:
+    """Run every step once (warm-up); returns clones of ``out[:B]`` at positions ``keep``.
+    ``previous``: as in :func:`interleaved_wall_passes` (each step after its predecessor's
+    plan, so whatever that order first does, a buffer grown or a graph captured, happens here
+    and not in a timed pass)."""
     kept = {}
     for pos, step in enumerate(steps):
+        if previous is not None and previous[pos] is not None and plans_on_host(engine):
+            engine.plan(previous[pos])
         run_step(engine, wl, step, pos, out)
         if pos in keep:
             clock.sync()
@@ -1105,10 +1110,11 @@ def warm_until_steady(engine, wl: Workload, out: torch.Tensor, clock) -> int:
     steps (mean wall 506 us against a median of 281, benches/NOTES.md). Capture is a
     one-time cost per shape, not a per-step one; the timed passes measure the steady state and
     still record any capture left in them (``rt_captures_timed``). FP8 layers have their own
-    scale tensors, so their own graphs: the same rule covers them."""
+    scale tensors, so their own graphs: the same rule covers them. Each step follows its
+    predecessor's plan, as in the wall passes (:attr:`Workload.previous`)."""
     for n in range(1, WARM_PASSES_MAX + 1):
         before = graphs_captured(engine)
-        untimed_pass(engine, wl, wl.steps, out, clock)
+        untimed_pass(engine, wl, wl.steps, out, clock, previous=wl.previous)
         if graphs_captured(engine) == before:
             return n
     return WARM_PASSES_MAX
@@ -1145,8 +1151,9 @@ def timed_step(engine, wl: Workload, step: Step, pos: int, out: torch.Tensor, cl
 
 def plans_on_host(engine) -> bool:
     """Whether a step of ``engine`` begins with a plan() on the host from host lengths (the
-    Runtime engines of host lengths, FlashInfer's): what :func:`timed_step` primes. Engines of
-    device lengths plan on the GPU, inside their step."""
+    Runtime engines of host lengths; FlashInfer's wrappers, and its XQA engine, whose plan()
+    stages the step's lengths and tables): what :func:`timed_step` primes. Engines of device
+    lengths plan on the GPU, inside their step."""
     return hasattr(engine, "plan") and not getattr(engine, "device_planning", False)
 
 
@@ -1322,7 +1329,8 @@ def time_engine(engine, wl: Workload, clock, *, case: str, seed: int, common: di
     """The device pass of one engine whose wall times per step (and step infos) were measured
     in ``wall_passes`` passes, and its results row and per-step rows. ``before``:
     ``engine.stats()`` before its timed passes (the ``rt_*_timed`` fields count what the
-    ``timed_passes`` = wall passes + the device pass did)."""
+    ``timed_passes`` = wall passes + the device pass did, the untimed plans of each step's
+    predecessor in the wall passes included: ``rt_plans_timed`` counts both)."""
     # the spin before step i covers 1.25x its wall time (an upper bound of its enqueue time) + 50 us
     cudas, uncovered = device_pass(engine, wl, wl.steps, out, clock, [1.25 * w + 50.0 for w in walls])
     after = engine.stats()

@@ -269,9 +269,11 @@ class SharedPagesRuntime:
         structure's arrays, kept read-only in the runs' memo, :func:`pkvrt.policy.sharing.plan_sharing`),
         so the time is kept per structure: consecutive steps that share the same pages predict
         it once. Looked up by the arrays' identity (the entry holds them, so no other array
-        takes their id)."""
+        takes their id) and the layers per plan the chunk Runtime's policy weighs host time at
+        (its last step's run() calls: the first step's prediction assumes the options' hint)."""
+        layers = self.shared._layers
         hit = self._chunk_times.get(id(sp.chunk_seq))
-        if hit is not None and hit[0] is sp.chunk_seq and hit[1] is sp.chunk_bt:
+        if hit is not None and hit[0] is sp.chunk_seq and hit[1] is sp.chunk_bt and hit[3] == layers:
             return hit[2]
         cal = self.plain.router.cal
         chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
@@ -279,7 +281,7 @@ class SharedPagesRuntime:
                                    page_bytes, cal.beta_gbps, reread_cost)
         if len(self._chunk_times) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_times.pop(next(iter(self._chunk_times)))
-        self._chunk_times[id(sp.chunk_seq)] = (sp.chunk_seq, sp.chunk_bt, us)
+        self._chunk_times[id(sp.chunk_seq)] = (sp.chunk_seq, sp.chunk_bt, us, layers)
         return us
 
     def _extra_us(self, own_gather: bool, *, graphs: bool) -> float:
