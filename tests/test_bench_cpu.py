@@ -979,6 +979,26 @@ def test_the_warm_up_passes_plan_the_previous_step_first_too():
     assert log == [("d", 0), ("d", 1)]
 
 
+def test_cold_plans_reaches_the_config_and_run_seed_primes_by_default(monkeypatch):
+    """``--cold-plans`` sets ServingConfig.cold_plans; run_seed plans each measured step's
+    predecessor first (more plans per engine) unless it is set."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    registry = load_routes(None)
+    args = parser.parse_args(["serving", "--trace", "bimodal", "--cold-plans"])
+    assert bench._config(args, registry).cold_plans is True
+    assert bench._config(parser.parse_args(["serving", "--trace", "bimodal"]), registry).cold_plans is False
+    plans = []
+    real_plan = ReferenceEngine.plan
+    monkeypatch.setattr(ReferenceEngine, "plan", lambda self, step: plans.append(step) or real_plan(self, step))
+    _run_cpu(_config(engines=("flashinfer", "adaptive")))
+    primed = len(plans)
+    plans.clear()
+    _run_cpu(_config(engines=("flashinfer", "adaptive"), cold_plans=True))
+    assert primed > len(plans) > 0
+
+
 def test_workload_previous_is_the_trace_step_before_each_measured_one():
     """Workload.previous[i] is the decode step right before measured step i in the trace's own
     order (the first step has none); with cold_plans every one is None."""
