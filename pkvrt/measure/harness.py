@@ -27,8 +27,8 @@ Protocol of one seed (:func:`run_seed`):
    engine runs the step (an engine that plans on the host first plans the trace's previous step,
    untimed, as a serving loop did; L2 flushed; synchronize; host clock; plan + every layer;
    synchronize; host clock), in an order rotated from step to step and round to round,
-   ``wall_rounds`` rounds; an
-   engine's wall time of a step is the median of its rounds. The GPU machine's host changes
+   ``wall_rounds`` rounds; an engine's wall time of a step is the median of its rounds (the
+   warm-up passes of step 4 plan each step's predecessor too). The GPU machine's host changes
    speed by tens of percent from one second to the next (benches/NOTES.md, host cost), so
    engines timed one after another, as before b8e83eb, compared different host phases;
    interleaved, the wall ratio of two engines compares them on the same step in the same phase.
