@@ -21,6 +21,8 @@
 #              timed (--partition-sweep) -> OUT/isolated-groups.json
 #   models-a | models-b | models-c | models-d  benches/model_shapes.py, one group of models that
 #              share FlashInfer's JIT modules each (benches/README.md) -> OUT/model-shapes-<x>.json
+#   fi-warm    benches/fi_warm.py: FlashInfer's JIT modules for every model shape, built side by side
+#              (run before models-a..d on a fresh machine; nothing timed)
 #   dropin     benches/dropin.py, SGLang's and vLLM's calling styles -> OUT/dropin.json
 #              (DROPIN_ARGS: more arguments, e.g. --profile-plan)
 #   shared     benches/shared_pages.py, every sharing step (SHARED_ARGS: more of its options) -> OUT/shared-pages.json
@@ -92,6 +94,7 @@ for stage in "$@"; do
       timeout $(( ${BUDGET:-560} + 30 )) python3 benches/model_shapes.py --models $models --steps 2 \
           ${TRACE_DIR:+--trace-dir $TRACE_DIR} --max-seconds ${BUDGET:-560} \
           --out $out/model-shapes-${stage#models-}.json 2>&1 | grep -v WARN | tail -30 ;;
+    fi-warm) timeout ${BUDGET:-560} python3 benches/fi_warm.py 2>&1 | grep -v WARN | tail -15 ;;
     dropin) timeout $(( ${BUDGET:-560} + 30 )) python3 benches/dropin.py --steps 2 ${TRACE_DIR:+--trace-dir $TRACE_DIR} \
           --max-seconds ${BUDGET:-560} ${DROPIN_ARGS:-} --out $out/dropin.json 2>&1 | grep -v WARN | tail -52 ;;
     shared) timeout $(( ${BUDGET:-560} + 30 )) python3 benches/shared_pages.py ${SHARED_ARGS:-} --max-seconds ${BUDGET:-560} \

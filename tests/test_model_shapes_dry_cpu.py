@@ -340,3 +340,42 @@ def test_a_model_that_fails_is_recorded_and_the_next_one_runs(dry, tmp_path, mon
     assert {r["model"] for r in rows if r["engine"] == "summary"} == {"qwen2.5-7b"}
     assert "phi-3-mini FAILED" in capsys.readouterr().out
     assert "- phi-3-mini: failed: ValueError" in rendered(tmp_path)
+
+
+def test_fi_warm_probes_each_named_model_once_and_refuses_bad_arguments(monkeypatch, capsys):
+    """benches/fi_warm.py: each named model's probe once, in a pool of at most --processes
+    (here an in-process stand-in), its paths' statuses printed; an unknown model or a pool of
+    none is refused naming it; without a GPU nothing runs."""
+    fw = load_bench("fi_warm")
+    with pytest.raises(SystemExit):
+        fw.main(["--models", "llama-9"])
+    assert "unknown ['llama-9']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fw.main(["--processes", "0"])
+    assert "--processes 0: expected at least 1" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fw.main(["--models", "gemma-2-9b"]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    pools = []
+
+    class Pool:   # mp's spawn Pool, in process
+        def __init__(self, n):
+            pools.append(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def imap_unordered(self, fn, items):
+            return map(fn, items)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fw.mp, "get_context", lambda method: types.SimpleNamespace(Pool=Pool))
+    probed = []
+    monkeypatch.setattr(fw, "_probe", lambda name: probed.append(name) or
+                        (name, 1.0, {("flashinfer-tc", "global"): "ok"}))
+    assert fw.main(["--models", "gemma-2-9b,gpt-oss-20b", "--processes", "6"]) == 0
+    assert probed == ["gemma-2-9b", "gpt-oss-20b"] and pools == [2]
+    out = capsys.readouterr().out
+    assert "gemma-2-9b (1 s): flashinfer-tc/global: ok" in out and "gpt-oss-20b" in out
