@@ -76,21 +76,31 @@ def test_the_rule_shares_where_the_model_predicts_a_gain(fake_device, h200_with_
 
 def test_the_chunk_decodes_time_is_predicted_once_per_sharing_structure(fake_device, h200_with_sharing,  # noqa: F811
                                                                           monkeypatch):
-    """Consecutive steps that share the same pages (each row one token longer) predict the chunk
-    decode once: its lengths and tables are the structure's; the prediction is the one a fresh
-    Runtime makes for the later step, and a new structure, or the same one at another layer
-    count, is predicted again."""
-    seq, bt, n = prefix_step(8, 32768, 127)   # one token short of a page: the next fits
+    """Consecutive steps that share the same pages predict the chunk decode once: its lengths and
+    tables are the structure's. A step whose rows keep their pages (each one token longer) keeps
+    the decision of the step before, prediction and all; one whose rows each gain a page decides
+    again, as a fresh Runtime does, with the chunk time kept; a new structure, or the same one
+    at another layer count, is predicted again."""
+    seq, bt, n = prefix_step(8, 32768, 127 + PAGE)   # a page of room past the steps below
+    seq = seq - PAGE                                   # one token short of a page: the next fits
     rt = shared_runtime(h200_with_sharing, 8, n + 8, bt.shape[1])
     calls = []
     predict = rt.shared.predict_step_us
     monkeypatch.setattr(rt.shared, "predict_step_us", lambda s: calls.append(1) or predict(s))
+    plain = []
+    predict_plain = rt.plain.predict_step_us
+    monkeypatch.setattr(rt.plain, "predict_step_us", lambda s: plain.append(1) or predict_plain(s))
     rt.plan(seq, bt)
-    rt.plan(seq + 1, bt)
-    assert rt.plan_used is not None and len(calls) == 1
+    first, predicted = rt.sharing_prediction, len(plain)   # the plain and own decodes' (one Runtime)
+    rt.plan(seq + 1, bt)   # the same pages: the decision stands, nothing predicted
+    assert rt.plan_used is not None and len(calls) == 1 and len(plain) == predicted
+    assert rt.sharing_prediction == first
+    assert rt.plan_used.own_seq.tolist() == (seq + 1 - 32768).tolist()   # this step's own lengths
+    rt.plan(seq + 2, bt)   # a page more each: decided again, the chunk decode's time kept
+    assert rt.plan_used is not None and len(calls) == 1 and len(plain) == 2 * predicted
     fresh = shared_runtime(h200_with_sharing, 8, n + 8, bt.shape[1])
-    fresh.plan(seq + 1, bt)
-    assert rt.sharing_prediction == fresh.sharing_prediction
+    fresh.plan(seq + 2, bt)
+    assert rt.sharing_prediction == fresh.sharing_prediction != first
     other_seq, other_bt, _ = prefix_step(8, 16384, 127)   # a shorter prefix: another structure
     rt.plan(other_seq, other_bt)
     assert len(calls) == 2

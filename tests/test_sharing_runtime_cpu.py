@@ -887,3 +887,104 @@ def test_constructor_shape_and_min_saved_are_checked_first(args, kw, match):
 def test_min_saved_takes_any_real_number(fake_device):  # noqa: F811
     """A NumPy scalar (a value read from a config array) is a fraction like a float."""
     assert runtime(min_saved=np.float32(0.25)).min_saved == 0.25
+
+
+PLAN_FIELDS = ("chunk_rows", "chunk_valid", "chunk_seq", "chunk_bt", "own_rows", "own_seq",
+               "own_bt", "slots", "pages_read", "pages_unshared", "capacity_rows")
+
+
+def _decode_run(rng, steps: int, *, engine_table: bool):
+    """Consecutive decode steps of rows under shared prefixes, with what a serving loop does to
+    them: every row one token longer a step (a new page when it crosses one: a fresh id, now and
+    then an id another row uses), and now and then a row leaves, one joins under another's
+    prefix, a used entry is replaced (copy-on-write), two rows swap places, one is shortened, or
+    one takes several tokens at once into pages that may be others'.
+    ``engine_table``: entries past a row's pages are -1 until its pages reach them (an engine's
+    table gains each new page's id); else the whole table is written up front (the harness's).
+    Yields (lengths [B], table [B, W]) copies."""
+    width, num_pages, free = 48, 4000, iter(rng.permutation(4000).tolist())
+    rows = []   # (length, its full page list of width ids)
+
+    def new_row(prefix=None):
+        ids = [next(free) for _ in range(width)]
+        if prefix is not None:
+            ids[:len(prefix)] = prefix
+        return [int(rng.integers(PAGE + 1, 20 * PAGE)), ids]
+    for _ in range(int(rng.integers(2, 7))):
+        donor = rows[int(rng.integers(len(rows)))] if rows and rng.random() < 0.7 else None
+        rows.append(new_row(donor[1][:int(rng.integers(1, 12))] if donor else None))
+    for _ in range(steps):
+        event = rng.random()
+        if event < 0.04 and len(rows) > 2:
+            rows.pop(int(rng.integers(len(rows))))
+        elif event < 0.08 and len(rows) < 8:
+            donor = rows[int(rng.integers(len(rows)))]
+            rows.append(new_row(donor[1][:int(rng.integers(1, 12))]))
+        elif event < 0.11:
+            r = rows[int(rng.integers(len(rows)))]
+            r[1][int(rng.integers(0, -(-r[0] // PAGE)))] = next(free)
+        elif event < 0.13:
+            i, j = rng.choice(len(rows), 2, replace=False)
+            rows[i], rows[j] = rows[j], rows[i]
+        elif event < 0.15:
+            r = rows[int(rng.integers(len(rows)))]
+            r[0] = max(1, r[0] - int(rng.integers(1, 3 * PAGE)))
+        elif event < 0.19:   # several tokens at once (speculative decoding), into pages others use
+            r, other = rows[int(rng.integers(len(rows)))], rows[int(rng.integers(len(rows)))]
+            at, r[0] = -(-r[0] // PAGE), min(r[0] + int(rng.integers(PAGE, 3 * PAGE)), width * PAGE - 1)
+            for j in range(at, -(-r[0] // PAGE)):
+                if rng.random() < 0.5:
+                    r[1][j] = other[1][int(rng.integers(0, -(-other[0] // PAGE)))]
+        for r in rows:
+            if r[0] % PAGE == 0 and rng.random() < 0.1:   # the new page is one another row uses
+                other = rows[int(rng.integers(len(rows)))]
+                r[1][r[0] // PAGE] = other[1][int(rng.integers(0, -(-other[0] // PAGE)))]
+            r[0] = min(r[0] + 1, width * PAGE)
+        seq = np.array([r[0] for r in rows], np.int32)
+        bt = np.array([r[1] for r in rows], np.int32)
+        if engine_table:
+            bt[np.arange(width) >= -(-seq[:, None] // PAGE)] = -1
+        yield seq, bt, num_pages
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), engine_table=st.booleans(), group=st.sampled_from([1, 4, 7, 16]))
+def test_consecutive_steps_carried_plan_as_each_step_alone(seed, engine_table, group):
+    """StepSharing carries a step's sharing to the next; on every step of a decode run (rows
+    joining, leaving, swapping, shortened, lengthened by pages, pages replaced, new pages shared) its re-reads and
+    plan are those of page_rereads and plan_sharing on the step alone, entry for entry; most
+    steps are carried, and a carried step whose pages did not change says so."""
+    rng = np.random.default_rng(seed)
+    steps = sharing.StepSharing(PAGE, group, capacity=sharing.CAPACITY, min_saved=0.05, num_pages=4000)
+    last_pages, n = None, 0
+    for seq, bt, num_pages in _decode_run(rng, 60, engine_table=engine_table):
+        before = steps.carried
+        rereads = steps.step(seq, bt)
+        assert rereads == sharing.page_rereads(seq, bt, PAGE, num_pages)
+        got = steps.plan()
+        want = sharing.plan_sharing(seq, bt, PAGE, group, capacity=sharing.CAPACITY, min_saved=0.05) \
+            if rereads else None
+        assert (got is None) == (want is None)
+        if got is not None:
+            for name in PLAN_FIELDS:
+                assert np.array_equal(getattr(got, name), getattr(want, name)), name
+        pages = -(-seq.astype(np.int64) // PAGE)
+        if steps.unchanged:
+            assert steps.carried == before + 1 and np.array_equal(pages, last_pages)
+        last_pages, n = pages, n + 1
+    assert steps.carried >= n // 2
+
+
+def test_step_sharing_without_a_page_bound_or_with_an_id_past_it_plans_each_step_alone():
+    """No ``num_pages`` (nothing bounds a bincount), or an id past it: every step is planned
+    from scratch, with the same answers."""
+    seq = np.array([100, 100, 100], np.int32)
+    bt = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
+    bt[:, :4] = bt[0, :4]
+    for num_pages in (None, 10):
+        steps = sharing.StepSharing(PAGE, G, capacity=16, min_saved=0.0, num_pages=num_pages)
+        for s in (seq, seq + 1, seq + 2):
+            assert steps.step(s, bt) == sharing.page_rereads(s, bt, PAGE) == 2 * 4
+            assert steps.plan() is not None and steps.carried == 0
+    with pytest.raises(RuntimeError, match="no step"):
+        sharing.StepSharing(PAGE, G, capacity=16, min_saved=0.0, num_pages=None).plan()

@@ -136,6 +136,10 @@ class SharedPagesRuntime:
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
+        # host lengths: what consecutive steps share, carried from one to the next
+        self._kept: tuple | None = None   # host lengths: the last decision (_layers_now(), own_identity or None: plain, prediction)
+        self._steps = sharing.StepSharing(page_size, self.group, capacity=self.chunk * self.group,
+                                          min_saved=self.min_saved, num_pages=num_pages)
 
     def _chunk_rows_default(self, served: int) -> int:
         """Rows per chunk by default: the most (at most ``served``) whose rows x G query heads fit
@@ -185,11 +189,18 @@ class SharedPagesRuntime:
         step = check_step(seq_lens, block_tables, page_size=self.page_size, max_batch=p.max_batch,
                           max_pages_per_row=p.max_pages_per_row, validate=p.validate)
         seq, bt = step.seq, step.block_tables
-        rereads = 0 if force is not None or self.shared is None else \
-            sharing.page_rereads(seq, bt, self.page_size, self.num_pages)
-        if rereads:
-            sp = sharing.plan_sharing(seq, bt, self.page_size, self.group,
-                                      capacity=self.chunk * self.group, min_saved=self.min_saved)
+        rereads = 0
+        if force is None and self.shared is not None:
+            rereads = self._steps.step(seq, bt)   # page_rereads, the structure found or carried
+        kept, self._kept = (self._kept if rereads and self._steps.unchanged else None), None
+        if kept is not None and kept[0] == self._layers_now():
+            # the step before had this step's pages and structure: its decision stands
+            # (made again when a row's pages or the structure change, not at every token)
+            self._kept = kept
+            _, own_identity, self.sharing_prediction = kept
+            sp = self._steps.plan() if own_identity is not None else None
+        elif rereads:
+            sp = self._steps.plan()
             # more chunks or own segments than a Runtime's batch (nested or alternating sharing
             # of a full batch): the step runs unshared
             if sp is not None and (sp.chunk_rows.shape[0] > self.shared.max_batch
@@ -199,6 +210,8 @@ class SharedPagesRuntime:
             if sp is not None and self._by_prediction and \
                     not self._sharing_pays(seq, rereads, sp, own_gather=not own_identity):
                 sp = None
+            self._kept = (self._layers_now(), own_identity if sp is not None else None,
+                          self.sharing_prediction)
         if sp is None:
             d = self.plain.plan(seq, bt, force=force, _checked=step)   # checked once, above
             self._rows = len(seq)
@@ -210,6 +223,11 @@ class SharedPagesRuntime:
         self.plan_used = sp
         self._rows = len(seq)
         return d
+
+    def _layers_now(self) -> tuple:
+        """The layers per plan the three Runtimes' policies weigh host time at (part of what a
+        sharing decision depends on, besides the step)."""
+        return self.plain._layers, self.own._layers, self.shared._layers
 
     def _stage_structure(self, sp: sharing.SharingPlan) -> None:
         """The step's index tensors in their static device buffers: the chunk query gather's
