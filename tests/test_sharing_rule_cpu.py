@@ -18,6 +18,7 @@ from test_runtime_cpu import ROUTES, fake_device  # noqa: F401
 from pkvrt.policy import calibration as C
 from pkvrt.policy import sharing
 from pkvrt.runtime.options import RuntimeOptions
+from pkvrt.runtime import shared as shared_mod
 from pkvrt.runtime.shared import SharedPagesRuntime
 
 H200 = "calibration/nvidia-h200.json"
@@ -77,29 +78,36 @@ def test_the_rule_shares_where_the_model_predicts_a_gain(fake_device, h200_with_
 def test_the_chunk_decodes_time_is_predicted_once_per_sharing_structure(fake_device, h200_with_sharing,  # noqa: F811
                                                                           monkeypatch):
     """Consecutive steps that share the same pages predict the chunk decode once: its lengths and
-    tables are the structure's. A step whose rows keep their pages (each one token longer) keeps
-    the decision of the step before, prediction and all; one whose rows each gain a page decides
-    again, as a fresh Runtime does, with the chunk time kept; a new structure, or the same one
-    at another layer count, is predicted again."""
-    seq, bt, n = prefix_step(8, 32768, 127 + PAGE)   # a page of room past the steps below
-    seq = seq - PAGE                                   # one token short of a page: the next fits
+    tables are the structure's. Their decision stands until they read more than DECISION_DRIFT
+    more pages than the step it was made at, then is made again as a fresh Runtime makes it,
+    with the chunk time kept; a new structure, or the same one at another layer count, is
+    predicted again."""
+    grow = 80 * PAGE
+    seq, bt, n = prefix_step(8, 32768, 127 + grow)   # room for the steps below
+    seq = seq - grow
     rt = shared_runtime(h200_with_sharing, 8, n + 8, bt.shape[1])
-    calls = []
-    predict = rt.shared.predict_step_us
+    calls, plain = [], []
+    predict, predict_plain = rt.shared.predict_step_us, rt.plain.predict_step_us
     monkeypatch.setattr(rt.shared, "predict_step_us", lambda s: calls.append(1) or predict(s))
-    plain = []
-    predict_plain = rt.plain.predict_step_us
     monkeypatch.setattr(rt.plain, "predict_step_us", lambda s: plain.append(1) or predict_plain(s))
-    rt.plan(seq, bt)
-    first, predicted = rt.sharing_prediction, len(plain)   # the plain and own decodes' (one Runtime)
-    rt.plan(seq + 1, bt)   # the same pages: the decision stands, nothing predicted
-    assert rt.plan_used is not None and len(calls) == 1 and len(plain) == predicted
-    assert rt.sharing_prediction == first
-    assert rt.plan_used.own_seq.tolist() == (seq + 1 - 32768).tolist()   # this step's own lengths
-    rt.plan(seq + 2, bt)   # a page more each: decided again, the chunk decode's time kept
-    assert rt.plan_used is not None and len(calls) == 1 and len(plain) == 2 * predicted
+    decided, at, first = [], None, None
+    for k in range(grow):
+        before = len(plain)
+        rt.plan(seq + k, bt)
+        assert rt.plan_used is not None and len(calls) == 1
+        assert rt.plan_used.own_seq.tolist() == (seq + k - 32768).tolist()   # this step's own lengths
+        pages = int((-(-(seq + k) // PAGE)).sum())
+        if len(plain) > before:
+            assert at is None or pages > at * (1 + shared_mod.DECISION_DRIFT)
+            decided.append(k)
+            at = pages
+        else:
+            assert pages <= at * (1 + shared_mod.DECISION_DRIFT)
+        first = first or rt.sharing_prediction
+    assert len(decided) == 2 and decided[0] == 0
     fresh = shared_runtime(h200_with_sharing, 8, n + 8, bt.shape[1])
-    fresh.plan(seq + 2, bt)
+    fresh.plan(seq + decided[1], bt)
+    rt.plan(seq + decided[1], bt)   # rows shorter than the step before: decided again
     assert rt.sharing_prediction == fresh.sharing_prediction != first
     other_seq, other_bt, _ = prefix_step(8, 16384, 127)   # a shorter prefix: another structure
     rt.plan(other_seq, other_bt)

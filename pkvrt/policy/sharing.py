@@ -301,8 +301,8 @@ class StepSharing:
     layout) is unchanged, and the latter adds a re-read where another entry names it. Any other
     step (rows joined, left or reordered, a used entry replaced, a row shorter or two pages
     longer, an id outside ``num_pages``) is planned from scratch. The own segments are always
-    the step's own. ``unchanged``: the last step had the pages and used entries of the one
-    before it (only its lengths moved inside their last pages). Dev box, a step of the
+    the step's own. After :meth:`step`: ``followed``, whether the step followed the one before
+    (so shares what it shared), and ``pages_used``, its rows' pages. Dev box, a step of the
     parallel-sampling trace (8 rows, 11K used entries): 140 us from scratch (a memo hit of its
     runs), 7 us carried, plus 22 for the own segments (2026-12-06)."""
 
@@ -312,18 +312,18 @@ class StepSharing:
         self.min_saved, self.num_pages = min_saved, num_pages
         self._last: _Carried | None = None
         self._now: tuple | None = None   # the step given to step(): (seq, pages, bt)
-        self.unchanged = False
+        self.followed, self.pages_used = False, 0
         self.carried = 0   # steps planned from the one before (tests, profiles)
 
     def step(self, seq_lens, block_tables) -> int:
         """The step's re-reads (``page_rereads(seq_lens, block_tables, page_size, num_pages)``),
         its structure found or carried; :meth:`plan` gives its plan."""
-        self._now = self.unchanged = None   # until the step is checked and its structure known
+        self._now, self.followed = None, False   # until the step is checked and its structure known
         seq, pages, bt = _checked_pages(seq_lens, block_tables, self.page_size, "StepSharing.step")
         rereads = self._follow(seq, pages, bt)
         if rereads is None:
-            self.unchanged, rereads = False, self._from_scratch(seq, pages, bt)
-        self._now = (seq, pages, bt)
+            rereads = self._from_scratch(seq, pages, bt)
+        self._now, self.pages_used = (seq, pages, bt), int(pages.sum())
         return rereads
 
     def plan(self) -> SharingPlan | None:
@@ -379,7 +379,7 @@ class StepSharing:
             if not same_table:
                 last.bt = bt.copy()
             last.pages, last.rereads, last.used = pages.copy(), rereads, None
-        self.unchanged = rows.size == 0
+        self.followed = True
         self.carried += 1
         return rereads
 

@@ -21,7 +21,9 @@ A step without shared pages (or where sharing would save less than ``min_saved``
 reads, or where the calibration's time model predicts the shared path slower than the plain
 step: ``RuntimeOptions.shared_when_predicted_faster``) runs on the plain Runtime as it would
 without this class. No sliding window (a window
-cuts the shared run differently per row).
+cuts the shared run differently per row). Host lengths carry a step's sharing to the next
+(:class:`pkvrt.policy.sharing.StepSharing`), and its decision while the steps share the same
+pages and read about as many (:data:`DECISION_DRIFT`).
 
 Device lengths (``device_planning=True``: lengths and block tables on the GPU, nothing read by
 the host): one kernel (kernels/find_shared.cu) finds each step's shared prefixes from the block
@@ -53,6 +55,13 @@ from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_
                                   hnd_view)
 from pkvrt.runtime.core import Runtime, _StreamRecorder
 
+# Host lengths: a decision to share or not (the time model's predictions of both ways) stands
+# while each step shares what the step before did (the same structure: StepSharing.followed)
+# and reads at most this fraction more pages than the step it was made at. The predictions
+# move with the pages read; at 1/32 the decision is at most ~3 % stale against routes.toml's
+# margin of 1.10, and a step of 8 rows of 2K tokens decides again every ~64 steps (dev box:
+# a kept decision 40-55 us a plan() against 200-400 made again, sysprompt's steps, 2026-12-06).
+DECISION_DRIFT = 1 / 32
 
 
 class SharedPagesRuntime:
@@ -137,7 +146,9 @@ class SharedPagesRuntime:
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
         # host lengths: what consecutive steps share, carried from one to the next
-        self._kept: tuple | None = None   # host lengths: the last decision (_layers_now(), own_identity or None: plain, prediction)
+        # host lengths: the decision in effect, ((_layers_now(), re-reads), the pages it was made
+        # at, own_identity or None where the step runs plain, the prediction)
+        self._kept: tuple | None = None
         self._steps = sharing.StepSharing(page_size, self.group, capacity=self.chunk * self.group,
                                           min_saved=self.min_saved, num_pages=num_pages)
 
@@ -192,12 +203,13 @@ class SharedPagesRuntime:
         rereads = 0
         if force is None and self.shared is not None:
             rereads = self._steps.step(seq, bt)   # page_rereads, the structure found or carried
-        kept, self._kept = (self._kept if rereads and self._steps.unchanged else None), None
-        if kept is not None and kept[0] == self._layers_now():
-            # the step before had this step's pages and structure: its decision stands
-            # (made again when a row's pages or the structure change, not at every token)
+        kept, self._kept = (self._kept if rereads and self._steps.followed else None), None
+        if kept is not None and kept[0] == (self._layers_now(), rereads) and \
+                self._steps.pages_used <= kept[1] * (1 + DECISION_DRIFT):
+            # every step since the decision shared what it shares, and it reads about as many
+            # pages: the decision stands (:data:`DECISION_DRIFT`)
             self._kept = kept
-            _, own_identity, self.sharing_prediction = kept
+            own_identity, self.sharing_prediction = kept[2:]
             sp = self._steps.plan() if own_identity is not None else None
         elif rereads:
             sp = self._steps.plan()
@@ -210,8 +222,8 @@ class SharedPagesRuntime:
             if sp is not None and self._by_prediction and \
                     not self._sharing_pays(seq, rereads, sp, own_gather=not own_identity):
                 sp = None
-            self._kept = (self._layers_now(), own_identity if sp is not None else None,
-                          self.sharing_prediction)
+            self._kept = ((self._layers_now(), rereads), self._steps.pages_used,
+                          own_identity if sp is not None else None, self.sharing_prediction)
         if sp is None:
             d = self.plain.plan(seq, bt, force=force, _checked=step)   # checked once, above
             self._rows = len(seq)
