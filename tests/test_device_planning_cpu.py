@@ -505,3 +505,31 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device):  #
                   **dict(kw, calibration=C.with_head_dim_section(h200, 256, sec)))
     assert fp8.residency == (1, 2, "D 128 e4m3") and fp8.calibration.splits.workqueue_ctas_per_sm == 1.0
     assert "2 at the calibrated D 128 e4m3" in fp8.explain()
+
+
+@pytest.mark.parametrize("num_qo_heads, main", [(8, "pkv_fused"), (10, "pkv_workqueue"), (16, "pkv_workqueue")],
+                         ids=["G4", "G5", "G8"])
+def test_device_planning_runs_the_large_group_route_at_large_groups(fake_device, pool, num_qo_heads, main):  # noqa: F811
+    """routes.toml [device_planning] large_group: a Runtime of G >= 5 plans its steps of more than
+    small_rows rows on large_group_route (pkv_workqueue), one of G 4 on the main route; a one-row
+    step takes small_route either way. Exact against the FP32 reference (the pool's K/V, H_kv 2)."""
+    from test_runtime_cpu import FAKE_SHAPE, ROUTES, SEED
+    from pkvrt import reference
+    from pkvrt.runtime import Runtime
+    from pkvrt.runtime.options import RuntimeOptions
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    shape = dict(FAKE_SHAPE, num_qo_heads=num_qo_heads)
+    rt = Runtime(*shape.values(), torch.float16, routes=ROUTES, calibration=SEED, max_batch=8,
+                 max_pages_per_row=256, device_planning=True,
+                 options=RuntimeOptions(flashinfer=False))
+    assert ROUTES.device_planning_route(8, num_qo_heads // shape["num_kv_heads"]).name == main
+    for i, (rows, short) in enumerate(STEPS + [([2], 0)]):
+        seq, bt, _ = step_inputs(b, rows, short, seed=i)
+        q = torch.randn(len(rows), num_qo_heads, shape["head_dim"],
+                        generator=torch.Generator().manual_seed(i)).half()
+        d = rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+        assert d.route == (main if len(rows) > 1 else "pkv_workqueue"), i
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        want = reference.decode_attention(q, cache[0], cache[1], torch.as_tensor(seq), bt)
+        assert rel_err(out, want) < 2e-3, i

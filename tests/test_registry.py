@@ -114,6 +114,35 @@ def test_device_planning_small_route_serves_steps_of_few_rows(tmp_path):
             load_routes(write(tmp_path, named.replace(edit_from, edit_to)))
 
 
+def test_device_planning_large_group_route_serves_runtimes_of_large_groups(tmp_path):
+    """large_group / large_group_route: a Runtime of G >= large_group runs that route on steps
+    of more rows than small_rows (small_route still takes those); G unknown: the main route."""
+    fused = BASE + '\n[routes.pkv_fused]\nkind = "fused"\nkernel = "fused_decode"\n' \
+                   '\n[routes.pkv_fused.splits]\nmin = 1\nmax = 64\nmultiple_of = 4\n'
+    table = ('[device_planning]\nroute = "pkv_fused"\nsmall_rows = 1\nsmall_route = "pkv_workqueue"\n'
+             'large_group = 5\nlarge_group_route = "pkv_workqueue"\n')
+    named = fused.replace("[routes.flashinfer]", table + "\n[routes.flashinfer]")
+    reg = load_routes(write(tmp_path, named))
+    assert reg.device_large_group == (5, "pkv_workqueue")
+    assert [reg.device_planning_route(8, g).name for g in (1, 2, 4, 5, 7, 8, 16)] == \
+        ["pkv_fused"] * 3 + ["pkv_workqueue"] * 4
+    assert reg.device_planning_route(1, 2).name == "pkv_workqueue"   # small_rows first
+    assert reg.device_planning_route(8).name == reg.device_planning_route().name == "pkv_fused"
+    fused_large = named.replace('large_group_route = "pkv_workqueue"', 'large_group_route = "pkv_fused"')
+    assert load_routes(write(tmp_path, fused_large)).device_planning_route(8, 16).name == "pkv_fused"
+    shipped = load_routes(SHIPPED)
+    assert [shipped.device_planning_route(8, g).name for g in (1, 4, 5, 8, 16)] == \
+        ["pkv_fused", "pkv_fused", "pkv_workqueue", "pkv_workqueue", "pkv_workqueue"]
+    for edit_from, edit_to, msg in (
+            ("large_group = 5\n", "", r"\[device_planning\] large_group: missing; expected large_group next to large_group_route"),
+            ('large_group_route = "pkv_workqueue"\n', "", r"\[device_planning\] large_group_route: missing; expected large_group_route next to large_group"),
+            ('large_group_route = "pkv_workqueue"', 'large_group_route = "flashinfer"', r"\[device_planning\] large_group_route: .*is not a workqueue or fused route"),
+            ("large_group = 5", "large_group = 0", r"\[device_planning\] large_group: 0"),
+            ("large_group = 5", 'large_group = "5"', r"\[device_planning\] large_group: .*is not an integer")):
+        with pytest.raises(RoutesError, match=msg):
+            load_routes(write(tmp_path, named.replace(edit_from, edit_to)))
+
+
 def test_shipped_routes_have_the_seed_values():
     reg = load_routes(SHIPPED)
     assert [r.name for r in reg.routes] == ["flashinfer", "pkv_bucket", "pkv_workqueue", "pkv_fused"]

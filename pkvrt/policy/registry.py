@@ -169,6 +169,9 @@ class Registry:
     device_route: str | None = None  # [device_planning] route: what device planning runs
     # [device_planning] small_rows / small_route: steps of at most small_rows rows run small_route
     device_small: tuple[int, str] | None = None
+    # [device_planning] large_group / large_group_route: Runtimes of group size G >= large_group
+    # run large_group_route (on steps of more than small_rows rows)
+    device_large_group: tuple[int, str] | None = None
     # [host_time] (None: the table is absent, host time is never weighed)
     host_time: HostTimeRule | None = None
     # [sharing] margin: SharedPagesRuntime shares a step (host lengths) only when the plain
@@ -182,14 +185,18 @@ class Registry:
     # group's calibration constants (the nearest calibrated group's where the file has none)
     sharing_chunk_heads: int = 16
 
-    def device_planning_route(self, rows: int | None = None) -> Route:
+    def device_planning_route(self, rows: int | None = None, group: int | None = None) -> Route:
         """The route ``Runtime(device_planning=True)`` runs when none is forced: for a step of
-        ``rows`` rows at most ``[device_planning] small_rows``, ``small_route``; otherwise
+        ``rows`` rows at most ``[device_planning] small_rows``, ``small_route``; otherwise, for a
+        Runtime of group size ``group`` >= ``large_group``, ``large_group_route``; otherwise
         ``[device_planning] route`` if the file names one, else the first non-ablation workqueue or
-        fused route (else the first of either kind). ``rows=None``: the main route (what the
-        calibration fits the partition on). Raises KeyError when the file has no such route."""
+        fused route (else the first of either kind). ``rows=None`` / ``group=None``: that rule
+        left out (``device_planning_route()`` is the main route, what the calibration fits the
+        partition on). Raises KeyError when the file has no such route."""
         if rows is not None and self.device_small is not None and rows <= self.device_small[0]:
             return self.route(self.device_small[1])
+        if group is not None and self.device_large_group is not None and group >= self.device_large_group[0]:
+            return self.route(self.device_large_group[1])
         if self.device_route is not None:
             return self.route(self.device_route)
         dp = [r for r in self.routes if r.kind in ("workqueue", "fused")]
@@ -257,12 +264,13 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
         raise RoutesError(f"{p}: byte {e.start} is not UTF-8; expected a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
-    routes, boundary, device_route, device_small, host_time, \
+    routes, boundary, device_route, device_small, device_large, host_time, \
         (sharing_margin, sharing_device_margin, sharing_chunk_heads) = \
         _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
                     routes=routes, boundary=boundary, device_route=device_route,
-                    device_small=device_small, host_time=host_time, sharing_margin=sharing_margin,
+                    device_small=device_small, device_large_group=device_large,
+                    host_time=host_time, sharing_margin=sharing_margin,
                     sharing_device_margin=sharing_device_margin,
                     sharing_chunk_heads=sharing_chunk_heads)
 
@@ -476,8 +484,9 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
     if len(baselines) != 1:
         table.fail("kind", f'{len(baselines) or "no"} routes have kind "flashinfer" '
                    f'{baselines or ""}'.rstrip(), "exactly one baseline route")
-    device_route = device_small = None
-    if (dp := top.table("device_planning", ("route", "small_rows", "small_route"), required=False)) is not None:
+    device_route = device_small = device_large = None
+    if (dp := top.table("device_planning", ("route", "small_rows", "small_route", "large_group",
+                                            "large_group_route"), required=False)) is not None:
         names = [r.name for r in routes if r.kind in ("workqueue", "fused")]
         expected = f"the name of a workqueue or fused route ({', '.join(names) or 'none here'})"
 
@@ -487,12 +496,14 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
             return None if v in names else "is not a workqueue or fused route of this file"
 
         device_route = dp.get("route", expected, problem)
-        small = [k for k in ("small_rows", "small_route") if k in dp.data]
-        if len(small) == 1:
-            missing = ({"small_rows", "small_route"} - set(small)).pop()
-            dp.fail(missing, "missing", f"{missing} next to {small[0]} (the two go together)")
-        if small:
-            device_small = (dp.integer("small_rows"), dp.get("small_route", expected, problem))
+        pairs = []
+        for count, route_key in (("small_rows", "small_route"), ("large_group", "large_group_route")):
+            given = [k for k in (count, route_key) if k in dp.data]
+            if len(given) == 1:
+                missing = ({count, route_key} - set(given)).pop()
+                dp.fail(missing, "missing", f"{missing} next to {given[0]} (the two go together)")
+            pairs.append((dp.integer(count), dp.get(route_key, expected, problem)) if given else None)
+        device_small, device_large = pairs
     host_time = None
     if (ht := top.table("host_time", ("enabled", "min_context"), required=False)) is not None:
         host_time = HostTimeRule(enabled=ht.boolean("enabled"), min_context=ht.integer("min_context"))
@@ -501,4 +512,4 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
         sh.margin("margin", allow_inf=True), sh.margin("device_margin", 1.0, allow_inf=True),
         sh.get("chunk_heads", "an integer in 2..64", lambda v: "is not an integer" if not _is_int(v)
                else None if 2 <= v <= 64 else "is outside 2..64", 16))
-    return routes, boundary, device_route, device_small, host_time, sharing
+    return routes, boundary, device_route, device_small, device_large, host_time, sharing

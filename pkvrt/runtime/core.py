@@ -413,7 +413,7 @@ class Runtime(StaticBuffers, Planning, Running):
         """routes.toml's device-planning route, checked: it exists and serves the K/V dtype
         (ValueError naming the mode otherwise)."""
         try:
-            name = self.registry.device_planning_route().name
+            name = self.registry.device_planning_route(group=self.num_qo_heads // self.num_kv_heads).name
         except KeyError as e:
             raise ValueError(f"Runtime ({mode}): {e.args[0]}") from None
         small = self.registry.device_small

@@ -349,32 +349,36 @@ class SharedPagesRuntime:
         hit = self._rules.get(rows)
         if hit is not None:
             return hit
-        route = self.plain.registry.device_planning_route(rows)
+        reg = self.plain.registry
+        route = reg.device_planning_route(rows, self.group)
+        # the chunk decode's group is its rows' heads side by side (chunk_heads), so its route
+        # may be another one (routes.toml [device_planning] large_group)
+        chunk_route = route if self.shared is None else \
+            reg.device_planning_route(rows, self.shared.router.group_size)
         if self.shared is None:
             why = f"no chunk decode: one row of G {self.group} a chunk"
         elif not self._by_prediction:
             why = "options.shared_when_predicted_faster is off"
         else:
             why = sharing.SharingRule.unavailable(self.plain.calibration, self.shared.calibration,
-                                                  route.kind, route.kind)
+                                                  route.kind, chunk_route.kind)
         if why is not None:
             hit = (None, why, None)
         else:
             cal_row = self.plain.calibration
-            common = dict(kind=route.kind, splits=route.splits, num_kv_heads=self.num_kv_heads,
-                          head_dim=self.head_dim, dtype_bytes=self.plain.router.dtype_bytes,
-                          graphs=True)
+            common = dict(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                          dtype_bytes=self.plain.router.dtype_bytes, graphs=True)
             rule = sharing.SharingRule(
-                row=sharing.DecodeTime(cal=cal_row, **common),
-                chunk=sharing.DecodeTime(cal=self.shared.calibration, **common),
+                row=sharing.DecodeTime(cal=cal_row, kind=route.kind, splits=route.splits, **common),
+                chunk=sharing.DecodeTime(cal=self.shared.calibration, kind=chunk_route.kind,
+                                         splits=chunk_route.splits, **common),
                 page_size=self.page_size, margin=self.plain.registry.sharing_device_margin,
                 l2_saved_us=(1.0 - self._reread_cost()) * self._page_bytes() / (cal_row.beta_gbps * 1e3),
                 extra_us=self._extra_us(False, graphs=True),
                 # run plain, the step still launches the query gather and the merge (and the
                 # idle chunk decode, beside the own decode on the side stream, else after it)
                 plain_extra_us=(2 if self._side_option else 3) * cal_row.lambda_graph_us)
-            cands = self._cands[route.name]
-            hit = (rule, None, (cands, cands))
+            hit = (rule, None, (self._cands[route.name], self._cands[chunk_route.name]))
         self._rules[rows] = hit
         return hit
 

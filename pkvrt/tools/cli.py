@@ -235,17 +235,19 @@ def _state(r: registry.Route) -> str:
 
 
 def _device_planning(reg: registry.Registry, r: registry.Route) -> str:
-    """The steps device planning runs ``r`` on ("every step", "rows > 1", "rows <= 1"), or "-"."""
+    """The steps device planning runs ``r`` on ("every step", "rows > 1", "rows <= 1",
+    "G >= 5, rows > 1", "G < 5, rows > 1"), or "-"."""
     try:
         main = reg.device_planning_route().name
     except KeyError:                    # no workqueue or fused route: no device planning
         return "-"
-    if reg.device_small is None:
-        return "every step" if r.name == main else "-"
-    rows, small = reg.device_small
-    roles = [text for text, name in ((f"rows <= {rows}", small), (f"rows > {rows}", main))
-             if r.name == name]
-    return ", ".join(roles) or "-"
+    small, large = reg.device_small, reg.device_large_group
+    more = f"rows > {small[0]}" if small else ""
+    roles = [(f"rows <= {small[0]}", small[1])] if small else []
+    if large:
+        roles.append((", ".join(filter(None, (f"G >= {large[0]}", more))), large[1]))
+    roles.append((", ".join(filter(None, (f"G < {large[0]}" if large else "", more))) or "every step", main))
+    return "; ".join(text for text, name in roles if name == r.name) or "-"
 
 
 def _device_planning_note(reg: registry.Registry) -> str:
@@ -297,10 +299,10 @@ def format_registry(reg: registry.Registry) -> str:
             f"file: {reg.path}\nsha256: {reg.sha256}")
 
 
-def _device_planning_step(reg: registry.Registry, r: registry.Route, active: int) -> str:
+def _device_planning_step(reg: registry.Registry, r: registry.Route, active: int, group: int) -> str:
     """"; device planning runs it at N rows" where device planning runs ``r`` on this step."""
     try:
-        runs = reg.device_planning_route(active).name == r.name
+        runs = reg.device_planning_route(active, group).name == r.name
     except KeyError:
         return ""
     if not runs:
@@ -322,7 +324,7 @@ def format_step(reg: registry.Registry, *, active: int, max_context: int, group:
             verdict = ("refused: " + "; ".join(why) if why else
                        "eligible (ablation: the host router runs it only when forced)"
                        if r.ablation else "eligible")
-            verdict += _device_planning_step(reg, r, active)
+            verdict += _device_planning_step(reg, r, active, group)
         rows.append((r.name, margin_text, verdict))
     head = f"step: {active} active rows, longest context {max_context} tokens, group size {group}"
     return head + "\n" + format_table(("route", "margin", "verdict"), rows)

@@ -168,11 +168,12 @@ def _progress(stream, done: int, total: int) -> None:
     stream.flush()
 
 
-def _forced_route(reg, engine: str, rows: int) -> str:
-    """The route an engine other than adaptive runs on a step of ``rows`` rows: ``device-plan``
-    the one device planning runs, ``device-plan:ROUTE`` that route, a route name itself."""
+def _forced_route(reg, engine: str, rows: int, group: int) -> str:
+    """The route an engine other than adaptive runs on a step of ``rows`` rows at group size
+    ``group``: ``device-plan`` the one device planning runs, ``device-plan:ROUTE`` that route, a
+    route name itself."""
     if engine == DEVICE_PLAN:
-        return reg.device_planning_route(rows).name
+        return reg.device_planning_route(rows, group).name
     return engine.partition(":")[2] if engine.startswith(DEVICE_PLAN + ":") else engine
 
 
@@ -241,7 +242,7 @@ def run_planner(trace: Trace, *, max_active: int, router, progress: bool = False
         for e in forced:
             if e in unavailable:
                 continue
-            name = _forced_route(reg, e, len(seq))
+            name = _forced_route(reg, e, len(seq), router.group_size)
             try:
                 f = d if name == d.route else router.decide(seq, force=name, layers=layers)
             except ValueError as err:                # no kernel for this shape
