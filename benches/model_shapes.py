@@ -21,6 +21,7 @@ Protocol (per model and step; 32 layers, each its own K/V cache, page 16, fp16):
 
 usage: python benches/model_shapes.py [--models a,b] [--steps N] [--out FILE] [--max-seconds S]
        [--trace-dir DIR]  (the Azure conversation trace: DIR/azure2023_conv.csv; docs/traces.md)
+       [--routes FILE]    (a routes.toml instead of the shipped one)
 Writes benches/results/h200/model-shapes.json (rows per (case, engine): median_us, floor_us,
 max_err_ref; summary rows per model and trace: ratio = baseline / pkvrt over the steps' total time)
 and prints a table per model.
@@ -50,6 +51,7 @@ from pkvrt.measure.model_shapes import (
     isolated_steps,
     sample_steps,
 )
+from pkvrt.policy.registry import load_routes
 from pkvrt.runtime import Runtime
 from pkvrt.runtime.fi_route import NO_DECODE_HEAD_DIMS
 from pkvrt.runtime.options import RuntimeOptions
@@ -65,6 +67,7 @@ CACHE_BUDGET = 24 * 2**30  # K/V bytes of one step's layers; past it the layers 
                            # fewer caches, each still far larger than the 60 MB L2
 WORKSPACE = 256 * 2**20    # bytes of each FlashInfer workspace (FA2's, XQA's)
 DEVICE = "cuda"            # where every tensor lives (tests/test_model_shapes_dry_cpu.py: "cpu")
+ROUTES = None              # the routes.toml Registry pkvrt's Runtimes read (None: the shipped one; --routes)
 
 
 def scale_of(model: ModelShape, kind: LayerKind) -> float:
@@ -126,7 +129,7 @@ def pkvrt_step(model: ModelShape, st: Step) -> dict:
                       device_planning=True, num_pages=st.num_pages, max_batch=max(8, len(st.seq)),
                       max_pages_per_row=st.width, window_left=k.window_left,
                       logits_soft_cap=k.logits_soft_cap, sinks=k.sinks, sm_scale=k.sm_scale,
-                      options=RuntimeOptions(use_cuda_graph=False, flashinfer=False))
+                      routes=ROUTES, options=RuntimeOptions(use_cuda_graph=False, flashinfer=False))
            for k in model.kinds()}
 
     def step():
@@ -355,7 +358,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benches/results/h200/model-shapes.json")
     ap.add_argument("--max-seconds", type=float, default=540.0)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--routes", default=None, metavar="FILE",
+                    help="a routes.toml instead of the shipped one (an ablation: e.g. another "
+                         "[device_planning] route); its path and sha256 go in the results' meta")
     args = ap.parse_args(argv)
+    global ROUTES
+    ROUTES = load_routes(args.routes)
     deadline = time.monotonic() + args.max_seconds
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in MODELS]
@@ -377,7 +385,7 @@ def main(argv=None) -> int:
           "xqa": torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE)}
     rows: list = []
     out = Path(args.out)
-    meta = results.make_meta(seeds=[SEED], kind="model-shapes", layers=LAYERS, page_size=PAGE,
+    meta = results.make_meta(seeds=[SEED], routes_path=ROUTES.path, kind="model-shapes", layers=LAYERS, page_size=PAGE,
                              replays=REPLAYS, tolerance=TOLERANCE, protocol=__doc__.split("\n\n")[1])
 
     def save():

@@ -379,3 +379,29 @@ def test_fi_warm_probes_each_named_model_once_and_refuses_bad_arguments(monkeypa
     assert probed == ["gemma-2-9b", "gpt-oss-20b"] and pools == [2]
     out = capsys.readouterr().out
     assert "gemma-2-9b (1 s): flashinfer-tc/global: ok" in out and "gpt-oss-20b" in out
+
+
+def test_routes_option_reaches_the_runtimes_and_the_meta(dry, tmp_path, monkeypatch):
+    """--routes FILE: pkvrt's Runtimes read that routes.toml (a G 7 model on the fused route when
+    large_group is past it), and the meta names the file and its sha256; a bad file is refused
+    before anything runs."""
+    import hashlib
+
+    from pkvrt.runtime import Runtime
+    text = (ROOT / "routes.toml").read_text()
+    assert "large_group = 5\n" in text
+    path = tmp_path / "routes-fused.toml"
+    path.write_text(text.replace("large_group = 5\n", "large_group = 64\n"))
+    taken = []
+    plan = Runtime.plan
+    monkeypatch.setattr(Runtime, "plan", lambda self, *a, **k: taken.append(plan(self, *a, **k).route) or taken[-1])
+    got = run(tmp_path, "--models", "qwen2.5-7b", "--no-flashinfer", "--routes", str(path))
+    assert got["meta"]["routes_path"] == str(path.resolve())
+    assert got["meta"]["routes_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert "pkv_fused" in taken and all(r in ("pkv_fused", "pkv_workqueue") for r in taken)
+    taken.clear()
+    run(tmp_path, "--models", "qwen2.5-7b", "--no-flashinfer")   # shipped: G 7 >= 5, workqueue
+    assert taken and set(taken) == {"pkv_workqueue"}
+    path.write_text(text.replace("large_group = 5\n", "large_group = 0\n"))
+    with pytest.raises(Exception, match="large_group"):
+        run(tmp_path, "--models", "qwen2.5-7b", "--no-flashinfer", "--routes", str(path))
