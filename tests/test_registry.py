@@ -104,14 +104,19 @@ def test_device_planning_small_route_serves_steps_of_few_rows(tmp_path):
     assert shipped.device_planning_route(1).name == "pkv_workqueue"
     assert shipped.device_planning_route(2).name == "pkv_fused"
     # the pair goes together; the route must be a workqueue/fused route; rows an integer >= 1
-    for edit_from, edit_to, msg in (
-            ("small_rows = 2\n", "", r"\[device_planning\] small_rows: missing; expected small_rows next to small_route"),
-            ('small_route = "pkv_workqueue"\n', "", r"\[device_planning\] small_route: missing; expected small_route next to small_rows"),
-            ('small_route = "pkv_workqueue"', 'small_route = "pkv_bucket"', r"\[device_planning\] small_route: .*is not a workqueue or fused route"),
-            ("small_rows = 2", "small_rows = 0", r"\[device_planning\] small_rows: 0"),
-            ("small_rows = 2", "small_rows = true", r"\[device_planning\] small_rows: true is not an integer")):
+    assert_refused(tmp_path, named, (
+        ("small_rows = 2\n", "", r"\[device_planning\] small_rows: missing; expected small_rows next to small_route"),
+        ('small_route = "pkv_workqueue"\n', "", r"\[device_planning\] small_route: missing; expected small_route next to small_rows"),
+        ('small_route = "pkv_workqueue"', 'small_route = "pkv_bucket"', r"\[device_planning\] small_route: .*is not a workqueue or fused route"),
+        ("small_rows = 2", "small_rows = 0", r"\[device_planning\] small_rows: 0"),
+        ("small_rows = 2", "small_rows = true", r"\[device_planning\] small_rows: true is not an integer")))
+
+
+def assert_refused(tmp_path, text: str, edits) -> None:
+    """Each (from, to, message) edit of ``text`` is refused with that message."""
+    for edit_from, edit_to, msg in edits:
         with pytest.raises(RoutesError, match=msg):
-            load_routes(write(tmp_path, named.replace(edit_from, edit_to)))
+            load_routes(write(tmp_path, text.replace(edit_from, edit_to)))
 
 
 def test_device_planning_large_group_route_serves_runtimes_of_large_groups(tmp_path):
@@ -133,14 +138,12 @@ def test_device_planning_large_group_route_serves_runtimes_of_large_groups(tmp_p
     shipped = load_routes(SHIPPED)
     assert [shipped.device_planning_route(8, g).name for g in (1, 4, 5, 8, 16)] == \
         ["pkv_fused", "pkv_fused", "pkv_workqueue", "pkv_workqueue", "pkv_workqueue"]
-    for edit_from, edit_to, msg in (
-            ("large_group = 5\n", "", r"\[device_planning\] large_group: missing; expected large_group next to large_group_route"),
-            ('large_group_route = "pkv_workqueue"\n', "", r"\[device_planning\] large_group_route: missing; expected large_group_route next to large_group"),
-            ('large_group_route = "pkv_workqueue"', 'large_group_route = "flashinfer"', r"\[device_planning\] large_group_route: .*is not a workqueue or fused route"),
-            ("large_group = 5", "large_group = 0", r"\[device_planning\] large_group: 0"),
-            ("large_group = 5", 'large_group = "5"', r"\[device_planning\] large_group: .*is not an integer")):
-        with pytest.raises(RoutesError, match=msg):
-            load_routes(write(tmp_path, named.replace(edit_from, edit_to)))
+    assert_refused(tmp_path, named, (
+        ("large_group = 5\n", "", r"\[device_planning\] large_group: missing; expected large_group next to large_group_route"),
+        ('large_group_route = "pkv_workqueue"\n', "", r"\[device_planning\] large_group_route: missing; expected large_group_route next to large_group"),
+        ('large_group_route = "pkv_workqueue"', 'large_group_route = "flashinfer"', r"\[device_planning\] large_group_route: .*is not a workqueue or fused route"),
+        ("large_group = 5", "large_group = 0", r"\[device_planning\] large_group: 0"),
+        ("large_group = 5", 'large_group = "5"', r"\[device_planning\] large_group: .*is not an integer")))
 
 
 def test_shipped_routes_have_the_seed_values():
