@@ -49,7 +49,7 @@ def test_routes_table(capsys):
 
 def test_routes_say_what_device_planning_runs(capsys, tmp_path):
     # pkv_fused is an ablation of the host router, but device planning runs it on every step of
-    # more than [device_planning] small_rows rows: the table says both
+    # more than [device_planning] small_rows rows below large_group: the table says both
     rc, out, _ = run(capsys, "routes")
     reg = load_routes(SHIPPED)
     header = out.splitlines()[0]
@@ -57,15 +57,19 @@ def test_routes_say_what_device_planning_runs(capsys, tmp_path):
     role = {name: line[col:header.index("groups")].strip() for name, line in table_rows(out).items()}
     main = reg.device_planning_route().name
     rows, small = reg.device_small
-    assert role[main] == f"rows > {rows}" and role[small] == f"rows <= {rows}"
+    g, large = reg.device_large_group
+    assert small == large == "pkv_workqueue"
+    assert role[main] == f"G < {g}, rows > {rows}"
+    assert role[small] == f"rows <= {rows}; G >= {g}, rows > {rows}"
     assert role["pkv_bucket"] == role["flashinfer"] == "-"
     assert "device planning (lengths on the GPU) and engine-captured steps run" in out
     assert "ablation: the host router never picks the route on its own" in out
     assert "runs only when forced" not in out
-    # without small_rows / small_route: one route on every step
+    # without small_rows / small_route and large_group / large_group_route: one route on every step
     p = tmp_path / "r.toml"
     p.write_text(SHIPPED.read_text().replace("small_rows = 1", "").replace(
-        'small_route = "pkv_workqueue"', ""))
+        'small_route = "pkv_workqueue"', "").replace("large_group = 5", "").replace(
+        'large_group_route = "pkv_workqueue"', ""))
     rc, out, _ = run(capsys, "routes", "--routes", str(p))
     assert rc == 0 and "every step" in table_rows(out)[main]
 
@@ -99,6 +103,8 @@ def test_routes_follow_the_file(capsys, tmp_path):
      "refused: active count 16 is above gates.max_active = 8"),
     (("8", "32768", "8"), "flashinfer", "-", "baseline (always eligible)"),
     (("8", "32768", "8"), "pkv_fused", "1.05",
+     "refused: group size 8 is not calibrated (gates.group_sizes = [4])"),
+    (("8", "32768", "8"), "pkv_workqueue", "1.05",   # G >= [device_planning] large_group
      "refused: group size 8 is not calibrated (gates.group_sizes = [4]); "
      "device planning runs it at 8 rows (no gates there)"),
 ])

@@ -56,7 +56,8 @@ def bench_runtime(fake_device, cal: str, rows: int, width: int, num_pages: int, 
 @pytest.mark.parametrize("cal", CALIBRATIONS)
 def test_each_decode_is_timed_as_the_router_times_its_device_route(fake_device, cal):  # noqa: F811
     """The rule's decode times are Router.predict of the route device planning runs at B rows
-    (routes.toml [device_planning]) on the plain and the chunk Runtime's calibrations, in
+    (routes.toml [device_planning], at each decode's group size: the chunk decode's, 16 heads a
+    KV head, takes large_group_route) on the plain and the chunk Runtime's calibrations, in
     graphs (a Runtime with its own graphs times them so); the kernel's constants are those of
     the same calibrations and routes."""
     from pkvrt.policy.planner import device_plan_targets
@@ -68,17 +69,20 @@ def test_each_decode_is_timed_as_the_router_times_its_device_route(fake_device, 
                                      max_batch=max(8, b), max_pages_per_row=2048, num_pages=10**6,
                                      device_planning=True, calibration=REPO / "calibration" / f"{cal}.json")
         rule = rt.device_rule(b)
-        route = ROUTES.device_planning_route(b)
-        assert rule.row.kind == rule.chunk.kind == route.kind
+        routes = {which: ROUTES.device_planning_route(b, r.router.group_size)
+                  for which, r in (("row", rt.plain), ("chunk", rt.shared))}
+        assert rule.row.kind == routes["row"].kind and rule.chunk.kind == routes["chunk"].kind
+        assert routes["chunk"].name == ("pkv_workqueue" if b > 1 else routes["row"].name)
         for _ in range(5):
             lens = rng.integers(0, 30_000, size=b)
             lens[0] = max(lens[0], 1)
             for which, runtime in (("row", graphed.plain), ("chunk", graphed.shared)):
                 assert runtime.router.graphs
-                want = runtime.router.predict(route, lens.astype(np.int64))
+                want = runtime.router.predict(routes[which], lens.astype(np.int64))
                 assert getattr(rule, which).us(lens) == pytest.approx(want, rel=1e-12), which
         fields = rule.kernel_fields()
         for which, runtime in (("row", rt.plain), ("chunk", rt.shared)):
+            route = routes[which]
             targets = device_plan_targets(runtime.calibration, route.kind)
             for k in ("resident", "slowdown8", "overhead8", "max_ctas", "free_slots", "room_slots",
                       "room8", "room_chunk"):

@@ -229,7 +229,8 @@ def test_partition_fits_skip_a_kind_routes_toml_lacks(rows, tmp_path):
     start = text.index("[routes.pkv_workqueue]")
     end = text.index("[routes.pkv_fused]")
     no_wq = tmp_path / "routes.toml"
-    no_wq.write_text((text[:start] + text[end:]).replace('small_route = "pkv_workqueue"', 'small_route = "pkv_fused"'))
+    no_wq.write_text((text[:start] + text[end:]).replace('small_route = "pkv_workqueue"', 'small_route = "pkv_fused"')
+                     .replace('large_group_route = "pkv_workqueue"', 'large_group_route = "pkv_fused"'))
     reg = load_routes(no_wq)
     timed = sweeps.read_rows(rows)
     assert {t.kind for t in timed} >= {"workqueue", "fused"}
