@@ -273,3 +273,20 @@ def test_the_margin_comes_from_routes_toml(fake_device, h200_with_sharing, tmp_p
     # the device rule's margin: the key, 1.0 without it
     assert got == {"none": (1.0, 1.0, True), "shipped": (1.10, 1.0, False),
                    "inf": (float("inf"), 1.0, False)}
+
+
+def test_a_kept_decision_to_share_yields_to_min_saved(fake_device, h200_with_sharing):  # noqa: F811
+    """A step that follows a shared one, inside the decision's drift, but whose plan no longer
+    saves min_saved of the reads, runs plain with no prediction (as deciding afresh says), and
+    the next step decides again."""
+    seq, bt, n = prefix_step(8, 32768, 127 + PAGE)
+    seq = seq - PAGE   # one token short of a page
+    saved = sharing.plan_sharing(seq, bt, PAGE, 4, capacity=16).saved_fraction
+    rt = SharedPagesRuntime(32, 8, 128, PAGE, torch.float16, max_batch=8, max_pages_per_row=bt.shape[1],
+                            num_pages=n + 8, engine_capture=True, routes=ROUTES, calibration=h200_with_sharing,
+                            min_saved=saved, options=RuntimeOptions(flashinfer=False))
+    rt.plan(seq, bt)
+    assert rt.plan_used is not None and rt.sharing_prediction is not None
+    rt.plan(seq + 2, bt)   # a page more each: saves a little less than min_saved
+    assert rt._steps.followed and rt.plan_used is None and rt.sharing_prediction is None
+    assert rt._kept is None

@@ -300,7 +300,8 @@ class StepSharing:
     the former, the structure (the marked table of :func:`plan_sharing`, so its runs and
     layout) is unchanged, and the latter adds a re-read where another entry names it. Any other
     step (rows joined, left or reordered, a used entry replaced, a row shorter or two pages
-    longer, an id outside ``num_pages``) is planned from scratch. The own segments are always
+    longer, an id outside ``num_pages``; every step without ``num_pages``, which bounds the
+    bincount) is planned from scratch. The own segments are always
     the step's own. After :meth:`step`: ``followed``, whether the step followed the one before
     (so shares what it shared), and ``pages_used``, its rows' pages. Dev box, a step of the
     parallel-sampling trace (8 rows, 11K used entries): 140 us from scratch (a memo hit of its

@@ -35,7 +35,7 @@ graphs for every step of that padded batch while the lengths change. Three ways 
   ``graphs.stage_workqueue``) is now only the planning kernel's reference twin in the tests.
 * device lengths (int32 CUDA tensors at the first plan(), or ``device_planning=True``): no host routing, every step runs routes.toml's
   ``[device_planning] route`` (``small_route`` on steps of at most ``small_rows`` rows: the row
-  count is known on the host); nothing synchronizes, and plan()/run() can be captured in an
+  count is known on the host; ``large_group_route`` for a Runtime of G >= ``large_group``); nothing synchronizes, and plan()/run() can be captured in an
   engine's own graph, where plan() is one launch of the planning kernel (it copies the step's
   lengths and block-table entries itself); with the Runtime's graphs on, two device copies and
   the planning graph.

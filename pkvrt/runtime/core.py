@@ -104,7 +104,8 @@ class Runtime(StaticBuffers, Planning, Running):
     The mode follows from what the caller passes:
 
     - lengths and block tables as CUDA int32 tensors at the first plan(): **device planning**,
-      no host routing, routes.toml's ``[device_planning]`` route; plan() and run() inside the
+      no host routing, routes.toml's ``[device_planning]`` routes (by row count and group
+      size); plan() and run() inside the
       caller's CUDA-graph capture go into that graph (the fastest way to run pkvrt: the
       README's first snippet). ``device_planning=True/False`` fixes the mode at construction.
     - host lengths (numpy, lists, CPU tensors): the router picks each step's route; the Runtime

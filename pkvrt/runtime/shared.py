@@ -117,7 +117,8 @@ class SharedPagesRuntime:
                        if self.chunk >= 2 else None)
         self.device = self.plain.device
         self.plan_used: sharing.SharingPlan | None = None   # the last step's, None: plain
-        # the last step with sharing found: its predicted µs per layer, plain and shared
+        # the last step with sharing found: its predicted µs per layer, plain and shared (a
+        # decision kept from an earlier step keeps that step's prediction: DECISION_DRIFT)
         self.sharing_prediction: dict[str, float] | None = None
         # the step's index tensors, static (a captured run() reads them by address): grown,
         # never shrunk; a regrowth is a new generation (step_key)
@@ -211,6 +212,8 @@ class SharedPagesRuntime:
             self._kept = kept
             own_identity, self.sharing_prediction = kept[2:]
             sp = self._steps.plan() if own_identity is not None else None
+            if sp is None and own_identity is not None:   # it no longer saves min_saved: plain,
+                self._kept = self.sharing_prediction = None   # as a fresh decision would say
         elif rereads:
             sp = self._steps.plan()
             # more chunks or own segments than a Runtime's batch (nested or alternating sharing

@@ -15,8 +15,9 @@ checked against the FP32 reference first:
 - the balanced partition's constants (splits.workqueue_ctas_per_sm, co_resident_slowdown,
   cta_overhead_tiles, min_split_tokens): the workqueue and fused routes of routes.toml (which
   share them) timed at every cut their split bounds allow on eleven steps (:func:`calibration_steps`),
-  fitted together by ``calibration.fit_partition`` with the device-planning route's kernel
-  occupancy (``[device_planning] route``, the fused kernel as shipped); once per group size of
+  fitted together by ``calibration.fit_partition`` with the main device-planning route's kernel
+  occupancy (``[device_planning] route``, the fused kernel as shipped, also at the group sizes
+  that run ``large_group_route``: the two kinds share the constants); once per group size of
   ``--groups`` (H_q 32 over H_kv 32 / G where G divides 32, else H_kv 8 and H_q 8 G: the models'
   shapes, e.g. 24 / 8 at G 3; FlashInfer's CUDA-core path only at the group sizes it has
   kernels for): the first (4) gives the top-level keys, the others a
@@ -895,7 +896,9 @@ def time_steps(args, reg, base: calib.Calibration, *, kv_dtype: str, repeats: in
 
     quick, sm, l2 = args.quick, base.sm_count, base.l2_bytes
     bucket_bounds = next(r.splits for r in reg.routes if r.kind == "bucket")
-    dp_route = reg.device_planning_route()   # the partition is fitted on what device planning runs
+    # the partition is fitted on the main device-planning route (G >= large_group runs
+    # large_group_route on the same constants: the two kinds share them)
+    dp_route = reg.device_planning_route()
     # every workqueue-or-fused kind is timed at every cut (its time model); dp_route first
     partition_routes = [dp_route] + [r for k in ("workqueue", "fused") if k != dp_route.kind
                                      for r in [sweeps.route_of_kind(reg, k)] if r is not None]
