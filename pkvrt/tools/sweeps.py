@@ -281,7 +281,7 @@ def fit_time_model(timed, cal: calib.Calibration, registry) -> dict[int, dict[st
     calibration, whose view of each step's KV dtype and G gives beta, SMs and the partition
     constants the planner picks cuts with).
 
-    Per G: the device-planning route's kind (timed at every cut) gets every constant
+    Per G: the device-planning route's kind at that G (timed at every cut) gets every constant
     (``costmodel.fit_route_time``: the four, and depth_us, merge_us, room_us); a workqueue or
     fused kind also timed at every cut, and FlashInfer, every constant too (FlashInfer's records
     carry no depth, merge or room: those stay 0); the bucket route (three one-row steps at one
@@ -289,10 +289,10 @@ def fit_time_model(timed, cal: calib.Calibration, registry) -> dict[int, dict[st
     tail_us and split_us of the device-planning route at that G (else at G 4; else of the other
     workqueue-or-fused kind). A kind with too few records at a G is left out of that G.
     """
-    dp_kind = registry.device_planning_route().kind
     groups = sorted({t.group for t in timed}, key=lambda g: (g != 4, g))
     out: dict[int, dict] = {}
     for g in groups:
+        dp_kind = registry.device_planning_route(group=g).kind   # routes.toml large_group
         fits = {}
         kinds = sorted({t.kind for t in timed if t.group == g}, key=lambda k: (k != dp_kind, k == "bucket", k))
         for kind in kinds:
