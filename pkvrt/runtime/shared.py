@@ -58,8 +58,9 @@ from pkvrt.runtime.core import Runtime, _StreamRecorder
 # Host lengths: a decision to share or not (the time model's predictions of both ways) stands
 # while each step shares what the step before did (the same structure: StepSharing.followed)
 # and reads at most this fraction more pages than the step it was made at. The predictions
-# move with the pages read; at 1/32 the decision is at most ~3 % stale against routes.toml's
-# margin of 1.10, and a step of 8 rows of 2K tokens decides again every ~64 steps (dev box:
+# move with the pages read, by about that fraction at most (more where a cut's split count
+# changes), against routes.toml's margin of 1.10; a step of 8 rows of 2K tokens decides again
+# every ~64 steps (dev box:
 # a kept decision 40-55 us a plan() against 200-400 made again, sysprompt's steps, 2026-12-06).
 DECISION_DRIFT = 1 / 32
 
@@ -146,10 +147,10 @@ class SharedPagesRuntime:
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
-        # host lengths: what consecutive steps share, carried from one to the next
         # host lengths: the decision in effect, ((_layers_now(), re-reads), the pages it was made
         # at, own_identity or None where the step runs plain, the prediction)
         self._kept: tuple | None = None
+        # host lengths: what consecutive steps share, carried from one to the next
         self._steps = sharing.StepSharing(page_size, self.group, capacity=self.chunk * self.group,
                                           min_saved=self.min_saved, num_pages=num_pages)
 
