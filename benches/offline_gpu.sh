@@ -15,7 +15,9 @@
 #          STAGE: `suite` (benches/gpu_suite.sh OUT/suite, -n 4 --timeout 300, within SUITE_LIMIT
 #          seconds, default 460; on a fresh machine its parallel part alone takes ~280 s, and
 #          PKVRT_SUITE_PART=serial runs the part a limit cut) or any stage of benches/h200_run.sh. The JIT cache comes back as OUT/fi-jit.tgz when it grew
-#          (carry it as DIR/fi-jit.tgz next time: FlashInfer compiles each module ~40 s).
+#          (carry it as DIR/fi-jit.tgz next time: FlashInfer compiles each module ~40 s; the 13
+#          model shapes' modules make ~44 MB, over the device tool's 16 MiB a file and, beside
+#          the wheels, its 64 MiB carry: there, stage fi-warm builds them again in ~4 minutes).
 #          PKVRT_SOURCE_COMMIT: the commit the results record (a copied checkout's git
 #          metadata can be stale). H200_ONLY=1: run nothing unless the GPU is an H200.
 set -uo pipefail
