@@ -867,9 +867,13 @@ def test_coverage_benchmarks_get_their_own_tables(capsys, tmp_path):
     assert rc == 0, err
     md = (tmp_path / "o" / "report.md").read_text()
     ms = table_section(md, "Served models' shapes")
-    assert cells(ms) == [["llama-3.2-3b", "bimodal-B8", "1", "100.0", "150.0", "1.500", "0.80", "0.53"],
-                         ["phi-3-mini", "bimodal-B8", "1", "90.0", "-", "none", "0.90", "-"]]
+    assert cells(ms.split("Geometric mean")[0]) == [
+        ["llama-3.2-3b", "bimodal-B8", "1", "100.0", "150.0", "1.500", "0.80", "0.53"],
+        ["phi-3-mini", "bimodal-B8", "1", "90.0", "-", "none", "0.90", "-"]]
     assert "Geometric mean of the ratios: 1.500 over 1 (model, trace) pairs" in ms
+    by_trace = ms[ms.index("By trace"):]
+    assert cells(by_trace)[:2] == [["bimodal-B8", "1", "1.500", "0.80", "0.53", f"{1 / 0.53:.3f}"],
+                                   ["all", "1", "1.500", "0.80", "0.53", f"{1 / 0.53:.3f}"]]
     assert "llama-3.2-3b (global: flashinfer-tc)" in ms
     assert "phi-3-mini global: flashinfer-tc: unavailable: FlashInfer has no decode kernel for head_dim 96" in ms
     assert "- gemma-2-9b: failed: RuntimeError: x" in ms and "measured again later" not in ms

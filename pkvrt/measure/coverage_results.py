@@ -72,6 +72,31 @@ def _short(status: str, n: int = 90) -> str:
     return status if len(status) <= n else status[:n - 1] + "…"
 
 
+def _by_trace(summ: list[dict]) -> str:
+    """The pairs with a baseline grouped by trace: geometric means of the ratio and of both
+    floor fractions, and the ratio pkvrt would reach at its read floor (FlashInfer's time over
+    the floor), which bounds what any kernel can gain on that trace."""
+    by: dict[str, list[dict]] = {}
+    for r in summ:
+        if r.get("ratio") and r.get("baseline_floor_fraction"):
+            by.setdefault(r["trace"], []).append(r)
+    if not by:
+        return ""
+    every = [r for rs in by.values() for r in rs]
+    lines = [(t, len(rs), _f(_geomean(r["ratio"] for r in rs), 3),
+              _f(_geomean(r["pkvrt_floor_fraction"] for r in rs), 2),
+              _f(_geomean(r["baseline_floor_fraction"] for r in rs), 2),
+              _f(_geomean(1 / r["baseline_floor_fraction"] for r in rs), 3)) for t, rs in by.items()]
+    lines.append(("all", len(every), _f(_geomean(r["ratio"] for r in every), 3),
+                  _f(_geomean(r["pkvrt_floor_fraction"] for r in every), 2),
+                  _f(_geomean(r["baseline_floor_fraction"] for r in every), 2),
+                  _f(_geomean(1 / r["baseline_floor_fraction"] for r in every), 3)))
+    return ("By trace (geometric means over the models; \"ratio at the floor\" is FlashInfer's time "
+            "over the read floor, the ratio of a step that reads its bytes at full bandwidth):\n\n"
+            + _table(["trace", "pairs", "ratio", "pkvrt / floor", "FlashInfer / floor",
+                      "ratio at the floor"], lines))
+
+
 def model_shapes_table(files) -> str:
     """Per model and trace (the benchmark's ``summary`` rows): steps, pkvrt's and FlashInfer's
     fastest correct path's µs over the steps, the ratio and both read-floor fractions; the
@@ -94,6 +119,7 @@ def model_shapes_table(files) -> str:
         parts.append(f"Geometric mean of the ratios: {_f(g, 3)} over {n} (model, trace) pairs with a "
                      f"baseline; {len(summ) - n} without one (no correct FlashInfer path, or a pkvrt "
                      "step that failed its check).")
+        parts.append(_by_trace(summ))
     kinds = _per_kind_lines(rows)
     if kinds:
         parts.append("Per layer kind (models of several): each kind's plan() and layers alone in one "
