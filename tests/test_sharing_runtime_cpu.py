@@ -92,18 +92,34 @@ def test_a_step_that_shares_what_the_last_did_stages_nothing_and_stays_exact(fak
     other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
     # the same shapes as ``one`` (one chunk of four rows, every row one own segment) over other pages
     alike = shared_step(b, [800, 850, 880, 700], 30, [[1, 0, 2, 3]])
+    # and ``one``'s lengths, chunk lengths included, over another row's prefix pages
+    swapped = shared_step(b, [800, 850, 880, 700], 40, [[1, 0, 2, 3]])
     plain = (np.array([900, 1000, 40], np.int32), b.block_tables[[0, 1, 3]].numpy())
     steps = [(one, 3), ((one[0] + 1, one[1]), 0), (plain, 0), ((one[0] + 2, one[1]), 0),
-             (other, 3), ((one[0] + 3, one[1]), 3), (alike, 3), ((one[0] + 4, one[1]), 3)]
+             (other, 3), ((one[0] + 3, one[1]), 3), (alike, 3), ((one[0] + 4, one[1]), 3),
+             ((swapped[0] + 4, swapped[1]), 3)]
+    # the chunk decode is planned again only where its arrays are not those it planned last
+    # (the plain step between leaves its plan in place); a step on the kept plan counts the
+    # layers of the step before it alone
+    chunk_planned = [True, False, None, False, True, True, True, True, True]
+    layers = [1, 2, 1, 3, 1, 1, 1, 1, 1]
     for i, ((seq, bt), copies) in enumerate(steps):
         staged.clear()
+        before = rt.shared.stats()
         rt.plan(seq, bt)
         assert len(staged) == copies, (i, staged)
         assert (rt.plan_used is None) == (copies == 0 and i == 2)
+        after = rt.shared.stats()
+        if chunk_planned[i] is not None:
+            assert after["plans"] - before["plans"] == int(chunk_planned[i]), i
+            assert after["plans_kept"] - before["plans_kept"] == int(not chunk_planned[i]), i
+        if i == 3:   # kept again after step 1's kept plan: step 1's two layers, not 1 + 2
+            assert rt.shared._layers == 2
         q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
                         generator=torch.Generator().manual_seed(i)).half()
-        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
-        assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3, i
+        for _ in range(layers[i]):
+            out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+            assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3, i
 
 
 def test_sinks_count_once_across_segments(fake_device, pool):  # noqa: F811

@@ -213,8 +213,8 @@ class Runtime(StaticBuffers, Planning, Running):
                              f"{max_pages_per_row * page_size} tokens exceed the int32 lengths the "
                              f"kernels take (at most {MAX_SEQ_LEN} tokens)")
         self._graphs = graphs.GraphCache(max_graphs)   # checks max_graphs
-        self._counts = dict(plans=0, captures=0, replays=0, eager_runs=0, staging_copies=0,
-                            h2d_copies=0, regrowths=0, capture_seconds=0.0)
+        self._counts = dict(plans=0, plans_kept=0, captures=0, replays=0, eager_runs=0,
+                            staging_copies=0, h2d_copies=0, regrowths=0, capture_seconds=0.0)
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype = int(head_dim), int(page_size), dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -572,7 +572,8 @@ class Runtime(StaticBuffers, Planning, Running):
         when a buffer grew), graph_memory_bytes (estimate: ``torch.cuda.memory_allocated`` delta
         around each capture of the graphs alive; the driver's own graph memory is not visible),
         min_graph_nodes, staging_copies (q/out copies through the static buffers), h2d_copies,
-        eager_runs, plans, regrowths, capture_seconds, capacities, flashinfer.
+        eager_runs, plans, plans_kept (steps a SharedPagesRuntime ran on this Runtime's last plan,
+        their lengths and tables unchanged), regrowths, capture_seconds, capacities, flashinfer.
         """
         g = self._graphs
         nodes = g.node_counts()

@@ -161,6 +161,26 @@ class Planning:
         self._counts["plans"] += 1
         return d
 
+    def _plan_unchanged(self) -> RouteDecision | None:
+        """A new step on the last plan, for a caller that knows this step's lengths and block
+        tables equal the last plan()'s (a SharedPagesRuntime's chunk decode: its lengths and
+        tables are read-only arrays of the sharing structure, the same objects while the step
+        shares what the last one did). What plan() would stage is already in the Runtime's
+        device buffers, which only plan() writes, and a plan serves any number of run() calls,
+        so the step's layers run on it as more layers of the last step would. Counts the last
+        step's run() calls as the layers per plan (as plan() does) and restarts the count, so
+        the step's first run() does not read the plan early. Returns the last decision, or None
+        where plan() must run: no plan in effect, device planning (its lengths live on the GPU),
+        or a FlashInfer step (its wrapper's per-step state)."""
+        st = self._step
+        if st is None or self.device_planning or st.kind == "flashinfer":
+            return None
+        if st.runs:
+            self._layers = st.runs
+        st.runs = 0
+        self._counts["plans_kept"] += 1
+        return self.last_decision
+
     def predict_step_us(self, seq_lens) -> float:
         """The device µs this Runtime's policy predicts for a step of ``seq_lens`` (host lengths)
         on the route plan() would take, with nothing planned or staged: the router's decision

@@ -147,6 +147,7 @@ class SharedPagesRuntime:
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
+        self._chunk_planned: tuple | None = None   # host lengths: the chunk Runtime's last plan's arrays
         # host lengths: the decision in effect, ((_layers_now(), re-reads), the pages it was made
         # at, own_identity or None where the step runs plain, the prediction)
         self._kept: tuple | None = None
@@ -232,13 +233,25 @@ class SharedPagesRuntime:
             d = self.plain.plan(seq, bt, force=force, _checked=step)   # checked once, above
             self._rows = len(seq)
             return d
-        self.shared.plan(sp.chunk_seq, sp.chunk_bt)
+        self._plan_chunks(sp)
         d = self.own.plan(sp.own_seq, sp.own_bt)
         self._own_identity = own_identity
         self._stage_structure(sp)
         self.plan_used = sp
         self._rows = len(seq)
         return d
+
+    def _plan_chunks(self, sp: sharing.SharingPlan) -> None:
+        """The chunk decode's plan. Its lengths and tables are the sharing structure's read-only
+        arrays (:func:`pkvrt.policy.sharing.plan_sharing`), so a step that shares what the last
+        shared step did passes the very arrays the chunk Runtime planned last, and runs on that
+        plan (``Runtime._plan_unchanged``: its device buffers hold it, and only its plan() writes
+        them) instead of planning it again."""
+        last, self._chunk_planned = self._chunk_planned, None   # until this plan succeeds
+        if last is None or last[0] is not sp.chunk_seq or last[1] is not sp.chunk_bt or \
+                self.shared._plan_unchanged() is None:
+            self.shared.plan(sp.chunk_seq, sp.chunk_bt)
+        self._chunk_planned = (sp.chunk_seq, sp.chunk_bt)
 
     def _layers_now(self) -> tuple:
         """The layers per plan the three Runtimes' policies weigh host time at (part of what a
@@ -407,6 +420,7 @@ class SharedPagesRuntime:
                         f["slots"][:b], page_size=self.page_size, chunk_rows=self.chunk,
                         group=self.group, num_kv_heads=self.num_kv_heads, rule=rule,
                         candidates=cands, rule_out=f["rule_out"])
+        self._chunk_planned = None
         self.shared.plan(f["chunk_seq"][:b], f["chunk_bt"][:b])
         d = self.own.plan(f["own_seq"][:b], f["own_bt"][:b])
         self._found_rows = b
