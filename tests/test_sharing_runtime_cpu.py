@@ -77,14 +77,20 @@ def test_shared_pages_are_exact(fake_device, pool, lens, prefix, groups, engine_
     assert rt.step_key == key
 
 
+@pytest.mark.parametrize("mode", ["engine capture", "own graphs", "eager"])
 def test_a_step_that_shares_what_the_last_did_stages_nothing_and_stays_exact(fake_device, pool,  # noqa: F811
-                                                                              monkeypatch):
+                                                                              monkeypatch, mode):
     """The gather indices, own rows and merge slots are the sharing structure's: consecutive
     steps of one structure (rows one token longer), with a plain step between them, copy them
-    once; another structure copies its own. Every step matches the reference."""
+    once; another structure copies its own. The chunk decode is planned again only where its
+    arrays are not those it planned last (the plain step between leaves its plan in place) or,
+    on the router's routes, where the last step ran another number of layers than its route
+    was decided at. Every step of every layer matches the reference."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
-    rt = runtime(engine_capture=True)
+    options = RuntimeOptions(flashinfer=False, shared_when_predicted_faster=False,
+                             use_cuda_graph=mode != "eager")
+    rt = runtime(engine_capture=mode == "engine capture", options=options)
     staged = []
     stage = rt._stage
     monkeypatch.setattr(rt, "_stage", lambda name, a: staged.append(name) or stage(name, a))
@@ -95,31 +101,66 @@ def test_a_step_that_shares_what_the_last_did_stages_nothing_and_stays_exact(fak
     # and ``one``'s lengths, chunk lengths included, over another row's prefix pages
     swapped = shared_step(b, [800, 850, 880, 700], 40, [[1, 0, 2, 3]])
     plain = (np.array([900, 1000, 40], np.int32), b.block_tables[[0, 1, 3]].numpy())
-    steps = [(one, 3), ((one[0] + 1, one[1]), 0), (plain, 0), ((one[0] + 2, one[1]), 0),
-             (other, 3), ((one[0] + 3, one[1]), 3), (alike, 3), ((one[0] + 4, one[1]), 3),
-             ((swapped[0] + 4, swapped[1]), 3)]
-    # the chunk decode is planned again only where its arrays are not those it planned last
-    # (the plain step between leaves its plan in place); a step on the kept plan counts the
-    # layers of the step before it alone
-    chunk_planned = [True, False, None, False, True, True, True, True, True]
-    layers = [1, 2, 1, 3, 1, 1, 1, 1, 1]
-    for i, ((seq, bt), copies) in enumerate(steps):
+    longer = lambda step, n: (step[0] + n, step[1])   # noqa: E731
+    # (step, index copies, chunk decode planned (True) or kept (False), layers run)
+    steps = [(one, 3, True, 1), (longer(one, 1), 0, False, 1), (plain, 0, None, 1),
+             (longer(one, 2), 0, False, 2), (longer(one, 3), 0, None, 1), (other, 3, True, 1),
+             (longer(one, 4), 3, True, 1), (alike, 3, True, 1), (longer(one, 5), 3, True, 1),
+             (longer(swapped, 5), 3, True, 1)]
+    captured = rt.shared._captured_policy
+    assert captured == (mode == "engine capture")
+    for i, ((seq, bt), copies, planned, layers) in enumerate(steps):
         staged.clear()
         before = rt.shared.stats()
         rt.plan(seq, bt)
         assert len(staged) == copies, (i, staged)
-        assert (rt.plan_used is None) == (copies == 0 and i == 2)
+        assert (rt.plan_used is None) == (i == 2)
         after = rt.shared.stats()
-        if chunk_planned[i] is not None:
-            assert after["plans"] - before["plans"] == int(chunk_planned[i]), i
-            assert after["plans_kept"] - before["plans_kept"] == int(not chunk_planned[i]), i
-        if i == 3:   # kept again after step 1's kept plan: step 1's two layers, not 1 + 2
-            assert rt.shared._layers == 2
+        if i == 4:   # step 3 ran two layers: the router's route is decided again at 2
+            planned = not captured
+            assert rt.shared._layers == (1 if captured else 2)
+        if planned is not None:
+            assert after["plans"] - before["plans"] == int(planned), i
+            assert after["plans_kept"] - before["plans_kept"] == int(not planned), i
         q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
                         generator=torch.Generator().manual_seed(i)).half()
-        for _ in range(layers[i]):
+        for _ in range(layers):
             out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
             assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3, i
+
+
+def test_a_chunk_plan_made_elsewhere_or_a_failed_own_plan_keeps_steps_exact(fake_device, pool,  # noqa: F811
+                                                                           monkeypatch):
+    """The chunk Runtime planned by someone else between two steps of one structure: the next
+    step plans it again. The own decode's plan raising after the chunk decode's: the next step
+    of that structure runs on the kept chunk plan, exact."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    rt = runtime()
+    one = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
+    other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
+
+    def step(i, seq, bt):
+        rt.plan(seq, bt)
+        q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                        generator=torch.Generator().manual_seed(i)).half()
+        out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+        assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3, i
+
+    step(0, *one)
+    rt.plan(one[0] + 1, one[1])
+    planned = rt.shared.stats()["plans"]
+    rt.shared.plan(np.array([64], np.int32), other[1][:1])          # made elsewhere
+    step(1, one[0] + 2, one[1])
+    assert rt.shared.stats()["plans"] == planned + 2                 # the elsewhere plan and ours
+    own_plan = rt.own.plan
+    monkeypatch.setattr(rt.own, "plan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("copy")))
+    with pytest.raises(RuntimeError, match="copy"):
+        rt.plan(one[0] + 3, one[1])
+    monkeypatch.setattr(rt.own, "plan", own_plan)
+    kept = rt.shared.stats()["plans_kept"]
+    step(2, one[0] + 4, one[1])
+    assert rt.shared.stats()["plans_kept"] == kept + 1
 
 
 def test_sinks_count_once_across_segments(fake_device, pool):  # noqa: F811

@@ -167,16 +167,17 @@ class Planning:
         tables are read-only arrays of the sharing structure, the same objects while the step
         shares what the last one did). What plan() would stage is already in the Runtime's
         device buffers, which only plan() writes, and a plan serves any number of run() calls,
-        so the step's layers run on it as more layers of the last step would. Counts the last
-        step's run() calls as the layers per plan (as plan() does) and restarts the count, so
-        the step's first run() does not read the plan early. Returns the last decision, or None
-        where plan() must run: no plan in effect, device planning (its lengths live on the GPU),
-        or a FlashInfer step (its wrapper's per-step state)."""
+        so the step's layers run on it as more layers of the last step would. Restarts the
+        step's run() count, so its first run() does not read the plan early. Returns the last
+        decision, or None where plan() must run: no plan in effect, device planning (its lengths
+        live on the GPU), a FlashInfer step (its wrapper's per-step state), or a router's route
+        decided at another layer count than the last step ran (the layers per plan plan() would
+        weigh host time at; the captured policy's route does not depend on them)."""
         st = self._step
         if st is None or self.device_planning or st.kind == "flashinfer":
             return None
-        if st.runs:
-            self._layers = st.runs
+        if st.runs and st.runs != self._layers and not self._captured_policy:
+            return None
         st.runs = 0
         self._counts["plans_kept"] += 1
         return self.last_decision

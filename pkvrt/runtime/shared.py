@@ -147,7 +147,8 @@ class SharedPagesRuntime:
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
-        self._chunk_planned: tuple | None = None   # host lengths: the chunk Runtime's last plan's arrays
+        # host lengths: the chunk Runtime's last plan (its lengths, its tables, its step)
+        self._chunk_planned: tuple | None = None
         # host lengths: the decision in effect, ((_layers_now(), re-reads), the pages it was made
         # at, own_identity or None where the step runs plain, the prediction)
         self._kept: tuple | None = None
@@ -248,10 +249,11 @@ class SharedPagesRuntime:
         plan (``Runtime._plan_unchanged``: its device buffers hold it, and only its plan() writes
         them) instead of planning it again."""
         last, self._chunk_planned = self._chunk_planned, None   # until this plan succeeds
+        # (the chunk Runtime's step object too: a plan of it made elsewhere is not ours)
         if last is None or last[0] is not sp.chunk_seq or last[1] is not sp.chunk_bt or \
-                self.shared._plan_unchanged() is None:
+                last[2] is not self.shared._step or self.shared._plan_unchanged() is None:
             self.shared.plan(sp.chunk_seq, sp.chunk_bt)
-        self._chunk_planned = (sp.chunk_seq, sp.chunk_bt)
+        self._chunk_planned = (sp.chunk_seq, sp.chunk_bt, self.shared._step)
 
     def _layers_now(self) -> tuple:
         """The layers per plan the three Runtimes' policies weigh host time at (part of what a
