@@ -2,6 +2,10 @@
 # One device call of the H200 evidence run; stages chosen by name, results under $OUT.
 # usage: bash benches/h200_run.sh OUT STAGE [STAGE ...]
 #   tests      the GPU test suite (tests/gpu), summary printed
+#   suite      benches/gpu_suite.sh, the whole GPU suite as a resolution needs it (its parallel part
+#              with 6 workers, then its serial part) -> OUT/suite.tgz (gpu-suite.log and the
+#              per-test logs); SUITE_S: its time limit in seconds (default 400; about 200 on a warm
+#              H200, more where FlashInfer has not compiled its modules: run fi-warm first)
 #   calibrate  pkvrt calibrate -> calibration/<this GPU's slug>.json (nvidia-h200.json on an H200;
 #              copied to OUT). The calibrate-* stages below write this GPU's file too
 #   isolated   benches/isolated.py (Table 1) -> OUT/isolated.json
@@ -56,6 +60,9 @@ calfile() {
 for stage in "$@"; do
   echo "== $stage ($(date +%T))"
   case $stage in
+    suite) timeout ${SUITE_S:-400} bash benches/gpu_suite.sh $out/suite -n 6 --timeout $(( ${SUITE_S:-400} - 20 )) \
+          | grep -E "passed|failed|FAILED|ERROR" | tail -20
+      tar czf $out/suite.tgz -C $out suite && rm -rf $out/suite ;;
     tests) timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider --maxfail=20 2>&1 | tee $out/gpu_tests.log | grep -E "passed|failed|Error|error|FAILED" | tail -25 ;;
     calibrate) cal=$(calfile) || continue; timeout ${CAL_TIMEOUT:-480} python3 -m pkvrt calibrate --out $cal --raw $out/calibrate-sweeps.json 2>&1 | tail -60; cp $cal $out/ ;;
     isolated) timeout 240 python3 benches/isolated.py --out $out/isolated.json 2>&1 | grep -v WARN | tail -12 ;;
