@@ -321,17 +321,34 @@ def _plan_by_rows(seq, bt, runs, per_chunk, page=PAGE):
                 pages_read=sum(n for _, _, n in chunks) + sum(len(p) for p in own_pages))
 
 
-@pytest.mark.parametrize("memo", [True, False], ids=["memo kept", "memo cleared each step"])
-def test_plans_of_decoding_steps_equal_the_per_row_loop(memo):
-    """Rows decoding on under nested and separate prefixes, some crossing a page boundary each
-    step: every step's plan (its layout kept with the runs, or made afresh) equals the per-row
-    loop's, entry for entry, and the kept arrays cannot be written."""
-    rng = np.random.default_rng(11)
-    seq0 = np.array([600 + 29 * i for i in range(8)], np.int32)
-    bt = rng.permutation(4000)[:8 * 70].reshape(8, 70).astype(np.int32)
+def _nested(bt):
     bt[1:6, :20] = bt[0, :20]          # a system prompt under five more rows
     bt[1:3, 20:32] = bt[1, 20:32]      # a conversation under two of them
     bt[7, :9] = bt[6, :9]              # another prefix of two
+
+
+def _one_prefix(bt):
+    bt[1:, :20] = bt[0, :20]           # parallel sampling: one prompt under every row
+    bt[1:, 20] = bt[0, 20]             # (its last page too, where every row's own pages begin)
+
+
+def _one_prefix_not_first(bt):
+    bt[2:, 20:37] = bt[1, 20:37]       # a prefix every row but row 0 shares, past 20 own pages
+    bt[1:, :20] = bt[1, :20]
+
+
+@pytest.mark.parametrize("structure", [_nested, _one_prefix, _one_prefix_not_first],
+                         ids=["nested and separate", "one prefix under every row", "all rows but one"])
+@pytest.mark.parametrize("memo", [True, False], ids=["memo kept", "memo cleared each step"])
+def test_plans_of_decoding_steps_equal_the_per_row_loop(memo, structure):
+    """Rows decoding on under nested and separate prefixes, or one prefix under every row (each
+    row's own pages one column slice of the table) or under all rows but one, some crossing a
+    page boundary each step: every step's plan (its layout kept with the runs, or made afresh)
+    equals the per-row loop's, entry for entry, and the kept arrays cannot be written."""
+    rng = np.random.default_rng(11)
+    seq0 = np.array([600 + 29 * i for i in range(8)], np.int32)
+    bt = rng.permutation(4000)[:8 * 70].reshape(8, 70).astype(np.int32)
+    structure(bt)
     sharing._RUNS_MEMO.clear()
     for step in range(0, 90, 3):
         if not memo:
@@ -343,6 +360,9 @@ def test_plans_of_decoding_steps_equal_the_per_row_loop(memo):
             got = getattr(sp, name)
             assert np.array_equal(got, np.asarray(value)) and np.asarray(got).dtype != object, (step, name)
         assert sp.own_seq.dtype == sp.own_bt.dtype == sp.chunk_bt.dtype == np.int32
+        # the one-slice own tables where every row's own pages begin at one column
+        layouts = [lay for _, _, kept in sharing._RUNS_MEMO.values() for lay in kept.values()]
+        assert any(lay.common_at >= 0 for lay in layouts) == (structure is _one_prefix)
         with pytest.raises(ValueError, match="read-only"):
             sp.slots[0, 0] = 0
 
@@ -774,6 +794,34 @@ def test_a_plain_step_is_checked_once(fake_device, pool, monkeypatch):  # noqa: 
     assert rt.plan_used is None and len(calls) == 1
     q = torch.randn(3, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
     assert rel_err(rt.run(q, b.k_cache, b.v_cache), ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
+
+
+def test_a_shared_step_hands_the_own_decode_the_step_check_step_would_give(fake_device, pool,  # noqa: F811
+                                                                          monkeypatch):
+    """With sharing the own decode's step is made from the caller's checked step, not checked
+    again: it equals check_step's of the own segments field for field, but the largest page id,
+    which is the caller's (a bound the own ids never exceed)."""
+    from pkvrt.runtime.checks import check_step
+    b, _ = pool
+    seq, bt = shared_step(b, [700, 800, 900, 660], 40, [[0, 1, 2, 3]])
+    seen = []
+    rt = runtime()
+    own_plan = rt.own.plan
+
+    def spy(seq_lens, block_tables, **kw):
+        seen.append((seq_lens, block_tables, kw.get("_checked")))
+        return own_plan(seq_lens, block_tables, **kw)
+    monkeypatch.setattr(rt.own, "plan", spy)
+    rt.plan(seq, bt)
+    sp = rt.plan_used
+    assert sp is not None and len(seen) == 1 and seen[0][2] is not None
+    given, p = seen[0][2], rt.own
+    want = check_step(sp.own_seq, sp.own_bt, page_size=p.page_size, max_batch=p.max_batch,
+                      max_pages_per_row=p.max_pages_per_row, validate=True)
+    assert np.array_equal(given.seq, want.seq) and given.seq.dtype == want.seq.dtype
+    assert given.lens == want.lens and given.pages == want.pages and given.max_pages == want.max_pages
+    assert given.block_tables is sp.own_bt
+    assert want.max_page_id <= given.max_page_id == int(bt[:, :-(-max(seq) // PAGE)].max())
 
 
 class _StreamLog:

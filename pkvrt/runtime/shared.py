@@ -52,7 +52,7 @@ from pkvrt.launch import ops
 from pkvrt.policy import sharing
 from pkvrt.policy.costmodel import launch_us
 from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_shape, check_step,
-                                  hnd_view)
+                                  hnd_view, StepInput)
 from pkvrt.runtime.core import Runtime, _StreamRecorder
 
 # Host lengths: a decision to share or not (the time model's predictions of both ways) stands
@@ -235,12 +235,23 @@ class SharedPagesRuntime:
             self._rows = len(seq)
             return d
         self._plan_chunks(sp)
-        d = self.own.plan(sp.own_seq, sp.own_bt)
+        d = self.own.plan(sp.own_seq, sp.own_bt, _checked=self._own_step(sp, step))
         self._own_identity = own_identity
         self._stage_structure(sp)
         self.plan_used = sp
         self._rows = len(seq)
         return d
+
+    def _own_step(self, sp: sharing.SharingPlan, step: StepInput) -> StepInput:
+        """The own decode's step as ``check_step`` would give it, from the caller's checked step:
+        each own segment is a slice of its row's used pages (at least one token: no run reaches
+        a row's last page), so its pages fit the own Runtime's bounds (the plain Runtime's, or
+        its twin's), its ids passed the caller's check, and their largest is at most the
+        caller's (the bound ``num_pages`` is checked against)."""
+        lens = sp.own_seq.tolist()
+        pages = [-(-n // self.page_size) for n in lens]
+        return StepInput(seq=sp.own_seq.astype(np.int64), lens=lens, block_tables=sp.own_bt,
+                         pages=pages, max_pages=max(pages), max_page_id=step.max_page_id)
 
     def _plan_chunks(self, sp: sharing.SharingPlan) -> None:
         """The chunk decode's plan. Its lengths and tables are the sharing structure's read-only
