@@ -331,11 +331,16 @@ class StepSharing:
         self.followed, self.pages_used = False, 0
         self.carried = 0   # steps planned from the one before (tests, profiles)
 
-    def step(self, seq_lens, block_tables) -> int:
+    def step(self, seq_lens, block_tables, *, _pages: list | None = None) -> int:
         """The step's re-reads (``page_rereads(seq_lens, block_tables, page_size, num_pages)``),
-        its structure found or carried; :meth:`plan` gives its plan."""
+        its structure found or carried; :meth:`plan` gives its plan. ``_pages``: the rows' pages
+        of a step already checked (``pkvrt.runtime.checks.check_step``: ``seq_lens`` int64 [B],
+        ``block_tables`` [B, W] wide enough), so it is not checked again."""
         self._now, self.followed = None, False   # until the step is checked and its structure known
-        seq, pages, bt = _checked_pages(seq_lens, block_tables, self.page_size, "StepSharing.step")
+        if _pages is None:
+            seq, pages, bt = _checked_pages(seq_lens, block_tables, self.page_size, "StepSharing.step")
+        else:
+            seq, pages, bt = seq_lens, np.array(_pages, np.int64), block_tables
         rereads = self._follow(seq, pages, bt)
         if rereads is None:
             rereads = self._from_scratch(seq, pages, bt)

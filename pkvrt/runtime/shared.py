@@ -206,7 +206,8 @@ class SharedPagesRuntime:
         seq, bt = step.seq, step.block_tables
         rereads = 0
         if force is None and self.shared is not None:
-            rereads = self._steps.step(seq, bt)   # page_rereads, the structure found or carried
+            # page_rereads, the structure found or carried (the step checked above)
+            rereads = self._steps.step(seq, bt, _pages=step.pages)
         kept, self._kept = (self._kept if rereads and self._steps.followed else None), None
         if kept is not None and kept[0] == (self._layers_now(), rereads) and \
                 self._steps.pages_used <= kept[1] * (1 + DECISION_DRIFT):
