@@ -46,6 +46,10 @@ they run whatever ``--engines`` names, unless ``--engines`` names some ``pkvrt-s
 then only those. ``--engines``: only the engines of these labels (a label that names no engine is
 an error, not an engine skipped).
 
+``--cases`` takes the names of CASES and steps of one shared prefix written as the table writes
+them, ``R x (S + O)`` without spaces (``8x(4K+128)``: 8 rows sharing 4 096 tokens, 128 of their own
+each), for sweeps.
+
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
        [--chunk-rows N,...] [--engines LABEL,...]
        python benches/shared_pages.py --fit-l2 RESULTS... [--calibration FILE] [--write FILE]
@@ -57,6 +61,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -93,6 +98,24 @@ CASES = {
     "8x(0+8K)": ([(8, 0)], 8192),
     "8x(0+1K)": ([(8, 0)], 1024),
 }
+
+
+_SPEC = re.compile(r"(\d+)x\((\d+)(K?)\+(\d+)(K?)\)")
+
+
+def case_spec(name: str) -> tuple[list, int] | None:
+    """A case's (groups, own tokens): its row of CASES, or a name ``RxS+O`` written as the table
+    writes them, ``R x (S + O)`` (R rows sharing S tokens, then O of their own each; ``8x(4K+128)``,
+    K = 1024): a step of one shared prefix at any size, for sweeps (None: neither)."""
+    if name in CASES:
+        return CASES[name]
+    m = _SPEC.fullmatch(name)
+    if m is None:
+        return None
+    rows, shared, own = int(m[1]), int(m[2]) * (1024 if m[3] else 1), int(m[4]) * (1024 if m[5] else 1)
+    if rows < 1 or own < 1 or shared % PAGE:
+        return None
+    return [(rows, shared)], own
 
 
 class Step:
@@ -312,7 +335,7 @@ def pkvrt_shared_device(st: Step, always: bool = False) -> dict:
 def case_pages(name: str) -> tuple[np.ndarray, int]:
     """A case's lengths and how many of its plain step's page reads are re-reads (its rows read
     each group's prefix pages; the rest are their own)."""
-    groups, own = CASES[name]
+    groups, own = case_spec(name)
     seq = np.array([shared + own for rows, shared in groups for _ in range(rows)], np.int64)
     each = int((-(-seq // PAGE)).sum())
     distinct = sum(shared // PAGE + rows * (-(-(shared + own) // PAGE) - shared // PAGE)
@@ -417,8 +440,11 @@ def main(argv=None) -> int:
         ap.error(f"--engines: {', '.join(e for e in only if e not in labels)}: expected labels of "
                  f"{', '.join(labels)} (pkvrt-shared-c<N>: with --chunk-rows N)")
     names = [c for c in args.cases.split(",") if c]
-    if any(n not in CASES for n in names):
-        ap.error(f"--cases: expected names of {', '.join(CASES)}")
+    bad = [n for n in names if case_spec(n) is None]
+    if bad:
+        ap.error(f"--cases: {', '.join(bad)}: expected names of {', '.join(CASES)}, or R x (S + O) "
+                 f"steps written as 8x(4K+128) (R rows, S shared tokens a multiple of {PAGE}, O >= 1 "
+                 "own tokens each; K = 1024)")
     if not torch.cuda.is_available():
         print("benches/shared_pages.py needs a CUDA GPU (torch sees none); nothing to run here.")
         return 0
@@ -436,7 +462,7 @@ def main(argv=None) -> int:
         if time.monotonic() > deadline:
             print(f"time budget spent: {name} and later not measured")
             break
-        groups, own = CASES[name]
+        groups, own = case_spec(name)
         st = Step(groups, own, gen)
         rec = {}
         engines = {"pkvrt-shared": pkvrt_shared,

@@ -246,3 +246,18 @@ def test_the_time_budget_stops_between_cases(dry, tmp_path, monkeypatch, capsys)
     names = list(bench.CASES)
     assert [r["case"] for r in rows] == [names[0]] * 2 + [names[1]] * 2
     assert f"time budget spent: {names[2]} and later not measured" in capsys.readouterr().out
+
+
+def test_steps_written_as_the_table_writes_them_run_as_cases(dry, tmp_path, capsys):
+    """``--cases 4x(64+16)``: a step of one shared prefix at any size runs as a case (its rows,
+    lengths and exactness as a named case's); a name that is neither a case nor such a step, or
+    a prefix of part of a page, is refused, naming it."""
+    doc = run(tmp_path, "--cases", "4x(64+16),2x(1K+3)", "--engines", "pkvrt-shared-always,flashinfer-tc")
+    rows = [r for r in doc["rows"] if r["engine"] == "pkvrt-shared-always"]
+    assert [(r["case"], r["rows"]) for r in rows] == [("4x(64+16)", 4), ("2x(1K+3)", 2)]
+    assert all(r["status"] == "ok" and r["max_err_ref"] < 1e-3 and r["shared"] for r in rows)
+    assert bench.case_spec("2x(1K+3)") == ([(2, 1024)], 3)
+    for bad in ("4x(64+0)", "4x(65+16)", "4x64+16", "8x(8K+512)x2"):
+        with pytest.raises(SystemExit):
+            bench.main(["--cases", bad, "--out", str(tmp_path / "x.json")])
+        assert bad in capsys.readouterr().err
