@@ -209,7 +209,7 @@ class _Layout:
             seg_end=np.array(seg_end, np.int64), seg_last=np.array(seg_last), slots=slots)
         for a in arrays.values():
             a.setflags(write=False)   # shared by every plan of this structure
-        one_each = len(own_rows) == b and all(seg_last) and len(set(seg_at)) == 1
+        one_each = len(own_rows) == b and len(set(seg_at)) == 1   # (each row's one: its last)
         return cls(chunk_pages=sum(n for _, _, n in chunks), common_at=seg_at[0] if one_each else -1,
                    **arrays)
 
@@ -219,7 +219,7 @@ class _Layout:
         if self.common_at >= 0:   # one slice (a third of the general gather's time at 32 rows)
             at = self.common_at
             n = pages - at
-            width = max(1, int(n.max()))
+            width = int(n.max())   # (every own segment has a page)
             own_bt = bt[:, at:at + width]
             if int(n.min()) < width:   # zero past each segment's pages, as the gather pads
                 own_bt = np.where(np.arange(width) < n[:, None], own_bt, 0)
