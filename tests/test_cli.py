@@ -59,8 +59,9 @@ def test_routes_say_what_device_planning_runs(capsys, tmp_path):
     rows, small = reg.device_small
     g, large = reg.device_large_group
     assert small == large == "pkv_workqueue"
-    assert role[main] == f"G < {g}, rows > {rows}"
-    assert role[small] == f"rows <= {rows}; G >= {g}, rows > {rows}"
+    w = reg.device_large_group_min_window
+    assert role[main] == f"G < {g} or a window < {w} tokens, rows > {rows}"
+    assert role[small] == f"rows <= {rows}; G >= {g}, no window < {w} tokens, rows > {rows}"
     assert role["pkv_bucket"] == role["flashinfer"] == "-"
     assert "device planning (lengths on the GPU) and engine-captured steps run" in out
     assert "ablation: the host router never picks the route on its own" in out
@@ -69,7 +70,7 @@ def test_routes_say_what_device_planning_runs(capsys, tmp_path):
     p = tmp_path / "r.toml"
     p.write_text(SHIPPED.read_text().replace("small_rows = 1", "").replace(
         'small_route = "pkv_workqueue"', "").replace("large_group = 5", "").replace(
-        'large_group_route = "pkv_workqueue"', ""))
+        'large_group_route = "pkv_workqueue"', "").replace("large_group_min_window = 512", ""))
     rc, out, _ = run(capsys, "routes", "--routes", str(p))
     assert rc == 0 and "every step" in table_rows(out)[main]
 

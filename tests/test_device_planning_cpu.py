@@ -507,6 +507,38 @@ def test_the_partition_plans_waves_of_this_shapes_resident_ctas(fake_device):  #
     assert "2 at the calibrated D 128 e4m3" in fp8.explain()
 
 
+@pytest.mark.parametrize("window_left, main", [(127, "pkv_fused"), (511, "pkv_workqueue"), (-1, "pkv_workqueue")],
+                         ids=["window 128", "window 512", "no window"])
+def test_a_short_window_runs_the_main_route_at_large_groups(fake_device, pool, window_left, main):  # noqa: F811
+    """routes.toml [device_planning] large_group_min_window (512 shipped): a G 8 Runtime of a
+    window shorter than it (gpt-oss's local layers: window_left 127) plans its steps of more
+    than small_rows rows on the main route (pkv_fused), one of a longer window or none on
+    large_group_route; exact against the FP32 reference with the window, both with device
+    lengths and with host lengths under engine capture (which follows the same table)."""
+    from test_runtime_cpu import FAKE_SHAPE, ROUTES, SEED
+    from pkvrt import reference
+    from pkvrt.runtime import Runtime
+    from pkvrt.runtime.options import RuntimeOptions
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    shape = dict(FAKE_SHAPE, num_qo_heads=8 * FAKE_SHAPE["num_kv_heads"])
+    for device_lengths in (True, False):
+        rt = Runtime(*shape.values(), torch.float16, routes=ROUTES, calibration=SEED, max_batch=8,
+                     max_pages_per_row=256, device_planning=device_lengths,
+                     engine_capture=not device_lengths, window_left=window_left,
+                     options=RuntimeOptions(flashinfer=False))
+        for i, (rows, short) in enumerate(STEPS + [([2], 0)]):
+            seq, bt, _ = step_inputs(b, rows, short, seed=i)
+            q = torch.randn(len(rows), shape["num_qo_heads"], shape["head_dim"],
+                            generator=torch.Generator().manual_seed(i)).half()
+            d = rt.plan(torch.as_tensor(seq) if device_lengths else seq, torch.as_tensor(bt) if device_lengths else bt)
+            assert d.route == (main if len(rows) > 1 else "pkv_workqueue"), (device_lengths, i)
+            out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
+            want = reference.decode_attention(q, cache[0], cache[1], torch.as_tensor(seq), bt,
+                                              window_left=window_left)
+            assert rel_err(out, want) < 2e-3, (device_lengths, i)
+
+
 @pytest.mark.parametrize("num_qo_heads, main", [(8, "pkv_fused"), (10, "pkv_workqueue"), (16, "pkv_workqueue")],
                          ids=["G4", "G5", "G8"])
 def test_device_planning_runs_the_large_group_route_at_large_groups(fake_device, pool, num_qo_heads, main):  # noqa: F811

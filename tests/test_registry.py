@@ -146,6 +146,41 @@ def test_device_planning_large_group_route_serves_runtimes_of_large_groups(tmp_p
         ("large_group = 5", 'large_group = "5"', r"\[device_planning\] large_group: .*is not an integer")))
 
 
+def test_a_short_window_keeps_the_main_route_at_large_groups(tmp_path):
+    """large_group_min_window: a Runtime whose sliding window (window_left + 1 tokens) is shorter
+    runs the main route at any G; a window at least that long, or none, follows large_group; the
+    key bounds that rule, so it needs it, and is an integer >= 1."""
+    fused = BASE + '\n[routes.pkv_fused]\nkind = "fused"\nkernel = "fused_decode"\n' \
+                   '\n[routes.pkv_fused.splits]\nmin = 1\nmax = 64\nmultiple_of = 4\n'
+    table = ('[device_planning]\nroute = "pkv_fused"\nsmall_rows = 1\nsmall_route = "pkv_workqueue"\n'
+             'large_group = 5\nlarge_group_route = "pkv_workqueue"\nlarge_group_min_window = 300\n')
+    named = fused.replace("[routes.flashinfer]", table + "\n[routes.flashinfer]")
+    reg = load_routes(write(tmp_path, named))
+    assert reg.device_large_group_min_window == 300
+    route = {w: reg.device_planning_route(8, 8, w).name for w in (1, 129, 299, 300, 4096, None)}
+    assert route == {1: "pkv_fused", 129: "pkv_fused", 299: "pkv_fused", 300: "pkv_workqueue",
+                     4096: "pkv_workqueue", None: "pkv_workqueue"}
+    assert reg.device_planning_route(8, 4, 4096).name == "pkv_fused"        # G below large_group
+    assert reg.device_planning_route(1, 8, 129).name == "pkv_workqueue"     # small_rows first
+    without = load_routes(write(tmp_path, named.replace("large_group_min_window = 300\n", "")))
+    assert without.device_large_group_min_window is None
+    assert without.device_planning_route(8, 8, 129).name == "pkv_workqueue"
+    shipped = load_routes(SHIPPED)
+    assert shipped.device_large_group_min_window == 512
+    assert shipped.device_planning_route(8, 8, 128).name == "pkv_fused"     # gpt-oss's local layers
+    assert shipped.device_planning_route(8, 8, None).name == "pkv_workqueue"
+    assert shipped.device_planning_route(8, 2, 4096).name == "pkv_fused"    # Gemma-2's (G 2)
+    alone = named.replace("large_group = 5\n", "").replace('large_group_route = "pkv_workqueue"\n', "")
+    with pytest.raises(RoutesError, match=r"\[device_planning\] large_group_min_window: without "
+                                          r"large_group; expected large_group and large_group_route"):
+        load_routes(write(tmp_path, alone))
+    assert_refused(tmp_path, named, (
+        ("large_group_min_window = 300", "large_group_min_window = 0", r"large_group_min_window: 0"),
+        ("large_group_min_window = 300", "large_group_min_window = 1.5",
+         r"large_group_min_window: .*is not an integer"),
+        ("large_group_min_window = 300", "large_group_min_windows = 300", r"large_group_min_windows")))
+
+
 def test_shipped_routes_have_the_seed_values():
     reg = load_routes(SHIPPED)
     assert [r.name for r in reg.routes] == ["flashinfer", "pkv_bucket", "pkv_workqueue", "pkv_fused"]

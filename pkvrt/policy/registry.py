@@ -172,6 +172,10 @@ class Registry:
     # [device_planning] large_group / large_group_route: Runtimes of group size G >= large_group
     # run large_group_route (on steps of more than small_rows rows)
     device_large_group: tuple[int, str] | None = None
+    # [device_planning] large_group_min_window: a windowed Runtime whose window (window_left + 1
+    # tokens) is shorter keeps `route` at any G (None: the key is absent, every window follows
+    # large_group)
+    device_large_group_min_window: int | None = None
     # [host_time] (None: the table is absent, host time is never weighed)
     host_time: HostTimeRule | None = None
     # [sharing] margin: SharedPagesRuntime shares a step (host lengths) only when the plain
@@ -185,17 +189,22 @@ class Registry:
     # group's calibration constants (the nearest calibrated group's where the file has none)
     sharing_chunk_heads: int = 16
 
-    def device_planning_route(self, rows: int | None = None, group: int | None = None) -> Route:
+    def device_planning_route(self, rows: int | None = None, group: int | None = None,
+                              window: int | None = None) -> Route:
         """The route ``Runtime(device_planning=True)`` runs when none is forced: for a step of
         ``rows`` rows at most ``[device_planning] small_rows``, ``small_route``; otherwise, for a
-        Runtime of group size ``group`` >= ``large_group``, ``large_group_route``; otherwise
-        ``[device_planning] route`` if the file names one, else the first non-ablation workqueue or
-        fused route (else the first of either kind). ``rows=None`` / ``group=None``: that rule
-        left out (``device_planning_route()`` is the main route, what the calibration fits the
-        partition on). Raises KeyError when the file has no such route."""
+        Runtime of group size ``group`` >= ``large_group``, ``large_group_route``, unless its
+        sliding window of ``window`` tokens (window_left + 1; None: no window) is shorter than
+        ``large_group_min_window``; otherwise ``[device_planning] route`` if the file names one,
+        else the first non-ablation workqueue or fused route (else the first of either kind).
+        ``rows=None`` / ``group=None``: that rule left out (``device_planning_route()`` is the
+        main route, what the calibration fits the partition on). Raises KeyError when the file
+        has no such route."""
         if rows is not None and self.device_small is not None and rows <= self.device_small[0]:
             return self.route(self.device_small[1])
-        if group is not None and self.device_large_group is not None and group >= self.device_large_group[0]:
+        short = self.device_large_group_min_window
+        if group is not None and self.device_large_group is not None and group >= self.device_large_group[0] \
+                and (window is None or short is None or window >= short):
             return self.route(self.device_large_group[1])
         if self.device_route is not None:
             return self.route(self.device_route)
@@ -264,12 +273,13 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
         raise RoutesError(f"{p}: byte {e.start} is not UTF-8; expected a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
-    routes, boundary, device_route, device_small, device_large, host_time, \
+    routes, boundary, device_route, device_small, (device_large, min_window), host_time, \
         (sharing_margin, sharing_device_margin, sharing_chunk_heads) = \
         _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
                     routes=routes, boundary=boundary, device_route=device_route,
                     device_small=device_small, device_large_group=device_large,
+                    device_large_group_min_window=min_window,
                     host_time=host_time, sharing_margin=sharing_margin,
                     sharing_device_margin=sharing_device_margin,
                     sharing_chunk_heads=sharing_chunk_heads)
@@ -465,9 +475,10 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
                  bucketing=bucketing, coarse_lengths=coarse, kv_dtypes=_kv_dtypes(t, PKV_KV_DTYPES))
 
 
-def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str | None,
-                                         tuple[int, str] | None, HostTimeRule | None,
-                                         tuple[float, float]]:
+def _parse(path: str, doc: dict) -> tuple:
+    # (routes, boundary rule, [device_planning] route, (small_rows, small_route) or None,
+    #  ((large_group, large_group_route) or None, large_group_min_window or None),
+    #  host-time rule or None, (sharing margin, device margin, chunk heads))
     top = _Table(path, "top level", doc, ("gates", "promotion", "host_time", "device_planning",
                                           "sharing", "routes"))
     gates = _gates(top.table("gates", GATE_KEYS), None)
@@ -485,8 +496,10 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
         table.fail("kind", f'{len(baselines) or "no"} routes have kind "flashinfer" '
                    f'{baselines or ""}'.rstrip(), "exactly one baseline route")
     device_route = device_small = device_large = None
+    min_window = None
     if (dp := top.table("device_planning", ("route", "small_rows", "small_route", "large_group",
-                                            "large_group_route"), required=False)) is not None:
+                                            "large_group_route", "large_group_min_window"),
+                        required=False)) is not None:
         names = [r.name for r in routes if r.kind in ("workqueue", "fused")]
         expected = f"the name of a workqueue or fused route ({', '.join(names) or 'none here'})"
 
@@ -504,6 +517,11 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
                 dp.fail(missing, "missing", f"{missing} next to {given[0]} (the two go together)")
             pairs.append((dp.integer(count), dp.get(route_key, expected, problem)) if given else None)
         device_small, device_large = pairs
+        if "large_group_min_window" in dp.data:
+            if device_large is None:
+                dp.fail("large_group_min_window", "without large_group",
+                        "large_group and large_group_route next to it (it bounds that rule)")
+            min_window = dp.integer("large_group_min_window")
     host_time = None
     if (ht := top.table("host_time", ("enabled", "min_context"), required=False)) is not None:
         host_time = HostTimeRule(enabled=ht.boolean("enabled"), min_context=ht.integer("min_context"))
@@ -512,4 +530,4 @@ def _parse(path: str, doc: dict) -> tuple[tuple[Route, ...], BoundaryRule, str |
         sh.margin("margin", allow_inf=True), sh.margin("device_margin", 1.0, allow_inf=True),
         sh.get("chunk_heads", "an integer in 2..64", lambda v: "is not an integer" if not _is_int(v)
                else None if 2 <= v <= 64 else "is outside 2..64", 16))
-    return routes, boundary, device_route, device_small, device_large, host_time, sharing
+    return routes, boundary, device_route, device_small, (device_large, min_window), host_time, sharing

@@ -414,7 +414,8 @@ class Runtime(StaticBuffers, Planning, Running):
         """routes.toml's device-planning route, checked: it exists and serves the K/V dtype
         (ValueError naming the mode otherwise)."""
         try:
-            name = self.registry.device_planning_route(group=self.num_qo_heads // self.num_kv_heads).name
+            name = self.registry.device_planning_route(group=self.num_qo_heads // self.num_kv_heads,
+                                                       window=self._window_tokens).name
         except KeyError as e:
             raise ValueError(f"Runtime ({mode}): {e.args[0]}") from None
         small = self.registry.device_small
@@ -424,6 +425,12 @@ class Runtime(StaticBuffers, Planning, Running):
                                  f"route {dp_route.name!r} does not serve it (kv_dtypes = "
                                  f"{list(dp_route.kv_dtypes)} in {self.registry.path})")
         return name
+
+    @property
+    def _window_tokens(self) -> int | None:
+        """The most tokens a row attends (window_left + 1), None without a sliding window: what
+        routes.toml's ``[device_planning] large_group_min_window`` compares."""
+        return self.window_left + 1 if self.window_left >= 0 else None
 
     def _gpu_lengths(self, seq_lens) -> bool:
         return lengths_on_gpu(seq_lens)

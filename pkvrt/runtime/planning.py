@@ -190,7 +190,8 @@ class Planning:
         seq = check_seq_lens(seq_lens)
         lens = seq.tolist()
         if self._captured_policy:
-            route = self.registry.device_planning_route(len(lens), self.router.group_size)
+            route = self.registry.device_planning_route(len(lens), self.router.group_size,
+                                                        self._window_tokens)
         else:
             d = fallback.decide(self.router, seq, None, flashinfer_unavailable=self._fi_reason,
                                 fallback_memo=self._fallback_memo, lens=lens, layers=self._layers)
@@ -277,8 +278,10 @@ class Planning:
         ``[device_planning]`` table, or ``force``; ValueError naming ``force`` (and ``where``,
         the method called) otherwise."""
         # routes.toml [device_planning]: `route`, `small_route` for steps of <= small_rows rows,
-        # `large_group_route` for a Runtime of G >= large_group
-        name = self.registry.device_planning_route(b, self.router.group_size).name if force is None else force
+        # `large_group_route` for a Runtime of G >= large_group (and no window shorter than
+        # large_group_min_window)
+        name = force if force is not None else \
+            self.registry.device_planning_route(b, self.router.group_size, self._window_tokens).name
         route = self._dp_routes.get(name)
         if route is None:
             raise ValueError(f"{where}: force={force!r}: with device_planning expected one of "
@@ -357,7 +360,8 @@ class Planning:
     def _captured_decision(self, b: int, max_context: int) -> RouteDecision:
         """engine_capture with host lengths (``capture_routing="device_planning"``): the route of
         routes.toml's ``[device_planning]`` table for ``b`` rows, as device planning takes it."""
-        route = self._dp_routes[self.registry.device_planning_route(b, self.router.group_size).name]
+        route = self._dp_routes[self.registry.device_planning_route(b, self.router.group_size,
+                                                                    self._window_tokens).name]
         return self._route_decision(route, b, forced=False, max_context=max_context)
 
     def _stage_device_plan(self, s: _Staging, route, step: StepInput):

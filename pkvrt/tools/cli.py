@@ -244,9 +244,12 @@ def _device_planning(reg: registry.Registry, r: registry.Route) -> str:
     small, large = reg.device_small, reg.device_large_group
     more = f"rows > {small[0]}" if small else ""
     roles = [(f"rows <= {small[0]}", small[1])] if small else []
+    short = reg.device_large_group_min_window
     if large:
-        roles.append((", ".join(filter(None, (f"G >= {large[0]}", more))), large[1]))
-    roles.append((", ".join(filter(None, (f"G < {large[0]}" if large else "", more))) or "every step", main))
+        unless = f", no window < {short} tokens" if short else ""
+        roles.append((", ".join(filter(None, (f"G >= {large[0]}{unless}", more))), large[1]))
+    rest = (f"G < {large[0]}" + (f" or a window < {short} tokens" if short else "")) if large else ""
+    roles.append((", ".join(filter(None, (rest, more))) or "every step", main))
     return "; ".join(text for text, name in roles if name == r.name) or "-"
 
 
