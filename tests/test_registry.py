@@ -119,14 +119,20 @@ def assert_refused(tmp_path, text: str, edits) -> None:
             load_routes(write(tmp_path, text.replace(edit_from, edit_to)))
 
 
-def test_device_planning_large_group_route_serves_runtimes_of_large_groups(tmp_path):
-    """large_group / large_group_route: a Runtime of G >= large_group runs that route on steps
-    of more rows than small_rows (small_route still takes those); G unknown: the main route."""
+def large_group_routes(extra: str = "") -> str:
+    """BASE with a fused route and a [device_planning] table of small_rows 1 and large_group 5
+    (both on pkv_workqueue), and ``extra`` lines in that table."""
     fused = BASE + '\n[routes.pkv_fused]\nkind = "fused"\nkernel = "fused_decode"\n' \
                    '\n[routes.pkv_fused.splits]\nmin = 1\nmax = 64\nmultiple_of = 4\n'
     table = ('[device_planning]\nroute = "pkv_fused"\nsmall_rows = 1\nsmall_route = "pkv_workqueue"\n'
-             'large_group = 5\nlarge_group_route = "pkv_workqueue"\n')
-    named = fused.replace("[routes.flashinfer]", table + "\n[routes.flashinfer]")
+             'large_group = 5\nlarge_group_route = "pkv_workqueue"\n' + extra)
+    return fused.replace("[routes.flashinfer]", table + "\n[routes.flashinfer]")
+
+
+def test_device_planning_large_group_route_serves_runtimes_of_large_groups(tmp_path):
+    """large_group / large_group_route: a Runtime of G >= large_group runs that route on steps
+    of more rows than small_rows (small_route still takes those); G unknown: the main route."""
+    named = large_group_routes()
     reg = load_routes(write(tmp_path, named))
     assert reg.device_large_group == (5, "pkv_workqueue")
     assert [reg.device_planning_route(8, g).name for g in (1, 2, 4, 5, 7, 8, 16)] == \
@@ -150,11 +156,7 @@ def test_a_short_window_keeps_the_main_route_at_large_groups(tmp_path):
     """large_group_min_window: a Runtime whose sliding window (window_left + 1 tokens) is shorter
     runs the main route at any G; a window at least that long, or none, follows large_group; the
     key bounds that rule, so it needs it, and is an integer >= 1."""
-    fused = BASE + '\n[routes.pkv_fused]\nkind = "fused"\nkernel = "fused_decode"\n' \
-                   '\n[routes.pkv_fused.splits]\nmin = 1\nmax = 64\nmultiple_of = 4\n'
-    table = ('[device_planning]\nroute = "pkv_fused"\nsmall_rows = 1\nsmall_route = "pkv_workqueue"\n'
-             'large_group = 5\nlarge_group_route = "pkv_workqueue"\nlarge_group_min_window = 300\n')
-    named = fused.replace("[routes.flashinfer]", table + "\n[routes.flashinfer]")
+    named = large_group_routes("large_group_min_window = 300\n")
     reg = load_routes(write(tmp_path, named))
     assert reg.device_large_group_min_window == 300
     route = {w: reg.device_planning_route(8, 8, w).name for w in (1, 129, 299, 300, 4096, None)}
