@@ -40,6 +40,10 @@ to the ``pkvrt-device-plan`` rows of results files and writes it into ``--calibr
 A ``pkvrt-shared`` row of a step with sharing also carries ``chunk_us`` and ``own_us``: its
 chunk decode's and its own decode's 32 layers timed alone (``parts_us``), so that the rest of
 its time is the gathers, the merges and the launch boundaries.
+``pkvrt-shared-cut`` and ``pkvrt-shared-always-cut`` (``--chunk-cut``, or named in
+``--engines``): ``pkvrt-shared`` and ``pkvrt-shared-always`` with
+``RuntimeOptions(shared_chunk_cut="time_model")``, the chunk decode cut at the split count the
+time model predicts fastest (``chunk_splits`` in the row) instead of by the partition.
 ``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared-always`` with chunks of N rows
 (``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
 they run whatever ``--engines`` names, unless ``--engines`` names some ``pkvrt-shared-c<N>``,
@@ -51,7 +55,7 @@ them, ``R x (S + O)`` without spaces (``8x(4K+128)``: 8 rows sharing 4 096 token
 each), for sweeps.
 
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
-       [--chunk-rows N,...] [--engines LABEL,...]
+       [--chunk-rows N,...] [--chunk-cut] [--engines LABEL,...]
        python benches/shared_pages.py --fit-l2 RESULTS... [--calibration FILE] [--write FILE]
 Writes benches/results/h200/shared-pages.json and prints a table.
 """
@@ -86,6 +90,8 @@ SEED = 20260623
 # every engine's label, in the order a case runs them (and pkvrt-shared-c<N> of --chunk-rows)
 ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
            "pkvrt-shared-device-always", "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
+# --chunk-cut: pkvrt-shared and pkvrt-shared-always with the chunk decode cut by the time model
+CUT_ENGINES = ("pkvrt-shared-cut", "pkvrt-shared-always-cut")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {
     "8x(8K+512)": ([(8, 8192)], 512),
@@ -256,13 +262,14 @@ def pkvrt_plain(st: Step) -> dict:
 
 
 def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
-                 side_stream: bool = True) -> dict:
+                 side_stream: bool = True, cut: str = "partition") -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
                                   engine_capture=True,
                                   options=pkvrt.RuntimeOptions(shared_chunk_rows=chunk_rows,
                                                                shared_when_predicted_faster=not always,
-                                                               shared_side_stream=side_stream))
+                                                               shared_side_stream=side_stream,
+                                                               shared_chunk_cut=cut))
     t0 = time.perf_counter()
     rt.plan(st.seq, st.bt)
     plan_us = (time.perf_counter() - t0) * 1e6
@@ -273,6 +280,8 @@ def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
     row = timed(st, None, body)
     row.update(plan_host_us_first=plan_us, explain=rt.explain(), shared=rt.plan_used is not None,
                predicted=rt.sharing_prediction)
+    if rt.plan_used is not None:   # the chunk decode's cut: its longest chunk's splits
+        row["chunk_splits"] = rt.shared._pinned_splits if cut != "partition" else None
     if row["status"] == "ok" and rt.plan_used is not None and side_stream:   # (serial: the same parts)
         row.update(parts_us(rt, st))
     return row
@@ -421,6 +430,10 @@ def main(argv=None) -> int:
                     help=f"run only these engines (comma-separated labels of {', '.join(ENGINES)} "
                          "and pkvrt-shared-c<N> of --chunk-rows; default: all; the chunked engines "
                          "run unless --engines names some of them, then only those)")
+    ap.add_argument("--chunk-cut", action="store_true",
+                    help="also run pkvrt-shared-cut and pkvrt-shared-always-cut: pkvrt-shared and "
+                         "pkvrt-shared-always with RuntimeOptions(shared_chunk_cut=\"time_model\") (the "
+                         "chunk decode cut at the split count the time model predicts fastest)")
     ap.add_argument("--fit-l2", nargs="+", metavar="RESULTS", default=None,
                     help="no GPU: fit the calibration's sharing.l2_reread_cost to the "
                          "pkvrt-device-plan rows of these results files (steps with shared pages) "
@@ -435,7 +448,7 @@ def main(argv=None) -> int:
     chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
     only = None if args.engines is None else [e for e in args.engines.split(",") if e]
     chunked = tuple(f"pkvrt-shared-c{c}" for c in chunk_rows)
-    labels = ENGINES + chunked
+    labels = ENGINES + chunked + CUT_ENGINES
     if only is not None and any(e not in labels for e in only):
         ap.error(f"--engines: {', '.join(e for e in only if e not in labels)}: expected labels of "
                  f"{', '.join(labels)} (pkvrt-shared-c<N>: with --chunk-rows N)")
@@ -478,6 +491,10 @@ def main(argv=None) -> int:
                 engines["flashinfer-cascade"] = functools.partial(fi_cascade, fi)
         engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c, always=True)
                         for c in chunk_rows})
+        if args.chunk_cut or (only is not None and any(e in CUT_ENGINES for e in only)):
+            engines.update({"pkvrt-shared-cut": functools.partial(pkvrt_shared, cut="time_model"),
+                            "pkvrt-shared-always-cut": functools.partial(pkvrt_shared, always=True,
+                                                                         cut="time_model")})
         if only is not None:
             engines = {k: v for k, v in engines.items()
                        if k in only or (k in chunked and not any(e in chunked for e in only))}
@@ -504,6 +521,8 @@ def main(argv=None) -> int:
                      "ratio_device_always": per("pkvrt-shared-device-always"),
                      "ratio_always": per("pkvrt-shared-always"), "ratio_serial": per("pkvrt-shared-serial"),
                      **{f"ratio_c{c}": per(f"pkvrt-shared-c{c}") for c in chunk_rows},
+                     **({"ratio_cut": per("pkvrt-shared-cut"), "ratio_always_cut": per("pkvrt-shared-always-cut")}
+                        if any(k in rec for k in CUT_ENGINES) else {}),
                      # the device-lengths shared path over plain device planning (no sharing: its cost)
                      "device_over_plain": (ok["pkvrt-shared-device"] / ok["pkvrt-device-plan"])
                      if {"pkvrt-shared-device", "pkvrt-device-plan"} <= ok.keys() else None})

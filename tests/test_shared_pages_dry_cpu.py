@@ -261,3 +261,23 @@ def test_steps_written_as_the_table_writes_them_run_as_cases(dry, tmp_path, caps
         with pytest.raises(SystemExit):
             bench.main(["--cases", bad, "--out", str(tmp_path / "x.json")])
         assert bad in capsys.readouterr().err
+
+
+def test_the_chunk_cut_engines_run_beside_the_partitions(dry, tmp_path):
+    """``--chunk-cut``: pkvrt-shared-cut and pkvrt-shared-always-cut (the chunk decode cut by the
+    time model) run beside the others, exact, with their cut in the row and ratios of their own;
+    without the flag they run only when ``--engines`` names them."""
+    names = [n for n in SHARING if n in bench.CASES][:2]
+    doc = run(tmp_path, "--cases", ",".join(names), "--chunk-cut",
+              "--engines", "pkvrt-shared-always,pkvrt-shared-always-cut,pkvrt-shared-cut,flashinfer-tc")
+    for name in names:
+        by = {r["engine"]: r for r in doc["rows"] if r["case"] == name}
+        cut = by["pkvrt-shared-always-cut"]
+        assert cut["status"] == "ok" and cut["max_err_ref"] < 1e-3 and cut["shared"]
+        assert isinstance(cut["chunk_splits"], int) and cut["chunk_splits"] >= 1
+        assert by["pkvrt-shared-always"].get("chunk_splits") is None
+        assert by["ratio"]["ratio_always_cut"] > 0 and "pkvrt-shared-cut" in by
+    assert "pkvrt-shared-always-cut µs" in rendered(tmp_path)   # the report validates and shows them
+    doc = run(tmp_path, "--cases", names[0], "--engines", "pkvrt-shared-always,flashinfer-tc")
+    assert not any(r["engine"].endswith("-cut") for r in doc["rows"])
+    assert "ratio_always_cut" not in next(r for r in doc["rows"] if r["engine"] == "ratio")

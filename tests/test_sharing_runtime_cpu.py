@@ -1092,3 +1092,67 @@ def test_step_sharing_without_a_page_bound_or_with_an_id_past_it_plans_each_step
             assert steps.plan() is not None and steps.carried == 0
     with pytest.raises(RuntimeError, match="no step"):
         sharing.StepSharing(PAGE, G, capacity=16, min_saved=0.0, num_pages=None).plan()
+
+
+@pytest.mark.parametrize("engine_capture", [True, False], ids=["engine capture", "own graphs"])
+def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(fake_device, pool,  # noqa: F811
+                                                                                monkeypatch, engine_capture):
+    """RuntimeOptions(shared_chunk_cut="time_model"): the chunk decode's longest chunk is cut in
+    the split count the chunk Runtime's time model predicts fastest (the planning kernel given
+    that one count), predicted once per sharing structure, its step key saying so; the output
+    matches the reference at every step, the pinned count is what the emulated planning kernel
+    cut, and a step of another structure predicts again. Where the chunk Runtime routes by
+    itself (its own graphs, host routing) nothing is pinned. The default cuts as before."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    one = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
+    other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
+    opts = dict(flashinfer=False, shared_when_predicted_faster=False)
+    rt = runtime(engine_capture=engine_capture, options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
+    default = runtime(engine_capture=engine_capture, options=RuntimeOptions(**opts))
+    predicted = []
+    predict = rt.shared.predict_step_us
+    monkeypatch.setattr(rt.shared, "predict_step_us",
+                        lambda seq, **kw: predicted.append(kw.get("splits")) or predict(seq, **kw))
+    for i, (seq, bt) in enumerate([one, (one[0] + 1, one[1]), other]):
+        predicted.clear()
+        rt.plan(seq, bt)
+        default.plan(seq, bt)
+        sp = rt.plan_used
+        assert sp is not None
+        pinned = rt.shared._pinned_splits
+        if not engine_capture:   # the chunk Runtime's router picks its route: no pin, no sweep
+            assert pinned is None and predicted and all(s is None for s in predicted)
+        else:
+            route = rt.plain.registry.device_planning_route(len(sp.chunk_seq), rt.shared.router.group_size)
+            tiles = -(-int(sp.chunk_seq.max()) // 32)
+            min_tiles = -(-rt.shared.calibration.splits.min_split_tokens // 32)
+            counts = [s for s in route.splits.candidates() if -(-tiles // s) >= min_tiles]
+            want = min((predict(sp.chunk_seq, splits=s), s) for s in counts)[1]
+            assert pinned == want and rt.shared.step_key[-1] == ("splits", want), i
+            assert sorted(s for s in predicted if s is not None) == ([] if i == 1 else counts), (i, predicted)
+            assert default.shared._pinned_splits is None and default.shared.step_key[-1] != ("splits", want)
+        q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                        generator=torch.Generator().manual_seed(i)).half()
+        want_out = ref(q, cache, seq, torch.as_tensor(bt))
+        for r in (rt, default):
+            out = r.run(q, *cache, out=torch.full_like(q, float("nan")))
+            assert rel_err(out, want_out) < 2e-3, i
+        if engine_capture:   # the planning kernel ran in the step's first run(): its cut
+            assert int(rt.shared._d_num_splits[:len(sp.chunk_seq)].max()) == want, i
+    if engine_capture:   # a model that prefers the fewest splits: the kernel cuts there, not at the partition's
+        seq, bt = one
+        pref = runtime(engine_capture=True, options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
+        real = pref.shared.predict_step_us
+        monkeypatch.setattr(pref.shared, "predict_step_us",
+                            lambda seq, splits=None: splits if splits is not None else real(seq))
+        pref.plan(seq, bt)
+        default.plan(seq, bt)
+        q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+        for r in (pref, default):
+            assert rel_err(r.run(q, *cache), ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3
+        n = len(pref.plan_used.chunk_seq)
+        fewest, usual = (int(r.shared._d_num_splits[:n].max()) for r in (pref, default))
+        assert fewest == pref.shared._pinned_splits == 1 < usual
+    with pytest.raises(ValueError, match="shared_chunk_cut='model': expected one of 'partition', 'time_model'"):
+        RuntimeOptions(shared_chunk_cut="model")

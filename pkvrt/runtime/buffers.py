@@ -92,6 +92,9 @@ class _Step:
     # a device-planned step deferred for its page-id bound, planned outside any capture: its
     # first run() plans it, once (a capture of a later run() replays the plan, not the planning)
     plan_once: bool = False
+    # a device-planned step cut at this split count of its longest row (Runtime._pin_splits),
+    # None: by the route's allowed counts
+    pinned: int | None = None
 
 
 def _pinned(n: int, dtype=torch.int32) -> torch.Tensor:
@@ -194,6 +197,9 @@ class StaticBuffers:
         # the first run() sets it from its cache when the constructor was not told num_pages).
         self._d_num_pages = torch.full((1,), self._num_pages or 0, **i32)
         self._d_cands = {n: torch.tensor(r.splits.candidates(), **i32) for n, r in self._dp_routes.items()}
+        # Runtime._pin_splits: one split count as the planning kernel's only candidate
+        self._pinned_splits: int | None = None
+        self._d_cands_pinned: dict[int, torch.Tensor] = {}
         # device planning's RouteDecision per (route, rows, forced, -1), and its refusals per route name
         self._dp_decisions: dict = {}
 

@@ -518,7 +518,8 @@ class Runtime(StaticBuffers, Planning, Running):
         st = self._step
         if st is None:
             return None
-        return (st.route, st.kind, st.gbatch, st.structure, self._generation)
+        key = (st.route, st.kind, st.gbatch, st.structure, self._generation)
+        return key if st.pinned is None else key + (("splits", st.pinned),)
 
     # -- reporting -------------------------------------------------------------------------
 

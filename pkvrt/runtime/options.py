@@ -36,6 +36,15 @@ def _routing(inst, attribute, value) -> None:
                          f"{', '.join(map(repr, CAPTURE_ROUTING))}")
 
 
+CHUNK_CUTS = ("partition", "time_model")
+
+
+def _chunk_cut(inst, attribute, value) -> None:
+    if value not in CHUNK_CUTS:
+        raise ValueError(f"RuntimeOptions: shared_chunk_cut={value!r}: expected one of "
+                         f"{', '.join(map(repr, CHUNK_CUTS))}")
+
+
 @attrs.frozen
 class RuntimeOptions:
     """Switches a user leaves alone. Each was measured against its default (benches/NOTES.md).
@@ -76,6 +85,13 @@ class RuntimeOptions:
         two levels where the kernel's rule says (default True: at D 96-128 G 13-16 from 9
         splits, G 5-12 from 33; D 256 from 5 and 17; kernels/workqueue_task.cuh); False merges
         every row in one level (the ablation).
+    shared_chunk_cut : :class:`pkvrt.SharedPagesRuntime` only (host lengths): how the chunk
+        decode's step is cut: ``"partition"`` (default: the planning kernel's partition, as every
+        device-planned step) or ``"time_model"`` (the split count of its longest chunk the
+        calibration's time model predicts fastest, once per sharing structure). The partition
+        cuts chunk decodes of few rows at 1.3-1.5x the time model's fastest, and two swept H200
+        steps agree with the model (benches/NOTES.md, "The chunk decode's cut"); not yet
+        measured in a shared step, so not the default.
     shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
         (and its query gather) on a stream of its own beside the own decode, joined before the
         merge (default True: the two decodes read the same q and caches and write their own
@@ -96,6 +112,7 @@ class RuntimeOptions:
     shared_chunk_rows: int | None = attrs.field(default=None, validator=_layers)
     shared_when_predicted_faster: bool = attrs.field(default=True, validator=_bool)
     shared_side_stream: bool = attrs.field(default=True, validator=_bool)
+    shared_chunk_cut: str = attrs.field(default="partition", validator=_chunk_cut)
     fused_two_level_tail: bool = attrs.field(default=True, validator=_bool)
 
 

@@ -13,6 +13,7 @@ scalars and the planning graph.
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import torch
 
@@ -21,7 +22,7 @@ from pkvrt.launch import ops
 from pkvrt.policy import fallback
 from pkvrt.policy.blocktables import write_csr
 from pkvrt.policy.planner import check_seq_lens, device_plan_targets
-from pkvrt.policy.registry import DEVICE_PLANNED
+from pkvrt.policy.registry import DEVICE_PLANNED, SplitBounds
 from pkvrt.policy.router import RouteDecision
 from pkvrt.runtime import graphs
 from pkvrt.runtime.buffers import RING, _Staging, _Step
@@ -156,10 +157,23 @@ class Planning:
             structure, gb = self._stage_bucket(s, d, step), graphs.padded_batch(b)
         self._record(s.event)
         self._step = _Step(route=d.route, kind=d.kind, batch=b, gbatch=gb, structure=structure,
-                           max_page_id=step.max_page_id, plan_launch=deferred)
+                           max_page_id=step.max_page_id, plan_launch=deferred,
+                           pinned=self._pinned_splits if on_gpu else None)
         self.last_decision = d
         self._counts["plans"] += 1
         return d
+
+    def _pin_splits(self, splits: int | None) -> None:
+        """Cut the device-planned steps planned from now on with their longest row in ``splits``
+        splits (the planning kernel given that one count as its candidates; a count shorter than
+        the calibration's least split falls back as the kernel's rule does), or, None, by the
+        route's allowed counts (the default). Exact either way: only the cut moves. For a
+        SharedPagesRuntime's chunk decode, whose cut the time model picks
+        (``RuntimeOptions.shared_chunk_cut``). Call it before plan(), outside any capture: the
+        candidate's device tensor is made here."""
+        if splits is not None and splits not in self._d_cands_pinned:
+            self._d_cands_pinned[splits] = torch.tensor([splits], dtype=torch.int32, device=self.device)
+        self._pinned_splits = splits
 
     def _plan_unchanged(self) -> RouteDecision | None:
         """A new step on the last plan, for a caller that knows this step's lengths and block
@@ -174,7 +188,7 @@ class Planning:
         decided at another layer count than the last step ran (the layers per plan plan() would
         weigh host time at; the captured policy's route does not depend on them)."""
         st = self._step
-        if st is None or self.device_planning or st.kind == "flashinfer":
+        if st is None or self.device_planning or st.kind == "flashinfer" or st.pinned != self._pinned_splits:
             return None
         if st.runs and st.runs != self._layers and not self._captured_policy:
             return None
@@ -182,16 +196,23 @@ class Planning:
         self._counts["plans_kept"] += 1
         return self.last_decision
 
-    def predict_step_us(self, seq_lens) -> float:
+    def predict_step_us(self, seq_lens, *, splits: int | None = None) -> float:
         """The device µs this Runtime's policy predicts for a step of ``seq_lens`` (host lengths)
         on the route plan() would take, with nothing planned or staged: the router's decision
         (FlashInfer unavailable: its fallback; ``engine_capture`` with the device-planning
-        policy: routes.toml's ``[device_planning]`` route), timed by the calibration's model."""
+        policy: routes.toml's ``[device_planning]`` route), timed by the calibration's model.
+        ``splits``: that route cut with its longest row in this many splits (:meth:`_pin_splits`;
+        the device-planning policy only)."""
         seq = check_seq_lens(seq_lens)
         lens = seq.tolist()
         if self._captured_policy:
             route = self.registry.device_planning_route(len(lens), self.router.group_size,
                                                         self._window_tokens)
+            if splits is not None:
+                route = attrs.evolve(route, splits=SplitBounds(min=splits, max=splits, multiple_of=1))
+        elif splits is not None:
+            raise ValueError("Runtime.predict_step_us: splits= needs the device-planning policy "
+                             "(engine_capture with host lengths)")
         else:
             d = fallback.decide(self.router, seq, None, flashinfer_unavailable=self._fi_reason,
                                 fallback_memo=self._fallback_memo, lens=lens, layers=self._layers)
@@ -317,7 +338,8 @@ class Planning:
             stage()
             grid = self._enqueue_device_plan(route, gb)
         self._step = _Step(route=route.name, kind=route.kind, batch=b, gbatch=gb, structure=grid,
-                           max_page_id=-1, plan_launch=deferred, plan_once=not capturing)
+                           max_page_id=-1, plan_launch=deferred, plan_once=not capturing,
+                           pinned=self._pinned_splits)
         self.last_decision = self._route_decision(route, b, forced=force is not None)
         self._counts["plans"] += 1
         return self.last_decision
@@ -394,7 +416,7 @@ class Planning:
         (:meth:`_device_grid_tasks`), the same for every step of that batch, so the decode
         graphs keyed by it replay while the lengths change."""
         grid = self._device_grid_tasks(route, gbatch)   # <= the capacity sized at construction
-        key = ("device-plan", route.name, gbatch, grid, self._generation)
+        key = ("device-plan", route.name, gbatch, grid, self._generation, self._pinned_splits)
         launch = lambda: self._launch_device_plan(route, gbatch, grid, direct)  # noqa: E731
         assert direct is None or self._plan_launch == "eager", "a direct plan is never captured here"
         if self._plan_launch != "graph":
@@ -418,7 +440,8 @@ class Planning:
         launched as it is: the checks and the packing of a 30-field struct are not paid per
         step."""
         src = direct or {}
-        key = (route.name, gbatch, grid)
+        pinned = self._pinned_splits
+        key = (route.name, gbatch, grid, pinned)
         # what a direct launch checks and packs from its inputs: each tensor's address, shape,
         # strides and dtype, the row count and the longest length (the prepared launch holds no
         # reference to them: it is called only after this key matched the live inputs)
@@ -431,7 +454,8 @@ class Planning:
                 self._d_seq[:gbatch], self._d_rows,
                 self._arena[L.tasks:L.tasks + 5 * grid].view(grid, 5),
                 self._v_num_tasks, self._arena[L.split_offsets:L.split_offsets + gbatch + 1],
-                self._d_num_splits[:gbatch], self._d_status, self._d_cands[route.name],
+                self._d_num_splits[:gbatch], self._d_status,
+                self._d_cands[route.name] if pinned is None else self._d_cands_pinned[pinned],
                 num_kv_heads=self.num_kv_heads,
                 min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
                 max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch],

@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from pkvrt.launch import ops
-from pkvrt.policy import sharing
+from pkvrt._buildspec import TILE_TOKENS
+from pkvrt.policy import planner, sharing
 from pkvrt.policy.costmodel import launch_us
 from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_shape, check_step,
                                   hnd_view, StepInput)
@@ -101,6 +102,7 @@ class SharedPagesRuntime:
                              f"chunk at head dim {head_dim}")
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self._by_prediction = getattr(runtime_kw.get("options"), "shared_when_predicted_faster", True)
+        self._cut_by_model = getattr(runtime_kw.get("options"), "shared_chunk_cut", "partition") == "time_model"
         side = self._side_option = getattr(runtime_kw.get("options"), "shared_side_stream", True)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
@@ -146,6 +148,7 @@ class SharedPagesRuntime:
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
+        self._chunk_cuts: dict[int, tuple] = {}    # ... and, shared_chunk_cut="time_model", its cut
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
         # host lengths: the chunk Runtime's last plan (its lengths, its tables, its step)
         self._chunk_planned: tuple | None = None
@@ -261,6 +264,8 @@ class SharedPagesRuntime:
         plan (``Runtime._plan_unchanged``: its device buffers hold it, and only its plan() writes
         them) instead of planning it again."""
         last, self._chunk_planned = self._chunk_planned, None   # until this plan succeeds
+        if self._cut_by_model:   # (the same structure, the same count: a kept plan stays valid)
+            self.shared._pin_splits(self._chunk_cut(sp)[0])
         # (the chunk Runtime's step object too: a plan of it made elsewhere is not ours)
         if last is None or last[0] is not sp.chunk_seq or last[1] is not sp.chunk_bt or \
                 last[2] is not self.shared._step or self.shared._plan_unchanged() is None:
@@ -338,12 +343,36 @@ class SharedPagesRuntime:
             return hit[2]
         cal = self.plain.router.cal
         chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
-        us = sharing.plain_step_us(self.shared.predict_step_us(sp.chunk_seq), chunk_rereads,
-                                   page_bytes, cal.beta_gbps, reread_cost)
+        decode_us = self._chunk_cut(sp)[1] if self._cut_by_model else self.shared.predict_step_us(sp.chunk_seq)
+        us = sharing.plain_step_us(decode_us, chunk_rereads, page_bytes, cal.beta_gbps, reread_cost)
         if len(self._chunk_times) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_times.pop(next(iter(self._chunk_times)))
         self._chunk_times[id(sp.chunk_seq)] = (sp.chunk_seq, sp.chunk_bt, us, layers)
         return us
+
+    def _chunk_cut(self, sp: sharing.SharingPlan) -> tuple[int | None, float]:
+        """(split count of the longest chunk, predicted µs a layer) of the chunk decode's fastest
+        cut by the time model (``RuntimeOptions.shared_chunk_cut="time_model"``): every count
+        its device-planning route allows whose chunk is at least the calibration's least split
+        (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing structure (its
+        arrays' identity, as :meth:`_chunk_us`): 17 predictions once, not per step. (None, the
+        partition's predicted µs) where the chunk Runtime does not plan on the device-planning
+        policy (its own graphs with host routing: the router picks its route)."""
+        if not self.shared._captured_policy:
+            return None, self.shared.predict_step_us(sp.chunk_seq)
+        hit = self._chunk_cuts.get(id(sp.chunk_seq))
+        if hit is not None and hit[0] is sp.chunk_seq:
+            return hit[1]
+        route = self.plain.registry.device_planning_route(len(sp.chunk_seq), self.shared.router.group_size)
+        # the counts the planning kernel takes as they are (a chunk of at least min_split_tokens)
+        tiles = -(-int(sp.chunk_seq.max()) // TILE_TOKENS)
+        min_tiles = -(-self.shared.calibration.splits.min_split_tokens // TILE_TOKENS)
+        counts = planner.partition_candidates(tiles, route.splits, min_tiles).tolist()
+        best = min((self.shared.predict_step_us(sp.chunk_seq, splits=s), s) for s in counts)
+        if len(self._chunk_cuts) >= 16:   # as many structures as the runs' memo keeps
+            self._chunk_cuts.pop(next(iter(self._chunk_cuts)))
+        self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (best[1], best[0]))
+        return best[1], best[0]
 
     def _extra_us(self, own_gather: bool, *, graphs: bool) -> float:
         """What the shared path adds to its two decodes per layer: measured in graphs (the
