@@ -1130,6 +1130,7 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
             counts = [s for s in route.splits.candidates() if -(-tiles // s) >= min_tiles]
             want = min((predict(sp.chunk_seq, splits=s), s) for s in counts)[1]
             assert pinned == want and rt.shared.step_key[-1] == ("splits", want), i
+            assert f"chunk decode cut at {want} split(s)" in rt.explain() and "cut at" not in default.explain()
             assert sorted(s for s in predicted if s is not None) == ([] if i == 1 else counts), (i, predicted)
             assert default.shared._pinned_splits is None and default.shared.step_key[-1] != ("splits", want)
         q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],

@@ -648,10 +648,13 @@ class SharedPagesRuntime:
         if sp is None:
             why = f"shared pages, but {told}" if p is not None else "no sharing this step"
             return f"SharedPagesRuntime: {why} (plain Runtime)\n" + self.plain.explain()
+        pinned = self.shared._pinned_splits if self._cut_by_model else None
+        cut = (f"; the chunk decode cut at {pinned} split(s) of its longest chunk (the time model's "
+               f"fastest: options.shared_chunk_cut)" if pinned is not None else "")
         return (f"SharedPagesRuntime: {sp.chunk_rows.shape[0]} shared chunk(s) of up to "
                 f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
                 f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)"
-                + (f"; {told}" if told else ""))
+                + (f"; {told}" if told else "") + cut)
 
 
 class _SideStream:
