@@ -1157,3 +1157,49 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
         assert fewest == pref.shared._pinned_splits == 1 < usual
     with pytest.raises(ValueError, match="shared_chunk_cut='model': expected one of 'partition', 'time_model'"):
         RuntimeOptions(shared_chunk_cut="model")
+
+
+def test_the_time_models_cut_never_plans_past_the_planning_grid(fake_device):  # noqa: F811
+    """Twelve chunks of two rows (H_kv 8): a split count the time model might prefer plans more
+    tasks than the chunk Runtime's planning grid holds (the partition never does); such counts
+    are not taken, so the step is planned whole (status 0) and exact, as with the partition."""
+    from paged import make_batch
+    hq, hkv, d, page, groups, prefix_pages, own = 32, 8, 64, 16, 12, 64, 64
+    n = 2 * groups
+    b = make_batch([prefix_pages * page + own] * n, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                   page_size=page, dtype=torch.float16, device="cpu", seed=3)
+    bt = b.block_tables.numpy().copy()
+    for g in range(groups):
+        bt[2 * g + 1, :prefix_pages] = bt[2 * g, :prefix_pages]
+    seq = np.full(n, prefix_pages * page + own, np.int32)
+    want = ref(b.q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))
+    rt = SharedPagesRuntime(hq, hkv, d, page, torch.float16, routes=ROUTES, calibration=SEED, max_batch=32,
+                            max_pages_per_row=128, engine_capture=True, min_saved=0.0,
+                            options=RuntimeOptions(flashinfer=False, shared_when_predicted_faster=False,
+                                                   shared_chunk_cut="time_model"))
+    rt.plan(seq, bt)
+    out = rt.run(b.q, b.k_cache, b.v_cache)
+    sh, chunks = rt.shared, len(rt.plan_used.chunk_seq)
+    assert chunks == groups and sh.device_status(raise_on_error=False) == 0
+    assert hkv * int(sh._d_num_splits[:chunks].sum()) <= sh._step.structure   # within the grid
+    # the counts the grid would not hold were there to be refused: the route allows 4 and more
+    assert hkv * chunks * 4 > sh._step.structure
+    assert rel_err(out, want) < 2e-3
+
+
+def test_a_deferred_planning_launch_cuts_at_its_steps_count(fake_device, pool):  # noqa: F811
+    """Engine capture without num_pages defers the chunk decode's planning launch to the step's
+    first run(): it cuts at the count the step was planned at (its step key's), even where the
+    chunk Runtime was pinned to another count in between."""
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime(engine_capture=True, options=RuntimeOptions(flashinfer=False, shared_when_predicted_faster=False,
+                                                             shared_chunk_cut="time_model"))
+    rt.plan(seq, bt)
+    planned = rt.shared.step_key[-1]
+    assert rt.shared._step.plan_launch is not None and planned[0] == "splits"
+    rt.shared._pin_splits(1 if planned[1] != 1 else 4)   # another count, before the first run()
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+    out = rt.run(q, b.k_cache, b.v_cache)
+    assert int(rt.shared._d_num_splits[:len(rt.plan_used.chunk_seq)].max()) == planned[1]
+    assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3

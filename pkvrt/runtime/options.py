@@ -85,10 +85,12 @@ class RuntimeOptions:
         two levels where the kernel's rule says (default True: at D 96-128 G 13-16 from 9
         splits, G 5-12 from 33; D 256 from 5 and 17; kernels/workqueue_task.cuh); False merges
         every row in one level (the ablation).
-    shared_chunk_cut : :class:`pkvrt.SharedPagesRuntime` only (host lengths): how the chunk
-        decode's step is cut: ``"partition"`` (default: the planning kernel's partition, as every
-        device-planned step) or ``"time_model"`` (the split count of its longest chunk the
-        calibration's time model predicts fastest, once per sharing structure). The partition
+    shared_chunk_cut : :class:`pkvrt.SharedPagesRuntime` only, host lengths with
+        ``engine_capture`` (the device-planning policy; elsewhere the chunk Runtime's router
+        picks its route and this is ignored): how the chunk decode's step is cut:
+        ``"partition"`` (default: the planning kernel's partition, as every device-planned step)
+        or ``"time_model"`` (the split count of its longest chunk the calibration's time model
+        predicts fastest among those that fit the planning grid, once per sharing structure). The partition
         cuts chunk decodes of few rows at 1.3-1.5x the time model's fastest, and two swept H200
         steps agree with the model (benches/NOTES.md, "The chunk decode's cut"); not yet
         measured in a shared step, so not the default.

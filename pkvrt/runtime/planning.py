@@ -428,7 +428,8 @@ class Planning:
             self._capture(key, launch)
         return grid
 
-    def _launch_device_plan(self, route, gbatch: int, grid: int, direct=None) -> None:
+    def _launch_device_plan(self, route, gbatch: int, grid: int, direct=None, *,
+                            pinned: int | None | bool = False) -> None:
         """The planning kernel over the padded batch's buffers; ``direct``: the direct-mode
         arguments of ``ops.plan_workqueue_device`` (``src_*``, ``rows``, ``max_seq``), with which
         the kernel copies the step's lengths and block-table entries from those device tensors
@@ -440,7 +441,9 @@ class Planning:
         launched as it is: the checks and the packing of a 30-field struct are not paid per
         step."""
         src = direct or {}
-        pinned = self._pinned_splits
+        # the split count the step was planned at (a deferred launch: the step's own, even if
+        # the Runtime was pinned again since; False: the Runtime's now, at plan())
+        pinned = self._pinned_splits if pinned is False else pinned
         key = (route.name, gbatch, grid, pinned)
         # what a direct launch checks and packs from its inputs: each tensor's address, shape,
         # strides and dtype, the row count and the longest length (the prepared launch holds no

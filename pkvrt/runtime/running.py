@@ -181,7 +181,7 @@ class Running:
         where = _driver.capture_id() if capturing else "eager"
         if where == st.planned_in:
             return False
-        self._launch_device_plan(*st.plan_launch)
+        self._launch_device_plan(*st.plan_launch, pinned=st.pinned)
         st.planned_in = where
         return True
 

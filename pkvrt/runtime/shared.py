@@ -51,6 +51,7 @@ import torch
 from pkvrt.launch import ops
 from pkvrt._buildspec import TILE_TOKENS
 from pkvrt.policy import planner, sharing
+from pkvrt.runtime import graphs
 from pkvrt.policy.costmodel import launch_us
 from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_shape, check_step,
                                   hnd_view, StepInput)
@@ -363,16 +364,21 @@ class SharedPagesRuntime:
         hit = self._chunk_cuts.get(id(sp.chunk_seq))
         if hit is not None and hit[0] is sp.chunk_seq:
             return hit[1]
-        route = self.plain.registry.device_planning_route(len(sp.chunk_seq), self.shared.router.group_size)
+        rows = len(sp.chunk_seq)
+        route = self.plain.registry.device_planning_route(rows, self.shared.router.group_size)
         # the counts the planning kernel takes as they are (a chunk of at least min_split_tokens)
-        tiles = -(-int(sp.chunk_seq.max()) // TILE_TOKENS)
+        # and whose tasks fit the Runtime's planning grid (the partition never plans more; the
+        # smallest count is kept whatever it plans, as the partition keeps it)
+        tiles = -(-sp.chunk_seq.astype(np.int64) // TILE_TOKENS)
         min_tiles = -(-self.shared.calibration.splits.min_split_tokens // TILE_TOKENS)
-        counts = planner.partition_candidates(tiles, route.splits, min_tiles).tolist()
-        best = min((self.shared.predict_step_us(sp.chunk_seq, splits=s), s) for s in counts)
+        counts = planner.partition_candidates(int(tiles.max()), route.splits, min_tiles).tolist()
+        grid = self.shared._device_grid_tasks(self.shared._dp_routes[route.name], graphs.padded_batch(rows))
+        fits = [s for s in counts if self.num_kv_heads * int((-(-tiles // -(-int(tiles.max()) // s))).sum()) <= grid]
+        us, s = min((self.shared.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits or counts[:1])
         if len(self._chunk_cuts) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_cuts.pop(next(iter(self._chunk_cuts)))
-        self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (best[1], best[0]))
-        return best[1], best[0]
+        self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us))
+        return s, us
 
     def _extra_us(self, own_gather: bool, *, graphs: bool) -> float:
         """What the shared path adds to its two decodes per layer: measured in graphs (the
