@@ -184,11 +184,13 @@ class Planning:
         so the step's layers run on it as more layers of the last step would. Restarts the
         step's run() count, so its first run() does not read the plan early. Returns the last
         decision, or None where plan() must run: no plan in effect, device planning (its lengths
-        live on the GPU), a FlashInfer step (its wrapper's per-step state), or a router's route
+        live on the GPU), a FlashInfer step (its wrapper's per-step state), a plan cut at another
+        pinned split count than the Runtime's now (:meth:`_pin_splits`), or a router's route
         decided at another layer count than the last step ran (the layers per plan plan() would
         weigh host time at; the captured policy's route does not depend on them)."""
         st = self._step
-        if st is None or self.device_planning or st.kind == "flashinfer" or st.pinned != self._pinned_splits:
+        if st is None or self.device_planning or st.kind == "flashinfer" or \
+                st.pinned != self._pinned_splits:
             return None
         if st.runs and st.runs != self._layers and not self._captured_policy:
             return None

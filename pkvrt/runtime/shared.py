@@ -48,11 +48,11 @@ import numbers
 import numpy as np
 import torch
 
-from pkvrt.launch import ops
 from pkvrt._buildspec import TILE_TOKENS
+from pkvrt.launch import ops
 from pkvrt.policy import planner, sharing
-from pkvrt.runtime import graphs
 from pkvrt.policy.costmodel import launch_us
+from pkvrt.runtime import graphs
 from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_shape, check_step,
                                   hnd_view, StepInput)
 from pkvrt.runtime.core import Runtime, _StreamRecorder
@@ -103,7 +103,8 @@ class SharedPagesRuntime:
                              f"chunk at head dim {head_dim}")
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
         self._by_prediction = getattr(runtime_kw.get("options"), "shared_when_predicted_faster", True)
-        self._cut_by_model = getattr(runtime_kw.get("options"), "shared_chunk_cut", "partition") == "time_model"
+        self._cut_by_model = \
+            getattr(runtime_kw.get("options"), "shared_chunk_cut", "partition") == "time_model"
         side = self._side_option = getattr(runtime_kw.get("options"), "shared_side_stream", True)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
@@ -344,7 +345,8 @@ class SharedPagesRuntime:
             return hit[2]
         cal = self.plain.router.cal
         chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
-        decode_us = self._chunk_cut(sp)[1] if self._cut_by_model else self.shared.predict_step_us(sp.chunk_seq)
+        decode_us = self._chunk_cut(sp)[1] if self._cut_by_model else \
+            self.shared.predict_step_us(sp.chunk_seq)
         us = sharing.plain_step_us(decode_us, chunk_rereads, page_bytes, cal.beta_gbps, reread_cost)
         if len(self._chunk_times) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_times.pop(next(iter(self._chunk_times)))
@@ -355,26 +357,28 @@ class SharedPagesRuntime:
         """(split count of the longest chunk, predicted µs a layer) of the chunk decode's fastest
         cut by the time model (``RuntimeOptions.shared_chunk_cut="time_model"``): every count
         its device-planning route allows whose chunk is at least the calibration's least split
-        (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing structure (its
-        arrays' identity, as :meth:`_chunk_us`): 17 predictions once, not per step. (None, the
-        partition's predicted µs) where the chunk Runtime does not plan on the device-planning
-        policy (its own graphs with host routing: the router picks its route)."""
+        (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing
+        structure (its arrays' identity, as :meth:`_chunk_us`): 17 predictions once, not per
+        step. (None, the partition's predicted µs) where the chunk Runtime does not plan on the
+        device-planning policy (its own graphs with host routing: the router picks its route)."""
         if not self.shared._captured_policy:
             return None, self.shared.predict_step_us(sp.chunk_seq)
         hit = self._chunk_cuts.get(id(sp.chunk_seq))
         if hit is not None and hit[0] is sp.chunk_seq:
             return hit[1]
-        rows = len(sp.chunk_seq)
-        route = self.plain.registry.device_planning_route(rows, self.shared.router.group_size)
+        rows, sh = len(sp.chunk_seq), self.shared
+        route = self.plain.registry.device_planning_route(rows, sh.router.group_size)
         # the counts the planning kernel takes as they are (a chunk of at least min_split_tokens)
         # and whose tasks fit the Runtime's planning grid (the partition never plans more; the
         # smallest count is kept whatever it plans, as the partition keeps it)
-        tiles = -(-sp.chunk_seq.astype(np.int64) // TILE_TOKENS)
-        min_tiles = -(-self.shared.calibration.splits.min_split_tokens // TILE_TOKENS)
-        counts = planner.partition_candidates(int(tiles.max()), route.splits, min_tiles).tolist()
-        grid = self.shared._device_grid_tasks(self.shared._dp_routes[route.name], graphs.padded_batch(rows))
-        fits = [s for s in counts if self.num_kv_heads * int((-(-tiles // -(-int(tiles.max()) // s))).sum()) <= grid]
-        us, s = min((self.shared.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits or counts[:1])
+        tiles = -(-int(sp.chunk_seq.max()) // TILE_TOKENS)
+        min_tiles = -(-sh.calibration.splits.min_split_tokens // TILE_TOKENS)
+        counts = planner.partition_candidates(tiles, route.splits, min_tiles).tolist()
+        grid = sh._device_grid_tasks(sh._dp_routes[route.name], graphs.padded_batch(rows))
+        fits = [s for s in counts if planner.balanced_partition(
+            sp.chunk_seq, num_kv_heads=self.num_kv_heads, splits=route.splits, cal=sh.calibration,
+            longest_splits=s).ctas <= grid] or counts[:1]
+        us, s = min((sh.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits)
         if len(self._chunk_cuts) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_cuts.pop(next(iter(self._chunk_cuts)))
         self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us))
