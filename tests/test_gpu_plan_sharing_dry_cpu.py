@@ -155,12 +155,13 @@ def test_a_wrong_plan_fails_the_device_plan_tests(dry, monkeypatch):
 
 def test_a_wrong_merge_fails_the_sharing_tests(dry, monkeypatch):
     """merge_segments writing one element wrong fails the shared-pages step against the FP32
-    reference (eager, engine-captured, and in 64-head chunks) and the kernel test against the torch merge."""
+    reference (eager, engine-captured, in 64-head chunks, and cut by the time model) and the
+    kernel test against the torch merge."""
     corrupt(monkeypatch, "merge_segments", "out", lambda out: out[0, 0, 0].add_(1.0))
     hq, hkv, lens, prefixes = sharing.CASES[0]
-    for capture, wide in ((False, False), (True, False), (False, True)):
+    for capture, chunks in ((False, "default"), (True, "default"), (False, "wide"), (True, "cut")):
         with pytest.raises(AssertionError) as failed:
-            sharing.test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture, wide)
+            sharing.test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture, chunks)
         assert failed.value.args[0][0] > 2e-3        # (err, rt.explain()): the reference check
     with pytest.raises(AssertionError, match="not close"):
         sharing.test_merge_segments_kernel_matches_torch(torch.float16, 64, False)

@@ -42,23 +42,31 @@ CASES = [   # (H_q, H_kv, lens, prefixes)
 ]
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["default chunks", "64-head chunks"])
+@pytest.mark.parametrize("chunks", ["default", "wide", "cut"],
+                         ids=["default chunks", "64-head chunks", "time-model cut"])
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "engine graph"])
 @pytest.mark.parametrize("hq, hkv, lens, prefixes", CASES)
-def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture, wide):
-    """Default chunks (16 heads with the shipped calibration), and chunks of 64 // G rows: the
-    wide decode body (its warps split the chunk's heads)."""
+def test_shared_pages_match_the_reference(hq, hkv, lens, prefixes, capture, chunks):
+    """Default chunks (16 heads with the shipped calibration); chunks of 64 // G rows: the
+    wide decode body (its warps split the chunk's heads); and the chunk decode cut at the time
+    model's split count (``shared_chunk_cut="time_model"``: the planning kernel given one
+    candidate count)."""
     seq, bt = step(lens, prefixes, 8192, seed=len(lens))
     k = torch.randn(8192, hkv, PAGE, 128, device=DEV, dtype=torch.float16)
     v = torch.randn_like(k)
     q = torch.randn(len(lens), hq, 128, device=DEV, dtype=torch.float16)
-    options = (pkvrt.RuntimeOptions(shared_when_predicted_faster=False, shared_chunk_rows=64 * hkv // hq)
-               if wide else ALWAYS)
+    options = {"default": ALWAYS,
+               "wide": pkvrt.RuntimeOptions(shared_when_predicted_faster=False,
+                                            shared_chunk_rows=64 * hkv // hq),
+               "cut": pkvrt.RuntimeOptions(shared_when_predicted_faster=False,
+                                           shared_chunk_cut="time_model")}[chunks]
     rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=16,
                                   max_pages_per_row=bt.shape[1], num_pages=8192,
                                   engine_capture=capture, options=options)
     rt.plan(seq, bt)
     assert rt.plan_used is not None, rt.explain()
+    if chunks == "cut" and capture:   # (eager: the chunk Runtime's own graphs route on the host)
+        assert "the chunk decode cut at" in rt.explain(), rt.explain()
     out = torch.full_like(q, float("nan"))
     if capture:
         from pkvrt.runtime.graphs import capture as capture_step
