@@ -27,21 +27,22 @@ def ref_out(b):
     return reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
 
 
-def run_split(b, splits):
+def run_split(b, splits, q=None, **kw):
     rows = b.q.shape[0]
+    q = b.q if q is None else q
     out = poisoned_like(b.q)
     row_ids = torch.arange(rows, dtype=torch.int32, device="cuda")
     part_a = torch.full((rows * splits, *b.q.shape[1:]), float("nan"), device="cuda")
     part_ml = torch.full((rows * splits, b.q.shape[1], 2), float("nan"), device="cuda")
-    ops.split_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, row_ids, splits, out,
-                     part_a, part_ml)
+    ops.split_decode(q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, row_ids, splits, out,
+                     part_a, part_ml, **kw)
     if splits > 1:
         offsets = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * splits
         ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
     return out
 
 
-def run_workqueue(b, splits, fused=False, capacity_pad=7):
+def run_workqueue(b, splits, fused=False, capacity_pad=7, q=None, **kw):
     hkv = b.k_cache.shape[1]
     tasks, offsets = simple_tasks(b.seq_lens.tolist(), hkv, splits)
     cap = len(tasks) + capacity_pad  # idle slots past num_tasks must exit
@@ -55,8 +56,8 @@ def run_workqueue(b, splits, fused=False, capacity_pad=7):
     part_a = torch.full((slots, *b.q.shape[1:]), float("nan"), device="cuda")
     part_ml = torch.full((slots, b.q.shape[1], 2), float("nan"), device="cuda")
     counters = torch.zeros(b.q.shape[0], hkv, dtype=torch.int32, device="cuda") if fused else None
-    ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, t, num, off, out,
-                         part_a, part_ml, counters=counters)
+    ops.workqueue_decode(b.q if q is None else q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables,
+                         t, num, off, out, part_a, part_ml, counters=counters, **kw)
     if not fused:
         ops.merge(part_a, part_ml, off, out, skip_single=True)
     return out, counters
@@ -96,6 +97,29 @@ def test_all_groups_and_dims_compile_and_agree():
                 ref = ref_out(b)
                 for out in (run_split(b, 4), run_workqueue(b, 4)[0], run_workqueue(b, 4, True)[0]):
                     assert rel_err(out, ref) < TOL[dtype], (d, g, dtype)
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(32, 8, 128), (64, 4, 128), (64, 2, 64), (16, 8, 256)],
+                         ids=["G4", "G16", "G32-wide", "G2-d256"])
+def test_a_folded_query_gather_reads_what_the_gather_would(hq, hkv, d):
+    """q_gather=(source, index): every decode family reads q's rows from the source through the
+    index (q itself is NaN and never read) and writes the same bits as a launch on the gathered
+    q, on the narrow body (G 4, G 16: two 8-row halves) and the wide one (G 32)."""
+    b = make_batch([1, 700, 4100], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
+                   seed=hq * d)
+    rows = b.q.shape[0] * hq
+    src = torch.randn(rows + 37, d, dtype=b.q.dtype, device="cuda")
+    index = torch.randperm(rows + 37, device="cuda")[:rows]          # int64, every row distinct
+    gathered = src[index].view_as(b.q)
+    fold = dict(q=poisoned_like(b.q), q_gather=(src, index))
+    runs = [lambda **kw: run_split(b, 1, **kw), lambda **kw: run_split(b, 7, **kw),
+            lambda **kw: run_workqueue(b, 8, **kw)[0], lambda **kw: run_workqueue(b, 8, fused=True, **kw)[0]]
+    for i, run in enumerate(runs):
+        want = run(q=gathered)
+        got = run(**fold)
+        assert torch.equal(got, want), i
+    b.q.copy_(gathered)
+    assert rel_err(want, ref_out(b)) < TOL[b.q.dtype]
 
 
 def test_large_logits_finite_and_exact():
