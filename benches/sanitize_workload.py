@@ -555,12 +555,16 @@ def sharing_cases() -> list[tuple[str, str, tuple]]:
     nested = tuple(_gpu_tests("test_sharing").CASES[2])
     return [
         ("SharedPagesRuntime, nested prefixes, eager", "test_shared_pages_match_the_reference",
-         nested + (False, False)),
+         nested + (False, "default")),
         ("SharedPagesRuntime, nested prefixes, 64-head chunks", "test_shared_pages_match_the_reference",
-         nested + (False, True)),
+         nested + (False, "wide")),
+        ("SharedPagesRuntime, nested prefixes, engine graph (q read through the chunk index)",
+         "test_shared_pages_match_the_reference", nested + (True, "default")),
         ("find_shared against its twin (300 rows, C 16)", "test_find_shared_kernel_matches_its_twin", (2,)),
         ("SharedPagesRuntime device lengths, nested prefixes",
          "test_device_lengths_shared_pages_match_the_reference", nested + (False,)),
+        ("SharedPagesRuntime device lengths, nested prefixes, engine graph",
+         "test_device_lengths_shared_pages_match_the_reference", nested + (True,)),
     ]
 
 

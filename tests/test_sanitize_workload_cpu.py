@@ -74,8 +74,9 @@ def test_the_decode_and_fp8_sweeps_match_on_every_shape(workload, capsys, quick)
 
 def test_every_sharing_case_binds_to_its_test_function(workload, monkeypatch):
     """The sanitizer calls tests/gpu/test_sharing.py's functions by name with positional
-    arguments: each must still take exactly those (a test that grows a parameter would otherwise
-    show up only as a BAD line on the GPU)."""
+    arguments: each must still take exactly those, each argument it parametrizes one of its
+    values (a test that grows or changes a parameter would otherwise show up only as a BAD line
+    on the GPU)."""
     import inspect
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # its module-level skip
@@ -85,4 +86,13 @@ def test_every_sharing_case_binds_to_its_test_function(workload, monkeypatch):
     cases = workload.sharing_cases()
     assert len({name for name, _, _ in cases}) == len(cases)
     for name, test, args in cases:
-        inspect.signature(getattr(mod, test)).bind(*args)
+        fn = getattr(mod, test)
+        bound = inspect.signature(fn).bind(*args).arguments
+        # each argument the GPU test parametrizes is one of its parametrized values
+        for mark in getattr(fn, "pytestmark", []):
+            if mark.name != "parametrize":
+                continue
+            names = [n.strip() for n in mark.args[0].split(",")]
+            got = tuple(bound[n] for n in names)
+            values = [tuple(v) if len(names) > 1 else (v,) for v in mark.args[1]]
+            assert got in values, (name, names, got)

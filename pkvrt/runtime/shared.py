@@ -391,21 +391,25 @@ class SharedPagesRuntime:
     def _extra_us(self, own_gather: bool, *, graphs: bool, chunk_reads_q: bool) -> float:
         """What the shared path adds to its two decodes per layer: measured in graphs (the
         calibration's ``sharing.overhead_us``, measured with every row's own segment read in
-        place and the chunk queries gathered by a launch of their own: one launch less where the
-        chunk decode reads q through the index, ``chunk_reads_q``; an own gather is one launch
-        more), or its launches alone (the merge and the gathers; eager launches: the overhead
-        was not measured so)."""
+        place, and with or without a chunk query gather of its own: ``overhead_gathered``; a
+        launch more or less where this step differs, ``chunk_reads_q``; an own gather is one
+        launch more), or its launches alone (the merge and the gathers; eager launches: the
+        overhead was not measured so)."""
         cal = self.plain.router.cal
         lam = launch_us(cal, graphs=graphs)
+        chunk_gather = not chunk_reads_q
         measured = cal.sharing.overhead_us if cal.sharing is not None and graphs else None
-        gathers = int(own_gather) + int(not chunk_reads_q)
-        return (1 + gathers) * lam if measured is None else max(measured - lam, 0.0) + gathers * lam
+        if measured is None:
+            return (1 + int(chunk_gather) + int(own_gather)) * lam
+        moved = int(chunk_gather) - int(cal.sharing.overhead_gathered) + int(own_gather)
+        return max(measured + moved * lam, 0.0)
 
     def _chunk_reads_q(self) -> bool:
         """Whether the chunk decode's kernels read the chunk queries from q through the index
         (``Runtime.run(_q_gather=)``): the chunk Runtime launches into the caller's stream or
         graph (engine capture, or no graphs of its own); its own graphs read their static q,
-        which a gather fills."""
+        which a gather fills. (A chunk step the chunk Runtime's host routing sends to FlashInfer
+        is gathered too; the rule counts it as read in place.)"""
         return self.shared.engine_capture or not self.shared.use_cuda_graph
 
     def _page_bytes(self) -> int:
@@ -449,7 +453,7 @@ class SharedPagesRuntime:
         if why is not None:
             hit = (None, why, None)
         else:
-            cal_row = self.plain.calibration
+            cal_row, reads_q = self.plain.calibration, self._chunk_reads_q()
             common = dict(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                           dtype_bytes=self.plain.router.dtype_bytes, graphs=True)
             rule = sharing.SharingRule(
@@ -458,11 +462,12 @@ class SharedPagesRuntime:
                                          splits=chunk_route.splits, **common),
                 page_size=self.page_size, margin=self.plain.registry.sharing_device_margin,
                 l2_saved_us=(1.0 - self._reread_cost()) * self._page_bytes() / (cal_row.beta_gbps * 1e3),
-                extra_us=self._extra_us(False, graphs=True, chunk_reads_q=True),
+                extra_us=self._extra_us(False, graphs=True, chunk_reads_q=reads_q),
                 # run plain, the step still launches the merge (and the idle chunk decode, beside
-                # the own decode on the side stream, else after it; in a capture its kernels read
-                # q through the index: no gather launch)
-                plain_extra_us=(1 if self._side_option else 2) * cal_row.lambda_graph_us)
+                # the own decode on the side stream, else after it), and the chunk query gather
+                # where the chunk decode does not read q through the index
+                plain_extra_us=(1 + int(not self._side_option) + int(not reads_q))
+                * cal_row.lambda_graph_us)
             hit = (rule, None, (self._cands[route.name], self._cands[chunk_route.name]))
         self._rules[rows] = hit
         return hit

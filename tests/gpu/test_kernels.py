@@ -7,6 +7,7 @@ leaves an output element unwritten, fails here.
 
 import math
 
+import attrs
 import pytest
 import torch
 
@@ -99,27 +100,37 @@ def test_all_groups_and_dims_compile_and_agree():
                     assert rel_err(out, ref) < TOL[dtype], (d, g, dtype)
 
 
-@pytest.mark.parametrize("hq, hkv, d", [(32, 8, 128), (64, 4, 128), (64, 2, 64), (16, 8, 256)],
-                         ids=["G4", "G16", "G32-wide", "G2-d256"])
-def test_a_folded_query_gather_reads_what_the_gather_would(hq, hkv, d):
+@pytest.mark.parametrize("hq, hkv, d, fp8", [
+    (32, 8, 128, False), (48, 4, 128, False), (64, 4, 128, False), (40, 2, 128, False),
+    (80, 2, 64, False), (64, 2, 64, False), (16, 8, 256, False), (32, 8, 128, True), (48, 4, 128, True)],
+    ids=["G4", "G12", "G16", "G20-wide", "G40-wide", "G32-wide", "G2-d256", "G4-e4m3", "G12-e4m3"])
+def test_a_folded_query_gather_reads_what_the_gather_would(hq, hkv, d, fp8):
     """q_gather=(source, index): every decode family reads q's rows from the source through the
     index (q itself is NaN and never read) and writes the same bits as a launch on the gathered
-    q, on the narrow body (G 4, G 16: two 8-row halves) and the wide one (G 32)."""
+    q: the narrow body with full and partial 8-row halves (G 4, 12, 16), the wide one with
+    partial head groups and warps that only copy (G 20, 32, 40), D 256, and e4m3 K/V."""
     b = make_batch([1, 700, 4100], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
-                   seed=hq * d)
+                   dtype=torch.float32 if fp8 else torch.float16, seed=hq * d)
+    kw = {}
+    if fp8:
+        k, ks = reference.quantize_kv(b.k_cache, per_head=True)
+        v, vs = reference.quantize_kv(b.v_cache, per_head=False)
+        b = attrs.evolve(b, q=b.q.half(), k_cache=k, v_cache=v)
+        kw = dict(k_scale=ks, v_scale=vs)
     rows = b.q.shape[0] * hq
     src = torch.randn(rows + 37, d, dtype=b.q.dtype, device="cuda")
     index = torch.randperm(rows + 37, device="cuda")[:rows]          # int64, every row distinct
     gathered = src[index].view_as(b.q)
-    fold = dict(q=poisoned_like(b.q), q_gather=(src, index))
-    runs = [lambda **kw: run_split(b, 1, **kw), lambda **kw: run_split(b, 7, **kw),
-            lambda **kw: run_workqueue(b, 8, **kw)[0], lambda **kw: run_workqueue(b, 8, fused=True, **kw)[0]]
+    runs = [lambda **a: run_split(b, 1, **a, **kw), lambda **a: run_split(b, 7, **a, **kw),
+            lambda **a: run_workqueue(b, 8, **a, **kw)[0],
+            lambda **a: run_workqueue(b, 8, fused=True, **a, **kw)[0]]
     for i, run in enumerate(runs):
         want = run(q=gathered)
-        got = run(**fold)
+        got = run(q=poisoned_like(b.q), q_gather=(src, index))
         assert torch.equal(got, want), i
-    b.q.copy_(gathered)
-    assert rel_err(want, ref_out(b)) < TOL[b.q.dtype]
+    ref = reference.decode_attention(gathered, b.k_cache, b.v_cache, b.seq_lens, b.block_tables,
+                                     **({"k_scale": kw["k_scale"], "v_scale": kw["v_scale"]} if fp8 else {}))
+    assert not torch.isnan(want).any() and rel_err(want, ref) < TOL[torch.float16]
 
 
 def test_large_logits_finite_and_exact():
