@@ -95,7 +95,7 @@ class RuntimeOptions:
         steps agree with the model (benches/NOTES.md, "The chunk decode's cut"); not yet
         measured in a shared step, so not the default.
     shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
-        (and its query gather) on a stream of its own beside the own decode, joined before the
+        (and its query gather, where it has one) on a stream of its own beside the own decode, joined before the
         merge (default True: the two decodes read the same q and caches and write their own
         states, so neither waits for the other's tail); False runs them one after the other on
         the caller's stream (the ablation).
