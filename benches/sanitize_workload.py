@@ -558,7 +558,7 @@ def sharing_cases() -> list[tuple[str, str, tuple]]:
          nested + (False, "default")),
         ("SharedPagesRuntime, nested prefixes, 64-head chunks", "test_shared_pages_match_the_reference",
          nested + (False, "wide")),
-        ("SharedPagesRuntime, nested prefixes, engine graph (q read through the chunk index)",
+        ("SharedPagesRuntime, nested prefixes, engine graph",
          "test_shared_pages_match_the_reference", nested + (True, "default")),
         ("find_shared against its twin (300 rows, C 16)", "test_find_shared_kernel_matches_its_twin", (2,)),
         ("SharedPagesRuntime device lengths, nested prefixes",

@@ -279,8 +279,7 @@ def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
             rt.run(st.q[l], st.k[l], st.v[l], out=st.out[l])
     row = timed(st, None, body)
     row.update(plan_host_us_first=plan_us, explain=rt.explain(), shared=rt.plan_used is not None,
-               predicted=rt.sharing_prediction,
-               chunk_gather=not rt._chunk_reads_q())   # a query gather launch beside the chunk decode
+               predicted=rt.sharing_prediction)
     if rt.plan_used is not None:   # the chunk decode's cut: its longest chunk's splits
         row["chunk_splits"] = rt.shared._pinned_splits if cut != "partition" else None
     if row["status"] == "ok" and rt.plan_used is not None and side_stream:   # (serial: the same parts)
@@ -291,7 +290,7 @@ def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
 def parts_us(rt, st: Step) -> dict:
     """Where a shared step's time goes: its chunk decode's 32 layers alone and its own decode's
     alone, each captured and timed as the whole step is (``harness.median_us``); the rest of
-    ``median_us`` is the merges, the query gathers where there are any (``chunk_gather``), and the launch boundaries between them, less
+    ``median_us`` is the query gathers, the merges and the launch boundaries between them, less
     what the two decodes overlap (the chunk decode on its side stream). The
     parts read the Runtimes' static buffers as the step does (their outputs are not checked:
     the whole step was). ``parts_error`` instead where a part fails."""
@@ -372,14 +371,13 @@ def fit_l2(files, base: str, write: str, argv) -> int:
     cal, reg = load_calibration(base), load_routes()
     router = Router(reg, cal, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D, page_size=PAGE)
     page_bytes = 2 * H_KV * PAGE * D * 2
-    steps, lines, overheads, gathered = [], [], [], set()
+    steps, lines, overheads = [], [], []
     for f in files:
         for row in json.loads(Path(f).read_text())["rows"]:
             if row.get("engine") == "pkvrt-shared-always" and row.get("status") == "ok" \
                     and "chunk_us" in row and "own_us" in row:
                 # the shared step beyond its two decodes (each timed alone, as the step is)
                 overheads.append((row["median_us"] - row["chunk_us"] - row["own_us"]) / LAYERS)
-                gathered.add(row.get("chunk_gather", True))   # (rows before 2026-12-07 gathered)
                 lines.append(f"{row['case']:<26} shared step beyond its decodes {overheads[-1]:6.1f} us "
                              f"({Path(f).name})")
             if row.get("engine") != "pkvrt-device-plan" or row.get("status") != "ok" \
@@ -403,9 +401,6 @@ def fit_l2(files, base: str, write: str, argv) -> int:
            f"time model's prediction of each against its measured time per layer; worst error of "
            f"the fitted plain-step model {100 * err:.1f} %.")
     overhead = None
-    if len(gathered) > 1:
-        raise ValueError("shared_pages --fit-l2: the pkvrt-shared-always rows mix steps with and "
-                         "without a chunk query gather launch (their chunk_gather): fit one kind")
     if overheads:   # the median: robust to one step's noise; never below 0 (a step timed whole
         # can overlap its parts more than they did alone)
         overhead = max(0.0, round(float(np.median(overheads)), 2))
@@ -416,8 +411,7 @@ def fit_l2(files, base: str, write: str, argv) -> int:
                 f"alone), {min(overheads):.1f}..{max(overheads):.1f} us.")
     sec = SharingCost(l2_reread_cost=round(cost, 4), date=datetime.date.today().isoformat(),
                       command="python benches/shared_pages.py " + " ".join(argv or sys.argv[1:]),
-                      provenance=src, overhead_us=overhead,
-                      overhead_gathered=bool(gathered.pop()) if gathered else True)
+                      provenance=src, overhead_us=overhead)
     save_calibration(attrs.evolve(cal, sharing=sec), write)
     print(f"wrote {write}")
     return 0

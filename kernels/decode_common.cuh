@@ -160,8 +160,6 @@ struct DecodeParams {
   int merge_groups_from;      // with group_counters: 0, two levels where the kernel's rule says
                               // (two_level_tail); N >= 2, from N splits of a (row, kvh) (G 5-16
                               // at D 96-256, the classes that have the two-level tail)
-  const long long* q_index;   // null, or [B * H_q]: head h of row r reads row q_index[r * H_q + h]
-                              // of q viewed [N, D] (a query gather folded into the decode)
 };
 
 // Block-wide exclusive scan of x (one value per thread) over a block of 1024 threads (32 warps:
@@ -733,33 +731,25 @@ __device__ __forceinline__ ScoreScale score_scale(const DecodeParams& p, int kvh
 template <int D, typename KV>
 __host__ __device__ constexpr int o_tiles() { return is_fp8<KV>() ? D / 16 : D / 8; }
 
-// Head h of batch row `row` of q: q[row, h], or row q_index[row * H_q + h] of q viewed [N, D]
-// where the caller folded a query gather into the decode (p.q_index set).
-template <typename T, int D>
-__device__ __forceinline__ const T* q_head(const DecodeParams& p, int row, int h) {
-  const long long i = (long long)row * p.num_qo_heads + h;
-  return static_cast<const T*>(p.q) + (p.q_index != nullptr ? p.q_index[i] : i) * D;
-}
-
-// Q of up to 16 heads as A fragments: qa of row grp (head h of batch row `row`), qb of row
-// grp + 8 (head h + 8; R = 2), zero for rows >= `rows` (whose heads are not read).
+// Q of up to 16 heads as A fragments: qa of row grp (the head at qh), qb of row grp + 8 (at
+// qh + 8 * D; R = 2), zero for rows >= `rows`. qh points at head grp of the 16.
 template <typename T, typename KV, int D, int R>
 __device__ __forceinline__ void load_q_frags(unsigned (&qa)[D / 16][2], unsigned (&qb)[D / 16][2],
-                                             const DecodeParams& p, int row, int h, int rows,
-                                             int grp, int tig) {
-  const bool a = grp < rows, b = R == 2 && grp + 8 < rows;
-  const T* qh = a ? q_head<T, D>(p, row, h) : nullptr;
-  const T* qh8 = b ? q_head<T, D>(p, row, h + 8) : nullptr;
+                                             const T* qh, int rows, int grp, int tig) {
   if constexpr (is_fp8<KV>()) {
-    q_frags_e4m3<T, D>(qa, qh, a, tig);
-    q_frags_e4m3<T, D>(qb, qh8, b, tig);
+    q_frags_e4m3<T, D>(qa, qh, grp < rows, tig);
+    q_frags_e4m3<T, D>(qb, qh + 8 * D, R == 2 && grp + 8 < rows, tig);
   } else {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      qa[kk][0] = a ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
-      qa[kk][1] = a ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
-      qb[kk][0] = b ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 2 * tig) : 0u;
-      qb[kk][1] = b ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 8 + 2 * tig) : 0u;
+      qa[kk][0] = grp < rows ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 2 * tig) : 0u;
+      qa[kk][1] = grp < rows ? *reinterpret_cast<const unsigned*>(qh + kk * 16 + 8 + 2 * tig) : 0u;
+      qb[kk][0] = qb[kk][1] = 0u;   // rows 8..15: left out of the mma when R = 1
+      if constexpr (R == 2) {
+        const T* qh8 = qh + 8 * D;
+        qb[kk][0] = grp + 8 < rows ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 2 * tig) : 0u;
+        qb[kk][1] = grp + 8 < rows ? *reinterpret_cast<const unsigned*>(qh8 + kk * 16 + 8 + 2 * tig) : 0u;
+      }
     }
   }
 }
@@ -1024,7 +1014,8 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
   E4m3Frags frags{};  // e4m3 only
   if constexpr (kFp8) frags = e4m3_frags<D>(grp, tig);
   unsigned qa[D / 16][2], qb[D / 16][2];
-  load_q_frags<T, KV, D, R>(qa, qb, p, row, h0 + grp, G, grp, tig);
+  load_q_frags<T, KV, D, R>(qa, qb, static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + grp) * D,
+                            G, grp, tig);
   const ScoreScale sc = score_scale<KV>(p, kvh);
 
   float o[R][NO][4];
@@ -1163,7 +1154,9 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
   E4m3Frags frags{};
   if constexpr (kFp8) frags = e4m3_frags<D>(grp, tig);
   unsigned qa[D / 16][2], qb[D / 16][2];
-  load_q_frags<T, KV, D, 2>(qa, qb, p, row, h0 + 16 * hg + grp, computes ? rows : 0, grp, tig);
+  load_q_frags<T, KV, D, 2>(
+      qa, qb, static_cast<const T*>(p.q) + ((long long)row * p.num_qo_heads + h0 + 16 * hg + grp) * D,
+      computes ? rows : 0, grp, tig);
   const ScoreScale sc = score_scale<KV>(p, kvh);
 
   float o[2][NO][4];

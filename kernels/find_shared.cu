@@ -36,8 +36,7 @@
 //   plain  = T(plain decode of the step's lengths) - l2_saved_us * (pages each row shares with
 //            its leader, summed over the rows that are not leaders: what the plain step re-reads)
 //            + plain_extra_us (the shared path's launches run whatever the decision: a step run
-//            plain still has its idle chunk decode and merge, and a query gather where the
-//            chunk decode does not read q through its index)
+//            plain still has its query gather, idle chunk decode and merge)
 //   shared = T(chunk decode of the chunks' prefixes) - l2_saved_us * (each leader's chunks'
 //            prefixes less its longest: the chunks' own re-reads) + T(own decode) + extra_us
 // Otherwise every chunk is dropped and the outputs are the plain step's (no chunk state, every

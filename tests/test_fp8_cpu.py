@@ -229,26 +229,6 @@ def test_launch_wrappers_pass_good_scales_on_to_the_device_check():
         ops.check_attention_args(a["q"], k16, k16, a["out"], a["k_scale"], None)
 
 
-def test_a_folded_query_gather_is_checked_and_carried():
-    """ops' q_gather (source, index): the kernels read q's rows from the source through the
-    index; a source of another dtype or head dim, a strided one, an index that is not int64 or
-    is shorter than B * H_q is refused naming q_gather, and nothing is set."""
-    q = torch.zeros(2, 8, 64, dtype=torch.float16)
-    src, index = torch.zeros(3, 8, 64, dtype=torch.float16), torch.zeros(16, dtype=torch.int64)
-    p = ops.DecodeParams()
-    ops._q_gather_params(p, q, None)
-    assert not p.q_index
-    ops._q_gather_params(p, q, (src, index))
-    assert (p.q, p.q_index) == (src.data_ptr(), index.data_ptr())
-    for bad in ((src.bfloat16(), index), (torch.zeros(3, 8, 128, dtype=torch.float16), index),
-                (torch.zeros(3, 16, 64, dtype=torch.float16)[:, ::2], index),
-                (src, index.int()), (src, index[:15]), (src, index.view(2, 8))):
-        p = ops.DecodeParams()
-        with pytest.raises(ops.KernelArgumentError, match="q_gather: expected"):
-            ops._q_gather_params(p, q, bad)
-        assert not p.q and not p.q_index
-
-
 def test_decode_params_carry_the_scale_pointers_and_shapes():
     a = cpu_fp8_args()
     i32 = torch.zeros(2, dtype=torch.int32)

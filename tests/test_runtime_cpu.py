@@ -542,7 +542,6 @@ class Emu:
         self.prepared = 0   # planning launches prepared (ops.PreparedLaunch), each run later
         self.early = []   # early_kv of every workqueue launch
         self.two_level = []   # whether each workqueue launch was given the two-level tail's counters
-        self.gathered = []   # whether each decode launch read q through a folded gather
         # decode CTAs resident per SM by (family, head_dim): 2 everywhere unless a test sets some
         self.occupancy: dict[tuple[str, int], int] = {}
 
@@ -566,23 +565,11 @@ class Emu:
         if lse is not None:
             lse[row, heads] = ls
 
-    def _q(self, q, q_gather):
-        """The q the kernels read: q, or with a folded gather (source, index) the source's rows
-        by the index (q's own contents are then never read)."""
-        self.gathered.append(q_gather is not None)
-        if q_gather is None:
-            return q
-        src, index = q_gather
-        assert index.dtype == torch.int64 and src.dtype == q.dtype and src.is_contiguous()
-        d = q.shape[2]
-        return src.reshape(-1, d)[index[:q.shape[0] * q.shape[1]]].view(q.shape)
-
     def split_decode(self, q, k, v, seq, bt, row_ids, s, out, pa=None, pm=None, sm_scale=None, *,
                      k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=0.0, sinks=None,
-                     lse=None, q_gather=None):
+                     lse=None):
         ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
-        q = self._q(q, q_gather)
         if s > 1 and pa.shape[0] < row_ids.shape[0] * s:
             raise ops.KernelArgumentError("part_a too small")
         scale = sm_scale or 1 / math.sqrt(q.shape[2])
@@ -640,10 +627,9 @@ class Emu:
     def workqueue_decode(self, q, k, v, seq, bt, tasks, num_tasks, offsets, out, pa, pm,
                          sm_scale=None, counters=None, early_kv=False, *, k_scale=None, v_scale=None,
                          logits_soft_cap=0.0, sinks=None, lse=None, group_counters=None,
-                         merge_groups_from=0, q_gather=None):
+                         merge_groups_from=0):
         ops.check_kv_scales(k, v, k_scale, v_scale, q=q, out=out)   # the wrapper's first check
         self.launches += 1
-        q = self._q(q, q_gather)
         self.early.append(bool(early_kv))
         self.two_level.append(group_counters is not None)
         if group_counters is not None:   # the two-level tail's counters: a slot's per KV head, zero

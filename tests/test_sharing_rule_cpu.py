@@ -135,15 +135,14 @@ def test_the_l2_credit_moves_the_plain_prediction_by_the_rereads(fake_device, h2
     per_read = (1 - sec.l2_reread_cost) * page_bytes / (h200_with_sharing.beta_gbps * 1e3)
     assert got["none"]["plain_us"] - got["fit"]["plain_us"] == pytest.approx(per_read * rereads)
     # the shared side: 8 rows are two chunks of 4 (16 query heads), both reading the prefix (one
-    # chunk's reads are re-reads: the same credit), and the measured overhead less the chunk
-    # gather's launch (engine capture: the chunk decode reads q through the index) in place of
-    # the merge's launch
+    # chunk's reads are re-reads: the same credit), and the measured overhead in place of the
+    # chunk gather's and the merge's launches
     assert sec.overhead_us is not None
     lam = h200_with_sharing.lambda_graph_us
     assert got["none"]["shared_us"] - got["fit"]["shared_us"] == pytest.approx(
-        per_read * (8192 // PAGE) + lam - (sec.overhead_us - lam))
-    # eager launches (no graphs): the overhead, measured in graphs, is not used; the launch (the
-    # merge: the chunk decode reads q through the index) is counted at lambda_us
+        per_read * (8192 // PAGE) + 2 * lam - sec.overhead_us)
+    # eager launches (no graphs): the overhead, measured in graphs, is not used; the launches
+    # are counted at lambda_us
     eager = SharedPagesRuntime(32, 8, 128, PAGE, torch.float16, max_batch=8, max_pages_per_row=bt.shape[1],
                                num_pages=n, routes=ROUTES, calibration=h200_with_sharing,
                                options=RuntimeOptions(flashinfer=False, use_cuda_graph=False))
@@ -151,34 +150,8 @@ def test_the_l2_credit_moves_the_plain_prediction_by_the_rereads(fake_device, h2
     eager.plan(seq, bt)
     sp = sharing.plan_sharing(seq, bt, PAGE, 4, capacity=16)   # two chunks of 4 rows
     want = (eager.shared.predict_step_us(sp.chunk_seq) - per_read * (8192 // PAGE)
-            + eager.own.predict_step_us(sp.own_seq) + h200_with_sharing.lambda_us)
+            + eager.own.predict_step_us(sp.own_seq) + 2 * h200_with_sharing.lambda_us)
     assert eager.sharing_prediction["shared_us"] == pytest.approx(want)
-
-
-def test_the_measured_overhead_counts_the_chunk_gather_where_the_step_differs(fake_device, h200_with_sharing):  # noqa: F811
-    """sharing.overhead_us measured on steps that gathered the chunk queries with a launch of
-    their own (overhead_gathered, the shipped files) counts one graph launch less on a step
-    whose chunk decode reads q through the index (engine capture); measured without one, as it
-    stands. The device rule's constants follow the same accounting."""
-    seq, bt, n = prefix_step(8, 8192, 512)
-    got, rules = {}, {}
-    for gathered in (True, False):
-        cal = attrs.evolve(h200_with_sharing,
-                           sharing=attrs.evolve(h200_with_sharing.sharing, overhead_gathered=gathered))
-        rt = shared_runtime(cal, 8, n, bt.shape[1])
-        assert rt._chunk_reads_q()
-        rt.plan(seq, bt)
-        got[gathered] = rt.sharing_prediction["shared_us"]
-        dev = SharedPagesRuntime(32, 8, 128, PAGE, torch.float16, max_batch=8, max_pages_per_row=bt.shape[1],
-                                 num_pages=n, device_planning=True, routes=ROUTES, calibration=cal,
-                                 options=RuntimeOptions(flashinfer=False, use_cuda_graph=False))
-        assert dev._chunk_reads_q()
-        rules[gathered] = dev.device_rule(8)
-    lam = h200_with_sharing.lambda_graph_us
-    assert got[False] - got[True] == pytest.approx(lam)
-    assert rules[False].extra_us - rules[True].extra_us == pytest.approx(lam)
-    assert rules[True].extra_us == pytest.approx(h200_with_sharing.sharing.overhead_us - lam)
-    assert rules[True].plain_extra_us == pytest.approx(lam)   # the merge (the side stream's idle decode beside)
 
 
 def test_plain_step_us_and_the_fit():
@@ -205,9 +178,7 @@ def test_plain_step_us_and_the_fit():
     ({"l2_reread_cost": 0}, "sharing.l2_reread_cost", "a finite positive number"),
     ({"l2_reread_cost": "0.6"}, "sharing.l2_reread_cost", "a number"),
     ({"l2_reread_cost": None}, "sharing.l2_reread_cost", "present (missing)"),
-    ({"extra": 1}, "sharing.extra", "'overhead_us', 'overhead_gathered'] (unknown key)"),
-    ({"overhead_us": 3.0, "overhead_gathered": 1}, "sharing.overhead_gathered", "true or false"),
-    ({"overhead_gathered": False}, "sharing.overhead_gathered", "only beside sharing.overhead_us"),
+    ({"extra": 1}, "sharing.extra", "'overhead_us'] (unknown key)"),
     ({"date": "today"}, "sharing.date", "an ISO date"),
     ({"overhead_us": -1.0}, "sharing.overhead_us", "a finite number >= 0"),
     ({"overhead_us": "14"}, "sharing.overhead_us", "a number"),
@@ -257,19 +228,6 @@ def test_fit_l2_writes_the_section_and_keeps_the_rest(tmp_path):
     assert sec["overhead_us"] == pytest.approx(12.0)   # the median
     loaded = C.load_calibration(out).sharing
     assert (loaded.l2_reread_cost, loaded.overhead_us) == (sec["l2_reread_cost"], sec["overhead_us"])
-    assert loaded.overhead_gathered and "overhead_gathered" not in sec   # rows without the field
-    # rows measured with the chunk decode reading q through its index: written so
-    res.write_text(json.dumps({"meta": {}, "rows": rows + [dict(r, chunk_gather=False) for r in shared]}))
-    assert bench.main(["--fit-l2", str(res), "--calibration", H200, "--write", str(out)]) == 0
-    assert json.loads(out.read_text())["sharing"]["overhead_gathered"] is False
-    assert not C.load_calibration(out).sharing.overhead_gathered
-    # rows of both kinds: refused, nothing written
-    out.unlink()
-    res.write_text(json.dumps({"meta": {}, "rows": rows + shared[:1] + [dict(r, chunk_gather=False) for r in shared[1:]]}))
-    with pytest.raises(ValueError, match="mix steps with and without a chunk query gather"):
-        bench.main(["--fit-l2", str(res), "--calibration", H200, "--write", str(out)])
-    assert not out.exists()
-    res.write_text(json.dumps({"meta": {}, "rows": rows + shared}))
     # a whole step faster than its parts alone (their overlap): the overhead is 0, not negative
     fast = [dict(r, median_us=r["chunk_us"] + r["own_us"] - 64.0) for r in shared]
     res.write_text(json.dumps({"meta": {}, "rows": rows + fast}))

@@ -64,14 +64,8 @@ def test_shared_pages_are_exact(fake_device, pool, lens, prefix, groups, engine_
     assert rt._own_identity == (engine_capture and sp.own_rows.size == len(lens))
     q = torch.randn(len(lens), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
                     generator=torch.Generator().manual_seed(len(lens))).half()
-    rt.shared._sq.fill_(float("nan"))   # read only where the chunk decode replays its own graphs
-    fake_device.gathered.clear()
     out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
     assert rel_err(out, ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3
-    # with engine capture the chunk decode's kernel reads q through the index (no gather launch,
-    # its static q untouched); its own graphs read the static q, which one gather fills
-    assert any(fake_device.gathered) == engine_capture
-    assert torch.isnan(rt.shared._sq).all() == engine_capture
     out2 = rt.run(q, *cache)                     # a second layer: the same static buffers
     assert torch.equal(out2, out)
     for inner in (rt.shared, rt.own):            # the decodes ran on their static q/out

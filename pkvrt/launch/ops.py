@@ -66,7 +66,6 @@ class DecodeParams(ctypes.Structure):
         ("softcap_scale", ctypes.c_float), ("softcap_log2", ctypes.c_float),
         ("sinks", ctypes.c_void_p), ("lse", ctypes.c_void_p),
         ("group_counters", ctypes.c_void_p), ("merge_groups_from", ctypes.c_int),
-        ("q_index", ctypes.c_void_p),
     ]
 
 
@@ -302,33 +301,10 @@ def _decode_params(q, k_cache, v_cache, out, part_a, part_ml, seq_lens, block_ta
     return p
 
 
-def _q_gather_params(p, q: torch.Tensor, q_gather) -> None:
-    """A query gather folded into the decode: ``q_gather`` = (source, index), q's head h of row r
-    read as row ``index[r * H_q + h]`` of ``source`` viewed [N, D] (``q`` then only gives the
-    shape; its contents are not read). source: contiguous, q's dtype, device and head dim,
-    16-byte aligned; index: contiguous int64 of at least B * H_q entries on q's device. The
-    index values are not read on the host: each must be in [0, N) (the caller's plan, or
-    kernels/find_shared.cu, writes them)."""
-    if q_gather is None:
-        return
-    src, index = q_gather
-    if not isinstance(src, torch.Tensor) or src.dtype != q.dtype or src.device != q.device \
-            or not src.is_contiguous() or src.dim() < 2 or src.shape[-1] != q.shape[2] \
-            or src.data_ptr() % 16:
-        _fail("q_gather", f"a contiguous 16-byte aligned {q.dtype} [..., {q.shape[2]}] source on {q.device}",
-              f"{getattr(src, 'dtype', type(src).__name__)} {tuple(getattr(src, 'shape', ()))}")
-    want = q.shape[0] * q.shape[1]
-    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.device != q.device \
-            or index.dim() != 1 or not index.is_contiguous() or index.shape[0] < want:
-        _fail("q_gather", f"a contiguous int64 index of >= {want} entries on {q.device}",
-              f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
-    p.q, p.q_index = src.data_ptr(), index.data_ptr()
-
-
 def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_splits: int, out,
                  part_a=None, part_ml=None, sm_scale: float | None = None, *, k_scale=None,
                  v_scale=None, window_left: int = -1, logits_soft_cap: float = 0.0, sinks=None,
-                 lse=None, q_gather=None) -> None:
+                 lse=None) -> None:
     """Sequence-split decode over the rows ``row_ids`` (one bucket), grid (S, H_kv, rows).
 
     q [B, H_q, D] fp16/bf16; k_cache, v_cache [P, H_kv, page, D], q's dtype or float8_e4m3fn;
@@ -345,9 +321,6 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
     [H_q], one logit per head in the softmax denominator) and lse (float32 [B, H_q], each row's
     log2-sum-exp of its scores, written) apply where O is written here (num_splits == 1);
     with more splits pass sinks and lse to :func:`merge`.
-
-    q_gather: None, or (source, index): q's rows read from ``source`` through ``index`` (a
-    query gather folded into the decode; :func:`_q_gather_params`).
     """
     tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_splits < 1:
@@ -361,7 +334,6 @@ def split_decode(q, k_cache, v_cache, seq_lens, block_tables, row_ids, num_split
     p.num_splits = num_splits
     _variant_params(p, q, window_left=window_left, logits_soft_cap=logits_soft_cap,
                     sm_scale=sm_scale, sinks=sinks, lse=lse, lse_rows=out.shape[0])
-    _q_gather_params(p, q, q_gather)
     k = _driver.get_kernel("split_decode", _buildspec.symbol("split_decode", tag, d, g, kv_tag),
                            decode_smem_bytes(d, g, k_cache.element_size()))
     _driver.launch(k, (num_splits, k_cache.shape[1], row_ids.shape[0]), THREADS, p)
@@ -371,7 +343,7 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
                      split_offsets, out, part_a, part_ml, sm_scale: float | None = None,
                      counters=None, early_kv: bool = False, trace=None, *, k_scale=None,
                      v_scale=None, logits_soft_cap: float = 0.0, sinks=None, lse=None,
-                     group_counters=None, merge_groups_from: int = 0, q_gather=None) -> None:
+                     group_counters=None, merge_groups_from: int = 0) -> None:
     """Compact-workqueue decode, grid (task_capacity,); ``counters`` given = fused variant.
 
     tasks [capacity, 5] int32 (row, kvh, split, tok_begin, tok_end); num_tasks [1] int32 on the
@@ -401,8 +373,6 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     logits_soft_cap, sinks, lse: as :func:`split_decode`'s, where O is written here (rows of
     one split; with ``counters`` every row); a sliding window is the planner's (the tasks'
     token ranges). Without counters pass sinks and lse to the :func:`merge` that follows.
-
-    q_gather: as :func:`split_decode`'s.
     """
     tag, kv_tag, d, g, log2_page = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if tasks.dim() != 2 or tasks.shape[1] != 5:
@@ -437,7 +407,6 @@ def workqueue_decode(q, k_cache, v_cache, seq_lens, block_tables, tasks, num_tas
     p.trace = _trace(trace, max(1, tasks.shape[0]), q.device)
     _variant_params(p, q, window_left=-1, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                     sinks=sinks, lse=lse, lse_rows=out.shape[0])
-    _q_gather_params(p, q, q_gather)
     k = _driver.get_kernel(family, _buildspec.symbol(family, tag, d, g, kv_tag),
                            decode_smem_bytes(d, g, k_cache.element_size()))
     _driver.launch(k, (max(1, tasks.shape[0]), 1, 1), THREADS, p)

@@ -999,10 +999,9 @@ class SharedStepGraphEngine(HostStepGraphEngine):
         # the tokens the plan reads: each shared run once per chunk, each own segment once
         tokens = int(sp.chunk_seq.sum()) + int(sp.own_seq.sum())
         kv = tokens * 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
-        # the merge, the query gathers (the chunk queries' where the chunk decode does not read
-        # q through the index, the own rows' where the own decode does not read q itself), and
-        # each decode's launches (fused: 1, else with its merge)
-        launches = 1 + int(not sh._chunk_reads_q()) + int(not sh._own_identity) + sum(
+        # the two query gathers (one where the own decode reads q itself), the merge, and each
+        # decode's launches (fused: 1, else with its merge)
+        launches = (2 if sh._own_identity else 3) + sum(
             1 if rt.last_decision.kind == "fused" else 2 for rt in (sh.shared, sh.own))
         return self.SHARED_ROUTE, (), planner.Counters(
             launches=launches, decode_ctas=0, cta_work_per_sm=0.0, useful_kv_bytes=int(kv),
@@ -1063,9 +1062,8 @@ class SharedDeviceStepEngine(StepGraphEngine):
                                            sh.page_size, sh.chunk, rule=sh.device_rule(len(seq)))
         tokens = int(found.chunk_seq.sum()) + int(found.own_seq.sum())
         kv = tokens * 2 * sh.num_kv_heads * sh.head_dim * self.kv_dtype_bytes
-        # per layer: the two decodes (fused: one launch each), the merge, and the chunk query
-        # gather where the chunk decode does not read q through the index
-        launches = 1 + int(not sh._chunk_reads_q()) + sum(1 if rt.last_decision.kind == "fused" else 2 for rt in (sh.shared, sh.own))
+        # per layer: the query gather, the two decodes (fused: one launch each), the merge
+        launches = 2 + sum(1 if rt.last_decision.kind == "fused" else 2 for rt in (sh.shared, sh.own))
         return self.SHARED_ROUTE, (), planner.Counters(
             launches=launches, decode_ctas=0, cta_work_per_sm=0.0, useful_kv_bytes=int(kv),
             merge_bytes=0, merge_launches=1)

@@ -48,12 +48,9 @@ Schema 1 (every key required unless marked optional; no others allowed)::
                        SharedPagesRuntime predicts a plain step, and the chunk decode's re-reads
                        of a run too long for one chunk, with it (absent: 1.0, no help from L2);
                        optional "overhead_us" (a number >= 0): per layer, what the shared path
-                       takes beyond its chunk and own decodes (the merge, the boundaries between
-                       its dependent kernels, a query gather where one ran), fitted by the same
-                       command (absent: its launches at lambda_graph_us), and
-                       "overhead_gathered" (true or false; absent: true, the measurements before
-                       2026-12-07): whether the steps it was measured on gathered the chunk
-                       queries with a launch of their own
+                       takes beyond its chunk and own decodes (query gathers, the merge, the
+                       boundaries between its dependent kernels), fitted by the same command
+                       (absent: its launches at lambda_graph_us)
     by_kv_dtype       optional: {"float8_e4m3fn": section}: constants measured with K/V caches of
                        that dtype (``pkvrt calibrate --kv-dtype fp8``), laid over the rest of the
                        file (measured with fp16 caches) for a Runtime or Router of that KV dtype
@@ -271,26 +268,19 @@ class SharingCost:
     l2_reread_cost : the time of a re-read of a page that another row of the step read, in
         units of its first read from memory (they meet in L2): 1.0 would be no help from L2.
     overhead_us : per layer, the time a shared step takes beyond its chunk and own decodes (the
-        merge, the boundaries between those dependent kernels, and a query gather where one
-        ran); None: not measured (the rule counts their launches at ``lambda_graph_us`` then).
-    overhead_gathered : whether the steps ``overhead_us`` was measured on gathered the chunk
-        queries with a launch of their own (True for the measurements made before the chunk
-        decode read q through its index, 2026-12-07): the rule adds or takes off that launch
-        where a step differs (``SharedPagesRuntime._extra_us``)."""
+        query gathers, the merge and the boundaries between those dependent kernels); None:
+        not measured (the rule counts their launches at ``lambda_graph_us`` then)."""
 
     l2_reread_cost: float
     date: str
     command: str
     provenance: str
     overhead_us: float | None = None
-    overhead_gathered: bool = True
 
     def to_dict(self) -> dict:
         d = {"l2_reread_cost": self.l2_reread_cost}
         if self.overhead_us is not None:
             d["overhead_us"] = self.overhead_us
-            if not self.overhead_gathered:   # (absent: true)
-                d["overhead_gathered"] = False
         return d | {"date": self.date, "command": self.command, "source": self.provenance}
 
 
@@ -759,23 +749,15 @@ def _sharing(v, path) -> SharingCost:
     source."""
     if not isinstance(v, dict):
         raise _fail(path, "sharing", f"a JSON object of {list(_SHARING_KEYS)}", v)
-    _take({"overhead_us": None, "overhead_gathered": None} | v,
-          _SHARING_KEYS + ("overhead_us", "overhead_gathered"), path, "sharing.")
+    _take({"overhead_us": None} | v, _SHARING_KEYS + ("overhead_us",), path, "sharing.")
     cost = _float(v, "l2_reread_cost", path, "sharing.")
     if cost > 1.0:
         raise _fail(path, "sharing.l2_reread_cost", "a number in (0, 1] (a re-read costs at most "
                     "a first read)", cost)
     overhead = _float(v, "overhead_us", path, "sharing.", zero_ok=True) if "overhead_us" in v else None
-    gathered = v.get("overhead_gathered", True)
-    if not isinstance(gathered, bool):
-        raise _fail(path, "sharing.overhead_gathered", "true or false", gathered)
-    if "overhead_gathered" in v and overhead is None:
-        raise _fail(path, "sharing.overhead_gathered", "it only beside sharing.overhead_us",
-                    "no overhead_us")
     return SharingCost(l2_reread_cost=cost, date=_date(v, path, "sharing."),
                        command=_str(v, "command", path, "sharing."),
-                       provenance=_str(v, "source", path, "sharing."), overhead_us=overhead,
-                       overhead_gathered=gathered)
+                       provenance=_str(v, "source", path, "sharing."), overhead_us=overhead)
 
 
 def _date(obj, path, where="") -> str:

@@ -631,8 +631,7 @@ class SharingRule:
     ``(1 - l2_reread_cost) * page bytes / beta`` (calibration ``sharing``); ``extra_us``: what
     the shared path adds to its two decodes per layer (``sharing.overhead_us``, or its launches);
     ``plain_extra_us``: what those launches add to a step the rule runs plain (a captured step
-    has them whatever it decides: an idle chunk decode, the merge, and a query gather where the
-    chunk decode does not read q through its index);
+    has them whatever it decides: the query gather, an idle chunk decode, the merge);
     ``margin``: routes.toml ``[sharing] device_margin``.
 
         plain  = max(T_row(step) - l2_saved_us * plain re-reads, 0) + plain_extra_us

@@ -92,10 +92,11 @@ class RuntimeOptions:
         or ``"time_model"`` (the split count of its longest chunk the calibration's time model
         predicts fastest among those that fit the planning grid, once per sharing structure). The partition
         cuts chunk decodes of few rows at 1.3-1.5x the time model's fastest, and two swept H200
-        steps agree with the model (benches/NOTES.md, "The chunk decode's cut"); not yet
-        measured in a shared step, so not the default.
+        steps agree with the model (benches/NOTES.md, "The chunk decode's cut"). On an H100 it
+        shares 8 x (8K + 512) 17-22 % faster (1.19x FlashInfer) but cuts a sixteen-row chunk
+        (64 x (2K + 1K)) at one split, 6-8 % slower than the partition: not the default.
     shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
-        (and its query gather, where it has one) on a stream of its own beside the own decode, joined before the
+        (and its query gather) on a stream of its own beside the own decode, joined before the
         merge (default True: the two decodes read the same q and caches and write their own
         states, so neither waits for the other's tail); False runs them one after the other on
         the caller's stream (the ablation).

@@ -41,7 +41,7 @@ class Running:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
             v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None, return_lse: bool = False, _q_gather=None):
+            lse: torch.Tensor | None = None, return_lse: bool = False):
         """Decode attention of the planned step for one layer. Call once per layer.
 
         Parameters
@@ -65,13 +65,6 @@ class Running:
             is another graph key. With ``validate`` their values (finite, > 0) are read back once
             per tensor and again after each in-place change made through PyTorch (its version
             counter; one device sync each time, never during capture).
-
-        _q_gather : (internal: :class:`pkvrt.SharedPagesRuntime`'s chunk decode) None, or
-            (source, index): q's rows are rows ``index[:B * H_q]`` of ``source`` viewed [N, D].
-            Where the step's kernels launch here (engine capture, device planning in a capture,
-            no graphs) they read them in place (``ops.workqueue_decode(q_gather=)``: no gather
-            launch, q not read); elsewhere (this Runtime's own graphs, a FlashInfer step) q,
-            which must then be writable (:meth:`static_q`), is filled by one gather first.
 
         Returns
         -------
@@ -120,11 +113,6 @@ class Running:
             out = torch.empty_like(q)
         if self.use_cuda_graph and capturing and not self.device_planning:
             raise RuntimeError(NESTED_CAPTURE.format("run"))
-        if _q_gather is not None and (st.kind == "flashinfer" or (self.use_cuda_graph and not capturing)):
-            src, index = _q_gather   # q is read where the kernels cannot read the source: gather it
-            d = q.shape[-1]
-            torch.index_select(src.reshape(-1, d), 0, index[:q.numel() // d], out=q.view(-1, d))
-            _q_gather = None
         if st.kind == "flashinfer" and not self._fi.cuda_graph:
             # FlashInfer's eager wrapper (its direct call from the third layer on): no planning
             # kernel to launch, no graph, no early_kv; nothing else between run() and FlashInfer
@@ -143,8 +131,7 @@ class Running:
             # planning captures plan() itself: a new step, so its first captured run() has
             # st.runs == 0.)
             planned = self._launch_deferred_plan(st, capturing)
-            self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0 and not planned,
-                         q_gather=_q_gather)
+            self._launch(st, q, k_cache, v_cache, out, scales, early_kv=st.runs > 0 and not planned)
             st.runs += 1
             self._counts["eager_runs"] += 1
             return (out, lse) if return_lse else out
@@ -276,7 +263,7 @@ class Running:
         return st.views
 
     def _launch(self, st: _Step, q, k_cache, v_cache, out, scales=(None, None, None, None, None),
-                early_kv: bool = False, q_gather=None) -> None:
+                early_kv: bool = False) -> None:
         """The step's kernel launches on the current stream (what a graph captures).
 
         ``scales``: (k_scale, v_scale, sinks, lse, the caches in the caller's layout): an FP8
@@ -289,10 +276,7 @@ class Running:
         (or inside an engine's captured step), and never on a launch whose run() launched the
         planning kernel just before it (engine_capture): the kernel before it is then the
         previous layer's, never the plan's. The runtime's own per-layer graphs start with a graph
-        boundary, where nothing overlaps, so they never set it.
-
-        ``q_gather``: (source, index), q's rows read through the index by the decode kernels
-        (:meth:`run`'s ``_q_gather``; never on a FlashInfer step)."""
+        boundary, where nothing overlaps, so they never set it."""
         k_scale, v_scale, sinks, lse, fi_caches = scales
         if st.kind == "flashinfer":
             self._fi.run(q, *(fi_caches or (k_cache, v_cache)), out, lse)
@@ -306,7 +290,7 @@ class Running:
         if st.kind == "bucket":
             for rows, s, moffs in views:
                 ops.split_decode(q, k_cache, v_cache, seq, bt, rows, s, out, pa, pm, self.sm_scale,
-                                 window_left=self.window_left, q_gather=q_gather, **var, **sk)
+                                 window_left=self.window_left, **var, **sk)
                 if moffs is not None:
                     ops.merge(pa, pm, moffs, out, row_ids=rows, **tail)
             return
@@ -315,7 +299,6 @@ class Running:
         two = (dict(group_counters=self._group_counters)
                if counters is not None and self.options.fused_two_level_tail else {})
         ops.workqueue_decode(q, k_cache, v_cache, seq, bt, tasks, self._v_num_tasks, offsets, out,
-                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv,
-                             q_gather=q_gather, **two, **var, **sk)
+                             pa, pm, self.sm_scale, counters=counters, early_kv=early_kv, **two, **var, **sk)
         if st.kind == "workqueue":
             ops.merge(pa, pm, offsets, out, skip_single=True, **tail)

@@ -11,11 +11,9 @@ bincount) and, where rows share pages, plans them with :func:`pkvrt.policy.shari
   heads side by side: a K/V tile of the run is read once for C rows;
 - the **own** Runtime (the model's shape) runs one decode row per own segment (a row's pages
   outside its chunks, its last page at least);
-- each :meth:`~SharedPagesRuntime.run` runs both (the chunk decode on a side stream beside the
-  own decode: ``RuntimeOptions.shared_side_stream``; its kernels read the chunks' queries from q
-  through an index, no gather launch, where they launch into the caller's stream or graph; a
-  gather fills their static q where the chunk Runtime replays graphs of its own, and the own
-  segments' where a row has more than one), and merges each
+- each :meth:`~SharedPagesRuntime.run` gathers the chunks' queries (and the own segments' where
+  a row has more than one), runs both (the chunk decode on a side stream beside the own decode:
+  ``RuntimeOptions.shared_side_stream``), and merges each
   row's partial states with their lse (base 2) in one launch (kernels/merge.cu,
   merge_segments): ``out = sum_k 2^lse_k o_k / (sum_k 2^lse_k + e^sink)``, in float32.
 
@@ -35,9 +33,9 @@ the time model predicts the shared step faster (:meth:`~SharedPagesRuntime.devic
 in the same kernel; else the buffers describe the plain step), and both decodes plan on the GPU
 from them. Every step then runs the shared path's launches (B chunk slots, idle where nothing is
 shared), so a captured step replays whatever the sharing; its cost on a step without sharing is
-the detection, an idle chunk decode and the merge (benches/shared_pages.py measures it).
-The merge is one kernel (and a query gather, where there is one, a torch operation): launched
-eagerly per layer, or captured
+the detection, the query gather, an idle chunk decode and the merge (benches/shared_pages.py
+measures it).
+The query gathers are torch operations and the merge one kernel: launched eagerly per layer, or captured
 with the step by an engine (``engine_capture=True``: plan() outside the capture, run() inside,
 a graph per :attr:`~SharedPagesRuntime.step_key`).
 """
@@ -315,9 +313,8 @@ class SharedPagesRuntime:
         """Whether the step with sharing is predicted faster than the plain step by routes.toml's
         ``[sharing] margin`` (plain / shared >= margin): the chunk and own decodes as their
         Runtimes' policies would run them, plus the launches the shared path adds per layer (the
-        merge, the chunk query gather where the chunk decode does not read q itself, the own
-        gather where the own decode does not; the calibration's measured ``sharing.overhead_us``
-        where it has one: :meth:`_extra_us`), against
+        chunk query gather, the own gather where the own decode does not read q itself, the
+        merge; the calibration's measured ``sharing.overhead_us`` where it has one), against
         the plain Runtime's prediction less what L2 saves it on the step's
         ``rereads`` of shared pages (the calibration's ``sharing.l2_reread_cost``; none without
         it). The chunk decode gets the same credit: the chunks of one shared run (rows past a
@@ -329,8 +326,7 @@ class SharedPagesRuntime:
                                         cal.beta_gbps, reread_cost)
         t_chunks = self._chunk_us(sp, page_bytes, reread_cost)
         t_shared = t_chunks + self.own.predict_step_us(sp.own_seq) + \
-            self._extra_us(own_gather, graphs=self.plain.router.graphs,
-                           chunk_reads_q=self._chunk_reads_q())
+            self._extra_us(own_gather, graphs=self.plain.router.graphs)
         margin = self.plain.registry.sharing_margin
         self.sharing_prediction = {"plain_us": t_plain, "shared_us": t_shared, "margin": margin}
         return t_plain >= margin * t_shared
@@ -388,29 +384,15 @@ class SharedPagesRuntime:
         self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us))
         return s, us
 
-    def _extra_us(self, own_gather: bool, *, graphs: bool, chunk_reads_q: bool) -> float:
+    def _extra_us(self, own_gather: bool, *, graphs: bool) -> float:
         """What the shared path adds to its two decodes per layer: measured in graphs (the
-        calibration's ``sharing.overhead_us``, measured with every row's own segment read in
-        place, and with or without a chunk query gather of its own: ``overhead_gathered``; a
-        launch more or less where this step differs, ``chunk_reads_q``; an own gather is one
-        launch more), or its launches alone (the merge and the gathers; eager launches: the
-        overhead was not measured so)."""
+        calibration's ``sharing.overhead_us``, with every row's own segment read in place; an
+        own gather is one launch more), or its launches alone (eager launches: the overhead
+        was not measured so)."""
         cal = self.plain.router.cal
         lam = launch_us(cal, graphs=graphs)
-        chunk_gather = not chunk_reads_q
         measured = cal.sharing.overhead_us if cal.sharing is not None and graphs else None
-        if measured is None:
-            return (1 + int(chunk_gather) + int(own_gather)) * lam
-        moved = int(chunk_gather) - int(cal.sharing.overhead_gathered) + int(own_gather)
-        return max(measured + moved * lam, 0.0)
-
-    def _chunk_reads_q(self) -> bool:
-        """Whether the chunk decode's kernels read the chunk queries from q through the index
-        (``Runtime.run(_q_gather=)``): the chunk Runtime launches into the caller's stream or
-        graph (engine capture, or no graphs of its own); its own graphs read their static q,
-        which a gather fills. (A chunk step the chunk Runtime's host routing sends to FlashInfer
-        is gathered too; the rule counts it as read in place.)"""
-        return self.shared.engine_capture or not self.shared.use_cuda_graph
+        return (2 + int(own_gather)) * lam if measured is None else measured + int(own_gather) * lam
 
     def _page_bytes(self) -> int:
         return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.plain.router.dtype_bytes
@@ -453,7 +435,7 @@ class SharedPagesRuntime:
         if why is not None:
             hit = (None, why, None)
         else:
-            cal_row, reads_q = self.plain.calibration, self._chunk_reads_q()
+            cal_row = self.plain.calibration
             common = dict(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                           dtype_bytes=self.plain.router.dtype_bytes, graphs=True)
             rule = sharing.SharingRule(
@@ -462,12 +444,10 @@ class SharedPagesRuntime:
                                          splits=chunk_route.splits, **common),
                 page_size=self.page_size, margin=self.plain.registry.sharing_device_margin,
                 l2_saved_us=(1.0 - self._reread_cost()) * self._page_bytes() / (cal_row.beta_gbps * 1e3),
-                extra_us=self._extra_us(False, graphs=True, chunk_reads_q=reads_q),
-                # run plain, the step still launches the merge (and the idle chunk decode, beside
-                # the own decode on the side stream, else after it), and the chunk query gather
-                # where the chunk decode does not read q through the index
-                plain_extra_us=(1 + int(not self._side_option) + int(not reads_q))
-                * cal_row.lambda_graph_us)
+                extra_us=self._extra_us(False, graphs=True),
+                # run plain, the step still launches the query gather and the merge (and the
+                # idle chunk decode, beside the own decode on the side stream, else after it)
+                plain_extra_us=(2 if self._side_option else 3) * cal_row.lambda_graph_us)
             hit = (rule, None, (self._cands[route.name], self._cands[chunk_route.name]))
         self._rules[rows] = hit
         return hit
@@ -625,12 +605,10 @@ class SharedPagesRuntime:
 
     def _run_shared(self, q, k_cache, v_cache, out, sinks, lse, scales, *, chunks: int, q_index,
                     own_rows, slots) -> torch.Tensor:
-        """A step with chunks: the chunk decode of the chunk queries, q's rows by ``q_index``
-        (read in place by its kernels where they launch directly, else gathered into its static
-        q first: ``Runtime.run(_q_gather=)``; on the side stream, when there is one), the own
-        decode (of q itself when ``own_rows`` is None: row r's own segment is decode row r; else
-        of the rows ``own_rows`` gathers), and, after both, the merge by ``slots``. q is
-        contiguous (checked by :meth:`_check_run`)."""
+        """A step with chunks: the chunk queries gathered by ``q_index`` into the chunk decode's
+        static q and the chunk decode (on the side stream, when there is one), the own decode (of
+        q itself when ``own_rows`` is None: row r's own segment is decode row r; else of the rows
+        ``own_rows`` gathers), and, after both, the merge by ``slots``."""
         b, hq, d = q.shape
         qv, lse_v = self.shared.static_q(chunks), self._lse_v[:chunks]
         side = self._side
@@ -638,8 +616,10 @@ class SharedPagesRuntime:
             side.enter()
         try:   # the caller's stream waits for the side's work whatever happens (a capture stays joined)
             try:
+                torch.index_select(q.reshape(b * hq, d), 0, q_index[:qv.numel() // d],
+                                   out=qv.view(-1, d))
                 out_v = self.shared.run(qv, k_cache, v_cache, out=self.shared.static_out(chunks),
-                                        lse=lse_v, _q_gather=(q, q_index), **scales)
+                                        lse=lse_v, **scales)
             finally:
                 if side is not None:
                     side.leave()

@@ -7,7 +7,6 @@ leaves an output element unwritten, fails here.
 
 import math
 
-import attrs
 import pytest
 import torch
 
@@ -28,22 +27,21 @@ def ref_out(b):
     return reference.decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
 
 
-def run_split(b, splits, q=None, **kw):
+def run_split(b, splits):
     rows = b.q.shape[0]
-    q = b.q if q is None else q
     out = poisoned_like(b.q)
     row_ids = torch.arange(rows, dtype=torch.int32, device="cuda")
     part_a = torch.full((rows * splits, *b.q.shape[1:]), float("nan"), device="cuda")
     part_ml = torch.full((rows * splits, b.q.shape[1], 2), float("nan"), device="cuda")
-    ops.split_decode(q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, row_ids, splits, out,
-                     part_a, part_ml, **kw)
+    ops.split_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, row_ids, splits, out,
+                     part_a, part_ml)
     if splits > 1:
         offsets = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * splits
         ops.merge(part_a, part_ml, offsets, out, row_ids=row_ids)
     return out
 
 
-def run_workqueue(b, splits, fused=False, capacity_pad=7, q=None, **kw):
+def run_workqueue(b, splits, fused=False, capacity_pad=7):
     hkv = b.k_cache.shape[1]
     tasks, offsets = simple_tasks(b.seq_lens.tolist(), hkv, splits)
     cap = len(tasks) + capacity_pad  # idle slots past num_tasks must exit
@@ -57,8 +55,8 @@ def run_workqueue(b, splits, fused=False, capacity_pad=7, q=None, **kw):
     part_a = torch.full((slots, *b.q.shape[1:]), float("nan"), device="cuda")
     part_ml = torch.full((slots, b.q.shape[1], 2), float("nan"), device="cuda")
     counters = torch.zeros(b.q.shape[0], hkv, dtype=torch.int32, device="cuda") if fused else None
-    ops.workqueue_decode(b.q if q is None else q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables,
-                         t, num, off, out, part_a, part_ml, counters=counters, **kw)
+    ops.workqueue_decode(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, t, num, off, out,
+                         part_a, part_ml, counters=counters)
     if not fused:
         ops.merge(part_a, part_ml, off, out, skip_single=True)
     return out, counters
@@ -98,39 +96,6 @@ def test_all_groups_and_dims_compile_and_agree():
                 ref = ref_out(b)
                 for out in (run_split(b, 4), run_workqueue(b, 4)[0], run_workqueue(b, 4, True)[0]):
                     assert rel_err(out, ref) < TOL[dtype], (d, g, dtype)
-
-
-@pytest.mark.parametrize("hq, hkv, d, fp8", [
-    (32, 8, 128, False), (48, 4, 128, False), (64, 4, 128, False), (40, 2, 128, False),
-    (80, 2, 64, False), (64, 2, 64, False), (16, 8, 256, False), (32, 8, 128, True), (48, 4, 128, True)],
-    ids=["G4", "G12", "G16", "G20-wide", "G40-wide", "G32-wide", "G2-d256", "G4-e4m3", "G12-e4m3"])
-def test_a_folded_query_gather_reads_what_the_gather_would(hq, hkv, d, fp8):
-    """q_gather=(source, index): every decode family reads q's rows from the source through the
-    index (q itself is NaN and never read) and writes the same bits as a launch on the gathered
-    q: the narrow body with full and partial 8-row halves (G 4, 12, 16), the wide one with
-    partial head groups and warps that only copy (G 20, 32, 40), D 256, and e4m3 K/V."""
-    b = make_batch([1, 700, 4100], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
-                   dtype=torch.float32 if fp8 else torch.float16, seed=hq * d)
-    kw = {}
-    if fp8:
-        k, ks = reference.quantize_kv(b.k_cache, per_head=True)
-        v, vs = reference.quantize_kv(b.v_cache, per_head=False)
-        b = attrs.evolve(b, q=b.q.half(), k_cache=k, v_cache=v)
-        kw = dict(k_scale=ks, v_scale=vs)
-    rows = b.q.shape[0] * hq
-    src = torch.randn(rows + 37, d, dtype=b.q.dtype, device="cuda")
-    index = torch.randperm(rows + 37, device="cuda")[:rows]          # int64, every row distinct
-    gathered = src[index].view_as(b.q)
-    runs = [lambda **a: run_split(b, 1, **a, **kw), lambda **a: run_split(b, 7, **a, **kw),
-            lambda **a: run_workqueue(b, 8, **a, **kw)[0],
-            lambda **a: run_workqueue(b, 8, fused=True, **a, **kw)[0]]
-    for i, run in enumerate(runs):
-        want = run(q=gathered)
-        got = run(q=poisoned_like(b.q), q_gather=(src, index))
-        assert torch.equal(got, want), i
-    ref = reference.decode_attention(gathered, b.k_cache, b.v_cache, b.seq_lens, b.block_tables,
-                                     **({"k_scale": kw["k_scale"], "v_scale": kw["v_scale"]} if fp8 else {}))
-    assert not torch.isnan(want).any() and rel_err(want, ref) < TOL[torch.float16]
 
 
 def test_large_logits_finite_and_exact():
