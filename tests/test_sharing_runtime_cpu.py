@@ -1159,6 +1159,53 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
         RuntimeOptions(shared_chunk_cut="model")
 
 
+def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fake_device, pool,  # noqa: F811
+                                                                            monkeypatch):
+    """routes.toml ``[sharing] model_cut_rows`` bounds the time model's cut: a chunk decode of
+    more chunks is cut by the planning kernel's partition (nothing pinned, no sweep of counts,
+    the default's plan and prediction; explain() names the bound), one of at most that many by
+    the model. Exact either way. The shipped file bounds it at 4."""
+    assert ROUTES.sharing_model_cut_rows == 4 and load_routes(None).sharing_model_cut_rows == 4
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    many = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])   # 4 chunks
+    few = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])                      # 1 chunk
+    opts = dict(flashinfer=False, shared_when_predicted_faster=False)
+    bounded = attrs.evolve(ROUTES, sharing_model_cut_rows=2)
+    rt = runtime(engine_capture=True, routes=bounded,
+                 options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
+    default = runtime(engine_capture=True, routes=bounded, options=RuntimeOptions(**opts))
+    swept = []
+    predict = rt.shared.predict_step_us
+    monkeypatch.setattr(rt.shared, "predict_step_us",
+                        lambda seq, **kw: swept.append(kw.get("splits")) or predict(seq, **kw))
+    for i, (seq, bt) in enumerate([many, few]):
+        swept.clear()
+        rt.plan(seq, bt)
+        default.plan(seq, bt)
+        chunks = len(rt.plan_used.chunk_seq)
+        assert chunks == (4, 1)[i]
+        if chunks > 2:   # over the bound: the partition's cut, as without the option
+            assert rt.shared._pinned_splits is None and all(s is None for s in swept), swept
+            assert rt.shared.step_key == default.shared.step_key
+            assert "cut by the partition: 4 chunks, over routes.toml [sharing] model_cut_rows 2" \
+                in rt.explain()
+        else:            # within it: the model's count, pinned
+            assert rt.shared._pinned_splits is not None and any(s is not None for s in swept)
+            assert rt.shared.step_key[-1] == ("splits", rt.shared._pinned_splits)
+            assert "cut at" in rt.explain() and "model_cut_rows" not in rt.explain()
+        q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                        generator=torch.Generator().manual_seed(i)).half()
+        want = ref(q, cache, seq, torch.as_tensor(bt))
+        for r in (rt, default):
+            assert rel_err(r.run(q, *cache, out=torch.full_like(q, float("nan"))), want) < 2e-3, i
+        cut = rt.shared._d_num_splits[:chunks]   # what the planning kernel cut in the first run()
+        if chunks > 2:
+            assert torch.equal(cut, default.shared._d_num_splits[:chunks])
+        else:
+            assert int(cut.max()) == rt.shared._pinned_splits
+
+
 def test_the_time_models_cut_never_plans_past_the_planning_grid(fake_device):  # noqa: F811
     """Twelve chunks of two rows (H_kv 8): a split count the time model might prefer plans more
     tasks than the chunk Runtime's planning grid holds (the partition never does); such counts

@@ -188,6 +188,10 @@ class Registry:
     # the key). The chunk decode runs at group chunk_heads: its cuts and the rules' times use that
     # group's calibration constants (the nearest calibrated group's where the file has none)
     sharing_chunk_heads: int = 16
+    # [sharing] model_cut_rows: RuntimeOptions(shared_chunk_cut="time_model") cuts a chunk decode
+    # of at most this many chunks (rows of the chunk decode) at the time model's fastest split
+    # count, one of more by the planning kernel's partition (None: the key is absent, no bound)
+    sharing_model_cut_rows: int | None = None
 
     def device_planning_route(self, rows: int | None = None, group: int | None = None,
                               window: int | None = None) -> Route:
@@ -274,7 +278,7 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
     routes, boundary, device_route, device_small, (device_large, min_window), host_time, \
-        (sharing_margin, sharing_device_margin, sharing_chunk_heads) = \
+        (sharing_margin, sharing_device_margin, sharing_chunk_heads, sharing_model_cut_rows) = \
         _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
                     routes=routes, boundary=boundary, device_route=device_route,
@@ -282,7 +286,8 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
                     device_large_group_min_window=min_window,
                     host_time=host_time, sharing_margin=sharing_margin,
                     sharing_device_margin=sharing_device_margin,
-                    sharing_chunk_heads=sharing_chunk_heads)
+                    sharing_chunk_heads=sharing_chunk_heads,
+                    sharing_model_cut_rows=sharing_model_cut_rows)
 
 
 def _syntax_error(path: str, text: str, msg: str) -> RoutesError:
@@ -478,7 +483,7 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
 def _parse(path: str, doc: dict) -> tuple:
     # (routes, boundary rule, [device_planning] route, (small_rows, small_route) or None,
     #  ((large_group, large_group_route) or None, large_group_min_window or None),
-    #  host-time rule or None, (sharing margin, device margin, chunk heads))
+    #  host-time rule or None, (sharing margin, device margin, chunk heads, model cut rows or None))
     top = _Table(path, "top level", doc, ("gates", "promotion", "host_time", "device_planning",
                                           "sharing", "routes"))
     gates = _gates(top.table("gates", GATE_KEYS), None)
@@ -525,9 +530,10 @@ def _parse(path: str, doc: dict) -> tuple:
     host_time = None
     if (ht := top.table("host_time", ("enabled", "min_context"), required=False)) is not None:
         host_time = HostTimeRule(enabled=ht.boolean("enabled"), min_context=ht.integer("min_context"))
-    sh = top.table("sharing", ("margin", "device_margin", "chunk_heads"), required=False)
-    sharing = (1.0, 1.0, 16) if sh is None else (
+    sh = top.table("sharing", ("margin", "device_margin", "chunk_heads", "model_cut_rows"), required=False)
+    sharing = (1.0, 1.0, 16, None) if sh is None else (
         sh.margin("margin", allow_inf=True), sh.margin("device_margin", 1.0, allow_inf=True),
         sh.get("chunk_heads", "an integer in 2..64", lambda v: "is not an integer" if not _is_int(v)
-               else None if 2 <= v <= 64 else "is outside 2..64", 16))
+               else None if 2 <= v <= 64 else "is outside 2..64", 16),
+        sh.integer("model_cut_rows", None))
     return routes, boundary, device_route, device_small, (device_large, min_window), host_time, sharing

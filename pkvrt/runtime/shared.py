@@ -360,13 +360,16 @@ class SharedPagesRuntime:
         (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing
         structure (its arrays' identity, as :meth:`_chunk_us`): 17 predictions once, not per
         step. (None, the partition's predicted µs) where the chunk Runtime does not plan on the
-        device-planning policy (its own graphs with host routing: the router picks its route)."""
-        if not self.shared._captured_policy:
-            return None, self.shared.predict_step_us(sp.chunk_seq)
+        device-planning policy (its own graphs with host routing: the router picks its route) or
+        the chunk decode has more chunks than routes.toml ``[sharing] model_cut_rows`` (the
+        partition cuts those)."""
+        rows, sh = len(sp.chunk_seq), self.shared
+        bound = self.plain.registry.sharing_model_cut_rows
+        if not sh._captured_policy or (bound is not None and rows > bound):
+            return None, sh.predict_step_us(sp.chunk_seq)
         hit = self._chunk_cuts.get(id(sp.chunk_seq))
         if hit is not None and hit[0] is sp.chunk_seq:
             return hit[1]
-        rows, sh = len(sp.chunk_seq), self.shared
         route = self.plain.registry.device_planning_route(rows, sh.router.group_size)
         # the counts the planning kernel takes as they are (a chunk of at least min_split_tokens)
         # and whose tasks fit the Runtime's planning grid (the partition never plans more; the
@@ -659,8 +662,12 @@ class SharedPagesRuntime:
             why = f"shared pages, but {told}" if p is not None else "no sharing this step"
             return f"SharedPagesRuntime: {why} (plain Runtime)\n" + self.plain.explain()
         pinned = self.shared._pinned_splits if self._cut_by_model else None
+        bound, chunks = self.plain.registry.sharing_model_cut_rows, sp.chunk_rows.shape[0]
         cut = (f"; the chunk decode cut at {pinned} split(s) of its longest chunk (the time model's "
-               f"fastest: options.shared_chunk_cut)" if pinned is not None else "")
+               f"fastest: options.shared_chunk_cut)" if pinned is not None else
+               f"; the chunk decode cut by the partition: {chunks} chunks, over routes.toml "
+               f"[sharing] model_cut_rows {bound}" if self._cut_by_model and bound is not None
+               and chunks > bound and self.shared._captured_policy else "")
         return (f"SharedPagesRuntime: {sp.chunk_rows.shape[0]} shared chunk(s) of up to "
                 f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
                 f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)"

@@ -298,6 +298,9 @@ def format_registry(reg: registry.Registry) -> str:
     share += ("; on device lengths " + ("never" if math.isinf(dm) else f"at {dm:g}x")
               + f" ([sharing] device_margin); a chunk decodes {reg.sharing_chunk_heads} query heads "
               f"per KV head together ([sharing] chunk_heads)")
+    if reg.sharing_model_cut_rows is not None:
+        share += (f"; shared_chunk_cut=\"time_model\" cuts chunk decodes of at most "
+                  f"{reg.sharing_model_cut_rows} chunks, the partition the rest ([sharing] model_cut_rows)")
     return (f"{table}\n\n{rule}\n{host}\n{share}\n{_device_planning_note(reg)}\n"
             f"file: {reg.path}\nsha256: {reg.sha256}")
 
