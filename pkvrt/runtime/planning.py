@@ -31,6 +31,11 @@ from pkvrt.runtime.checks import (StepInput, check_device_step, check_page_bound
 from pkvrt.runtime.graphs import Capacities, grow, needed_capacities, stage_bucket
 
 
+# _launch_device_plan(pinned=PIN_NOW): the split count the Runtime is pinned to when it plans
+# (None already means "not pinned": the route's allowed counts)
+PIN_NOW = object()
+
+
 class Planning:
     """``plan()`` and the staging behind it (a piece of :class:`pkvrt.runtime.Runtime`; it uses
     ``_capturing`` and ``_capture``, which the Runtime defines for plan() and run() alike)."""
@@ -431,7 +436,7 @@ class Planning:
         return grid
 
     def _launch_device_plan(self, route, gbatch: int, grid: int, direct=None, *,
-                            pinned: int | None | bool = False) -> None:
+                            pinned: int | None | object = PIN_NOW) -> None:
         """The planning kernel over the padded batch's buffers; ``direct``: the direct-mode
         arguments of ``ops.plan_workqueue_device`` (``src_*``, ``rows``, ``max_seq``), with which
         the kernel copies the step's lengths and block-table entries from those device tensors
@@ -444,8 +449,8 @@ class Planning:
         step."""
         src = direct or {}
         # the split count the step was planned at (a deferred launch: the step's own, even if
-        # the Runtime was pinned again since; False: the Runtime's now, at plan())
-        pinned = self._pinned_splits if pinned is False else pinned
+        # the Runtime was pinned again since; PIN_NOW: the Runtime's now, at plan())
+        pinned = self._pinned_splits if pinned is PIN_NOW else pinned
         key = (route.name, gbatch, grid, pinned)
         # what a direct launch checks and packs from its inputs: each tensor's address, shape,
         # strides and dtype, the row count and the longest length (the prepared launch holds no
