@@ -250,6 +250,8 @@ ERRORS = [
      ["[sharing] model_cut_rows: 0 is not positive", "expected an integer >= 1"]),
     ("sharing-model-cut-rows-float", "[sharing]\nmargin = 1.1\nmodel_cut_rows = 4.5\n" + BASE,
      ["[sharing] model_cut_rows: 4.5 is not an integer"]),
+    ("sharing-model-cut-margin-below-one", "[sharing]\nmargin = 1.1\nmodel_cut_margin = 0.9\n" + BASE,
+     ["[sharing] model_cut_margin: 0.9 is not a promotion margin", "expected a number >= 1.0 or inf"]),
     ("sharing-model-cut-row-typo", "[sharing]\nmargin = 1.1\nmodel_cut_row = 4\n" + BASE,
      ["model_cut_row"]),
     ("unknown-gate-key", edit("min_active = 1", "min_active = 1\nmin_ctx = 3"),

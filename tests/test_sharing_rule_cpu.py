@@ -252,7 +252,7 @@ def test_the_margin_comes_from_routes_toml(fake_device, h200_with_sharing, tmp_p
     from pkvrt.policy.registry import load_routes
 
     text = open(ROUTES.path).read()
-    shipped = "[sharing]\nmargin = 1.10\ndevice_margin = 1.0\nchunk_heads = 16\nmodel_cut_rows = 4\n"
+    shipped = "[sharing]\nmargin = 1.10\ndevice_margin = 1.0\nchunk_heads = 16\nmodel_cut_rows = 4\nmodel_cut_margin = 1.10\n"
     assert text.count(shipped) == 1
     seq, bt, n = prefix_step(8, 12288, 512)
     got = {}

@@ -1108,8 +1108,10 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
     one = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
     other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
     opts = dict(flashinfer=False, shared_when_predicted_faster=False)
-    rt = runtime(engine_capture=engine_capture, options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
-    default = runtime(engine_capture=engine_capture, options=RuntimeOptions(**opts))
+    anygain = attrs.evolve(ROUTES, sharing_model_cut_margin=1.0)   # any predicted gain cuts
+    rt = runtime(engine_capture=engine_capture, routes=anygain,
+                 options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
+    default = runtime(engine_capture=engine_capture, routes=anygain, options=RuntimeOptions(**opts))
     predicted = []
     predict = rt.shared.predict_step_us
     monkeypatch.setattr(rt.shared, "predict_step_us",
@@ -1143,7 +1145,8 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
             assert int(rt.shared._d_num_splits[:len(sp.chunk_seq)].max()) == want, i
     if engine_capture:   # a model that prefers the fewest splits: the kernel cuts there, not at the partition's
         seq, bt = one
-        pref = runtime(engine_capture=True, options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
+        pref = runtime(engine_capture=True, routes=anygain,
+                       options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
         real = pref.shared.predict_step_us
         monkeypatch.setattr(pref.shared, "predict_step_us",
                             lambda seq, splits=None: splits if splits is not None else real(seq))
@@ -1171,7 +1174,7 @@ def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fak
     many = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])   # 4 chunks
     few = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])                      # 1 chunk
     opts = dict(flashinfer=False, shared_when_predicted_faster=False)
-    bounded = attrs.evolve(ROUTES, sharing_model_cut_rows=2)
+    bounded = attrs.evolve(ROUTES, sharing_model_cut_rows=2, sharing_model_cut_margin=1.0)
     rt = runtime(engine_capture=True, routes=bounded,
                  options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
     default = runtime(engine_capture=True, routes=bounded, options=RuntimeOptions(**opts))
@@ -1206,6 +1209,29 @@ def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fak
             assert int(cut.max()) == rt.shared._pinned_splits
 
 
+@pytest.mark.parametrize("best_us, cut", [(80.0, True), (95.0, False)], ids=["1.25x", "1.05x"])
+def test_the_time_models_cut_needs_model_cut_margin(fake_device, pool, monkeypatch, best_us, cut):  # noqa: F811
+    """routes.toml ``[sharing] model_cut_margin`` (1.10 shipped): the model's fastest cut is
+    taken only where the partition's is predicted at least that many times it; a smaller
+    predicted gain keeps the partition's cut (nothing pinned, explain() says why). The model
+    here: 100 us at the partition's cut, ``best_us`` at every pinned count."""
+    assert ROUTES.sharing_model_cut_margin == 1.10
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
+    rt = runtime(engine_capture=True, options=RuntimeOptions(
+        flashinfer=False, shared_when_predicted_faster=False, shared_chunk_cut="time_model"))
+    monkeypatch.setattr(rt.shared, "predict_step_us",
+                        lambda seq, splits=None: 100.0 if splits is None else best_us)
+    rt.plan(seq, bt)
+    assert (rt.shared._pinned_splits is not None) == cut
+    said = rt.explain()
+    assert ("the chunk decode cut at" in said) == cut, said
+    assert ("not predicted routes.toml [sharing] model_cut_margin (1.1x) faster" in said) != cut, said
+    q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
+    out = rt.run(q, b.k_cache, b.v_cache, out=torch.full_like(q, float("nan")))
+    assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3
+
+
 def test_the_time_models_cut_never_plans_past_the_planning_grid(fake_device):  # noqa: F811
     """Twelve chunks of two rows (H_kv 8): a split count the time model might prefer plans more
     tasks than the chunk Runtime's planning grid holds (the partition never does); such counts
@@ -1220,7 +1246,8 @@ def test_the_time_models_cut_never_plans_past_the_planning_grid(fake_device):  #
         bt[2 * g + 1, :prefix_pages] = bt[2 * g, :prefix_pages]
     seq = np.full(n, prefix_pages * page + own, np.int32)
     want = ref(b.q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))
-    rt = SharedPagesRuntime(hq, hkv, d, page, torch.float16, routes=ROUTES, calibration=SEED, max_batch=32,
+    rt = SharedPagesRuntime(hq, hkv, d, page, torch.float16, calibration=SEED, max_batch=32,
+                            routes=attrs.evolve(ROUTES, sharing_model_cut_margin=1.0),
                             max_pages_per_row=128, engine_capture=True, min_saved=0.0,
                             options=RuntimeOptions(flashinfer=False, shared_when_predicted_faster=False,
                                                    shared_chunk_cut="time_model"))
@@ -1240,8 +1267,9 @@ def test_a_deferred_planning_launch_cuts_at_its_steps_count(fake_device, pool): 
     chunk Runtime was pinned to another count in between."""
     b, _ = pool
     seq, bt = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
-    rt = runtime(engine_capture=True, options=RuntimeOptions(flashinfer=False, shared_when_predicted_faster=False,
-                                                             shared_chunk_cut="time_model"))
+    rt = runtime(engine_capture=True, routes=attrs.evolve(ROUTES, sharing_model_cut_margin=1.0),
+                 options=RuntimeOptions(flashinfer=False, shared_when_predicted_faster=False,
+                                        shared_chunk_cut="time_model"))
     rt.plan(seq, bt)
     planned = rt.shared.step_key[-1]
     assert rt.shared._step.plan_launch is not None and planned[0] == "splits"

@@ -192,6 +192,9 @@ class Registry:
     # of at most this many chunks (rows of the chunk decode) at the time model's fastest split
     # count, one of more by the planning kernel's partition (None: the key is absent, no bound)
     sharing_model_cut_rows: int | None = None
+    # [sharing] model_cut_margin: ... and only where the time model predicts the partition's cut
+    # at least this many times its own (1.0 without the key: any predicted gain)
+    sharing_model_cut_margin: float = 1.0
 
     def device_planning_route(self, rows: int | None = None, group: int | None = None,
                               window: int | None = None) -> Route:
@@ -278,8 +281,8 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(str(p), raw.decode("utf-8"), str(e)) from None
     routes, boundary, device_route, device_small, (device_large, min_window), host_time, \
-        (sharing_margin, sharing_device_margin, sharing_chunk_heads, sharing_model_cut_rows) = \
-        _parse(str(p), doc)
+        (sharing_margin, sharing_device_margin, sharing_chunk_heads, sharing_model_cut_rows,
+         sharing_model_cut_margin) = _parse(str(p), doc)
     return Registry(path=str(p.resolve()), sha256=hashlib.sha256(raw).hexdigest(),
                     routes=routes, boundary=boundary, device_route=device_route,
                     device_small=device_small, device_large_group=device_large,
@@ -287,7 +290,8 @@ def load_routes(path: str | pathlib.PathLike | None = None) -> Registry:
                     host_time=host_time, sharing_margin=sharing_margin,
                     sharing_device_margin=sharing_device_margin,
                     sharing_chunk_heads=sharing_chunk_heads,
-                    sharing_model_cut_rows=sharing_model_cut_rows)
+                    sharing_model_cut_rows=sharing_model_cut_rows,
+                    sharing_model_cut_margin=sharing_model_cut_margin)
 
 
 def _syntax_error(path: str, text: str, msg: str) -> RoutesError:
@@ -483,7 +487,8 @@ def _route(path: str, name: str, body, gates: Gates, margin: float) -> Route:
 def _parse(path: str, doc: dict) -> tuple:
     # (routes, boundary rule, [device_planning] route, (small_rows, small_route) or None,
     #  ((large_group, large_group_route) or None, large_group_min_window or None),
-    #  host-time rule or None, (sharing margin, device margin, chunk heads, model cut rows or None))
+    #  host-time rule or None, (sharing margin, device margin, chunk heads, model cut rows or None,
+    #  model cut margin))
     top = _Table(path, "top level", doc, ("gates", "promotion", "host_time", "device_planning",
                                           "sharing", "routes"))
     gates = _gates(top.table("gates", GATE_KEYS), None)
@@ -530,10 +535,11 @@ def _parse(path: str, doc: dict) -> tuple:
     host_time = None
     if (ht := top.table("host_time", ("enabled", "min_context"), required=False)) is not None:
         host_time = HostTimeRule(enabled=ht.boolean("enabled"), min_context=ht.integer("min_context"))
-    sh = top.table("sharing", ("margin", "device_margin", "chunk_heads", "model_cut_rows"), required=False)
-    sharing = (1.0, 1.0, 16, None) if sh is None else (
+    sh = top.table("sharing", ("margin", "device_margin", "chunk_heads", "model_cut_rows",
+                               "model_cut_margin"), required=False)
+    sharing = (1.0, 1.0, 16, None, 1.0) if sh is None else (
         sh.margin("margin", allow_inf=True), sh.margin("device_margin", 1.0, allow_inf=True),
         sh.get("chunk_heads", "an integer in 2..64", lambda v: "is not an integer" if not _is_int(v)
                else None if 2 <= v <= 64 else "is outside 2..64", 16),
-        sh.integer("model_cut_rows", None))
+        sh.integer("model_cut_rows", None), sh.margin("model_cut_margin", 1.0, allow_inf=True))
     return routes, boundary, device_route, device_small, (device_large, min_window), host_time, sharing

@@ -91,12 +91,14 @@ class RuntimeOptions:
         ``"partition"`` (default: the planning kernel's partition, as every device-planned step)
         or ``"time_model"`` (the split count of its longest chunk the calibration's time model
         predicts fastest among those that fit the planning grid, once per sharing structure, for
-        chunk decodes of at most routes.toml ``[sharing] model_cut_rows`` chunks; the partition
-        cuts larger ones). The partition cuts chunk decodes of few chunks at 1.3-1.5x the time
-        model's fastest, and two swept H200 steps agree with the model (benches/NOTES.md, "The
-        chunk decode's cut"). On an H100 the model's cut shares 8 x (8K + 512) 17-22 % faster
-        (1.19x FlashInfer) but cut a chunk decode of 16 chunks (64 x (2K + 1K)) at one split,
-        6-8 % slower than the partition (hence the bound).
+        chunk decodes of at most routes.toml ``[sharing] model_cut_rows`` chunks where it
+        predicts the partition's cut at least ``[sharing] model_cut_margin`` times its own; the
+        partition cuts the rest). The partition cuts chunk decodes of few chunks at 1.3-1.5x the
+        time model's fastest, and two swept H200 steps agree with the model (benches/NOTES.md,
+        "The chunk decode's cut"). On an H100 the model's cut ran 8 x (8K + 512) 20-26 % faster
+        (1.26x FlashInfer), but a chunk decode of 16 chunks (64 x (2K + 1K)) 6-8 % slower (hence
+        the row bound) and 8 x (32K + 128), a predicted 1.01x gain, 3-5 % slower (hence the
+        margin, not yet run on a GPU): not the default until it has.
     shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
         (and its query gather) on a stream of its own beside the own decode, joined before the
         merge (default True: the two decodes read the same q and caches and write their own

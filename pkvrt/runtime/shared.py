@@ -360,9 +360,10 @@ class SharedPagesRuntime:
         (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing
         structure (its arrays' identity, as :meth:`_chunk_us`): 17 predictions once, not per
         step. (None, the partition's predicted µs) where the chunk Runtime does not plan on the
-        device-planning policy (its own graphs with host routing: the router picks its route) or
-        the chunk decode has more chunks than routes.toml ``[sharing] model_cut_rows`` (the
-        partition cuts those)."""
+        device-planning policy (its own graphs with host routing: the router picks its route),
+        the chunk decode has more chunks than routes.toml ``[sharing] model_cut_rows``, or the
+        model predicts the partition's cut less than ``[sharing] model_cut_margin`` times its
+        fastest (the partition cuts those)."""
         rows, sh = len(sp.chunk_seq), self.shared
         bound = self.plain.registry.sharing_model_cut_rows
         if not sh._captured_policy or (bound is not None and rows > bound):
@@ -382,6 +383,11 @@ class SharedPagesRuntime:
             sp.chunk_seq, num_kv_heads=self.num_kv_heads, splits=route.splits, cal=sh.calibration,
             longest_splits=s).ctas <= grid] or counts[:1]
         us, s = min((sh.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits)
+        # the model's cut only where it predicts a gain beyond its error (routes.toml [sharing]
+        # model_cut_margin); else the partition's, as without the option
+        partition_us = sh.predict_step_us(sp.chunk_seq)
+        if partition_us < self.plain.registry.sharing_model_cut_margin * us:
+            s, us = None, partition_us
         if len(self._chunk_cuts) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_cuts.pop(next(iter(self._chunk_cuts)))
         self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us))
@@ -667,7 +673,11 @@ class SharedPagesRuntime:
                f"fastest: options.shared_chunk_cut)" if pinned is not None else
                f"; the chunk decode cut by the partition: {chunks} chunks, over routes.toml "
                f"[sharing] model_cut_rows {bound}" if self._cut_by_model and bound is not None
-               and chunks > bound and self.shared._captured_policy else "")
+               and chunks > bound and self.shared._captured_policy else
+               f"; the chunk decode cut by the partition: the time model's fastest cut is not "
+               f"predicted routes.toml [sharing] model_cut_margin "
+               f"({self.plain.registry.sharing_model_cut_margin:g}x) faster"
+               if self._cut_by_model and self.shared._captured_policy else "")
         return (f"SharedPagesRuntime: {sp.chunk_rows.shape[0]} shared chunk(s) of up to "
                 f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
                 f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)"
