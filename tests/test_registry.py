@@ -72,6 +72,22 @@ def test_base_is_valid(tmp_path):
     assert [r.name for r in reg.routes] == ["flashinfer", "pkv_bucket", "pkv_workqueue"]
 
 
+def test_the_chunk_cut_bounds_of_sharing_and_their_defaults(tmp_path):
+    """[sharing] model_cut_rows / model_cut_margin: absent table or keys, no row bound and a
+    margin of 1.0 (any predicted gain); inf is allowed (never the model's cut); the shipped
+    file's 4 and 1.10."""
+    got = {}
+    for name, table in (("none", ""), ("margin only", "[sharing]\nmargin = 1.1\n"),
+                        ("set", "[sharing]\nmargin = 1.1\nmodel_cut_rows = 3\nmodel_cut_margin = inf\n")):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(table + BASE)
+        reg = load_routes(path)
+        got[name] = (reg.sharing_model_cut_rows, reg.sharing_model_cut_margin)
+    assert got == {"none": (None, 1.0), "margin only": (None, 1.0), "set": (3, float("inf"))}
+    shipped = load_routes(None)
+    assert (shipped.sharing_model_cut_rows, shipped.sharing_model_cut_margin) == (4, 1.10)
+
+
 def test_device_planning_route_is_declared_or_the_first_non_ablation_one(tmp_path):
     assert load_routes(write(tmp_path, BASE)).device_planning_route().name == "pkv_workqueue"
     fused = BASE + '\n[routes.pkv_fused]\nkind = "fused"\nkernel = "fused_decode"\n' \
@@ -253,7 +269,7 @@ ERRORS = [
     ("sharing-model-cut-margin-below-one", "[sharing]\nmargin = 1.1\nmodel_cut_margin = 0.9\n" + BASE,
      ["[sharing] model_cut_margin: 0.9 is not a promotion margin", "expected a number >= 1.0 or inf"]),
     ("sharing-model-cut-row-typo", "[sharing]\nmargin = 1.1\nmodel_cut_row = 4\n" + BASE,
-     ["model_cut_row"]),
+     ["[sharing] model_cut_row: unknown key"]),
     ("unknown-gate-key", edit("min_active = 1", "min_active = 1\nmin_ctx = 3"),
      ["[gates] min_ctx: unknown key", "group_sizes"]),
     ("unknown-route-key", edit('bucketing = "exact"', 'bucketing = "exact"\nsplitz = 4'),

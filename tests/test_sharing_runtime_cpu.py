@@ -1182,12 +1182,12 @@ def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fak
     predict = rt.shared.predict_step_us
     monkeypatch.setattr(rt.shared, "predict_step_us",
                         lambda seq, **kw: swept.append(kw.get("splits")) or predict(seq, **kw))
-    for i, (seq, bt) in enumerate([many, few]):
+    for i, (seq, bt) in enumerate([few, many]):   # pinned first: the over-bound step unpins
         swept.clear()
         rt.plan(seq, bt)
         default.plan(seq, bt)
         chunks = len(rt.plan_used.chunk_seq)
-        assert chunks == (4, 1)[i]
+        assert chunks == (1, 4)[i]
         if chunks > 2:   # over the bound: the partition's cut, as without the option
             assert rt.shared._pinned_splits is None and all(s is None for s in swept), swept
             assert rt.shared.step_key == default.shared.step_key
@@ -1213,20 +1213,28 @@ def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fak
 def test_the_time_models_cut_needs_model_cut_margin(fake_device, pool, monkeypatch, best_us, cut):  # noqa: F811
     """routes.toml ``[sharing] model_cut_margin`` (1.10 shipped): the model's fastest cut is
     taken only where the partition's is predicted at least that many times it; a smaller
-    predicted gain keeps the partition's cut (nothing pinned, explain() says why). The model
-    here: 100 us at the partition's cut, ``best_us`` at every pinned count."""
+    predicted gain keeps the partition's cut (nothing pinned, though the step before was; the
+    partition's prediction; explain() says why). The model here: 100 us at the partition's
+    cut, ``best_us`` at every pinned count (80 for the step before)."""
     assert ROUTES.sharing_model_cut_margin == 1.10
     b, _ = pool
+    before = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
     seq, bt = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
     rt = runtime(engine_capture=True, options=RuntimeOptions(
         flashinfer=False, shared_when_predicted_faster=False, shared_chunk_cut="time_model"))
+    best = {"us": 80.0}
     monkeypatch.setattr(rt.shared, "predict_step_us",
-                        lambda seq, splits=None: 100.0 if splits is None else best_us)
+                        lambda seq, splits=None: 100.0 if splits is None else best["us"])
+    rt.plan(*before)
+    assert rt.shared._pinned_splits is not None
+    best["us"] = best_us
     rt.plan(seq, bt)
     assert (rt.shared._pinned_splits is not None) == cut
+    assert rt._chunk_cut(rt.plan_used) == ((rt.shared._pinned_splits, best_us) if cut else (None, 100.0))
     said = rt.explain()
     assert ("the chunk decode cut at" in said) == cut, said
-    assert ("not predicted routes.toml [sharing] model_cut_margin (1.1x) faster" in said) != cut, said
+    assert ("cut by the partition: predicted 100.0 us a layer against the time model's fastest "
+            "cut's 95.0" in said and "under routes.toml [sharing] model_cut_margin 1.1" in said) != cut, said
     q = torch.randn(4, FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
     out = rt.run(q, b.k_cache, b.v_cache, out=torch.full_like(q, float("nan")))
     assert rel_err(out, ref(q, (b.k_cache, b.v_cache), seq, torch.as_tensor(bt))) < 2e-3

@@ -151,6 +151,7 @@ class SharedPagesRuntime:
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
         self._chunk_cuts: dict[int, tuple] = {}    # ... and, shared_chunk_cut="time_model", its cut
+        self._cut_why = ""                          # ... and why (explain())
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
         # host lengths: the chunk Runtime's last plan (its lengths, its tables, its step)
         self._chunk_planned: tuple | None = None
@@ -364,33 +365,45 @@ class SharedPagesRuntime:
         the chunk decode has more chunks than routes.toml ``[sharing] model_cut_rows``, or the
         model predicts the partition's cut less than ``[sharing] model_cut_margin`` times its
         fastest (the partition cuts those)."""
-        rows, sh = len(sp.chunk_seq), self.shared
-        bound = self.plain.registry.sharing_model_cut_rows
-        if not sh._captured_policy or (bound is not None and rows > bound):
+        rows, sh, reg = len(sp.chunk_seq), self.shared, self.plain.registry
+        if not sh._captured_policy:
             return None, sh.predict_step_us(sp.chunk_seq)
         hit = self._chunk_cuts.get(id(sp.chunk_seq))
         if hit is not None and hit[0] is sp.chunk_seq:
+            self._cut_why = hit[2]
             return hit[1]
-        route = self.plain.registry.device_planning_route(rows, sh.router.group_size)
-        # the counts the planning kernel takes as they are (a chunk of at least min_split_tokens)
-        # and whose tasks fit the Runtime's planning grid (the partition never plans more; the
-        # smallest count is kept whatever it plans, as the partition keeps it)
-        tiles = -(-int(sp.chunk_seq.max()) // TILE_TOKENS)
-        min_tiles = -(-sh.calibration.splits.min_split_tokens // TILE_TOKENS)
-        counts = planner.partition_candidates(tiles, route.splits, min_tiles).tolist()
-        grid = sh._device_grid_tasks(sh._dp_routes[route.name], graphs.padded_batch(rows))
-        fits = [s for s in counts if planner.balanced_partition(
-            sp.chunk_seq, num_kv_heads=self.num_kv_heads, splits=route.splits, cal=sh.calibration,
-            longest_splits=s).ctas <= grid] or counts[:1]
-        us, s = min((sh.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits)
-        # the model's cut only where it predicts a gain beyond its error (routes.toml [sharing]
-        # model_cut_margin); else the partition's, as without the option
-        partition_us = sh.predict_step_us(sp.chunk_seq)
-        if partition_us < self.plain.registry.sharing_model_cut_margin * us:
-            s, us = None, partition_us
+        if reg.sharing_model_cut_rows is not None and rows > reg.sharing_model_cut_rows:
+            s, us = None, sh.predict_step_us(sp.chunk_seq)
+            why = (f"cut by the partition: {rows} chunks, over routes.toml [sharing] model_cut_rows "
+                   f"{reg.sharing_model_cut_rows}")
+        else:
+            route = reg.device_planning_route(rows, sh.router.group_size)
+            # the counts the planning kernel takes as they are (a chunk of at least
+            # min_split_tokens) and whose tasks fit the Runtime's planning grid (the partition
+            # never plans more; the smallest count is kept whatever it plans, as the partition
+            # keeps it)
+            tiles = -(-int(sp.chunk_seq.max()) // TILE_TOKENS)
+            min_tiles = -(-sh.calibration.splits.min_split_tokens // TILE_TOKENS)
+            counts = planner.partition_candidates(tiles, route.splits, min_tiles).tolist()
+            grid = sh._device_grid_tasks(sh._dp_routes[route.name], graphs.padded_batch(rows))
+            fits = [s for s in counts if planner.balanced_partition(
+                sp.chunk_seq, num_kv_heads=self.num_kv_heads, splits=route.splits, cal=sh.calibration,
+                longest_splits=s).ctas <= grid] or counts[:1]
+            us, s = min((sh.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits)
+            why = (f"cut at {s} split(s) of its longest chunk (the time model's fastest: "
+                   f"options.shared_chunk_cut)")
+            # the model's cut only where it predicts a gain beyond its error (routes.toml
+            # [sharing] model_cut_margin); else the partition's, as without the option
+            partition_us = sh.predict_step_us(sp.chunk_seq)
+            if partition_us < reg.sharing_model_cut_margin * us:
+                why = (f"cut by the partition: predicted {partition_us:.1f} us a layer against the time "
+                       f"model's fastest cut's {us:.1f} ({s} splits), under routes.toml [sharing] "
+                       f"model_cut_margin {reg.sharing_model_cut_margin:g}")
+                s, us = None, partition_us
         if len(self._chunk_cuts) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_cuts.pop(next(iter(self._chunk_cuts)))
-        self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us))
+        self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us), why)
+        self._cut_why = why
         return s, us
 
     def _extra_us(self, own_gather: bool, *, graphs: bool) -> float:
@@ -667,17 +680,8 @@ class SharedPagesRuntime:
         if sp is None:
             why = f"shared pages, but {told}" if p is not None else "no sharing this step"
             return f"SharedPagesRuntime: {why} (plain Runtime)\n" + self.plain.explain()
-        pinned = self.shared._pinned_splits if self._cut_by_model else None
-        bound, chunks = self.plain.registry.sharing_model_cut_rows, sp.chunk_rows.shape[0]
-        cut = (f"; the chunk decode cut at {pinned} split(s) of its longest chunk (the time model's "
-               f"fastest: options.shared_chunk_cut)" if pinned is not None else
-               f"; the chunk decode cut by the partition: {chunks} chunks, over routes.toml "
-               f"[sharing] model_cut_rows {bound}" if self._cut_by_model and bound is not None
-               and chunks > bound and self.shared._captured_policy else
-               f"; the chunk decode cut by the partition: the time model's fastest cut is not "
-               f"predicted routes.toml [sharing] model_cut_margin "
-               f"({self.plain.registry.sharing_model_cut_margin:g}x) faster"
-               if self._cut_by_model and self.shared._captured_policy else "")
+        cut = (f"; the chunk decode {self._cut_why}"
+               if self._cut_by_model and self.shared._captured_policy and self._cut_why else "")
         return (f"SharedPagesRuntime: {sp.chunk_rows.shape[0]} shared chunk(s) of up to "
                 f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
                 f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)"

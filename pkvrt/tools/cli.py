@@ -301,9 +301,11 @@ def format_registry(reg: registry.Registry) -> str:
     if reg.sharing_model_cut_rows is not None:
         share += (f"; shared_chunk_cut=\"time_model\" cuts chunk decodes of at most "
                   f"{reg.sharing_model_cut_rows} chunks, the partition the rest ([sharing] model_cut_rows)")
-    if reg.sharing_model_cut_margin != 1.0:
-        share += (f"; the time model's cut only where predicted {reg.sharing_model_cut_margin:g}x "
-                  f"faster than the partition's ([sharing] model_cut_margin)")
+    cm = reg.sharing_model_cut_margin
+    if cm != 1.0:
+        share += ("; the time model's cut never ([sharing] model_cut_margin = inf)" if math.isinf(cm)
+                  else f"; the time model's cut only where it predicts the partition's at least "
+                       f"{cm:g}x its own ([sharing] model_cut_margin)")
     return (f"{table}\n\n{rule}\n{host}\n{share}\n{_device_planning_note(reg)}\n"
             f"file: {reg.path}\nsha256: {reg.sha256}")
 
