@@ -1094,6 +1094,20 @@ def test_step_sharing_without_a_page_bound_or_with_an_id_past_it_plans_each_step
         sharing.StepSharing(PAGE, G, capacity=16, min_saved=0.0, num_pages=None).plan()
 
 
+def cut_and_default(routes, engine_capture: bool, monkeypatch):
+    """A SharedPagesRuntime with shared_chunk_cut="time_model" and one with the default cut, on
+    ``routes``; the first's predict_step_us recording each call's ``splits`` in a list.
+    Returns (cut, default, that list, the unrecorded predict_step_us)."""
+    opts = dict(flashinfer=False, shared_when_predicted_faster=False)
+    rt = runtime(engine_capture=engine_capture, routes=routes,
+                 options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
+    default = runtime(engine_capture=engine_capture, routes=routes, options=RuntimeOptions(**opts))
+    calls, predict = [], rt.shared.predict_step_us
+    monkeypatch.setattr(rt.shared, "predict_step_us",
+                        lambda seq, **kw: calls.append(kw.get("splits")) or predict(seq, **kw))
+    return rt, default, calls, predict
+
+
 @pytest.mark.parametrize("engine_capture", [True, False], ids=["engine capture", "own graphs"])
 def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(fake_device, pool,  # noqa: F811
                                                                                 monkeypatch, engine_capture):
@@ -1109,13 +1123,7 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
     other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
     opts = dict(flashinfer=False, shared_when_predicted_faster=False)
     anygain = attrs.evolve(ROUTES, sharing_model_cut_margin=1.0)   # any predicted gain cuts
-    rt = runtime(engine_capture=engine_capture, routes=anygain,
-                 options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
-    default = runtime(engine_capture=engine_capture, routes=anygain, options=RuntimeOptions(**opts))
-    predicted = []
-    predict = rt.shared.predict_step_us
-    monkeypatch.setattr(rt.shared, "predict_step_us",
-                        lambda seq, **kw: predicted.append(kw.get("splits")) or predict(seq, **kw))
+    rt, default, predicted, predict = cut_and_default(anygain, engine_capture, monkeypatch)
     for i, (seq, bt) in enumerate([one, (one[0] + 1, one[1]), other]):
         predicted.clear()
         rt.plan(seq, bt)
@@ -1173,15 +1181,8 @@ def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fak
     cache = (b.k_cache, b.v_cache)
     many = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])   # 4 chunks
     few = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])                      # 1 chunk
-    opts = dict(flashinfer=False, shared_when_predicted_faster=False)
     bounded = attrs.evolve(ROUTES, sharing_model_cut_rows=2, sharing_model_cut_margin=1.0)
-    rt = runtime(engine_capture=True, routes=bounded,
-                 options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
-    default = runtime(engine_capture=True, routes=bounded, options=RuntimeOptions(**opts))
-    swept = []
-    predict = rt.shared.predict_step_us
-    monkeypatch.setattr(rt.shared, "predict_step_us",
-                        lambda seq, **kw: swept.append(kw.get("splits")) or predict(seq, **kw))
+    rt, default, swept, _ = cut_and_default(bounded, True, monkeypatch)
     for i, (seq, bt) in enumerate([few, many]):   # pinned first: the over-bound step unpins
         swept.clear()
         rt.plan(seq, bt)
