@@ -40,10 +40,11 @@ to the ``pkvrt-device-plan`` rows of results files and writes it into ``--calibr
 A ``pkvrt-shared`` row of a step with sharing also carries ``chunk_us`` and ``own_us``: its
 chunk decode's and its own decode's 32 layers timed alone (``parts_us``), so that the rest of
 its time is the gathers, the merges and the launch boundaries.
-``pkvrt-shared-cut`` and ``pkvrt-shared-always-cut`` (``--chunk-cut``, or named in
+``pkvrt-shared-partition`` and ``pkvrt-shared-always-partition`` (``--chunk-cut``, or named in
 ``--engines``): ``pkvrt-shared`` and ``pkvrt-shared-always`` with
-``RuntimeOptions(shared_chunk_cut="time_model")``, the chunk decode cut at the split count the
-time model predicts fastest (``chunk_splits`` in the row) instead of by the partition.
+``RuntimeOptions(shared_chunk_cut="partition")``, the chunk decode cut by the planning kernel's
+partition instead of at the split count the time model predicts fastest (the default, within
+routes.toml's ``[sharing] model_cut_rows`` and ``model_cut_margin``): the default's ablation.
 ``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared-always`` with chunks of N rows
 (``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
 they run whatever ``--engines`` names, unless ``--engines`` names some ``pkvrt-shared-c<N>``,
@@ -90,8 +91,8 @@ SEED = 20260623
 # every engine's label, in the order a case runs them (and pkvrt-shared-c<N> of --chunk-rows)
 ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
            "pkvrt-shared-device-always", "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
-# --chunk-cut: pkvrt-shared and pkvrt-shared-always with the chunk decode cut by the time model
-CUT_ENGINES = ("pkvrt-shared-cut", "pkvrt-shared-always-cut")
+# --chunk-cut: pkvrt-shared and pkvrt-shared-always with the chunk decode cut by the partition
+CUT_ENGINES = ("pkvrt-shared-partition", "pkvrt-shared-always-partition")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {
     "8x(8K+512)": ([(8, 8192)], 512),
@@ -262,7 +263,7 @@ def pkvrt_plain(st: Step) -> dict:
 
 
 def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
-                 side_stream: bool = True, cut: str = "partition") -> dict:
+                 side_stream: bool = True, cut: str = "time_model") -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
                                   engine_capture=True,
@@ -431,9 +432,10 @@ def main(argv=None) -> int:
                          "and pkvrt-shared-c<N> of --chunk-rows; default: all; the chunked engines "
                          "run unless --engines names some of them, then only those)")
     ap.add_argument("--chunk-cut", action="store_true",
-                    help="also run pkvrt-shared-cut and pkvrt-shared-always-cut: pkvrt-shared and "
-                         "pkvrt-shared-always with RuntimeOptions(shared_chunk_cut=\"time_model\") (the "
-                         "chunk decode cut at the split count the time model predicts fastest)")
+                    help="also run pkvrt-shared-partition and pkvrt-shared-always-partition: "
+                         "pkvrt-shared and pkvrt-shared-always with RuntimeOptions(shared_chunk_cut="
+                         "\"partition\") (the chunk decode cut by the planning kernel's partition, "
+                         "not the time model's fastest split count: the default's ablation)")
     ap.add_argument("--fit-l2", nargs="+", metavar="RESULTS", default=None,
                     help="no GPU: fit the calibration's sharing.l2_reread_cost to the "
                          "pkvrt-device-plan rows of these results files (steps with shared pages) "
@@ -492,9 +494,9 @@ def main(argv=None) -> int:
         engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c, always=True)
                         for c in chunk_rows})
         if args.chunk_cut or (only is not None and any(e in CUT_ENGINES for e in only)):
-            engines.update({"pkvrt-shared-cut": functools.partial(pkvrt_shared, cut="time_model"),
-                            "pkvrt-shared-always-cut": functools.partial(pkvrt_shared, always=True,
-                                                                         cut="time_model")})
+            engines.update({"pkvrt-shared-partition": functools.partial(pkvrt_shared, cut="partition"),
+                            "pkvrt-shared-always-partition": functools.partial(pkvrt_shared, always=True,
+                                                                               cut="partition")})
         if only is not None:
             engines = {k: v for k, v in engines.items()
                        if k in only or (k in chunked and not any(e in chunked for e in only))}
@@ -521,7 +523,8 @@ def main(argv=None) -> int:
                      "ratio_device_always": per("pkvrt-shared-device-always"),
                      "ratio_always": per("pkvrt-shared-always"), "ratio_serial": per("pkvrt-shared-serial"),
                      **{f"ratio_c{c}": per(f"pkvrt-shared-c{c}") for c in chunk_rows},
-                     **({"ratio_cut": per("pkvrt-shared-cut"), "ratio_always_cut": per("pkvrt-shared-always-cut")}
+                     **({"ratio_partition": per("pkvrt-shared-partition"),
+                         "ratio_always_partition": per("pkvrt-shared-always-partition")}
                         if any(k in rec for k in CUT_ENGINES) else {}),
                      # the device-lengths shared path over plain device planning (no sharing: its cost)
                      "device_over_plain": (ok["pkvrt-shared-device"] / ok["pkvrt-device-plan"])

@@ -263,27 +263,30 @@ def test_steps_written_as_the_table_writes_them_run_as_cases(dry, tmp_path, caps
         assert bad in capsys.readouterr().err
 
 
-def test_the_chunk_cut_engines_run_beside_the_partitions(dry, tmp_path):
-    """``--chunk-cut``: pkvrt-shared-cut and pkvrt-shared-always-cut (the chunk decode cut by the
-    time model) run beside the others, exact, with their cut in the row and ratios of their own;
-    without the flag they run only when ``--engines`` names them."""
+def test_the_partition_cut_engines_run_beside_the_defaults(dry, tmp_path):
+    """``--chunk-cut``: pkvrt-shared-partition and pkvrt-shared-always-partition (the chunk decode
+    cut by the partition: the default's ablation) run beside the default engines (the time
+    model's cut within routes.toml's bounds), exact, with the cut in the row and ratios of their
+    own; without the flag they run only when ``--engines`` names them."""
     names = [n for n in SHARING if n in bench.CASES][:2]
     doc = run(tmp_path, "--cases", ",".join(names), "--chunk-cut",
-              "--engines", "pkvrt-shared-always,pkvrt-shared-always-cut,pkvrt-shared-cut,flashinfer-tc")
+              "--engines", "pkvrt-shared-always,pkvrt-shared-always-partition,pkvrt-shared-partition,"
+              "flashinfer-tc")
     for name in names:
         by = {r["engine"]: r for r in doc["rows"] if r["case"] == name}
-        cut = by["pkvrt-shared-always-cut"]
-        assert cut["status"] == "ok" and cut["max_err_ref"] < 1e-3 and cut["shared"]
-        # the model's count, or the partition's cut where routes.toml's bounds on the option
-        # keep it ([sharing] model_cut_rows / model_cut_margin): explain() says which
-        said, n = cut["explain"], cut["chunk_splits"]
+        default, part = by["pkvrt-shared-always"], by["pkvrt-shared-always-partition"]
+        for row in (default, part):
+            assert row["status"] == "ok" and row["max_err_ref"] < 1e-3 and row["shared"]
+        # the default: the model's count, or the partition's cut where routes.toml's bounds keep
+        # it ([sharing] model_cut_rows / model_cut_margin): explain() says which
+        said, n = default["explain"], default["chunk_splits"]
         if n is None:
             assert "the chunk decode cut by the partition" in said, said
         else:
             assert isinstance(n, int) and n >= 1 and f"the chunk decode cut at {n} split(s)" in said, said
-        assert by["pkvrt-shared-always"].get("chunk_splits") is None
-        assert by["ratio"]["ratio_always_cut"] > 0 and "pkvrt-shared-cut" in by
-    assert "pkvrt-shared-always-cut µs" in rendered(tmp_path)   # the report validates and shows them
+        assert part.get("chunk_splits") is None and "the chunk decode cut" not in part["explain"]
+        assert by["ratio"]["ratio_always_partition"] > 0 and "pkvrt-shared-partition" in by
+    assert "pkvrt-shared-always-partition µs" in rendered(tmp_path)   # the report validates and shows them
     doc = run(tmp_path, "--cases", names[0], "--engines", "pkvrt-shared-always,flashinfer-tc")
-    assert not any(r["engine"].endswith("-cut") for r in doc["rows"])
-    assert "ratio_always_cut" not in next(r for r in doc["rows"] if r["engine"] == "ratio")
+    assert not any(r["engine"].endswith("-partition") for r in doc["rows"])
+    assert "ratio_always_partition" not in next(r for r in doc["rows"] if r["engine"] == "ratio")

@@ -1094,18 +1094,19 @@ def test_step_sharing_without_a_page_bound_or_with_an_id_past_it_plans_each_step
         sharing.StepSharing(PAGE, G, capacity=16, min_saved=0.0, num_pages=None).plan()
 
 
-def cut_and_default(routes, engine_capture: bool, monkeypatch):
-    """A SharedPagesRuntime with shared_chunk_cut="time_model" and one with the default cut, on
+def cut_and_partition(routes, engine_capture: bool, monkeypatch):
+    """A SharedPagesRuntime with shared_chunk_cut="time_model" and one with "partition", on
     ``routes``; the first's predict_step_us recording each call's ``splits`` in a list.
-    Returns (cut, default, that list, the unrecorded predict_step_us)."""
+    Returns (cut, partition, that list, the unrecorded predict_step_us)."""
     opts = dict(flashinfer=False, shared_when_predicted_faster=False)
     rt = runtime(engine_capture=engine_capture, routes=routes,
                  options=RuntimeOptions(shared_chunk_cut="time_model", **opts))
-    default = runtime(engine_capture=engine_capture, routes=routes, options=RuntimeOptions(**opts))
+    part = runtime(engine_capture=engine_capture, routes=routes,
+                   options=RuntimeOptions(shared_chunk_cut="partition", **opts))
     calls, predict = [], rt.shared.predict_step_us
     monkeypatch.setattr(rt.shared, "predict_step_us",
                         lambda seq, **kw: calls.append(kw.get("splits")) or predict(seq, **kw))
-    return rt, default, calls, predict
+    return rt, part, calls, predict
 
 
 @pytest.mark.parametrize("engine_capture", [True, False], ids=["engine capture", "own graphs"])
@@ -1116,18 +1117,18 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
     that one count), predicted once per sharing structure, its step key saying so; the output
     matches the reference at every step, the pinned count is what the emulated planning kernel
     cut, and a step of another structure predicts again. Where the chunk Runtime routes by
-    itself (its own graphs, host routing) nothing is pinned. The default cuts as before."""
+    itself (its own graphs, host routing) nothing is pinned. The partition's cut is as before."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
     one = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
     other = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])
     opts = dict(flashinfer=False, shared_when_predicted_faster=False)
     anygain = attrs.evolve(ROUTES, sharing_model_cut_margin=1.0)   # any predicted gain cuts
-    rt, default, predicted, predict = cut_and_default(anygain, engine_capture, monkeypatch)
+    rt, part, predicted, predict = cut_and_partition(anygain, engine_capture, monkeypatch)
     for i, (seq, bt) in enumerate([one, (one[0] + 1, one[1]), other]):
         predicted.clear()
         rt.plan(seq, bt)
-        default.plan(seq, bt)
+        part.plan(seq, bt)
         sp = rt.plan_used
         assert sp is not None
         pinned = rt.shared._pinned_splits
@@ -1140,13 +1141,13 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
             counts = [s for s in route.splits.candidates() if -(-tiles // s) >= min_tiles]
             want = min((predict(sp.chunk_seq, splits=s), s) for s in counts)[1]
             assert pinned == want and rt.shared.step_key[-1] == ("splits", want), i
-            assert f"chunk decode cut at {want} split(s)" in rt.explain() and "cut at" not in default.explain()
+            assert f"chunk decode cut at {want} split(s)" in rt.explain() and "cut at" not in part.explain()
             assert sorted(s for s in predicted if s is not None) == ([] if i == 1 else counts), (i, predicted)
-            assert default.shared._pinned_splits is None and default.shared.step_key[-1] != ("splits", want)
+            assert part.shared._pinned_splits is None and part.shared.step_key[-1] != ("splits", want)
         q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
                         generator=torch.Generator().manual_seed(i)).half()
         want_out = ref(q, cache, seq, torch.as_tensor(bt))
-        for r in (rt, default):
+        for r in (rt, part):
             out = r.run(q, *cache, out=torch.full_like(q, float("nan")))
             assert rel_err(out, want_out) < 2e-3, i
         if engine_capture:   # the planning kernel ran in the step's first run(): its cut
@@ -1159,22 +1160,32 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
         monkeypatch.setattr(pref.shared, "predict_step_us",
                             lambda seq, splits=None: splits if splits is not None else real(seq))
         pref.plan(seq, bt)
-        default.plan(seq, bt)
+        part.plan(seq, bt)
         q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"]).half()
-        for r in (pref, default):
+        for r in (pref, part):
             assert rel_err(r.run(q, *cache), ref(q, cache, seq, torch.as_tensor(bt))) < 2e-3
         n = len(pref.plan_used.chunk_seq)
-        fewest, usual = (int(r.shared._d_num_splits[:n].max()) for r in (pref, default))
+        fewest, usual = (int(r.shared._d_num_splits[:n].max()) for r in (pref, part))
         assert fewest == pref.shared._pinned_splits == 1 < usual
     with pytest.raises(ValueError, match="shared_chunk_cut='model': expected one of 'partition', 'time_model'"):
         RuntimeOptions(shared_chunk_cut="model")
+
+
+@pytest.mark.filterwarnings("ignore:pkvrt.Runtime. the FlashInfer route is unavailable")
+def test_the_time_models_cut_is_the_default(fake_device):  # noqa: F811
+    """The chunk decode is cut by the time model unless the options ask for the partition,
+    options given or not (H100, 7414544: benches/NOTES.md, "The chunk decode's cut")."""
+    assert RuntimeOptions().shared_chunk_cut == "time_model"
+    assert runtime(engine_capture=True, options=None)._cut_by_model
+    assert runtime(engine_capture=True, options=RuntimeOptions(flashinfer=False))._cut_by_model
+    assert not runtime(engine_capture=True, options=RuntimeOptions(shared_chunk_cut="partition"))._cut_by_model
 
 
 def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fake_device, pool,  # noqa: F811
                                                                             monkeypatch):
     """routes.toml ``[sharing] model_cut_rows`` bounds the time model's cut: a chunk decode of
     more chunks is cut by the planning kernel's partition (nothing pinned, no sweep of counts,
-    the default's plan and prediction; explain() names the bound), one of at most that many by
+    the partition's plan and prediction; explain() names the bound), one of at most that many by
     the model. Exact either way. The shipped file bounds it at 4."""
     assert ROUTES.sharing_model_cut_rows == 4 and load_routes(None).sharing_model_cut_rows == 4
     b, _ = pool
@@ -1182,16 +1193,16 @@ def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fak
     many = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])   # 4 chunks
     few = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])                      # 1 chunk
     bounded = attrs.evolve(ROUTES, sharing_model_cut_rows=2, sharing_model_cut_margin=1.0)
-    rt, default, swept, _ = cut_and_default(bounded, True, monkeypatch)
+    rt, part, swept, _ = cut_and_partition(bounded, True, monkeypatch)
     for i, (seq, bt) in enumerate([few, many]):   # pinned first: the over-bound step unpins
         swept.clear()
         rt.plan(seq, bt)
-        default.plan(seq, bt)
+        part.plan(seq, bt)
         chunks = len(rt.plan_used.chunk_seq)
         assert chunks == (1, 4)[i]
         if chunks > 2:   # over the bound: the partition's cut, as without the option
             assert rt.shared._pinned_splits is None and all(s is None for s in swept), swept
-            assert rt.shared.step_key == default.shared.step_key
+            assert rt.shared.step_key == part.shared.step_key
             assert "cut by the partition: 4 chunks, over routes.toml [sharing] model_cut_rows 2" \
                 in rt.explain()
         else:            # within it: the model's count, pinned
@@ -1201,11 +1212,11 @@ def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fak
         q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
                         generator=torch.Generator().manual_seed(i)).half()
         want = ref(q, cache, seq, torch.as_tensor(bt))
-        for r in (rt, default):
+        for r in (rt, part):
             assert rel_err(r.run(q, *cache, out=torch.full_like(q, float("nan"))), want) < 2e-3, i
         cut = rt.shared._d_num_splits[:chunks]   # what the planning kernel cut in the first run()
         if chunks > 2:
-            assert torch.equal(cut, default.shared._d_num_splits[:chunks])
+            assert torch.equal(cut, part.shared._d_num_splits[:chunks])
         else:
             assert int(cut.max()) == rt.shared._pinned_splits
 

@@ -88,17 +88,17 @@ class RuntimeOptions:
     shared_chunk_cut : :class:`pkvrt.SharedPagesRuntime` only, host lengths with
         ``engine_capture`` (the device-planning policy; elsewhere the chunk Runtime's router
         picks its route and this is ignored): how the chunk decode's step is cut:
-        ``"partition"`` (default: the planning kernel's partition, as every device-planned step)
-        or ``"time_model"`` (the split count of its longest chunk the calibration's time model
-        predicts fastest among those that fit the planning grid, once per sharing structure, for
-        chunk decodes of at most routes.toml ``[sharing] model_cut_rows`` chunks where it
-        predicts the partition's cut at least ``[sharing] model_cut_margin`` times its own; the
-        partition cuts the rest). The partition cuts chunk decodes of few chunks at 1.3-1.5x the
-        time model's fastest, and two swept H200 steps agree with the model (benches/NOTES.md,
-        "The chunk decode's cut"). On an H100 the model's cut ran 8 x (8K + 512) 20-26 % faster
-        (1.26x FlashInfer), but a chunk decode of 16 chunks (64 x (2K + 1K)) 6-8 % slower (hence
-        the row bound) and 8 x (32K + 128), a predicted 1.01x gain, 3-5 % slower (hence the
-        margin, not yet run on a GPU): not the default until it has.
+        ``"time_model"`` (default: the split count of its longest chunk the calibration's time
+        model predicts fastest among those that fit the planning grid, once per sharing
+        structure, for chunk decodes of at most routes.toml ``[sharing] model_cut_rows`` chunks
+        where it predicts the partition's cut at least ``[sharing] model_cut_margin`` times its
+        own; the partition cuts the rest) or ``"partition"`` (the planning kernel's partition, as
+        every device-planned step: the ablation). The partition cuts chunk decodes of few chunks
+        at 1.3-1.5x the time model's fastest, and two swept H200 steps agree with the model
+        (benches/NOTES.md, "The chunk decode's cut"). On an H100 (7414544) the bounded model's
+        cut ran 8 x (8K + 512) 25 % faster (shared at 1.24x FlashInfer, where the partition's cut
+        runs it plain at 0.93x); 16 x (1K + 1K) shared 2.4 % faster (the rule runs it plain
+        either way); every other sharing step kept the partition's cut.
     shared_side_stream : :class:`pkvrt.SharedPagesRuntime` only: run each layer's chunk decode
         (and its query gather) on a stream of its own beside the own decode, joined before the
         merge (default True: the two decodes read the same q and caches and write their own
@@ -119,7 +119,7 @@ class RuntimeOptions:
     shared_chunk_rows: int | None = attrs.field(default=None, validator=_layers)
     shared_when_predicted_faster: bool = attrs.field(default=True, validator=_bool)
     shared_side_stream: bool = attrs.field(default=True, validator=_bool)
-    shared_chunk_cut: str = attrs.field(default="partition", validator=_chunk_cut)
+    shared_chunk_cut: str = attrs.field(default="time_model", validator=_chunk_cut)
     fused_two_level_tail: bool = attrs.field(default=True, validator=_bool)
 
 

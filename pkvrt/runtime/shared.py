@@ -56,6 +56,7 @@ from pkvrt.runtime import graphs
 from pkvrt.runtime.checks import (check_device_step, check_run_args_once, check_shape, check_step,
                                   hnd_view, StepInput)
 from pkvrt.runtime.core import Runtime, _StreamRecorder
+from pkvrt.runtime.options import RuntimeOptions
 
 # Host lengths: a decision to share or not (the time model's predictions of both ways) stands
 # while each step shares what the step before did (the same structure: StepSharing.followed)
@@ -102,10 +103,12 @@ class SharedPagesRuntime:
                              f"kernels serve at most {served} rows of G {self.group} per "
                              f"chunk at head dim {head_dim}")
         self.min_saved, self.num_pages, self.sinks = float(min_saved), num_pages, bool(sinks)
-        self._by_prediction = getattr(runtime_kw.get("options"), "shared_when_predicted_faster", True)
-        self._cut_by_model = \
-            getattr(runtime_kw.get("options"), "shared_chunk_cut", "partition") == "time_model"
-        side = self._side_option = getattr(runtime_kw.get("options"), "shared_side_stream", True)
+        options = runtime_kw.get("options")
+        if not isinstance(options, RuntimeOptions):   # None, or a wrong type the Runtimes below name
+            options = RuntimeOptions()
+        self._by_prediction = options.shared_when_predicted_faster
+        self._cut_by_model = options.shared_chunk_cut == "time_model"
+        side = self._side_option = options.shared_side_stream
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
         common = dict(runtime_kw, num_pages=num_pages, device_planning=device_planning)
@@ -359,8 +362,8 @@ class SharedPagesRuntime:
         cut by the time model (``RuntimeOptions.shared_chunk_cut="time_model"``): every count
         its device-planning route allows whose chunk is at least the calibration's least split
         (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing
-        structure (its arrays' identity, as :meth:`_chunk_us`): 17 predictions once, not per
-        step. (None, the partition's predicted µs) where the chunk Runtime does not plan on the
+        structure and layer count (its arrays' identity, as :meth:`_chunk_us`): 17 predictions
+        once, not per step. (None, the partition's predicted µs) where the chunk Runtime does not plan on the
         device-planning policy (its own graphs with host routing: the router picks its route),
         the chunk decode has more chunks than routes.toml ``[sharing] model_cut_rows``, or the
         model predicts the partition's cut less than ``[sharing] model_cut_margin`` times its
@@ -368,8 +371,9 @@ class SharedPagesRuntime:
         rows, sh, reg = len(sp.chunk_seq), self.shared, self.plain.registry
         if not sh._captured_policy:
             return None, sh.predict_step_us(sp.chunk_seq)
+        layers = sh._layers   # the layers per plan its policy weighs host time at, as _chunk_us
         hit = self._chunk_cuts.get(id(sp.chunk_seq))
-        if hit is not None and hit[0] is sp.chunk_seq:
+        if hit is not None and hit[0] is sp.chunk_seq and hit[3] == layers:
             self._cut_why = hit[2]
             return hit[1]
         if reg.sharing_model_cut_rows is not None and rows > reg.sharing_model_cut_rows:
@@ -402,7 +406,7 @@ class SharedPagesRuntime:
                 s, us = None, partition_us
         if len(self._chunk_cuts) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_cuts.pop(next(iter(self._chunk_cuts)))
-        self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us), why)
+        self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us), why, layers)
         self._cut_why = why
         return s, us
 

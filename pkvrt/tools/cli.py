@@ -299,7 +299,8 @@ def format_registry(reg: registry.Registry) -> str:
               + f" ([sharing] device_margin); a chunk decodes {reg.sharing_chunk_heads} query heads "
               f"per KV head together ([sharing] chunk_heads)")
     if reg.sharing_model_cut_rows is not None:
-        share += (f"; shared_chunk_cut=\"time_model\" cuts chunk decodes of at most "
+        share += (f"; the chunk decode is cut by the time model (options.shared_chunk_cut, default "
+                  f"\"time_model\") for chunk decodes of at most "
                   f"{reg.sharing_model_cut_rows} chunks, the partition the rest ([sharing] model_cut_rows)")
     cm = reg.sharing_model_cut_margin
     if cm != 1.0:
