@@ -290,3 +290,41 @@ def test_the_partition_cut_engines_run_beside_the_defaults(dry, tmp_path):
     doc = run(tmp_path, "--cases", names[0], "--engines", "pkvrt-shared-always,flashinfer-tc")
     assert not any(r["engine"].endswith("-partition") for r in doc["rows"])
     assert "ratio_always_partition" not in next(r for r in doc["rows"] if r["engine"] == "ratio")
+
+
+def test_the_reverse_pass_times_every_engine_twice_and_keeps_the_smaller(dry, tmp_path, monkeypatch):
+    """``--reverse-pass``: each engine that ran is timed again in the reverse order; its row keeps
+    both medians, first pass first, and the smaller as ``median_us`` (the ratios use it); an
+    engine whose second pass answers wrong is not ok, and one that failed the first pass is not
+    run again."""
+    name = SHARING[0]
+    order, calls = [], {}
+    real = bench.pkvrt_shared
+
+    def shared(st, **kw):   # the second call of pkvrt-shared-always answers wrong
+        label = "pkvrt-shared-always" if kw.get("always") else "pkvrt-shared"
+        order.append(label)
+        calls[label] = calls.get(label, 0) + 1
+        row = real(st, **kw)
+        if label == "pkvrt-shared-always" and calls[label] == 2:
+            return {"status": "wrong: rel. error 1 against the FP32 reference", "max_err_ref": 1.0}
+        return row
+
+    monkeypatch.setattr(bench, "pkvrt_shared", shared)
+    monkeypatch.setattr(bench, "pkvrt_plain", lambda st: {"status": "unavailable: RuntimeError: no"})
+    doc = run(tmp_path, "--cases", name, "--reverse-pass",
+              "--engines", "pkvrt-shared,pkvrt-shared-always,pkvrt-device-plan,flashinfer-tc")
+    assert order == ["pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-always", "pkvrt-shared"]
+    by = {r["engine"]: r for r in doc["rows"] if r["case"] == name}
+    assert [r["engine"] for r in doc["rows"]] == ["pkvrt-shared", "pkvrt-shared-always",
+                                                  "pkvrt-device-plan", "flashinfer-tc", "ratio"]
+    for label in ("pkvrt-shared", "flashinfer-tc"):
+        row = by[label]
+        assert row["status"] == "ok" and len(row["passes_us"]) == 2
+        assert row["median_us"] == min(row["passes_us"]) and row["max_err_ref"] < 1e-3
+    assert by["pkvrt-shared-always"]["status"].startswith("wrong")
+    assert by["pkvrt-shared-always"]["passes_us"][1] is None
+    assert by["pkvrt-device-plan"]["status"].startswith("unavailable") and "passes_us" not in by["pkvrt-device-plan"]
+    want = by["flashinfer-tc"]["median_us"] / by["pkvrt-shared"]["median_us"]
+    assert by["ratio"]["ratio"] == pytest.approx(want) and by["ratio"]["ratio_always"] is None
+    assert "pkvrt-shared µs" in rendered(tmp_path)   # the report validates and shows them
