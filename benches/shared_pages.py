@@ -209,7 +209,10 @@ def reverse_pass(st: Step, engines: dict, rec: dict) -> None:
     """``--reverse-pass``: time the case's engines that ran again, in the reverse order, each
     rebuilt as in the first pass; a row keeps both medians (``passes_us``, first pass first) and
     the smaller as ``median_us``, so that no engine's time depends on where it ran in the case
-    (the first engine of a case has measured 10-12 % slower than the same plan later in it)."""
+    (the first engine of a case has measured 10-12 % slower than the same plan later in it).
+    The row's other fields (``explain``, ``chunk_us``, ``own_us``, ...) are the first pass's. A
+    second pass that answers wrong makes the row wrong; one that raises leaves the first pass's
+    time (``passes_us`` [first, None]) and says why in ``second_pass``."""
     for label in reversed(list(engines)):
         first = rec[label]
         if first.get("status") != "ok":
@@ -218,6 +221,7 @@ def reverse_pass(st: Step, engines: dict, rec: dict) -> None:
             again = engines[label](st)
         except Exception as exc:  # noqa: BLE001 - the first pass stands, the failure is recorded
             first["second_pass"] = f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            first["passes_us"] = [first["median_us"], None]
             continue
         if again.get("status") != "ok":
             rec[label] = {**again, "passes_us": [first["median_us"], None]}   # a wrong answer stands
@@ -539,7 +543,9 @@ def main(argv=None) -> int:
                 rec[label] = {"status": f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
                 if label == "flashinfer-cascade":
                     cascade_unavailable = rec[label]["status"] + f" (on {name}; not tried again)"
-        if args.reverse_pass:
+        if args.reverse_pass and time.monotonic() > deadline:
+            print(f"time budget spent: {name} timed once (no reverse pass)")
+        elif args.reverse_pass:
             reverse_pass(st, engines, rec)
         for label in engines:
             rows.append({"case": name, "engine": label, "rows": int(len(st.seq)),

@@ -294,37 +294,48 @@ def test_the_partition_cut_engines_run_beside_the_defaults(dry, tmp_path):
 
 def test_the_reverse_pass_times_every_engine_twice_and_keeps_the_smaller(dry, tmp_path, monkeypatch):
     """``--reverse-pass``: each engine that ran is timed again in the reverse order; its row keeps
-    both medians, first pass first, and the smaller as ``median_us`` (the ratios use it); an
-    engine whose second pass answers wrong is not ok, and one that failed the first pass is not
-    run again."""
+    both medians, first pass first, and the smaller as ``median_us``, which the ratios use; an
+    engine whose second pass answers wrong is not ok, one whose second pass raises keeps its
+    first, and one that failed the first pass is not run again."""
     name = SHARING[0]
-    order, calls = [], {}
-    real = bench.pkvrt_shared
+    order = []
+    real_shared, real_fi = bench.pkvrt_shared, bench.fi_plain
+    # each engine's medians by pass (the dry run's own are launch counts, equal in both passes)
+    medians = {"pkvrt-shared": [100.0, 80.0], "flashinfer-tc": [60.0, 90.0], "flashinfer-cuda": [70.0]}
 
-    def shared(st, **kw):   # the second call of pkvrt-shared-always answers wrong
-        label = "pkvrt-shared-always" if kw.get("always") else "pkvrt-shared"
+    def timed_as(label, row):
         order.append(label)
-        calls[label] = calls.get(label, 0) + 1
-        row = real(st, **kw)
-        if label == "pkvrt-shared-always" and calls[label] == 2:
+        k = sum(1 for x in order if x == label) - 1
+        if label == "pkvrt-shared-always" and k == 1:
             return {"status": "wrong: rel. error 1 against the FP32 reference", "max_err_ref": 1.0}
-        return row
+        if label == "flashinfer-cuda" and k == 1:
+            raise RuntimeError("gone")
+        return {**row, "median_us": medians[label][k]} if label in medians else row
+
+    def shared(st, **kw):
+        return timed_as("pkvrt-shared-always" if kw.get("always") else "pkvrt-shared", real_shared(st, **kw))
+
+    def fi(mod, st, *, tensor_cores):
+        return timed_as("flashinfer-tc" if tensor_cores else "flashinfer-cuda",
+                        real_fi(mod, st, tensor_cores=tensor_cores))
 
     monkeypatch.setattr(bench, "pkvrt_shared", shared)
+    monkeypatch.setattr(bench, "fi_plain", fi)
     monkeypatch.setattr(bench, "pkvrt_plain", lambda st: {"status": "unavailable: RuntimeError: no"})
-    doc = run(tmp_path, "--cases", name, "--reverse-pass",
-              "--engines", "pkvrt-shared,pkvrt-shared-always,pkvrt-device-plan,flashinfer-tc")
-    assert order == ["pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-always", "pkvrt-shared"]
+    doc = run(tmp_path, "--cases", name, "--reverse-pass", "--engines",
+              "pkvrt-shared,pkvrt-shared-always,pkvrt-device-plan,flashinfer-tc,flashinfer-cuda")
+    first = ["pkvrt-shared", "pkvrt-shared-always", "flashinfer-tc", "flashinfer-cuda"]
+    assert order == first + first[::-1]
     by = {r["engine"]: r for r in doc["rows"] if r["case"] == name}
-    assert [r["engine"] for r in doc["rows"]] == ["pkvrt-shared", "pkvrt-shared-always",
-                                                  "pkvrt-device-plan", "flashinfer-tc", "ratio"]
-    for label in ("pkvrt-shared", "flashinfer-tc"):
-        row = by[label]
-        assert row["status"] == "ok" and len(row["passes_us"]) == 2
-        assert row["median_us"] == min(row["passes_us"]) and row["max_err_ref"] < 1e-3
+    assert [r["engine"] for r in doc["rows"]] == ["pkvrt-shared", "pkvrt-shared-always", "pkvrt-device-plan",
+                                                  "flashinfer-tc", "flashinfer-cuda", "ratio"]
+    assert by["pkvrt-shared"]["passes_us"] == [100.0, 80.0] and by["pkvrt-shared"]["median_us"] == 80.0
+    assert by["flashinfer-tc"]["passes_us"] == [60.0, 90.0] and by["flashinfer-tc"]["median_us"] == 60.0
+    assert by["flashinfer-cuda"]["passes_us"] == [70.0, None] and by["flashinfer-cuda"]["median_us"] == 70.0
+    assert "gone" in by["flashinfer-cuda"]["second_pass"] and by["flashinfer-cuda"]["status"] == "ok"
     assert by["pkvrt-shared-always"]["status"].startswith("wrong")
     assert by["pkvrt-shared-always"]["passes_us"][1] is None
     assert by["pkvrt-device-plan"]["status"].startswith("unavailable") and "passes_us" not in by["pkvrt-device-plan"]
-    want = by["flashinfer-tc"]["median_us"] / by["pkvrt-shared"]["median_us"]
-    assert by["ratio"]["ratio"] == pytest.approx(want) and by["ratio"]["ratio_always"] is None
+    assert by["ratio"]["baseline"] == "flashinfer-tc" and by["ratio"]["ratio"] == pytest.approx(60.0 / 80.0)
+    assert by["ratio"]["ratio_always"] is None
     assert "pkvrt-shared µs" in rendered(tmp_path)   # the report validates and shows them

@@ -1132,8 +1132,8 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
         sp = rt.plan_used
         assert sp is not None
         pinned = rt.shared._pinned_splits
-        if not engine_capture:   # the chunk Runtime's router picks its route: no pin, no sweep
-            assert pinned is None and predicted and all(s is None for s in predicted)
+        if not engine_capture:   # the chunk Runtime's router picks its route: no pin, no prediction
+            assert pinned is None and predicted == []
         else:
             route = rt.plain.registry.device_planning_route(len(sp.chunk_seq), rt.shared.router.group_size)
             tiles = -(-int(sp.chunk_seq.max()) // 32)
@@ -1169,6 +1169,35 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
         assert fewest == pref.shared._pinned_splits == 1 < usual
     with pytest.raises(ValueError, match="shared_chunk_cut='model': expected one of 'partition', 'time_model'"):
         RuntimeOptions(shared_chunk_cut="model")
+
+
+@pytest.mark.parametrize("engine_capture", [True, False], ids=["engine capture", "own graphs"])
+def test_the_default_cut_predicts_nothing_where_the_chunk_runtime_routes_itself(fake_device, pool,  # noqa: F811
+                                                                                monkeypatch, engine_capture):
+    """With its own graphs (host routing) the chunk Runtime's router picks its cut: the default
+    (the time model's cut) then makes no prediction of its own, so each plan() predicts the chunk
+    decode exactly as with the partition's cut; under engine capture it predicts once per
+    structure, then never."""
+    b, _ = pool
+    seq, bt = shared_step(b, [800, 850, 880, 700], 40, [[0, 1, 2, 3]])
+    opts = dict(flashinfer=False, shared_when_predicted_faster=False)   # every step shared
+    counts = {}
+    for cut in ("time_model", "partition"):
+        rt = runtime(engine_capture=engine_capture, options=RuntimeOptions(shared_chunk_cut=cut, **opts))
+        calls, predict = [], rt.shared.predict_step_us
+        monkeypatch.setattr(rt.shared, "predict_step_us",
+                            lambda s, _c=calls, _p=predict, **kw: _c.append(kw.get("splits")) or _p(s, **kw))
+        per_plan = []
+        for k in range(4):   # the same structure, one token more each step
+            before = len(calls)
+            rt.plan(seq + k, bt)
+            per_plan.append(len(calls) - before)
+        assert rt.plan_used is not None
+        counts[cut] = per_plan
+    if engine_capture:   # the sweep once, then kept with the structure's chunk time
+        assert counts["time_model"][0] > counts["partition"][0] and counts["time_model"][1:] == [0, 0, 0]
+    else:
+        assert counts["time_model"] == counts["partition"], counts
 
 
 @pytest.mark.filterwarnings("ignore:pkvrt.Runtime. the FlashInfer route is unavailable")

@@ -270,7 +270,7 @@ class SharedPagesRuntime:
         plan (``Runtime._plan_unchanged``: its device buffers hold it, and only its plan() writes
         them) instead of planning it again."""
         last, self._chunk_planned = self._chunk_planned, None   # until this plan succeeds
-        if self._cut_by_model:   # (the same structure, the same count: a kept plan stays valid)
+        if self._model_cuts():   # (the same structure, the same count: a kept plan stays valid)
             self.shared._pin_splits(self._chunk_cut(sp)[0])
         # (the chunk Runtime's step object too: a plan of it made elsewhere is not ours)
         if last is None or last[0] is not sp.chunk_seq or last[1] is not sp.chunk_bt or \
@@ -349,13 +349,19 @@ class SharedPagesRuntime:
             return hit[2]
         cal = self.plain.router.cal
         chunk_rereads = sharing.page_rereads(sp.chunk_seq, sp.chunk_bt, self.page_size, self.num_pages)
-        decode_us = self._chunk_cut(sp)[1] if self._cut_by_model else \
+        decode_us = self._chunk_cut(sp)[1] if self._model_cuts() else \
             self.shared.predict_step_us(sp.chunk_seq)
         us = sharing.plain_step_us(decode_us, chunk_rereads, page_bytes, cal.beta_gbps, reread_cost)
         if len(self._chunk_times) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_times.pop(next(iter(self._chunk_times)))
         self._chunk_times[id(sp.chunk_seq)] = (sp.chunk_seq, sp.chunk_bt, us, layers)
         return us
+
+    def _model_cuts(self) -> bool:
+        """Whether the chunk decode is cut by the time model: ``shared_chunk_cut="time_model"``
+        and a chunk Runtime on the device-planning policy (``engine_capture``). Elsewhere its
+        router picks the route and the cut, and the option costs nothing."""
+        return self._cut_by_model and self.shared is not None and self.shared._captured_policy
 
     def _chunk_cut(self, sp: sharing.SharingPlan) -> tuple[int | None, float]:
         """(split count of the longest chunk, predicted µs a layer) of the chunk decode's fastest
@@ -685,7 +691,7 @@ class SharedPagesRuntime:
             why = f"shared pages, but {told}" if p is not None else "no sharing this step"
             return f"SharedPagesRuntime: {why} (plain Runtime)\n" + self.plain.explain()
         cut = (f"; the chunk decode {self._cut_why}"
-               if self._cut_by_model and self.shared._captured_policy and self._cut_why else "")
+               if self._model_cuts() and self._cut_why else "")
         return (f"SharedPagesRuntime: {sp.chunk_rows.shape[0]} shared chunk(s) of up to "
                 f"{sp.capacity_rows} rows, {sp.own_rows.size} own segment(s); pages read "
                 f"{sp.pages_read} of {sp.pages_unshared} ({sp.saved_fraction:.0%} saved)"
