@@ -205,6 +205,11 @@ def timed(st: Step, plan, body) -> dict:
     return {"status": "ok", "median_us": median_us(None, repeats=REPLAYS, graph=graph), "max_err_ref": err}
 
 
+def unavailable(exc: Exception) -> str:
+    """An engine's status where it raised: the exception's type and first line."""
+    return f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
 def reverse_pass(st: Step, engines: dict, rec: dict) -> None:
     """``--reverse-pass``: time the case's engines that ran again, in the reverse order, each
     rebuilt as in the first pass; a row keeps both medians (``passes_us``, first pass first) and
@@ -220,7 +225,7 @@ def reverse_pass(st: Step, engines: dict, rec: dict) -> None:
         try:
             again = engines[label](st)
         except Exception as exc:  # noqa: BLE001 - the first pass stands, the failure is recorded
-            first["second_pass"] = f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            first["second_pass"] = unavailable(exc)
             first["passes_us"] = [first["median_us"], None]
             continue
         if again.get("status") != "ok":
@@ -540,7 +545,7 @@ def main(argv=None) -> int:
                 else:
                     rec[label] = fn(st)
             except Exception as exc:  # noqa: BLE001 - recorded as unavailable, the rest run
-                rec[label] = {"status": f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
+                rec[label] = {"status": unavailable(exc)}
                 if label == "flashinfer-cascade":
                     cascade_unavailable = rec[label]["status"] + f" (on {name}; not tried again)"
         if args.reverse_pass and time.monotonic() > deadline:

@@ -369,14 +369,11 @@ class SharedPagesRuntime:
         its device-planning route allows whose chunk is at least the calibration's least split
         (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing
         structure and layer count (its arrays' identity, as :meth:`_chunk_us`): 17 predictions
-        once, not per step. (None, the partition's predicted µs) where the chunk Runtime does
-        not plan on the device-planning policy (its own graphs with host routing: the router
-        picks its route), the chunk decode has more chunks than routes.toml ``[sharing]
-        model_cut_rows``, or the model predicts the partition's cut less than ``[sharing]
-        model_cut_margin`` times its fastest (the partition cuts those)."""
+        once, not per step. (None, the partition's predicted µs) where the chunk decode has more
+        chunks than routes.toml ``[sharing] model_cut_rows``, or the model predicts the
+        partition's cut less than ``[sharing] model_cut_margin`` times its fastest (the
+        partition cuts those). Called only where :meth:`_model_cuts` holds."""
         rows, sh, reg = len(sp.chunk_seq), self.shared, self.plain.registry
-        if not sh._captured_policy:
-            return None, sh.predict_step_us(sp.chunk_seq)
         layers = sh._layers   # the layers per plan its policy weighs host time at, as _chunk_us
         hit = self._chunk_cuts.get(id(sp.chunk_seq))
         if hit is not None and hit[0] is sp.chunk_seq and hit[3] == layers:
