@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--kernel-only", action="store_true",
                     help="time the planning kernel only, not Runtime.plan() (e.g. cubins of an "
-                         "older commit through PKVRT_CUBIN_DIR)")
+                         "older commit through PKVRT_CUBIN_DIR, loaded with PKVRT_ALLOW_STALE_CUBINS=1 where "
+                         "their argument structs match)")
     args = ap.parse_args(argv)
     cal = find_calibration(torch.cuda.get_device_name())
     registry = load_routes()

@@ -98,11 +98,14 @@ def targets() -> list[str]:
     return out
 
 
-def source_hash(family: str) -> str:
+def source_hash(family: str, tuned: dict | None = None) -> str:
+    """The hash a manifest entry records: the family's source and the shared headers as ROOT
+    holds them, the nvcc flags and the tuning constants (``tuned``: a manifest's recorded ones;
+    default this build's, PKVRT_TUNE applied)."""
     h = hashlib.sha256()
     for rel in (SPEC.FAMILIES[family]["source"], *SPEC.HEADERS):
         h.update((ROOT / rel).read_bytes())
-    h.update(json.dumps([SPEC.NVCC_FLAGS, tuning()], sort_keys=True).encode())
+    h.update(json.dumps([SPEC.NVCC_FLAGS, tuning() if tuned is None else tuned], sort_keys=True).encode())
     return h.hexdigest()
 
 

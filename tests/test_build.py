@@ -105,3 +105,83 @@ def test_pkvrt_nvcc_that_is_not_an_executable_is_an_error(monkeypatch, tmp_path)
         _build.find_nvcc()
     monkeypatch.setenv("PKVRT_NVCC", str(other))
     assert _build.find_nvcc() == str(other)
+
+
+def _fake_build(tmp_path, tuned=None):
+    """A checkout's kernel sources under tmp_path/src and a manifest in tmp_path/cubins whose
+    split_decode entry records their hash (under ``tuned``, default the shipped constants)."""
+    import json
+
+    root = tmp_path / "src"
+    for rel in (_buildspec.FAMILIES["split_decode"]["source"], *_buildspec.HEADERS):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(_build.ROOT / rel, root / rel)
+    tuning = {**_buildspec.TUNING, **(tuned or {})}
+    orig = _build.ROOT
+    try:
+        _build.ROOT = root
+        digest = _build.source_hash("split_decode", tuning)
+    finally:
+        _build.ROOT = orig
+    cubins = tmp_path / "cubins"
+    cubins.mkdir()
+    (cubins / "split_decode.sm_90.cubin").write_bytes(b"\0")
+    (cubins / "manifest.json").write_text(json.dumps({
+        "schema": 1, "tuning": tuning, "nvcc": "13.0", "entries": [
+            {"family": "split_decode", "arch": "sm_90", "kind": "cubin",
+             "file": "split_decode.sm_90.cubin", "source_sha256": digest,
+             "symbols": list(_buildspec.symbols("split_decode"))}]}))
+    return root, load_manifest(cubins)
+
+
+@pytest.mark.parametrize("tuned", [None, {"PKV_TC_STAGES": 4}], ids=["shipped", "PKVRT_TUNE variant"])
+def test_a_cubin_built_from_other_kernel_sources_is_named_stale(tmp_path, monkeypatch, tuned):
+    """A manifest entry matches the sources it was built from (under its own tuning constants,
+    so a PKVRT_TUNE variant is not stale); one changed byte in a header makes it stale, and the
+    reason names the image and says to rebuild; a root without kernel sources (an installed
+    wheel) is not checked."""
+    from pkvrt.launch.manifest import stale_source
+
+    root, m = _fake_build(tmp_path, tuned)
+    monkeypatch.setattr(_build, "ROOT", root)
+    (entry,) = m.entries
+    assert stale_source(m, entry, root) is None
+    header = root / _buildspec.HEADERS[0]
+    header.write_bytes(header.read_bytes() + b"\n// a field added to DecodeParams\n")
+    why = stale_source(m, entry, root)
+    assert why is not None and "split_decode.sm_90.cubin" in why and "Rebuild" in why
+    assert stale_source(m, entry, tmp_path / "no-checkout") is None
+
+
+def test_the_driver_refuses_a_stale_cubin_before_loading_it(tmp_path, monkeypatch):
+    """``_driver._module`` raises naming the stale image before it reads or loads any byte of it;
+    PKVRT_ALLOW_STALE_CUBINS=1 turns the refusal into a warning (A/B runs of older builds)."""
+    from pkvrt.launch import _driver, manifest as manifest_mod
+
+    root, m = _fake_build(tmp_path)
+    header = root / _buildspec.HEADERS[0]
+    header.write_bytes(header.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(_build, "ROOT", root)
+    monkeypatch.setattr(manifest_mod, "CHECKOUT", root)
+    monkeypatch.setattr(manifest_mod.stale_source, "__defaults__", (root,))
+    monkeypatch.setattr(_driver, "_manifest", m)
+    monkeypatch.setattr(_driver.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(_driver, "_modules", {})
+    monkeypatch.delenv("PKVRT_ALLOW_STALE_CUBINS", raising=False)
+    with pytest.raises(ManifestError, match=r"split_decode\.sm_90\.cubin.*Rebuild"):
+        _driver._module(0, "split_decode")
+
+    loaded = []
+
+    class _Cu:                    # stands in for cuda.bindings.driver past the check
+        @staticmethod
+        def cuModuleLoadData(data):
+            loaded.append(data)
+            return (0, "module")
+
+    monkeypatch.setenv("PKVRT_ALLOW_STALE_CUBINS", "1")
+    monkeypatch.setattr(_driver, "cu", _Cu)
+    monkeypatch.setattr(_driver, "check", lambda call, result: result[1])
+    with pytest.warns(RuntimeWarning, match="PKVRT_ALLOW_STALE_CUBINS=1"):
+        assert _driver._module(0, "split_decode") == ("module", 90)
+    assert loaded == [b"\0"]

@@ -23,7 +23,7 @@ import warnings
 import attrs
 import torch
 
-from pkvrt.launch.manifest import Manifest, ManifestError, load_manifest
+from pkvrt.launch.manifest import Manifest, ManifestError, load_manifest, stale_source
 
 try:
     from cuda.bindings import driver as cu
@@ -125,6 +125,12 @@ def _module(ctx: int, family: str):
                 f"(sm_{cc[0]}{cc[1]}); built: {have or 'nothing'}"
                 + (f" ({manifest().skipped})" if manifest().skipped else "")
                 + ". Rebuild with PKVRT_CUDA_ARCHS including this GPU.")
+        if (stale := stale_source(manifest(), entry)) is not None:
+            if os.environ.get("PKVRT_ALLOW_STALE_CUBINS") != "1":
+                raise ManifestError(stale + " (PKVRT_ALLOW_STALE_CUBINS=1 loads it anyway: for "
+                                    "A/B runs of an older build whose argument structs match)")
+            warnings.warn(f"pkvrt: {stale} (loaded: PKVRT_ALLOW_STALE_CUBINS=1)", RuntimeWarning,
+                          stacklevel=3)
         data = entry.path.read_bytes()
         if entry.kind == "ptx":
             warnings.warn(f"pkvrt: no cubin of {family} for sm_{cc[0]}{cc[1]}; JIT-compiling "

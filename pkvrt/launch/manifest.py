@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 
 from pkvrt import _buildspec
-from pkvrt._paths import PACKAGE
+from pkvrt._paths import CHECKOUT, PACKAGE
 
 CUBIN_DIR = PACKAGE / "_cubins"
 
@@ -89,6 +89,31 @@ def load_manifest(directory: Path | None = None) -> Manifest:
                         entries=entries, tuning=raw.get("tuning", {}))
     except (KeyError, TypeError) as exc:
         raise ManifestError(f"{path}: malformed manifest entry ({exc!r})") from None
+
+
+def stale_source(manifest: Manifest, entry: Entry, root: Path = CHECKOUT) -> str | None:
+    """Why ``entry`` was not built from the kernel sources under ``root`` (a source checkout or
+    an editable install: ``root/kernels``), or None when it was, or when ``root`` holds no kernel
+    sources to compare (an installed wheel, whose cubins were built from its own).
+
+    The kernels and their ctypes mirrors (pkvrt/launch/ops.py) must agree on every argument
+    struct: an image built before a field was added reads the struct at the wrong offsets,
+    out of bounds. The manifest's ``source_sha256`` is compared with the sources' hash under the
+    manifest's own tuning constants, so a PKVRT_TUNE variant of these sources is not stale."""
+    spec = _buildspec.FAMILIES.get(entry.family)
+    if spec is None:
+        return f"{entry.file}: family {entry.family!r} is not in this pkvrt's build spec"
+    if not all((root / rel).is_file() for rel in (spec["source"], *_buildspec.HEADERS)):
+        return None
+    from pkvrt import _build  # standard library only; loaded on the first kernel load
+
+    tuned = {**_buildspec.TUNING, **manifest.tuning}
+    if entry.source_sha256 == _build.source_hash(entry.family, tuned):
+        return None
+    return (f"{entry.file} was built from other kernel sources than {root / spec['source']} and "
+            f"the headers hold now (manifest {manifest.path}); its argument structs may not be "
+            "this pkvrt's. Rebuild the cubins: pip install -e . (or python pkvrt/_build.py "
+            f"{manifest.path.parent})")
 
 
 def check_complete(manifest: Manifest) -> list[str]:
