@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import hashlib
 import importlib.util
 import json
 import os
@@ -98,15 +97,10 @@ def targets() -> list[str]:
     return out
 
 
-def source_hash(family: str, tuned: dict | None = None) -> str:
-    """The hash a manifest entry records: the family's source and the shared headers as ROOT
-    holds them, the nvcc flags and the tuning constants (``tuned``: a manifest's recorded ones;
-    default this build's, PKVRT_TUNE applied)."""
-    h = hashlib.sha256()
-    for rel in (SPEC.FAMILIES[family]["source"], *SPEC.HEADERS):
-        h.update((ROOT / rel).read_bytes())
-    h.update(json.dumps([SPEC.NVCC_FLAGS, tuning() if tuned is None else tuned], sort_keys=True).encode())
-    return h.hexdigest()
+def source_hash(family: str) -> str:
+    """The manifest's ``source_sha256`` of ``family`` as ROOT holds it, under this build's tuning
+    (PKVRT_TUNE applied)."""
+    return SPEC.source_digest(ROOT, family, tuning())
 
 
 _FUNC = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")

@@ -7,6 +7,10 @@ kernels must exist. Change a tuning constant here and every consumer sees the sa
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 # Targets: one cubin per SASS arch, plus PTX of the newest arch for the driver's JIT on later chips.
 SASS_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 PTX_ARCH = "compute_90"
@@ -152,3 +156,15 @@ def symbols(family: str) -> list[str]:
     if FAMILIES[family].get("also"):
         out += [f"pkv_{FAMILIES[family]['also']}_{dt}_d{d}" for dt in DTYPES for d in HEAD_DIMS]
     return out
+
+
+def source_digest(root: Path, family: str, tuning: dict) -> str:
+    """What a manifest entry records as ``source_sha256``: the hash of ``family``'s source and
+    the shared headers as ``root`` (the repository root) holds them, the nvcc flags and the
+    tuning constants the image is compiled with. The build writes it; the driver compares it
+    with the checkout's sources before it loads an image (pkvrt/launch/manifest.py)."""
+    h = hashlib.sha256()
+    for rel in (FAMILIES[family]["source"], *HEADERS):
+        h.update((Path(root) / rel).read_bytes())
+    h.update(json.dumps([NVCC_FLAGS, tuning], sort_keys=True).encode())
+    return h.hexdigest()

@@ -117,12 +117,7 @@ def _fake_build(tmp_path, tuned=None):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(_build.ROOT / rel, root / rel)
     tuning = {**_buildspec.TUNING, **(tuned or {})}
-    orig = _build.ROOT
-    try:
-        _build.ROOT = root
-        digest = _build.source_hash("split_decode", tuning)
-    finally:
-        _build.ROOT = orig
+    digest = _buildspec.source_digest(root, "split_decode", tuning)
     cubins = tmp_path / "cubins"
     cubins.mkdir()
     (cubins / "split_decode.sm_90.cubin").write_bytes(b"\0")
@@ -135,7 +130,7 @@ def _fake_build(tmp_path, tuned=None):
 
 
 @pytest.mark.parametrize("tuned", [None, {"PKV_TC_STAGES": 4}], ids=["shipped", "PKVRT_TUNE variant"])
-def test_a_cubin_built_from_other_kernel_sources_is_named_stale(tmp_path, monkeypatch, tuned):
+def test_a_cubin_built_from_other_kernel_sources_is_named_stale(tmp_path, tuned):
     """A manifest entry matches the sources it was built from (under its own tuning constants,
     so a PKVRT_TUNE variant is not stale); one changed byte in a header makes it stale, and the
     reason names the image and says to rebuild; a root without kernel sources (an installed
@@ -143,7 +138,6 @@ def test_a_cubin_built_from_other_kernel_sources_is_named_stale(tmp_path, monkey
     from pkvrt.launch.manifest import stale_source
 
     root, m = _fake_build(tmp_path, tuned)
-    monkeypatch.setattr(_build, "ROOT", root)
     (entry,) = m.entries
     assert stale_source(m, entry, root) is None
     header = root / _buildspec.HEADERS[0]
@@ -156,13 +150,12 @@ def test_a_cubin_built_from_other_kernel_sources_is_named_stale(tmp_path, monkey
 def test_the_driver_refuses_a_stale_cubin_before_loading_it(tmp_path, monkeypatch):
     """``_driver._module`` raises naming the stale image before it reads or loads any byte of it;
     PKVRT_ALLOW_STALE_CUBINS=1 turns the refusal into a warning (A/B runs of older builds)."""
-    from pkvrt.launch import _driver, manifest as manifest_mod
+    from pkvrt.launch import _driver
+    from pkvrt.launch import manifest as manifest_mod
 
     root, m = _fake_build(tmp_path)
     header = root / _buildspec.HEADERS[0]
     header.write_bytes(header.read_bytes() + b"\n// changed\n")
-    monkeypatch.setattr(_build, "ROOT", root)
-    monkeypatch.setattr(manifest_mod, "CHECKOUT", root)
     monkeypatch.setattr(manifest_mod.stale_source, "__defaults__", (root,))
     monkeypatch.setattr(_driver, "_manifest", m)
     monkeypatch.setattr(_driver.torch.cuda, "get_device_capability", lambda *a: (9, 0))

@@ -105,10 +105,8 @@ def stale_source(manifest: Manifest, entry: Entry, root: Path = CHECKOUT) -> str
         return f"{entry.file}: family {entry.family!r} is not in this pkvrt's build spec"
     if not all((root / rel).is_file() for rel in (spec["source"], *_buildspec.HEADERS)):
         return None
-    from pkvrt import _build  # standard library only; loaded on the first kernel load
-
     tuned = {**_buildspec.TUNING, **manifest.tuning}
-    if entry.source_sha256 == _build.source_hash(entry.family, tuned):
+    if entry.source_sha256 == _buildspec.source_digest(root, entry.family, tuned):
         return None
     return (f"{entry.file} was built from other kernel sources than {root / spec['source']} and "
             f"the headers hold now (manifest {manifest.path}); its argument structs may not be "
