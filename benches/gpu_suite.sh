@@ -33,6 +33,13 @@ if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   echo "gpu_suite: no CUDA GPU visible to torch: nothing to run" >&2
   exit 1
 fi
+# cubins built from other kernel sources than this tree's would fail every GPU test one by one
+if ! python3 -c 'import sys; from pkvrt.launch.manifest import load_manifest, stale_source
+m = load_manifest(); bad = [w for e in m.entries if e.present and (w := stale_source(m, e))]
+bad and print(bad[0], file=sys.stderr); sys.exit(1 if bad else 0)'; then
+  echo "gpu_suite: the cubins are not built from this tree's kernels: nothing run" >&2
+  exit 1
+fi
 
 commit=${PKVRT_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (uncommitted changes)')}
 {

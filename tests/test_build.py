@@ -50,8 +50,13 @@ def test_cubins_export_declared_symbols(manifest):
 
 
 def test_source_hash_tracks_kernel_sources(manifest):
+    """The build's hash of every image is the checkout's, and the runtime's stale check (its own
+    digest of the sources under the manifest's tuning) agrees: a fresh build is never refused."""
+    from pkvrt.launch.manifest import stale_source
+
     for e in manifest.entries:
         assert e.source_sha256 == _build.source_hash(e.family), f"{e.file} is stale: rebuild"
+        assert stale_source(manifest, e) is None, e.file
 
 
 def test_manifest_selects_cubin_then_ptx(manifest):
@@ -144,6 +149,9 @@ def test_a_cubin_built_from_other_kernel_sources_is_named_stale(tmp_path, tuned)
     header.write_bytes(header.read_bytes() + b"\n// a field added to DecodeParams\n")
     why = stale_source(m, entry, root)
     assert why is not None and "split_decode.sm_90.cubin" in why and "Rebuild" in why
+    # the rebuild it names: into the manifest's folder, with the variant's tuning
+    assert f"python -m pkvrt._build {m.path.parent}" in why
+    assert ("PKVRT_TUNE=PKV_TC_STAGES=4 " in why) == (tuned is not None), why
     assert stale_source(m, entry, tmp_path / "no-checkout") is None
 
 

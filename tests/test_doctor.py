@@ -148,3 +148,21 @@ def test_driver_cuda_version_without_libcuda(monkeypatch):
     monkeypatch.setattr(_driver, "cu", None)
     with pytest.raises(_driver.CudaDriverError, match="cuda-python is not importable"):
         _driver.driver_cuda_version()
+
+
+def test_doctor_names_stale_images_and_how_to_rebuild_them(manifest_dir, tmp_path):
+    """Images whose source hash is not the checkout's sources' (the fixture's all-zero hashes)
+    make one ``stale`` problem row naming the families and the rebuild of that folder; the same
+    manifest with the checkout's digests has no such row."""
+    from pkvrt import _buildspec
+    from pkvrt._paths import CHECKOUT
+
+    rows = {label.strip(): (text, problem) for label, text, problem in doctor.kernel_rows(None)}
+    text, problem = rows["stale"]
+    assert problem and all(f in text for f in FAMILIES), text
+    assert f"python -m pkvrt._build {tmp_path}" in text and "PKVRT_ALLOW_STALE_CUBINS=1" in text
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    for e in raw["entries"]:
+        e["source_sha256"] = _buildspec.source_digest(CHECKOUT, e["family"], _buildspec.TUNING)
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    assert "stale" not in {label.strip() for label, _, _ in doctor.kernel_rows(None)}

@@ -105,13 +105,27 @@ def stale_source(manifest: Manifest, entry: Entry, root: Path = CHECKOUT) -> str
         return f"{entry.file}: family {entry.family!r} is not in this pkvrt's build spec"
     if not all((root / rel).is_file() for rel in (spec["source"], *_buildspec.HEADERS)):
         return None
-    tuned = {**_buildspec.TUNING, **manifest.tuning}
+    # the constants the image was compiled with, as its build hashed them (an old manifest
+    # without them: the shipped ones)
+    tuned = manifest.tuning or _buildspec.TUNING
     if entry.source_sha256 == _buildspec.source_digest(root, entry.family, tuned):
         return None
-    return (f"{entry.file} was built from other kernel sources than {root / spec['source']} and "
-            f"the headers hold now (manifest {manifest.path}); its argument structs may not be "
-            "this pkvrt's. Rebuild the cubins: pip install -e . (or python pkvrt/_build.py "
-            f"{manifest.path.parent})")
+    return (f"{entry.file} was not built from the kernel sources under {root} (its source, "
+            f"headers, nvcc flags or tuning constants differ; manifest {manifest.path}): its "
+            f"argument structs may not be this pkvrt's. Rebuild: {rebuild_command(manifest)}")
+
+
+def rebuild_command(manifest: Manifest) -> str:
+    """The command that rebuilds ``manifest``'s images from the checkout's sources: the
+    package's own build (``pip install -e .``), else the build into the manifest's folder with
+    the tuning variant it was built with (``PKVRT_TUNE``)."""
+    folder = manifest.path.parent
+    if folder.resolve() == CUBIN_DIR.resolve():
+        return "pip install -e . (from the repository root)"
+    tune = ",".join(f"{k}={v}" for k, v in sorted(manifest.tuning.items())
+                    if _buildspec.TUNING.get(k) != v)
+    return (f"{'PKVRT_TUNE=' + tune + ' ' if tune else ''}python -m pkvrt._build {folder} "
+            "(from the repository root)")
 
 
 def check_complete(manifest: Manifest) -> list[str]:

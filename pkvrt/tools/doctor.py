@@ -92,7 +92,7 @@ def gpu_info(torch) -> dict | None:
 def kernel_rows(cc: tuple[int, int] | None) -> list[tuple[str, str, bool]]:
     """(label, text, is_problem) for the kernel build manifest; per family for this GPU's ``cc``."""
     try:
-        from pkvrt.launch.manifest import ManifestError, load_manifest, stale_source
+        from pkvrt.launch.manifest import ManifestError, load_manifest, rebuild_command, stale_source
     except ModuleNotFoundError as e:
         if e.name != "pkvrt.launch.manifest":
             raise
@@ -106,8 +106,10 @@ def kernel_rows(cc: tuple[int, int] | None) -> list[tuple[str, str, bool]]:
             + (f"; no kernels built: {skipped}" if skipped else ""), False)]
     stale = sorted({e.family for e in man.entries if e.present and stale_source(man, e)})
     if stale:   # the runtime refuses these (built from other kernel sources than the checkout's)
-        out.append(("  stale", f"{', '.join(stale)}: built from other kernel sources than this "
-                               "checkout's; rebuild (pip install -e .)", True))
+        out.append(("  stale", f"{', '.join(stale)}: not built from this checkout's kernel "
+                               f"sources, so the runtime refuses them; rebuild: "
+                               f"{rebuild_command(man)} (PKVRT_ALLOW_STALE_CUBINS=1 loads them "
+                               "anyway, for A/B runs of an older build)", True))
     for fam in FAMILIES:  # every family the runtime needs, whether the manifest lists it or not
         label = f"  {fam}"
         if cc is None:  # no GPU: what was built, per family

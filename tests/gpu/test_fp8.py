@@ -7,8 +7,6 @@ graph replayed with new scale values, bad scales refused before any launch.
 
 Data: tests/paged.py (unowned pages and row tails hold NaN, which quantizes to e4m3 NaN: a read
 of what must not be read poisons the output; block-table padding is an out-of-range page id).
-With a non-default build (``PKVRT_CUBIN_DIR`` of a ``PKVRT_TUNE=PKV_TC_MIN_GROUP=16`` build) the
-same tests run the SIMT body.
 """
 
 from __future__ import annotations
