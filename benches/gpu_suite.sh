@@ -34,9 +34,8 @@ if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   exit 1
 fi
 # cubins built from other kernel sources than this tree's would fail every GPU test one by one
-if ! python3 -c 'import sys; from pkvrt.launch.manifest import load_manifest, stale_source
-m = load_manifest(); bad = [w for e in m.entries if e.present and (w := stale_source(m, e))]
-bad and print(bad[0], file=sys.stderr); sys.exit(1 if bad else 0)'; then
+if ! python3 -c 'import sys; from pkvrt.launch.manifest import load_manifest, stale_images
+bad = stale_images(load_manifest()); bad and print(bad[0][1], file=sys.stderr); sys.exit(1 if bad else 0)'; then
   echo "gpu_suite: the cubins are not built from this tree's kernels: nothing run" >&2
   exit 1
 fi

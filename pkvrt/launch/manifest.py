@@ -115,6 +115,11 @@ def stale_source(manifest: Manifest, entry: Entry, root: Path = CHECKOUT) -> str
             f"argument structs may not be this pkvrt's. Rebuild: {rebuild_command(manifest)}")
 
 
+def stale_images(manifest: Manifest, root: Path = CHECKOUT) -> list[tuple[Entry, str]]:
+    """Every present image of ``manifest`` that :func:`stale_source` finds stale, with why."""
+    return [(e, why) for e in manifest.entries if e.present and (why := stale_source(manifest, e, root))]
+
+
 def rebuild_command(manifest: Manifest) -> str:
     """The command that rebuilds ``manifest``'s images from the checkout's sources: the
     package's own build (``pip install -e .``), else the build into the manifest's folder with

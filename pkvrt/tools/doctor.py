@@ -92,7 +92,7 @@ def gpu_info(torch) -> dict | None:
 def kernel_rows(cc: tuple[int, int] | None) -> list[tuple[str, str, bool]]:
     """(label, text, is_problem) for the kernel build manifest; per family for this GPU's ``cc``."""
     try:
-        from pkvrt.launch.manifest import ManifestError, load_manifest, rebuild_command, stale_source
+        from pkvrt.launch.manifest import ManifestError, load_manifest, rebuild_command, stale_images
     except ModuleNotFoundError as e:
         if e.name != "pkvrt.launch.manifest":
             raise
@@ -104,7 +104,7 @@ def kernel_rows(cc: tuple[int, int] | None) -> list[tuple[str, str, bool]]:
     skipped = getattr(man, "skipped", None)  # why a CPU-only build compiled nothing
     out = [("kernels", f"manifest {man.path} (nvcc {man.nvcc_version})"
             + (f"; no kernels built: {skipped}" if skipped else ""), False)]
-    stale = sorted({e.family for e in man.entries if e.present and stale_source(man, e)})
+    stale = sorted({e.family for e, _ in stale_images(man)})
     if stale:   # the runtime refuses these (built from other kernel sources than the checkout's)
         out.append(("  stale", f"{', '.join(stale)}: not built from this checkout's kernel "
                                f"sources, so the runtime refuses them; rebuild: "
