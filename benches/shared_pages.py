@@ -26,7 +26,10 @@ CUDA graph, CUDA-event time of its replays, median of REPLAYS, ``harness.median_
   one graph (their difference is what the rule costs find_shared).
 Every engine's layer-0 output is checked against the FP32 reference first. Floors: the step's
 K/V bytes at 4.2 TB/s, each row reading its pages (``floor_us``) and each distinct page read
-once (``floor_once_us``).
+once (``floor_once_us``); ``floor_once_gpu_us``: the pages-once bytes at this GPU's streaming
+rate (its calibration file's ``beta_gbps``, recorded in the meta; None without a file for this
+GPU), and the ratio row's ``ceiling``: the baseline's time over it, the most any engine that
+reads each page once from memory can gain on the step.
 
 ``pkvrt-shared`` shares a step's pages where the calibration's time model predicts the shared
 path faster (``shared`` and ``predicted`` in its row); ``pkvrt-shared-always`` shares every step
@@ -174,6 +177,24 @@ class Step:
         self.floor_us = float(self.seq.sum()) * per_token / FLOOR_BYTES_PER_US
         used = np.concatenate([bt[i, :-(-int(s) // PAGE)] for i, s in enumerate(self.seq)])
         self.floor_once_us = np.unique(used).size * PAGE * per_token / FLOOR_BYTES_PER_US
+
+
+def gpu_beta_gbps(device_name: str) -> float | None:
+    """This GPU's streaming-read rate, GB/s: its calibration file's ``beta_gbps`` (None where
+    pkvrt has no file for the GPU and would run on the seed profile's)."""
+    import warnings
+
+    from pkvrt.policy.calibration import find_calibration
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the seed fallback's warning: no rate is recorded then
+        cal = find_calibration(device_name)
+    return None if cal.fallback else cal.beta_gbps
+
+
+def floor_at(floor_us: float, beta_gbps: float | None) -> float | None:
+    """A floor of FLOOR_BYTES_PER_US restated at ``beta_gbps`` (None: no rate)."""
+    return floor_us * FLOOR_BYTES_PER_US / (beta_gbps * 1e3) if beta_gbps else None
 
 
 def rel_err(out, ref) -> float:
@@ -505,8 +526,10 @@ def main(argv=None) -> int:
     if not args.no_flashinfer:
         import flashinfer as fi
     deadline = time.monotonic() + args.max_seconds
+    beta = gpu_beta_gbps(torch.cuda.get_device_name())
     meta = results.make_meta(seeds=[SEED], kind="shared-pages", layers=LAYERS, page_size=PAGE,
-                             replays=REPLAYS, tolerance=TOLERANCE, protocol=__doc__.split("\n\n")[1])
+                             replays=REPLAYS, tolerance=TOLERANCE, beta_gbps=beta,
+                             protocol=__doc__.split("\n\n")[1])
     rows, out = [], Path(args.out)
     gen = torch.Generator().manual_seed(SEED)
     cascade_unavailable = None
@@ -552,9 +575,11 @@ def main(argv=None) -> int:
             print(f"time budget spent: {name} timed once (no reverse pass)")
         elif args.reverse_pass:
             reverse_pass(st, engines, rec)
+        once_gpu = floor_at(st.floor_once_us, beta)
         for label in engines:
             rows.append({"case": name, "engine": label, "rows": int(len(st.seq)),
                          "floor_us": st.floor_us, "floor_once_us": st.floor_once_us,
+                         "floor_once_gpu_us": once_gpu,
                          "distinct_caches": st.distinct_caches, **rec[label]})
         ok = {k: v["median_us"] for k, v in rec.items() if v.get("status") == "ok"}
         base = min((ok[k], k) for k in ok if k.startswith("flashinfer")) if any(
@@ -562,6 +587,7 @@ def main(argv=None) -> int:
         ratio = base[0] / ok["pkvrt-shared"] if base and "pkvrt-shared" in ok else None
         per = lambda k: base[0] / ok[k] if base and k in ok else None  # noqa: E731
         rows.append({"case": name, "engine": "ratio", "baseline": base and base[1], "ratio": ratio,
+                     "ceiling": base[0] / once_gpu if base and once_gpu else None,
                      "ratio_plain": per("pkvrt-device-plan"), "ratio_device": per("pkvrt-shared-device"),
                      "ratio_device_always": per("pkvrt-shared-device-always"),
                      "ratio_always": per("pkvrt-shared-always"), "ratio_serial": per("pkvrt-shared-serial"),

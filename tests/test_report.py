@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 import re
 
 import pytest
@@ -883,6 +884,38 @@ def test_coverage_benchmarks_get_their_own_tables(capsys, tmp_path):
     assert "flashinfer-cuda: unavailable: Unsupported" in dr
     sp = table_section(md, "Rows that share pages")
     assert cells(sp) == [["8x(32K+128)", "8213", "1055", "2000.0", "2500.0", "3931.0", "-", "flashinfer-tc",
-                          "1.966", "1.572", "0.750", "0.477"]]
+                          "-", "1.966", "1.572", "0.750", "0.477"]]   # FAKE GPU: no rate, no ceiling
     assert "flashinfer-cascade on 8x(32K+128): unavailable: no CUTLASS" in sp
     assert "Other results" not in md
+
+
+def test_shared_pages_ceiling_at_the_gpu_rate(tmp_path):
+    """The ceiling column: the ratio row's own ``ceiling`` where the bench wrote it; for a file
+    from before, the baseline over the 4.2 TB/s pages-once floor restated at the streaming rate
+    of the shipped calibration file of the file's GPU; "-" for a GPU pkvrt has no file for."""
+    from pkvrt.measure import coverage_results
+    from pkvrt.policy.calibration import load_calibration
+    from pkvrt.tools import report
+
+    def step(case, base_us, ratio_extra):
+        common = dict(case=case, floor_us=8213.0, floor_once_us=1055.0)
+        return [dict(common, engine="pkvrt-shared", status="ok", median_us=2000.0),
+                dict(common, engine="flashinfer-tc", status="ok", median_us=base_us),
+                dict(case=case, engine="ratio", baseline="flashinfer-tc", ratio=base_us / 2000.0,
+                     **ratio_extra)]
+
+    d = tmp_path / "res"
+    write(d / "new.json", "shared-pages", step("a", 4000.0, dict(ceiling=2.5)),
+          gpu="NVIDIA H200", beta_gbps=4302.8, date="2026-12-07T02:00:00+00:00")
+    write(d / "old.json", "shared-pages", step("b", 4000.0, {}),
+          gpu="NVIDIA H100 80GB HBM3", date="2026-12-07T01:00:00+00:00")
+    write(d / "unknown.json", "shared-pages", step("c", 4000.0, {}), date="2026-12-07T00:00:00+00:00")
+    table = coverage_results.shared_pages_table(report.load_dir(d))
+    by = {row[0]: row for row in cells(table)}
+    header = [c.strip() for c in table.split("\n")[0].strip("|").split("|")]
+    at = header.index("ceiling: baseline / pages once at the GPU's rate")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h100 = load_calibration(root / "calibration" / "nvidia-h100-80gb-hbm3.json").beta_gbps
+    assert by["a"][at] == "2.50"
+    assert by["b"][at] == f"{4000.0 / (1055.0 * 4200.0 / h100):.2f}"
+    assert by["c"][at] == "-"

@@ -30,6 +30,7 @@ import torch
 from dry_bench import CASCADE_BUILD_ERROR, fake_gpu, load_bench  # noqa: F401
 
 from pkvrt.measure import coverage_results
+from pkvrt.policy.calibration import load_calibration
 from pkvrt.runtime import core
 from pkvrt.runtime.shared import SharedPagesRuntime
 from pkvrt.tools import report
@@ -86,6 +87,8 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
     meta, rows = doc["meta"], doc["rows"]
     assert meta["kind"] == "shared-pages" and meta["layers"] == LAYERS and meta["gpu"] == "NVIDIA H200"
     assert meta["protocol"].startswith("Protocol") and meta["replays"] == 1
+    beta = load_calibration(ROOT / "calibration" / "nvidia-h200.json").beta_gbps   # the fake GPU's file
+    assert meta["beta_gbps"] == beta
     names = list(bench.CASES)
     assert list(dict.fromkeys(r["case"] for r in rows)) == names
     engines = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
@@ -100,7 +103,10 @@ def test_the_planned_command_runs_every_case_and_engine(dry, tmp_path, capsys):
             assert r["status"] == "ok" and r["max_err_ref"] < 1e-3 and r["median_us"] > 0, (name, r)
             assert r["rows"] == sum(n for n, _ in bench.CASES[name][0])
             assert r["floor_us"] >= r["floor_once_us"] > 0 and r["distinct_caches"] == LAYERS
+            assert r["floor_once_gpu_us"] == pytest.approx(r["floor_once_us"] * 4200 / beta)
         ratio = by["ratio"]
+        assert ratio["ceiling"] == pytest.approx(by[ratio["baseline"]]["median_us"]
+                                                 / by["pkvrt-shared"]["floor_once_gpu_us"])
         assert ratio["baseline"] in FI and ratio["ratio"] > 0 and ratio["ratio_plain"] > 0
         assert ratio["ratio_c2"] > 0 and ratio["ratio_serial"] > 0
         assert ratio["ratio_device"] > 0 and ratio["device_over_plain"] > 0

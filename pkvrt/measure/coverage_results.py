@@ -52,6 +52,42 @@ def _rows(files, kind: str) -> list[dict]:
     return out
 
 
+def _case_meta(files, kind: str) -> dict:
+    """case -> the meta of the file whose rows of that case ``_rows`` keeps (the newest)."""
+    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
+                  key=lambda d: str(d["meta"].get("date") or ""))
+    return {r.get("case"): doc["meta"] for doc in docs for r in doc["rows"]}
+
+
+def _gpu_beta(meta: dict) -> float | None:
+    """The streaming-read rate (GB/s) of the GPU a results file ran on: the file's own
+    ``beta_gbps``, else (files written before the bench recorded it) that of the calibration file
+    pkvrt ships for its ``gpu``; None where neither is known."""
+    if meta.get("beta_gbps"):
+        return float(meta["beta_gbps"])
+    from pkvrt.policy.calibration import calibration_dirs, load_calibration, slugify
+    try:
+        want = slugify(str(meta.get("gpu") or ""))
+        path = next((d / f"{want}.json" for d in calibration_dirs() if (d / f"{want}.json").is_file()), None)
+        return load_calibration(path).beta_gbps if path else None
+    except ValueError:   # no usable name, or a malformed file (CalibrationError)
+        return None
+
+
+def _ceiling(ratio: dict, by: dict, meta: dict) -> float | None:
+    """The most a path reading each page once from memory can gain on the step: the baseline's
+    time over the pages-once floor at the GPU's streaming rate (the ratio row's ``ceiling``, or
+    the same from the rows' 4.2 TB/s floor and ``_gpu_beta``)."""
+    if ratio.get("ceiling") is not None:
+        return ratio["ceiling"]
+    base = by.get(ratio.get("baseline") or "", {}).get("median_us")
+    once = next((r.get("floor_once_us") for e, r in by.items() if e != "ratio"), None)
+    beta = _gpu_beta(meta)
+    if not (base and once and beta):
+        return None
+    return base / (once * 4.2e3 / beta)   # the rows' floors are at 4.2 TB/s = 4 200 GB/s
+
+
 def _f(v, digits: int) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -220,13 +256,15 @@ def _shared_row(by: dict) -> dict:
 
 def shared_pages_table(files) -> str:
     """Per step (rows x (shared + own tokens)): the floor with each row reading its pages and
-    with each page read once, every engine's µs, the fastest FlashInfer path, and the ratios of
+    with each page read once, every engine's µs, the fastest FlashInfer path, the ceiling (the
+    most reading each page once can gain over it on this GPU, ``_ceiling``), and the ratios of
     pkvrt's shared-pages paths (host and device lengths) and of its plain device planning against
     it, and the device-lengths shared path over plain device planning (on a step that shares
     nothing: what finding the sharing costs); then the unavailable paths."""
     rows = _rows(files, SHARED_PAGES)
     if not rows:
         return ""
+    metas = _case_meta(files, SHARED_PAGES)
     engines = list(dict.fromkeys(r["engine"] for r in rows if r.get("engine") != "ratio"))
     cases = list(dict.fromkeys(r["case"] for r in rows))
     lines = []
@@ -237,11 +275,12 @@ def shared_pages_table(files) -> str:
         lines.append((case, _f(any_row.get("floor_us"), 0), _f(any_row.get("floor_once_us"), 0),
                       *(_f(by[e].get("median_us"), 1) if e in by and by[e].get("status") == "ok" else "-"
                         for e in engines),
-                      ratio.get("baseline") or "-", _f(ratio.get("ratio"), 3),
+                      ratio.get("baseline") or "-", _f(_ceiling(ratio, by, metas.get(case, {})), 2),
+                      _f(ratio.get("ratio"), 3),
                       _f(ratio.get("ratio_device"), 3), _f(ratio.get("ratio_plain"), 3),
                       _f(ratio.get("device_over_plain"), 3), _parts(_shared_row(by))))
     header = ["step", "floor µs", "floor, pages once µs", *(f"{e} µs" for e in engines), "baseline",
-              "shared / baseline", "shared-device / baseline", "plain / baseline",
+              "ceiling: baseline / pages once at the GPU's rate", "shared / baseline", "shared-device / baseline", "plain / baseline",
               "shared-device time / plain time", "shared: chunk + own decodes alone µs"]
     if all(line[-1] == "-" for line in lines):   # results from before the parts were timed
         header, lines = header[:-1], [line[:-1] for line in lines]
