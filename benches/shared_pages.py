@@ -48,6 +48,10 @@ its time is the gathers, the merges and the launch boundaries.
 ``RuntimeOptions(shared_chunk_cut="partition")``, the chunk decode cut by the planning kernel's
 partition instead of at the split count the time model predicts fastest (the default, within
 routes.toml's ``[sharing] model_cut_rows`` and ``model_cut_margin``): the default's ablation.
+``pkvrt-shared-s<S>`` and ``pkvrt-shared-c<N>-s<S>`` (``--chunk-splits S``): ``pkvrt-shared-always``
+and ``pkvrt-shared-c<N>`` with the chunk decode cut at S splits of its longest chunk
+(``RuntimeOptions(shared_chunk_cut=S)``), the sweep of the cut; a count the step's chunk decode
+does not take is recorded unavailable, naming the counts it takes.
 ``pkvrt-shared-c<N>`` (``--chunk-rows N``): ``pkvrt-shared-always`` with chunks of N rows
 (``RuntimeOptions(shared_chunk_rows=N)``), the ablation of how many rows read a run in one pass;
 they run whatever ``--engines`` names, unless ``--engines`` names some ``pkvrt-shared-c<N>``,
@@ -63,7 +67,8 @@ them, ``R x (S + O)`` without spaces (``8x(4K+128)``: 8 rows sharing 4 096 token
 each), for sweeps.
 
 usage: python benches/shared_pages.py [--cases a,b] [--out FILE] [--max-seconds S]
-       [--chunk-rows N,...] [--chunk-cut] [--engines LABEL,...] [--reverse-pass]
+       [--chunk-rows N,...] [--chunk-splits S,...] [--chunk-cut] [--engines LABEL,...]
+       [--reverse-pass]
        python benches/shared_pages.py --fit-l2 RESULTS... [--calibration FILE] [--write FILE]
 Writes benches/results/h200/shared-pages.json and prints a table.
 """
@@ -319,7 +324,7 @@ def pkvrt_plain(st: Step) -> dict:
 
 
 def pkvrt_shared(st: Step, chunk_rows: int | None = None, always: bool = False,
-                 side_stream: bool = True, cut: str = "time_model") -> dict:
+                 side_stream: bool = True, cut: str | int = "time_model") -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
                                   engine_capture=True,
@@ -483,9 +488,15 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-rows", default="",
                     help="also run pkvrt-shared with chunks of these many rows (comma-separated; the "
                          "ablation of options.shared_chunk_rows, engines pkvrt-shared-c<N>)")
+    ap.add_argument("--chunk-splits", default="",
+                    help="also run pkvrt-shared-always and each pkvrt-shared-c<N> with the chunk "
+                         "decode cut at these many splits of its longest chunk (comma-separated; "
+                         "the sweep of options.shared_chunk_cut, engines pkvrt-shared-s<S> and "
+                         "pkvrt-shared-c<N>-s<S>)")
     ap.add_argument("--engines", default=None,
                     help=f"run only these engines (comma-separated labels of {', '.join(ENGINES)} "
-                         "and pkvrt-shared-c<N> of --chunk-rows; default: all; the chunked engines "
+                         "and pkvrt-shared-c<N>, -s<S>, -c<N>-s<S> of --chunk-rows and --chunk-splits; "
+                         "default: all; the chunked and pinned engines "
                          "run unless --engines names some of them, then only those)")
     ap.add_argument("--chunk-cut", action="store_true",
                     help="also run pkvrt-shared-partition and pkvrt-shared-always-partition: "
@@ -508,11 +519,16 @@ def main(argv=None) -> int:
         return fit_l2(args.fit_l2, args.calibration, args.write or args.calibration, argv)
     chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
     only = None if args.engines is None else [e for e in args.engines.split(",") if e]
-    chunked = tuple(f"pkvrt-shared-c{c}" for c in chunk_rows)
+    chunk_splits = [int(x) for x in args.chunk_splits.split(",") if x]
+    # (label, chunk rows, pinned splits) of the chunked and pinned engines
+    variants = [(f"pkvrt-shared-c{c}", c, "time_model") for c in chunk_rows] + \
+        [(f"pkvrt-shared{'' if c is None else f'-c{c}'}-s{n}", c, n)
+         for c in (None, *chunk_rows) for n in chunk_splits]
+    chunked = tuple(label for label, _, _ in variants)
     labels = ENGINES + chunked + CUT_ENGINES
     if only is not None and any(e not in labels for e in only):
         ap.error(f"--engines: {', '.join(e for e in only if e not in labels)}: expected labels of "
-                 f"{', '.join(labels)} (pkvrt-shared-c<N>: with --chunk-rows N)")
+                 f"{', '.join(labels)} (pkvrt-shared-c<N>: with --chunk-rows N; -s<S>: with --chunk-splits S)")
     names = [c for c in args.cases.split(",") if c]
     bad = [n for n in names if case_spec(n) is None]
     if bad:
@@ -552,8 +568,8 @@ def main(argv=None) -> int:
                             "flashinfer-cuda": functools.partial(fi_plain, fi, tensor_cores=False)})
             if any(shared for _, shared in groups):   # a cascade needs a shared level
                 engines["flashinfer-cascade"] = functools.partial(fi_cascade, fi)
-        engines.update({f"pkvrt-shared-c{c}": functools.partial(pkvrt_shared, chunk_rows=c, always=True)
-                        for c in chunk_rows})
+        engines.update({label: functools.partial(pkvrt_shared, chunk_rows=c, always=True, cut=cut)
+                        for label, c, cut in variants})
         if args.chunk_cut or (only is not None and any(e in CUT_ENGINES for e in only)):
             engines.update({"pkvrt-shared-partition": functools.partial(pkvrt_shared, cut="partition"),
                             "pkvrt-shared-always-partition": functools.partial(pkvrt_shared, always=True,
@@ -591,7 +607,7 @@ def main(argv=None) -> int:
                      "ratio_plain": per("pkvrt-device-plan"), "ratio_device": per("pkvrt-shared-device"),
                      "ratio_device_always": per("pkvrt-shared-device-always"),
                      "ratio_always": per("pkvrt-shared-always"), "ratio_serial": per("pkvrt-shared-serial"),
-                     **{f"ratio_c{c}": per(f"pkvrt-shared-c{c}") for c in chunk_rows},
+                     **{f"ratio_{label[len('pkvrt-shared-'):]}": per(label) for label in chunked},
                      **({"ratio_partition": per("pkvrt-shared-partition"),
                          "ratio_always_partition": per("pkvrt-shared-always-partition")}
                         if any(k in rec for k in CUT_ENGINES) else {}),

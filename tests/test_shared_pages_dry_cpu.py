@@ -235,6 +235,37 @@ def test_engines_may_name_a_chunked_engine_and_then_only_those_run(dry, tmp_path
     assert "--engines: pkvrt-shared-c4: expected labels of" in capsys.readouterr().err
 
 
+def test_the_chunk_splits_option_runs_the_pinned_cuts(dry, tmp_path, capsys):
+    """``--chunk-splits 1,4096`` with ``--chunk-rows 2``: pkvrt-shared-s<S> and
+    pkvrt-shared-c2-s<S> beside pkvrt-shared-c2 (the chunk decode cut at S splits of its longest
+    chunk); the count every step takes (1) runs exact, cut there, with its ratio; a count no step
+    takes (4096) is recorded unavailable, naming the counts it takes, and gets no ratio; naming
+    one of them in ``--engines`` runs only those."""
+    name = SHARING[0]
+    doc = run(tmp_path, "--cases", name, "--chunk-rows", "2", "--chunk-splits", "1,4096",
+              "--engines", "pkvrt-shared-always,flashinfer-tc")
+    by = {r["engine"]: r for r in doc["rows"]}
+    assert list(by) == ["pkvrt-shared-always", "flashinfer-tc", "pkvrt-shared-c2", "pkvrt-shared-s1",
+                        "pkvrt-shared-s4096", "pkvrt-shared-c2-s1", "pkvrt-shared-c2-s4096", "ratio"]
+    for e in ("pkvrt-shared-s1", "pkvrt-shared-c2-s1"):
+        r = by[e]
+        assert r["status"] == "ok" and r["max_err_ref"] < 1e-3 and r["shared"] and r["chunk_splits"] == 1, r
+        assert "cut at 1 split(s) of its longest chunk (pinned" in r["explain"]
+        assert by["ratio"][f"ratio_{e[len('pkvrt-shared-'):]}"] > 0
+    assert "of up to 2 rows" in by["pkvrt-shared-c2-s1"]["explain"]
+    for e in ("pkvrt-shared-s4096", "pkvrt-shared-c2-s4096"):
+        assert by[e]["status"].startswith("unavailable: ValueError: SharedPagesRuntime.plan: "
+                                          "RuntimeOptions(shared_chunk_cut=4096)"), by[e]
+        assert "splits of its longest chunk" in by[e]["status"]
+        assert by["ratio"][f"ratio_{e[len('pkvrt-shared-'):]}"] is None
+    rows = run(tmp_path, "--cases", name, "--chunk-rows", "2", "--chunk-splits", "1",
+               "--engines", "flashinfer-tc,pkvrt-shared-c2-s1")["rows"]
+    assert [r["engine"] for r in rows] == ["flashinfer-tc", "pkvrt-shared-c2-s1", "ratio"]
+    with pytest.raises(SystemExit):
+        bench.main(["--engines", "pkvrt-shared-s2", "--chunk-splits", "1", "--out", str(tmp_path / "x.json")])
+    assert "--engines: pkvrt-shared-s2: expected labels of" in capsys.readouterr().err
+
+
 def test_the_time_budget_stops_between_cases(dry, tmp_path, monkeypatch, capsys):
     """Each case's step takes 20 s to build: with --max-seconds 30 two cases are measured and
     the file holds them."""

@@ -1171,6 +1171,40 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
         RuntimeOptions(shared_chunk_cut="model")
 
 
+def test_a_pinned_chunk_cut_is_the_kernels_cut_whatever_the_bounds(fake_device, pool):  # noqa: F811
+    """RuntimeOptions(shared_chunk_cut=N), the sweep of the cut: every chunk decode cut at N
+    splits of its longest chunk, over routes.toml's bounds (four chunks of a step with
+    ``model_cut_rows`` 2) and whatever the model predicts; exact; explain() says pinned. A count
+    the step does not take is a ValueError naming the counts it takes, and run() then refuses
+    (no plan in effect); the option takes counts >= 1, not 0, negative numbers or booleans."""
+    b, _ = pool
+    cache = (b.k_cache, b.v_cache)
+    seq, bt = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])   # 4 chunks
+    bounded = attrs.evolve(ROUTES, sharing_model_cut_rows=2)
+    opts = dict(flashinfer=False, shared_when_predicted_faster=False)
+    q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                    generator=torch.Generator().manual_seed(5)).half()
+    want = ref(q, cache, seq, torch.as_tensor(bt))
+    for n in (1, 4):
+        rt = runtime(engine_capture=True, routes=bounded, options=RuntimeOptions(shared_chunk_cut=n, **opts))
+        rt.plan(seq, bt)
+        chunks = len(rt.plan_used.chunk_seq)
+        assert chunks == 4 and rt.shared._pinned_splits == n and rt.shared.step_key[-1] == ("splits", n)
+        assert f"the chunk decode cut at {n} split(s) of its longest chunk (pinned" in rt.explain()
+        assert rel_err(rt.run(q, *cache, out=torch.full_like(q, float("nan"))), want) < 2e-3, n
+        assert int(rt.shared._d_num_splits[:chunks].max()) == n   # the emulated planning kernel's cut
+    longest = int(rt.plan_used.chunk_seq.max())
+    rt = runtime(engine_capture=True, routes=bounded, options=RuntimeOptions(shared_chunk_cut=4096, **opts))
+    with pytest.raises(ValueError, match=rf"shared_chunk_cut=4096\): this step's chunk decode \(4 chunks, "
+                                         rf"the longest {longest} tokens\) takes 1(, \d+)* splits of its longest chunk"):
+        rt.plan(seq, bt)
+    with pytest.raises(RuntimeError, match="no plan in effect"):
+        rt.run(q, *cache)
+    for bad in (0, -2, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="or a split count >= 1"):
+            RuntimeOptions(shared_chunk_cut=bad)
+
+
 @pytest.mark.parametrize("engine_capture", [True, False], ids=["engine capture", "own graphs"])
 def test_the_default_cut_predicts_nothing_where_the_chunk_runtime_routes_itself(fake_device, pool,  # noqa: F811
                                                                                 monkeypatch, engine_capture):

@@ -107,7 +107,8 @@ class SharedPagesRuntime:
         if not isinstance(options, RuntimeOptions):   # None, or a wrong type the Runtimes below name
             options = RuntimeOptions()
         self._by_prediction = options.shared_when_predicted_faster
-        self._cut_by_model = options.shared_chunk_cut == "time_model"
+        self._cut_by_model = options.shared_chunk_cut != "partition"   # the model's or a pinned count
+        self._cut_pinned = None if isinstance(options.shared_chunk_cut, str) else options.shared_chunk_cut
         side = self._side_option = options.shared_side_stream
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
@@ -358,9 +359,9 @@ class SharedPagesRuntime:
         return us
 
     def _model_cuts(self) -> bool:
-        """Whether the chunk decode is cut by the time model: ``shared_chunk_cut="time_model"``
-        and a chunk Runtime on the device-planning policy (``engine_capture``). Elsewhere its
-        router picks the route and the cut, and the option costs nothing."""
+        """Whether the chunk decode's cut is chosen here: ``shared_chunk_cut="time_model"`` (or a
+        pinned count) and a chunk Runtime on the device-planning policy (``engine_capture``).
+        Elsewhere its router picks the route and the cut, and the option costs nothing."""
         return self._cut_by_model and self.shared is not None and self.shared._captured_policy
 
     def _chunk_cut(self, sp: sharing.SharingPlan) -> tuple[int | None, float]:
@@ -372,14 +373,17 @@ class SharedPagesRuntime:
         once, not per step. (None, the partition's predicted µs) where the chunk decode has more
         chunks than routes.toml ``[sharing] model_cut_rows``, or the model predicts the
         partition's cut less than ``[sharing] model_cut_margin`` times its fastest (the
-        partition cuts those). Called only where :meth:`_model_cuts` holds."""
+        partition cuts those). A pinned count (``shared_chunk_cut=N``) is taken whatever the
+        chunks and the model say, if the step takes it (ValueError naming the counts it takes
+        otherwise). Called only where :meth:`_model_cuts` holds."""
         rows, sh, reg = len(sp.chunk_seq), self.shared, self.plain.registry
         layers = sh._layers   # the layers per plan its policy weighs host time at, as _chunk_us
         hit = self._chunk_cuts.get(id(sp.chunk_seq))
         if hit is not None and hit[0] is sp.chunk_seq and hit[3] == layers:
             self._cut_why = hit[2]
             return hit[1]
-        if reg.sharing_model_cut_rows is not None and rows > reg.sharing_model_cut_rows:
+        pinned = self._cut_pinned
+        if pinned is None and reg.sharing_model_cut_rows is not None and rows > reg.sharing_model_cut_rows:
             s, us = None, sh.predict_step_us(sp.chunk_seq)
             why = (f"cut by the partition: {rows} chunks, over routes.toml [sharing] model_cut_rows "
                    f"{reg.sharing_model_cut_rows}")
@@ -396,17 +400,26 @@ class SharedPagesRuntime:
             fits = [s for s in counts if planner.balanced_partition(
                 sp.chunk_seq, num_kv_heads=self.num_kv_heads, splits=route.splits, cal=sh.calibration,
                 longest_splits=s).ctas <= grid] or counts[:1]
-            us, s = min((sh.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits)
-            why = (f"cut at {s} split(s) of its longest chunk (the time model's fastest: "
-                   f"options.shared_chunk_cut)")
-            # the model's cut only where it predicts a gain beyond its error (routes.toml
-            # [sharing] model_cut_margin); else the partition's, as without the option
-            partition_us = sh.predict_step_us(sp.chunk_seq)
-            if partition_us < reg.sharing_model_cut_margin * us:
-                why = (f"cut by the partition: predicted {partition_us:.1f} us a layer against the time "
-                       f"model's fastest cut's {us:.1f} ({s} splits), under routes.toml [sharing] "
-                       f"model_cut_margin {reg.sharing_model_cut_margin:g}")
-                s, us = None, partition_us
+            if pinned is not None:
+                if pinned not in fits:
+                    raise ValueError(f"SharedPagesRuntime.plan: RuntimeOptions(shared_chunk_cut={pinned}): "
+                                     f"this step's chunk decode ({rows} chunks, the longest "
+                                     f"{int(sp.chunk_seq.max())} tokens) takes "
+                                     f"{', '.join(map(str, fits))} splits of its longest chunk")
+                s, us = pinned, sh.predict_step_us(sp.chunk_seq, splits=pinned)
+                why = f"cut at {s} split(s) of its longest chunk (pinned: options.shared_chunk_cut)"
+            else:
+                us, s = min((sh.predict_step_us(sp.chunk_seq, splits=s), s) for s in fits)
+                why = (f"cut at {s} split(s) of its longest chunk (the time model's fastest: "
+                       f"options.shared_chunk_cut)")
+                # the model's cut only where it predicts a gain beyond its error (routes.toml
+                # [sharing] model_cut_margin); else the partition's, as without the option
+                partition_us = sh.predict_step_us(sp.chunk_seq)
+                if partition_us < reg.sharing_model_cut_margin * us:
+                    why = (f"cut by the partition: predicted {partition_us:.1f} us a layer against the "
+                           f"time model's fastest cut's {us:.1f} ({s} splits), under routes.toml "
+                           f"[sharing] model_cut_margin {reg.sharing_model_cut_margin:g}")
+                    s, us = None, partition_us
         if len(self._chunk_cuts) >= 16:   # as many structures as the runs' memo keeps
             self._chunk_cuts.pop(next(iter(self._chunk_cuts)))
         self._chunk_cuts[id(sp.chunk_seq)] = (sp.chunk_seq, (s, us), why, layers)
