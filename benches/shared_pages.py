@@ -88,15 +88,16 @@ import torch
 
 import pkvrt
 from pkvrt import reference
-from pkvrt.measure import results
+from pkvrt.measure import coverage_results, results
 from pkvrt.measure.harness import median_us
+from pkvrt.policy.calibration import beta_gbps_for
 
 H_Q, H_KV, D, PAGE, LAYERS = 32, 8, 128, 16, 32
 REPLAYS = 15
 PLAN_CALLS = 20          # plan() calls per graph in a device-lengths row's plan_us
 TOLERANCE = 5e-3
 CACHE_BUDGET = 24 * 2**30
-FLOOR_BYTES_PER_US = 4.2e6
+FLOOR_BYTES_PER_US = coverage_results.FLOOR_GBPS * 1e3   # 4.2 TB/s
 WORKSPACE = 256 * 2**20    # bytes of each FlashInfer workspace
 DEVICE = "cuda"            # where every tensor lives (tests/test_shared_pages_dry_cpu.py: "cpu")
 SEED = 20260623
@@ -182,19 +183,6 @@ class Step:
         self.floor_us = float(self.seq.sum()) * per_token / FLOOR_BYTES_PER_US
         used = np.concatenate([bt[i, :-(-int(s) // PAGE)] for i, s in enumerate(self.seq)])
         self.floor_once_us = np.unique(used).size * PAGE * per_token / FLOOR_BYTES_PER_US
-
-
-def gpu_beta_gbps(device_name: str) -> float | None:
-    """This GPU's streaming-read rate, GB/s: its calibration file's ``beta_gbps`` (None where
-    pkvrt has no file for the GPU and would run on the seed profile's)."""
-    import warnings
-
-    from pkvrt.policy.calibration import find_calibration
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # the seed fallback's warning: no rate is recorded then
-        cal = find_calibration(device_name)
-    return None if cal.fallback else cal.beta_gbps
 
 
 def floor_at(floor_us: float, beta_gbps: float | None) -> float | None:
@@ -520,6 +508,8 @@ def main(argv=None) -> int:
     chunk_rows = [int(x) for x in args.chunk_rows.split(",") if x]
     only = None if args.engines is None else [e for e in args.engines.split(",") if e]
     chunk_splits = [int(x) for x in args.chunk_splits.split(",") if x]
+    if any(n < 1 for n in chunk_splits):
+        ap.error(f"--chunk-splits {args.chunk_splits}: expected split counts >= 1")
     # (label, chunk rows, pinned splits) of the chunked and pinned engines
     variants = [(f"pkvrt-shared-c{c}", c, "time_model") for c in chunk_rows] + \
         [(f"pkvrt-shared{'' if c is None else f'-c{c}'}-s{n}", c, n)
@@ -542,7 +532,7 @@ def main(argv=None) -> int:
     if not args.no_flashinfer:
         import flashinfer as fi
     deadline = time.monotonic() + args.max_seconds
-    beta = gpu_beta_gbps(torch.cuda.get_device_name())
+    beta = beta_gbps_for(torch.cuda.get_device_name())
     meta = results.make_meta(seeds=[SEED], kind="shared-pages", layers=LAYERS, page_size=PAGE,
                              replays=REPLAYS, tolerance=TOLERANCE, beta_gbps=beta,
                              protocol=__doc__.split("\n\n")[1])

@@ -256,7 +256,7 @@ def test_the_chunk_splits_option_runs_the_pinned_cuts(dry, tmp_path, capsys):
     for e in ("pkvrt-shared-s4096", "pkvrt-shared-c2-s4096"):
         assert by[e]["status"].startswith("unavailable: ValueError: SharedPagesRuntime.plan: "
                                           "RuntimeOptions(shared_chunk_cut=4096)"), by[e]
-        assert "splits of its longest chunk" in by[e]["status"]
+        assert "takes 1 split(s) of its longest chunk" in by[e]["status"]
         assert by["ratio"][f"ratio_{e[len('pkvrt-shared-'):]}"] is None
     rows = run(tmp_path, "--cases", name, "--chunk-rows", "2", "--chunk-splits", "1",
                "--engines", "flashinfer-tc,pkvrt-shared-c2-s1")["rows"]

@@ -1174,35 +1174,47 @@ def test_the_chunk_decode_cut_by_the_time_model_is_exact_and_kept_per_structure(
 def test_a_pinned_chunk_cut_is_the_kernels_cut_whatever_the_bounds(fake_device, pool):  # noqa: F811
     """RuntimeOptions(shared_chunk_cut=N), the sweep of the cut: every chunk decode cut at N
     splits of its longest chunk, over routes.toml's bounds (four chunks of a step with
-    ``model_cut_rows`` 2) and whatever the model predicts; exact; explain() says pinned. A count
-    the step does not take is a ValueError naming the counts it takes, and run() then refuses
-    (no plan in effect); the option takes counts >= 1, not 0, negative numbers or booleans."""
+    ``model_cut_rows`` 2) and whatever the model predicts; exact; explain() says pinned. A step
+    whose chunk decode does not take N is a ValueError naming the counts it takes, after which
+    run() refuses (no plan in effect) and the next step that takes N plans and runs exact. The
+    option takes counts >= 1 (numpy's too), not 0, negative numbers, booleans or floats, and
+    only where it applies: host lengths with engine_capture."""
     b, _ = pool
     cache = (b.k_cache, b.v_cache)
-    seq, bt = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])   # 4 chunks
+    step = shared_step(b, [800, 850, 880, 700, 860, 600], 20, [[0, 1, 2], [3, 4, 5]])   # 4 chunks
+    short = shared_step(b, [60, 70, 80, 90], 3, [[0, 1, 2, 3]])   # a 48-token run: one split only
     bounded = attrs.evolve(ROUTES, sharing_model_cut_rows=2)
     opts = dict(flashinfer=False, shared_when_predicted_faster=False)
-    q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
-                    generator=torch.Generator().manual_seed(5)).half()
-    want = ref(q, cache, seq, torch.as_tensor(bt))
-    for n in (1, 4):
+
+    def q_and_want(seq, bt, seed):
+        q = torch.randn(len(seq), FAKE_SHAPE["num_qo_heads"], FAKE_SHAPE["head_dim"],
+                        generator=torch.Generator().manual_seed(seed)).half()
+        return q, ref(q, cache, seq, torch.as_tensor(bt))
+
+    q, want = q_and_want(*step, 5)
+    for n in (1, np.int64(4)):
         rt = runtime(engine_capture=True, routes=bounded, options=RuntimeOptions(shared_chunk_cut=n, **opts))
-        rt.plan(seq, bt)
+        rt.plan(*step)
         chunks = len(rt.plan_used.chunk_seq)
         assert chunks == 4 and rt.shared._pinned_splits == n and rt.shared.step_key[-1] == ("splits", n)
         assert f"the chunk decode cut at {n} split(s) of its longest chunk (pinned" in rt.explain()
         assert rel_err(rt.run(q, *cache, out=torch.full_like(q, float("nan"))), want) < 2e-3, n
         assert int(rt.shared._d_num_splits[:chunks].max()) == n   # the emulated planning kernel's cut
-    longest = int(rt.plan_used.chunk_seq.max())
-    rt = runtime(engine_capture=True, routes=bounded, options=RuntimeOptions(shared_chunk_cut=4096, **opts))
-    with pytest.raises(ValueError, match=rf"shared_chunk_cut=4096\): this step's chunk decode \(4 chunks, "
-                                         rf"the longest {longest} tokens\) takes 1(, \d+)* splits of its longest chunk"):
-        rt.plan(seq, bt)
+    with pytest.raises(ValueError, match=r"shared_chunk_cut=4\): this step's chunk decode takes 1 "
+                                         r"split\(s\) of its longest chunk \(48 tokens; 1 chunk"):   # 3 pages
+        rt.plan(*short)
     with pytest.raises(RuntimeError, match="no plan in effect"):
         rt.run(q, *cache)
+    assert rt._kept is None
+    rt.plan(*step)   # a step that takes the count plans again, exact
+    assert rel_err(rt.run(q, *cache, out=torch.full_like(q, float("nan"))), want) < 2e-3
     for bad in (0, -2, True, 2.0, "4"):
         with pytest.raises(ValueError, match="or a split count >= 1"):
             RuntimeOptions(shared_chunk_cut=bad)
+    for kw in (dict(engine_capture=False), dict(engine_capture=True, device_planning=True)):
+        with pytest.raises(ValueError, match="shared_chunk_cut=4: a pinned cut applies to host "
+                                             "lengths with engine_capture=True only"):
+            runtime(**kw, options=RuntimeOptions(shared_chunk_cut=4, **opts))
 
 
 @pytest.mark.parametrize("engine_capture", [True, False], ids=["engine capture", "own graphs"])
@@ -1239,9 +1251,9 @@ def test_the_time_models_cut_is_the_default(fake_device):  # noqa: F811
     """The chunk decode is cut by the time model unless the options ask for the partition,
     options given or not (H100, 7414544: benches/NOTES.md, "The chunk decode's cut")."""
     assert RuntimeOptions().shared_chunk_cut == "time_model"
-    assert runtime(engine_capture=True, options=None)._cut_by_model
-    assert runtime(engine_capture=True, options=RuntimeOptions(flashinfer=False))._cut_by_model
-    assert not runtime(engine_capture=True, options=RuntimeOptions(shared_chunk_cut="partition"))._cut_by_model
+    assert runtime(engine_capture=True, options=None)._cut_here
+    assert runtime(engine_capture=True, options=RuntimeOptions(flashinfer=False))._cut_here
+    assert not runtime(engine_capture=True, options=RuntimeOptions(shared_chunk_cut="partition"))._cut_here
 
 
 def test_chunk_decodes_of_more_chunks_than_model_cut_rows_keep_the_partition(fake_device, pool,  # noqa: F811

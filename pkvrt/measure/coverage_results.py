@@ -12,12 +12,14 @@ formed within one file: FlashInfer's fastest correct path's time over pkvrt's (>
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
 
 MODEL_SHAPES, DROPIN, SHARED_PAGES, GENERATE = "model-shapes", "dropin", "shared-pages", "generate"
 KINDS = (MODEL_SHAPES, DROPIN, SHARED_PAGES, GENERATE)
+FLOOR_GBPS = 4200.0   # the rate of the shared-pages files' floor columns (shared_pages.py's 4.2 TB/s)
 GENERATE_KEYS = ("decoder", "decode_tokens_per_s", "equal_to_sdpa")
 
 
@@ -30,12 +32,17 @@ def is_generate(doc: dict) -> bool:
         isinstance(r, dict) and all(k in r for k in GENERATE_KEYS) for r in rows))
 
 
+def _docs(files, kind: str) -> list[dict]:
+    """The ``kind`` files' documents, oldest first (``meta.date``): a later one's rows win."""
+    return sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
+                  key=lambda d: str(d["meta"].get("date") or ""))
+
+
 def _rows(files, kind: str) -> list[dict]:
     """The rows of every ``kind`` file, each case's from the newest file that has it (a step's
     engines and ratio stay one file's); a model-level failure row (case = the model's name) is
     dropped where a newer file measured that model."""
-    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
-                  key=lambda d: str(d["meta"].get("date") or ""))
+    docs = _docs(files, kind)
     newest = {r.get("case"): i for i, doc in enumerate(docs) for r in doc["rows"]}
     measured = {}   # model -> the newest file holding rows of it
     for i, doc in enumerate(docs):
@@ -54,24 +61,25 @@ def _rows(files, kind: str) -> list[dict]:
 
 def _case_meta(files, kind: str) -> dict:
     """case -> the meta of the file whose rows of that case ``_rows`` keeps (the newest)."""
-    docs = sorted((doc for _, doc in files if doc["meta"].get("kind") == kind),
-                  key=lambda d: str(d["meta"].get("date") or ""))
-    return {r.get("case"): doc["meta"] for doc in docs for r in doc["rows"]}
+    return {r.get("case"): doc["meta"] for doc in _docs(files, kind) for r in doc["rows"]}
+
+
+@functools.cache
+def _calibrated_beta(gpu: str) -> float | None:
+    from pkvrt.policy.calibration import beta_gbps_for
+    try:
+        return beta_gbps_for(gpu)
+    except ValueError:   # no usable name, or a malformed file (CalibrationError)
+        return None
 
 
 def _gpu_beta(meta: dict) -> float | None:
     """The streaming-read rate (GB/s) of the GPU a results file ran on: the file's own
     ``beta_gbps``, else (files written before the bench recorded it) that of the calibration file
-    pkvrt ships for its ``gpu``; None where neither is known."""
+    pkvrt finds for its ``gpu`` (``calibration.beta_gbps_for``); None where neither is known."""
     if meta.get("beta_gbps"):
         return float(meta["beta_gbps"])
-    from pkvrt.policy.calibration import calibration_dirs, load_calibration, slugify
-    try:
-        want = slugify(str(meta.get("gpu") or ""))
-        path = next((d / f"{want}.json" for d in calibration_dirs() if (d / f"{want}.json").is_file()), None)
-        return load_calibration(path).beta_gbps if path else None
-    except ValueError:   # no usable name, or a malformed file (CalibrationError)
-        return None
+    return _calibrated_beta(str(meta["gpu"])) if meta.get("gpu") else None
 
 
 def _ceiling(ratio: dict, by: dict, meta: dict) -> float | None:
@@ -85,7 +93,7 @@ def _ceiling(ratio: dict, by: dict, meta: dict) -> float | None:
     beta = _gpu_beta(meta)
     if not (base and once and beta):
         return None
-    return base / (once * 4.2e3 / beta)   # the rows' floors are at 4.2 TB/s = 4 200 GB/s
+    return base / (once * FLOOR_GBPS / beta)
 
 
 def _f(v, digits: int) -> str:

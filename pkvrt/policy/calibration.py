@@ -1028,6 +1028,16 @@ def find_calibration(device_name: str | None) -> Calibration:
     raise CalibrationError(f"no {DEFAULT_SLUG}.json (the default calibration) in {[str(x) for x in dirs]}")
 
 
+def beta_gbps_for(device_name: str) -> float | None:
+    """The streaming-read rate (GB/s, ``beta_gbps``) of the calibration file
+    :func:`find_calibration` finds for ``device_name``; None where it finds none (it would fall
+    back to the seed profile, whose rate is another GPU's). Quiet: no fallback warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cal = find_calibration(device_name)
+    return None if cal.fallback else cal.beta_gbps
+
+
 # ----------------------------------------------------------------------------- fitting
 
 

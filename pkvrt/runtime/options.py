@@ -8,6 +8,8 @@ constructor, and its mode follows from what it passes (:class:`pkvrt.Runtime`).
 
 from __future__ import annotations
 
+import numbers
+
 import attrs
 
 CAPTURE_ROUTING = ("device_planning", "router")
@@ -40,7 +42,7 @@ CHUNK_CUTS = ("partition", "time_model")
 
 
 def _chunk_cut(inst, attribute, value) -> None:
-    pinned = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    pinned = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
     if not pinned and (not isinstance(value, str) or value not in CHUNK_CUTS):
         raise ValueError(f"RuntimeOptions: shared_chunk_cut={value!r}: expected one of "
                          f"{', '.join(map(repr, CHUNK_CUTS))}, or a split count >= 1 (the cut "
@@ -95,9 +97,10 @@ class RuntimeOptions:
         structure, for chunk decodes of at most routes.toml ``[sharing] model_cut_rows`` chunks
         where it predicts the partition's cut at least ``[sharing] model_cut_margin`` times its
         own; the partition cuts the rest) or ``"partition"`` (the planning kernel's partition, as
-        every device-planned step: the ablation), or a split count N: every chunk decode cut at N
-        splits of its longest chunk whatever its size (the sweep of the cut, an ablation; plan()
-        raises ValueError naming the counts a step takes where N is not one). The partition cuts chunk decodes of few chunks
+        every device-planned step: the ablation), or a split count N: every chunk decode cut at
+        N splits of its longest chunk whatever its size (the sweep of the cut, an ablation;
+        host lengths with ``engine_capture`` only; plan() raises ValueError naming the counts a
+        step takes where N is not one). The partition cuts chunk decodes of few chunks
         at 1.3-1.5x the time model's fastest, and two swept H200 steps agree with the model
         (benches/NOTES.md, "The chunk decode's cut"). On an H100 (7414544) the bounded model's
         cut ran 8 x (8K + 512) 25 % faster (shared at 1.24x FlashInfer, where the partition's cut

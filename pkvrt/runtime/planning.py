@@ -173,7 +173,7 @@ class Planning:
         splits (the planning kernel given that one count as its candidates; a count shorter than
         the calibration's least split falls back as the kernel's rule does), or, None, by the
         route's allowed counts (the default). Exact either way: only the cut moves. For a
-        SharedPagesRuntime's chunk decode, whose cut the time model picks
+        SharedPagesRuntime's chunk decode, whose cut the time model picks or an option pins
         (``RuntimeOptions.shared_chunk_cut``). Call it before plan(), outside any capture: the
         candidate's device tensor is made here."""
         if splits is not None and splits not in self._d_cands_pinned:

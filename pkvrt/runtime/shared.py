@@ -107,8 +107,13 @@ class SharedPagesRuntime:
         if not isinstance(options, RuntimeOptions):   # None, or a wrong type the Runtimes below name
             options = RuntimeOptions()
         self._by_prediction = options.shared_when_predicted_faster
-        self._cut_by_model = options.shared_chunk_cut != "partition"   # the model's or a pinned count
-        self._cut_pinned = None if isinstance(options.shared_chunk_cut, str) else options.shared_chunk_cut
+        # the chunk decode's cut chosen here (the time model's, or a pinned count), not the partition's
+        self._cut_here = options.shared_chunk_cut != "partition"
+        self._cut_pinned = None if isinstance(options.shared_chunk_cut, str) else int(options.shared_chunk_cut)
+        if self._cut_pinned is not None and (device_planning or not runtime_kw.get("engine_capture")):
+            raise ValueError(f"SharedPagesRuntime: options.shared_chunk_cut={self._cut_pinned}: a pinned "
+                             "cut applies to host lengths with engine_capture=True only (elsewhere the "
+                             "chunk decode's cut is its own planner's)")
         side = self._side_option = options.shared_side_stream
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
@@ -154,7 +159,7 @@ class SharedPagesRuntime:
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
-        self._chunk_cuts: dict[int, tuple] = {}    # ... and, shared_chunk_cut="time_model", its cut
+        self._chunk_cuts: dict[int, tuple] = {}    # ... and its cut (the time model's, or pinned)
         self._cut_why = ""                          # ... and why (explain())
         self._staged: tuple | None = None   # host lengths: the structure's arrays the buffers hold
         # host lengths: the chunk Runtime's last plan (its lengths, its tables, its step)
@@ -245,8 +250,12 @@ class SharedPagesRuntime:
             d = self.plain.plan(seq, bt, force=force, _checked=step)   # checked once, above
             self._rows = len(seq)
             return d
-        self._plan_chunks(sp)
-        d = self.own.plan(sp.own_seq, sp.own_bt, _checked=self._own_step(sp, step))
+        try:
+            self._plan_chunks(sp)
+            d = self.own.plan(sp.own_seq, sp.own_bt, _checked=self._own_step(sp, step))
+        except BaseException:
+            self._kept = None   # no decision in effect after a plan that failed
+            raise
         self._own_identity = own_identity
         self._stage_structure(sp)
         self.plan_used = sp
@@ -362,11 +371,11 @@ class SharedPagesRuntime:
         """Whether the chunk decode's cut is chosen here: ``shared_chunk_cut="time_model"`` (or a
         pinned count) and a chunk Runtime on the device-planning policy (``engine_capture``).
         Elsewhere its router picks the route and the cut, and the option costs nothing."""
-        return self._cut_by_model and self.shared is not None and self.shared._captured_policy
+        return self._cut_here and self.shared is not None and self.shared._captured_policy
 
     def _chunk_cut(self, sp: sharing.SharingPlan) -> tuple[int | None, float]:
-        """(split count of the longest chunk, predicted µs a layer) of the chunk decode's fastest
-        cut by the time model (``RuntimeOptions.shared_chunk_cut="time_model"``): every count
+        """(split count of the longest chunk, predicted µs a layer) of the chunk decode's cut: the
+        time model's fastest (``RuntimeOptions.shared_chunk_cut="time_model"``) among every count
         its device-planning route allows whose chunk is at least the calibration's least split
         (those the planning kernel takes as they are), ties to fewer splits. Kept per sharing
         structure and layer count (its arrays' identity, as :meth:`_chunk_us`): 17 predictions
@@ -403,9 +412,9 @@ class SharedPagesRuntime:
             if pinned is not None:
                 if pinned not in fits:
                     raise ValueError(f"SharedPagesRuntime.plan: RuntimeOptions(shared_chunk_cut={pinned}): "
-                                     f"this step's chunk decode ({rows} chunks, the longest "
-                                     f"{int(sp.chunk_seq.max())} tokens) takes "
-                                     f"{', '.join(map(str, fits))} splits of its longest chunk")
+                                     f"this step's chunk decode takes {', '.join(map(str, fits))} "
+                                     f"split(s) of its longest chunk ({int(sp.chunk_seq.max())} tokens; "
+                                     f"{rows} chunk(s))")
                 s, us = pinned, sh.predict_step_us(sp.chunk_seq, splits=pinned)
                 why = f"cut at {s} split(s) of its longest chunk (pinned: options.shared_chunk_cut)"
             else:
