@@ -288,8 +288,9 @@ def shared_pages_table(files) -> str:
                       _f(ratio.get("ratio_device"), 3), _f(ratio.get("ratio_plain"), 3),
                       _f(ratio.get("device_over_plain"), 3), _parts(_shared_row(by))))
     header = ["step", "floor µs", "floor, pages once µs", *(f"{e} µs" for e in engines), "baseline",
-              "ceiling: baseline / pages once at the GPU's rate", "shared / baseline", "shared-device / baseline", "plain / baseline",
-              "shared-device time / plain time", "shared: chunk + own decodes alone µs"]
+              "ceiling: baseline / pages once at the GPU's rate", "shared / baseline",
+              "shared-device / baseline", "plain / baseline", "shared-device time / plain time",
+              "shared: chunk + own decodes alone µs"]
     if all(line[-1] == "-" for line in lines):   # results from before the parts were timed
         header, lines = header[:-1], [line[:-1] for line in lines]
     parts = [_table(header, lines)]
