@@ -754,26 +754,33 @@ __device__ __forceinline__ void load_q_frags(unsigned (&qa)[D / 16][2], unsigned
   }
 }
 
-// One 16-token tile for the warp's heads (the rows of qa / qb): S = Q K^T from the K tile at ks,
-// the online-softmax update of (m, l) and o, O += P V from the V tile at vs (both in shared
-// memory, laid out by tile_chunk). tile_tok is the tile's first token; tokens at or past tok_end
-// are masked. sm_scale: the softmax scale in the log2 domain (times k_scale for e4m3); with a
-// soft cap (capped) the scores are cap_log2 * tanh(s * cap_pre) instead.
-template <typename T, typename KV, int D, int R>
+// NTL (1, or 2 for fp16 / bf16 K/V) 16-token tiles for the warp's heads (the rows of qa / qb):
+// S = Q K^T from the K tiles at ks + j * tstep, one online-softmax update of (m, l) and o over
+// all 16 * NTL tokens, O += P V from the V tiles at vs + j * tstep (shared memory, laid out by
+// tile_chunk). tile_tok is the first tile's first token; tokens at or past tok_end are masked
+// (the first tile holds at least one token before it). Two tiles give the warp four independent
+// S accumulators and one softmax for 32 tokens (the wide body at 3-4 head groups, where each
+// warp attends both tiles of a stage). sm_scale: the softmax scale in the log2 domain (times
+// k_scale for e4m3); with a soft cap (capped) the scores are cap_log2 * tanh(s * cap_pre).
+template <typename T, typename KV, int D, int R, int NTL = 1>
 __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile_tok, int tok_end,
                                             const unsigned (&qa)[D / 16][2],
                                             const unsigned (&qb)[D / 16][2], const E4m3Frags& frags,
                                             float sm_scale, float cap_pre, float cap_log2,
                                             bool capped, float (&o)[R][o_tiles<D, KV>()][4],
-                                            float (&m)[R], float (&l)[R]) {
+                                            float (&m)[R], float (&l)[R], int tstep = 0) {
   constexpr bool kFp8 = is_fp8<KV>();
   constexpr int KSTEPS = D / 16;   // mma k-steps over the head dim (S = Q K^T)
   constexpr int NT = D / 8;        // n8 tiles of O
   constexpr int NO = o_tiles<D, KV>();
+  constexpr int SN = 2 * NTL;      // n8 tiles of S
+  static_assert(NTL == 1 || (NTL == 2 && !kFp8), "two tiles at once: fp16 / bf16 K/V");
   const int lane = threadIdx.x % 32, tig = lane % 4;
-  // S = Q K^T for 16 tokens: s[nt] covers tokens nt*8 .. nt*8+7 (c0, c1: row grp; c2, c3:
+  // S = Q K^T for 16 * NTL tokens: s[nt] covers tokens nt*8 .. nt*8+7 (c0, c1: row grp; c2, c3:
   // row grp + 8).
-  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  float s[SN][4];
+#pragma unroll
+  for (int nt = 0; nt < SN; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
   if constexpr (kFp8) {
     qk_e4m3<T, D, R>(s, qa, qb, reinterpret_cast<const unsigned char*>(ks), frags);
   } else {
@@ -781,40 +788,48 @@ __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile
     const int tok = (mat >> 1) * 8 + r8;
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
-      unsigned b[4];
       const int c = kk * 2 + (mat & 1);
-      ldmatrix_x4(b, ks + tile_chunk<KV, D>(tok, c));
-      mma_rows<R, T>(s[0], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[0], b[1]);
-      mma_rows<R, T>(s[1], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[2], b[3]);
+#pragma unroll
+      for (int j = 0; j < NTL; ++j) {
+        unsigned b[4];
+        ldmatrix_x4(b, ks + j * tstep + tile_chunk<KV, D>(tok, c));
+        mma_rows<R, T>(s[2 * j], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[0], b[1]);
+        mma_rows<R, T>(s[2 * j + 1], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b[2], b[3]);
+      }
     }
   }
   // Online softmax on rows grp (+ 8): c0, c1 (c2, c3) of each n8 tile.
-  float pr[R][4], alpha[R];
+  float pr[R][2 * SN], alpha[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    float x[4];
+    float x[2 * SN];
     if (capped) {  // a uniform branch around the tanh, so that plain kernels never run it
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) s[nt][2 * r + e] = capped_log2(s[nt][2 * r + e], cap_pre, cap_log2);
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const bool valid = tile_tok + nt * 8 + 2 * tig + e < tok_end;
         x[nt * 2 + e] = valid ? (capped ? s[nt][2 * r + e] : s[nt][2 * r + e] * sm_scale) : -INFINITY;
       }
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+#pragma unroll
+    for (int e = 4; e < 2 * SN; e += 4) mx = fmaxf(mx, fmaxf(fmaxf(x[e], x[e + 1]), fmaxf(x[e + 2], x[e + 3])));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[r], mx);
     alpha[r] = rescale(m[r], m_new);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) pr[r][e] = fast_exp2(x[e] - m_use);
-    l[r] = l[r] * alpha[r] + (pr[r][0] + pr[r][1]) + (pr[r][2] + pr[r][3]);
+    for (int e = 0; e < 2 * SN; ++e) pr[r][e] = fast_exp2(x[e] - m_use);
+    float sum = (pr[r][0] + pr[r][1]) + (pr[r][2] + pr[r][3]);
+#pragma unroll
+    for (int e = 4; e < 2 * SN; e += 4) sum += (pr[r][e] + pr[r][e + 1]) + (pr[r][e + 2] + pr[r][e + 3]);
+    l[r] = l[r] * alpha[r] + sum;
     m[r] = m_new;
   }
   if constexpr (kFp8) {  // o[r][mt][c] belongs to head 8r + 2*tig + (c & 1), whose alpha lane
@@ -852,20 +867,23 @@ __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile
       pb1[r] = pack2(pr[r][2], pr[r][3], __half());
     }
     pv_e4m3<D, R>(o, pb0, pb1, reinterpret_cast<const unsigned char*>(vs), frags);
-  } else {
-    const unsigned pa0 = pack2(pr[0][0], pr[0][1], T());
-    const unsigned pa2 = pack2(pr[0][2], pr[0][3], T());
-    const unsigned pa1 = R == 2 ? pack2(pr[R - 1][0], pr[R - 1][1], T()) : 0u;
-    const unsigned pa3 = R == 2 ? pack2(pr[R - 1][2], pr[R - 1][3], T()) : 0u;
+  } else {  // tile j's tokens are the k dim of its own mma step
     const int mat = lane / 8, r8 = lane % 8;
     const int tok = (mat & 1) * 8 + r8;
 #pragma unroll
-    for (int n2 = 0; n2 < NT / 2; ++n2) {
-      unsigned b[4];
-      const int c = n2 * 2 + (mat >> 1);
-      ldmatrix_x4_trans(b, vs + tile_chunk<KV, D>(tok, c));
-      mma_rows<R, T>(o[0][2 * n2], pa0, pa1, pa2, pa3, b[0], b[1]);
-      mma_rows<R, T>(o[0][2 * n2 + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
+    for (int j = 0; j < NTL; ++j) {
+      const unsigned pa0 = pack2(pr[0][4 * j], pr[0][4 * j + 1], T());
+      const unsigned pa2 = pack2(pr[0][4 * j + 2], pr[0][4 * j + 3], T());
+      const unsigned pa1 = R == 2 ? pack2(pr[R - 1][4 * j], pr[R - 1][4 * j + 1], T()) : 0u;
+      const unsigned pa3 = R == 2 ? pack2(pr[R - 1][4 * j + 2], pr[R - 1][4 * j + 3], T()) : 0u;
+#pragma unroll
+      for (int n2 = 0; n2 < NT / 2; ++n2) {
+        unsigned b[4];
+        const int c = n2 * 2 + (mat >> 1);
+        ldmatrix_x4_trans(b, vs + j * tstep + tile_chunk<KV, D>(tok, c));
+        mma_rows<R, T>(o[0][2 * n2], pa0, pa1, pa2, pa3, b[0], b[1]);
+        mma_rows<R, T>(o[0][2 * n2 + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
+      }
     }
   }
 }
@@ -1091,6 +1109,10 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
   constexpr int TILE_ELEMS = kTcTile * tile_row<D, KV>();
   constexpr int STAGE_ELEMS = wide_stage_elems<D, KV>();
   constexpr int WARP_TOKENS = kWideStageTokens / kWarps;   // tokens of a stage a warp copies
+  // At TS = 1 a warp attends the stage's two tiles in one tile_attend (NTL = 2: four S
+  // accumulators in flight, one softmax for 32 tokens), where registers allow: fp16 / bf16 K/V
+  // at D <= 128 (D = 256 would spill).
+  constexpr bool kTwoTiles = !kFp8 && D <= 128;
   static_assert(GC > 16 && GC <= 16 * kWarps, "the wide body: up to 16 heads per warp");
   static_assert(STAGE_ELEMS == 2 * 2 * TILE_ELEMS && (CHUNKS * WARP_TOKENS) % 32 == 0,
                 "a warp's copies of a stage: whole instructions");
@@ -1174,12 +1196,18 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
     cp_async_commit();
     if (computes) {
       const KV* stage = sbase + (i % STAGES) * STAGE_ELEMS;
-      for (int t = ts; t < 2; t += TS) {
-        const int tile_tok = tok_begin + i * kWideStageTokens + t * kTcTile;
-        if (tile_tok < tok_end)
-          tile_attend<T, KV, D, 2>(stage + t * 2 * TILE_ELEMS, stage + (t * 2 + 1) * TILE_ELEMS, tile_tok,
-                                   tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped,
-                                   o, m, l);
+      if (kTwoTiles && TS == 1) {   // each warp attends both tiles of the stage at once
+        tile_attend<T, KV, D, 2, kTwoTiles ? 2 : 1>(stage, stage + TILE_ELEMS, tok_begin + i * kWideStageTokens,
+                                                    tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre,
+                                                    p.softcap_log2, sc.capped, o, m, l, 2 * TILE_ELEMS);
+      } else {
+        for (int t = ts; t < 2; t += TS) {
+          const int tile_tok = tok_begin + i * kWideStageTokens + t * kTcTile;
+          if (tile_tok < tok_end)
+            tile_attend<T, KV, D, 2>(stage + t * 2 * TILE_ELEMS, stage + (t * 2 + 1) * TILE_ELEMS, tile_tok,
+                                     tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2,
+                                     sc.capped, o, m, l);
+        }
       }
     }
   }
