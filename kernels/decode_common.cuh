@@ -826,10 +826,10 @@ __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
 #pragma unroll
     for (int e = 0; e < 2 * SN; ++e) pr[r][e] = fast_exp2(x[e] - m_use);
-    float sum = (pr[r][0] + pr[r][1]) + (pr[r][2] + pr[r][3]);
+    float lr = l[r] * alpha[r] + (pr[r][0] + pr[r][1]) + (pr[r][2] + pr[r][3]);
 #pragma unroll
-    for (int e = 4; e < 2 * SN; e += 4) sum += (pr[r][e] + pr[r][e + 1]) + (pr[r][e + 2] + pr[r][e + 3]);
-    l[r] = l[r] * alpha[r] + sum;
+    for (int e = 4; e < 2 * SN; e += 4) lr = lr + (pr[r][e] + pr[r][e + 1]) + (pr[r][e + 2] + pr[r][e + 3]);
+    l[r] = lr;
     m[r] = m_new;
   }
   if constexpr (kFp8) {  // o[r][mt][c] belongs to head 8r + 2*tig + (c & 1), whose alpha lane
@@ -1111,8 +1111,8 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
   constexpr int WARP_TOKENS = kWideStageTokens / kWarps;   // tokens of a stage a warp copies
   // At TS = 1 a warp attends the stage's two tiles in one tile_attend (NTL = 2: four S
   // accumulators in flight, one softmax for 32 tokens), where registers allow: fp16 / bf16 K/V
-  // at D <= 128 (D = 256 would spill).
-  constexpr bool kTwoTiles = !kFp8 && D <= 128;
+  // at D 64 and 128 (the split decode spills at D 96 and D 256).
+  constexpr bool kTwoTiles = !kFp8 && (D == 64 || D == 128);
   static_assert(GC > 16 && GC <= 16 * kWarps, "the wide body: up to 16 heads per warp");
   static_assert(STAGE_ELEMS == 2 * 2 * TILE_ELEMS && (CHUNKS * WARP_TOKENS) % 32 == 0,
                 "a warp's copies of a stage: whole instructions");
