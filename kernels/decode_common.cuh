@@ -759,8 +759,8 @@ __device__ __forceinline__ void load_q_frags(unsigned (&qa)[D / 16][2], unsigned
 // all 16 * NTL tokens, O += P V from the V tiles at vs + j * tstep (shared memory, laid out by
 // tile_chunk). tile_tok is the first tile's first token; tokens at or past tok_end are masked
 // (the first tile holds at least one token before it). Two tiles give the warp four independent
-// S accumulators and one softmax for 32 tokens (the wide body at 3-4 head groups, where each
-// warp attends both tiles of a stage). sm_scale: the softmax scale in the log2 domain (times
+// S accumulators and one softmax for 32 tokens (the wide body's PKV_WIDE_TWO_TILES variant, at
+// 3-4 head groups, where each warp attends both tiles of a stage). sm_scale: the softmax scale in the log2 domain (times
 // k_scale for e4m3); with a soft cap (capped) the scores are cap_log2 * tanh(s * cap_pre).
 template <typename T, typename KV, int D, int R, int NTL = 1>
 __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile_tok, int tok_end,
@@ -778,9 +778,7 @@ __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile
   const int lane = threadIdx.x % 32, tig = lane % 4;
   // S = Q K^T for 16 * NTL tokens: s[nt] covers tokens nt*8 .. nt*8+7 (c0, c1: row grp; c2, c3:
   // row grp + 8).
-  float s[SN][4];
-#pragma unroll
-  for (int nt = 0; nt < SN; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+  float s[SN][4] = {};
   if constexpr (kFp8) {
     qk_e4m3<T, D, R>(s, qa, qb, reinterpret_cast<const unsigned char*>(ks), frags);
   } else {
@@ -1091,6 +1089,9 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 // the range moves from memory to shared memory once for all G heads. The pipeline has the
 // narrow body's bytes (wide_stages: 6 stages at D <= 128, 4 at D = 256, twice that for e4m3).
 // The TS streams' states combine in finish_groups.
+#ifndef PKV_WIDE_TWO_TILES
+#define PKV_WIDE_TWO_TILES 0
+#endif
 constexpr int kWideStageTokens = 2 * kTcTile;
 template <int D, typename KV>
 __host__ __device__ constexpr int wide_stage_elems() { return 2 * 2 * kTcTile * tile_row<D, KV>(); }
@@ -1109,10 +1110,11 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
   constexpr int TILE_ELEMS = kTcTile * tile_row<D, KV>();
   constexpr int STAGE_ELEMS = wide_stage_elems<D, KV>();
   constexpr int WARP_TOKENS = kWideStageTokens / kWarps;   // tokens of a stage a warp copies
-  // At TS = 1 a warp attends the stage's two tiles in one tile_attend (NTL = 2: four S
-  // accumulators in flight, one softmax for 32 tokens), where registers allow: fp16 / bf16 K/V
-  // at D 64 and 128 (the split decode spills at D 96 and D 256).
-  constexpr bool kTwoTiles = !kFp8 && (D == 64 || D == 128);
+  // With PKV_WIDE_TWO_TILES = 1 (a PKVRT_TUNE variant, not yet measured on a GPU: off in the
+  // shipped build), a warp at TS = 1 attends the stage's two tiles in one tile_attend (NTL = 2:
+  // four S accumulators in flight, one softmax for 32 tokens), where registers allow: fp16 /
+  // bf16 K/V at D 64 and 128 (the split decode spills at D 96 and D 256).
+  constexpr bool kTwoTiles = PKV_WIDE_TWO_TILES && !kFp8 && (D == 64 || D == 128);
   static_assert(GC > 16 && GC <= 16 * kWarps, "the wide body: up to 16 heads per warp");
   static_assert(STAGE_ELEMS == 2 * 2 * TILE_ELEMS && (CHUNKS * WARP_TOKENS) % 32 == 0,
                 "a warp's copies of a stage: whole instructions");
@@ -1196,18 +1198,21 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
     cp_async_commit();
     if (computes) {
       const KV* stage = sbase + (i % STAGES) * STAGE_ELEMS;
-      if (kTwoTiles && TS == 1) {   // each warp attends both tiles of the stage at once
-        tile_attend<T, KV, D, 2, kTwoTiles ? 2 : 1>(stage, stage + TILE_ELEMS, tok_begin + i * kWideStageTokens,
-                                                    tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre,
-                                                    p.softcap_log2, sc.capped, o, m, l, 2 * TILE_ELEMS);
-      } else {
-        for (int t = ts; t < 2; t += TS) {
-          const int tile_tok = tok_begin + i * kWideStageTokens + t * kTcTile;
-          if (tile_tok < tok_end)
-            tile_attend<T, KV, D, 2>(stage + t * 2 * TILE_ELEMS, stage + (t * 2 + 1) * TILE_ELEMS, tile_tok,
-                                     tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2,
-                                     sc.capped, o, m, l);
+      int t0 = ts;   // the stage's first tile this warp attends one at a time
+      if constexpr (kTwoTiles) {
+        if (TS == 1) {   // both tiles at once
+          tile_attend<T, KV, D, 2, 2>(stage, stage + TILE_ELEMS, tok_begin + i * kWideStageTokens, tok_end, qa,
+                                      qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped, o, m, l,
+                                      2 * TILE_ELEMS);
+          t0 = 2;
         }
+      }
+      for (int t = t0; t < 2; t += TS) {
+        const int tile_tok = tok_begin + i * kWideStageTokens + t * kTcTile;
+        if (tile_tok < tok_end)
+          tile_attend<T, KV, D, 2>(stage + t * 2 * TILE_ELEMS, stage + (t * 2 + 1) * TILE_ELEMS, tile_tok,
+                                   tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped,
+                                   o, m, l);
       }
     }
   }

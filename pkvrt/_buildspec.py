@@ -94,6 +94,7 @@ TUNING = {
     "PKV_L2_PREFETCH": 0,       # cp.async L2 prefetch hint in bytes: 0, 128 or 256
     "PKV_TAIL_ACQREL": 1,       # fused tail: arrive with one acq_rel atomic (0: two SC fences, the ablation)
     "PKV_TAIL_WIDE_MIN_GROUP": 8,  # fused tail merge: twice the slots in flight from this group capacity (32: never)
+    "PKV_WIDE_TWO_TILES": 0,    # wide body (G 17-64), 3-4 head groups: a stage's two tiles in one pass (1: the variant)
 }
 TILE_TOKENS = TUNING["PKV_TILE_TOKENS"]
 
