@@ -757,11 +757,13 @@ __device__ __forceinline__ void load_q_frags(unsigned (&qa)[D / 16][2], unsigned
 // NTL (1, or 2 for fp16 / bf16 K/V) 16-token tiles for the warp's heads (the rows of qa / qb):
 // S = Q K^T from the K tiles at ks + j * tstep, one online-softmax update of (m, l) and o over
 // all 16 * NTL tokens, O += P V from the V tiles at vs + j * tstep (shared memory, laid out by
-// tile_chunk). tile_tok is the first tile's first token; tokens at or past tok_end are masked
-// (the first tile holds at least one token before it). Two tiles give the warp four independent
-// S accumulators and one softmax for 32 tokens (the wide body's PKV_WIDE_TWO_TILES variant, at
-// 3-4 head groups, where each warp attends both tiles of a stage). sm_scale: the softmax scale in the log2 domain (times
-// k_scale for e4m3); with a soft cap (capped) the scores are cap_log2 * tanh(s * cap_pre).
+// tile_chunk; tstep, the elements from one tile's K or V to the next's, must be given when NTL
+// is 2). tile_tok is the first tile's first token; tokens at or past tok_end are masked. Two
+// tiles give the warp four independent S accumulators and one softmax for 32 tokens (the wide
+// body's PKV_WIDE_TWO_TILES variant, at 3-4 head groups, where each warp attends both tiles of a
+// stage); P is then rounded to T against the 32 tokens' max, not each tile's. sm_scale: the
+// softmax scale in the log2 domain (times k_scale for e4m3); with a soft cap (capped) the scores
+// are cap_log2 * tanh(s * cap_pre).
 template <typename T, typename KV, int D, int R, int NTL = 1>
 __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile_tok, int tok_end,
                                             const unsigned (&qa)[D / 16][2],
@@ -816,7 +818,8 @@ __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile
       }
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
 #pragma unroll
-    for (int e = 4; e < 2 * SN; e += 4) mx = fmaxf(mx, fmaxf(fmaxf(x[e], x[e + 1]), fmaxf(x[e + 2], x[e + 3])));
+    for (int e = 4; e < 2 * SN; e += 4)
+      mx = fmaxf(mx, fmaxf(fmaxf(x[e], x[e + 1]), fmaxf(x[e + 2], x[e + 3])));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[r], mx);
@@ -855,8 +858,8 @@ __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile
       }
     }
   }
-  // O += P V: P (rows grp, grp + 8; tokens 2*tig.. and +8) is the A operand straight from
-  // registers.
+  // O += P V: P (rows grp, grp + 8; tokens 2*tig.. and +8 of each tile) is the A operand
+  // straight from registers.
   if constexpr (kFp8) {
     unsigned pb0[R], pb1[R];
 #pragma unroll
@@ -1112,8 +1115,9 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
   constexpr int WARP_TOKENS = kWideStageTokens / kWarps;   // tokens of a stage a warp copies
   // With PKV_WIDE_TWO_TILES = 1 (a PKVRT_TUNE variant, not yet measured on a GPU: off in the
   // shipped build), a warp at TS = 1 attends the stage's two tiles in one tile_attend (NTL = 2:
-  // four S accumulators in flight, one softmax for 32 tokens), where registers allow: fp16 /
-  // bf16 K/V at D 64 and 128 (the split decode spills at D 96 and D 256).
+  // four S accumulators in flight, one softmax for 32 tokens) for fp16 / bf16 K/V at D 64 and
+  // 128. D 256 keeps one tile (with two, pkv_split_decode and the others spill); D 96 (padded
+  // tile rows) is not tried.
   constexpr bool kTwoTiles = PKV_WIDE_TWO_TILES && !kFp8 && (D == 64 || D == 128);
   static_assert(GC > 16 && GC <= 16 * kWarps, "the wide body: up to 16 heads per warp");
   static_assert(STAGE_ELEMS == 2 * 2 * TILE_ELEMS && (CHUNKS * WARP_TOKENS) % 32 == 0,
@@ -1201,9 +1205,9 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
       int t0 = ts;   // the stage's first tile this warp attends one at a time
       if constexpr (kTwoTiles) {
         if (TS == 1) {   // both tiles at once
-          tile_attend<T, KV, D, 2, 2>(stage, stage + TILE_ELEMS, tok_begin + i * kWideStageTokens, tok_end, qa,
-                                      qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped, o, m, l,
-                                      2 * TILE_ELEMS);
+          tile_attend<T, KV, D, 2, 2>(stage, stage + TILE_ELEMS, tok_begin + i * kWideStageTokens, tok_end,
+                                      qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped, o,
+                                      m, l, 2 * TILE_ELEMS);
           t0 = 2;
         }
       }
