@@ -43,8 +43,9 @@ to the ``pkvrt-device-plan`` rows of results files and writes it into ``--calibr
 A ``pkvrt-shared`` row of a step with sharing also carries ``chunk_us`` and ``own_us``: its
 chunk decode's and its own decode's 32 layers timed alone (``parts_us``), so that the rest of
 its time is the gathers, the merges and the launch boundaries.
-``pkvrt-shared-partition`` and ``pkvrt-shared-always-partition`` (``--chunk-cut``, or named in
-``--engines``): ``pkvrt-shared`` and ``pkvrt-shared-always`` with
+``pkvrt-shared-partition``, ``pkvrt-shared-always-partition`` and
+``pkvrt-shared-device-partition`` (``--chunk-cut``, or named in ``--engines``): ``pkvrt-shared``,
+``pkvrt-shared-always`` and ``pkvrt-shared-device`` with
 ``RuntimeOptions(shared_chunk_cut="partition")``, the chunk decode cut by the planning kernel's
 partition instead of at the split count the time model predicts fastest (the default, within
 routes.toml's ``[sharing] model_cut_rows`` and ``model_cut_margin``): the default's ablation.
@@ -105,7 +106,7 @@ SEED = 20260623
 ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
            "pkvrt-shared-device-always", "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
 # --chunk-cut: pkvrt-shared and pkvrt-shared-always with the chunk decode cut by the partition
-CUT_ENGINES = ("pkvrt-shared-partition", "pkvrt-shared-always-partition")
+CUT_ENGINES = ("pkvrt-shared-partition", "pkvrt-shared-always-partition", "pkvrt-shared-device-partition")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {
     "8x(8K+512)": ([(8, 8192)], 512),
@@ -363,12 +364,13 @@ def parts_us(rt, st: Step) -> dict:
         return {"parts_error": f"{type(exc).__name__}: {str(exc)[:160]}"}
 
 
-def pkvrt_shared_device(st: Step, always: bool = False) -> dict:
+def pkvrt_shared_device(st: Step, always: bool = False, cut: str = "time_model") -> dict:
     rt = pkvrt.SharedPagesRuntime(H_Q, H_KV, D, PAGE, torch.float16, max_batch=max(8, len(st.seq)),
                                   max_pages_per_row=st.bt.shape[1], num_pages=st.num_pages,
                                   device_planning=True,
                                   options=pkvrt.RuntimeOptions(use_cuda_graph=False,
-                                                               shared_when_predicted_faster=not always))
+                                                               shared_when_predicted_faster=not always,
+                                                               shared_chunk_cut=cut))
 
     def body():
         rt.plan(st.seq_d, st.bt_d)
@@ -387,7 +389,8 @@ def pkvrt_shared_device(st: Step, always: bool = False) -> dict:
                predicted=None if d is None else {"plain_us": d.plain_us, "shared_us": d.shared_us,
                                                  "margin": rt.device_rule(len(st.seq)).margin,
                                                  "plain_rereads": d.plain_rereads,
-                                                 "chunk_rereads": d.chunk_rereads})
+                                                 "chunk_rereads": d.chunk_rereads,
+                                                 "chunk_splits": d.chunk_splits})
     return row
 
 
@@ -487,8 +490,9 @@ def main(argv=None) -> int:
                          "default: all; the chunked and pinned engines "
                          "run unless --engines names some of them, then only those)")
     ap.add_argument("--chunk-cut", action="store_true",
-                    help="also run pkvrt-shared-partition and pkvrt-shared-always-partition: "
-                         "pkvrt-shared and pkvrt-shared-always with RuntimeOptions(shared_chunk_cut="
+                    help="also run pkvrt-shared-partition, pkvrt-shared-always-partition and "
+                         "pkvrt-shared-device-partition: pkvrt-shared, pkvrt-shared-always and "
+                         "pkvrt-shared-device with RuntimeOptions(shared_chunk_cut="
                          "\"partition\") (the chunk decode cut by the planning kernel's partition, "
                          "not the time model's fastest split count: the default's ablation)")
     ap.add_argument("--reverse-pass", action="store_true",
@@ -563,6 +567,8 @@ def main(argv=None) -> int:
         if args.chunk_cut or (only is not None and any(e in CUT_ENGINES for e in only)):
             engines.update({"pkvrt-shared-partition": functools.partial(pkvrt_shared, cut="partition"),
                             "pkvrt-shared-always-partition": functools.partial(pkvrt_shared, always=True,
+                                                                               cut="partition"),
+                            "pkvrt-shared-device-partition": functools.partial(pkvrt_shared_device,
                                                                                cut="partition")})
         if only is not None:
             engines = {k: v for k, v in engines.items()

@@ -26,9 +26,11 @@
 //   own_seq   [B], own_bt [B, W]: row r's tokens after its chunk's prefix and their pages
 //                          (a bad length is passed on unchanged: the planning kernel flags it)
 //   slots     [B, 2] int64: chunk state v * C + c or -1; own state B * C + r (-1 for length 0)
-//   rule_out [5] double (when given): the rule's plain and shared µs, 1 / 0 / -1 (shared / plain
-//                          / no chunk found), the plain step's and the chunk decode's page re-reads
-//                          (without the rule: 1 or -1, the rest 0)
+//   rule_out [6] double (when given): the rule's plain and shared µs, 1 / 0 / -1 (shared / plain
+//                          / no chunk found), the plain step's and the chunk decode's page re-reads,
+//                          the chunk decode's split count by the time model (0: the partition's
+//                          cut) (without the rule: 1 or -1, the rest 0)
+//   split_pin [1] int (when given): that count where the step shares, else 0
 // The rule (rule = 1; pkvrt.policy.sharing.SharingRule is its twin): where chunks were found, the
 // step shares only if the calibration's time model (plan_cut.cuh: the cut each decode's planning
 // kernel will take, and its time) predicts the plain step at least `margin` (routes.toml
@@ -42,6 +44,13 @@
 // Otherwise every chunk is dropped and the outputs are the plain step's (no chunk state, every
 // row's own segment its whole table), so the graph of the step runs the plain decode in the own
 // decode's place. rule = 0: share wherever chunks were found.
+// The chunk decode's cut (with the rule and split_pin): T(chunk decode) above is its planning
+// kernel's cut, the partition's, except where the step has at most model_cut_rows chunks and
+// the partition's cut is predicted at least model_cut_margin times the time model's fastest cut
+// (pkv::fastest_cut, plan_cut.cuh): then that cut's count and time, and the chunk decode's
+// planning kernel is given the count (split_pin). Measured on the host-lengths twin
+// (SharedPagesRuntime._chunk_cut): the partition cuts chunk decodes of two to four 8K rows
+// 1.3-1.5x slower than the model's best (benches/NOTES.md, "The chunk decode's cut").
 // Grid: one CTA of 1024 threads (rows <= 1024). Costs O(B^2) shared-memory compares (leaders and
 // ranks) and one pass over the block-table entries the step uses (the lcp, then the copies);
 // the rule three cuts of B rows (plan_cut.cuh).
@@ -88,7 +97,13 @@ struct FindSharedParams {
   double extra_us;           // what the shared path adds to its two decodes per layer
   double plain_extra_us;     // what its launches add to a step run plain (idle chunk decode)
   double margin;             // routes.toml [sharing] device_margin
-  double* rule_out;          // [5] or null
+  double* rule_out;          // [6] or null
+  // The chunk decode's cut by the time model (header): split_pin null (off), or [1], written
+  // every launch and read by the chunk decode's planning kernel after its PDL wait.
+  int* split_pin;
+  int model_cut_rows;        // routes.toml [sharing] model_cut_rows: at most this many chunks
+  int chunk_max_tasks;       // the chunk decode's planning grid (task slots): counts over it skipped
+  double model_cut_margin;   // routes.toml [sharing] model_cut_margin
 };
 
 // Two sums and a max over a warp, in every lane.
@@ -140,7 +155,31 @@ struct DecodeCut {
   long long tokens;   // K/V tokens it reads
   long long merged;   // sum of the n_r > 1
   int max_splits;
+  int longest;        // the rows' most tiles and their sum
+  long long total_tiles;
 };
+
+// A decode's partition model (plan_cut.cuh) and time constants: the row model's (the plain and
+// own decodes) or the chunk model's (CHUNK), with `candidates` in shared memory.
+template <bool CHUNK>
+__device__ __forceinline__ pkv::CutModel cut_model(const FindSharedParams& p, const int* candidates) {
+  return CHUNK
+      ? pkv::CutModel{candidates, p.chunk_num_candidates, p.chunk_min_split_tiles, p.sms,
+                      p.chunk_resident, p.chunk_slowdown8, p.chunk_overhead8, p.chunk_max_ctas,
+                      p.chunk_free_slots, p.chunk_room_slots, p.chunk_room8, p.chunk_room_chunk}
+      : pkv::CutModel{candidates, p.row_num_candidates, p.row_min_split_tiles, p.sms,
+                      p.row_resident, p.row_slowdown8, p.row_overhead8, p.row_max_ctas,
+                      p.row_free_slots, p.row_room_slots, p.row_room8, p.row_room_chunk};
+}
+
+template <bool CHUNK>
+__device__ __forceinline__ pkv::CutTime cut_time(const FindSharedParams& p) {
+  return CHUNK
+      ? pkv::CutTime{p.chunk_read_scale, p.chunk_depth_us, p.chunk_tail_us, p.chunk_split_us,
+                     p.chunk_merge_us, p.chunk_room_us, p.chunk_fixed_us}
+      : pkv::CutTime{p.row_read_scale, p.row_depth_us, p.row_tail_us, p.row_split_us,
+                     p.row_merge_us, p.row_room_us, p.row_fixed_us};
+}
 
 // The cut of a decode of B rows whose lengths are `len` (this thread's row; 0 for an idle row or
 // a thread past B), as its planning kernel will cut it: the row model's (the plain and own
@@ -157,14 +196,8 @@ __device__ void decode_cut(int len, const FindSharedParams& p, const int* candid
   if (threadIdx.x == 0) out->tokens = sums.a;   // (not held through the cut)
   const long long total = sums.b;
   const int longest = sums.c;
-  const pkv::CutModel m = CHUNK
-      ? pkv::CutModel{candidates, p.chunk_num_candidates, p.chunk_min_split_tiles, p.sms,
-                      p.chunk_resident, p.chunk_slowdown8, p.chunk_overhead8, p.chunk_max_ctas,
-                      p.chunk_free_slots, p.chunk_room_slots, p.chunk_room8, p.chunk_room_chunk}
-      : pkv::CutModel{candidates, p.row_num_candidates, p.row_min_split_tiles, p.sms,
-                      p.row_resident, p.row_slowdown8, p.row_overhead8, p.row_max_ctas,
-                      p.row_free_slots, p.row_room_slots, p.row_room8, p.row_room_chunk};
-  const pkv::Cut cut = pkv::choose_cut<PKV_FIND_THREADS>(tiles, p.rows, longest, total, p.num_kv_heads, m);
+  const pkv::Cut cut = pkv::choose_cut<PKV_FIND_THREADS>(tiles, p.rows, longest, total, p.num_kv_heads,
+                                                         cut_model<CHUNK>(p, candidates));
   const int n = tr > 0 ? pkv::cut_ceil_div(tr, cut.chunk) : 0;
   const Reduced splits = block_reduce(n > 1 ? n : 0, 0, n, scratch);
   const int max_splits = splits.c;
@@ -173,17 +206,15 @@ __device__ void decode_cut(int len, const FindSharedParams& p, const int* candid
     out->cut = cut;
     out->merged = merged;
     out->max_splits = max_splits;
+    out->longest = longest;
+    out->total_tiles = total;
   }
 }
 
 // Its time (one thread: thread 0, 32 or 64, one cut each).
-__device__ double decode_us(const DecodeCut& d, bool chunk_model, const FindSharedParams& p) {
-  const pkv::CutTime t = chunk_model
-      ? pkv::CutTime{p.chunk_read_scale, p.chunk_depth_us, p.chunk_tail_us, p.chunk_split_us,
-                     p.chunk_merge_us, p.chunk_room_us, p.chunk_fixed_us}
-      : pkv::CutTime{p.row_read_scale, p.row_depth_us, p.row_tail_us, p.row_split_us,
-                     p.row_merge_us, p.row_room_us, p.row_fixed_us};
-  return pkv::cut_time_us(t, p.sms, chunk_model ? p.chunk_resident : p.row_resident, d.cut,
+template <bool CHUNK>
+__device__ double decode_us(const DecodeCut& d, const FindSharedParams& p) {
+  return pkv::cut_time_us(cut_time<CHUNK>(p), p.sms, CHUNK ? p.chunk_resident : p.row_resident, d.cut,
                           d.tokens * p.token_us, d.max_splits, d.merged, p.num_kv_heads);
 }
 
@@ -294,7 +325,8 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
 
   // 4b. The rule (header): keep the chunks only where the shared step is predicted faster.
   const bool found = __syncthreads_or(tid < B && chunk_of[tid] >= 0);
-  if (p.rule_out != nullptr && tid < 5) p.rule_out[tid] = tid != 2 ? 0.0 : found ? 1.0 : -1.0;
+  if (p.rule_out != nullptr && tid < 6) p.rule_out[tid] = tid != 2 ? 0.0 : found ? 1.0 : -1.0;
+  if (p.split_pin != nullptr && tid == 0) *p.split_pin = 0;   // the partition's cut, unless below
   if (p.rule && found) {
     // (its partial results in shared memory, so that no value outlives the three cuts in
     // registers: the kernel has 64 at 1024 threads)
@@ -322,16 +354,33 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
     const int run = tid < B && chunk_of[tid] >= 0 ? prefix_of[chunk_of[tid] / C] : 0;
     __shared__ DecodeCut cuts[3];   // plain, chunk, own
     decode_cut<false>(valid ? n : 0, p, cands[0], tiles, scratch, &cuts[0]);
-    decode_cut<true>(prefix << p.page_size_log2, p, cands[1], tiles, scratch, &cuts[1]);
     decode_cut<false>(valid ? n - (run << p.page_size_log2) : 0, p, cands[0], tiles, scratch, &cuts[2]);
-    __syncthreads();   // cuts[2], written by thread 0, read by thread 64
+    // (the chunk decode's last: tiles[] keeps its rows' tiles for the time model's cut)
+    decode_cut<true>(prefix << p.page_size_log2, p, cands[1], tiles, scratch, &cuts[1]);
+    // the time model's cut of a chunk decode of few chunks (header), its count and time
+    __shared__ int model_splits;
+    __shared__ double model_us;
+    if (p.split_pin != nullptr && __syncthreads_count(prefix > 0) <= p.model_cut_rows) {
+      double us;
+      const int s = pkv::fastest_cut<PKV_FIND_THREADS>(
+          tiles, p.rows, cuts[1].longest, cuts[1].total_tiles, HKV, cut_model<true>(p, cands[1]),
+          cut_time<true>(p), cuts[1].tokens * p.token_us, p.chunk_max_tasks, &us);
+      if (tid == 0) { model_splits = s; model_us = us; }
+    } else if (tid == 0) {
+      model_splits = 0;
+    }
+    __syncthreads();   // cuts[2] and model_*, written by thread 0, read by threads 32 and 64
     // the three times side by side, a thread of three warps each (double precision, a square root)
-    if (tid == 0)
-      part_us[0] = fmax(decode_us(cuts[0], false, p) - p.l2_saved_us * rereads[0], 0.0) + p.plain_extra_us;
-    else if (tid == 32)
-      part_us[1] = fmax(decode_us(cuts[1], true, p) - p.l2_saved_us * rereads[1], 0.0);
-    else if (tid == 64)
-      part_us[2] = decode_us(cuts[2], false, p);
+    if (tid == 0) {
+      part_us[0] = fmax(decode_us<false>(cuts[0], p) - p.l2_saved_us * rereads[0], 0.0) + p.plain_extra_us;
+    } else if (tid == 32) {
+      const double partition = decode_us<true>(cuts[1], p);
+      const bool model = model_splits > 0 && partition >= p.model_cut_margin * model_us;
+      part_us[1] = fmax((model ? model_us : partition) - p.l2_saved_us * rereads[1], 0.0);
+      if (!model) model_splits = 0;
+    } else if (tid == 64) {
+      part_us[2] = decode_us<false>(cuts[2], p);
+    }
     __syncthreads();
     const double t_shared = part_us[1] + part_us[2] + p.extra_us;
     const bool share = part_us[0] >= p.margin * t_shared;
@@ -341,7 +390,9 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
       p.rule_out[2] = share ? 1.0 : 0.0;
       p.rule_out[3] = (double)rereads[0];
       p.rule_out[4] = (double)rereads[1];
+      p.rule_out[5] = (double)model_splits;
     }
+    if (p.split_pin != nullptr && tid == 0) *p.split_pin = share ? model_splits : 0;
     if (!share) {   // the plain step: no chunk, every row's own segment its whole table
       chunk_of[tid] = -1;
       prefix_of[tid] = 0;

@@ -30,7 +30,8 @@
 // Grid:  one CTA of PKV_PLAN_THREADS (1024) threads; rows >= the active rows are idle (0 splits).
 // Layout: seq_lens [max_rows] int32; tasks [task_capacity, 5] int32 (row, kvh, split,
 //         tok_begin, tok_end); split_offsets [max_rows + 1]; num_splits [max_rows];
-//         num_tasks [1]; candidates [num_candidates] ascending allowed split counts.
+//         num_tasks [1]; candidates [num_candidates] ascending allowed split counts (or, where
+//         split_pin is given and *split_pin > 0, that one count).
 // Status (*status, written every launch): bit 0 = the plan needs more than task_capacity tasks
 //         (*num_tasks is clamped); bit 1 = some active row has seq_len outside [0, *max_seq_len]
 //         (a row of length 0 is idle: an engine's padding row, given no work and not flagged)
@@ -91,6 +92,10 @@ struct PlanParams {
   const int* src_indptr;        // null, or [rows + 1]: row r's entries start at src_indptr[r]
   const int* src_last_page_len; // [rows]: tokens in each row's last page
   int src_indices_len;          // entries in src_block_tables (an indptr past it is a bad row)
+  // A split count chosen on the GPU by a kernel before this one in the stream (find_shared's
+  // time-model cut of a chunk decode): null, or [1] read after the PDL wait; > 0 replaces the
+  // candidates with that one count.
+  const int* split_pin;
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -109,9 +114,15 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   __shared__ int longest;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   __shared__ int cand_all[64];
+  __shared__ int num_cand;
   if (tid < p.num_candidates) cand_all[tid] = p.candidates[tid];  // constant: read before the wait
   pkv::pdl_enter();
-  if (tid == 0) bad_rows = 0;
+  if (tid == 0) {
+    bad_rows = 0;
+    const int pin = p.split_pin != nullptr ? *p.split_pin : 0;   // written before the wait
+    cand_all[0] = pin > 0 ? pin : cand_all[0];
+    num_cand = pin > 0 ? 1 : p.num_candidates;
+  }
   __syncthreads();
 
   // 1. Tiles of every active row (0: idle or bad), their max L and sum W.
@@ -215,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS, 1)
   __syncthreads();
 
   // 2. The cut (plan_cut.cuh).
-  const pkv::CutModel model{cand_all, p.num_candidates, p.min_split_tiles, p.sms, p.resident,
+  const pkv::CutModel model{cand_all, num_cand, p.min_split_tiles, p.sms, p.resident,
                             p.slowdown8, p.overhead8, p.max_ctas, p.free_slots, p.room_slots,
                             p.room8, p.room_chunk};
   const int chunk = pkv::choose_cut<PKV_PLAN_THREADS>(tiles_of, rows, longest, total_tiles,

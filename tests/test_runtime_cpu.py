@@ -664,7 +664,7 @@ class Emu:
 
     def find_shared(self, seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_index,
                     slots, *, page_size, chunk_rows, group, num_kv_heads, rule=None,
-                    candidates=None, rule_out=None):
+                    candidates=None, rule_out=None, split_pin=None):
         """kernels/find_shared.cu: its twin's outputs (sharing.plan_prefix_chunks, which
         tests/gpu/test_sharing.py checks against the kernel), the q gather indices of each
         chunk position (past a chunk's rows its first row; row 0 for no chunk), and the rule's
@@ -678,9 +678,9 @@ class Emu:
         if rule_out is not None:
             d = found.decision
             chunks = bool((found.slots[:, 0] >= 0).any())
-            rule_out[:] = torch.tensor([0, 0, 1 if chunks else -1, 0, 0], dtype=torch.float64) if d is None \
+            rule_out[:] = torch.tensor([0, 0, 1 if chunks else -1, 0, 0, 0], dtype=torch.float64) if d is None \
                 else torch.tensor([d.plain_us, d.shared_us, float(d.shared), d.plain_rereads,
-                                   d.chunk_rereads], dtype=torch.float64)
+                                   d.chunk_rereads, d.chunk_splits], dtype=torch.float64)
         b, w = block_tables.shape
         chunk_seq[:] = torch.as_tensor(found.chunk_seq)
         own_seq[:] = torch.as_tensor(found.own_seq)
@@ -692,6 +692,9 @@ class Emu:
                 own_bt[r, :k] = torch.as_tensor(found.own_bt[r, :k])
         slots[:] = torch.as_tensor(found.slots)
         q_index[:] = torch.as_tensor(found.q_index(num_kv_heads, group))
+        if split_pin is not None:   # written every launch: the model's cut where the step shares
+            d = found.decision
+            split_pin[0] = d.chunk_splits if d is not None and d.shared else 0
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,
@@ -699,7 +702,7 @@ class Emu:
                               room_slots=0, room8=0, room_chunk=0, block_tables=None,
                               num_pages=None, page_size=None, src_seq_lens=None,
                               src_block_tables=None, rows=None, max_seq=None, window_left=-1,
-                              src_indptr=None, src_last_page_len=None, prepare=False):
+                              src_indptr=None, src_last_page_len=None, split_pin=None, prepare=False):
         """The planning kernel's balanced partition written out again in plain loops (candidate
         chunks from the longest row, cost = max(waves of big CTAs + the small ones beside them,
         average load at the best throughput), chosen at the least cost + the last wave's room
@@ -709,7 +712,8 @@ class Emu:
         table of fewer rows than seq_lens. A sliding window plans each row's attended range
         (its window's tiles and pages; task ranges offset by the window start). CSR direct mode
         (src_indptr): each row's length from its pages and last page, a bad indptr or last page
-        a bad length, its pages copied from the indices at the row's offset. ``prepare``: the
+        a bad length, its pages copied from the indices at the row's offset. ``split_pin`` > 0
+        (read when it runs): that one count in place of the candidates. ``prepare``: the
         same call, made later (ops.PreparedLaunch's contract: the tensors are read when it runs)."""
         kw = {k: v for k, v in locals().items() if k not in ("self", "prepare")}
         max_rows = seq_lens.shape[0]
@@ -765,6 +769,8 @@ class Emu:
             else:
                 tiles[r] = -(-(n - start[r]) // TILE)
         longest, total = max(tiles), sum(tiles)
+        if split_pin is not None and int(split_pin[0]) > 0:
+            candidates = split_pin
         cands = [c for c in candidates.tolist() if longest and -(-longest // c) >= min_split_tiles]
         cands = cands or [max(1, longest // min_split_tiles)]
         cands_ok = []   # (not roomy, cost, ctas, index, chunk) of the eligible candidates

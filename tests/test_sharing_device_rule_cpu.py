@@ -47,10 +47,10 @@ def bench_step(name: str) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def bench_runtime(fake_device, cal: str, rows: int, width: int, num_pages: int, **kw):  # noqa: F811
+    kw.setdefault("options", RuntimeOptions(use_cuda_graph=False))
     return SharedPagesRuntime(bench.H_Q, bench.H_KV, bench.D, bench.PAGE, torch.float16,
                               max_batch=max(8, rows), max_pages_per_row=width, num_pages=num_pages,
-                              device_planning=True, calibration=REPO / "calibration" / f"{cal}.json",
-                              options=RuntimeOptions(use_cuda_graph=False), **kw)
+                              device_planning=True, calibration=REPO / "calibration" / f"{cal}.json", **kw)
 
 
 @pytest.mark.parametrize("cal", CALIBRATIONS)
@@ -195,8 +195,8 @@ def test_without_a_time_model_every_chunk_is_kept(fake_device, pool):  # noqa: F
 
 
 def test_find_shared_refuses_a_bad_rule_buffer():
-    """ops.find_shared names a rule_out or candidates tensor of the wrong kind before anything
-    is launched."""
+    """ops.find_shared names a rule_out, candidates or split_pin tensor of the wrong kind before
+    anything is launched."""
     rt_cal = load_calibration(REPO / "calibration" / f"{CALIBRATIONS[0]}.json").for_group(4)
     route = ROUTES.device_planning_route(4)
     common = dict(kind=route.kind, splits=route.splits, num_kv_heads=2, head_dim=64, dtype_bytes=2,
@@ -211,14 +211,79 @@ def test_find_shared_refuses_a_bad_rule_buffer():
             torch.zeros(b * 2 * 2 * 4, dtype=torch.int64), torch.zeros(b, 2, dtype=torch.int64))
     kw = dict(page_size=16, chunk_rows=2, group=4, num_kv_heads=2)
     cands = torch.tensor(route.splits.candidates(), **i32)
-    with pytest.raises(ops.KernelArgumentError, match=r"rule_out: expected a float64 \[5\] tensor"):
-        ops.find_shared(*args, **kw, rule=rule, candidates=(cands, cands),
-                        rule_out=torch.zeros(5, dtype=torch.float32))
+    for bad in (torch.zeros(6, dtype=torch.float32), torch.zeros(5, dtype=torch.float64)):
+        with pytest.raises(ops.KernelArgumentError, match=r"rule_out: expected a float64 \[6\] tensor"):
+            ops.find_shared(*args, **kw, rule=rule, candidates=(cands, cands), rule_out=bad)
     with pytest.raises(ops.KernelArgumentError, match=r"candidates \(chunk\): expected an int32"):
         ops.find_shared(*args, **kw, rule=rule, candidates=(cands, cands[:3]),
-                        rule_out=torch.zeros(5, dtype=torch.float64))
+                        rule_out=torch.zeros(6, dtype=torch.float64))
+    for bad in (torch.zeros(2, **i32), torch.zeros(1, dtype=torch.int64), [0]):
+        with pytest.raises(ops.KernelArgumentError, match=r"split_pin: expected"):
+            ops.find_shared(*args, **kw, rule=rule, candidates=(cands, cands), split_pin=bad)
     for bad in (None, (cands,)):
         with pytest.raises(ops.KernelArgumentError, match=r"candidates: expected a \(row, chunk\) pair"):
             ops.find_shared(*args, **kw, rule=rule, candidates=bad)
     with pytest.raises(ops.KernelArgumentError, match=r"candidates \(row\)"):
         ops.find_shared(*args, **kw, rule=rule, candidates=(cands[:2], cands))
+
+
+@pytest.mark.parametrize("cal", CALIBRATIONS)
+@pytest.mark.parametrize("name", list(bench.CASES))
+def test_the_chunk_decode_is_cut_as_host_lengths_cut_it(fake_device, cal, name):  # noqa: F811
+    """The device rule's chunk decode cut by the time model (RuntimeOptions.shared_chunk_cut
+    "time_model", the default) takes the count host lengths take for the same chunks
+    (SharedPagesRuntime._chunk_cut: routes.toml's model_cut_rows and model_cut_margin, the
+    planning grid), or the partition's cut where host lengths keep it; "partition" turns it
+    off. On each GPU's file 8 x (8K + 512), the step it was measured on, is cut by the model."""
+    seq, bt, num_pages = bench_step(name)
+    rt = bench_runtime(fake_device, cal, len(seq), bt.shape[1], num_pages)
+    rule = rt.device_rule(len(seq))
+    d = sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk, rule=attrs.evolve(rule, margin=0.0)).decision
+    off = bench_runtime(fake_device, cal, len(seq), bt.shape[1], num_pages,
+                        options=RuntimeOptions(use_cuda_graph=False, shared_chunk_cut="partition"))
+    assert off.device_rule(len(seq)).model_cut_rows == 0
+    if d is None:   # nothing shared
+        return
+    host = SharedPagesRuntime(bench.H_Q, bench.H_KV, bench.D, bench.PAGE, torch.float16,
+                              max_batch=max(8, len(seq)), max_pages_per_row=bt.shape[1],
+                              num_pages=num_pages, engine_capture=True,
+                              calibration=REPO / "calibration" / f"{cal}.json")
+    sp = sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk)
+    used = sp.chunk_seq > 0
+    if used.sum() <= rt.plain.max_batch and used.sum() == (sp.chunk_rows >= 0).any(axis=1).sum():
+        host_plan = host._steps.plan() if host._steps.step(seq.astype(np.int64), bt) else None
+        if host_plan is not None and np.array_equal(np.sort(host_plan.chunk_seq), np.sort(sp.chunk_seq[used])):
+            want = host._chunk_cut(host_plan)[0]
+            assert d.chunk_splits == (want or 0), (d, want, host._cut_why)
+    if name == "8x(8K+512)":
+        assert d.chunk_splits > 0, d
+    assert sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk,
+                                      rule=off.device_rule(len(seq))).decision.chunk_splits == 0
+
+
+@pytest.mark.parametrize("cut", ["time_model", "partition"])
+def test_the_chunk_decode_is_planned_at_the_pinned_count(fake_device, cut):  # noqa: F811
+    """Device lengths on 8 x (8K + 512) with the H200 file: find_shared's split_pin reaches the
+    chunk decode's planning kernel, which cuts the longest chunk at that count (the partition's
+    cut with "partition"), and found() reports it; the own decode is planned from its
+    candidates as before."""
+    seq, bt, num_pages = bench_step("8x(8K+512)")
+    rt = bench_runtime(fake_device, CALIBRATIONS[1], len(seq), bt.shape[1], num_pages,
+                       options=RuntimeOptions(use_cuda_graph=False, shared_chunk_cut=cut))
+    rt.plan(torch.as_tensor(seq), torch.as_tensor(bt))
+    d = rt.found().decision
+    assert d.shared
+    pin = int(rt._split_pin[0])
+    assert pin == d.chunk_splits and (pin > 0) == (cut == "time_model")
+    chunks = rt.found().chunk_seq
+    planned = rt.shared._d_num_splits[:len(seq)].numpy()
+    assert (planned[chunks == 0] == 0).all()
+    if pin:
+        assert planned.max() == pin
+    else:
+        route = ROUTES.device_planning_route(len(seq), rt.shared.router.group_size)
+        from pkvrt.policy import planner
+        part = planner.balanced_partition(chunks.astype(np.int64), num_kv_heads=bench.H_KV,
+                                          splits=route.splits, cal=rt.shared.calibration, kind=route.kind)
+        np.testing.assert_array_equal(planned, part.num_splits)
+    assert rt.own._device_split_pin is None and rt.plain._device_split_pin is None

@@ -547,7 +547,7 @@ class PlanParams(ctypes.Structure):
         ("free_slots", ctypes.c_int), ("room_slots", ctypes.c_int), ("room8", ctypes.c_int),
         ("room_chunk", ctypes.c_int), ("window_left", ctypes.c_int),
         ("src_indptr", ctypes.c_void_p), ("src_last_page_len", ctypes.c_void_p),
-        ("src_indices_len", ctypes.c_int),
+        ("src_indices_len", ctypes.c_int), ("split_pin", ctypes.c_void_p),
     ]
 
 
@@ -617,7 +617,7 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
                           page_size: int | None = None, src_seq_lens=None, src_block_tables=None,
                           rows: int | None = None, max_seq: int | None = None,
                           window_left: int = -1, src_indptr=None, src_last_page_len=None,
-                          prepare: bool = False) -> PreparedLaunch | None:
+                          split_pin=None, prepare: bool = False) -> PreparedLaunch | None:
     """Build the workqueue plan on the GPU (kernels/plan_workqueue.cu), one CTA.
 
     seq_lens [max_rows] int32 (device); num_rows [1] int32 (device: active rows); max_seq_len
@@ -654,6 +654,10 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     window_left: -1, or each row attends to its last window_left + 1 tokens: the plan covers
     that range (its tasks' token ranges start there; only its block-table entries are checked
     and copied), as ``planner.plan_workqueue(..., window_left=)``.
+
+    split_pin: None, or [1] int32 (device) read after the kernel's PDL wait: a value > 0 replaces
+    ``candidates`` with that one split count (written by the kernel before this one in the
+    stream: :func:`find_shared`'s time-model cut of a chunk decode).
 
     prepare: check and pack the arguments, launch nothing, and return a :class:`PreparedLaunch`
     that launches them (a Runtime's plan() of the same buffers every step: the checks and the
@@ -694,6 +698,10 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
     if isinstance(window_left, bool) or not isinstance(window_left, int) or not -1 <= window_left < 2**31:
         _fail("window_left", "-1 (no window) or an int in [0, 2**31)", window_left)
     p.window_left = window_left
+    if split_pin is not None:
+        if tuple(split_pin.shape) != (1,):
+            _fail("split_pin", "an int32 [1] tensor", tuple(split_pin.shape))
+        p.split_pin = _int32("split_pin", split_pin, dev, 1)
     if block_tables is not None:
         if num_pages is None or page_size is None:
             _fail("num_pages/page_size", "both given with block_tables", (num_pages, page_size))
@@ -745,6 +753,8 @@ class FindSharedParams(ctypes.Structure):
           for k in ("read_scale", "depth_us", "tail_us", "split_us", "merge_us", "room_us", "fixed_us")],
         ("token_us", ctypes.c_double), ("l2_saved_us", ctypes.c_double), ("extra_us", ctypes.c_double),
         ("plain_extra_us", ctypes.c_double), ("margin", ctypes.c_double), ("rule_out", ctypes.c_void_p),
+        ("split_pin", ctypes.c_void_p), ("model_cut_rows", ctypes.c_int),
+        ("chunk_max_tasks", ctypes.c_int), ("model_cut_margin", ctypes.c_double),
     ]
 
 
@@ -753,7 +763,7 @@ FIND_MAX_ROWS = 1024   # one CTA of 1024 threads, a row each
 
 def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_index, slots, *,
                 page_size: int, chunk_rows: int, group: int, num_kv_heads: int, rule=None,
-                candidates=None, rule_out=None) -> None:
+                candidates=None, rule_out=None, split_pin=None) -> None:
     """The step's shared prefixes, found on the GPU (kernels/find_shared.cu, one CTA): the rule
     of ``pkvrt.policy.sharing.plan_prefix_chunks``, written into fixed-shape buffers.
 
@@ -764,7 +774,11 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
     ``rule``: a ``sharing.SharingRule`` (keep the chunks only where it predicts them faster), with
     ``candidates`` the (row, chunk) decodes' allowed split counts as int32 tensors on the device
     (their routes' ``splits.candidates()``); None: keep every chunk found. ``rule_out``: float64
-    [5] on the device or None (the decision: plain µs, shared µs, 1 / 0, the re-reads)."""
+    [6] on the device or None (the decision: plain µs, shared µs, 1 / 0, the re-reads, the chunk
+    decode's split count by the time model or 0). ``split_pin``: int32 [1] on the device or None,
+    written every launch: the time model's count where the rule's ``model_cut_rows`` is set and
+    the step shares on that cut, else 0 (the chunk decode's planning kernel reads it:
+    ``plan_workqueue_device(split_pin=)``)."""
     dev = seq_lens.device
     p = FindSharedParams()
     p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
@@ -804,8 +818,8 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
     p.rows, p.width, p.page_size_log2 = b, w, page_size.bit_length() - 1
     p.chunk_rows, p.group, p.num_kv_heads = chunk_rows, group, num_kv_heads
     if rule_out is not None:
-        if rule_out.dtype != torch.float64 or rule_out.device != dev or tuple(rule_out.shape) != (5,):
-            _fail("rule_out", f"a float64 [5] tensor on {dev}",
+        if rule_out.dtype != torch.float64 or rule_out.device != dev or tuple(rule_out.shape) != (6,):
+            _fail("rule_out", f"a float64 [6] tensor on {dev}",
                   f"{rule_out.dtype} {tuple(rule_out.shape)} on {rule_out.device}")
         p.rule_out = rule_out.data_ptr()
     if rule is not None:
@@ -821,5 +835,10 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
                 _fail(f"candidates ({which})", f"an int32 [{n}] tensor on {dev} (1 to 64 split counts)",
                       t if not isinstance(t, torch.Tensor) else f"{t.dtype} {tuple(t.shape)} on {t.device}")
             setattr(p, f"{which}_candidates", t.data_ptr())
+    if split_pin is not None:   # written every launch (0 without a rule or a model cut)
+        if not isinstance(split_pin, torch.Tensor) or tuple(split_pin.shape) != (1,):
+            _fail("split_pin", f"an int32 [1] tensor on {dev}",
+                  split_pin if not isinstance(split_pin, torch.Tensor) else tuple(split_pin.shape))
+        p.split_pin = _int32("split_pin", split_pin, dev, 1)
     _driver.launch(_driver.get_kernel("find_shared", _buildspec.symbol("find_shared")), (1, 1, 1),
                    FIND_MAX_ROWS, p)

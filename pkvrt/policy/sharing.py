@@ -589,6 +589,28 @@ class DecodeTime:
                                 head_dim=self.head_dim, dtype_bytes=self.dtype_bytes,
                                 splits=self.splits)
 
+    def fastest_cut(self, lens, max_tasks: int) -> tuple[int, float]:
+        """(split count of the longest row, predicted µs) of the cut this time model predicts
+        fastest for ``lens`` (int [B], at least one row > 0): every count the planning kernel
+        takes as it is (``planner.partition_candidates``), each cut as the planning kernel cuts
+        given that one count, those planning at most ``max_tasks`` CTAs (the planning grid;
+        the fewest-CTA count whatever it plans); ties to fewer splits. The twin of
+        ``pkv::fastest_cut`` (kernels/plan_cut.cuh) and of the host-lengths choice
+        (``SharedPagesRuntime._chunk_cut``)."""
+        from pkvrt.policy import planner
+        from pkvrt.policy.registry import SplitBounds
+
+        seq = np.asarray(lens, dtype=np.int64)
+        tiles = -(-int(seq.max()) // TILE_TOKENS)
+        min_tiles = -(-self.cal.splits.min_split_tokens // TILE_TOKENS)
+        counts = planner.partition_candidates(tiles, self.splits, min_tiles).tolist()
+        fits = [s for i, s in enumerate(counts) if i == 0 or planner.balanced_partition(
+            seq, num_kv_heads=self.num_kv_heads, splits=self.splits, cal=self.cal, kind=self.kind,
+            longest_splits=s).ctas <= max_tasks]
+        us, s = min((attrs.evolve(self, splits=SplitBounds(min=s, max=s, multiple_of=1)).us(seq), s)
+                    for s in fits)
+        return s, us
+
     def kernel_fields(self, prefix: str) -> dict:
         """The ``FindSharedParams`` fields of this decode (``prefix`` "row" or "chunk"), but its
         candidates' pointer: the partition (``planner.device_plan_targets``, as its planning
@@ -612,13 +634,15 @@ class DecodeTime:
 @attrs.frozen
 class RuleDecision:
     """What the device rule predicted for one step (per layer): the plain and shared µs, whether
-    the step shares, and the page re-reads it credited L2 with (plain step, chunk decode)."""
+    the step shares, the page re-reads it credited L2 with (plain step, chunk decode), and the
+    split count of the chunk decode's cut by the time model (0: the partition's cut)."""
 
     plain_us: float
     shared_us: float
     shared: bool
     plain_rereads: int
     chunk_rereads: int
+    chunk_splits: int = 0
 
 
 @attrs.frozen
@@ -639,6 +663,14 @@ class SharingRule:
                  + T_row(own segments) + extra_us
         shares when plain >= margin * shared
 
+    T_chunk is the chunk decode at its planning kernel's cut, the partition's, except with
+    ``model_cut_rows`` > 0 (routes.toml ``[sharing] model_cut_rows``; 0: off) on a step of at
+    most that many chunks whose partition cut the model predicts at least ``model_cut_margin``
+    times its fastest cut (:meth:`DecodeTime.fastest_cut` within ``chunk_max_tasks``, the chunk
+    decode's planning grid): then the fastest cut, and the chunk decode is planned at its split
+    count (``chunk_splits``; the kernel's ``split_pin``), as host lengths cut it
+    (``SharedPagesRuntime._chunk_cut``).
+
     The re-reads are those of the prefix chunks (:func:`plan_prefix_chunks`): a plain step
     re-reads each non-leader row's pages in common with its leader, the chunk decode each
     leader's chunks' prefixes but the longest. Worked example (the H100 file, H_q 32, H_kv 8,
@@ -657,6 +689,9 @@ class SharingRule:
     extra_us: float
     plain_extra_us: float
     margin: float
+    model_cut_rows: int = 0
+    model_cut_margin: float = 1.10
+    chunk_max_tasks: int = 0
     # kernel_fields(), made once (a plan() of device lengths passes them every step)
     _fields: types.MappingProxyType = attrs.field(init=False, eq=False, repr=False)
 
@@ -667,7 +702,9 @@ class SharingRule:
             "rule": 1, "tile_tokens": TILE_TOKENS, "sms": cal.sm_count,
             **self.row.kernel_fields("row"), **self.chunk.kernel_fields("chunk"),
             "token_us": token_bytes / (cal.beta_gbps * 1e3), "l2_saved_us": self.l2_saved_us,
-            "extra_us": self.extra_us, "plain_extra_us": self.plain_extra_us, "margin": self.margin}))
+            "extra_us": self.extra_us, "plain_extra_us": self.plain_extra_us, "margin": self.margin,
+            "model_cut_rows": self.model_cut_rows, "chunk_max_tasks": self.chunk_max_tasks,
+            "model_cut_margin": self.model_cut_margin}))
 
     @staticmethod
     def unavailable(row_cal, chunk_cal, row_kind: str, chunk_kind: str) -> str | None:
@@ -685,10 +722,16 @@ class SharingRule:
         """The decision on one step's lengths (int [B] each: the step's valid lengths, 0 for a bad
         or idle row; the chunks' prefix tokens; the own segments' tokens, 0 for a bad row)."""
         t_plain = max(self.row.us(seq) - self.l2_saved_us * plain_rereads, 0.0) + self.plain_extra_us
-        t_chunk = max(self.chunk.us(chunk_seq) - self.l2_saved_us * chunk_rereads, 0.0)
+        chunk_us, splits = self.chunk.us(chunk_seq), 0
+        if 0 < self.model_cut_rows and np.count_nonzero(chunk_seq) <= self.model_cut_rows:
+            s, us = self.chunk.fastest_cut(chunk_seq, self.chunk_max_tasks)
+            if chunk_us >= self.model_cut_margin * us:
+                chunk_us, splits = us, s
+        t_chunk = max(chunk_us - self.l2_saved_us * chunk_rereads, 0.0)
         t_shared = t_chunk + self.row.us(own_seq) + self.extra_us
         return RuleDecision(plain_us=t_plain, shared_us=t_shared, shared=t_plain >= self.margin * t_shared,
-                            plain_rereads=int(plain_rereads), chunk_rereads=int(chunk_rereads))
+                            plain_rereads=int(plain_rereads), chunk_rereads=int(chunk_rereads),
+                            chunk_splits=splits)
 
     def kernel_fields(self) -> types.MappingProxyType:
         """``FindSharedParams``' rule fields (but the candidates' pointers and ``rule_out``),

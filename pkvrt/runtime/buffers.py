@@ -200,6 +200,10 @@ class StaticBuffers:
         # Runtime._pin_splits: one split count as the planning kernel's only candidate
         self._pinned_splits: int | None = None
         self._d_cands_pinned: dict[int, torch.Tensor] = {}
+        # a split count the kernel before the planning kernel writes on the GPU (int32 [1]; > 0
+        # replaces the candidates): SharedPagesRuntime's chunk decode, cut by find_shared's time
+        # model on device lengths; None: the candidates as they are
+        self._device_split_pin: torch.Tensor | None = None
         # device planning's RouteDecision per (route, rows, forced, -1), and its refusals per route name
         self._dp_decisions: dict = {}
 

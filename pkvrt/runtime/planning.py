@@ -466,6 +466,7 @@ class Planning:
                 self._v_num_tasks, self._arena[L.split_offsets:L.split_offsets + gbatch + 1],
                 self._d_num_splits[:gbatch], self._d_status,
                 self._d_cands[route.name] if pinned is None else self._d_cands_pinned[pinned],
+                split_pin=self._device_split_pin if pinned is None else None,
                 num_kv_heads=self.num_kv_heads,
                 min_split_tiles=-(-cal.splits.min_split_tokens // _buildspec.TILE_TOKENS),
                 max_seq_len=self._d_max_seq, block_tables=self._bt[:gbatch],

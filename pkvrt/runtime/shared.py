@@ -156,6 +156,12 @@ class SharedPagesRuntime:
                        for r in self.plain.registry.routes if r.kind in ("workqueue", "fused")
                        } if device_planning and self.shared is not None else {}
         self._found_rows = 0                          # the planned step's rows (0: none)
+        # device lengths: the chunk decode's split count by the time model, written by find_shared
+        # every step (0: the partition's cut) and read by the chunk decode's planning kernel
+        self._split_pin = None
+        if device_planning and self.shared is not None:
+            self._split_pin = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self.shared._device_split_pin = self._split_pin
         self._rows = None   # the rows of the plan in effect; None: none (no plan, or the last raised)
         self._run_checked: set = set()   # run() argument signatures that passed (checks.run_signature)
         self._chunk_times: dict[int, tuple] = {}   # host lengths: the chunk decode's µs per structure
@@ -498,7 +504,15 @@ class SharedPagesRuntime:
                 extra_us=self._extra_us(False, graphs=True),
                 # run plain, the step still launches the query gather and the merge (and the
                 # idle chunk decode, beside the own decode on the side stream, else after it)
-                plain_extra_us=(2 if self._side_option else 3) * cal_row.lambda_graph_us)
+                plain_extra_us=(2 if self._side_option else 3) * cal_row.lambda_graph_us,
+                # the chunk decode's cut by the time model (shared_chunk_cut="time_model"), within
+                # routes.toml's bounds and the chunk decode's planning grid, as host lengths cut it
+                # (_chunk_cut; no bound on the chunks: as many as find_shared finds)
+                model_cut_rows=(0 if not self._cut_here else reg.sharing_model_cut_rows
+                                if reg.sharing_model_cut_rows is not None else ops.FIND_MAX_ROWS),
+                model_cut_margin=reg.sharing_model_cut_margin,
+                chunk_max_tasks=self.shared._device_grid_tasks(self.shared._dp_routes[chunk_route.name],
+                                                               graphs.padded_batch(rows)))
             hit = (rule, None, (self._cands[route.name], self._cands[chunk_route.name]))
         self._rules[rows] = hit
         return hit
@@ -523,7 +537,7 @@ class SharedPagesRuntime:
                         f["own_bt"][:b], f["q_index"][:b * self.num_kv_heads * self.chunk * self.group],
                         f["slots"][:b], page_size=self.page_size, chunk_rows=self.chunk,
                         group=self.group, num_kv_heads=self.num_kv_heads, rule=rule,
-                        candidates=cands, rule_out=f["rule_out"])
+                        candidates=cands, rule_out=f["rule_out"], split_pin=self._split_pin)
         self._chunk_planned = None
         self.shared.plan(f["chunk_seq"][:b], f["chunk_bt"][:b])
         d = self.own.plan(f["own_seq"][:b], f["own_bt"][:b])
@@ -542,7 +556,7 @@ class SharedPagesRuntime:
                      q_index=torch.zeros(n * self.num_kv_heads * self.chunk * self.group,
                                          dtype=torch.int64, device=dev),
                      slots=torch.full((n, 2), -1, dtype=torch.int64, device=dev),
-                     rule_out=torch.zeros(5, dtype=torch.float64, device=dev))
+                     rule_out=torch.zeros(6, dtype=torch.float64, device=dev))
             self._generation += 1
         return f
 
@@ -566,7 +580,7 @@ class SharedPagesRuntime:
         if self._device_rule(b)[0] is not None and out[2] >= 0:   # the rule decided
             decision = sharing.RuleDecision(plain_us=float(out[0]), shared_us=float(out[1]),
                                             shared=bool(out[2] == 1), plain_rereads=int(out[3]),
-                                            chunk_rereads=int(out[4]))
+                                            chunk_rereads=int(out[4]), chunk_splits=int(out[5]))
         return sharing.PrefixChunks(chunk_seq=f["chunk_seq"][:b], chunk_bt=f["chunk_bt"][:b],
                                     chunk_rows=members, own_seq=f["own_seq"][:b],
                                     own_bt=f["own_bt"][:b], slots=slots, decision=decision)

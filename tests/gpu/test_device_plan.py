@@ -33,7 +33,7 @@ def _assert_same_plan(a: dict, b: dict) -> None:
     assert torch.equal(a["tasks"][:n], b["tasks"][:n])
 
 
-def _device_plan(seq, bufs, splits, cal):
+def _device_plan(seq, bufs, splits, cal, split_pin=None):
     seq_dev = torch.zeros(MAX_ROWS, dtype=torch.int32, device=DEV)
     seq_dev[: len(seq)] = torch.as_tensor(seq, dtype=torch.int32)
     rows = torch.tensor([len(seq)], dtype=torch.int32, device=DEV)
@@ -41,8 +41,35 @@ def _device_plan(seq, bufs, splits, cal):
     ops.plan_workqueue_device(seq_dev, rows, bufs["tasks"], bufs["num_tasks"], bufs["split_offsets"],
                               bufs["num_splits"], bufs["status"], cand, num_kv_heads=H_KV,
                               min_split_tiles=-(-cal.splits.min_split_tokens // 32),
-                              **planner.device_plan_targets(cal))
+                              split_pin=split_pin, **planner.device_plan_targets(cal))
     return seq_dev, rows, cand
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_split_pin_replaces_the_candidates(seed):
+    """split_pin (a count written on the GPU, read after the wait: find_shared's time-model cut
+    of a chunk decode) > 0: the plan is the partition's with that one count
+    (planner.balanced_partition(longest_splits=)); 0: the candidates' plan, as without it."""
+    rng = np.random.default_rng(seed)
+    b = int(rng.integers(1, 9))
+    seq = rng.integers(1, 40000, b).astype(np.int32)
+    splits = load_routes().route("pkv_workqueue").splits
+    cal = find_calibration(torch.cuda.get_device_name())
+    tiles = -(-int(seq.max()) // 32)
+    counts = planner.partition_candidates(tiles, splits, -(-cal.splits.min_split_tokens // 32)).tolist()
+    plain = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
+    _device_plan(seq, plain, splits, cal)
+    for s in [0] + counts[:: max(1, len(counts) // 4)]:
+        bufs = _buffers(MAX_ROWS, MAX_ROWS * H_KV * 64)
+        _device_plan(seq, bufs, splits, cal, split_pin=torch.tensor([s], dtype=torch.int32, device=DEV))
+        torch.cuda.synchronize()
+        assert bufs["status"].item() == 0
+        if s == 0:
+            _assert_same_plan(bufs, plain)
+            continue
+        want = planner.balanced_partition(seq.astype(np.int64), num_kv_heads=H_KV, splits=splits,
+                                          cal=cal, longest_splits=s)
+        np.testing.assert_array_equal(bufs["num_splits"].cpu().numpy()[:b], want.num_splits, err_msg=str(s))
 
 
 @pytest.mark.parametrize("free_slots", [None, 8, 40, "room32", "room264"],

@@ -245,19 +245,25 @@ def test_find_shared_rule_matches_its_twin(case, margin):
                own_seq=torch.full((b,), -7, **i32), own_bt=torch.full((b, w), -7, **i32),
                q_index=torch.full((b * hkv * rt.chunk * rt.group,), -7, dtype=torch.int64, device=DEV),
                slots=torch.full((b, 2), -7, dtype=torch.int64, device=DEV))
-    rule_out = torch.full((5,), float("nan"), dtype=torch.float64, device=DEV)
+    rule_out = torch.full((6,), float("nan"), dtype=torch.float64, device=DEV)
+    pin = torch.full((1,), -7, **i32)
     cands = tuple(torch.tensor(d.splits.candidates(), **i32) for d in (rule.row, rule.chunk))
     ops.find_shared(torch.as_tensor(lens, device=DEV), torch.as_tensor(bt, device=DEV), **out,
                     page_size=page, chunk_rows=rt.chunk, group=rt.group, num_kv_heads=hkv,
-                    rule=rule, candidates=cands, rule_out=rule_out)
+                    rule=rule, candidates=cands, rule_out=rule_out, split_pin=pin)
     got = {k: v.cpu().numpy() for k, v in out.items()}
     d, r = twin.decision, rule_out.cpu().numpy()
     if d is None:   # no chunk found
         assert r[2] == -1 and not (twin.slots[:, 0] >= 0).any()
+        assert r[5] == 0 and pin.item() == 0
     else:
         assert r[0] == pytest.approx(d.plain_us, rel=1e-9) and r[1] == pytest.approx(d.shared_us, rel=1e-9)
         assert (r[3], r[4]) == (d.plain_rereads, d.chunk_rereads)
         assert r[2] == float(d.shared)
+        # the chunk decode's cut by the time model (8 x (8K + 512): on both GPUs' files)
+        assert r[5] == d.chunk_splits and pin.item() == (d.chunk_splits if d.shared else 0)
+        if case == 3:
+            assert d.chunk_splits > 0, d
         if case < len(RULE_STEPS) and margin is None:
             assert d.shared == (case < len(RULE_STEPS) - 1), d
     for name in ("chunk_seq", "own_seq", "slots"):
