@@ -91,7 +91,10 @@ class RuntimeOptions:
         every row in one level (the ablation).
     shared_chunk_cut : :class:`pkvrt.SharedPagesRuntime` only, host lengths with
         ``engine_capture`` (the device-planning policy; elsewhere the chunk Runtime's router
-        picks its route and this is ignored): how the chunk decode's step is cut:
+        picks its route and this is ignored) and device lengths (``"time_model"`` there: the
+        same choice made on the GPU by find_shared's rule, which hands the chunk decode's
+        planning kernel the count; needs the rule: ``shared_when_predicted_faster``): how the
+        chunk decode's step is cut:
         ``"time_model"`` (default: the split count of its longest chunk the calibration's time
         model predicts fastest among those that fit the planning grid, once per sharing
         structure, for chunk decodes of at most routes.toml ``[sharing] model_cut_rows`` chunks
