@@ -105,7 +105,8 @@ SEED = 20260623
 # every engine's label, in the order a case runs them (and pkvrt-shared-c<N> of --chunk-rows)
 ENGINES = ("pkvrt-shared", "pkvrt-shared-always", "pkvrt-shared-serial", "pkvrt-shared-device",
            "pkvrt-shared-device-always", "pkvrt-device-plan", "flashinfer-tc", "flashinfer-cuda", "flashinfer-cascade")
-# --chunk-cut: pkvrt-shared and pkvrt-shared-always with the chunk decode cut by the partition
+# --chunk-cut: pkvrt-shared, pkvrt-shared-always and pkvrt-shared-device with the chunk decode cut
+# by the partition
 CUT_ENGINES = ("pkvrt-shared-partition", "pkvrt-shared-always-partition", "pkvrt-shared-device-partition")
 # name -> (groups of (rows, shared tokens), own tokens per row): the sharing workloads' steps
 CASES = {

@@ -757,8 +757,8 @@ __device__ __forceinline__ void load_q_frags(unsigned (&qa)[D / 16][2], unsigned
 // NTL (1, or 2 for fp16 / bf16 K/V) 16-token tiles for the warp's heads (the rows of qa / qb):
 // S = Q K^T from the K tiles at ks + j * tstep, one online-softmax update of (m, l) and o over
 // all 16 * NTL tokens, O += P V from the V tiles at vs + j * tstep (shared memory, laid out by
-// tile_chunk; tstep, the elements from one tile's K or V to the next's, must be given when NTL
-// is 2). tile_tok is the first tile's first token; tokens at or past tok_end are masked. Two
+// tile_chunk; tstep, the elements from one tile's K or V to the next's: 0 where NTL is 1, and
+// a required argument so that no NTL = 2 call reads its first tile twice). tile_tok is the first tile's first token; tokens at or past tok_end are masked. Two
 // tiles give the warp four independent S accumulators and one softmax for 32 tokens (the wide
 // body's PKV_WIDE_TWO_TILES variant, at 3-4 head groups, where each warp attends both tiles of a
 // stage); P is then rounded to T against the 32 tokens' max, not each tile's. sm_scale: the
@@ -770,7 +770,7 @@ __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile
                                             const unsigned (&qb)[D / 16][2], const E4m3Frags& frags,
                                             float sm_scale, float cap_pre, float cap_log2,
                                             bool capped, float (&o)[R][o_tiles<D, KV>()][4],
-                                            float (&m)[R], float (&l)[R], int tstep = 0) {
+                                            float (&m)[R], float (&l)[R], int tstep) {
   constexpr bool kFp8 = is_fp8<KV>();
   constexpr int KSTEPS = D / 16;   // mma k-steps over the head dim (S = Q K^T)
   constexpr int NT = D / 8;        // n8 tiles of O
@@ -1059,7 +1059,8 @@ __device__ __forceinline__ void decode_range_tc(const DecodeParams& p, int row, 
 
     const KV* ks = wbase + (i % STAGES) * 2 * TILE_ELEMS;
     tile_attend<T, KV, D, R>(ks, ks + TILE_ELEMS, tok_begin + (warp + i * kWarps) * kTcTile, tok_end,
-                             qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped, o, m, l);
+                             qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped, o, m, l,
+                             0);
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -1216,7 +1217,7 @@ __device__ __forceinline__ void decode_range_wide(const DecodeParams& p, int row
         if (tile_tok < tok_end)
           tile_attend<T, KV, D, 2>(stage + t * 2 * TILE_ELEMS, stage + (t * 2 + 1) * TILE_ELEMS, tile_tok,
                                    tok_end, qa, qb, frags, sc.sm_scale, sc.cap_pre, p.softcap_log2, sc.capped,
-                                   o, m, l);
+                                   o, m, l, 0);
       }
     }
   }

@@ -1,7 +1,8 @@
 // plan_cut.cuh — the balanced partition's cut of a step and its time, on the GPU.
 //
 // The planning kernel (plan_workqueue.cu) cuts a step with it; find_shared.cu cuts three steps
-// with it (the plain step, the chunk decode, the own decode) to decide whether sharing pays.
+// with it (the plain step, the chunk decode, the own decode) to decide whether sharing pays, and
+// times a chunk decode of few chunks at each of its split counts (fastest_cut).
 // Host twins: pkvrt/policy/planner.py partition_costs / partition_choice (the cut, the same
 // integer arithmetic) and pkvrt/policy/costmodel.py measured_us (the time, in double).
 //

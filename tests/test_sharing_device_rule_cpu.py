@@ -234,31 +234,37 @@ def test_the_chunk_decode_is_cut_as_host_lengths_cut_it(fake_device, cal, name):
     "time_model", the default) takes the count host lengths take for the same chunks
     (SharedPagesRuntime._chunk_cut: routes.toml's model_cut_rows and model_cut_margin, the
     planning grid), or the partition's cut where host lengths keep it; "partition" turns it
-    off. On each GPU's file 8 x (8K + 512), the step it was measured on, is cut by the model."""
+    off, and a step the rule runs plain reports none. On each GPU's file 8 x (8K + 512), the
+    step it was measured on, is cut by the model. (Host lengths plan their chunk decode at as
+    many rows as chunks, device lengths at the step's B rows, most of them idle: the two grids
+    agree on these steps.)"""
     seq, bt, num_pages = bench_step(name)
     rt = bench_runtime(fake_device, cal, len(seq), bt.shape[1], num_pages)
-    rule = rt.device_rule(len(seq))
-    d = sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk, rule=attrs.evolve(rule, margin=0.0)).decision
+    always = attrs.evolve(rt.device_rule(len(seq)), margin=0.0)
+    d = sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk, rule=always).decision
     off = bench_runtime(fake_device, cal, len(seq), bt.shape[1], num_pages,
                         options=RuntimeOptions(use_cuda_graph=False, shared_chunk_cut="partition"))
     assert off.device_rule(len(seq)).model_cut_rows == 0
     if d is None:   # nothing shared
+        assert name in ("8x(0+8K)", "8x(0+1K)")
         return
     host = SharedPagesRuntime(bench.H_Q, bench.H_KV, bench.D, bench.PAGE, torch.float16,
                               max_batch=max(8, len(seq)), max_pages_per_row=bt.shape[1],
                               num_pages=num_pages, engine_capture=True,
                               calibration=REPO / "calibration" / f"{cal}.json")
-    sp = sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk)
-    used = sp.chunk_seq > 0
-    if used.sum() <= rt.plain.max_batch and used.sum() == (sp.chunk_rows >= 0).any(axis=1).sum():
-        host_plan = host._steps.plan() if host._steps.step(seq.astype(np.int64), bt) else None
-        if host_plan is not None and np.array_equal(np.sort(host_plan.chunk_seq), np.sort(sp.chunk_seq[used])):
-            want = host._chunk_cut(host_plan)[0]
-            assert d.chunk_splits == (want or 0), (d, want, host._cut_why)
+    assert host._steps.step(seq.astype(np.int64), bt)
+    host_plan = host._steps.plan()
+    device_chunks = sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk).chunk_seq
+    # the same chunks both ways (one level of sharing from position 0 in every bench step)
+    np.testing.assert_array_equal(np.sort(host_plan.chunk_seq), np.sort(device_chunks[device_chunks > 0]))
+    want = host._chunk_cut(host_plan)[0]
+    assert d.chunk_splits == (want or 0), (d, want, host._cut_why)
     if name == "8x(8K+512)":
         assert d.chunk_splits > 0, d
-    assert sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk,
-                                      rule=off.device_rule(len(seq))).decision.chunk_splits == 0
+    no_cut = attrs.evolve(off.device_rule(len(seq)), margin=0.0)
+    assert sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk, rule=no_cut).decision.chunk_splits == 0
+    never = attrs.evolve(rt.device_rule(len(seq)), margin=float("inf"))
+    assert sharing.plan_prefix_chunks(seq, bt, bench.PAGE, rt.chunk, rule=never).decision.chunk_splits == 0
 
 
 @pytest.mark.parametrize("cut", ["time_model", "partition"])

@@ -699,8 +699,9 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
         _fail("window_left", "-1 (no window) or an int in [0, 2**31)", window_left)
     p.window_left = window_left
     if split_pin is not None:
-        if tuple(split_pin.shape) != (1,):
-            _fail("split_pin", "an int32 [1] tensor", tuple(split_pin.shape))
+        if not isinstance(split_pin, torch.Tensor) or tuple(split_pin.shape) != (1,):
+            _fail("split_pin", f"an int32 [1] tensor on {dev}",
+                  split_pin if not isinstance(split_pin, torch.Tensor) else tuple(split_pin.shape))
         p.split_pin = _int32("split_pin", split_pin, dev, 1)
     if block_tables is not None:
         if num_pages is None or page_size is None:

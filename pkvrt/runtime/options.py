@@ -81,10 +81,12 @@ class RuntimeOptions:
         ``[sharing] chunk_heads`` // G rows, 16 // G shipped: the narrow decode body; up to
         64 // G runs the wide body; 1: nothing shared). The ablation of how
         many rows read a shared run in one pass.
-    shared_when_predicted_faster : :class:`pkvrt.SharedPagesRuntime` only (host lengths): share
-        a step's pages only where the calibration's time model predicts the shared path faster
-        than the plain step (default True); False shares every step that saves ``min_saved`` of
-        its page reads (the ablation of the rule; the tests of the shared path's arithmetic).
+    shared_when_predicted_faster : :class:`pkvrt.SharedPagesRuntime` only: share a step's
+        pages only where the calibration's time model predicts the shared path faster than the
+        plain step (default True; device lengths decide on the GPU, find_shared's rule); False
+        shares every step that saves ``min_saved`` of its page reads (host lengths) or every
+        chunk found (device lengths, where the chunk decode then keeps the partition's cut): the
+        ablation of the rule, and the tests of the shared path's arithmetic.
     fused_two_level_tail : the fused route's last CTAs merge a (row, KV head) of many splits in
         two levels where the kernel's rule says (default True: at D 96-128 G 13-16 from 9
         splits, G 5-12 from 33; D 256 from 5 and 17; kernels/workqueue_task.cuh); False merges
@@ -92,9 +94,9 @@ class RuntimeOptions:
     shared_chunk_cut : :class:`pkvrt.SharedPagesRuntime` only, host lengths with
         ``engine_capture`` (the device-planning policy; elsewhere the chunk Runtime's router
         picks its route and this is ignored) and device lengths (``"time_model"`` there: the
-        same choice made on the GPU by find_shared's rule, which hands the chunk decode's
-        planning kernel the count; needs the rule: ``shared_when_predicted_faster``): how the
-        chunk decode's step is cut:
+        same choice made on the GPU by find_shared's rule every step, which hands the chunk
+        decode's planning kernel the count; needs the rule: ``shared_when_predicted_faster`` and
+        a calibration with the time model): how the chunk decode's step is cut:
         ``"time_model"`` (default: the split count of its longest chunk the calibration's time
         model predicts fastest among those that fit the planning grid, once per sharing
         structure, for chunk decodes of at most routes.toml ``[sharing] model_cut_rows`` chunks

@@ -261,8 +261,8 @@ def test_find_shared_rule_matches_its_twin(case, margin):
         assert (r[3], r[4]) == (d.plain_rereads, d.chunk_rereads)
         assert r[2] == float(d.shared)
         # the chunk decode's cut by the time model (8 x (8K + 512): on both GPUs' files)
-        assert r[5] == d.chunk_splits and pin.item() == (d.chunk_splits if d.shared else 0)
-        if case == 3:
+        assert r[5] == d.chunk_splits and pin.item() == d.chunk_splits
+        if case == 3 and d.shared:
             assert d.chunk_splits > 0, d
         if case < len(RULE_STEPS) and margin is None:
             assert d.shared == (case < len(RULE_STEPS) - 1), d
@@ -275,6 +275,52 @@ def test_find_shared_rule_matches_its_twin(case, margin):
     for row in np.nonzero((lens >= 1) & (lens <= w * page))[0]:
         k = -(-int(twin.own_seq[row]) // page)
         np.testing.assert_array_equal(got["own_bt"][row, :k], twin.own_bt[row, :k])
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "own graphs"])
+def test_the_chunk_decode_is_planned_at_find_shareds_count(graphs):
+    """Device lengths on 8 rows of 8K shared + 512 own tokens (the step whose chunk decode the
+    time model cuts on both GPUs' files): the count find_shared writes (split_pin, after its
+    rule) is the one the chunk decode's planning kernel, launched right after it, cuts the
+    longest chunk at (read after its PDL wait), found() reports it, and the output is exact;
+    with shared_chunk_cut="partition" the planning kernel takes the partition's cut."""
+    from pkvrt.policy import planner
+
+    hq, hkv = 32, 8
+    lens, bt = rule_step(8, 8192, 512, seed=5)
+    b, w = bt.shape
+    num_pages = int(bt.max()) + 1
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    k = torch.randn(num_pages, hkv, PAGE, 128, device=DEV, dtype=torch.float16, generator=gen)
+    v = torch.randn_like(k)
+    q = torch.randn(b, hq, 128, device=DEV, dtype=torch.float16, generator=gen)
+    seq_d, bt_d = torch.as_tensor(lens, device=DEV), torch.as_tensor(bt, device=DEV)
+    for cut in ("time_model", "partition"):
+        rt = pkvrt.SharedPagesRuntime(hq, hkv, 128, PAGE, torch.float16, max_batch=b,
+                                      max_pages_per_row=w, num_pages=num_pages, device_planning=True,
+                                      options=pkvrt.RuntimeOptions(use_cuda_graph=graphs,
+                                                                   shared_chunk_cut=cut))
+        rt.plan(seq_d, bt_d)
+        out = rt.run(q, k, v, out=torch.full_like(q, float("nan")))
+        torch.cuda.synchronize()
+        found = rt.found()
+        d = found.decision
+        assert d is not None and d.shared, d
+        planned = rt.shared._d_num_splits[:b].cpu().numpy()
+        chunks = found.chunk_seq
+        assert (planned[chunks == 0] == 0).all()
+        if cut == "time_model":
+            assert d.chunk_splits > 0 and int(rt._split_pin.item()) == d.chunk_splits
+            assert planned.max() == d.chunk_splits, (planned, d)
+        else:
+            assert d.chunk_splits == 0 and int(rt._split_pin.item()) == 0
+            route = rt.plain.registry.device_planning_route(b, rt.shared.router.group_size)
+            part = planner.balanced_partition(chunks.astype(np.int64), num_kv_heads=hkv, splits=route.splits,
+                                              cal=rt.shared.calibration, kind=route.kind)
+            np.testing.assert_array_equal(planned, part.num_splits)
+        ref = reference.decode_attention(q, k, v, seq_d, bt_d)
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err < 2e-3, (err, cut, rt.explain())
 
 
 def test_one_captured_step_follows_the_rule_both_ways():
