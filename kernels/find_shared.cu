@@ -28,10 +28,11 @@
 //   slots     [B, 2] int64: chunk state v * C + c or -1; own state B * C + r (-1 for length 0)
 //   rule_out [6] double (when given): the rule's plain and shared µs, 1 / 0 / -1 (shared / plain
 //                          / no chunk found), the plain step's and the chunk decode's page re-reads,
-//                          the split count the chunk decode is planned at by the time model (0:
-//                          the partition's cut, or the step runs plain) (without the rule: 1 or
-//                          -1, the rest 0)
-//   split_pin [1] int (when given): the same count, written every launch
+//                          the chunk decode's split count by the time model (0: the partition's
+//                          cut; on a step run plain, the count it would have taken) (without the
+//                          rule: 1 or -1, the rest 0)
+//   split_pin [1] int (when given): that count where the step shares, else 0; written every
+//                          launch (the chunk decode's planning kernel reads it)
 // The rule (rule = 1; pkvrt.policy.sharing.SharingRule is its twin): where chunks were found, the
 // step shares only if the calibration's time model (plan_cut.cuh: the cut each decode's planning
 // kernel will take, and its time) predicts the plain step at least `margin` (routes.toml
@@ -45,7 +46,8 @@
 // Otherwise every chunk is dropped and the outputs are the plain step's (no chunk state, every
 // row's own segment its whole table), so the graph of the step runs the plain decode in the own
 // decode's place. rule = 0: share wherever chunks were found.
-// The chunk decode's cut (with the rule and model_cut_rows > 0): T(chunk decode) above is its planning
+// The chunk decode's cut (with the rule and split_pin; ops.find_shared passes a rule with
+// model_cut_rows > 0 only with split_pin): T(chunk decode) above is its planning
 // kernel's cut, the partition's, except where the step has at most model_cut_rows chunks and
 // the partition's cut is predicted at least model_cut_margin times the time model's fastest cut
 // (pkv::fastest_cut, plan_cut.cuh): then that cut's count and time, and the chunk decode's
@@ -362,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
     // the time model's cut of a chunk decode of few chunks (header), its count and time
     __shared__ int model_splits;
     __shared__ double model_us;
-    if (p.model_cut_rows > 0 && __syncthreads_count(prefix > 0) <= p.model_cut_rows) {
+    if (p.split_pin != nullptr && __syncthreads_count(prefix > 0) <= p.model_cut_rows) {
       double us;
       const int s = pkv::fastest_cut<PKV_FIND_THREADS>(
           tiles, p.rows, cuts[1].longest, cuts[1].total_tiles, HKV, cut_model<true>(p, cands[1]),
@@ -392,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(PKV_FIND_THREADS, 1)
       p.rule_out[2] = share ? 1.0 : 0.0;
       p.rule_out[3] = (double)rereads[0];
       p.rule_out[4] = (double)rereads[1];
-      p.rule_out[5] = share ? (double)model_splits : 0.0;
+      p.rule_out[5] = (double)model_splits;
     }
     if (p.split_pin != nullptr && tid == 0) *p.split_pin = share ? model_splits : 0;
     if (!share) {   // the plain step: no chunk, every row's own segment its whole table

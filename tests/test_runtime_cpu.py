@@ -693,7 +693,8 @@ class Emu:
         slots[:] = torch.as_tensor(found.slots)
         q_index[:] = torch.as_tensor(found.q_index(num_kv_heads, group))
         if split_pin is not None:   # written every launch: the model's cut where the step shares
-            split_pin[0] = found.decision.chunk_splits if found.decision is not None else 0
+            d = found.decision
+            split_pin[0] = d.chunk_splits if d is not None and d.shared else 0
 
     def plan_workqueue_device(self, seq_lens, num_rows, tasks, num_tasks, split_offsets, num_splits,
                               status, candidates, *, num_kv_heads, min_split_tiles, sms, resident,

@@ -779,7 +779,8 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
     decode's split count by the time model or 0). ``split_pin``: int32 [1] on the device or None,
     written every launch: the time model's count where the rule's ``model_cut_rows`` is set and
     the step shares on that cut, else 0 (the chunk decode's planning kernel reads it:
-    ``plan_workqueue_device(split_pin=)``)."""
+    ``plan_workqueue_device(split_pin=)``); required with such a rule, whose cut the kernel
+    times only where it can hand the count on."""
     dev = seq_lens.device
     p = FindSharedParams()
     p.seq_lens = _int32("seq_lens", seq_lens, dev, 1)
@@ -836,6 +837,10 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
                 _fail(f"candidates ({which})", f"an int32 [{n}] tensor on {dev} (1 to 64 split counts)",
                       t if not isinstance(t, torch.Tensor) else f"{t.dtype} {tuple(t.shape)} on {t.device}")
             setattr(p, f"{which}_candidates", t.data_ptr())
+    if rule is not None and fields["model_cut_rows"] > 0 and split_pin is None:
+        # (the kernel times the chunk decode's cut only where it can hand the count on)
+        _fail("split_pin", f"an int32 [1] tensor on {dev} with a rule whose model_cut_rows is set",
+              None)
     if split_pin is not None:   # written every launch (0 without a rule or a model cut)
         if not isinstance(split_pin, torch.Tensor) or tuple(split_pin.shape) != (1,):
             _fail("split_pin", f"an int32 [1] tensor on {dev}",

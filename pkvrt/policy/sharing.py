@@ -635,8 +635,8 @@ class DecodeTime:
 class RuleDecision:
     """What the device rule predicted for one step (per layer): the plain and shared µs, whether
     the step shares, the page re-reads it credited L2 with (plain step, chunk decode), and the
-    split count the chunk decode is planned at by the time model (0: the partition's cut, or the
-    step runs plain and no chunk decode runs)."""
+    chunk decode's split count by the time model (0: the partition's cut): the count it is
+    planned at where the step shares (on a step run plain no chunk decode runs)."""
 
     plain_us: float
     shared_us: float
@@ -730,10 +730,9 @@ class SharingRule:
                 chunk_us, splits = us, s
         t_chunk = max(chunk_us - self.l2_saved_us * chunk_rereads, 0.0)
         t_shared = t_chunk + self.row.us(own_seq) + self.extra_us
-        shared = t_plain >= self.margin * t_shared
-        return RuleDecision(plain_us=t_plain, shared_us=t_shared, shared=shared,
+        return RuleDecision(plain_us=t_plain, shared_us=t_shared, shared=t_plain >= self.margin * t_shared,
                             plain_rereads=int(plain_rereads), chunk_rereads=int(chunk_rereads),
-                            chunk_splits=splits if shared else 0)
+                            chunk_splits=splits)
 
     def kernel_fields(self) -> types.MappingProxyType:
         """``FindSharedParams``' rule fields (but the candidates' pointers and ``rule_out``),
