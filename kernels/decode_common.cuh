@@ -755,15 +755,15 @@ __device__ __forceinline__ void load_q_frags(unsigned (&qa)[D / 16][2], unsigned
 }
 
 // NTL (1, or 2 for fp16 / bf16 K/V) 16-token tiles for the warp's heads (the rows of qa / qb):
-// S = Q K^T from the K tiles at ks + j * tstep, one online-softmax update of (m, l) and o over
-// all 16 * NTL tokens, O += P V from the V tiles at vs + j * tstep (shared memory, laid out by
-// tile_chunk; tstep, the elements from one tile's K or V to the next's: 0 where NTL is 1, and
-// a required argument so that no NTL = 2 call reads its first tile twice). tile_tok is the first tile's first token; tokens at or past tok_end are masked. Two
-// tiles give the warp four independent S accumulators and one softmax for 32 tokens (the wide
-// body's PKV_WIDE_TWO_TILES variant, at 3-4 head groups, where each warp attends both tiles of a
-// stage); P is then rounded to T against the 32 tokens' max, not each tile's. sm_scale: the
-// softmax scale in the log2 domain (times k_scale for e4m3); with a soft cap (capped) the scores
-// are cap_log2 * tanh(s * cap_pre).
+// S = Q K^T from the K tiles at ks + j * tstep, one online-softmax update of (m, l) and o over all
+// 16 * NTL tokens, O += P V from the V tiles at vs + j * tstep (shared memory, by tile_chunk).
+// tstep, the elements from one tile's K or V to the next's, is 0 where NTL is 1 and required, so
+// no NTL = 2 call reads its first tile twice. tile_tok: the first tile's first token; tokens at
+// or past tok_end are masked. Two tiles give the warp four independent S accumulators and one
+// softmax for 32 tokens (the wide body's PKV_WIDE_TWO_TILES variant, at 3-4 head groups, where
+// each warp attends both tiles of a stage); P is then rounded to T against the 32 tokens' max,
+// not each tile's. sm_scale: the softmax scale in the log2 domain (times k_scale for e4m3); with
+// a soft cap (capped) the scores are cap_log2 * tanh(s * cap_pre).
 template <typename T, typename KV, int D, int R, int NTL = 1>
 __device__ __forceinline__ void tile_attend(const KV* ks, const KV* vs, int tile_tok, int tok_end,
                                             const unsigned (&qa)[D / 16][2],

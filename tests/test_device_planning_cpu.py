@@ -565,3 +565,17 @@ def test_device_planning_runs_the_large_group_route_at_large_groups(fake_device,
         out = rt.run(q, *cache, out=torch.full_like(q, float("nan")))
         want = reference.decode_attention(q, cache[0], cache[1], torch.as_tensor(seq), bt)
         assert rel_err(out, want) < 2e-3, i
+
+
+@pytest.mark.parametrize("pin", [[3], torch.zeros(2, **I32), torch.zeros(1, dtype=torch.int64)],
+                         ids=["list", "two", "int64"])
+def test_a_bad_split_pin_is_named(pin):
+    """ops.plan_workqueue_device names a split_pin that is not an int32 [1] tensor on the planning
+    buffers' device before anything is launched."""
+    n = 8
+    with pytest.raises(ops.KernelArgumentError, match=r"split_pin: expected"):
+        ops.plan_workqueue_device(torch.zeros(n, **I32), torch.ones(1, **I32), torch.zeros(64, 5, **I32),
+                                  torch.zeros(1, **I32), torch.zeros(n + 1, **I32), torch.zeros(n, **I32),
+                                  torch.zeros(1, **I32), torch.tensor([1, 2, 4], **I32), num_kv_heads=2,
+                                  min_split_tiles=1, sms=132, resident=2, slowdown8=10, overhead8=4,
+                                  max_ctas=1024, split_pin=pin)

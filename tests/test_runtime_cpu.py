@@ -673,6 +673,7 @@ class Emu:
         if rule is not None:   # what ops.find_shared refuses
             for t, n in zip(candidates, (len(rule.row.splits.candidates()), len(rule.chunk.splits.candidates()))):
                 assert t.dtype == torch.int32 and tuple(t.shape) == (n,)
+            assert not (rule.model_cut_rows > 0 and split_pin is None), "a model cut needs split_pin"
         found = sharing.plan_prefix_chunks(seq_lens.numpy(), block_tables.numpy(), page_size,
                                            chunk_rows, rule=rule)
         if rule_out is not None:
