@@ -134,6 +134,15 @@ def _int32(name: str, t: torch.Tensor, device, ndim: int) -> int:
     return t.data_ptr()
 
 
+def _split_pin(t, device) -> int:
+    """The address of a split count handed from one kernel to the next (int32 [1] on ``device``:
+    find_shared writes it, the planning kernel reads it)."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (1,):
+        _fail("split_pin", f"an int32 [1] tensor on {device}",
+              t if not isinstance(t, torch.Tensor) else tuple(t.shape))
+    return _int32("split_pin", t, device, 1)
+
+
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          out: torch.Tensor, k_scale=None, v_scale=None
                          ) -> tuple[str, str | None, int, int, int]:
@@ -699,10 +708,7 @@ def plan_workqueue_device(seq_lens, num_rows, tasks, num_tasks, split_offsets, n
         _fail("window_left", "-1 (no window) or an int in [0, 2**31)", window_left)
     p.window_left = window_left
     if split_pin is not None:
-        if not isinstance(split_pin, torch.Tensor) or tuple(split_pin.shape) != (1,):
-            _fail("split_pin", f"an int32 [1] tensor on {dev}",
-                  split_pin if not isinstance(split_pin, torch.Tensor) else tuple(split_pin.shape))
-        p.split_pin = _int32("split_pin", split_pin, dev, 1)
+        p.split_pin = _split_pin(split_pin, dev)
     if block_tables is not None:
         if num_pages is None or page_size is None:
             _fail("num_pages/page_size", "both given with block_tables", (num_pages, page_size))
@@ -842,9 +848,6 @@ def find_shared(seq_lens, block_tables, chunk_seq, chunk_bt, own_seq, own_bt, q_
         _fail("split_pin", f"an int32 [1] tensor on {dev} with a rule whose model_cut_rows is set",
               None)
     if split_pin is not None:   # written every launch (0 without a rule or a model cut)
-        if not isinstance(split_pin, torch.Tensor) or tuple(split_pin.shape) != (1,):
-            _fail("split_pin", f"an int32 [1] tensor on {dev}",
-                  split_pin if not isinstance(split_pin, torch.Tensor) else tuple(split_pin.shape))
-        p.split_pin = _int32("split_pin", split_pin, dev, 1)
+        p.split_pin = _split_pin(split_pin, dev)
     _driver.launch(_driver.get_kernel("find_shared", _buildspec.symbol("find_shared")), (1, 1, 1),
                    FIND_MAX_ROWS, p)
